@@ -1,0 +1,42 @@
+# make demo: set-up, then `logitless check` and a side-by-side comparison with plain PyTorch.
+# make test: set-up, then the whole test suite (Triton kernels under the CPU interpreter).
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check -q
+STAMP := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: setup demo test bench lint clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+# torch first, so that nothing later pulls a CUDA build on a machine without CUDA:
+# torch 2.13.0 CPU is what pip finds on this machine's disk; with torch installed, the
+# extras' `torch>=2.4` installs nothing more.
+$(STAMP): pyproject.toml Makefile | $(PY)
+	@if ! $(PY) -c "import torch" 2>/dev/null; then \
+	  if command -v nvidia-smi >/dev/null 2>&1; then $(PIP) install torch; \
+	  else $(PIP) install torch==2.13.0; fi; \
+	fi
+	$(PIP) install -e ".[dev,trl,bench]"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: setup
+	$(VENV)/bin/logitless demo
+
+test: setup
+	TRITON_INTERPRET=1 $(PY) -m pytest -q $(PYTEST_ARGS)
+
+bench: setup
+	$(PY) -m pytest benchmarks -q --benchmark-only
+
+lint: setup
+	$(VENV)/bin/ruff check src tests benchmarks
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

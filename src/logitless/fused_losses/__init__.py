@@ -1,0 +1,1 @@
+"""Autograd functions, the objective library and backend dispatch."""

@@ -1,0 +1,79 @@
+"""Partial softmax statistics over a slice of the vocabulary, and how to merge them.
+
+Every forward path (Triton programs that split the vocabulary, the chunked torch path, ranks of
+a vocab-parallel group) produces, per token, statistics of the logits it has seen, relative to
+its own running maximum ``m``:
+
+- ``l  = sum_j exp(z_j - m)``
+- ``a  = sum_j exp(z_j - m) * (z_j - m)``  (kept relative to ``m`` so the entropy does not
+  cancel two large numbers: ``H = log L - A / L`` instead of ``lse - sum p z``)
+- ``s2 = sum_j exp(2 (z_j - m))``          (for ``sum_j p_j^2 = S2 / L^2``)
+- ``sum_z = sum_j z_j``                      (for the mean logit)
+- ``z_y``: the target's logit if the target lies in this slice, else 0 (so partials add up)
+
+Merging rescales each part to the common maximum ``M``; finishing turns the merged parts into
+``lse``, ``logprobs``, ``entropy``, ``sum_p_sq``, ``mean_logit`` and ``is_top1``.
+All tensors are fp32.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+
+class Partials(NamedTuple):
+    """Per-token partial statistics; every field is fp32 and shaped ``[..., N]``."""
+
+    m: torch.Tensor
+    l: torch.Tensor
+    a: torch.Tensor
+    s2: torch.Tensor
+    sum_z: torch.Tensor
+    z_y: torch.Tensor
+
+
+def merge(parts: Partials, dim: int = 0) -> Partials:
+    """Merge partials stacked along ``dim`` (vocab splits) into one set of partials."""
+    m = parts.m.amax(dim=dim, keepdim=True)
+    # A slice that saw no logit has m = -inf and l = 0; its scale must be 0, not NaN.
+    scale = torch.exp(parts.m - m).nan_to_num_(0.0)
+    shift = (parts.m - m).nan_to_num_(0.0, neginf=0.0)
+    l = (parts.l * scale).sum(dim)
+    a = ((parts.a + parts.l * shift) * scale).sum(dim)
+    s2 = (parts.s2 * scale * scale).sum(dim)
+    return Partials(m.squeeze(dim), l, a, s2, parts.sum_z.sum(dim), parts.z_y.sum(dim))
+
+
+def stack(parts: list[Partials]) -> Partials:
+    """Stack a list of partials over the same tokens along a new leading dimension."""
+    return Partials(*(torch.stack(field) for field in zip(*parts)))
+
+
+def rescale_to(parts: Partials, m: torch.Tensor) -> Partials:
+    """Express partials relative to a larger common maximum ``m`` (used before an all-reduce)."""
+    scale = torch.exp(parts.m - m).nan_to_num_(0.0)
+    shift = (parts.m - m).nan_to_num_(0.0, neginf=0.0)
+    return Partials(
+        m,
+        parts.l * scale,
+        (parts.a + parts.l * shift) * scale,
+        parts.s2 * scale * scale,
+        parts.sum_z,
+        parts.z_y,
+    )
+
+
+def finish(parts: Partials, vocab_size: int) -> dict[str, torch.Tensor]:
+    """Per-token statistics from fully merged partials over a vocabulary of ``vocab_size``."""
+    log_l = torch.log(parts.l)
+    lse = parts.m + log_l
+    return {
+        "lse": lse,
+        "logprobs": parts.z_y - lse,
+        "entropy": log_l - parts.a / parts.l,
+        "sum_p_sq": parts.s2 / (parts.l * parts.l),
+        "mean_logit": parts.sum_z / vocab_size,
+        "is_top1": parts.z_y >= parts.m,
+    }

@@ -1,0 +1,81 @@
+"""Reference for the fused linear softmax statistics: the full logits, then the formulas."""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["linear_logits", "linear_softmax_stats", "softcap"]
+
+
+def softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """``cap * tanh(x / cap)`` (Gemma-style logit soft-capping); identity when ``cap`` is None."""
+    if cap is None:
+        return x
+    return cap * torch.tanh(x / cap)
+
+
+def linear_logits(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    temperature: float = 1.0,
+    softcap_value: float | None = None,
+    logit_scale: float = 1.0,
+) -> torch.Tensor:
+    """The tempered logits ``z = logit_scale * softcap(hidden @ W^T + b) / temperature``.
+
+    hidden ``[..., D]``, weight ``[V, D]``, bias ``[V]`` -> ``[..., V]`` in the input dtype.
+    """
+    x = hidden @ weight.t()
+    if bias is not None:
+        x = x + bias
+    return logit_scale * softcap(x, softcap_value) / temperature
+
+
+def linear_softmax_stats(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    temperature: float = 1.0,
+    softcap: float | None = None,
+    logit_scale: float = 1.0,
+    ignore_index: int = -100,
+) -> dict[str, torch.Tensor]:
+    """Per-token softmax statistics of the tempered logits, computed from the full logits.
+
+    Returns a dict of tensors shaped like ``targets``, in the compute dtype (run it in fp64 for
+    the oracle), with gradients through ``hidden``, ``weight`` and ``bias``:
+
+    - ``lse``: ``log sum_j exp(z_j)``
+    - ``logprobs``: ``z_y - lse``
+    - ``entropy``: ``lse - sum_j p_j z_j``
+    - ``sum_p_sq``: ``sum_j p_j^2``
+    - ``mean_logit``: ``mean_j z_j``
+    - ``is_top1``: ``z_y == max_j z_j`` (bool)
+
+    Positions whose target equals ``ignore_index`` hold 0 (``False`` for ``is_top1``).
+    """
+    z = linear_logits(
+        hidden, weight, bias, temperature=temperature, softcap_value=softcap,
+        logit_scale=logit_scale,
+    )
+    valid = targets != ignore_index
+    safe = torch.where(valid, targets, torch.zeros_like(targets)).long()
+    lse = torch.logsumexp(z, dim=-1)
+    logp = z - lse.unsqueeze(-1)
+    p = logp.exp()
+    z_y = z.gather(-1, safe.unsqueeze(-1)).squeeze(-1)
+    out = {
+        "lse": lse,
+        "logprobs": z_y - lse,
+        "entropy": lse - (p * z).sum(-1),
+        "sum_p_sq": (p * p).sum(-1),
+        "mean_logit": z.mean(-1),
+    }
+    zero = torch.zeros((), dtype=z.dtype, device=z.device)
+    out = {k: torch.where(valid, v, zero) for k, v in out.items()}
+    out["is_top1"] = (z_y == z.max(-1).values) & valid
+    return out
