@@ -1,0 +1,304 @@
+"""``linear_logprobs``: per-token logprobs and softmax statistics from hidden states and a head.
+
+The autograd function here owns what the kernels do not: input checks, compaction of ignored
+rows, backend choice, the vocab-parallel all-reduces and the shaping of results. The math lives
+in ``kernels/`` (Triton and its chunked torch twin, which share one launcher contract).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+
+from logitless.kernels import linear_softmax_torch
+from logitless.kernels.softmax_partials import Partials, finish, rescale_to
+
+__all__ = ["STATS", "LogprobOutput", "linear_logprobs"]
+
+STATS = ("sum_p_sq", "mean_logit", "is_top1", "lse")
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+@dataclass
+class LogprobOutput:
+    """Per-token results of :func:`linear_logprobs`, each fp32 (fp64 for fp64 inputs; bool for
+    ``is_top1``) and shaped like ``targets``; 0 (False) where the target is ``ignore_index``.
+    Statistics not requested are None."""
+
+    logprobs: torch.Tensor
+    entropy: torch.Tensor | None = None
+    sum_p_sq: torch.Tensor | None = None
+    mean_logit: torch.Tensor | None = None
+    is_top1: torch.Tensor | None = None
+    lse: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class _Spec:
+    temperature: float
+    softcap: float | None
+    logit_scale: float
+    vocab_total: int
+    want_s2: bool
+    want_sum_z: bool
+    backend: ModuleType
+    group: object
+    tile_bytes: int | None
+
+
+def _backend_for(device: torch.device, dtype: torch.dtype) -> ModuleType:
+    """The kernel module for this call: ``LOGITLESS_BACKEND`` (read at each call) or by device.
+
+    fp64 always takes the torch path (it exists for gradcheck and oracles, not for speed).
+    """
+    choice = os.environ.get("LOGITLESS_BACKEND", "auto").lower()
+    if choice not in ("auto", "triton", "torch"):
+        raise ValueError(f"LOGITLESS_BACKEND must be 'triton', 'torch' or unset, got {choice!r}")
+    if choice == "torch" or dtype == torch.float64 or (choice == "auto" and device.type == "cpu"):
+        return linear_softmax_torch
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            "LOGITLESS_BACKEND=triton on CPU tensors needs the Triton interpreter: set "
+            "TRITON_INTERPRET=1 before the process starts"
+        )
+    try:
+        from logitless.kernels import linear_softmax
+    except ImportError as err:  # no triton for this platform
+        if choice == "triton":
+            raise
+        del err
+        return linear_softmax_torch
+    return linear_softmax
+
+
+class _LinearSoftmax(torch.autograd.Function):
+    """Rows already compacted: every target is a local vocab id or -1 (in another shard)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, spec: _Spec):
+        ctx.set_materialize_grads(False)
+        n = hidden.shape[0]
+        kw = dict(temperature=spec.temperature, softcap=spec.softcap,
+                  logit_scale=spec.logit_scale)
+        if spec.tile_bytes is not None and spec.backend is linear_softmax_torch:
+            kw["tile_bytes"] = spec.tile_bytes
+        with torch.autocast(hidden.device.type, enabled=False):
+            if n:
+                parts = spec.backend.forward(hidden, weight, bias, targets, want_s2=spec.want_s2,
+                                             want_sum_z=spec.want_sum_z, **kw)
+            else:
+                acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+                parts = Partials(*(hidden.new_empty(0, dtype=acc),) * 6)
+            if spec.group is not None:
+                parts = _all_reduce_partials(parts, spec.group)
+            stats = finish(parts, spec.vocab_total)
+        ctx.spec, ctx.kw = spec, kw
+        ctx.save_for_backward(hidden, weight, bias, targets, stats["lse"], stats["entropy"],
+                              stats["sum_p_sq"])
+        ctx.mark_non_differentiable(stats["is_top1"], stats["lse"])
+        return (stats["logprobs"], stats["entropy"], stats["sum_p_sq"], stats["mean_logit"],
+                stats["is_top1"], stats["lse"])
+
+    @staticmethod
+    def backward(ctx, g_lp, g_entropy, g_sum_p_sq, g_mean_logit, _g_top1, _g_lse):
+        hidden, weight, bias, targets, lse, entropy, sum_p_sq = ctx.saved_tensors
+        spec = ctx.spec
+        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+        if all(g is None for g in (g_lp, g_entropy, g_sum_p_sq, g_mean_logit)):
+            return None, None, None, None, None
+        with torch.autocast(hidden.device.type, enabled=False):
+            if hidden.shape[0]:
+                d_hidden, d_weight, d_bias = spec.backend.backward(
+                    hidden, weight, bias, targets, lse,
+                    entropy if g_entropy is not None else None,
+                    sum_p_sq if g_sum_p_sq is not None else None,
+                    _acc(g_lp, lse), _acc(g_entropy, lse), _acc(g_sum_p_sq, lse),
+                    _acc(g_mean_logit, lse),
+                    vocab_total=spec.vocab_total, need_hidden=need_hidden,
+                    need_weight=need_weight, need_bias=need_bias, **ctx.kw)
+            else:
+                d_hidden = torch.zeros_like(hidden) if need_hidden else None
+                d_weight = torch.zeros_like(weight) if need_weight else None
+                d_bias = torch.zeros_like(bias) if need_bias else None
+            if d_hidden is not None and spec.group is not None:
+                # Each rank saw only its vocab slice: the hidden gradient is the sum over ranks.
+                torch.distributed.all_reduce(d_hidden, group=spec.group)
+        return (
+            None if d_hidden is None else d_hidden.to(hidden.dtype),
+            None if d_weight is None else d_weight.to(weight.dtype),
+            None if d_bias is None else d_bias.to(bias.dtype),
+            None,
+            None,
+        )
+
+
+def _acc(g, like):
+    return None if g is None else g.to(like.dtype).contiguous()
+
+
+def _all_reduce_partials(parts: Partials, group) -> Partials:
+    """Combine per-rank partials: max of the maxima, then sums rescaled to it."""
+    dist = torch.distributed
+    m = parts.m.clone()
+    dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+    local = rescale_to(parts, m)
+    sums = torch.stack([local.l, local.a, local.s2, local.sum_z, local.z_y])
+    dist.all_reduce(sums, group=group)
+    return Partials(m, *sums.unbind(0))
+
+
+def _vocab_offset(v_local: int, group, device) -> tuple[int, int]:
+    """(first global vocab id of this rank's slice, total vocab size) over the group."""
+    dist = torch.distributed
+    world = dist.get_world_size(group)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([v_local], dtype=torch.int64, device=device), group=group)
+    sizes = [int(s.item()) for s in sizes]
+    rank = dist.get_rank(group)
+    return sum(sizes[:rank]), sum(sizes)
+
+
+def _compute_dtype(hidden, weight, bias) -> torch.dtype:
+    dev = hidden.device.type
+    if torch.is_autocast_enabled(dev):
+        # Trainers call the head under autocast with fp32 master weights: follow autocast.
+        return torch.get_autocast_dtype(dev)
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None and t.dtype != hidden.dtype:
+            raise ValueError(
+                f"{name} has dtype {t.dtype} but hidden has {hidden.dtype}; outside "
+                f"torch.autocast they must match"
+            )
+    return hidden.dtype
+
+
+def _check(hidden, weight, targets, bias, temperature, softcap, logit_scale, stats):
+    if not isinstance(hidden, torch.Tensor) or hidden.dim() < 1:
+        raise ValueError("hidden must be a tensor [..., D]")
+    if hidden.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"hidden must be floating point (fp32/bf16/fp16/fp64), got {hidden.dtype}")
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        raise ValueError(f"weight must be a 2-D tensor [V, D], got shape "
+                         f"{tuple(getattr(weight, 'shape', ()))}")
+    if weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"weight must be [V, {hidden.shape[-1]}] to match hidden's last "
+                         f"dimension, got {tuple(weight.shape)}")
+    if not isinstance(targets, torch.Tensor) or targets.dtype.is_floating_point \
+            or targets.dtype.is_complex or targets.dtype == torch.bool:
+        raise ValueError("targets must be an integer tensor of token ids")
+    if tuple(targets.shape) != tuple(hidden.shape[:-1]):
+        raise ValueError(f"targets must have hidden's leading shape {tuple(hidden.shape[:-1])}, "
+                         f"got {tuple(targets.shape)}")
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != weight.shape[0]):
+        raise ValueError(f"bias must be [V] = [{weight.shape[0]}], got {tuple(bias.shape)}")
+    for name, t in (("weight", weight), ("targets", targets), ("bias", bias)):
+        if t is not None and t.device != hidden.device:
+            raise ValueError(f"{name} is on {t.device} but hidden is on {hidden.device}")
+    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature)
+            and temperature > 0):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+    if softcap is not None and not (math.isfinite(softcap) and softcap > 0):
+        raise ValueError(f"softcap must be None or a finite number > 0, got {softcap!r}")
+    if not (isinstance(logit_scale, (int, float)) and math.isfinite(logit_scale)
+            and logit_scale != 0):
+        raise ValueError(f"logit_scale must be a finite non-zero number, got {logit_scale!r}")
+    unknown = [s for s in stats if s not in STATS]
+    if unknown:
+        raise ValueError(f"stats must be drawn from {STATS}, got unknown {unknown}")
+
+
+def linear_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    softcap: float | None = None,
+    logit_scale: float = 1.0,
+    ignore_index: int = -100,
+    return_entropy: bool = False,
+    stats: tuple[str, ...] | list[str] = (),
+    vocab_parallel=None,
+    max_tile_bytes: int | None = None,
+) -> LogprobOutput:
+    """Per-token logprob (and entropy, softmax statistics) of ``targets`` under the LM head.
+
+    The tempered logits ``z = logit_scale * softcap(hidden @ weight^T + bias) / temperature``
+    (softcap ``c * tanh(x / c)``) are streamed through tiles and never stored whole.
+
+    Args:
+        hidden: ``[..., D]`` fp32/bf16/fp16 hidden states (e.g. ``[B, T, D]`` or ``[N, D]``).
+        weight: ``[V, D]`` head weight (``[V_r, D]``, this rank's slice, with ``vocab_parallel``).
+        targets: integer token ids shaped ``hidden.shape[:-1]``, in ``[0, V)`` or
+            ``ignore_index``; ignored rows are dropped before any kernel runs.
+        bias: optional ``[V]`` head bias.
+        return_entropy: also return ``H = -sum_j p_j log p_j``.
+        stats: any of ``"sum_p_sq"`` (``sum_j p_j^2``), ``"mean_logit"``, ``"is_top1"``
+            (target is an argmax), ``"lse"`` (``log sum_j exp z_j``).
+        vocab_parallel: a ``torch.distributed`` process group over which the vocabulary is
+            sharded in rank order (targets are global ids); every rank gets the same results
+            and its slice's weight gradient; the hidden gradient is summed over the group.
+        max_tile_bytes: bound on temporary logits of the chunked torch path (default 64 MB).
+
+    Returns:
+        :class:`LogprobOutput` with fp32 tensors shaped like ``targets``. Gradients reach
+        ``hidden``, ``weight`` and ``bias`` through ``logprobs``, ``entropy``, ``sum_p_sq``
+        and ``mean_logit``; outputs that receive no gradient cost nothing in the backward.
+    """
+    stats = tuple(stats)
+    _check(hidden, weight, targets, bias, temperature, softcap, logit_scale, stats)
+    dtype = _compute_dtype(hidden, weight, bias)
+    hidden, weight = hidden.to(dtype), weight.to(dtype)
+    bias = None if bias is None else bias.to(dtype)
+
+    group = vocab_parallel
+    v_local = weight.shape[0]
+    if group is not None:
+        offset, v_total = _vocab_offset(v_local, group, hidden.device)
+    else:
+        offset, v_total = 0, v_local
+
+    shape = targets.shape
+    flat_t = targets.reshape(-1).long()
+    valid = flat_t != ignore_index
+    bad = valid & ((flat_t < 0) | (flat_t >= v_total))
+    if bool(bad.any()):
+        raise ValueError(
+            f"targets must lie in [0, {v_total}) or equal ignore_index={ignore_index}; found "
+            f"{flat_t[bad][:5].tolist()}"
+        )
+    flat_h = hidden.reshape(-1, hidden.shape[-1])
+    all_valid = bool(valid.all())
+    if all_valid:
+        rows = None
+        h, t = flat_h.contiguous(), flat_t
+    else:
+        rows = torch.nonzero(valid).squeeze(1)
+        h, t = flat_h.index_select(0, rows), flat_t.index_select(0, rows)
+    if group is not None:
+        t = t - offset
+        t = torch.where((t >= 0) & (t < v_local), t, torch.full_like(t, -1))
+
+    spec = _Spec(float(temperature), None if softcap is None else float(softcap),
+                 float(logit_scale), v_total, "sum_p_sq" in stats, "mean_logit" in stats,
+                 _backend_for(hidden.device, dtype), group, max_tile_bytes)
+    lp, ent, s2, mean, top1, lse = _LinearSoftmax.apply(h, weight, bias, t, spec)
+
+    def expand(x):
+        if rows is not None:
+            x = x.new_zeros(flat_t.shape).index_put((rows,), x)
+        return x.reshape(shape)
+
+    return LogprobOutput(
+        logprobs=expand(lp),
+        entropy=expand(ent) if return_entropy else None,
+        sum_p_sq=expand(s2) if "sum_p_sq" in stats else None,
+        mean_logit=expand(mean) if "mean_logit" in stats else None,
+        is_top1=expand(top1) if "is_top1" in stats else None,
+        lse=expand(lse) if "lse" in stats else None,
+    )

@@ -1,0 +1,174 @@
+"""Chunked PyTorch twin of the Triton linear-softmax kernels (the CPU path).
+
+Same contract as ``kernels/linear_softmax.py``: the forward streams ``[rows, vocab]`` tiles of
+bounded size through ``torch.mm`` and keeps only per-token partial statistics; the backward
+recomputes each tile, turns it into the logit gradient in place, and feeds it to two GEMMs.
+At no point does more than one tile of logits (plus its in-place transforms) exist.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from logitless.kernels.softmax_partials import Partials, merge, stack
+
+# Default bound on the temporary logits one tile may hold (bytes). The forward keeps one fp32
+# tile plus one scratch tile of the same size; the backward the same two.
+DEFAULT_TILE_BYTES = 64 * 2**20
+_TILE_BUFFERS = 2
+
+
+def _tile_shape(n: int, v: int, tile_bytes: int) -> tuple[int, int]:
+    """Rows and vocab columns per tile so that the tile buffers fit in ``tile_bytes``.
+
+    Whole vocabulary rows are preferred (one GEMM per row block, no cross-tile merge); the
+    vocabulary is split only when a single row of it would not fit.
+    """
+    elems = max(1, tile_bytes // (4 * _TILE_BUFFERS))
+    if elems >= v:
+        return max(1, min(n, elems // v)), v
+    return 1, max(1, min(v, elems))
+
+
+def _logits_tile(hidden, weight, bias, temperature, softcap, logit_scale):
+    """Tempered fp32 logits of one tile, and ``tanh(x / c)`` when softcapping (for the backward)."""
+    x = hidden @ weight.t()
+    if bias is not None:
+        x += bias
+    x = x.to(_acc_dtype(x.dtype))
+    t = None
+    if softcap is not None:
+        t = torch.tanh(x.div_(softcap))
+        x = t * (softcap * logit_scale / temperature)
+    elif logit_scale != 1.0 or temperature != 1.0:
+        x.mul_(logit_scale / temperature)
+    return x, t
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Statistics accumulate in fp32 (fp64 inputs stay fp64, for gradcheck and the oracle)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _tile_partials(z: torch.Tensor, local_targets: torch.Tensor, want_s2: bool, want_sum_z: bool):
+    """Partial statistics of one fp32 logits tile ``z [n, v]``; ``z`` is overwritten."""
+    n = z.shape[0]
+    has_y = (local_targets >= 0) & (local_targets < z.shape[1])
+    idx = local_targets.clamp(0, z.shape[1] - 1).unsqueeze(1)
+    z_y = torch.where(has_y, z.gather(1, idx).squeeze(1), z.new_zeros(()))
+    sum_z = z.sum(1) if want_sum_z else z.new_zeros(n)
+    m = z.amax(1)
+    z -= m.unsqueeze(1)  # z - m, in place
+    e = torch.exp(z)
+    l = e.sum(1)
+    if want_s2:
+        s2 = torch.linalg.vecdot(e, e)
+    else:
+        s2 = z.new_zeros(n)
+    a = torch.linalg.vecdot(e, z)
+    return Partials(m, l, a, s2, sum_z, z_y)
+
+
+def forward(hidden, weight, bias, targets, *, temperature, softcap, logit_scale, want_s2,
+            want_sum_z, tile_bytes: int = DEFAULT_TILE_BYTES) -> Partials:
+    """Per-token partial softmax statistics of ``z = transform(hidden @ W^T + b)``.
+
+    hidden ``[N, D]``, weight ``[V, D]``, bias ``[V]`` or None (same dtype), targets int64
+    ``[N]`` in ``[-1, V)`` (-1: target outside this vocabulary slice). Returns fp32 partials
+    ``[N]`` relative to each token's maximum (see ``softmax_partials``).
+    """
+    n, v = hidden.shape[0], weight.shape[0]
+    rows, cols = _tile_shape(n, v, tile_bytes)
+    out = []
+    for r0 in range(0, n, rows):
+        h = hidden[r0:r0 + rows]
+        tgt = targets[r0:r0 + rows]
+        parts = []
+        for c0 in range(0, v, cols):
+            b = None if bias is None else bias[c0:c0 + cols]
+            z, _ = _logits_tile(h, weight[c0:c0 + cols], b, temperature, softcap, logit_scale)
+            parts.append(_tile_partials(z, tgt - c0, want_s2, want_sum_z))
+        out.append(parts[0] if len(parts) == 1 else merge(stack(parts)))
+    if not out:
+        empty = hidden.new_empty(0, dtype=_acc_dtype(hidden.dtype))
+        return Partials(*(empty,) * 6)
+    return Partials(*(torch.cat(f) for f in zip(*out)))
+
+
+def backward(hidden, weight, bias, targets, lse, entropy, sum_p_sq, g_lp, g_entropy, g_sum_p_sq,
+             g_mean_logit, *, temperature, softcap, logit_scale, vocab_total, need_hidden,
+             need_weight, need_bias, tile_bytes: int = DEFAULT_TILE_BYTES):
+    """Gradients of hidden, weight and bias from per-token upstream gradients (fp32 results).
+
+    With ``p = exp(z - lse)`` recomputed per tile:
+    ``dz = g_lp (1[j=y] - p) - g_entropy p (log p + H) + g_sum_p_sq 2 p (p - S2) + g_mean / V``,
+    then through the logit transform, then ``d_hidden = dx @ W``, ``d_weight = dx^T @ hidden``,
+    ``d_bias = sum_rows dx``, each accumulated in fp32 (fp64 for fp64 inputs). Upstream gradients that are None cost
+    nothing; so do results not asked for.
+    """
+    n, v = hidden.shape[0], weight.shape[0]
+    rows, cols = _tile_shape(n, v, tile_bytes)
+    acc = _acc_dtype(hidden.dtype)
+    d_hidden = hidden.new_zeros(hidden.shape, dtype=acc) if need_hidden else None
+    d_weight = weight.new_zeros(weight.shape, dtype=acc) if need_weight else None
+    d_bias = weight.new_zeros(v, dtype=acc) if need_bias else None
+    if not (need_hidden or need_weight or need_bias) or n == 0:
+        return d_hidden, d_weight, d_bias
+    # The GEMMs run in the input dtype with an fp32 result; for fp32 inputs no casts happen.
+    gemm_dtype = hidden.dtype
+    for r0 in range(0, n, rows):
+        sl = slice(r0, r0 + rows)
+        h = hidden[sl]
+        col = lambda g: None if g is None else g[sl].unsqueeze(1)  # noqa: E731
+        for c0 in range(0, v, cols):
+            w = weight[c0:c0 + cols]
+            b = None if bias is None else bias[c0:c0 + cols]
+            z, t = _logits_tile(h, w, b, temperature, softcap, logit_scale)
+            dz = _logit_grad_(z, targets[sl] - c0, col(lse), col(entropy), col(sum_p_sq),
+                              col(g_lp), col(g_entropy), col(g_sum_p_sq), col(g_mean_logit),
+                              vocab_total)
+            # Through the transform: dz/dx = scale / T * (1 - tanh^2) with softcap.
+            if t is not None:
+                dz *= t.mul_(t).neg_().add_(1.0)
+            factor = logit_scale / temperature
+            if factor != 1.0:
+                dz *= factor
+            dx = dz.to(gemm_dtype)
+            if d_hidden is not None:
+                d_hidden[sl] += dx @ w
+            if d_weight is not None:
+                d_weight[c0:c0 + cols] += dx.t() @ h
+            if d_bias is not None:
+                d_bias[c0:c0 + cols] += dz.sum(0)
+    return d_hidden, d_weight, d_bias
+
+
+def _logit_grad_(z, local_targets, lse, entropy, sum_p_sq, g_lp, g_entropy, g_sum_p_sq,
+                 g_mean_logit, vocab_total):
+    """Overwrite the fp32 logits tile ``z`` with ``d loss / d z`` and return it.
+
+    ``dz = p * (-g_lp - g_H (log p + H) + 2 g_S2 (p - S2)) + g_lp 1[j=y] + g_mean / V``: the
+    per-element coefficient is built in at most one extra buffer, then multiplied into ``p``.
+    """
+    z -= lse  # log p
+    coef = None
+    if g_entropy is not None:
+        coef = (z + entropy).mul_(-g_entropy)
+    p = z.exp_()
+    if g_sum_p_sq is not None:
+        two_g = 2.0 * g_sum_p_sq
+        coef = p * two_g if coef is None else coef.addcmul_(p, two_g)
+        coef -= two_g * sum_p_sq
+    if coef is None:
+        dz = p.mul_(-g_lp) if g_lp is not None else p.zero_()
+    else:
+        if g_lp is not None:
+            coef -= g_lp
+        dz = p.mul_(coef)
+    if g_mean_logit is not None:
+        dz += g_mean_logit / vocab_total
+    if g_lp is not None:
+        has_y = (local_targets >= 0) & (local_targets < z.shape[1])
+        rows = torch.nonzero(has_y).squeeze(1)
+        dz[rows, local_targets[rows]] += g_lp.squeeze(1)[rows]
+    return dz
