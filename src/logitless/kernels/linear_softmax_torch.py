@@ -103,8 +103,8 @@ def backward(hidden, weight, bias, targets, lse, entropy, sum_p_sq, g_lp, g_entr
     With ``p = exp(z - lse)`` recomputed per tile:
     ``dz = g_lp (1[j=y] - p) - g_entropy p (log p + H) + g_sum_p_sq 2 p (p - S2) + g_mean / V``,
     then through the logit transform, then ``d_hidden = dx @ W``, ``d_weight = dx^T @ hidden``,
-    ``d_bias = sum_rows dx``, each accumulated in fp32 (fp64 for fp64 inputs). Upstream gradients that are None cost
-    nothing; so do results not asked for.
+    ``d_bias = sum_rows dx``, each accumulated in fp32 (fp64 for fp64 inputs). Upstream
+    gradients that are None cost nothing; so do results not asked for.
     """
     n, v = hidden.shape[0], weight.shape[0]
     rows, cols = _tile_shape(n, v, tile_bytes)
@@ -119,14 +119,13 @@ def backward(hidden, weight, bias, targets, lse, entropy, sum_p_sq, g_lp, g_entr
     for r0 in range(0, n, rows):
         sl = slice(r0, r0 + rows)
         h = hidden[sl]
-        col = lambda g: None if g is None else g[sl].unsqueeze(1)  # noqa: E731
+        per_row = [None if g is None else g[sl].unsqueeze(1)
+                   for g in (lse, entropy, sum_p_sq, g_lp, g_entropy, g_sum_p_sq, g_mean_logit)]
         for c0 in range(0, v, cols):
             w = weight[c0:c0 + cols]
             b = None if bias is None else bias[c0:c0 + cols]
             z, t = _logits_tile(h, w, b, temperature, softcap, logit_scale)
-            dz = _logit_grad_(z, targets[sl] - c0, col(lse), col(entropy), col(sum_p_sq),
-                              col(g_lp), col(g_entropy), col(g_sum_p_sq), col(g_mean_logit),
-                              vocab_total)
+            dz = _logit_grad_(z, targets[sl] - c0, *per_row, vocab_total)
             # Through the transform: dz/dx = scale / T * (1 - tanh^2) with softcap.
             if t is not None:
                 dz *= t.mul_(t).neg_().add_(1.0)
