@@ -1,0 +1,266 @@
+"""linear_logprobs against the fp64 reference: values, every gradient, every option, both
+backends (Triton under the interpreter), plus the input contract."""
+
+import pytest
+import torch
+from testing import assert_close_to_oracle, requires_triton
+
+import logitless
+from logitless import reference
+from logitless.fused_losses import logprobs as logprobs_module
+
+FLOAT_OUTS = ("logprobs", "entropy", "sum_p_sq", "mean_logit")
+ALL_STATS = ("sum_p_sq", "mean_logit", "is_top1", "lse")
+BACKENDS = ["torch", pytest.param("triton", marks=requires_triton)]
+
+
+def make_inputs(n=37, d=96, v=1007, dtype=torch.float32, bias=True, batch=None, ignore=0.2):
+    """Fresh random head inputs at odd sizes; a fraction of targets ignored, some at the argmax."""
+    shape = (n,) if batch is None else (batch, n)
+    hidden = torch.randn(*shape, d, dtype=torch.float64)
+    weight = torch.randn(v, d, dtype=torch.float64) / d**0.5 * 2
+    b = torch.randn(v, dtype=torch.float64) if bias else None
+    targets = torch.randint(0, v, shape)
+    # Make a few targets the argmax so is_top1 is exercised both ways.
+    logits = hidden @ weight.t() + (b if b is not None else 0)
+    top = logits.argmax(-1)
+    pick = torch.rand(shape) < 0.3
+    targets = torch.where(pick, top, targets)
+    targets[torch.rand(shape) < ignore] = -100
+    cast = lambda x: None if x is None else x.to(dtype)  # noqa: E731
+    return cast(hidden), cast(weight), cast(b), targets
+
+
+def leaf(*tensors):
+    return [None if t is None else t.detach().clone().requires_grad_(True) for t in tensors]
+
+
+def upstream_mix(shape):
+    """Fixed-seed random upstream gradients for every differentiable output."""
+    gen = torch.Generator().manual_seed(1234)
+    return {k: torch.randn(shape, dtype=torch.float64, generator=gen) for k in FLOAT_OUTS}
+
+
+def run_both(hidden, weight, bias, targets, backend, monkeypatch, **opts):
+    """Ours (given backend) and the fp64 reference, values and gradients of a random mix of
+    the differentiable outputs."""
+    monkeypatch.setenv("LOGITLESS_BACKEND", backend)
+    h, w, b = leaf(hidden, weight, bias)
+    out = logitless.linear_logprobs(h, w, targets, bias=b, return_entropy=True,
+                                    stats=ALL_STATS, **opts)
+    h64, w64, b64 = leaf(*(None if t is None else t.double() for t in (hidden, weight, bias)))
+    ref = reference.linear_softmax_stats(h64, w64, targets, b64, **opts)
+    upstream = upstream_mix(targets.shape)
+    ours = sum((getattr(out, k).double() * upstream[k]).sum() for k in FLOAT_OUTS)
+    theirs = sum((ref[k] * upstream[k]).sum() for k in FLOAT_OUTS)
+    params = [t for t in (h, w, b) if t is not None]
+    params64 = [t for t in (h64, w64, b64) if t is not None]
+    grads = torch.autograd.grad(ours, params)
+    grads64 = torch.autograd.grad(theirs, params64)
+    return out, ref, grads, grads64
+
+
+OPTIONS = [
+    {},
+    {"temperature": 0.7},
+    {"softcap": 4.0},
+    {"temperature": 1.3, "softcap": 6.0, "logit_scale": 0.8},
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("opts", OPTIONS, ids=lambda o: "-".join(f"{k}{v}" for k, v in o.items())
+                         or "plain")
+def test_fp32_matches_fp64_reference(backend, opts, monkeypatch):
+    hidden, weight, bias, targets = make_inputs(batch=2, n=19)
+    out, ref, grads, grads64 = run_both(hidden, weight, bias, targets, backend, monkeypatch,
+                                        **opts)
+    for k in FLOAT_OUTS:
+        assert getattr(out, k).dtype == torch.float32
+        torch.testing.assert_close(getattr(out, k).double(), ref[k], rtol=1e-5, atol=2e-5,
+                                   msg=lambda m, k=k: f"{k}: {m}")
+    torch.testing.assert_close(out.lse.double(), ref["lse"], rtol=1e-5, atol=2e-5)
+    assert torch.equal(out.is_top1, ref["is_top1"])
+    assert out.is_top1.any() and not out.is_top1.all()
+    for name, g, g64 in zip(("hidden", "weight", "bias"), grads, grads64):
+        scale = g64.abs().max()
+        torch.testing.assert_close(g.double(), g64, rtol=1e-4, atol=1e-5 * scale,
+                                   msg=lambda m, name=name: f"d_{name}: {m}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bf16_three_way(backend, monkeypatch):
+    """bf16: no worse than plain torch in bf16, measured against fp64, plus a small tol."""
+    hidden, weight, bias, targets = make_inputs(n=29, dtype=torch.bfloat16)
+    out, ref, grads, grads64 = run_both(hidden, weight, bias, targets, backend, monkeypatch,
+                                        softcap=5.0)
+    h, w, b = leaf(hidden, weight, bias)
+    same = reference.linear_softmax_stats(h, w, targets, b, softcap=5.0)
+    upstream = upstream_mix(targets.shape)
+    same_grads = torch.autograd.grad(
+        sum((same[k].double() * upstream[k]).sum() for k in FLOAT_OUTS), [h, w, b])
+    for k in FLOAT_OUTS:
+        assert_close_to_oracle(getattr(out, k), ref[k], same[k], tol=1e-2, name=k)
+    for name, g, g64, gs in zip(("hidden", "weight", "bias"), grads, grads64, same_grads):
+        assert_close_to_oracle(g, g64, gs, tol=1e-2 * float(g64.abs().max()), name=f"d_{name}")
+
+
+def test_gradcheck_fp64():
+    hidden, weight, bias, targets = make_inputs(n=5, d=7, v=11, dtype=torch.float64, ignore=0.3)
+    targets[0] = 3
+
+    def f(h, w, b):
+        o = logitless.linear_logprobs(h, w, targets, bias=b, return_entropy=True,
+                                      stats=("sum_p_sq", "mean_logit"), softcap=3.0,
+                                      temperature=0.9, max_tile_bytes=4 * 2 * 3 * 2)
+        return o.logprobs, o.entropy, o.sum_p_sq, o.mean_logit
+
+    assert torch.autograd.gradcheck(f, leaf(hidden, weight, bias))
+
+
+@pytest.mark.parametrize("tile_bytes", [8 * 300, 8 * 2 * 1007 * 5])
+def test_tiling_is_invisible(tile_bytes):
+    """Vocab-split tiles (a row does not fit) and row tiles give the untiled result."""
+    hidden, weight, bias, targets = make_inputs(n=23, dtype=torch.float64)
+    a = logitless.linear_logprobs(hidden, weight, targets, bias=bias, return_entropy=True,
+                                  stats=("sum_p_sq",), max_tile_bytes=tile_bytes)
+    b = logitless.linear_logprobs(hidden, weight, targets, bias=bias, return_entropy=True,
+                                  stats=("sum_p_sq",))
+    for k in ("logprobs", "entropy", "sum_p_sq"):
+        torch.testing.assert_close(getattr(a, k), getattr(b, k), rtol=1e-12, atol=1e-12)
+
+
+def test_frozen_weight_and_unused_outputs_cost_nothing(monkeypatch):
+    """A frozen weight is never asked for; an output without gradient is not passed down."""
+    calls = []
+    real = logitless.fused_losses.logprobs.linear_softmax_torch.backward
+
+    def spy(*args, **kw):
+        calls.append((args, kw))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(logprobs_module.linear_softmax_torch, "backward", spy)
+    hidden, weight, _, targets = make_inputs(bias=False)
+    h = hidden.clone().requires_grad_(True)
+    out = logitless.linear_logprobs(h, weight, targets, return_entropy=True)
+    out.logprobs.sum().backward()
+    args, kw = calls[0]
+    assert kw["need_hidden"] and not kw["need_weight"] and not kw["need_bias"]
+    g_entropy, g_sum_p_sq, g_mean = args[8], args[9], args[10]
+    assert g_entropy is None and g_sum_p_sq is None and g_mean is None
+    assert args[5] is None  # the entropy is not even handed to the backward
+
+
+def test_no_grad_saves_nothing():
+    hidden, weight, bias, targets = make_inputs()
+    h, w = leaf(hidden, weight)
+    with torch.no_grad():
+        out = logitless.linear_logprobs(h, w, targets, return_entropy=True)
+    assert out.logprobs.grad_fn is None and out.entropy.grad_fn is None
+
+
+def test_ignored_rows_are_zero_and_dropped(monkeypatch):
+    seen = []
+    real = logprobs_module.linear_softmax_torch.forward
+    monkeypatch.setattr(logprobs_module.linear_softmax_torch, "forward",
+                        lambda h, *a, **k: seen.append(h.shape[0]) or real(h, *a, **k))
+    hidden, weight, bias, targets = make_inputs(batch=3, n=11, ignore=0.4)
+    out = logitless.linear_logprobs(hidden, weight, targets, bias=bias, return_entropy=True)
+    assert seen == [int((targets != -100).sum())]
+    ignored = targets == -100
+    assert (out.logprobs[ignored] == 0).all() and (out.entropy[ignored] == 0).all()
+    assert out.logprobs.shape == targets.shape
+
+
+def test_all_ignored_gives_zeros_and_zero_gradients():
+    hidden, weight, bias, targets = make_inputs(n=6)
+    targets[:] = -1
+    h, w, b = leaf(hidden, weight, bias)
+    out = logitless.linear_logprobs(h, w, targets, bias=b, ignore_index=-1, return_entropy=True)
+    assert (out.logprobs == 0).all() and (out.entropy == 0).all()
+    (out.logprobs.sum() + out.entropy.sum()).backward()
+    for t in (h, w, b):
+        assert t.grad is not None and (t.grad == 0).all()
+
+
+def test_empty_input():
+    hidden, weight, _, _ = make_inputs()
+    h, w = leaf(hidden[:0], weight)
+    out = logitless.linear_logprobs(h, w, torch.zeros(0, dtype=torch.long), return_entropy=True)
+    assert out.logprobs.shape == (0,) and out.entropy.shape == (0,)
+    out.logprobs.sum().backward()
+    assert (w.grad == 0).all()
+
+
+def test_non_contiguous_inputs():
+    hidden, weight, bias, targets = make_inputs(batch=4, n=9, dtype=torch.float64)
+    h_nc = hidden.transpose(0, 1)  # [9, 4, D], non-contiguous
+    w_nc = weight.t().contiguous().t()  # same values, column-major
+    out = logitless.linear_logprobs(h_nc, w_nc, targets.t(), bias=bias, return_entropy=True)
+    ref = reference.linear_softmax_stats(h_nc, weight, targets.t(), bias)
+    torch.testing.assert_close(out.logprobs, ref["logprobs"], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(out.entropy, ref["entropy"], rtol=1e-12, atol=1e-12)
+
+
+def test_autocast_follows_compute_dtype():
+    """Trainers call the head under autocast with fp32 weights: compute follows autocast."""
+    hidden, weight, bias, targets = make_inputs(n=17)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = logitless.linear_logprobs(hidden, weight, targets, bias=bias, return_entropy=True)
+        expected = logitless.linear_logprobs(hidden.bfloat16(), weight.bfloat16(), targets,
+                                             bias=bias.bfloat16(), return_entropy=True)
+    assert out.logprobs.dtype == torch.float32
+    torch.testing.assert_close(out.logprobs, expected.logprobs)
+    torch.testing.assert_close(out.entropy, expected.entropy)
+
+
+@pytest.mark.slow
+def test_more_than_2_pow_31_logits():
+    """N * V > 2**31 on the chunked path: offsets never wrap; checked on a sample of rows."""
+    n, d, v = 16_500, 4, 131_101
+    assert n * v > 2**31
+    hidden = torch.randn(n, d)
+    weight = torch.randn(v, d)
+    targets = torch.randint(0, v, (n,))
+    targets[-1] = v - 1
+    with torch.no_grad():
+        out = logitless.linear_logprobs(hidden, weight, targets, return_entropy=True)
+    rows = torch.cat([torch.arange(0, n, 997), torch.tensor([n - 1])])
+    ref = reference.linear_softmax_stats(hidden[rows].double(), weight.double(), targets[rows])
+    torch.testing.assert_close(out.logprobs[rows].double(), ref["logprobs"], rtol=1e-5,
+                               atol=1e-4)
+    torch.testing.assert_close(out.entropy[rows].double(), ref["entropy"], rtol=1e-5, atol=1e-4)
+
+
+BAD = [
+    ("targets", lambda h, w, t, b: dict(targets=t.float())),
+    ("targets", lambda h, w, t, b: dict(targets=t[:-1])),
+    ("targets", lambda h, w, t, b: dict(targets=torch.where(t == t[0], w.shape[0], t))),
+    ("targets", lambda h, w, t, b: dict(targets=torch.full_like(t, -5))),
+    ("weight", lambda h, w, t, b: dict(weight=w[:, :-1])),
+    ("weight", lambda h, w, t, b: dict(weight=w.double())),
+    ("weight", lambda h, w, t, b: dict(weight=w[0])),
+    ("bias", lambda h, w, t, b: dict(bias=b[:-1])),
+    ("bias", lambda h, w, t, b: dict(bias=b.half())),
+    ("temperature", lambda h, w, t, b: dict(temperature=0.0)),
+    ("temperature", lambda h, w, t, b: dict(temperature=float("inf"))),
+    ("softcap", lambda h, w, t, b: dict(softcap=-1.0)),
+    ("hidden", lambda h, w, t, b: dict(hidden=h.long())),
+    ("stats", lambda h, w, t, b: dict(stats=("median",))),
+]
+
+
+@pytest.mark.parametrize("name,change", BAD, ids=[f"{n}-{i}" for i, (n, _) in enumerate(BAD)])
+def test_bad_input_names_the_argument(name, change):
+    hidden, weight, bias, targets = make_inputs(n=8, ignore=0.0)
+    args = dict(hidden=hidden, weight=weight, targets=targets, bias=bias)
+    args.update(change(hidden, weight, targets, bias))
+    with pytest.raises(ValueError, match=name):
+        logitless.linear_logprobs(**args)
+
+
+def test_backend_env_is_validated(monkeypatch):
+    hidden, weight, bias, targets = make_inputs(n=4)
+    monkeypatch.setenv("LOGITLESS_BACKEND", "cuda-please")
+    with pytest.raises(ValueError, match="LOGITLESS_BACKEND"):
+        logitless.linear_logprobs(hidden, weight, targets)
