@@ -3,11 +3,12 @@ backends (Triton under the interpreter), plus the input contract."""
 
 import pytest
 import torch
-from testing import assert_close_to_oracle, requires_triton
 
 import logitless
 from logitless import reference
 from logitless.fused_losses import logprobs as logprobs_module
+
+from testing import assert_close_to_oracle, requires_triton
 
 FLOAT_OUTS = ("logprobs", "entropy", "sum_p_sq", "mean_logit")
 ALL_STATS = ("sum_p_sq", "mean_logit", "is_top1", "lse")
@@ -27,7 +28,7 @@ def make_inputs(n=37, d=96, v=1007, dtype=torch.float32, bias=True, batch=None, 
     pick = torch.rand(shape) < 0.3
     targets = torch.where(pick, top, targets)
     targets[torch.rand(shape) < ignore] = -100
-    cast = lambda x: None if x is None else x.to(dtype)  # noqa: E731
+    cast = lambda x: None if x is None else x.to(dtype)
     return cast(hidden), cast(weight), cast(b), targets
 
 
@@ -152,7 +153,7 @@ def test_frozen_weight_and_unused_outputs_cost_nothing(monkeypatch):
 
 
 def test_no_grad_saves_nothing():
-    hidden, weight, bias, targets = make_inputs()
+    hidden, weight, _bias, targets = make_inputs()
     h, w = leaf(hidden, weight)
     with torch.no_grad():
         out = logitless.linear_logprobs(h, w, targets, return_entropy=True)
@@ -260,7 +261,7 @@ def test_bad_input_names_the_argument(name, change):
 
 
 def test_backend_env_is_validated(monkeypatch):
-    hidden, weight, bias, targets = make_inputs(n=4)
+    hidden, weight, _bias, targets = make_inputs(n=4)
     monkeypatch.setenv("LOGITLESS_BACKEND", "cuda-please")
     with pytest.raises(ValueError, match="LOGITLESS_BACKEND"):
         logitless.linear_logprobs(hidden, weight, targets)
