@@ -22,6 +22,7 @@ $(STAMP): pyproject.toml Makefile | $(PY)
 	  else $(PIP) install torch==2.13.0; fi; \
 	fi
 	$(PIP) install -e ".[dev,trl,bench]"
+	bash scripts/install_verl.sh $(PY)
 	touch $(STAMP)
 
 setup: $(STAMP)
