@@ -5,6 +5,13 @@ Every function here materialises what the fast paths avoid (the ``[N, V]`` logit
 Nothing here is fast; everything here is obviously the formula. One file per op.
 """
 
+from logitless.reference.attention import attention_entropy, attention_visibility
 from logitless.reference.linear_softmax import linear_logits, linear_softmax_stats, softcap
 
-__all__ = ["linear_logits", "linear_softmax_stats", "softcap"]
+__all__ = [
+    "attention_entropy",
+    "attention_visibility",
+    "linear_logits",
+    "linear_softmax_stats",
+    "softcap",
+]
