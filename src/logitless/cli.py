@@ -1,0 +1,38 @@
+"""The ``logitless`` command: ``check``, ``demo`` and ``bench``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _check(args: argparse.Namespace) -> int:
+    from logitless.checks import format_table, run_checks
+
+    rows = run_checks()
+    print(format_table(rows))
+    failed = [r for r in rows if not r.ok]
+    print(f"\n{len(rows) - len(failed)} passed, {len(failed)} failed")
+    return 1 if failed else 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from logitless.demo import run_demo
+
+    status = _check(args)
+    if status:
+        return status
+    return run_demo()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="logitless", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("check", help="every op against the fp64 reference on each device present")
+    sub.add_parser("demo", help="check, then logitless side by side with plain PyTorch")
+    args = parser.parse_args(argv)
+    return {"check": _check, "demo": _demo}[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
