@@ -64,7 +64,7 @@ def dtypes(device: str) -> list[torch.dtype]:
 
 def compare(ours, oracle, same, dtype) -> tuple[float, float, bool]:
     """Errors of ``ours`` against the fp64 ``oracle``, and the verdict for ``dtype``."""
-    ours, oracle = ours.double().cpu(), oracle.double().cpu()
+    ours, oracle = ours.detach().double().cpu(), oracle.detach().double().cpu()
     err = (ours - oracle).abs()
     scale = oracle.abs().max().clamp_min(1e-30)
     max_abs = float(err.max()) if err.numel() else 0.0
@@ -73,7 +73,7 @@ def compare(ours, oracle, same, dtype) -> tuple[float, float, bool]:
     if dtype == torch.float32:
         ok = max_abs <= FP32_TOL * (1.0 + float(scale))
     else:
-        bound = (same.double().cpu() - oracle).abs() + REDUCED_TOL * float(scale)
+        bound = (same.detach().double().cpu() - oracle).abs() + REDUCED_TOL * float(scale)
         ok = bool((err <= bound).all())
     return max_abs, max_rel, ok
 
