@@ -1,0 +1,148 @@
+"""A drop-in for verl's fused ``linear_cross_entropy``, computed by :func:`linear_logprobs`.
+
+verl's patched model forwards (``verl.models.transformers.*`` when
+``use_fused_kernels=True`` with ``fused_kernel_options.impl_backend=triton``, and the Megatron
+forwards in ``verl.models.mcore``) call
+``linear_cross_entropy(hidden, weight, labels, temperature, reduction, dist_process_group)`` and
+expect fp32 per-token logprobs and entropies, flattened to ``[N]``. verl's own kernel needs
+CUDA, a hidden size that is a multiple of 128, and computes every position. This one runs on
+any device and hidden size, drops ``ignore_index`` rows before the head, shards the vocabulary
+over ``dist_process_group`` (the tensor-parallel group) and, because the entropy falls out of
+the logprob pass's accumulators, costs nothing for it in the forward and nothing in the
+backward when no gradient reaches it.
+
+This module does not import verl until :func:`enable_fused_head` is called.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from logitless.fused_losses.logprobs import linear_logprobs
+
+__all__ = ["disable_fused_head", "enable_fused_head", "fused_head_enabled", "linear_cross_entropy"]
+
+_REDUCTIONS = ("none", "sum", "mean")
+
+# The module that defines verl's function, then the modules that bind it at import time
+# (``from verl.utils.kernel.linear_cross_entropy import linear_cross_entropy`` at the top).
+# The HF forwards import it inside the function body, so patching the first one covers them.
+_KERNEL_MODULE = "verl.utils.kernel.linear_cross_entropy"
+_BINDING_MODULES = (
+    _KERNEL_MODULE,
+    "verl.models.mcore.model_forward_fused",
+    "verl.models.mcore.model_forward_1f1b_overlap",
+)
+_ATTR = "linear_cross_entropy"
+_original: object | None = None
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float = 1.0,
+    reduction: str = "none",
+    dist_process_group=None,
+    *,
+    entropy_grad: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """verl's ``linear_cross_entropy`` contract over :func:`logitless.linear_logprobs`.
+
+    Args:
+        hidden: ``[..., D]`` hidden states, any D (verl's kernel needs ``D % 128 == 0``).
+        weight: ``[V, D]`` head weight, or this rank's ``[V_r, D]`` slice with
+            ``dist_process_group`` (contiguous slices in rank order, as Megatron shards it).
+        labels: integer ids shaped ``hidden.shape[:-1]``, global vocabulary ids; ``-100``
+            rows are skipped and read 0.
+        temperature: divides the logits.
+        reduction: ``"none"`` (per-token logprobs), ``"sum"`` or ``"mean"`` (a scalar over the
+            logprobs); the entropy is always per token.
+        dist_process_group: the tensor-parallel group the vocabulary is sharded over, or None.
+        entropy_grad: False returns the entropy detached (for metrics only), so the backward
+            never forms the entropy term even when the loss touches it with a zero coefficient.
+
+    Returns:
+        ``(logprobs, entropy)``: fp32 (fp64 for fp64 inputs), ``[N]`` with
+        ``N = labels.numel()`` (``logprobs`` a scalar for ``"sum"``/``"mean"``).
+    """
+    if not isinstance(reduction, str) or reduction.lower() not in _REDUCTIONS:
+        raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+    if not isinstance(temperature, (int, float)) or isinstance(temperature, bool):
+        raise ValueError(f"temperature must be a number, got {type(temperature).__name__}")
+    if hidden.dim() < 1 or tuple(labels.shape) != tuple(hidden.shape[:-1]):
+        raise ValueError(
+            f"labels must have hidden's leading shape {tuple(hidden.shape[:-1])}, got "
+            f"{tuple(labels.shape)}"
+        )
+    out = linear_logprobs(
+        hidden.reshape(-1, hidden.shape[-1]),
+        weight,
+        labels.reshape(-1),
+        temperature=float(temperature),
+        return_entropy=True,
+        vocab_parallel=dist_process_group,
+    )
+    logprobs, entropy = out.logprobs, out.entropy
+    reduction = reduction.lower()
+    if reduction == "sum":
+        logprobs = logprobs.sum()
+    elif reduction == "mean":
+        logprobs = logprobs.mean()
+    if not entropy_grad:
+        entropy = entropy.detach()
+    return logprobs, entropy
+
+
+def _linear_cross_entropy_no_entropy_grad(
+    hidden, weight, labels, temperature=1.0, reduction="none", dist_process_group=None
+):
+    return linear_cross_entropy(hidden, weight, labels, temperature, reduction,
+                                dist_process_group, entropy_grad=False)
+
+
+_DROP_INS = (linear_cross_entropy, _linear_cross_entropy_no_entropy_grad)
+
+
+def enable_fused_head(*, entropy_grad: bool = True) -> None:
+    """Route verl's fused head (``use_fused_kernels`` with the ``triton`` backend, and the
+    Megatron fused forwards) to :func:`linear_cross_entropy`. Idempotent; undone by
+    :func:`disable_fused_head`. Call it in every worker process: the ``verl.plugins`` entry
+    point does so when ``LOGITLESS_VERL_FUSED_HEAD=1`` is in the worker's environment.
+
+    ``entropy_grad=False`` detaches the entropy (use it when ``entropy_coeff`` is 0 and the
+    entropy is only logged).
+    """
+    global _original
+    import importlib
+
+    kernel = importlib.import_module(_KERNEL_MODULE)
+    current = getattr(kernel, _ATTR)
+    if current not in _DROP_INS:
+        _original = current
+    drop_in = linear_cross_entropy if entropy_grad else _linear_cross_entropy_no_entropy_grad
+    for name in _BINDING_MODULES:
+        module = sys.modules.get(name)
+        if module is not None and hasattr(module, _ATTR):
+            setattr(module, _ATTR, drop_in)
+
+
+def disable_fused_head() -> None:
+    """Give verl back its own ``linear_cross_entropy`` everywhere it was bound (a no-op when
+    :func:`enable_fused_head` was never called)."""
+    global _original
+    if _original is None:
+        return
+    for name in _BINDING_MODULES:
+        module = sys.modules.get(name)
+        if module is not None and getattr(module, _ATTR, None) in _DROP_INS:
+            setattr(module, _ATTR, _original)
+    _original = None
+
+
+def fused_head_enabled() -> bool:
+    """Whether verl's ``linear_cross_entropy`` currently resolves to logitless."""
+    module = sys.modules.get(_KERNEL_MODULE)
+    return module is not None and getattr(module, _ATTR, None) in _DROP_INS
