@@ -3,6 +3,17 @@
 __version__ = "0.1.0"
 
 from logitless.fused_losses.attention_entropy import attention_entropy
+from logitless.fused_losses.config import PolicyLossConfig
 from logitless.fused_losses.logprobs import LogprobOutput, linear_logprobs
+from logitless.fused_losses.objectives import register_objective
+from logitless.fused_losses.policy_loss import policy_loss, policy_loss_globals
 
-__all__ = ["LogprobOutput", "attention_entropy", "linear_logprobs"]
+__all__ = [
+    "LogprobOutput",
+    "PolicyLossConfig",
+    "attention_entropy",
+    "linear_logprobs",
+    "policy_loss",
+    "policy_loss_globals",
+    "register_objective",
+]

@@ -1,0 +1,126 @@
+"""Aggregation of per-token losses (OBJECTIVES.md section 6) and the batch-global quantities.
+
+Everything that depends on the whole batch rather than on one sequence lives in `BatchGlobals`:
+token and sequence counts, L_max, the positive/negative counts of balanced aggregation, the
+length-power denominator, and the thresholds of batch-level token selections. `policy_loss`
+computes them from its own inputs unless it is given them; computing them once for the whole
+batch and passing them to `policy_loss` on any subset of whole sequences gives that subset's
+exact share of the full loss (the shares of a partition sum to the full loss).
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from logitless.fused_losses import segments
+
+
+@dataclass(frozen=True)
+class AggCounts:
+    """Counts one aggregation needs, over the tokens it aggregates."""
+
+    num_tokens: float
+    num_sequences: float
+    num_pos_sequences: float
+    num_neg_sequences: float
+    num_pos_tokens: float
+    num_neg_tokens: float
+    length_power_denominator: float
+
+
+@dataclass(frozen=True)
+class BatchGlobals:
+    """Batch-global quantities of one loss call (see the module docstring for the contract).
+
+    ``loss`` counts the tokens of the policy term (mask after rollout rejection and STAPO);
+    ``entropy`` those of the entropy bonus (further narrowed by the entropy-quantile selection).
+    """
+
+    loss: AggCounts
+    entropy: AggCounts
+    max_response_length: float
+    entropy_threshold: float | None = None
+    adv_entropy_threshold: float | None = None
+    attn_stats: tuple[float, float] | None = None
+    attn_thresholds: tuple[float, float] | None = None
+
+
+def agg_counts(m, adv, seq_count: str, length_power_alpha: float) -> AggCounts:
+    """Counts of a bool mask ``m [B, T]`` with advantages ``adv [B, T]``."""
+    lengths = m.sum(-1)
+    nonempty = lengths > 0
+    seq_adv = segments.segment_mean(adv.detach(), m)
+    lf = lengths.to(torch.float64)
+    denominator = torch.where(nonempty, lf.clamp(min=1) ** (1 - length_power_alpha), 0.0).sum()
+    return AggCounts(
+        num_tokens=float(lengths.sum()),
+        num_sequences=float(m.shape[0] if seq_count == "all" else nonempty.sum()),
+        num_pos_sequences=float((nonempty & (seq_adv > 0)).sum()),
+        num_neg_sequences=float((nonempty & (seq_adv < 0)).sum()),
+        num_pos_tokens=float((m & (adv > 0)).sum()),
+        num_neg_tokens=float((m & (adv < 0)).sum()),
+        length_power_denominator=float(denominator),
+    )
+
+
+def _div(x, n):
+    return x / n if n > 0 else x * 0.0
+
+
+def aggregate(
+    loss,
+    m,
+    adv,
+    mode,
+    counts: AggCounts,
+    cfg,
+    *,
+    max_response_length,
+    num_items_in_batch=None,
+    global_batch_size=None,
+):
+    """Scalar from per-token ``loss [B, T]`` over bool ``m [B, T]``.
+
+    Local normalisers (from ``counts``) average over micro-batches: divided by
+    ``cfg.grad_accum_steps``. Global ones (``num_items_in_batch``: tokens of the optimizer step
+    over every rank and micro-batch; ``global_batch_size``: its sequences) are exact already;
+    the loss is multiplied by ``cfg.dp_size`` because data parallelism averages gradients.
+    """
+    masked = torch.where(m, loss, torch.zeros_like(loss))
+    seq_sum = masked.sum(-1)
+    lengths = m.sum(-1).to(loss.dtype)
+    dp, ga = cfg.dp_size, cfg.grad_accum_steps
+    if mode == "token-mean":
+        if num_items_in_batch is not None:
+            return seq_sum.sum() * dp / max(float(num_items_in_batch), 1.0)
+        return _div(seq_sum.sum(), counts.num_tokens) / ga
+    if mode == "token-sum":
+        return seq_sum.sum() * dp
+    if mode == "bnpo":
+        return _div(seq_sum.sum(), counts.num_tokens) / ga
+    if mode.startswith("seq-mean"):
+        if mode == "seq-mean-token-mean":
+            per_seq = seq_sum / lengths.clamp(min=1)
+        elif mode == "seq-mean-token-sum":
+            per_seq = seq_sum
+        else:
+            per_seq = seq_sum / max_response_length
+        if global_batch_size is not None:
+            return per_seq.sum() * dp / max(float(global_batch_size), 1.0)
+        return _div(per_seq.sum(), counts.num_sequences) / ga
+    if mode == "balanced":
+        # (n+/n) mean over tokens of A > 0 + (n-/n) mean over tokens of A < 0, n counting
+        # sequences by the sign of their advantage and the means pooling tokens.
+        n = counts.num_pos_sequences + counts.num_neg_sequences
+        pos = torch.where(adv > 0, masked, torch.zeros_like(masked)).sum()
+        neg = torch.where(adv < 0, masked, torch.zeros_like(masked)).sum()
+        total = (
+            _div(pos, counts.num_pos_tokens) * counts.num_pos_sequences
+            + _div(neg, counts.num_neg_tokens) * counts.num_neg_sequences
+        )
+        return _div(total, n) / ga
+    if mode == "length-power":
+        # Delta-L: x_i = L_i^-alpha / sum_j L_j^(1 - alpha), unbiased for any alpha.
+        x = torch.where(lengths > 0, lengths.clamp(min=1) ** (-cfg.length_power_alpha), 0.0)
+        return _div((x * seq_sum).sum(), counts.length_power_denominator) / ga
+    raise ValueError(f"loss_agg: unknown aggregation {mode!r}")

@@ -1,0 +1,353 @@
+"""The objective library: per-token losses (OBJECTIVES.md section 2) as registered functions.
+
+An objective maps `ObjectiveInputs` (right-padded ``[B, T]`` tensors and the chosen `Ratio`) to
+a per-token loss; `policy_loss` does the rest (rollout correction, selections, KL, entropy,
+aggregation). Register your own::
+
+    @register_objective("my_pg", loss_agg="token-mean")
+    def my_pg(x: ObjectiveInputs) -> ObjectiveOutput:
+        return ObjectiveOutput(-x.adv * x.ratio.value)
+
+and select it with ``PolicyLossConfig(objective="my_pg")``.
+"""
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from logitless.fused_losses import segments
+from logitless.fused_losses.ratios import Ratio
+
+
+@dataclass
+class ObjectiveInputs:
+    """What an objective sees; every tensor ``[B, T]`` right-padded, ``m`` the bool mask."""
+
+    lp: torch.Tensor  # logprobs, with gradient
+    old_lp: torch.Tensor
+    d: torch.Tensor  # lp - old_lp, clamped to +-log_ratio_clamp, with gradient
+    adv: torch.Tensor  # advantages after FRPO / probability reweighting, broadcast per token
+    m: torch.Tensor
+    ratio: Ratio
+    cfg: object  # PolicyLossConfig
+    eps_low: torch.Tensor
+    eps_high: torch.Tensor
+    entropy: torch.Tensor | None
+    rollout_is_weight: torch.Tensor | None  # only for objectives that fold it in (vespo)
+
+
+@dataclass
+class ObjectiveOutput:
+    loss: torch.Tensor  # [B, T]
+    clip_low: torch.Tensor | None = None  # bool [B, T]: clipped on the low side (A < 0)
+    clip_high: torch.Tensor | None = None  # bool [B, T]: clipped on the high side (A > 0)
+    flags_per_sequence: bool | None = None  # clip metrics per sequence; None: as the ratio
+
+
+@dataclass(frozen=True)
+class ObjectiveSpec:
+    name: str
+    fn: Callable[[ObjectiveInputs], ObjectiveOutput]
+    loss_agg: str
+    ratio_level: str
+    ratio_levels: tuple[str, ...] | None  # allowed levels; None: any
+    eps_low: float
+    eps_high: float | None
+    dual_clip_c: float | None
+    folds_rollout_is: bool  # the objective uses the rollout IS weight itself
+    selects_in_ratio: bool  # entropy selections narrow the ratio's tokens, not the loss
+
+
+OBJECTIVES: dict[str, ObjectiveSpec] = {}
+
+
+def register_objective(
+    name,
+    *,
+    loss_agg="token-mean",
+    ratio_level="token",
+    ratio_levels=None,
+    eps_low=0.2,
+    eps_high=None,
+    dual_clip_c=None,
+    folds_rollout_is=False,
+    selects_in_ratio=False,
+):
+    """Decorator registering ``fn(ObjectiveInputs) -> ObjectiveOutput`` under ``name`` with the
+    defaults a `PolicyLossConfig` naming it takes (aggregation, ratio level, clip bounds)."""
+
+    def decorate(fn):
+        OBJECTIVES[name] = ObjectiveSpec(
+            name,
+            fn,
+            loss_agg,
+            ratio_level,
+            None if ratio_levels is None else tuple(ratio_levels),
+            eps_low,
+            eps_high,
+            dual_clip_c,
+            folds_rollout_is,
+            selects_in_ratio,
+        )
+        return fn
+
+    return decorate
+
+
+def get_objective(name: str) -> ObjectiveSpec:
+    if name not in OBJECTIVES:
+        raise ValueError(
+            f"PolicyLossConfig.objective: unknown objective {name!r}; registered: "
+            f"{sorted(OBJECTIVES)}"
+        )
+    return OBJECTIVES[name]
+
+
+def clip_flags(rho, adv, low, high):
+    return (rho < low) & (adv < 0), (rho > high) & (adv > 0)
+
+
+def clipped_surrogate(rho, adv, low, high, cfg) -> ObjectiveOutput:
+    """``max(-A min(rho, delta), -A clip(rho, low, high))``, dual clip and hard trust region."""
+    capped = rho if cfg.delta is None else torch.clamp(rho, max=cfg.delta)
+    loss = torch.maximum(-adv * capped, -adv * torch.clamp(rho, low, high))
+    if cfg.dual_clip_c is not None:
+        loss = torch.where(adv < 0, torch.minimum(loss, -cfg.dual_clip_c * adv), loss)
+    if cfg.hard_trust_region:
+        loss = torch.where((rho >= low) & (rho <= high), loss, loss.detach())
+    return ObjectiveOutput(loss, *clip_flags(rho.detach(), adv, low, high))
+
+
+def _clipped(x: ObjectiveInputs) -> ObjectiveOutput:
+    return clipped_surrogate(x.ratio.value, x.adv, x.ratio.low, x.ratio.high, x.cfg)
+
+
+register_objective("ppo")(_clipped)
+register_objective("grpo", loss_agg="seq-mean-token-mean")(_clipped)
+register_objective("dapo", eps_high=0.28)(_clipped)
+register_objective("bnpo", loss_agg="bnpo")(_clipped)
+register_objective("dr_grpo", loss_agg="seq-mean-token-sum-norm")(_clipped)
+register_objective("luspo", loss_agg="seq-mean-token-sum", ratio_level="sequence")(_clipped)
+register_objective(
+    "gspo",
+    loss_agg="seq-mean-token-mean",
+    ratio_level="sequence",
+    ratio_levels=("sequence", "sequence_token"),
+)(_clipped)
+register_objective("ctpo", ratio_level="prefix_cumulative", ratio_levels=("prefix_cumulative",))(
+    _clipped
+)
+register_objective("minpro", ratio_level="prefix_min", ratio_levels=("prefix_min",))(_clipped)
+
+
+@register_objective("cispo")
+def cispo(x: ObjectiveInputs) -> ObjectiveOutput:
+    """CISPO: ``-sg(clip(rho, 1-eps_low, 1+eps_high)) A lp``.
+
+    ``cispo_clip="upper"``: ``min(rho, 1+eps_high)`` (ScaleRL, TRL)."""
+    rho, low, high = x.ratio.value, x.ratio.low, x.ratio.high
+    if x.cfg.cispo_clip == "upper":
+        weight = torch.clamp(rho, max=high)
+        low = torch.zeros_like(rho)
+    else:
+        weight = torch.clamp(rho, low, high)
+    return ObjectiveOutput(
+        -weight.detach() * x.adv * x.lp, *clip_flags(rho.detach(), x.adv, low, high)
+    )
+
+
+@register_objective("sapo", loss_agg="seq-mean-token-mean")
+def sapo(x: ObjectiveInputs) -> ObjectiveOutput:
+    """``-(4 / tau) sigmoid(tau (rho - 1)) A``, tau by the sign of A (a soft gate, no clip)."""
+    tau = torch.where(x.adv > 0, x.cfg.sapo_tau_pos, x.cfg.sapo_tau_neg).to(x.lp.dtype)
+    return ObjectiveOutput(-torch.sigmoid(tau * (x.ratio.value - 1)) * 4 / tau * x.adv)
+
+
+@register_objective(
+    "gmpo",
+    loss_agg="seq-mean-token-mean",
+    ratio_level="geometric",
+    ratio_levels=("geometric",),
+    eps_low=0.4,
+    selects_in_ratio=True,
+)
+def gmpo(x: ObjectiveInputs) -> ObjectiveOutput:
+    """``-A rho_i`` on the geometric ratio; with seq-mean-token-mean one term per sequence."""
+    low, high = clip_flags(x.d.detach(), x.adv, -x.eps_low, x.eps_high)
+    return ObjectiveOutput(-x.adv * x.ratio.value, low, high, flags_per_sequence=False)
+
+
+_LOG_1E8 = math.log(1e-8)
+
+
+@register_objective("vespo", ratio_levels=("token",), folds_rollout_is=True)
+def vespo(x: ObjectiveInputs) -> ObjectiveOutput:
+    """``-sg(phi(w)) A lp``, ``phi(w) = exp(lambda + k log w - lambda w)`` on the sequence ratio
+    ``w`` (sum of log-ratios, times the rollout IS weights), (k, lambda) by the sign of A. The
+    log clamps at ``log 1e-8`` are those of the original implementation (via TRL)."""
+    cfg = x.cfg
+    log_w = segments.segment_sum(x.d.detach(), x.m)
+    if x.rollout_is_weight is not None:
+        log_is = torch.log(x.rollout_is_weight).clamp(_LOG_1E8, 20.0)
+        log_w = log_w + segments.segment_sum(log_is, x.m)
+    log_w = log_w.clamp(_LOG_1E8, 20.0)[:, None]
+    nonneg = x.adv >= 0
+    k = torch.where(nonneg, cfg.vespo_k_pos, cfg.vespo_k_neg).to(x.lp.dtype)
+    lam = (
+        torch.where(nonneg, cfg.vespo_lambda_pos, cfg.vespo_lambda_neg)
+        .to(x.lp.dtype)
+        .clamp(min=1e-4)
+    )
+    phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(0.0, 0.0, 0.0)
+    return ObjectiveOutput(-phi * x.adv * x.lp)
+
+
+def _reinforce(x: ObjectiveInputs) -> ObjectiveOutput:
+    return ObjectiveOutput(-x.adv * x.lp)
+
+
+register_objective("reinforce")(_reinforce)
+register_objective("gpg")(_reinforce)
+
+
+@register_objective("dro")
+def dro(x: ObjectiveInputs) -> ObjectiveOutput:
+    """verl ``dro``: ``-(lp A - beta/2 (lp - lp_old)^2)`` with ``beta = dro_beta``."""
+    return ObjectiveOutput(-(x.lp * x.adv - 0.5 * x.cfg.dro_beta * x.d.square()))
+
+
+def _dppo(x: ObjectiveInputs, valid: torch.Tensor) -> ObjectiveOutput:
+    r = torch.exp(x.d.detach())
+    valid = valid.detach()
+    loss = -x.adv * torch.clamp(r, max=x.cfg.dppo_ratio_cap) * x.lp * valid.to(x.lp.dtype)
+    return ObjectiveOutput(loss, ~valid & (x.adv <= 0), ~valid & (x.adv > 0))
+
+
+@register_objective("dppo_tv", ratio_levels=("token",))
+def dppo_tv(x: ObjectiveInputs) -> ObjectiveOutput:
+    """verl DPPO-Binary-TV: tokens whose probability moved by more than eps (TV) get no loss."""
+    change = torch.exp(x.lp.detach()) - torch.exp(x.old_lp)
+    return _dppo(x, torch.where(x.adv > 0, change <= x.eps_high, change >= -x.eps_low))
+
+
+@register_objective("dppo_kl", ratio_levels=("token",))
+def dppo_kl(x: ObjectiveInputs) -> ObjectiveOutput:
+    """verl DPPO-Binary-KL: the trust region is the binary KL of the sampled token's probability."""
+    p, p_old = torch.exp(x.lp.detach()), torch.exp(x.old_lp)
+    bkl = p_old * (x.old_lp - x.lp.detach()) + (1 - p_old) * torch.log(
+        (1.0 - p_old + 1e-8) / (1.0 - p + 1e-8)
+    )
+    valid_pos = (bkl <= x.eps_high) | (p <= p_old)
+    valid_neg = (bkl <= x.eps_low) | (p >= p_old)
+    return _dppo(x, torch.where(x.adv > 0, valid_pos, valid_neg))
+
+
+def _covariance(x: ObjectiveInputs) -> torch.Tensor:
+    """``(A - mean A)(lp - mean lp)`` with batch means over valid tokens (detached)."""
+    n = x.m.sum().clamp(min=1)
+    adv, lp = x.adv.detach(), x.lp.detach()
+    mean_a = torch.where(x.m, adv, 0.0).sum() / n
+    mean_lp = torch.where(x.m, lp, 0.0).sum() / n
+    return (adv - mean_a) * (lp - mean_lp)
+
+
+def _generator(cfg, device):
+    if cfg.cov_seed is None:
+        return None  # torch's global generator, as verl
+    return torch.Generator(device=device).manual_seed(cfg.cov_seed)
+
+
+@register_objective("clip_cov", ratio_levels=("token",))
+def clip_cov(x: ObjectiveInputs) -> ObjectiveOutput:
+    """verl ``clip_cov``: the clipped surrogate, with a random ``cov_fraction`` of the tokens
+    whose covariance lies in ``(clip_cov_lb, clip_cov_ub)`` (and that PPO did not clip) dropped."""
+    out = clipped_surrogate(x.ratio.value, x.adv, x.ratio.low, x.ratio.high, x.cfg)
+    rho = x.ratio.value.detach()
+    unclipped = -x.adv * rho
+    clipped = -x.adv * torch.clamp(rho, x.ratio.low, x.ratio.high)
+    cov = _covariance(x)
+    candidates = (
+        x.m & ~(clipped > unclipped) & (cov > x.cfg.clip_cov_lb) & (cov < x.cfg.clip_cov_ub)
+    )
+    flat = torch.nonzero(candidates.flatten()).flatten()
+    num = max(int(x.cfg.cov_fraction * int(x.m.sum())), 1)
+    keep = torch.ones(candidates.numel(), dtype=torch.bool, device=flat.device)
+    if flat.numel():
+        perm = torch.randperm(
+            flat.numel(), generator=_generator(x.cfg, flat.device), device=flat.device
+        )
+        keep[flat[perm[:num]]] = False
+    dropped = ~keep.view_as(candidates)
+    return ObjectiveOutput(
+        torch.where(dropped, torch.zeros_like(out.loss), out.loss),
+        out.clip_low | (dropped & (x.adv < 0)),
+        out.clip_high | (dropped & (x.adv > 0)),
+    )
+
+
+@register_objective("kl_cov", ratio_levels=("token",))
+def kl_cov(x: ObjectiveInputs) -> ObjectiveOutput:
+    """verl ``kl_cov``: ``-A r``, plus ``kl_cov_coef |d|`` on the top ``cov_fraction`` tokens by
+    covariance."""
+    loss = -x.adv * x.ratio.value
+    n = int(x.m.sum())
+    if n == 0:
+        return ObjectiveOutput(loss)
+    flat_valid = torch.nonzero(x.m.flatten()).flatten()
+    cov = _covariance(x).flatten()[flat_valid]
+    top = flat_valid[torch.topk(cov, max(1, int(n * x.cfg.cov_fraction))).indices]
+    chosen = torch.zeros(x.m.numel(), dtype=torch.bool, device=x.m.device)
+    chosen[top] = True
+    penalty = x.cfg.kl_cov_coef * x.d.abs()
+    return ObjectiveOutput(torch.where(chosen.view_as(x.m), loss + penalty, loss))
+
+
+@register_objective("aspo", dual_clip_c=3.0)
+def aspo(x: ObjectiveInputs) -> ObjectiveOutput:
+    """ASPO: for A > 0 the ratio is flipped, value ``1/r`` with gradient ``(1/r) grad lp``; for
+    A < 0 a soft dual clip bounds the value at ``c`` with gradient ``min(r, c) grad lp``; then
+    the clipped surrogate."""
+    r = torch.exp(x.d)
+    r_detached = r.detach()
+    unit = torch.exp(x.lp - x.lp.detach())  # value 1, gradient grad lp
+    flipped = unit / r_detached
+    soft = r * (torch.clamp(r_detached, max=x.cfg.dual_clip_c) / r_detached)
+    rho = torch.where(x.adv > 0, flipped, soft)
+    low, high = x.ratio.low, x.ratio.high
+    loss = torch.maximum(-x.adv * rho, -x.adv * torch.clamp(rho, low, high))
+    return ObjectiveOutput(loss, *clip_flags(rho.detach(), x.adv, low, high))
+
+
+@register_objective("dhpo", ratio_levels=("token",))
+def dhpo(x: ObjectiveInputs) -> ObjectiveOutput:
+    """DHPO: ``rho = a clip(r, token bounds) + (1 - a) clip(s, sequence bounds)`` inside the
+    clipped surrogate; ``a`` constant or, with ``dhpo_mix="entropy"``, ``H_t / max_seq H``."""
+    cfg = x.cfg
+    if cfg.dhpo_mix == "entropy":
+        if x.entropy is None:
+            raise ValueError("entropy: dhpo_mix='entropy' needs the per-token entropy")
+        h = x.entropy.detach()
+        a = h / segments.segment_max(h, x.m)[:, None].clamp(min=1e-12)
+    else:
+        a = torch.full_like(x.lp, cfg.dhpo_mix)
+    r = x.ratio.value
+    s = torch.exp(segments.segment_mean(x.d, x.m))[:, None].expand_as(r)
+    s_low = 1 - (cfg.seq_eps_low if cfg.seq_eps_low is not None else x.eps_low)
+    s_high = 1 + (cfg.seq_eps_high if cfg.seq_eps_high is not None else x.eps_high)
+    s_low = torch.as_tensor(s_low, dtype=r.dtype)
+    s_high = torch.as_tensor(s_high, dtype=r.dtype)
+    mixed = a * r + (1 - a) * s
+    mixed_clipped = a * torch.clamp(r, x.ratio.low, x.ratio.high) + (1 - a) * torch.clamp(
+        s, s_low, s_high
+    )
+    loss = torch.maximum(-x.adv * mixed, -x.adv * mixed_clipped)
+    return ObjectiveOutput(loss, *clip_flags(r.detach(), x.adv, x.ratio.low, x.ratio.high))
+
+
+@register_objective("delight")
+def delight(x: ObjectiveInputs) -> ObjectiveOutput:
+    """Delightful PG: ``-sg(sigmoid(A (-lp_old) / eta)) A lp`` (a gate, no ratio)."""
+    gate = torch.sigmoid(x.adv * (-x.old_lp) / x.cfg.delight_eta)
+    return ObjectiveOutput(-gate.detach() * x.adv * x.lp)

@@ -1,0 +1,67 @@
+"""Rollout correction (OBJECTIVES.md section 5): IS weights, rejection masks, OPSM.
+
+All on right-padded ``[B, T]`` tensors, all detached. A NaN rollout logprob means "not
+available": its token gets a zero log-ratio (weight 1, no rejection evidence), as TRL does.
+"""
+
+import torch
+
+from logitless.fused_losses import segments
+
+SAFETY_BOUND = 20.0  # exp(20) ~ 5e8: the largest log-weight exponentiated (verl's bound)
+
+
+def rollout_log_ratio(old_lp, rollout_lp, m):
+    """``log(pi_old / pi_rollout)`` per token, 0 where masked or where the rollout value is NaN."""
+    diff = (old_lp - rollout_lp).detach()
+    return torch.where(m & ~torch.isnan(diff), diff, torch.zeros_like(diff))
+
+
+def rollout_is_weight(log_ratio, m, cfg) -> torch.Tensor:
+    """TIS (``truncate``) or MIS/IcePop (``mask``) weight at token or sequence level ``[B, T]``.
+
+    ``sequence``: exp of the summed log-ratio; ``sequence_geometric``: exp of its mean.
+    """
+    if cfg.rollout_is == "token":
+        log_w = log_ratio
+    elif cfg.rollout_is == "sequence":
+        log_w = segments.segment_sum(log_ratio, m)[:, None].expand_as(log_ratio)
+    else:
+        log_w = segments.segment_mean(log_ratio, m)[:, None].expand_as(log_ratio)
+    w = torch.exp(log_w.clamp(-SAFETY_BOUND, SAFETY_BOUND))
+    if cfg.rollout_is_mode == "truncate":
+        return w.clamp(min=cfg.rollout_is_min, max=cfg.rollout_is_max)
+    lo = -torch.inf if cfg.rollout_is_min is None else cfg.rollout_is_min
+    hi = torch.inf if cfg.rollout_is_max is None else cfg.rollout_is_max
+    return torch.where((w >= lo) & (w <= hi), w, torch.zeros_like(w))
+
+
+def rollout_rejection_keep(log_ratio, m, options) -> torch.Tensor:
+    """verl ``rollout_rs``: bool ``[B, T]``, False where any option rejects the token/sequence.
+
+    Statistics of ``x = log(pi_old / pi_rollout)`` (clamped to +-20): ``k1 = -x``,
+    ``k2 = x^2 / 2``, ``k3 = exp(x) - 1 - x``; at token level, or summed / averaged / maxed over
+    the sequence. ``options`` come from `parse_rollout_rs` as ``(name, lower, upper)``.
+    """
+    x = log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND)
+    stats = {"k1": -x, "k2": 0.5 * x.square(), "k3": torch.exp(x) - 1 - x}
+    keep = torch.ones_like(m)
+    for name, lo, hi in options:
+        stat = stats[name[-2:]]
+        if name.startswith("seq_sum"):
+            stat = segments.segment_sum(stat, m)[:, None]
+        elif name.startswith("seq_mean"):
+            stat = segments.segment_mean(stat, m)[:, None]
+        elif name.startswith("seq_max"):
+            stat = segments.segment_max(stat, m)[:, None]
+        keep = keep & (stat >= lo) & (stat <= hi)
+    return keep
+
+
+def off_policy_sequence_keep(lp, sampling_lp, adv, m, threshold) -> torch.Tensor:
+    """DeepSeek-V3.2 OPSM: drop tokens of A < 0 in sequences whose mean ``lp_roll - lp`` exceeds
+    ``threshold``. NaN sampling logprobs count as zero divergence. Bool ``[B, T]``."""
+    div = (sampling_lp - lp).detach()
+    div = torch.where(torch.isnan(div), torch.zeros_like(div), div)
+    avg = segments.segment_sum(div, m) / segments.segment_count(m).clamp(min=1).to(div.dtype)
+    return (adv >= 0) | (avg[:, None] <= threshold)

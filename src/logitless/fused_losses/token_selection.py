@@ -1,0 +1,89 @@
+"""Token selections and weights (OBJECTIVES.md section 4) on right-padded ``[B, T]`` tensors.
+
+Thresholds that depend on the whole batch (quantiles, batch statistics) are computed once, in
+`logitless.fused_losses.aggregation.policy_loss_globals`, and passed in here, so a chunk of
+sequences is selected exactly as it would be inside the full batch.
+"""
+
+import torch
+
+from logitless.fused_losses import segments
+
+
+def quantile(values: torch.Tensor, q: float) -> torch.Tensor:
+    """Linear-interpolation quantile of a 1-D tensor (``torch.quantile``'s rule, any size)."""
+    v = values.detach().flatten().sort().values
+    pos = (v.numel() - 1) * q
+    lo = int(pos)
+    hi = min(lo + 1, v.numel() - 1)
+    return v[lo] + (v[hi] - v[lo]) * (pos - lo)
+
+
+def top_fraction_threshold(values, m, fraction):
+    """Smallest value kept when keeping the top ``fraction`` of ``values`` over valid tokens
+    (TRL: ``quantile(values, 1 - fraction)``); None when no token is valid."""
+    valid = values.detach()[m]
+    if valid.numel() == 0:
+        return None
+    return quantile(valid, 1.0 - fraction)
+
+
+def stapo_keep(adv, old_lp, entropy, m, prob_threshold, entropy_threshold):
+    """STAPO spurious tokens: A > 0, p_old < tau_p and H < tau_H are dropped (and the loss is
+    renormalised over what remains: the result narrows the mask). p is the old policy's, so the
+    mask is known before the forward pass."""
+    spurious = (
+        (adv > 0) & (torch.exp(old_lp) < prob_threshold) & (entropy.detach() < entropy_threshold)
+    )
+    return m & ~spurious
+
+
+def attention_entropy_stats(hatt, m):
+    """Batch mean and std (unbiased) of attention entropies over valid tokens."""
+    valid = hatt.detach()[m]
+    if valid.numel() < 2:
+        return 0.0, 1.0
+    return float(valid.mean()), float(valid.std())
+
+
+def attention_entropy_weights(hatt, m, cfg, *, stats=None, thresholds=None, progress=None):
+    """Anchor/explorer weights from per-token attention entropies ``hatt [B, T]`` (detached).
+
+    ``z`` is ``hatt`` standardised per sequence (or with the batch ``stats``); alpha follows a
+    linear schedule from ``attn_entropy_alpha`` to ``attn_entropy_alpha_final`` over
+    ``progress`` in [0, 1]. ``tanh``: ``w = 1 + alpha tanh(z)``; ``softmax``: ``w = L_i
+    softmax_i(alpha z)`` (mean weight 1 per sequence); ``low_quantile`` / ``high_quantile``:
+    keep the tokens below / above the batch quantile (``thresholds``), weight 1.
+    """
+    h = hatt.detach()
+    mode = cfg.attn_entropy_weighting
+    if mode == "low_quantile":
+        return (m & (h <= thresholds[0])).to(h.dtype)
+    if mode == "high_quantile":
+        return (m & (h >= thresholds[1])).to(h.dtype)
+    alpha = cfg.attn_entropy_alpha
+    if cfg.attn_entropy_alpha_final is not None and progress is not None:
+        alpha = alpha + (cfg.attn_entropy_alpha_final - alpha) * min(max(progress, 0.0), 1.0)
+    if cfg.attn_entropy_standardize == "batch":
+        mean, std = stats
+        z = (h - mean) / (std + 1e-8)
+    else:
+        mean = segments.segment_mean(h, m)[:, None]
+        var = segments.segment_mean((h - mean).square(), m)[:, None]
+        z = (h - mean) / (var.sqrt() + 1e-8)
+    z = torch.where(m, z, torch.zeros_like(z))
+    if mode == "tanh":
+        return 1 + alpha * torch.tanh(z)
+    logits = torch.where(m, alpha * z, torch.full_like(z, -torch.inf))
+    soft = torch.softmax(logits, -1).nan_to_num(0.0)
+    return soft * m.sum(-1, keepdim=True).to(h.dtype)
+
+
+def future_kl_advantages(adv, lp, ref_lp, m, coef):
+    """FRPO: ``A_t - coef * sum_{j >= t} m_j (lp_j - ref_j)``, the suffix sum detached."""
+    return adv - coef * segments.suffix_sum((lp - ref_lp).detach(), m)
+
+
+def probability_reweighted_advantages(adv, lp, alpha):
+    """Lopti-style: ``A <- (alpha sg(p) + 1 - alpha) A``."""
+    return (alpha * torch.exp(lp.detach()) + 1 - alpha) * adv
