@@ -83,7 +83,7 @@ def _attention_entropy_fwd(
     HAS_SEG: tl.constexpr,
     HAS_KEY_VALID: tl.constexpr,
     HAS_QUERY_VALID: tl.constexpr,
-    IEEE_DOT: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -110,6 +110,8 @@ def _attention_entropy_fwd(
         + offs_d[None, :] * stride_qd
     )
     q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if UPCAST_DOT:
+        q = q.to(tl.float32)
 
     # The key range [lo, hi) that some query of this block may see.
     lo = first * 0
@@ -144,15 +146,20 @@ def _attention_entropy_fwd(
         # K^T tile [BLOCK_D, BLOCK_N]
         kt_ptrs = k_base + offs_n[None, :].to(tl.int64) * stride_kt + offs_d[:, None] * stride_kd
         kt = tl.load(kt_ptrs, mask=d_ok[:, None] & col_ok[None, :], other=0.0)
-        if IEEE_DOT:
-            s = tl.dot(q, kt, input_precision="ieee")
-        else:
-            s = tl.dot(q, kt)
-        s = s * scale
+        if UPCAST_DOT:
+            # The interpreter stores bf16 as uint16 and would multiply the raw bits; exact fp32
+            # copies give the product a GPU forms with fp32 accumulation.
+            kt = kt.to(tl.float32)
+        # "ieee": fp32 inputs keep full precision (TF32 would cost ~1e-3 relative on the
+        # scores); bf16/fp16 inputs are exact in the fp32 accumulator either way.
+        s = tl.dot(q, kt, input_precision="ieee") * scale
         if HAS_SOFTCAP:
-            # cap * tanh(s / cap), tanh(x) = 1 - 2 / (e^(2x) + 1): exp only (no libdevice),
-            # and saturates to +-1 without overflow trouble.
-            s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))
+            # cap * tanh(s / cap) with tanh from exp (no libdevice under the interpreter):
+            # e = e^(-2|x|) <= 1 never overflows, and (1 - e) / (1 + e) keeps precision near 0.
+            x = s / softcap
+            e = tl.exp(-2.0 * tl.abs(x))
+            t = (1.0 - e) / (1.0 + e)
+            s = softcap * tl.where(x < 0, -t, t)
         vis = row_ok[:, None] & col_ok[None, :]
         if HAS_KEY_VALID:
             kv = tl.load(KEY_VALID + row0 + offs_n, mask=col_ok, other=0)
@@ -228,8 +235,7 @@ def attention_entropy_triton(
         IS_CAUSAL=causal,
         HAS_WINDOW=window is not None,
         HAS_SOFTCAP=softcap is not None,
-        # fp32 inputs: full-precision products (tf32 would cost ~1e-3 relative on the scores).
-        IEEE_DOT=q.dtype == torch.float32,
+        UPCAST_DOT=os.environ.get("TRITON_INTERPRET") == "1" and q.dtype == torch.bfloat16,
         BLOCK_D=block_d,
     )
     return out
