@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -48,6 +50,7 @@ class _Spec:
     backend: ModuleType
     group: object
     tile_bytes: int | None
+    gather_weight: Callable[[], AbstractContextManager] | None
 
 
 def _backend_for(device: torch.device, dtype: torch.dtype) -> ModuleType:
@@ -110,7 +113,8 @@ class _LinearSoftmax(torch.autograd.Function):
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         if all(g is None for g in (g_lp, g_entropy, g_sum_p_sq, g_mean_logit)):
             return None, None, None, None, None
-        with torch.autocast(hidden.device.type, enabled=False):
+        gather = spec.gather_weight() if spec.gather_weight is not None else nullcontext()
+        with torch.autocast(hidden.device.type, enabled=False), gather:
             if hidden.shape[0]:
                 d_hidden, d_weight, d_bias = spec.backend.backward(
                     hidden, weight, bias, targets, lse,
@@ -225,6 +229,7 @@ def linear_logprobs(
     stats: tuple[str, ...] | list[str] = (),
     vocab_parallel=None,
     max_tile_bytes: int | None = None,
+    gather_weight: Callable[[], AbstractContextManager] | None = None,
 ) -> LogprobOutput:
     """Per-token logprob (and entropy, softmax statistics) of ``targets`` under the LM head.
 
@@ -244,6 +249,10 @@ def linear_logprobs(
             sharded in rank order (targets are global ids); every rank gets the same results
             and its slice's weight gradient; the hidden gradient is summed over the group.
         max_tile_bytes: bound on temporary logits of the chunked torch path (default 64 MB).
+        gather_weight: for sharded parameters (DeepSpeed ZeRO-3), a callable returning a
+            context manager under which ``weight`` and ``bias`` hold their full values; the
+            backward, which recomputes the logits, runs inside it. The caller runs the forward
+            inside the same context.
 
     Returns:
         :class:`LogprobOutput` with fp32 tensors shaped like ``targets``. Gradients reach
@@ -286,7 +295,7 @@ def linear_logprobs(
 
     spec = _Spec(float(temperature), None if softcap is None else float(softcap),
                  float(logit_scale), v_total, "sum_p_sq" in stats, "mean_logit" in stats,
-                 _backend_for(hidden.device, dtype), group, max_tile_bytes)
+                 _backend_for(hidden.device, dtype), group, max_tile_bytes, gather_weight)
     lp, ent, s2, mean, top1, lse = _LinearSoftmax.apply(h, weight, bias, t, spec)
 
     def expand(x):

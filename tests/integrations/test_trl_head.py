@@ -1,0 +1,84 @@
+"""The TRL kernel swap honours ChunkedLogProbFunction's contract (values, gradients, outputs)."""
+
+import pytest
+import torch
+
+from logitless.integrations import trl_head
+
+from testing import assert_close_to_oracle
+
+trl_kernels = pytest.importorskip("trl.kernels", reason="TRL is installed by `make test`")
+
+OUTPUTS = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
+
+
+def trl_reference(h, w, b, t, temperature, softcap, scale):
+    """TRL's transform (softcap of the scaled logit) on materialised fp64 logits."""
+    x = (h @ w.t() + b) * scale
+    if softcap is not None:
+        x = softcap * torch.tanh(x / softcap)
+    z = x / temperature
+    logp = z.log_softmax(-1)
+    p = logp.exp()
+    return {
+        "log_probs": logp.gather(-1, t[:, None]).squeeze(-1),
+        "entropy": -(p * logp).sum(-1),
+        "log_sum_sq_probs": torch.log((p * p).sum(-1)),
+        "mean_logits": z.mean(-1),
+        "is_top1": z.argmax(-1) == t,
+    }
+
+
+@pytest.mark.parametrize("softcap,scale", [(None, 1.0), (5.0, 1.0), (4.0, 1.7), (3.0, -0.5)])
+def test_swap_matches_trl_contract(softcap, scale):
+    n, d, v = 29, 48, 1007
+    h = torch.randn(n, d)
+    w = torch.randn(v, d) / d**0.5
+    b = torch.randn(v)
+    t = torch.randint(0, v, (n,))
+    t[:5] = (h[:5] @ w.t() + b).argmax(-1) if scale > 0 else t[:5]
+    leaves = [x.clone().requires_grad_(True) for x in (h, w, b)]
+    ours = trl_head.LogitlessChunkedLogProb.apply(*leaves, t, 0.8, 4096, softcap, scale, OUTPUTS)
+    theirs_leaves = [x.clone().requires_grad_(True) for x in (h, w, b)]
+    theirs = trl_kernels.ChunkedLogProbFunction.apply(*theirs_leaves, t, 0.8, 4096, softcap,
+                                                      scale, OUTPUTS)
+    leaves64 = [x.double().requires_grad_(True) for x in (h, w, b)]
+    exact = trl_reference(*leaves64, t, 0.8, softcap, scale)
+    names = ("log_probs", *OUTPUTS)
+    for name, a, c in zip(names, ours, theirs):
+        if name == "is_top1":
+            assert torch.equal(a, exact[name]) and torch.equal(c, exact[name])
+            continue
+        assert a.dtype == torch.float32
+        assert_close_to_oracle(a, exact[name], c, tol=1e-5, name=name)
+    assert not ours[2].requires_grad and not ours[3].requires_grad
+    g = torch.randn(n), torch.randn(n)
+    grads = torch.autograd.grad(ours[0] @ g[0] + ours[1] @ g[1], leaves)
+    trl_grads = torch.autograd.grad(theirs[0] @ g[0] + theirs[1] @ g[1], theirs_leaves)
+    exact_grads = torch.autograd.grad(exact["log_probs"] @ g[0].double()
+                                      + exact["entropy"] @ g[1].double(), leaves64)
+    for name, a, c, e in zip(("hidden", "weight", "bias"), grads, trl_grads, exact_grads):
+        assert_close_to_oracle(a, e, c, tol=1e-5 * float(e.abs().max()), name=f"d_{name}")
+
+
+def test_patch_and_unpatch():
+    import trl.trainer.utils as trl_utils
+
+    original = trl_utils._ChunkedLogProbFunction
+    trl_head.patch_trl()
+    try:
+        assert trl_head.trl_patched()
+        assert trl_utils._ChunkedLogProbFunction is trl_head.LogitlessChunkedLogProb
+        trl_head.patch_trl()  # idempotent
+    finally:
+        trl_head.unpatch_trl()
+    assert trl_utils._ChunkedLogProbFunction is original
+    assert not trl_head.trl_patched()
+
+
+def test_unsupported_trl_is_refused(monkeypatch):
+    import trl
+
+    monkeypatch.setattr(trl, "__version__", "1.99.0")
+    with pytest.raises(RuntimeError, match=r"supports TRL >=1\.16,<1\.17"):
+        trl_head.patch_trl()
