@@ -1,0 +1,221 @@
+"""policy_loss against TRL 1.16's own GRPOTrainer._compute_loss (and GMPO's), called on the same
+tensors: loss and gradients to 1e-10 relative in fp64, logged metrics to 1e-6.
+
+The trainer is an uninitialised instance (no model, no accelerate launch) carrying only the
+attributes `_compute_loss` reads; its forward helper is replaced by one returning our tensors.
+"""
+
+from collections import defaultdict
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from logitless import PolicyLossConfig, policy_loss
+
+trl_grpo = pytest.importorskip("trl.trainer.grpo_trainer")
+GRPOTrainer = trl_grpo.GRPOTrainer
+
+B, T, GA = 6, 9, 2
+
+
+class _SingleProcess:
+    """accelerate's collectives on one process (num_processes is what the loss divides by)."""
+
+    process_index = 0
+    sync_gradients = True
+    device = torch.device("cpu")
+
+    def __init__(self, num_processes):
+        self.num_processes = num_processes
+
+    def gather(self, x):
+        return x
+
+    gather_for_metrics = gather
+
+    def reduce(self, x, reduction="sum"):
+        return x
+
+    def pad_across_processes(self, x, dim=0, pad_index=0):
+        return x
+
+
+def make_trainer(cls=GRPOTrainer, *, num_processes=2, **attrs):
+    trainer = object.__new__(cls)
+    args = SimpleNamespace(
+        use_bias_correction_kl=False, delta=None, sapo_temperature_pos=1.0,
+        sapo_temperature_neg=1.05, vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0,
+        vespo_lambda_neg=2.0, steps_per_generation=GA,
+    )
+    for key in list(attrs):
+        if key in vars(args):
+            setattr(args, key, attrs.pop(key))
+    state = dict(
+        args=args, accelerator=_SingleProcess(num_processes), model=SimpleNamespace(training=True),
+        aux_loss_enabled=False, top_entropy_quantile=1.0, off_policy_mask_threshold=None,
+        importance_sampling_level="token", beta=0.0, loss_type="grpo", epsilon_low=0.2,
+        epsilon_high=0.2, use_vllm=False, vllm_importance_sampling_correction=False,
+        current_gradient_accumulation_steps=GA, max_completion_length=T + 3,
+        _entropy_bonus_enabled=False, use_adaptive_entropy=False, entropy_coef=0.0,
+        _metrics={"train": defaultdict(list), "eval": defaultdict(list)},
+    )
+    state.update(attrs)
+    state["_entropy_bonus_enabled"] = state["entropy_coef"] != 0.0
+    trainer.__dict__.update(state)
+    return trainer
+
+
+def make_batch(seed, per_token_adv=False):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, T + 1, (B,), generator=g)
+    lengths[2] = 0  # a sequence with no valid token
+    mask = (torch.arange(T)[None] < lengths[:, None]).long()
+    old = -torch.rand(B, T, generator=g, dtype=torch.float64) * 3 - 0.05
+    lp = old + 0.25 * torch.randn(B, T, generator=g, dtype=torch.float64)
+    lp = lp.clamp(max=-1e-3)
+    ref = old + 0.2 * torch.randn(B, T, generator=g, dtype=torch.float64)
+    sampling = old + 0.3 * torch.randn(B, T, generator=g, dtype=torch.float64)
+    # fp32-representable entropies: TRL takes its quantile in fp32
+    entropy = (torch.rand(B, T, generator=g) * 2).double()
+    adv_shape = (B, T) if per_token_adv else (B,)
+    adv = torch.randn(adv_shape, generator=g, dtype=torch.float64)
+    return SimpleNamespace(lp=lp, old=old, ref=ref, sampling=sampling, entropy=entropy, adv=adv,
+                           mask=mask)
+
+
+def run_trl(trainer, batch, **extra_inputs):
+    lp = batch.lp.clone().requires_grad_()
+    entropy = batch.entropy.clone().requires_grad_()
+    trainer._get_per_token_logps_and_entropies = lambda *a, **k: (lp, entropy, None)
+    inputs = {
+        "prompt_ids": torch.zeros(B, 1, dtype=torch.long),
+        "prompt_mask": torch.ones(B, 1, dtype=torch.long),
+        "completion_ids": torch.zeros(B, T, dtype=torch.long),
+        "completion_mask": batch.mask,
+        "advantages": batch.adv,
+        "old_per_token_logps": batch.old,
+        "ref_per_token_logps": batch.ref,
+        "num_items_in_batch": batch.mask.sum() * 3,
+        **extra_inputs,
+    }
+    loss = type(trainer)._compute_loss(trainer, None, inputs)
+    loss.backward()
+    metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
+    grad_h = entropy.grad if entropy.grad is not None else torch.zeros_like(entropy)
+    return loss.detach(), lp.grad, grad_h, metrics
+
+
+def run_ours(config, batch, **kwargs):
+    lp = batch.lp.clone().requires_grad_()
+    entropy = batch.entropy.clone().requires_grad_()
+    loss, metrics = policy_loss(
+        lp, batch.old, batch.adv, batch.mask, config, ref_logprobs=batch.ref, entropy=entropy,
+        num_items_in_batch=batch.mask.sum() * 3, **kwargs,
+    )
+    loss.backward()
+    grad_h = entropy.grad if entropy.grad is not None else torch.zeros_like(entropy)
+    return loss.detach(), lp.grad, grad_h, metrics
+
+
+def assert_rel(ours, theirs, tol, name):
+    scale = theirs.abs().max().clamp(min=1e-30)
+    err = (ours - theirs).abs().max() / scale
+    assert err <= tol, f"{name}: relative error {float(err):.3e}"
+
+
+TRL_METRICS = {
+    "kl": "kl",
+    "entropy": "entropy/mean",
+    "clip_ratio/low_mean": "clip_ratio/low",
+    "clip_ratio/high_mean": "clip_ratio/high",
+    "clip_ratio/region_mean": "clip_ratio/region",
+    "cispo_clip_ratio": "clip_ratio/high",
+}
+
+
+def compare(trainer, config, batch, trl_inputs=None, our_kwargs=None):
+    loss_t, g_t, gh_t, met_t = run_trl(trainer, batch, **(trl_inputs or {}))
+    loss_o, g_o, gh_o, met_o = run_ours(config, batch, **(our_kwargs or {}))
+    assert_rel(loss_o, loss_t, 1e-10, "loss")
+    assert_rel(g_o, g_t, 1e-10, "d loss / d logprobs")
+    assert_rel(gh_o, gh_t, 1e-10, "d loss / d entropy")
+    checked = 0
+    for trl_name, our_name in TRL_METRICS.items():
+        if trl_name in met_t:
+            assert abs(float(met_o[our_name]) - met_t[trl_name]) <= 1e-6, trl_name
+            checked += 1
+    assert checked >= 1
+
+
+def our_config(loss_type, *, epsilon=0.2, epsilon_high=None, level="token", **kw):
+    eps_high = epsilon if epsilon_high is None else epsilon_high
+    extra = {}
+    if loss_type == "cispo":
+        # TRL's epsilon_high is the ratio cap itself (ScaleRL's eps_max): min(r, 1 + eps_high)
+        extra = dict(cispo_clip="upper")
+        eps_high = eps_high - 1
+    return PolicyLossConfig(
+        objective=loss_type, ratio_level=level, eps_low=epsilon, eps_high=eps_high,
+        grad_accum_steps=GA, dp_size=2, max_response_length=T + 3, entropy_agg="bnpo",
+        kl_bias_correction_grad=True, **extra, **kw,
+    )
+
+
+LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_loss_types(loss_type, level):
+    if loss_type == "vespo" and level == "sequence":
+        pytest.skip("TRL's vespo computes its own sequence weights from token ratios")
+    eps_high = 4.0 if loss_type == "cispo" else 0.28
+    batch = make_batch(hash((loss_type, level)) % 1000)
+    trainer = make_trainer(loss_type=loss_type, importance_sampling_level=level, epsilon_low=0.2,
+                           epsilon_high=eps_high)
+    config = our_config(loss_type, epsilon_high=eps_high, level=level)
+    compare(trainer, config, batch)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "cispo", "sapo", "vespo"])
+@pytest.mark.parametrize(
+    "option",
+    ["delta", "beta", "beta_bias_corrected", "top_entropy", "entropy_bonus", "off_policy_mask",
+     "per_token_adv"],
+)
+def test_options(loss_type, option):
+    batch = make_batch(7 + len(option), per_token_adv=option == "per_token_adv")
+    eps_high = 4.0 if loss_type == "cispo" else 0.28
+    trl_kw, our_kw, our_call = {}, {}, {}
+    if option == "delta":
+        trl_kw, our_kw = dict(delta=1.5), dict(delta=1.5)
+        batch.lp = batch.old + 0.6 * torch.randn_like(batch.old)  # ratios beyond delta
+        batch.lp = batch.lp.clamp(max=-1e-3)
+    elif option.startswith("beta"):
+        corrected = option == "beta_bias_corrected"
+        trl_kw = dict(beta=0.07, use_bias_correction_kl=corrected)
+        our_kw = dict(beta=0.07, kl_estimator="k3", kl_bias_correction=corrected)
+    elif option == "top_entropy":
+        trl_kw, our_kw = dict(top_entropy_quantile=0.35), dict(top_entropy_quantile=0.35)
+    elif option == "entropy_bonus":
+        trl_kw = dict(entropy_coef=0.03, top_entropy_quantile=0.6)
+        our_kw = dict(entropy_coef=0.03, top_entropy_quantile=0.6)
+    elif option == "off_policy_mask":
+        trl_kw, our_kw = dict(off_policy_mask_threshold=0.05), dict(opsm_threshold=0.05)
+        our_call = dict(rollout_logprobs=batch.sampling)
+    trainer = make_trainer(loss_type=loss_type, epsilon_high=eps_high, **trl_kw)
+    config = our_config(loss_type, epsilon_high=eps_high, **our_kw)
+    trl_inputs = {"sampling_per_token_logps": batch.sampling} if option == "off_policy_mask" else {}
+    compare(trainer, config, batch, trl_inputs, our_call)
+
+
+def test_gmpo():
+    gmpo = pytest.importorskip("trl.experimental.gmpo.gmpo_trainer")
+    for seed, extra in [(1, {}), (2, dict(beta=0.05)), (3, dict(top_entropy_quantile=0.5))]:
+        batch = make_batch(seed)
+        batch.mask[2, 0] = 1  # TRL's GMPO counts an empty sequence as -A; we do not (see notes)
+        trainer = make_trainer(gmpo.GMPOTrainer, epsilon_low=0.4, epsilon_high=0.3, **extra)
+        config = PolicyLossConfig(objective="gmpo", eps_low=0.4, eps_high=0.3, grad_accum_steps=GA,
+                                  **extra)
+        compare(trainer, config, batch)
