@@ -219,3 +219,65 @@ def test_gmpo():
         config = PolicyLossConfig(objective="gmpo", eps_low=0.4, eps_high=0.3, grad_accum_steps=GA,
                                   **extra)
         compare(trainer, config, batch)
+
+
+def trl_generation(trainer, batch, nan_tokens):
+    """Run TRL's `_generate_and_score_completions` on stubbed generation and rewards: it computes
+    the vLLM importance-sampling ratio from our old and sampling logprobs."""
+    lengths = batch.mask.sum(-1).tolist()
+    sampling = [[None if (i, j) in nan_tokens else float(batch.sampling[i, j]) for j in range(n)]
+                for i, n in enumerate(lengths)]
+    completion_ids = [[1] * n for n in lengths]
+    trainer._generate = lambda prompts: ([[0]] * B, completion_ids, None, ["c"] * B, sampling, {},
+                                         None, None)
+    trainer._get_per_token_logps_and_entropies = lambda *a, **k: (batch.old, None, None)
+    trainer._calculate_rewards = lambda *a: torch.arange(B, dtype=torch.float64)[:, None]
+    trainer.__dict__.update(
+        environment_factories=None, tools=None, environments=[], pad_to_multiple_of=None,
+        _tokenizer=SimpleNamespace(pad_token_id=0), mask_truncated_completions=False,
+        num_iterations=1, num_generations=B, multi_objective_aggregation="sum_then_normalize",
+        reward_weights=torch.ones(1), scale_rewards="group", reward_func_names=["r"],
+        _logs={"prompt": [], "completion": [], "rewards": defaultdict(list), "advantages": [],
+               "extra": defaultdict(list)},
+        _pending_extra_logs={}, _pending_metrics={}, log_multimodal=False,
+    )
+    trainer.model.is_gradient_checkpointing = False
+    trainer.args.per_device_train_batch_size = B
+    trainer.args.gradient_accumulation_steps = GA
+    trainer.args.gradient_checkpointing_kwargs = None
+    return GRPOTrainer._generate_and_score_completions(trainer, [{"prompt": "p"}] * B)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "sapo", "vespo"])
+@pytest.mark.parametrize(
+    "mode", ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
+)
+def test_vllm_importance_sampling(loss_type, mode):
+    if loss_type == "vespo" and mode.startswith("sequence"):
+        pytest.skip("TRL rejects vespo with sequence-level vLLM IS")
+    batch = make_batch(11)
+    # fp32-representable: TRL builds the sampling logprobs with torch.tensor (default dtype)
+    batch.sampling = (batch.old + 0.15 * torch.randn_like(batch.old)).float().double()
+    clip_min, clip_max = (0.8, 1.1) if mode.startswith("token") else (0.5, 1.3)
+    trainer = make_trainer(loss_type=loss_type, epsilon_high=0.28, use_vllm=True,
+                           vllm_importance_sampling_correction=True,
+                           vllm_importance_sampling_mode=mode,
+                           vllm_importance_sampling_clip_min=clip_min,
+                           vllm_importance_sampling_clip_max=clip_max)
+    nan_tokens = {(0, 0), (3, 1)}
+    out = trl_generation(trainer, batch, nan_tokens)
+    rollout = batch.sampling.clone()
+    for i, j in nan_tokens:
+        rollout[i, j] = float("nan")
+    level, how = mode.split("_")
+    config = our_config(loss_type, epsilon_high=0.28, rollout_is=level,
+                        rollout_is_mode="mask" if how == "mask" else "truncate",
+                        rollout_is_min=clip_min, rollout_is_max=clip_max)
+    trl_inputs = {"importance_sampling_ratio": out["importance_sampling_ratio"],
+                  "sampling_per_token_logps": out["sampling_per_token_logps"]}
+    compare(trainer, config, batch, trl_inputs, dict(rollout_logprobs=rollout))
+    _, _, _, ours = run_ours(config, batch, rollout_logprobs=rollout)
+    logged = {k: v[-1] for k, v in trainer._metrics["train"].items()}
+    for stat in ("min", "mean", "max"):
+        theirs = logged[f"sampling/importance_sampling_ratio/{stat}"]
+        assert abs(float(ours[f"is_weight/{stat}"]) - theirs) <= 1e-6, stat
