@@ -16,6 +16,8 @@ from logitless.kernels.softmax_partials import Partials, merge, stack
 # tile plus one scratch tile of the same size; the backward the same two.
 DEFAULT_TILE_BYTES = 64 * 2**20
 _TILE_BUFFERS = 2
+# torch >= 2.8 can write a bf16 x bf16 GEMM straight into an fp32 output on CUDA.
+_MM_OUT_DTYPE = "out_dtype" in (torch.addmm.__doc__ or "")
 
 
 def _tile_shape(n: int, v: int, tile_bytes: int) -> tuple[int, int]:
@@ -30,12 +32,12 @@ def _tile_shape(n: int, v: int, tile_bytes: int) -> tuple[int, int]:
     return 1, max(1, min(v, elems))
 
 
-def _logits_tile(hidden, weight, bias, temperature, softcap, logit_scale):
+def logits_tile(hidden, weight, bias, temperature, softcap, logit_scale):
     """Tempered fp32 logits of one tile, and ``tanh(x / c)`` when softcapping (for the backward)."""
     x = hidden @ weight.t()
     if bias is not None:
         x += bias
-    x = x.to(_acc_dtype(x.dtype))
+    x = x.to(acc_dtype(x.dtype))
     t = None
     if softcap is not None:
         t = torch.tanh(x.div_(softcap))
@@ -45,12 +47,12 @@ def _logits_tile(hidden, weight, bias, temperature, softcap, logit_scale):
     return x, t
 
 
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     """Statistics accumulate in fp32 (fp64 inputs stay fp64, for gradcheck and the oracle)."""
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _tile_partials(z: torch.Tensor, local_targets: torch.Tensor, want_s2: bool, want_sum_z: bool):
+def tile_partials(z: torch.Tensor, local_targets: torch.Tensor, want_s2: bool, want_sum_z: bool):
     """Partial statistics of one fp32 logits tile ``z [n, v]``; ``z`` is overwritten."""
     n = z.shape[0]
     has_y = (local_targets >= 0) & (local_targets < z.shape[1])
@@ -86,11 +88,11 @@ def forward(hidden, weight, bias, targets, *, temperature, softcap, logit_scale,
         parts = []
         for c0 in range(0, v, cols):
             b = None if bias is None else bias[c0:c0 + cols]
-            z, _ = _logits_tile(h, weight[c0:c0 + cols], b, temperature, softcap, logit_scale)
-            parts.append(_tile_partials(z, tgt - c0, want_s2, want_sum_z))
+            z, _ = logits_tile(h, weight[c0:c0 + cols], b, temperature, softcap, logit_scale)
+            parts.append(tile_partials(z, tgt - c0, want_s2, want_sum_z))
         out.append(parts[0] if len(parts) == 1 else merge(stack(parts)))
     if not out:
-        empty = hidden.new_empty(0, dtype=_acc_dtype(hidden.dtype))
+        empty = hidden.new_empty(0, dtype=acc_dtype(hidden.dtype))
         return Partials(*(empty,) * 6)
     return Partials(*(torch.cat(f) for f in zip(*out)))
 
@@ -108,13 +110,12 @@ def backward(hidden, weight, bias, targets, lse, entropy, sum_p_sq, g_lp, g_entr
     """
     n, v = hidden.shape[0], weight.shape[0]
     rows, cols = _tile_shape(n, v, tile_bytes)
-    acc = _acc_dtype(hidden.dtype)
+    acc = acc_dtype(hidden.dtype)
     d_hidden = hidden.new_zeros(hidden.shape, dtype=acc) if need_hidden else None
     d_weight = weight.new_zeros(weight.shape, dtype=acc) if need_weight else None
     d_bias = weight.new_zeros(v, dtype=acc) if need_bias else None
     if not (need_hidden or need_weight or need_bias) or n == 0:
         return d_hidden, d_weight, d_bias
-    # The GEMMs run in the input dtype with an fp32 result; for fp32 inputs no casts happen.
     gemm_dtype = hidden.dtype
     for r0 in range(0, n, rows):
         sl = slice(r0, r0 + rows)
@@ -124,25 +125,43 @@ def backward(hidden, weight, bias, targets, lse, entropy, sum_p_sq, g_lp, g_entr
         for c0 in range(0, v, cols):
             w = weight[c0:c0 + cols]
             b = None if bias is None else bias[c0:c0 + cols]
-            z, t = _logits_tile(h, w, b, temperature, softcap, logit_scale)
-            dz = _logit_grad_(z, targets[sl] - c0, *per_row, vocab_total)
-            # Through the transform: dz/dx = scale / T * (1 - tanh^2) with softcap.
-            if t is not None:
-                dz *= t.mul_(t).neg_().add_(1.0)
-            factor = logit_scale / temperature
-            if factor != 1.0:
-                dz *= factor
-            dx = dz.to(gemm_dtype)
+            z, t = logits_tile(h, w, b, temperature, softcap, logit_scale)
+            dz = logit_grad_(z, targets[sl] - c0, *per_row, vocab_total)
+            dx = through_transform_(dz, t, logit_scale, temperature).to(gemm_dtype)
             if d_hidden is not None:
-                d_hidden[sl] += dx @ w
+                addmm_acc_(d_hidden[sl], dx, w)
             if d_weight is not None:
-                d_weight[c0:c0 + cols] += dx.t() @ h
+                addmm_acc_(d_weight[c0:c0 + cols], dx.t(), h)
             if d_bias is not None:
                 d_bias[c0:c0 + cols] += dz.sum(0)
     return d_hidden, d_weight, d_bias
 
 
-def _logit_grad_(z, local_targets, lse, entropy, sum_p_sq, g_lp, g_entropy, g_sum_p_sq,
+def addmm_acc_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``acc += a @ b`` into an fp32 (fp64) accumulator without rounding ``a @ b`` to bf16/fp16.
+
+    Rounding each tile's product to the inputs' 8-bit mantissa before summing the tiles biases
+    the weight gradient (TRL measured the entropy drifting down over a few dozen steps).
+    """
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+    elif acc.is_cuda and _MM_OUT_DTYPE:
+        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+    else:
+        acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
+
+
+def through_transform_(dz, t, logit_scale, temperature):
+    """``dz -> dx`` in place: ``dz/dx = scale / T * (1 - tanh(x/c)^2)`` (``t`` None: no cap)."""
+    if t is not None:
+        dz *= t.mul_(t).neg_().add_(1.0)
+    factor = logit_scale / temperature
+    if factor != 1.0:
+        dz *= factor
+    return dz
+
+
+def logit_grad_(z, local_targets, lse, entropy, sum_p_sq, g_lp, g_entropy, g_sum_p_sq,
                  g_mean_logit, vocab_total):
     """Overwrite the fp32 logits tile ``z`` with ``d loss / d z`` and return it.
 
