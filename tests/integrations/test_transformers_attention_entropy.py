@@ -1,0 +1,188 @@
+"""AttentionEntropyRecorder on tiny random transformers models (built from configs, nothing
+downloaded): entropies equal those of the attention probabilities eager attention returns, for
+models running eager and sdpa; logits bit-identical with and without the recorder; padding
+left and right, packed inputs, sliding windows, GQA; the config restored on exit."""
+
+import copy
+
+import pytest
+import torch
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from logitless.integrations.transformers import AttentionEntropyRecorder
+
+SMALL = dict(
+    vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+)
+ARCHS = {
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 8}),
+    "llama": (LlamaConfig, LlamaForCausalLM, {}),
+    # Sliding window on the last two layers (window 4 < T): a different mask per layer.
+    "qwen2-sliding": (Qwen2Config, Qwen2ForCausalLM,
+                      {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1}),
+}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny matmuls: one intra-op thread avoids OpenMP spin-waits on a shared CPU (x20)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def build(arch, impl):
+    config_cls, model_cls, extra = ARCHS[arch]
+    torch.manual_seed(0)
+    config = config_cls(**SMALL, **extra)
+    return model_cls._from_config(config, attn_implementation=impl).eval()
+
+
+def eager_twin(model):
+    config = copy.deepcopy(model.config)  # _from_config would switch the model's own config
+    twin = type(model)._from_config(config, attn_implementation="eager").eval()
+    twin.load_state_dict(model.state_dict())
+    return twin
+
+
+def entropy_of(probs):
+    """[L, B, H, T, T] probabilities -> [L, B, H, T] entropies in fp64."""
+    p = probs.double()
+    return -torch.where(p > 0, p * p.log(), torch.zeros_like(p)).sum(-1)
+
+
+def batch(padding, b=3, t=13):
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, SMALL["vocab_size"], (b, t), generator=gen)
+    mask = torch.ones(b, t, dtype=torch.long)
+    lengths = torch.tensor([t, t - 4, 6])
+    pos = torch.arange(t)[None]
+    if padding == "right":
+        mask = (pos < lengths[:, None]).long()
+    elif padding == "left":
+        mask = (pos >= t - lengths[:, None]).long()
+    return ids, mask
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+@pytest.mark.parametrize("padding", ["none", "left", "right"])
+def test_recorder_matches_eager_probabilities(arch, impl, padding):
+    model = build(arch, impl)
+    ids, mask = batch(padding)
+    with torch.no_grad():
+        plain = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        with AttentionEntropyRecorder(model) as rec:
+            recorded = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        twin = eager_twin(model)
+        probs = twin(input_ids=ids, attention_mask=mask, output_attentions=True, use_cache=False)
+    assert torch.equal(plain, recorded)  # bit-identical
+    assert model.config._attn_implementation == impl
+    expected = entropy_of(torch.stack(probs.attentions))
+    got = rec.per_layer()
+    assert got.shape == (3, 3, 4, 13) and got.dtype == torch.float32
+    valid = mask.bool()[None, :, None, :].expand_as(got)
+    torch.testing.assert_close(got.double()[valid], expected[valid], atol=2e-6, rtol=0)
+    assert (got[~valid] == 0).all()
+    torch.testing.assert_close(rec.per_token(), got.mean(dim=(0, 2)))
+
+
+def test_recorder_with_output_attentions_in_eager():
+    """Inside the recorder, eager still returns its probabilities; the two agree."""
+    model = build("qwen2", "eager")
+    ids, mask = batch("left")
+    with torch.no_grad(), AttentionEntropyRecorder(model, layers=[0, 2]) as rec:
+        # With the default cache, as a scoring pass runs.
+        out = model(input_ids=ids, attention_mask=mask, output_attentions=True)
+    expected = entropy_of(torch.stack(out.attentions)[[0, 2]])
+    valid = mask.bool()[None, :, None, :].expand(2, 3, 4, 13)
+    torch.testing.assert_close(rec.per_layer().double()[valid], expected[valid], atol=2e-6,
+                               rtol=0)
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+def test_packed_inputs_equal_separate_sequences(impl):
+    model = build("qwen2", impl)
+    lengths = [5, 7, 4]
+    gen = torch.Generator().manual_seed(2)
+    seqs = [torch.randint(0, SMALL["vocab_size"], (1, n), generator=gen) for n in lengths]
+    ids = torch.cat(seqs, dim=1)
+    position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
+    with torch.no_grad(), AttentionEntropyRecorder(model, heads=[1, 2]) as rec:
+        model(input_ids=ids, position_ids=position_ids, use_cache=False)
+        packed = rec.per_layer()
+        alone = []
+        for s in seqs:
+            model(input_ids=s, use_cache=False)
+            alone.append(rec.per_layer())
+    assert packed.shape == (3, 1, 2, 16)
+    torch.testing.assert_close(packed, torch.cat(alone, dim=-1), atol=2e-6, rtol=0)
+
+
+def test_layer_and_head_selection():
+    model = build("qwen2", "sdpa")
+    ids, mask = batch("right")
+    with torch.no_grad():
+        with AttentionEntropyRecorder(model) as full:
+            model(input_ids=ids, attention_mask=mask, use_cache=False)
+        with AttentionEntropyRecorder(model, layers=[2, 0], heads=[3, 1]) as part:
+            model(input_ids=ids, attention_mask=mask, use_cache=False)
+    expected = full.per_layer()[[0, 2]][:, :, [1, 3]]
+    torch.testing.assert_close(part.per_layer(), expected, atol=1e-6, rtol=0)
+    torch.testing.assert_close(part.per_layer("mean"), expected.mean(2))
+    torch.testing.assert_close(part.per_token(), expected.mean(dim=(0, 2)))
+
+
+def test_with_grad_the_model_still_trains():
+    model = build("llama", "sdpa")
+    ids, mask = batch("left")
+    with AttentionEntropyRecorder(model) as rec:
+        loss = model(input_ids=ids, attention_mask=mask, use_cache=False).logits.square().mean()
+    loss.backward()
+    assert model.model.layers[0].self_attn.q_proj.weight.grad is not None
+    assert not rec.per_token().requires_grad
+
+
+def test_restores_config_and_registries_on_error():
+    model = build("qwen2", "sdpa")
+    ids, _ = batch("none")
+    key = None
+    with pytest.raises(RuntimeError, match="boom"), AttentionEntropyRecorder(model) as rec:
+        key = rec._key
+        assert model.config._attn_implementation == key
+        raise RuntimeError("boom")
+    assert model.config._attn_implementation == "sdpa"
+    assert key not in ALL_ATTENTION_FUNCTIONS._global_mapping
+    assert key not in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping
+    with torch.no_grad():
+        model(input_ids=ids)  # still runs with its own attention
+
+
+def test_bad_input():
+    model = build("qwen2", "eager")
+    ids, mask = batch("left")
+    with pytest.raises(ValueError, match="layers"):
+        AttentionEntropyRecorder(model, layers=[3])
+    with pytest.raises(ValueError, match="heads"):
+        AttentionEntropyRecorder(model, heads=[0, 0])
+    with pytest.raises(ValueError, match="model must be"):
+        AttentionEntropyRecorder(torch.nn.Linear(2, 2))
+    with torch.no_grad(), AttentionEntropyRecorder(model) as rec:
+        with pytest.raises(ValueError, match="no attention entropy recorded"):
+            rec.per_token()
+        with pytest.raises(ValueError, match="2D"):
+            model(input_ids=ids, attention_mask=mask[:, None, None, :].float())
+        with pytest.raises(ValueError, match="reduce_heads"):
+            rec.per_layer("sum")
