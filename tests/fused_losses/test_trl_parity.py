@@ -44,20 +44,38 @@ class _SingleProcess:
 def make_trainer(cls=GRPOTrainer, *, num_processes=2, **attrs):
     trainer = object.__new__(cls)
     args = SimpleNamespace(
-        use_bias_correction_kl=False, delta=None, sapo_temperature_pos=1.0,
-        sapo_temperature_neg=1.05, vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0,
-        vespo_lambda_neg=2.0, steps_per_generation=GA,
+        use_bias_correction_kl=False,
+        delta=None,
+        sapo_temperature_pos=1.0,
+        sapo_temperature_neg=1.05,
+        vespo_k_pos=2.0,
+        vespo_lambda_pos=3.0,
+        vespo_k_neg=3.0,
+        vespo_lambda_neg=2.0,
+        steps_per_generation=GA,
     )
     for key in list(attrs):
         if key in vars(args):
             setattr(args, key, attrs.pop(key))
     state = dict(
-        args=args, accelerator=_SingleProcess(num_processes), model=SimpleNamespace(training=True),
-        aux_loss_enabled=False, top_entropy_quantile=1.0, off_policy_mask_threshold=None,
-        importance_sampling_level="token", beta=0.0, loss_type="grpo", epsilon_low=0.2,
-        epsilon_high=0.2, use_vllm=False, vllm_importance_sampling_correction=False,
-        current_gradient_accumulation_steps=GA, max_completion_length=T + 3,
-        _entropy_bonus_enabled=False, use_adaptive_entropy=False, entropy_coef=0.0,
+        args=args,
+        accelerator=_SingleProcess(num_processes),
+        model=SimpleNamespace(training=True),
+        aux_loss_enabled=False,
+        top_entropy_quantile=1.0,
+        off_policy_mask_threshold=None,
+        importance_sampling_level="token",
+        beta=0.0,
+        loss_type="grpo",
+        epsilon_low=0.2,
+        epsilon_high=0.2,
+        use_vllm=False,
+        vllm_importance_sampling_correction=False,
+        current_gradient_accumulation_steps=GA,
+        max_completion_length=T + 3,
+        _entropy_bonus_enabled=False,
+        use_adaptive_entropy=False,
+        entropy_coef=0.0,
         _metrics={"train": defaultdict(list), "eval": defaultdict(list)},
     )
     state.update(attrs)
@@ -80,8 +98,9 @@ def make_batch(seed, per_token_adv=False):
     entropy = (torch.rand(B, T, generator=g) * 2).double()
     adv_shape = (B, T) if per_token_adv else (B,)
     adv = torch.randn(adv_shape, generator=g, dtype=torch.float64)
-    return SimpleNamespace(lp=lp, old=old, ref=ref, sampling=sampling, entropy=entropy, adv=adv,
-                           mask=mask)
+    return SimpleNamespace(
+        lp=lp, old=old, ref=ref, sampling=sampling, entropy=entropy, adv=adv, mask=mask
+    )
 
 
 def run_trl(trainer, batch, **extra_inputs):
@@ -110,8 +129,15 @@ def run_ours(config, batch, **kwargs):
     lp = batch.lp.clone().requires_grad_()
     entropy = batch.entropy.clone().requires_grad_()
     loss, metrics = policy_loss(
-        lp, batch.old, batch.adv, batch.mask, config, ref_logprobs=batch.ref, entropy=entropy,
-        num_items_in_batch=batch.mask.sum() * 3, **kwargs,
+        lp,
+        batch.old,
+        batch.adv,
+        batch.mask,
+        config,
+        ref_logprobs=batch.ref,
+        entropy=entropy,
+        num_items_in_batch=batch.mask.sum() * 3,
+        **kwargs,
     )
     loss.backward()
     grad_h = entropy.grad if entropy.grad is not None else torch.zeros_like(entropy)
@@ -156,9 +182,17 @@ def our_config(loss_type, *, epsilon=0.2, epsilon_high=None, level="token", **kw
         extra = dict(cispo_clip="upper")
         eps_high = eps_high - 1
     return PolicyLossConfig(
-        objective=loss_type, ratio_level=level, eps_low=epsilon, eps_high=eps_high,
-        grad_accum_steps=GA, dp_size=2, max_response_length=T + 3, entropy_agg="bnpo",
-        kl_bias_correction_grad=True, **extra, **kw,
+        objective=loss_type,
+        ratio_level=level,
+        eps_low=epsilon,
+        eps_high=eps_high,
+        grad_accum_steps=GA,
+        dp_size=2,
+        max_response_length=T + 3,
+        entropy_agg="bnpo",
+        kl_bias_correction_grad=True,
+        **extra,
+        **kw,
     )
 
 
@@ -172,8 +206,9 @@ def test_loss_types(loss_type, level):
         pytest.skip("TRL's vespo computes its own sequence weights from token ratios")
     eps_high = 4.0 if loss_type == "cispo" else 0.28
     batch = make_batch(hash((loss_type, level)) % 1000)
-    trainer = make_trainer(loss_type=loss_type, importance_sampling_level=level, epsilon_low=0.2,
-                           epsilon_high=eps_high)
+    trainer = make_trainer(
+        loss_type=loss_type, importance_sampling_level=level, epsilon_low=0.2, epsilon_high=eps_high
+    )
     config = our_config(loss_type, epsilon_high=eps_high, level=level)
     compare(trainer, config, batch)
 
@@ -181,8 +216,15 @@ def test_loss_types(loss_type, level):
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo", "cispo", "sapo", "vespo"])
 @pytest.mark.parametrize(
     "option",
-    ["delta", "beta", "beta_bias_corrected", "top_entropy", "entropy_bonus", "off_policy_mask",
-     "per_token_adv"],
+    [
+        "delta",
+        "beta",
+        "beta_bias_corrected",
+        "top_entropy",
+        "entropy_bonus",
+        "off_policy_mask",
+        "per_token_adv",
+    ],
 )
 def test_options(loss_type, option):
     batch = make_batch(7 + len(option), per_token_adv=option == "per_token_adv")
@@ -216,8 +258,9 @@ def test_gmpo():
         batch = make_batch(seed)
         batch.mask[2, 0] = 1  # TRL's GMPO counts an empty sequence as -A; we do not (see notes)
         trainer = make_trainer(gmpo.GMPOTrainer, epsilon_low=0.4, epsilon_high=0.3, **extra)
-        config = PolicyLossConfig(objective="gmpo", eps_low=0.4, eps_high=0.3, grad_accum_steps=GA,
-                                  **extra)
+        config = PolicyLossConfig(
+            objective="gmpo", eps_low=0.4, eps_high=0.3, grad_accum_steps=GA, **extra
+        )
         compare(trainer, config, batch)
 
 
@@ -225,21 +268,46 @@ def trl_generation(trainer, batch, nan_tokens):
     """Run TRL's `_generate_and_score_completions` on stubbed generation and rewards: it computes
     the vLLM importance-sampling ratio from our old and sampling logprobs."""
     lengths = batch.mask.sum(-1).tolist()
-    sampling = [[None if (i, j) in nan_tokens else float(batch.sampling[i, j]) for j in range(n)]
-                for i, n in enumerate(lengths)]
+    sampling = [
+        [None if (i, j) in nan_tokens else float(batch.sampling[i, j]) for j in range(n)]
+        for i, n in enumerate(lengths)
+    ]
     completion_ids = [[1] * n for n in lengths]
-    trainer._generate = lambda prompts: ([[0]] * B, completion_ids, None, ["c"] * B, sampling, {},
-                                         None, None)
+    trainer._generate = lambda prompts: (
+        [[0]] * B,
+        completion_ids,
+        None,
+        ["c"] * B,
+        sampling,
+        {},
+        None,
+        None,
+    )
     trainer._get_per_token_logps_and_entropies = lambda *a, **k: (batch.old, None, None)
     trainer._calculate_rewards = lambda *a: torch.arange(B, dtype=torch.float64)[:, None]
     trainer.__dict__.update(
-        environment_factories=None, tools=None, environments=[], pad_to_multiple_of=None,
-        _tokenizer=SimpleNamespace(pad_token_id=0), mask_truncated_completions=False,
-        num_iterations=1, num_generations=B, multi_objective_aggregation="sum_then_normalize",
-        reward_weights=torch.ones(1), scale_rewards="group", reward_func_names=["r"],
-        _logs={"prompt": [], "completion": [], "rewards": defaultdict(list), "advantages": [],
-               "extra": defaultdict(list)},
-        _pending_extra_logs={}, _pending_metrics={}, log_multimodal=False,
+        environment_factories=None,
+        tools=None,
+        environments=[],
+        pad_to_multiple_of=None,
+        _tokenizer=SimpleNamespace(pad_token_id=0),
+        mask_truncated_completions=False,
+        num_iterations=1,
+        num_generations=B,
+        multi_objective_aggregation="sum_then_normalize",
+        reward_weights=torch.ones(1),
+        scale_rewards="group",
+        reward_func_names=["r"],
+        _logs={
+            "prompt": [],
+            "completion": [],
+            "rewards": defaultdict(list),
+            "advantages": [],
+            "extra": defaultdict(list),
+        },
+        _pending_extra_logs={},
+        _pending_metrics={},
+        log_multimodal=False,
     )
     trainer.model.is_gradient_checkpointing = False
     trainer.args.per_device_train_batch_size = B
@@ -259,22 +327,33 @@ def test_vllm_importance_sampling(loss_type, mode):
     # fp32-representable: TRL builds the sampling logprobs with torch.tensor (default dtype)
     batch.sampling = (batch.old + 0.15 * torch.randn_like(batch.old)).float().double()
     clip_min, clip_max = (0.8, 1.1) if mode.startswith("token") else (0.5, 1.3)
-    trainer = make_trainer(loss_type=loss_type, epsilon_high=0.28, use_vllm=True,
-                           vllm_importance_sampling_correction=True,
-                           vllm_importance_sampling_mode=mode,
-                           vllm_importance_sampling_clip_min=clip_min,
-                           vllm_importance_sampling_clip_max=clip_max)
+    trainer = make_trainer(
+        loss_type=loss_type,
+        epsilon_high=0.28,
+        use_vllm=True,
+        vllm_importance_sampling_correction=True,
+        vllm_importance_sampling_mode=mode,
+        vllm_importance_sampling_clip_min=clip_min,
+        vllm_importance_sampling_clip_max=clip_max,
+    )
     nan_tokens = {(0, 0), (3, 1)}
     out = trl_generation(trainer, batch, nan_tokens)
     rollout = batch.sampling.clone()
     for i, j in nan_tokens:
         rollout[i, j] = float("nan")
     level, how = mode.split("_")
-    config = our_config(loss_type, epsilon_high=0.28, rollout_is=level,
-                        rollout_is_mode="mask" if how == "mask" else "truncate",
-                        rollout_is_min=clip_min, rollout_is_max=clip_max)
-    trl_inputs = {"importance_sampling_ratio": out["importance_sampling_ratio"],
-                  "sampling_per_token_logps": out["sampling_per_token_logps"]}
+    config = our_config(
+        loss_type,
+        epsilon_high=0.28,
+        rollout_is=level,
+        rollout_is_mode="mask" if how == "mask" else "truncate",
+        rollout_is_min=clip_min,
+        rollout_is_max=clip_max,
+    )
+    trl_inputs = {
+        "importance_sampling_ratio": out["importance_sampling_ratio"],
+        "sampling_per_token_logps": out["sampling_per_token_logps"],
+    }
     compare(trainer, config, batch, trl_inputs, dict(rollout_logprobs=rollout))
     _, _, _, ours = run_ours(config, batch, rollout_logprobs=rollout)
     logged = {k: v[-1] for k, v in trainer._metrics["train"].items()}

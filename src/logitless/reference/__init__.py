@@ -7,11 +7,33 @@ Nothing here is fast; everything here is obviously the formula. One file per op.
 
 from logitless.reference.attention import attention_entropy, attention_visibility
 from logitless.reference.linear_softmax import linear_logits, linear_softmax_stats, softcap
+from logitless.reference.objectives import (
+    aggregate_loop,
+    kl_loop,
+    policy_loss_reference,
+    prefix_min_loop,
+    prefix_sum_loop,
+    quantile_loop,
+    ratio_loop,
+    rollout_rejection_keep_loop,
+    segment_sum_loop,
+    suffix_sum_loop,
+)
 
 __all__ = [
+    "aggregate_loop",
     "attention_entropy",
     "attention_visibility",
+    "kl_loop",
     "linear_logits",
     "linear_softmax_stats",
+    "policy_loss_reference",
+    "prefix_min_loop",
+    "prefix_sum_loop",
+    "quantile_loop",
+    "ratio_loop",
+    "rollout_rejection_keep_loop",
+    "segment_sum_loop",
     "softcap",
+    "suffix_sum_loop",
 ]

@@ -1,0 +1,403 @@
+"""policy_loss and its parts against the plain-loop reference, padded and packed, fp64."""
+
+import pytest
+import torch
+
+from logitless import PolicyLossConfig, policy_loss, policy_loss_globals
+from logitless import reference as ref
+from logitless.fused_losses import segments
+from logitless.fused_losses.config import parse_rollout_rs
+from logitless.fused_losses.objectives import OBJECTIVES
+from logitless.fused_losses.rollout_correction import rollout_log_ratio, rollout_rejection_keep
+from logitless.fused_losses.token_selection import quantile
+
+B, T = 5, 11
+
+
+def make(seed, per_token_adv=False, b=B, t=T):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, t + 1, (b,), generator=g)
+    lengths[1] = 0
+    mask = torch.arange(t)[None] < lengths[:, None]
+    old = -torch.rand(b, t, generator=g, dtype=torch.float64) * 2.5 - 0.05
+    lp = (old + 0.3 * torch.randn(b, t, generator=g, dtype=torch.float64)).clamp(max=-1e-3)
+    refl = old + 0.2 * torch.randn(b, t, generator=g, dtype=torch.float64)
+    roll = old + 0.2 * torch.randn(b, t, generator=g, dtype=torch.float64)
+    ent = torch.rand(b, t, generator=g, dtype=torch.float64) * 2
+    adv = torch.randn((b, t) if per_token_adv else (b,), generator=g, dtype=torch.float64)
+    return dict(lp=lp, old=old, ref=refl, roll=roll, ent=ent, adv=adv, mask=mask)
+
+
+def packed(x, mask):
+    return x[mask]
+
+
+def cu_of(mask):
+    return torch.cat([torch.zeros(1, dtype=torch.long), mask.sum(-1).cumsum(0)])
+
+
+def run(cfg, d, layout="padded", **kw):
+    lp = d["lp"].clone().requires_grad_()
+    ent = d["ent"].clone().requires_grad_()
+    mask, adv = d["mask"], d["adv"]
+    args = dict(ref_logprobs=d["ref"], rollout_logprobs=d["roll"], entropy=ent)
+    if layout == "padded":
+        loss, metrics = policy_loss(lp, d["old"], adv, mask, cfg, **args, **kw)
+    else:
+        m = mask
+        p = {k: packed(v, m) for k, v in args.items()}
+        p["entropy"] = packed(ent, m)
+        a = adv if adv.dim() == 1 else packed(adv, m)
+        loss, metrics = policy_loss(
+            packed(lp, m), packed(d["old"], m), a, m[m], cfg, cu_seqlens=cu_of(m), **p, **kw
+        )
+    loss.backward()
+    return (
+        loss.detach(),
+        lp.grad,
+        ent.grad if ent.grad is not None else torch.zeros_like(ent),
+        metrics,
+    )
+
+
+def close(a, b, tol=1e-10, name=""):
+    scale = b.abs().max().clamp(min=1e-12)
+    err = float((a - b).abs().max() / scale)
+    assert err <= tol, f"{name}: relative error {err:.3e}"
+
+
+def test_segments_match_loops_on_both_layouts():
+    d = make(3)
+    x, m = d["old"], d["mask"]
+    cu = cu_of(m)
+    xp = x[m]
+    close(segments.segment_sum(x, m), ref.segment_sum_loop(x, m))
+    close(segments.segment_sum(xp, m[m], cu), ref.segment_sum_loop(x, m))
+    for fn, loop in [
+        (segments.prefix_sum, ref.prefix_sum_loop),
+        (segments.suffix_sum, ref.suffix_sum_loop),
+    ]:
+        close(fn(x, m)[m], loop(x, m)[m])
+        close(fn(xp, m[m], cu), loop(x, m)[m])
+    for exclusive in (False, True):
+        want = ref.prefix_min_loop(x, m, exclusive=exclusive)[m]
+        assert torch.equal(segments.prefix_min(x, m, exclusive=exclusive)[m], want)
+        assert torch.equal(segments.prefix_min(xp, m[m], cu, exclusive=exclusive), want)
+    lengths = m.sum(-1).clamp(min=1).double()
+    close(segments.segment_mean(xp, m[m], cu), ref.segment_sum_loop(x, m) / lengths)
+    xm = torch.where(m, x, -torch.inf).amax(-1)
+    assert torch.equal(segments.segment_max(xp, m[m], cu), torch.where(m.any(-1), xm, 0.0))
+    # gradient of a scan through the packed scatter/gather
+    xg = xp.clone().requires_grad_()
+    (segments.prefix_sum(xg, m[m], cu) * torch.arange(xp.numel())).sum().backward()
+    xr = x.clone().requires_grad_()
+    (ref.prefix_sum_loop(xr, m)[m] * torch.arange(xp.numel())).sum().backward()
+    close(xg.grad, xr.grad[m])
+
+
+def _objective_configs():
+    out = []
+    for name in OBJECTIVES:
+        if name in ("clip_cov", "kl_cov"):
+            continue
+        out.append((name, {}))
+    out += [
+        ("gspo", dict(ratio_level="sequence_token")),
+        ("ctpo", dict(prefix_bound_growth="linear")),
+        ("ctpo", dict(prefix_bound_growth="constant")),
+        ("minpro", dict(minpro_prefix="preceding")),
+        ("ppo", dict(dual_clip_c=2.0)),
+        ("ppo", dict(delta=1.3)),
+        ("cispo", dict(cispo_clip="upper")),
+        ("dhpo", dict(dhpo_mix="entropy")),
+        ("grpo", dict(beta=0.1, entropy_coef=0.02)),
+    ]
+    return out
+
+
+@pytest.mark.parametrize("per_token_adv", [False, True])
+@pytest.mark.parametrize(
+    ("objective", "extra"),
+    _objective_configs(),
+    ids=lambda v: v if isinstance(v, str) else "-".join(map(str, v.values())),
+)
+def test_objective_matches_reference(objective, extra, per_token_adv):
+    d = make(len(objective) + 3 * per_token_adv, per_token_adv)
+    cfg = PolicyLossConfig(objective=objective, max_response_length=T + 2, **extra)
+    lp = d["lp"].clone().requires_grad_()
+    ent = d["ent"].clone().requires_grad_()
+    want = ref.policy_loss_reference(
+        lp, d["old"], d["adv"], d["mask"], cfg, ref=d["ref"], entropy=ent
+    )
+    want.backward()
+    for layout in ("padded", "packed"):
+        loss, g, gh, _ = run(cfg, d, layout)
+        close(loss, want.detach(), name=f"{layout} loss")
+        close(g, lp.grad, name=f"{layout} grad")
+        if cfg.entropy_coef:
+            close(gh, ent.grad, name=f"{layout} entropy grad")
+
+
+@pytest.mark.parametrize(
+    "agg",
+    [
+        "token-mean",
+        "token-sum",
+        "seq-mean-token-mean",
+        "seq-mean-token-sum",
+        "seq-mean-token-sum-norm",
+        "bnpo",
+        "balanced",
+        "length-power",
+    ],
+)
+def test_aggregations_match_reference(agg):
+    d = make(21, per_token_adv=agg == "balanced")
+    cfg = PolicyLossConfig(
+        objective="grpo", loss_agg=agg, max_response_length=T + 4, length_power_alpha=0.7
+    )
+    lp = d["lp"].clone().requires_grad_()
+    want = ref.policy_loss_reference(lp, d["old"], d["adv"], d["mask"], cfg)
+    want.backward()
+    for layout in ("padded", "packed"):
+        loss, g, _, _ = run(cfg, d, layout)
+        close(loss, want.detach(), name=layout)
+        close(g, lp.grad, name=layout)
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3", "abs", "k1+", "k3+", "abs+"])
+def test_kl_estimators_match_reference(estimator):
+    d = make(5)
+    cfg = PolicyLossConfig(objective="dapo", beta=0.3, kl_estimator=estimator)
+    lp = d["lp"].clone().requires_grad_()
+    want = ref.policy_loss_reference(lp, d["old"], d["adv"], d["mask"], cfg, ref=d["ref"])
+    want.backward()
+    loss, g, _, metrics = run(cfg, d)
+    close(loss, want.detach())
+    close(g, lp.grad)
+    kl = ref.kl_loop(d["lp"], d["ref"], estimator)
+    close(metrics["kl"], kl[d["mask"]].mean())
+
+
+def test_global_normalisers_and_scales():
+    d = make(8)
+    base = PolicyLossConfig(objective="dapo")
+    loss, g, _, _ = run(base, d)
+    n = int(d["mask"].sum())
+    scaled = PolicyLossConfig(objective="dapo", dp_size=4, grad_accum_steps=3)
+    loss_g, g_g, _, _ = run(scaled, d, num_items_in_batch=torch.tensor(5 * n))
+    close(loss_g, loss * 4 / 5)
+    close(g_g, g * 4 / 5)
+    loss_l, _, _, _ = run(scaled, d)  # local normaliser: a micro-batch mean, averaged over 3
+    close(loss_l, loss / 3)
+    grpo = PolicyLossConfig(objective="grpo", dp_size=2)
+    loss_s, _, _, _ = run(grpo, d)
+    loss_b, _, _, _ = run(grpo, d, global_batch_size=4 * B)
+    close(loss_b, loss_s * 2 / 4)
+    nonempty = PolicyLossConfig(objective="grpo", seq_count="nonempty")
+    loss_n, _, _, _ = run(nonempty, d)
+    close(loss_n, loss_s * B / (B - 1))
+
+
+def test_entropy_quantile_and_rejection_match_loops():
+    d = make(13)
+    m = d["mask"]
+    valid = d["ent"][m].tolist()
+    assert abs(float(quantile(d["ent"][m], 0.37)) - ref.quantile_loop(valid, 0.37)) < 1e-12
+    opts = parse_rollout_rs("token_k1,seq_sum_k2,seq_mean_k3,seq_max_k2", "0.7_1.4,0.3,0.03,0.06")
+    roll = d["roll"].clone()
+    roll[0, 0] = float("nan")
+    got = rollout_rejection_keep(rollout_log_ratio(d["old"], roll, m), m, opts) & m
+    want = ref.rollout_rejection_keep_loop(d["old"], roll, m, opts)
+    assert torch.equal(got, want)
+    assert not got[m].all() and got[m].any()
+
+
+CHUNK_CONFIGS = [
+    dict(objective="grpo"),
+    dict(objective="dapo", top_entropy_quantile=0.4, entropy_coef=0.01),
+    dict(objective="dr_grpo", beta=0.05, kl_estimator="k3+"),
+    dict(objective="grpo", loss_agg="balanced"),
+    dict(objective="grpo", loss_agg="length-power"),
+    dict(objective="gspo", stapo_prob_threshold=0.3, stapo_entropy_threshold=1.0),
+    dict(
+        objective="cispo",
+        rollout_rs="seq_mean_k3,token_k1",
+        rollout_rs_threshold="0.02,0.7_1.4",
+        rollout_is="sequence",
+        rollout_is_max=1.5,
+    ),
+    dict(objective="ctpo", adv_entropy_top_fraction=0.5, opsm_threshold=0.01),
+    dict(objective="gmpo", top_entropy_quantile=0.5),
+    dict(objective="sapo", attn_entropy_weighting="tanh", attn_entropy_standardize="batch"),
+    dict(objective="dapo", attn_entropy_weighting="high_quantile"),
+]
+
+
+@pytest.mark.parametrize("cfg_kw", CHUNK_CONFIGS, ids=lambda kw: "-".join(map(str, kw.values())))
+def test_chunks_with_batch_globals_sum_to_full_loss(cfg_kw):
+    d = make(17)
+    cfg = PolicyLossConfig(**cfg_kw)
+    hatt = torch.rand(B, T, dtype=torch.float64)
+    full, g_full, _, _ = run(cfg, d, attention_entropy=hatt)
+    glob = policy_loss_globals(
+        d["mask"],
+        d["adv"],
+        cfg,
+        old_logprobs=d["old"],
+        rollout_logprobs=d["roll"],
+        entropy=d["ent"],
+        attention_entropy=hatt,
+    )
+    lp = d["lp"].clone().requires_grad_()
+    total = 0.0
+    for rows in (slice(0, 2), slice(2, B)):
+        loss, _ = policy_loss(
+            lp[rows],
+            d["old"][rows],
+            d["adv"][rows],
+            d["mask"][rows],
+            cfg,
+            ref_logprobs=d["ref"][rows],
+            rollout_logprobs=d["roll"][rows],
+            entropy=d["ent"][rows],
+            attention_entropy=hatt[rows],
+            batch_globals=glob,
+        )
+        total = total + loss
+    total.backward()
+    close(total.detach(), full)
+    close(lp.grad, g_full)
+
+
+def test_empty_sequence_and_empty_batch():
+    d = make(2)
+    for name in OBJECTIVES:
+        loss, g, _, metrics = run(PolicyLossConfig(objective=name, beta=0.1), d)
+        assert torch.isfinite(loss) and torch.isfinite(g).all(), name
+        assert (g[1] == 0).all(), name  # sequence 1 has no valid token
+        assert all(torch.isfinite(v) for v in metrics.values()), name
+    lp = torch.zeros(0, requires_grad=True, dtype=torch.float64)
+    for agg in ("token-mean", "seq-mean-token-mean", "balanced", "length-power"):
+        cfg = PolicyLossConfig(objective="grpo", loss_agg=agg, max_response_length=8)
+        loss, _ = policy_loss(
+            lp,
+            lp.detach(),
+            torch.zeros(0, dtype=torch.float64),
+            torch.zeros(0, dtype=torch.bool),
+            cfg,
+            cu_seqlens=torch.zeros(1, dtype=torch.long),
+        )
+        assert loss.item() == 0.0 and loss.requires_grad
+        loss.backward()
+
+
+def test_cov_objectives():
+    d = make(9, b=8, t=40)
+    for name in ("clip_cov", "kl_cov"):
+        cfg = PolicyLossConfig(
+            objective=name, cov_fraction=0.05, cov_seed=3, clip_cov_lb=-1.0, clip_cov_ub=1.0
+        )
+        a, ga, _, _ = run(cfg, d)
+        b, gb, _, _ = run(cfg, d)
+        assert torch.equal(a, b) and torch.equal(ga, gb), name  # deterministic given a seed
+        plain, _, _, _ = run(
+            PolicyLossConfig(objective="ppo" if name == "clip_cov" else "reinforce", eps_low=0.2), d
+        )
+        assert not torch.equal(a, plain)
+    # kl_cov: -A r everywhere, + |d| on the top tokens by covariance (a plain loop here)
+    m, lp, old = d["mask"], d["lp"], d["old"]
+    adv = d["adv"][:, None].expand_as(lp)
+    a_mean, lp_mean = adv[m].mean(), lp[m].mean()
+    cov = [
+        (float((adv[i, t] - a_mean) * (lp[i, t] - lp_mean)), i, t)
+        for i in range(lp.shape[0])
+        for t in range(lp.shape[1])
+        if m[i, t]
+    ]
+    top = {(i, t) for _, i, t in sorted(cov, reverse=True)[: max(1, int(len(cov) * 0.05))]}
+    total = sum(
+        float(-adv[i, t] * torch.exp(lp[i, t] - old[i, t]))
+        + ((abs(float(lp[i, t] - old[i, t]))) if (i, t) in top else 0.0)
+        for _, i, t in cov
+    )
+    loss, _, _, _ = run(PolicyLossConfig(objective="kl_cov", cov_fraction=0.05), d)
+    assert abs(float(loss) - total / len(cov)) < 1e-12
+
+
+def test_registered_user_objective():
+    from logitless import register_objective
+    from logitless.fused_losses.objectives import ObjectiveOutput
+
+    @register_objective("test_double_reinforce", loss_agg="token-sum")
+    def _double(x):
+        return ObjectiveOutput(-2 * x.adv * x.lp)
+
+    d = make(4)
+    loss, _, _, _ = run(PolicyLossConfig(objective="test_double_reinforce"), d)
+    base, _, _, _ = run(PolicyLossConfig(objective="reinforce", loss_agg="token-sum"), d)
+    close(loss, 2 * base)
+
+
+@pytest.mark.parametrize(
+    ("kw", "field"),
+    [
+        (dict(objective="nope"), "objective"),
+        (dict(ratio_level="tokens"), "ratio_level"),
+        (dict(loss_agg="mean"), "loss_agg"),
+        (dict(kl_estimator="k4"), "kl_estimator"),
+        (dict(dual_clip_c=1.0), "dual_clip_c"),
+        (dict(eps_low=-0.1), "eps_low"),
+        (dict(eps_high=torch.tensor([0.1, -0.2])), "eps_high"),
+        (dict(top_entropy_quantile=0.0), "top_entropy_quantile"),
+        (dict(top_entropy_quantile=1.5), "top_entropy_quantile"),
+        (dict(objective="gmpo", ratio_level="token"), "ratio_level"),
+        (dict(rollout_rs="seq_max_k1", rollout_rs_threshold=2.0), "rollout_rs"),
+        (dict(rollout_rs="token_k2", rollout_rs_threshold="0.1_0.2"), "rollout_rs_threshold"),
+        (dict(stapo_prob_threshold=0.1), "stapo_prob_threshold"),
+        (dict(rollout_is="tokens"), "rollout_is"),
+    ],
+)
+def test_config_validation_names_the_field(kw, field):
+    with pytest.raises(ValueError, match=f"PolicyLossConfig.{field}"):
+        PolicyLossConfig(**kw)
+
+
+def test_objective_defaults():
+    assert PolicyLossConfig(objective="dapo").loss_agg == "token-mean"
+    assert PolicyLossConfig(objective="dapo").eps_high == 0.28
+    assert PolicyLossConfig(objective="dr_grpo").loss_agg == "seq-mean-token-sum-norm"
+    assert PolicyLossConfig(objective="sapo").loss_agg == "seq-mean-token-mean"
+    assert PolicyLossConfig(objective="gspo").ratio_level == "sequence"
+    assert PolicyLossConfig(objective="dapo", loss_agg="token-sum").loss_agg == "token-sum"
+
+
+def test_bad_inputs_name_the_argument():
+    d = make(1)
+    cfg = PolicyLossConfig()
+    lp, old, adv, m = d["lp"], d["old"], d["adv"], d["mask"]
+    cases = [
+        (dict(old_logprobs=old[:, :-1]), "old_logprobs"),
+        (dict(advantages=adv[:-1]), "advantages"),
+        (dict(mask=m[:, :-1]), "logprobs"),
+        (dict(ref_logprobs=old[:-1]), "ref_logprobs"),
+        (dict(token_weights=old[:, 1:]), "token_weights"),
+        (dict(old_logprobs=torch.where(m, old, float("nan"))), "old_logprobs"),
+        (dict(advantages=adv.clone().fill_(float("nan"))), "advantages"),
+    ]
+    for change, name in cases:
+        args = dict(logprobs=lp, old_logprobs=old, advantages=adv, mask=m, config=cfg)
+        args.update(change)
+        with pytest.raises(ValueError, match=name):
+            policy_loss(**args)
+    nan_roll = d["roll"].clone()
+    nan_roll[0, 0] = float("nan")  # NaN rollout logprobs mean "not available": allowed
+    policy_loss(lp, old, adv, m, PolicyLossConfig(rollout_is="token"), rollout_logprobs=nan_roll)
+    cu = cu_of(m)
+    for bad in (cu.flip(0), cu[:-1], cu.double()):
+        with pytest.raises(ValueError, match="cu_seqlens"):
+            policy_loss(lp[m], old[m], adv, m[m], cfg, cu_seqlens=bad)
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        policy_loss(lp[m], old[m], adv, m[m], cfg)
+    with pytest.raises(ValueError, match="ref_logprobs"):
+        policy_loss(lp, old, adv, m, PolicyLossConfig(beta=0.1))
