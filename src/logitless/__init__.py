@@ -4,6 +4,7 @@ __version__ = "0.1.0"
 
 from logitless.fused_losses.attention_entropy import attention_entropy
 from logitless.fused_losses.config import PolicyLossConfig
+from logitless.fused_losses.fused_policy_loss import fused_policy_loss
 from logitless.fused_losses.logprobs import LogprobOutput, linear_logprobs
 from logitless.fused_losses.objectives import register_objective
 from logitless.fused_losses.policy_loss import policy_loss, policy_loss_globals
@@ -12,6 +13,7 @@ __all__ = [
     "LogprobOutput",
     "PolicyLossConfig",
     "attention_entropy",
+    "fused_policy_loss",
     "linear_logprobs",
     "policy_loss",
     "policy_loss_globals",

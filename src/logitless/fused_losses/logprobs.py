@@ -166,7 +166,7 @@ def _vocab_offset(v_local: int, group, device) -> tuple[int, int]:
     return sum(sizes[:rank]), sum(sizes)
 
 
-def _compute_dtype(hidden, weight, bias) -> torch.dtype:
+def compute_dtype(hidden, weight, bias) -> torch.dtype:
     dev = hidden.device.type
     if torch.is_autocast_enabled(dev):
         # Trainers call the head under autocast with fp32 master weights: follow autocast.
@@ -180,7 +180,7 @@ def _compute_dtype(hidden, weight, bias) -> torch.dtype:
     return hidden.dtype
 
 
-def _check(hidden, weight, targets, bias, temperature, softcap, logit_scale, stats):
+def check_head_args(hidden, weight, targets, bias, temperature, softcap, logit_scale, stats):
     if not isinstance(hidden, torch.Tensor) or hidden.dim() < 1:
         raise ValueError("hidden must be a tensor [..., D]")
     if hidden.dtype not in _FLOAT_DTYPES:
@@ -260,8 +260,8 @@ def linear_logprobs(
         and ``mean_logit``; outputs that receive no gradient cost nothing in the backward.
     """
     stats = tuple(stats)
-    _check(hidden, weight, targets, bias, temperature, softcap, logit_scale, stats)
-    dtype = _compute_dtype(hidden, weight, bias)
+    check_head_args(hidden, weight, targets, bias, temperature, softcap, logit_scale, stats)
+    dtype = compute_dtype(hidden, weight, bias)
     hidden, weight = hidden.to(dtype), weight.to(dtype)
     bias = None if bias is None else bias.to(dtype)
 

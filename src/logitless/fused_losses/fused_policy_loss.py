@@ -1,0 +1,394 @@
+"""``fused_policy_loss``: from hidden states to the policy loss at the 3-GEMM floor.
+
+Two strategies (DESIGN.md, "Core op 3"):
+
+- **Sequence-aligned chunks** (gradient in the forward). Whole sequences are grouped up to a
+  token budget. For each group the logits are computed once (GEMM 1), reduced to per-token
+  ``lp`` and ``H``, and the objective runs on that group through :func:`policy_loss` with the
+  batch's :class:`BatchGlobals`, so autograd on the small per-token graph gives
+  ``d loss / d lp`` and ``d loss / d H``. The logits buffer then becomes ``dz`` in place and two
+  GEMMs give the group's hidden gradient and add to the weight gradient (fp32). The backward of
+  the returned loss only scales the stored gradients. 6 N D V FLOPs, memory one group.
+- **Streaming**: ``policy_loss(linear_logprobs(...))``, the vocabulary streamed forward and
+  recomputed backward (8 N D V FLOPs), never the full logits. Used when asked for, for
+  objectives that select tokens from statistics of the whole batch's current logprobs
+  (``clip_cov``, ``kl_cov``), and for a single sequence longer than the budget.
+
+Either way the loss math is :func:`policy_loss`, run once more on the collected per-token
+``lp`` and ``H`` (O(N), no vocabulary) for the loss value and the metrics.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from logitless.fused_losses.config import PolicyLossConfig
+from logitless.fused_losses.logprobs import check_head_args, compute_dtype, linear_logprobs
+from logitless.fused_losses.policy_loss import _NON_GLOBAL_OBJECTIVES as NON_GLOBAL_OBJECTIVES
+from logitless.fused_losses.policy_loss import policy_loss, policy_loss_globals
+from logitless.kernels import linear_softmax_torch as tiles
+from logitless.kernels.softmax_partials import finish
+
+__all__ = ["CPU_MEMORY_BUDGET", "fused_policy_loss", "plan_chunks"]
+
+CPU_MEMORY_BUDGET = 256 * 2**20
+# On CUDA, the default budget is this fraction of the free device memory at call time.
+CUDA_BUDGET_FRACTION = 0.25
+STRATEGIES = ("auto", "chunked", "streaming")
+
+
+def _default_budget(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * CUDA_BUDGET_FRACTION)
+    return CPU_MEMORY_BUDGET
+
+
+def _bytes_per_row(vocab: int, dtype: torch.dtype, softcap: float | None) -> int:
+    """Temporary bytes one token row of a chunk holds at the peak: the fp32 logits (turned into
+    ``dz`` in place), one fp32 scratch row (the exponentials, then the gradient coefficients),
+    the GEMM output in the input dtype before its fp32 copy, and ``tanh`` when soft-capping."""
+    acc = 8 if dtype == torch.float64 else 4
+    gemm_out = 0 if dtype in (torch.float32, torch.float64) else torch.finfo(dtype).bits // 8
+    return vocab * (2 * acc + gemm_out + (acc if softcap is not None else 0))
+
+
+def plan_chunks(tokens_per_sequence: list[int], max_rows: int) -> list[tuple[int, int, bool]]:
+    """Group consecutive sequences into chunks of at most ``max_rows`` loss tokens.
+
+    Returns ``(first_sequence, end_sequence, streamed)`` triples; a sequence alone longer than
+    the budget forms its own chunk, marked to be streamed.
+    """
+    plan, start, rows = [], 0, 0
+    for i, n in enumerate(tokens_per_sequence):
+        if n > max_rows:
+            if i > start:
+                plan.append((start, i, False))
+            plan.append((i, i + 1, True))
+            start, rows = i + 1, 0
+            continue
+        if rows + n > max_rows and i > start:
+            plan.append((start, i, False))
+            start, rows = i, 0
+        rows += n
+    if start < len(tokens_per_sequence):
+        plan.append((start, len(tokens_per_sequence), False))
+    return plan
+
+
+class _StoredGradients(torch.autograd.Function):
+    """The loss, whose backward scales gradients computed in the forward."""
+
+    @staticmethod
+    def forward(ctx, loss, hidden, weight, bias, grads):
+        ctx.grads = grads
+        return loss.detach().clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        d_hidden, d_weight, d_bias = ctx.grads
+        ctx.grads = None  # a second backward through the same loss is an error, as usual
+
+        def scale(x):
+            return None if x is None else x * g.to(x.dtype)
+
+        return None, scale(d_hidden), scale(d_weight), scale(d_bias), None
+
+
+@dataclasses.dataclass
+class _Layout:
+    """Where each sequence's tokens live in the flattened inputs."""
+
+    packed: bool
+    width: int  # T for padded batches
+    cu_seqlens: torch.Tensor | None
+
+    def token_range(self, s0: int, s1: int) -> tuple[int, int]:
+        if self.packed:
+            return int(self.cu_seqlens[s0]), int(self.cu_seqlens[s1])
+        return s0 * self.width, s1 * self.width
+
+    def sub(self, x, s0: int, s1: int, per_sequence: bool = False):
+        """Slice a per-token (or per-sequence) tensor to sequences ``s0:s1``."""
+        if x is None or not isinstance(x, torch.Tensor) or x.dim() == 0:
+            return x
+        if per_sequence:
+            return x[s0:s1]
+        if self.packed:
+            a, b = self.token_range(s0, s1)
+            return x[a:b]
+        return x[s0:s1]
+
+
+def fused_policy_loss(
+    hidden,
+    weight,
+    targets,
+    old_logprobs,
+    advantages,
+    mask,
+    config: PolicyLossConfig,
+    *,
+    bias=None,
+    ref_logprobs=None,
+    rollout_logprobs=None,
+    token_weights=None,
+    attention_entropy=None,
+    cu_seqlens=None,
+    temperature: float = 1.0,
+    softcap: float | None = None,
+    logit_scale: float = 1.0,
+    num_items_in_batch=None,
+    global_batch_size=None,
+    training_progress: float | None = None,
+    selection_entropy=None,
+    memory_budget: int | None = None,
+    strategy: str = "auto",
+):
+    """The policy loss from hidden states and the LM head, without the full logits.
+
+    Equal to ``policy_loss(linear_logprobs(hidden, weight, targets, ...).logprobs, ...,
+    entropy=<its entropy>, batch_globals=policy_loss_globals(..., entropy=E))`` where ``E`` is
+    ``selection_entropy`` when given (the old-policy pass's entropies, for entropy quantile
+    thresholds and STAPO) and otherwise the current entropies (computed by a no-grad pass only
+    when the config selects by entropy). Gradients reach ``hidden``, ``weight`` and ``bias``.
+
+    Args:
+        hidden: ``[B, T, D]`` right-padded, or ``[N, D]`` packed with ``cu_seqlens [B + 1]``.
+        weight, bias: the head, ``[V, D]`` and ``[V]``.
+        targets: token ids like ``mask``; only positions where ``mask`` is nonzero are scored.
+        old_logprobs, advantages, mask, config, ref_logprobs, rollout_logprobs, token_weights,
+        attention_entropy, num_items_in_batch, global_batch_size, training_progress: as in
+            :func:`policy_loss`.
+        temperature, softcap, logit_scale: the logit transform, as in :func:`linear_logprobs`.
+        memory_budget: bytes of temporary logits a chunk may use (default: a quarter of free
+            device memory on CUDA, 256 MB on CPU).
+        strategy: ``"auto"`` (chunks, streaming where needed), ``"chunked"`` or ``"streaming"``.
+
+    Returns:
+        ``(loss, metrics)`` as :func:`policy_loss`.
+    """
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+    if not isinstance(mask, torch.Tensor) or tuple(targets.shape) != tuple(mask.shape):
+        raise ValueError(f"targets must be shaped like mask {tuple(getattr(mask, 'shape', ()))},"
+                         f" got {tuple(targets.shape)}")
+    packed = cu_seqlens is not None
+    expected_dims = 1 if packed else 2
+    if mask.dim() != expected_dims or hidden.dim() != expected_dims + 1:
+        raise ValueError(
+            "hidden must be [B, T, D] with mask [B, T], or [N, D] with mask [N] and cu_seqlens; "
+            f"got hidden {tuple(hidden.shape)}, mask {tuple(mask.shape)}")
+    check_head_args(hidden, weight, targets, bias, temperature, softcap, logit_scale, ())
+    m_flat = mask.reshape(-1) != 0
+    t_flat = targets.reshape(-1).long()
+    vocab = weight.shape[0]
+    bad = m_flat & ((t_flat < 0) | (t_flat >= vocab))
+    if bool(bad.any()):
+        raise ValueError(f"targets must lie in [0, {vocab}) wherever mask is set; found "
+                         f"{t_flat[bad][:5].tolist()}")
+    head = dict(bias=bias, temperature=temperature, softcap=softcap, logit_scale=logit_scale)
+    loss_kw = dict(ref_logprobs=ref_logprobs, rollout_logprobs=rollout_logprobs,
+                   token_weights=token_weights, attention_entropy=attention_entropy,
+                   cu_seqlens=cu_seqlens, num_items_in_batch=num_items_in_batch,
+                   global_batch_size=global_batch_size, training_progress=training_progress)
+    scored = torch.where(m_flat, t_flat, torch.full_like(t_flat, -100)).view(targets.shape)
+
+    if strategy == "streaming" or config.objective in NON_GLOBAL_OBJECTIVES:
+        globals_ = None
+        if selection_entropy is not None and config.objective not in NON_GLOBAL_OBJECTIVES:
+            globals_ = policy_loss_globals(mask, advantages, config, old_logprobs=old_logprobs,
+                                           rollout_logprobs=rollout_logprobs,
+                                           entropy=selection_entropy,
+                                           attention_entropy=attention_entropy,
+                                           cu_seqlens=cu_seqlens)
+        out = linear_logprobs(hidden, weight, scored, return_entropy=True, **head)
+        return policy_loss(out.logprobs, old_logprobs, advantages, mask, config,
+                           entropy=out.entropy, batch_globals=globals_, **loss_kw)
+
+    dtype = compute_dtype(hidden, weight, bias)
+    h_all = hidden.to(dtype).reshape(-1, hidden.shape[-1])
+    w = weight.to(dtype)
+    b = None if bias is None else bias.to(dtype)
+    layout = _Layout(packed, 0 if packed else mask.shape[1], cu_seqlens)
+
+    if selection_entropy is None and _selects_by_entropy(config):
+        with torch.no_grad():
+            selection_entropy = linear_logprobs(hidden, weight, scored, return_entropy=True,
+                                                **head).entropy
+    globals_ = policy_loss_globals(mask, advantages, config, old_logprobs=old_logprobs,
+                                   rollout_logprobs=rollout_logprobs, entropy=selection_entropy,
+                                   attention_entropy=attention_entropy, cu_seqlens=cu_seqlens)
+
+    # Planning: the only host synchronisation besides the input checks.
+    rows = torch.nonzero(m_flat).squeeze(1)
+    if packed:
+        per_seq = torch.zeros(cu_seqlens.numel() - 1, dtype=torch.long, device=mask.device)
+        seq_of_token = torch.searchsorted(cu_seqlens[1:].to(mask.device), rows, right=True)
+        per_seq.index_add_(0, seq_of_token, torch.ones_like(rows))
+    else:
+        per_seq = m_flat.view(mask.shape).sum(1)
+    per_seq = per_seq.tolist()
+    budget = memory_budget if memory_budget is not None else _default_budget(hidden.device)
+    max_rows = max(1, budget // _bytes_per_row(vocab, dtype, softcap))
+    plan = plan_chunks(per_seq, max_rows)
+    starts = [0]
+    for n in per_seq:
+        starts.append(starts[-1] + n)
+
+    need = (torch.is_grad_enabled(), hidden.requires_grad, weight.requires_grad,
+            bias is not None and bias.requires_grad)
+    want_grad = need[0] and any(need[1:])
+    acc = tiles.acc_dtype(dtype)
+    d_hidden = torch.zeros_like(h_all) if want_grad and need[1] else None
+    d_weight = None
+    if want_grad and need[2]:
+        d_weight = torch.zeros_like(w, dtype=acc)
+    d_bias = torch.zeros(vocab, dtype=acc, device=w.device) if want_grad and need[3] else None
+    lp_all = torch.zeros(m_flat.shape, dtype=acc, device=hidden.device)
+    h_ent_all = torch.zeros_like(lp_all)
+    num_seqs = cu_seqlens.numel() - 1 if packed else mask.shape[0]
+    # The same rule as policy_loss: [B] or [B, 1] is one advantage per sequence.
+    adv_per_sequence = tuple(advantages.shape) in ((num_seqs,), (num_seqs, 1))
+
+    for s0, s1, streamed in plan:
+        grows = rows[starts[s0]:starts[s1]]
+        if grows.numel() == 0:
+            continue
+        h_g = h_all.index_select(0, grows)
+        t_g = t_flat.index_select(0, grows)
+        sub = _SubBatch(layout, s0, s1, grows, mask, advantages, old_logprobs, config, loss_kw,
+                        adv_per_sequence, globals_)
+        run = _streamed_chunk if streamed else _dense_chunk
+        gh = run(sub, h_g, w, b, t_g, head, want_grad, need, lp_all, h_ent_all, d_weight, d_bias)
+        if d_hidden is not None and gh is not None:
+            d_hidden.index_copy_(0, grows, gh.to(d_hidden.dtype))
+
+    # The loss value and metrics: the one copy of the objective on the collected (lp, H).
+    with torch.no_grad():
+        lp_view, ent_view = lp_all.view(mask.shape), h_ent_all.view(mask.shape)
+        loss, metrics = policy_loss(lp_view, old_logprobs, advantages, mask, config,
+                                    entropy=ent_view, batch_globals=globals_, **loss_kw)
+    if not want_grad:
+        return loss, metrics
+    grads = (
+        None if d_hidden is None else d_hidden.view(hidden.shape).to(hidden.dtype),
+        None if d_weight is None else d_weight.to(weight.dtype),
+        None if d_bias is None else d_bias.to(bias.dtype),
+    )
+    return _StoredGradients.apply(loss, hidden, weight, bias, grads), metrics
+
+
+def _selects_by_entropy(cfg: PolicyLossConfig) -> bool:
+    return (cfg.top_entropy_quantile < 1 or cfg.adv_entropy_top_fraction < 1
+            or cfg.stapo_prob_threshold is not None)
+
+
+class _SubBatch:
+    """The sequences ``s0:s1`` of the batch, laid out as `policy_loss` takes them."""
+
+    def __init__(self, layout, s0, s1, grows, mask, advantages, old_logprobs, config, loss_kw,
+                 adv_per_sequence, globals_):
+        self.layout, self.s0, self.s1 = layout, s0, s1
+        a, _ = layout.token_range(s0, s1)
+        self.local_rows = grows - a
+        self.mask = layout.sub(mask, s0, s1)
+        self.advantages = layout.sub(advantages, s0, s1, per_sequence=adv_per_sequence)
+        self.old = layout.sub(old_logprobs, s0, s1)
+        self.config = _config_slice(config, layout, s0, s1, mask.shape)
+        self.kw = {k: layout.sub(v, s0, s1) for k, v in loss_kw.items()
+                   if k not in ("cu_seqlens", "num_items_in_batch", "global_batch_size",
+                                "training_progress")}
+        self.kw.update({k: loss_kw[k] for k in ("num_items_in_batch", "global_batch_size",
+                                                "training_progress")})
+        if layout.packed:
+            cu = layout.cu_seqlens[s0:s1 + 1]
+            self.kw["cu_seqlens"] = cu - cu[0]
+        self.globals = globals_
+
+    def loss(self, lp_g, ent_g):
+        """This chunk's share of the loss, from its loss tokens' ``lp`` and ``H``."""
+        shape = self.mask.shape
+        lp = lp_g.new_zeros(shape.numel()).index_put((self.local_rows,), lp_g).view(shape)
+        ent = ent_g.new_zeros(shape.numel()).index_put((self.local_rows,), ent_g).view(shape)
+        loss, _ = policy_loss(lp, self.old, self.advantages, self.mask, self.config,
+                              entropy=ent, batch_globals=self.globals, **self.kw)
+        return loss
+
+
+def _config_slice(config, layout, s0, s1, shape):
+    """The config with per-token tensor knobs (clip bounds, beta) cut to the chunk."""
+    changes = {}
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == shape:
+            changes[f.name] = layout.sub(value, s0, s1)
+    return dataclasses.replace(config, **changes) if changes else config
+
+
+def _dense_chunk(sub, h_g, w, b, t_g, head, want_grad, need, lp_all, ent_all, d_weight,
+                 d_bias):
+    """One chunk at the 3-GEMM floor: adds to the weight and bias gradients, returns the
+    chunk's hidden-gradient rows (or None)."""
+    temperature, softcap, scale = head["temperature"], head["softcap"], head["logit_scale"]
+    vocab = w.shape[0]
+    z, t = tiles.logits_tile(h_g, w, b, temperature, softcap, scale)  # GEMM 1
+    parts = tiles.tile_partials(z, t_g, want_s2=False, want_sum_z=False)  # z <- z - max
+    stats = finish(parts, vocab)
+    lp, ent = stats["logprobs"], stats["entropy"]
+    lp_all.index_copy_(0, _global_rows(sub), lp)
+    ent_all.index_copy_(0, _global_rows(sub), ent)
+    if not want_grad:
+        return None
+    lp_leaf = lp.detach().requires_grad_(True)
+    ent_leaf = ent.detach().requires_grad_(True)
+    with torch.enable_grad():
+        loss = sub.loss(lp_leaf, ent_leaf)
+        g_lp, g_ent = torch.autograd.grad(loss, (lp_leaf, ent_leaf), allow_unused=True)
+    if g_lp is None and g_ent is None:
+        return None  # the chunk's loss does not depend on the head (e.g. all advantages 0)
+    # z holds z - max: with log l in place of lse, it yields log p exactly as z - lse would.
+    col = lambda x: None if x is None else x.unsqueeze(1)
+    dz = tiles.logit_grad_(z, t_g, col(torch.log(parts.l)), col(ent), None, col(g_lp),
+                           col(g_ent), None, None, vocab)
+    dx = tiles.through_transform_(dz, t, scale, temperature).to(w.dtype)
+    if d_weight is not None:
+        tiles.addmm_acc_(d_weight, dx.t(), h_g)  # GEMM 3, straight into the accumulator
+    if d_bias is not None:
+        d_bias += dz.sum(0)
+    return dx @ w if need[1] else None  # GEMM 2
+
+
+def _streamed_chunk(sub, h_g, w, b, t_g, head, want_grad, need, lp_all, ent_all, d_weight,
+                    d_bias):
+    """A sequence longer than the budget: stream its vocabulary (4 GEMMs), never the logits.
+
+    Adds to the weight and bias gradients, returns the hidden-gradient rows (or None)."""
+    leaves = [None if x is None else x.detach().requires_grad_(want_grad and flag)
+              for x, flag in ((h_g, need[1]), (w, need[2]), (b, need[3]))]
+    with torch.enable_grad() if want_grad else torch.no_grad():
+        out = linear_logprobs(leaves[0], leaves[1], t_g, bias=leaves[2], return_entropy=True,
+                              temperature=head["temperature"], softcap=head["softcap"],
+                              logit_scale=head["logit_scale"])
+        lp_all.index_copy_(0, _global_rows(sub), out.logprobs.detach().to(lp_all.dtype))
+        ent_all.index_copy_(0, _global_rows(sub), out.entropy.detach().to(ent_all.dtype))
+        if not want_grad:
+            return None
+        loss = sub.loss(out.logprobs, out.entropy)
+        wanted = [x for x in leaves if x is not None and x.requires_grad]
+        if not loss.requires_grad:
+            return None
+        got = iter(torch.autograd.grad(loss, wanted, allow_unused=True))
+    gh, gw, gb = (next(got) if x is not None and x.requires_grad else None for x in leaves)
+    if d_weight is not None and gw is not None:
+        d_weight += gw
+    if d_bias is not None and gb is not None:
+        d_bias += gb
+    return gh
+
+
+def _global_rows(sub) -> torch.Tensor:
+    a, _ = sub.layout.token_range(sub.s0, sub.s1)
+    return sub.local_rows + a

@@ -1,0 +1,258 @@
+"""fused_policy_loss equals policy_loss on the fp64 reference's logprobs and entropies, for every
+objective, both strategies, packed and padded layouts, with gradients to the head."""
+
+import pytest
+import torch
+
+import logitless
+from logitless import PolicyLossConfig, policy_loss, reference
+from logitless.fused_losses.fused_policy_loss import fused_policy_loss, plan_chunks
+from logitless.fused_losses.objectives import OBJECTIVES
+
+from testing import assert_close_to_oracle
+
+B, T, D, V = 5, 13, 24, 301
+HEAD = dict(temperature=0.9, softcap=5.0)
+# Bytes of one chunk row here (fp64, softcap): three fp64 rows of V.
+ROW = V * 8 * 3
+
+
+def make_batch(dtype=torch.float64, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(B, T, D, generator=gen, dtype=torch.float64)
+    weight = torch.randn(V, D, generator=gen, dtype=torch.float64) / D**0.5
+    bias = torch.randn(V, generator=gen, dtype=torch.float64)
+    targets = torch.randint(0, V, (B, T), generator=gen)
+    lengths = torch.tensor([13, 7, 0, 11, 4])  # one empty sequence
+    mask = torch.arange(T)[None, :] < lengths[:, None]
+    mask[3, 2] = False  # a tool token inside a response
+    with torch.no_grad():
+        lp = reference.linear_softmax_stats(hidden, weight, targets, bias, **HEAD)["logprobs"]
+    old = lp + 0.15 * torch.randn(B, T, generator=gen, dtype=torch.float64)
+    ref = old + 0.1 * torch.randn(B, T, generator=gen, dtype=torch.float64)
+    rollout = old + 0.05 * torch.randn(B, T, generator=gen, dtype=torch.float64)
+    rollout[0, 3] = float("nan")
+    adv = torch.randn(B, generator=gen, dtype=torch.float64)
+    cast = lambda x: x.to(dtype)
+    return dict(hidden=cast(hidden), weight=cast(weight), bias=cast(bias), targets=targets,
+                mask=mask, old=old, ref=ref, rollout=rollout, adv=adv)
+
+
+def packed(batch):
+    m = batch["mask"]
+    lengths = m.sum(1)
+    cu = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+    out = dict(batch)
+    for k in ("targets", "old", "ref", "rollout"):
+        out[k] = batch[k][m]
+    out["hidden"] = batch["hidden"][m]
+    out["mask"] = torch.ones(int(lengths.sum()), dtype=torch.bool)
+    out["cu_seqlens"] = cu
+    return out
+
+
+def config_for(name, **extra):
+    base = dict(objective=name, cov_seed=7, cov_fraction=0.2)
+    if name in ("clip_cov", "kl_cov"):
+        base.update(cov_fraction=0.2)
+    else:
+        base.pop("cov_fraction")
+    base.update(extra)
+    return PolicyLossConfig(**base)
+
+
+def run_fused(batch, cfg, *, with_ref=True, with_rollout=False, **kw):
+    leaves = [batch[k].clone().requires_grad_(True) for k in ("hidden", "weight", "bias")]
+    loss, metrics = fused_policy_loss(
+        leaves[0], leaves[1], batch["targets"], batch["old"], batch["adv"], batch["mask"], cfg,
+        bias=leaves[2], ref_logprobs=batch["ref"] if with_ref else None,
+        rollout_logprobs=batch["rollout"] if with_rollout else None,
+        cu_seqlens=batch.get("cu_seqlens"), **HEAD, **kw)
+    grads = torch.autograd.grad(loss, leaves)
+    return loss, metrics, grads
+
+
+def run_reference(batch, cfg, *, with_ref=True, with_rollout=False, dtype=torch.float64):
+    """The spec: materialised logits in ``dtype``, then the one copy of the objective."""
+    leaves = [batch[k].to(dtype).clone().requires_grad_(True)
+              for k in ("hidden", "weight", "bias")]
+    scored = torch.where(batch["mask"], batch["targets"], -100)
+    stats = reference.linear_softmax_stats(leaves[0], leaves[1], scored, leaves[2], **HEAD)
+    loss, metrics = policy_loss(
+        stats["logprobs"], batch["old"], batch["adv"], batch["mask"], cfg,
+        entropy=stats["entropy"], ref_logprobs=batch["ref"] if with_ref else None,
+        rollout_logprobs=batch["rollout"] if with_rollout else None,
+        cu_seqlens=batch.get("cu_seqlens"))
+    grads = torch.autograd.grad(loss, leaves)
+    return loss, metrics, grads
+
+
+def assert_same(got, want, rtol=1e-10):
+    (loss, metrics, grads), (loss_r, metrics_r, grads_r) = got, want
+    torch.testing.assert_close(loss.double(), loss_r.double(), rtol=rtol, atol=1e-12)
+    for k, v in metrics_r.items():
+        torch.testing.assert_close(metrics[k].double(), v.double(), rtol=rtol, atol=1e-12,
+                                   msg=lambda m, k=k: f"metric {k}: {m}")
+    for name, g, gr in zip(("hidden", "weight", "bias"), grads, grads_r):
+        scale = float(gr.abs().max())
+        assert scale > 0, f"d_{name} is zero: the test would not see a wrong gradient"
+        torch.testing.assert_close(g.double(), gr.double(), rtol=rtol, atol=rtol * scale,
+                                   msg=lambda m, name=name: f"d_{name}: {m}")
+
+
+OBJECTIVE_EXTRAS = {"dhpo": {"dhpo_mix": "entropy"}}
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+@pytest.mark.parametrize("name", sorted(OBJECTIVES))
+def test_every_objective_many_chunks(name, layout):
+    """A budget of 8 rows splits the batch into several chunks; results equal the spec."""
+    batch = make_batch()
+    if layout == "packed":
+        batch = packed(batch)
+    cfg = config_for(name, beta=0.05, **OBJECTIVE_EXTRAS.get(name, {}))
+    if layout == "packed" and cfg.loss_agg == "seq-mean-token-sum-norm":
+        cfg = config_for(name, beta=0.05, max_response_length=T)
+    got = run_fused(batch, cfg, memory_budget=8 * ROW)
+    assert_same(got, run_reference(batch, cfg))
+
+
+@pytest.mark.parametrize("strategy", ["chunked", "streaming"])
+@pytest.mark.parametrize("cfg", [
+    dict(objective="grpo", entropy_coef=0.01, beta=0.1, kl_estimator="k3+",
+         rollout_is="token", rollout_is_max=2.0),
+    dict(objective="dapo", top_entropy_quantile=0.5, rollout_rs="token_k1",
+         rollout_rs_threshold="2.0"),
+    dict(objective="gspo", ratio_level="sequence_token", opsm_threshold=0.5),
+    dict(objective="dr_grpo", dual_clip_c=3.0, delta=2.0),
+], ids=["grpo-kl-entropy-tis", "dapo-quantile-rs", "gspo-token-opsm", "drgrpo-dual-delta"])
+def test_options_with_rollout_logprobs(cfg, strategy):
+    batch = make_batch(seed=1)
+    config = PolicyLossConfig(**cfg)
+    got = run_fused(batch, config, with_rollout=True, memory_budget=20 * ROW, strategy=strategy)
+    assert_same(got, run_reference(batch, config, with_rollout=True))
+
+
+def test_sequence_longer_than_budget_is_streamed(monkeypatch):
+    """One 13-token sequence with a 6-row budget: streamed alone, exact all the same."""
+    from logitless.fused_losses import fused_policy_loss as module
+
+    calls = []
+    real = module._streamed_chunk
+    monkeypatch.setattr(module, "_streamed_chunk",
+                        lambda sub, *a: calls.append((sub.s0, sub.s1)) or real(sub, *a))
+    batch = make_batch(seed=2)
+    cfg = PolicyLossConfig(objective="grpo", beta=0.02, entropy_coef=0.003)
+    got = run_fused(batch, cfg, memory_budget=6 * ROW)
+    assert (0, 1) in calls and (3, 4) in calls  # the 13- and 10-token sequences
+    assert_same(got, run_reference(batch, cfg))
+
+
+def test_per_token_clip_bounds_and_beta_are_cut_per_chunk():
+    batch = make_batch(seed=3)
+    gen = torch.Generator().manual_seed(5)
+    cfg = PolicyLossConfig(objective="grpo", eps_low=0.1 + 0.2 * torch.rand(B, T, generator=gen),
+                           eps_high=0.2 + 0.2 * torch.rand(B, T, generator=gen),
+                           beta=0.1 * torch.rand(B, T, generator=gen, dtype=torch.float64))
+    got = run_fused(batch, cfg, memory_budget=9 * ROW)
+    assert_same(got, run_reference(batch, cfg))
+
+
+def test_frozen_weight_gets_no_weight_gradient():
+    batch = make_batch(seed=4)
+    cfg = PolicyLossConfig(objective="grpo")
+    h = batch["hidden"].clone().requires_grad_(True)
+    loss, _ = fused_policy_loss(h, batch["weight"], batch["targets"], batch["old"],
+                                batch["adv"], batch["mask"], cfg, bias=batch["bias"],
+                                memory_budget=8 * ROW, **HEAD)
+    loss.backward()
+    _, _, (g_ref, _, _) = run_reference(batch, cfg, with_ref=False)
+    torch.testing.assert_close(h.grad, g_ref, rtol=1e-10, atol=1e-14)
+
+
+def test_gradient_accumulation_over_two_calls():
+    """Two micro-batches with the global normaliser: .grad sums as for the composed loss."""
+    cfg = PolicyLossConfig(objective="dapo")
+    a, b = make_batch(seed=5), make_batch(seed=6)
+    b["weight"], b["bias"] = a["weight"], a["bias"]
+    n_items = int(a["mask"].sum() + b["mask"].sum())
+    w = a["weight"].clone().requires_grad_(True)
+    w_ref = a["weight"].clone().requires_grad_(True)
+    for mb in (a, b):
+        loss, _ = fused_policy_loss(mb["hidden"], w, mb["targets"], mb["old"], mb["adv"],
+                                    mb["mask"], cfg, bias=mb["bias"], num_items_in_batch=n_items,
+                                    memory_budget=10 * ROW, **HEAD)
+        loss.backward()
+        scored = torch.where(mb["mask"], mb["targets"], -100)
+        stats = reference.linear_softmax_stats(mb["hidden"], w_ref, scored, mb["bias"], **HEAD)
+        loss_r, _ = policy_loss(stats["logprobs"], mb["old"], mb["adv"], mb["mask"], cfg,
+                                entropy=stats["entropy"], num_items_in_batch=n_items)
+        loss_r.backward()
+    torch.testing.assert_close(w.grad, w_ref.grad, rtol=1e-10, atol=1e-14)
+
+
+def test_no_grad_returns_the_loss_only():
+    batch = make_batch(seed=7)
+    cfg = PolicyLossConfig(objective="grpo")
+    with torch.no_grad():
+        loss, _ = fused_policy_loss(batch["hidden"], batch["weight"], batch["targets"],
+                                    batch["old"], batch["adv"], batch["mask"], cfg,
+                                    bias=batch["bias"], **HEAD)
+    loss_r, _, _ = run_reference(batch, cfg, with_ref=False)
+    assert loss.grad_fn is None
+    torch.testing.assert_close(loss, loss_r.detach(), rtol=1e-10, atol=1e-14)
+
+
+def test_selection_entropy_from_the_old_pass():
+    """Entropy thresholds come from the entropies the caller supplies (old-policy pass)."""
+    batch = make_batch(seed=8)
+    cfg = PolicyLossConfig(objective="grpo", top_entropy_quantile=0.3)
+    old_entropy = torch.rand(B, T, dtype=torch.float64) * 3
+    leaves = [batch[k].clone().requires_grad_(True) for k in ("hidden", "weight", "bias")]
+    loss, _ = fused_policy_loss(leaves[0], leaves[1], batch["targets"], batch["old"],
+                                batch["adv"], batch["mask"], cfg, bias=leaves[2],
+                                selection_entropy=old_entropy, memory_budget=8 * ROW, **HEAD)
+    ref_leaves = [batch[k].clone().requires_grad_(True) for k in ("hidden", "weight", "bias")]
+    scored = torch.where(batch["mask"], batch["targets"], -100)
+    stats = reference.linear_softmax_stats(ref_leaves[0], ref_leaves[1], scored, ref_leaves[2],
+                                           **HEAD)
+    glob = logitless.policy_loss_globals(batch["mask"], batch["adv"], cfg,
+                                         old_logprobs=batch["old"], entropy=old_entropy)
+    loss_r, _ = policy_loss(stats["logprobs"], batch["old"], batch["adv"], batch["mask"], cfg,
+                            entropy=stats["entropy"], batch_globals=glob)
+    torch.testing.assert_close(loss, loss_r, rtol=1e-10, atol=1e-14)
+    for g, gr in zip(torch.autograd.grad(loss, leaves), torch.autograd.grad(loss_r, ref_leaves)):
+        torch.testing.assert_close(g, gr, rtol=1e-10, atol=1e-14)
+
+
+def test_bf16_three_way():
+    batch = make_batch(dtype=torch.bfloat16, seed=9)
+    cfg = PolicyLossConfig(objective="grpo", entropy_coef=0.01)
+    ours = run_fused(batch, cfg, with_ref=False, memory_budget=2**20)
+    exact = run_reference(batch, cfg, with_ref=False, dtype=torch.float64)
+    same = run_reference(batch, cfg, with_ref=False, dtype=torch.bfloat16)
+    assert_close_to_oracle(ours[0], exact[0], same[0], tol=1e-3, name="loss")
+    for name, g, ge, gs in zip(("hidden", "weight", "bias"), ours[2], exact[2], same[2]):
+        assert_close_to_oracle(g, ge, gs, tol=1e-2 * float(ge.abs().max()), name=f"d_{name}")
+
+
+def test_plan_chunks():
+    assert plan_chunks([3, 4, 2, 9, 1, 0, 5], 6) == [
+        (0, 1, False), (1, 3, False), (3, 4, True), (4, 7, False)]
+    assert plan_chunks([], 4) == []
+    assert plan_chunks([2, 2, 2], 100) == [(0, 3, False)]
+
+
+def test_bad_input():
+    batch = make_batch()
+    cfg = PolicyLossConfig(objective="grpo")
+    args = (batch["hidden"], batch["weight"], batch["targets"], batch["old"], batch["adv"],
+            batch["mask"], cfg)
+    with pytest.raises(ValueError, match="strategy"):
+        fused_policy_loss(*args, strategy="fastest")
+    bad_targets = batch["targets"].clone()
+    bad_targets[0, 0] = V
+    with pytest.raises(ValueError, match="targets"):
+        fused_policy_loss(args[0], args[1], bad_targets, *args[3:])
+    with pytest.raises(ValueError, match="hidden"):
+        fused_policy_loss(args[0][0], *args[1:])
