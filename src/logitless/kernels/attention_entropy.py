@@ -176,7 +176,10 @@ def _attention_entropy_fwd(
         m_new = tl.maximum(m, tl.max(s_vis, axis=1))
         alpha = tl.exp(m - m_new)
         p = tl.exp(s_vis - m_new[:, None])
-        a = alpha * (a + l * (m - m_new)) + tl.sum(p * (s - m_new[:, None]), axis=1)
+        # where, not p * (s - m'): a key the row cannot see must not matter even if its score
+        # is inf or NaN (garbage in padding).
+        shifted = tl.where(vis, s - m_new[:, None], 0.0)
+        a = alpha * (a + l * (m - m_new)) + tl.sum(p * shifted, axis=1)
         l = alpha * l + tl.sum(p, axis=1)
         m = m_new
 

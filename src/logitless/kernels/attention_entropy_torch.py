@@ -143,7 +143,11 @@ def attention_entropy_chunked(
             m_new = torch.maximum(m, s_vis.amax(-1))
             alpha = torch.exp(m - m_new)
             p = torch.exp(s_vis - m_new[..., None])
-            a = alpha * (a + l * (m - m_new)) + (p * (s - m_new[..., None])).sum(-1)
+            shifted = s - m_new[..., None]
+            if vis is not None:
+                # A key the row cannot see must not matter even if its score is inf or NaN.
+                shifted = shifted.masked_fill(~vis[:, None, None], 0.0)
+            a = alpha * (a + l * (m - m_new)) + (p * shifted).sum(-1)
             l = alpha * l + p.sum(-1)
             m = m_new
         seen = l > 0
