@@ -161,7 +161,9 @@ def cispo(x: ObjectiveInputs) -> ObjectiveOutput:
 @register_objective("sapo", loss_agg="seq-mean-token-mean")
 def sapo(x: ObjectiveInputs) -> ObjectiveOutput:
     """``-(4 / tau) sigmoid(tau (rho - 1)) A``, tau by the sign of A (a soft gate, no clip)."""
-    tau = torch.where(x.adv > 0, x.cfg.sapo_tau_pos, x.cfg.sapo_tau_neg).to(x.lp.dtype)
+    # new_tensor: python floats in torch.where would become fp32 and round tau (1.05).
+    new = x.lp.new_tensor
+    tau = torch.where(x.adv > 0, new(x.cfg.sapo_tau_pos), new(x.cfg.sapo_tau_neg))
     return ObjectiveOutput(-torch.sigmoid(tau * (x.ratio.value - 1)) * 4 / tau * x.adv)
 
 
@@ -194,12 +196,9 @@ def vespo(x: ObjectiveInputs) -> ObjectiveOutput:
         log_w = log_w + segments.segment_sum(log_is, x.m)
     log_w = log_w.clamp(_LOG_1E8, 20.0)[:, None]
     nonneg = x.adv >= 0
-    k = torch.where(nonneg, cfg.vespo_k_pos, cfg.vespo_k_neg).to(x.lp.dtype)
-    lam = (
-        torch.where(nonneg, cfg.vespo_lambda_pos, cfg.vespo_lambda_neg)
-        .to(x.lp.dtype)
-        .clamp(min=1e-4)
-    )
+    new = x.lp.new_tensor  # not python floats in torch.where: they would round to fp32
+    k = torch.where(nonneg, new(cfg.vespo_k_pos), new(cfg.vespo_k_neg))
+    lam = torch.where(nonneg, new(cfg.vespo_lambda_pos), new(cfg.vespo_lambda_neg)).clamp(min=1e-4)
     phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(0.0, 0.0, 0.0)
     return ObjectiveOutput(-phi * x.adv * x.lp)
 
