@@ -5,6 +5,7 @@ The trainer is an uninitialised instance (no model, no accelerate launch) carryi
 attributes `_compute_loss` reads; its forward helper is replaced by one returning our tensors.
 """
 
+import zlib
 from collections import defaultdict
 from types import SimpleNamespace
 
@@ -181,6 +182,10 @@ def our_config(loss_type, *, epsilon=0.2, epsilon_high=None, level="token", **kw
         # TRL's epsilon_high is the ratio cap itself (ScaleRL's eps_max): min(r, 1 + eps_high)
         extra = dict(cispo_clip="upper")
         eps_high = eps_high - 1
+    if loss_type == "sapo":
+        # TRL builds its temperatures with torch.where on python floats, which rounds them to
+        # fp32: its 1.05 is float32(1.05). We keep the configured value exactly.
+        extra = dict(sapo_tau_neg=float(torch.tensor(1.05, dtype=torch.float32)))
     return PolicyLossConfig(
         objective=loss_type,
         ratio_level=level,
@@ -205,7 +210,7 @@ def test_loss_types(loss_type, level):
     if loss_type == "vespo" and level == "sequence":
         pytest.skip("TRL's vespo computes its own sequence weights from token ratios")
     eps_high = 4.0 if loss_type == "cispo" else 0.28
-    batch = make_batch(hash((loss_type, level)) % 1000)
+    batch = make_batch(zlib.crc32(f"{loss_type}-{level}".encode()) % 1000)
     trainer = make_trainer(
         loss_type=loss_type, importance_sampling_level=level, epsilon_low=0.2, epsilon_high=eps_high
     )
