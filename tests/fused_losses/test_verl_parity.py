@@ -288,6 +288,8 @@ ROLLOUT_CASES = [
     dict(rollout_rs="seq_sum_k1,seq_max_k2", rollout_rs_threshold="0.7_1.4,0.1"),
     dict(rollout_is="token", rollout_is_threshold=1.5, rollout_rs="seq_mean_k1",
          rollout_rs_threshold=1.05),
+    dict(rollout_is="sequence", rollout_is_threshold=2.0, rollout_rs="token_k1",
+         rollout_rs_threshold="0.8_1.25"),
 ]
 
 
@@ -325,5 +327,46 @@ def test_rollout_correction_equals_verl_helper(case):
     cfg = _ours_config("ppo", "token-mean", batch_info, dual_clip_c=CLIP_C,
                        **_ours_rollout_fields(case))
     o_loss, o_grad, _ = _run_ours(cfg, lp, old, adv, mask, batch_info, rollout_logprobs=rollout)
+    _close(o_loss, v_loss, "loss")
+    _close(o_grad, v_grad, "grad")
+
+
+BYPASS_CASES = [
+    dict(loss_type="reinforce", rollout_is="token", rollout_is_threshold=1.5),
+    dict(loss_type="reinforce", rollout_is="sequence", rollout_is_threshold=2.5,
+         rollout_rs="token_k2", rollout_rs_threshold=0.02),
+    dict(loss_type="ppo_clip", rollout_is=None),
+]
+
+
+@pytest.mark.parametrize("case", BYPASS_CASES, ids=lambda c: "-".join(map(str, c.values())))
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-sum"])
+def test_bypass_mode_equals_verl(case, agg):
+    """verl's ``bypass_mode`` trains on rollout logprobs as the old policy. ``reinforce``:
+    ``-A w lp`` with IS weights and rejection from the current vs rollout logprobs, which is
+    logitless's reinforce with ``old_logprobs = logprobs.detach()`` and ``rollout_logprobs``.
+    ``ppo_clip``: vanilla with ``old = rollout`` (verl computes IS weights only as metrics)."""
+    batch_info = BATCH_INFOS["global"]
+    lp, _, adv, mask = _batch(seed=19)
+    g = torch.Generator().manual_seed(23)
+    rollout = lp + 0.25 * torch.randn(lp.shape, generator=g, dtype=torch.float64)
+    actor = _verl_actor(batch_info)
+    corr = verl_config.PolicyLossConfig(
+        loss_mode="bypass_mode",
+        rollout_correction=rollout_corr.RolloutCorrectionConfig(bypass_mode=True, **case),
+    )
+    actor = verl_config.ActorConfig(**{**dict(actor), "policy_loss": corr})
+    actor.global_batch_info.update(batch_info)
+    v_loss, v_grad, _ = _run_verl("bypass_mode", lp, rollout, adv, mask, agg, actor)
+
+    fields = {k: v for k, v in case.items() if k != "loss_type"}
+    if case["loss_type"] == "reinforce":
+        cfg = _ours_config("reinforce", agg, batch_info,
+                           **_ours_rollout_fields({k: v for k, v in fields.items() if v}))
+        o_loss, o_grad, _ = _run_ours(cfg, lp, lp.detach(), adv, mask, batch_info,
+                                      rollout_logprobs=rollout)
+    else:
+        cfg = _ours_config("ppo", agg, batch_info, dual_clip_c=CLIP_C)
+        o_loss, o_grad, _ = _run_ours(cfg, lp, rollout, adv, mask, batch_info)
     _close(o_loss, v_loss, "loss")
     _close(o_grad, v_grad, "grad")

@@ -365,7 +365,9 @@ def policy_loss(
     if cfg.rollout_is is not None:
         if roll_lp is None:
             raise ValueError("rollout_logprobs: rollout_is needs rollout_logprobs")
-        is_weight = rollout_is_weight(rollout_log_ratio(old_lp, roll_lp, m), m, cfg)
+        # Over the mask as given: a sequence's IS weight is its likelihood ratio, rejected
+        # tokens included (as verl's rollout-correction helper computes it).
+        is_weight = rollout_is_weight(rollout_log_ratio(old_lp, roll_lp, m_in), m_in, cfg)
 
     d = lp - old_lp
     if cfg.log_ratio_clamp is not None:
