@@ -55,6 +55,30 @@ def _key_range(
     return lo, hi
 
 
+def _all_visible(
+    q0: int,
+    q1: int,
+    k0: int,
+    k1: int,
+    causal: bool,
+    window: int | None,
+    seg_start: torch.Tensor | None,
+    seg_end: torch.Tensor | None,
+    key_valid: torch.Tensor | None,
+) -> bool:
+    """True when every query of rows ``[q0, q1)`` sees every key of ``[k0, k1)``: the tile then
+    needs no mask (most tiles of a long causal sequence lie wholly below the diagonal)."""
+    if causal and k1 - 1 > q0:
+        return False
+    if window is not None and (q1 - 1 - k0 >= window or (not causal and k1 - 1 - q0 >= window)):
+        return False
+    if seg_start is not None:
+        inside = (seg_start[:, q0:q1] <= k0) & (seg_end[:, q0:q1] >= k1)
+        if not bool(inside.all()):
+            return False
+    return key_valid is None or bool(key_valid[:, k0:k1].all())
+
+
 def _visibility(
     rows: torch.Tensor,
     cols: torch.Tensor,
@@ -133,22 +157,31 @@ def attention_entropy_chunked(
         for k0 in range((lo // block_k) * block_k, hi, block_k):
             k1 = min(k0 + block_k, hi)
             kc = k[:, :, k0:k1].float()
-            s = (qc @ kc.transpose(-1, -2)).view(b, hk, group, n, k1 - k0) * scale
+            # In-place from here on: the score tile and p are the only tile-sized buffers.
+            s = (qc @ kc.transpose(-1, -2)).view(b, hk, group, n, k1 - k0).mul_(scale)
             if softcap is not None:
-                s = torch.tanh(s / softcap) * softcap
-            vis = _visibility(
-                positions[q0:q1], positions[k0:k1], causal, window, seg_start, seg_end, key_valid
-            )
-            s_vis = s if vis is None else s.masked_fill(~vis[:, None, None], float("-inf"))
-            m_new = torch.maximum(m, s_vis.amax(-1))
+                s.div_(softcap).tanh_().mul_(softcap)
+            if not _all_visible(q0, q1, k0, k1, causal, window, seg_start, seg_end, key_valid):
+                vis = _visibility(
+                    positions[q0:q1],
+                    positions[k0:k1],
+                    causal,
+                    window,
+                    seg_start,
+                    seg_end,
+                    key_valid,
+                )
+                # -inf replaces hidden scores outright, so a NaN there cannot leak.
+                s.masked_fill_(~vis[:, None, None], float("-inf"))
+            m_new = torch.maximum(m, s.amax(-1))
+            s.sub_(m_new[..., None])  # s - m', -inf at hidden keys
+            p = torch.exp(s)
+            # Hidden keys: p = 0 and s - m' = -inf; clamp so their product is 0, not NaN.
+            s.clamp_(min=_NEG)
             alpha = torch.exp(m - m_new)
-            p = torch.exp(s_vis - m_new[..., None])
-            shifted = s - m_new[..., None]
-            if vis is not None:
-                # A key the row cannot see must not matter even if its score is inf or NaN.
-                shifted = shifted.masked_fill(~vis[:, None, None], 0.0)
-            a = alpha * (a + l * (m - m_new)) + (p * shifted).sum(-1)
+            a = alpha * (a + l * (m - m_new))
             l = alpha * l + p.sum(-1)
+            a += p.mul_(s).sum(-1)
             m = m_new
         seen = l > 0
         l_safe = torch.where(seen, l, torch.ones_like(l))
