@@ -18,6 +18,7 @@ from transformers import (
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+import logitless
 from logitless.integrations.transformers import AttentionEntropyRecorder
 
 SMALL = dict(
@@ -186,3 +187,51 @@ def test_bad_input():
             model(input_ids=ids, attention_mask=mask[:, None, None, :].float())
         with pytest.raises(ValueError, match="reduce_heads"):
             rec.per_layer("sum")
+
+
+def test_end_to_end_anchor_explorer_weighting():
+    """Scoring pass with the recorder -> per-token attention entropy of the response tokens ->
+    the objective library's attention-entropy weighting (anchors / explorers). The loss equals
+    the same objective with weights 1 + alpha tanh(z) built by hand from the entropies of the
+    eager attention probabilities (z standardised per sequence over the response tokens)."""
+    model = build("qwen2", "sdpa")
+    prompt, width = 4, 9
+    lengths = torch.tensor([9, 6, 3])
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, SMALL["vocab_size"], (3, prompt + width), generator=gen)
+    mask = (torch.arange(prompt + width)[None] < prompt + lengths[:, None]).long()
+    response = torch.arange(width)[None] < lengths[:, None]  # right-padded [B, width]
+    advantages = torch.tensor([1.0, -0.5, 2.0])
+
+    def response_logprobs(logits):
+        # token prompt + t is predicted at position prompt + t - 1
+        lp = torch.log_softmax(logits[:, prompt - 1 : -1].float(), -1)
+        return lp.gather(-1, ids[:, prompt:, None]).squeeze(-1)
+
+    with torch.no_grad(), AttentionEntropyRecorder(model, layers=[1, 2]) as rec:
+        old = response_logprobs(model(input_ids=ids, attention_mask=mask).logits)
+    hatt = rec.per_token()[:, prompt:]
+    logprobs = response_logprobs(model(input_ids=ids, attention_mask=mask,
+                                       use_cache=False).logits)
+
+    config = logitless.PolicyLossConfig(attn_entropy_weighting="tanh", attn_entropy_alpha=0.5)
+    loss, _ = logitless.policy_loss(logprobs, old, advantages, response, config,
+                                    attention_entropy=hatt)
+
+    with torch.no_grad():
+        out = eager_twin(model)(input_ids=ids, attention_mask=mask, output_attentions=True)
+    h = entropy_of(torch.stack(out.attentions)[[1, 2]]).mean(dim=(0, 2))[:, prompt:]
+    n = response.sum(-1, keepdim=True)
+    mean = torch.where(response, h, 0).sum(-1, keepdim=True) / n
+    std = (torch.where(response, h - mean, 0).square().sum(-1, keepdim=True) / n).sqrt()
+    z = torch.where(response, (h - mean) / (std + 1e-8), 0)
+    weights = (1 + 0.5 * torch.tanh(z)).float()
+    assert (weights[response] - 1).abs().max() > 0.1  # the weighting really acts
+    expected, _ = logitless.policy_loss(logprobs, old, advantages, response,
+                                        logitless.PolicyLossConfig(), token_weights=weights)
+    plain, _ = logitless.policy_loss(logprobs, old, advantages, response,
+                                     logitless.PolicyLossConfig())
+    torch.testing.assert_close(loss, expected, atol=1e-6, rtol=1e-5)
+    assert not torch.allclose(loss, plain)
+    loss.backward()
+    assert model.lm_head.weight.grad.abs().sum() > 0
