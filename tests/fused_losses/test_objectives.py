@@ -401,3 +401,124 @@ def test_bad_inputs_name_the_argument():
         policy_loss(lp[m], old[m], adv, m[m], cfg)
     with pytest.raises(ValueError, match="ref_logprobs"):
         policy_loss(lp, old, adv, m, PolicyLossConfig(beta=0.1))
+
+
+def _pack_cfg(cfg, mask):
+    """The same config with its per-token tensors laid out packed."""
+    import dataclasses
+
+    changes = {
+        f.name: getattr(cfg, f.name)[mask]
+        for f in dataclasses.fields(cfg)
+        if f.init and isinstance(getattr(cfg, f.name), torch.Tensor)
+    }
+    return dataclasses.replace(cfg, **changes) if changes else cfg
+
+
+def _tensor_knobs(d):
+    g = torch.Generator().manual_seed(99)
+    return {
+        "per_token_beta": dict(
+            objective="dapo", beta=torch.rand(B, T, generator=g, dtype=torch.float64)
+        ),
+        "per_token_eps": dict(
+            objective="grpo",
+            eps_low=0.1 + 0.2 * torch.rand(B, T, generator=g, dtype=torch.float64),
+            eps_high=0.1 + 0.3 * torch.rand(B, T, generator=g, dtype=torch.float64),
+        ),
+        "per_token_eps_ctpo": dict(
+            objective="ctpo", eps_low=torch.full((B, T), 0.05, dtype=torch.float64)
+        ),
+    }
+
+
+OPTION_CASES = {
+    "hard_trust_region": dict(objective="grpo", hard_trust_region=True, eps_low=0.1, eps_high=0.1),
+    "kl_clamp": dict(objective="dapo", beta=0.2, kl_estimator="k3", kl_clamp=True),
+    "kl_bias_sg": dict(objective="dapo", beta=0.2, kl_bias_correction=True),
+    "kl_bias_grad_gspo": dict(
+        objective="gspo", beta=0.1, kl_bias_correction=True, kl_bias_correction_grad=True
+    ),
+    "future_kl": dict(objective="grpo", future_kl_coef=0.3),
+    "prob_reweight": dict(objective="dapo", prob_reweight_alpha=0.6),
+    "token_weights": dict(objective="sapo"),
+    "rs": dict(
+        objective="grpo", rollout_rs="token_k2,seq_mean_k1", rollout_rs_threshold="0.02,0.8_1.2"
+    ),
+    "stapo": dict(objective="dapo", stapo_prob_threshold=0.4, stapo_entropy_threshold=1.2),
+    "opsm": dict(objective="cispo", opsm_threshold=0.0),
+    "top_entropy": dict(objective="dapo", top_entropy_quantile=0.3, entropy_coef=0.05),
+    "adv_entropy": dict(objective="grpo", adv_entropy_top_fraction=0.4),
+    "gmpo_top_entropy": dict(objective="gmpo", top_entropy_quantile=0.6, beta=0.1),
+    "attn_tanh_seq": dict(objective="dapo", attn_entropy_weighting="tanh", attn_entropy_alpha=0.7),
+    "attn_tanh_batch_schedule": dict(
+        objective="dapo",
+        attn_entropy_weighting="tanh",
+        attn_entropy_standardize="batch",
+        attn_entropy_alpha=0.2,
+        attn_entropy_alpha_final=1.0,
+    ),
+    "attn_softmax": dict(
+        objective="grpo", attn_entropy_weighting="softmax", attn_entropy_alpha=1.5
+    ),
+    "attn_low": dict(objective="dapo", attn_entropy_weighting="low_quantile"),
+    "attn_high": dict(
+        objective="dapo", attn_entropy_weighting="high_quantile", attn_entropy_quantile=0.4
+    ),
+}
+MASK_BOUNDS = {"token": (0.8, 1.25), "sequence": (0.7, 1.4), "sequence_geometric": (0.95, 1.05)}
+for level, (lo, hi) in MASK_BOUNDS.items():
+    for mode in ("truncate", "mask"):
+        OPTION_CASES[f"is_{level}_{mode}"] = dict(
+            objective="dapo",
+            rollout_is=level,
+            rollout_is_mode=mode,
+            rollout_is_min=lo,
+            rollout_is_max=hi,
+        )
+OPTION_CASES["vespo_is"] = dict(objective="vespo", rollout_is="token", rollout_is_max=1.1)
+
+
+@pytest.mark.parametrize(
+    "case", [*OPTION_CASES, "per_token_beta", "per_token_eps", "per_token_eps_ctpo"]
+)
+def test_options_match_reference(case):
+    d = make(31 + len(case), per_token_adv=case in ("adv_entropy", "opsm"))
+    kw = OPTION_CASES.get(case) or _tensor_knobs(d)[case]
+    cfg = PolicyLossConfig(**kw)
+    if case == "kl_clamp":
+        d["ref"][0, :4] = d["lp"][0, :4] + 4.0  # k3 = e^4 - 5 > 10: the clamp acts
+    roll = d["roll"].clone()
+    roll[0, 1] = float("nan")
+    hatt = torch.rand(B, T, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    weights = torch.rand(B, T, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
+    extra = dict(attention_entropy=hatt, training_progress=0.4)
+    if case == "token_weights":
+        extra["token_weights"] = weights
+    lp = d["lp"].clone().requires_grad_()
+    ent = d["ent"].clone().requires_grad_()
+    want = ref.policy_loss_reference(
+        lp, d["old"], d["adv"], d["mask"], cfg, ref=d["ref"], entropy=ent, rollout=roll, **extra
+    )
+    want.backward()
+    m = d["mask"]
+    for layout in ("padded", "packed"):
+        lpx = d["lp"].clone().requires_grad_()
+        entx = d["ent"].clone().requires_grad_()
+        args = dict(ref_logprobs=d["ref"], rollout_logprobs=roll, entropy=entx, **extra)
+        if layout == "padded":
+            loss, metrics = policy_loss(lpx, d["old"], d["adv"], m, cfg, **args)
+            drops = ("rs", "stapo", "opsm", "top_entropy", "adv_entropy", "attn_low", "attn_high")
+            if case in drops or case.endswith("_mask"):
+                assert 0 < float(metrics["masked_fraction"]) < 1  # the selection acts
+        else:
+            args = {k: v[m] if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+            adv = d["adv"] if d["adv"].dim() == 1 else d["adv"][m]
+            loss, _ = policy_loss(
+                lpx[m], d["old"][m], adv, m[m], _pack_cfg(cfg, m), cu_seqlens=cu_of(m), **args
+            )
+        loss.backward()
+        close(loss.detach(), want.detach(), name=f"{layout} loss")
+        close(lpx.grad, lp.grad, name=f"{layout} grad")
+        if cfg.entropy_coef:
+            close(entx.grad, ent.grad, name=f"{layout} entropy grad")

@@ -58,14 +58,20 @@ def quantile_loop(values, q):
     return v[lo] + (v[hi] - v[lo]) * (pos - lo)
 
 
+def _at(x, i, t):
+    """A scalar knob or the value of a per-token ``[B, T]`` tensor at ``(i, t)``, as a float."""
+    return float(x[i, t]) if isinstance(x, torch.Tensor) and x.dim() == 2 else float(x)
+
+
 def ratio_loop(
     level, lp, old, adv, mask, eps_low, eps_high, *, growth="sqrt", minpro_prefix="inclusive"
 ):
-    """Per-token ratio values (with gradient) and clip bounds ``(low, high)`` per token."""
+    """Per-token ratio values (with gradient) and clip bounds ``(low, high)`` per token.
+    ``eps_low``/``eps_high`` are scalars or per-token ``[B, T]`` tensors."""
     B, T = lp.shape
     rho = [[lp.new_ones(()) for _ in range(T)] for _ in range(B)]
-    low = [[1 - eps_low] * T for _ in range(B)]
-    high = [[1 + eps_high] * T for _ in range(B)]
+    low = [[1 - _at(eps_low, i, t) for t in range(T)] for i in range(B)]
+    high = [[1 + _at(eps_high, i, t) for t in range(T)] for i in range(B)]
     for i in range(B):
         valid = _valid(mask, i)
         n = max(len(valid), 1)
@@ -75,26 +81,28 @@ def ratio_loop(
                 parts = []
                 for t in valid:
                     s = float(torch.sign(adv[i, t]))
-                    clipped = d[t].clamp(-eps_low, eps_high)
+                    clipped = d[t].clamp(-_at(eps_low, i, t), _at(eps_high, i, t))
                     parts.append(s * torch.minimum(s * d[t], s * clipped))
                 low[i], high[i] = [0.0] * T, [math.inf] * T
             else:
                 parts = [d[t] for t in valid]
             log_s = sum(parts, lp.new_zeros(())) / n
+            if level != "sequence_token":  # one value per sequence, at every position
+                rho[i] = [torch.exp(log_s)] * T
+                continue
         running, running_min = lp.new_zeros(()), math.inf
         for count, t in enumerate(valid, start=1):
             r = torch.exp(d[t])
             if level == "token":
                 rho[i][t] = r
-            elif level in ("sequence", "geometric"):
-                rho[i][t] = torch.exp(log_s)
             elif level == "sequence_token":
                 rho[i][t] = torch.exp(log_s.detach() + lp[i, t] - lp[i, t].detach())
             elif level == "prefix_cumulative":
                 running = running + d[t]
                 g = {"sqrt": math.sqrt(count), "linear": float(count), "constant": 1.0}[growth]
                 rho[i][t] = torch.exp(running)
-                low[i][t], high[i][t] = math.exp(-eps_low * g), math.exp(eps_high * g)
+                low[i][t] = math.exp(-_at(eps_low, i, t) * g)
+                high[i][t] = math.exp(_at(eps_high, i, t) * g)
             elif level == "prefix_min":
                 if minpro_prefix == "inclusive":
                     running_min = min(running_min, float(r))
@@ -181,8 +189,11 @@ def rollout_rejection_keep_loop(old, rollout, mask, options):
     return keep
 
 
-def token_loss_loop(objective, lp, old, adv, mask, rho, low, high, cfg, entropy=None):
-    """Per-token losses ``[B, T]`` of one objective (options: delta, dual clip, cispo_clip)."""
+def token_loss_loop(
+    objective, lp, old, adv, mask, rho, low, high, cfg, entropy=None, is_weight=None
+):
+    """Per-token losses ``[B, T]`` of one objective (options: delta, dual clip, hard trust
+    region, cispo_clip; ``is_weight`` is folded into vespo's sequence weight)."""
     B, T = lp.shape
     out = [[lp.new_zeros(()) for _ in range(T)] for _ in range(B)]
     for i in range(B):
@@ -195,6 +206,8 @@ def token_loss_loop(objective, lp, old, adv, mask, rho, low, high, cfg, entropy=
         )
         s = torch.exp(sum((lp[i, t] - old[i, t] for t in valid), lp.new_zeros(())) / n)
         log_w = sum(float(lp[i, t] - old[i, t]) for t in valid)
+        if is_weight is not None:
+            log_w += sum(min(max(math.log(is_weight[i][t]), math.log(1e-8)), 20.0) for t in valid)
         for t in valid:
             a, r_t, x = float(adv[i, t]), rho[i][t], lp[i, t]
             r = torch.exp(x - old[i, t])
@@ -213,6 +226,8 @@ def token_loss_loop(objective, lp, old, adv, mask, rho, low, high, cfg, entropy=
                 loss = clipped_token_loss(
                     r_t, a, lo, hi, delta=cfg.delta, dual_clip_c=cfg.dual_clip_c
                 )
+                if cfg.hard_trust_region and not lo <= float(r_t) <= hi:
+                    loss = loss.detach()
             elif objective == "cispo":
                 w = (
                     min(float(r_t), hi)
@@ -276,13 +291,18 @@ def token_loss_loop(objective, lp, old, adv, mask, rho, low, high, cfg, entropy=
     return torch.stack([torch.stack(row) for row in out])
 
 
-def kl_loop(lp, ref, estimator):
-    """Per-token KL estimates by the textbook formulas (``+``: straight-through k2 gradient)."""
+def kl_loop(lp, ref, estimator, clamp=False):
+    """Per-token KL estimates by the textbook formulas (``+``: straight-through k2 gradient;
+    ``clamp``: verl's k3 guard)."""
     base = estimator.rstrip("+")
     out = torch.zeros_like(lp)
     for i in range(lp.shape[0]):
         for t in range(lp.shape[1]):
             x = ref[i, t] - lp[i, t]
+            if clamp and base == "k3":
+                xc = x.clamp(-20.0, 20.0)
+                out[i, t] = (torch.exp(xc) - xc - 1).clamp(-10.0, 10.0)
+                continue
             value = {"k1": -x, "k2": x * x / 2, "k3": torch.exp(x) - x - 1, "abs": torch.abs(x)}[
                 base
             ]
@@ -292,32 +312,188 @@ def kl_loop(lp, ref, estimator):
     return out
 
 
-def policy_loss_reference(lp, old, adv, mask, cfg, *, ref=None, entropy=None):
-    """The whole loss for one resolved `PolicyLossConfig` (no selections, no rollout
-    correction): ratio, per-token objective, KL, aggregation (local normalisers), entropy bonus."""
-    adv = adv.reshape(adv.shape[0], -1).expand_as(lp) if adv.dim() == 1 else adv
+def rollout_is_weight_loop(old, rollout, mask, level, mode, lo, hi):
+    """TIS / MIS weights per token as nested lists; NaN rollout values give a zero log-ratio."""
+    B, T = old.shape
+    out = [[1.0] * T for _ in range(B)]
+    for i in range(B):
+        valid = _valid(mask, i)
+        diffs = {t: float(old[i, t] - rollout[i, t]) for t in valid}
+        diffs = {t: 0.0 if math.isnan(v) else v for t, v in diffs.items()}
+        seq = sum(diffs.values())
+        if level == "sequence_geometric":
+            seq = seq / max(len(valid), 1)
+        for t in valid:
+            w = math.exp(max(-20.0, min(20.0, diffs[t] if level == "token" else seq)))
+            if mode == "truncate":
+                w = min(w, hi) if hi is not None else w
+                w = max(w, lo) if lo is not None else w
+            elif not ((lo is None or w >= lo) and (hi is None or w <= hi)):
+                w = 0.0
+            out[i][t] = w
+    return out
+
+
+def attention_weight_loop(hatt, mask, cfg, batch_stats, thresholds, alpha):
+    """Attention-entropy weights per token as nested lists (see `attention_entropy_weights`)."""
+    B, T = hatt.shape
+    out = [[1.0] * T for _ in range(B)]
+    for i in range(B):
+        valid = _valid(mask, i)
+        h = {t: float(hatt[i, t]) for t in valid}
+        if cfg.attn_entropy_weighting in ("low_quantile", "high_quantile"):
+            for t in valid:
+                keep = (
+                    (h[t] <= thresholds[0])
+                    if cfg.attn_entropy_weighting == "low_quantile"
+                    else (h[t] >= thresholds[1])
+                )
+                out[i][t] = float(keep)
+            continue
+        if cfg.attn_entropy_standardize == "batch":
+            mean, std = batch_stats
+        else:
+            mean = sum(h.values()) / max(len(valid), 1)
+            std = math.sqrt(sum((v - mean) ** 2 for v in h.values()) / max(len(valid), 1))
+        z = {t: (h[t] - mean) / (std + 1e-8) for t in valid}
+        if cfg.attn_entropy_weighting == "tanh":
+            for t in valid:
+                out[i][t] = 1 + alpha * math.tanh(z[t])
+        else:
+            top = max((alpha * v for v in z.values()), default=0.0)
+            norm = sum(math.exp(alpha * v - top) for v in z.values())
+            for t in valid:
+                out[i][t] = len(valid) * math.exp(alpha * z[t] - top) / norm
+    return out
+
+
+def policy_loss_reference(
+    lp,
+    old,
+    adv,
+    mask,
+    cfg,
+    *,
+    ref=None,
+    entropy=None,
+    rollout=None,
+    token_weights=None,
+    attention_entropy=None,
+    training_progress=None,
+):
+    """The whole loss of one resolved `PolicyLossConfig`, token by token: rollout rejection and
+    STAPO narrow the mask; FRPO and probability reweighting adjust A; entropy / |A| H top
+    fractions select tokens; OPSM, attention weights, token weights and rollout IS weights scale
+    the policy term; KL is added; local normalisers; the entropy bonus is subtracted."""
+    B, T = lp.shape
+    adv = adv.reshape(B, 1).expand(B, T) if adv.dim() == 1 else adv
+    mask = mask.bool().clone()
+    m_in = mask.clone()
+    if cfg.rollout_rs is not None:
+        mask &= rollout_rejection_keep_loop(old, rollout, m_in, cfg.rollout_rs_parsed)
+    if cfg.stapo_prob_threshold is not None:
+        for i in range(B):
+            for t in _valid(mask, i):
+                if (
+                    adv[i, t] > 0
+                    and math.exp(float(old[i, t])) < cfg.stapo_prob_threshold
+                    and float(entropy[i, t]) < cfg.stapo_entropy_threshold
+                ):
+                    mask[i, t] = False
+    valid = [(i, t) for i in range(B) for t in _valid(mask, i)]
+    a = adv.clone()
+    if cfg.future_kl_coef:
+        for i in range(B):
+            ts = _valid(mask, i)
+            for t in ts:
+                a[i, t] = a[i, t] - cfg.future_kl_coef * sum(
+                    float(lp[i, j] - ref[i, j]) for j in ts if j >= t
+                )
+    if cfg.prob_reweight_alpha:
+        for i, t in valid:
+            p = math.exp(float(lp[i, t]))
+            a[i, t] = (cfg.prob_reweight_alpha * p + 1 - cfg.prob_reweight_alpha) * a[i, t]
+    select = mask.clone()
+    if cfg.top_entropy_quantile < 1:
+        thr = quantile_loop([float(entropy[k]) for k in valid], 1 - cfg.top_entropy_quantile)
+        for k in valid:
+            select[k] = float(entropy[k]) >= thr
+    entropy_select = select.clone()
+    if cfg.adv_entropy_top_fraction < 1:
+        scores = {k: abs(float(adv[k])) * float(entropy[k]) for k in valid}
+        thr = quantile_loop(list(scores.values()), 1 - cfg.adv_entropy_top_fraction)
+        for k in valid:
+            select[k] = select[k] and scores[k] >= thr
+    factor = torch.ones(B, T, dtype=lp.dtype)
+    if cfg.opsm_threshold is not None:
+        sampling = rollout if rollout is not None else old
+        for i in range(B):
+            ts = _valid(mask, i)
+            divs = [float(sampling[i, t] - lp[i, t]) for t in ts]
+            avg = sum(0.0 if math.isnan(v) else v for v in divs) / max(len(ts), 1)
+            for t in ts:
+                if adv[i, t] < 0 and avg > cfg.opsm_threshold:
+                    factor[i, t] = 0.0
+    if cfg.attn_entropy_weighting is not None:
+        hv = [float(attention_entropy[k]) for k in valid]
+        n = len(hv)
+        mean = sum(hv) / n
+        stats = (mean, math.sqrt(sum((v - mean) ** 2 for v in hv) / (n - 1)))
+        q = cfg.attn_entropy_quantile
+        thresholds = (quantile_loop(hv, q), quantile_loop(hv, 1 - q))
+        alpha = cfg.attn_entropy_alpha
+        if cfg.attn_entropy_alpha_final is not None and training_progress is not None:
+            alpha += (cfg.attn_entropy_alpha_final - alpha) * training_progress
+        weights = attention_weight_loop(attention_entropy, mask, cfg, stats, thresholds, alpha)
+        factor = factor * torch.tensor(weights, dtype=lp.dtype)
+    if token_weights is not None:
+        factor = factor * token_weights
+    is_weight = None
+    if cfg.rollout_is is not None:
+        is_weight = rollout_is_weight_loop(
+            old,
+            rollout,
+            m_in,  # the mask as given: rejected tokens stay in a sequence's likelihood ratio
+            cfg.rollout_is,
+            cfg.rollout_is_mode,
+            cfg.rollout_is_min,
+            cfg.rollout_is_max,
+        )
+    gmpo = cfg.objective == "gmpo"
     rho, low, high = ratio_loop(
         cfg.ratio_level,
         lp,
         old,
-        adv,
-        mask,
+        a,
+        select if gmpo else mask,
         cfg.eps_low,
         cfg.eps_high,
         growth=cfg.prefix_bound_growth,
         minpro_prefix=cfg.minpro_prefix,
     )
-    loss = token_loss_loop(cfg.objective, lp, old, adv, mask, rho, low, high, cfg, entropy)
-    if cfg.beta:
-        loss = loss + cfg.beta * kl_loop(lp, ref, cfg.kl_estimator)
-    max_len = cfg.max_response_length or lp.shape[1]
+    folds = cfg.objective == "vespo"
+    loss = token_loss_loop(
+        cfg.objective, lp, old, a, mask, rho, low, high, cfg, entropy, is_weight if folds else None
+    )
+    loss = loss * factor
+    if not gmpo:
+        loss = loss * select
+    if is_weight is not None and not folds:
+        loss = loss * torch.tensor(is_weight, dtype=lp.dtype)
+    if ref is not None and (isinstance(cfg.beta, torch.Tensor) or cfg.beta):
+        kl = kl_loop(lp, ref, cfg.kl_estimator, clamp=cfg.kl_clamp)
+        if cfg.kl_bias_correction:
+            ratio = torch.stack([torch.stack(row) for row in rho])
+            kl = kl * (ratio if cfg.kl_bias_correction_grad else ratio.detach())
+        loss = loss + cfg.beta * kl
+    max_len = cfg.max_response_length or T
     total = aggregate_loop(
         loss, mask, adv, cfg.loss_agg, max_len=max_len, length_power_alpha=cfg.length_power_alpha
     )
     if cfg.entropy_coef:
         total = total - cfg.entropy_coef * aggregate_loop(
             entropy,
-            mask,
+            mask & entropy_select,
             adv,
             cfg.entropy_agg or cfg.loss_agg,
             max_len=max_len,
