@@ -335,7 +335,7 @@ def _dense_chunk(sub, h_g, w, b, t_g, head, want_grad, need, lp_all, ent_all, d_
     temperature, softcap, scale = head["temperature"], head["softcap"], head["logit_scale"]
     vocab = w.shape[0]
     z, t = tiles.logits_tile(h_g, w, b, temperature, softcap, scale)  # GEMM 1
-    parts = tiles.tile_partials(z, t_g, want_s2=False, want_sum_z=False)  # z <- z - max
+    parts, e = tiles.tile_partials(z, t_g, want_s2=False, want_sum_z=False, keep_exp=True)
     stats = finish(parts, vocab)
     lp, ent = stats["logprobs"], stats["entropy"]
     lp_all.index_copy_(0, _global_rows(sub), lp)
@@ -349,10 +349,9 @@ def _dense_chunk(sub, h_g, w, b, t_g, head, want_grad, need, lp_all, ent_all, d_
         g_lp, g_ent = torch.autograd.grad(loss, (lp_leaf, ent_leaf), allow_unused=True)
     if g_lp is None and g_ent is None:
         return None  # the chunk's loss does not depend on the head (e.g. all advantages 0)
-    # z holds z - max: with log l in place of lse, it yields log p exactly as z - lse would.
     col = lambda x: None if x is None else x.unsqueeze(1)
-    dz = tiles.logit_grad_(z, t_g, col(torch.log(parts.l)), col(ent), None, col(g_lp),
-                           col(g_ent), None, None, vocab)
+    # The logits buffer (now z - max) and the exponentials become dz, with no second exp.
+    dz = tiles.logit_grad_from_exp_(e, z, col(parts.l), col(ent), col(g_lp), col(g_ent), t_g)
     dx = tiles.through_transform_(dz, t, scale, temperature).to(w.dtype)
     if d_weight is not None:
         tiles.addmm_acc_(d_weight, dx.t(), h_g)  # GEMM 3, straight into the accumulator
