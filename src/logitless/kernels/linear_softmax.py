@@ -105,6 +105,7 @@ _INPUT_FLAGS = {
     "HAS_BIAS": lambda args: args["bias"] is not None,
     "HAS_SOFTCAP": lambda args: args["softcap"] is not None,
     "INTERPRET_BF16": lambda args: _INTERPRET and args["hidden"].dtype == torch.bfloat16,
+    "EVEN_D": lambda args: args["D"] % args["BLOCK_D"] == 0,
 }
 
 
@@ -142,26 +143,62 @@ def _round_to_input(x, dtype: tl.constexpr, INTERPRET_BF16: tl.constexpr):
 
 
 @triton.jit
+def _tile_offsets(local_rows, stride_row, stride_d, BLOCK_D: tl.constexpr):
+    """int32 offsets ``[rows, BLOCK_D]`` of a row tile's first D chunk, from its first row.
+
+    Pointer math splits into an int64 scalar (the tile's first row, done once) and these
+    in-tile int32 offsets: a 64-bit pointer per element, carried through the GEMM loop,
+    costs enough registers to spill on Hopper.
+    """
+    return local_rows[:, None] * stride_row + tl.arange(0, BLOCK_D)[None, :] * stride_d
+
+
+@triton.jit
+def _load_chunk(tile, offsets, k, stride_d, D, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr):
+    """Chunk ``k`` of D columns of a row tile (zeros past D)."""
+    ptrs = tile + k * BLOCK_D * stride_d + offsets
+    if EVEN_D:
+        chunk = tl.load(ptrs)
+    else:
+        chunk = tl.load(ptrs, mask=(tl.arange(0, BLOCK_D) < D - k * BLOCK_D)[None, :], other=0.0)
+    return chunk
+
+
+@triton.jit
+def _valid(first, size, BLOCK: tl.constexpr):
+    """In-tile lanes, their validity, and lanes clamped into range (rows past the end are
+    computed from the last real one, so loads need no mask)."""
+    lanes = tl.arange(0, BLOCK)
+    count = (size - first).to(tl.int32)
+    return lanes, lanes < count, tl.minimum(lanes, count - 1)
+
+
+@triton.jit
+def _local_targets(targets, v0, BLOCK_V: tl.constexpr):
+    """Targets as int32 lanes of the vocab tile starting at ``v0``; -1 when not in it."""
+    inside = (targets >= v0) & (targets < v0 + BLOCK_V)
+    return tl.where(inside, targets - v0, -1).to(tl.int32)
+
+
+@triton.jit
 def _logits_tile(
-    hidden, weight, bias, offs_n, offs_v, mask_n, mask_v, D,
-    stride_hn, stride_hd, stride_wv, stride_wd, softcap, z_scale,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+    h_tile, h_offsets, w_tile, w_offsets, bias, v0, cols, D, stride_hd, stride_wd,
+    softcap, z_scale,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, INTERPRET_BF16: tl.constexpr,
 ):
-    """fp32 tile ``z [BLOCK_N, BLOCK_V]`` of tempered logits (masked columns hold finite junk)."""
-    offs_d = tl.arange(0, BLOCK_D)
-    h_ptrs = hidden + offs_n[:, None] * stride_hn + offs_d[None, :] * stride_hd
-    w_ptrs = weight + offs_v[None, :] * stride_wv + offs_d[:, None] * stride_wd
+    """fp32 tile ``z [BLOCK_N, BLOCK_V]`` of tempered logits.
+
+    Rows past N and columns past V repeat the last real row / column (finite values);
+    callers mask them.
+    """
     acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
     for k in range(0, tl.cdiv(D, BLOCK_D)):
-        mask_d = offs_d < D - k * BLOCK_D
-        h = tl.load(h_ptrs, mask=mask_n[:, None] & mask_d[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=mask_d[:, None] & mask_v[None, :], other=0.0)
-        acc = _dot(h, w, acc, INTERPRET_BF16)
-        h_ptrs += BLOCK_D * stride_hd
-        w_ptrs += BLOCK_D * stride_wd
+        h = _load_chunk(h_tile, h_offsets, k, stride_hd, D, BLOCK_D, EVEN_D)
+        w = _load_chunk(w_tile, w_offsets, k, stride_wd, D, BLOCK_D, EVEN_D)
+        acc = _dot(h, tl.trans(w), acc, INTERPRET_BF16)
     if HAS_BIAS:
-        acc += tl.load(bias + offs_v, mask=mask_v, other=0.0).to(tl.float32)[None, :]
+        acc += tl.load(bias + v0 + cols).to(tl.float32)[None, :]
     if HAS_SOFTCAP:
         acc = softcap * _tanh(acc / softcap)
     return acc * z_scale
@@ -181,13 +218,15 @@ def _forward_kernel(
     softcap, z_scale,
     N_BIN, D_BIN, V_BIN,
     WANT_S2: tl.constexpr, WANT_SUM_Z: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, INTERPRET_BF16: tl.constexpr,
 ):
     split = tl.program_id(1).to(tl.int64)
-    offs_n = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
-    tgt = tl.load(targets + offs_n, mask=mask_n, other=-1)
+    row0 = tl.program_id(0).to(tl.int64) * BLOCK_N
+    rows, mask_n, local_rows = _valid(row0, N, BLOCK_N)
+    h_tile = hidden + row0 * stride_hn
+    h_offsets = _tile_offsets(local_rows, stride_hn, stride_hd, BLOCK_D)
+    tgt = tl.load(targets + row0 + rows, mask=mask_n, other=-1)
 
     m_i = tl.full((BLOCK_N,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_N,), dtype=tl.float32)
@@ -199,12 +238,13 @@ def _forward_kernel(
     v_start = split * vocab_per_split
     n_tiles = tl.cdiv(tl.minimum(v_start + vocab_per_split, V) - v_start, BLOCK_V)
     for t in range(0, n_tiles):
-        offs_v = v_start + t * BLOCK_V + tl.arange(0, BLOCK_V)
-        mask_v = offs_v < V
+        v0 = v_start + t * BLOCK_V
+        lanes, mask_v, cols = _valid(v0, V, BLOCK_V)
         z = _logits_tile(
-            hidden, weight, bias, offs_n, offs_v, mask_n, mask_v, D,
-            stride_hn, stride_hd, stride_wv, stride_wd, softcap, z_scale,
-            BLOCK_N, BLOCK_V, BLOCK_D, HAS_BIAS, HAS_SOFTCAP, INTERPRET_BF16,
+            h_tile, h_offsets, weight + v0 * stride_wv,
+            _tile_offsets(cols, stride_wv, stride_wd, BLOCK_D), bias, v0, cols, D,
+            stride_hd, stride_wd, softcap, z_scale,
+            BLOCK_N, BLOCK_V, BLOCK_D, EVEN_D, HAS_BIAS, HAS_SOFTCAP, INTERPRET_BF16,
         )
         z = tl.where(mask_v[None, :], z, float("-inf"))
         # Every tile holds at least one real column, so m_new is finite.
@@ -221,13 +261,14 @@ def _forward_kernel(
             s2_i = s2_i * (alpha * alpha) + tl.sum(e * e, 1)
         if WANT_SUM_Z:
             sum_z += tl.sum(tl.where(mask_v[None, :], z, 0.0), 1)
-        # targets == -1 never match a column, so z_y stays 0 for them.
-        z_y += tl.sum(tl.where(offs_v[None, :] == tgt[:, None], z, 0.0), 1)
+        # targets == -1 (or in another tile) match no lane, so they add nothing to z_y.
+        hit = lanes[None, :] == _local_targets(tgt, v0, BLOCK_V)[:, None]
+        z_y += tl.sum(tl.where(hit, z, 0.0), 1)
         m_i = m_new
 
     # out is [6, S, N]: one plane per Partials field.
     plane = tl.num_programs(1).to(tl.int64) * N
-    ptrs = out + split * N + offs_n
+    ptrs = out + split * N + row0 + rows
     tl.store(ptrs, m_i, mask=mask_n)
     tl.store(ptrs + plane, l_i, mask=mask_n)
     tl.store(ptrs + 2 * plane, a_i, mask=mask_n)
@@ -261,7 +302,7 @@ def _backward_kernel(
     softcap, z_scale, inv_vocab_total,
     N_BIN, D_BIN, V_BIN,
     GROUP_N: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, INTERPRET_BF16: tl.constexpr,
     HAS_G_LP: tl.constexpr, HAS_G_ENTROPY: tl.constexpr,
     HAS_G_SUM_P_SQ: tl.constexpr, HAS_G_MEAN: tl.constexpr,
@@ -273,36 +314,40 @@ def _backward_kernel(
     per_group = GROUP_N * tl.cdiv(V, BLOCK_V)
     first_row_block = (pid // per_group) * GROUP_N
     group_rows = tl.minimum(n_row_blocks - first_row_block, GROUP_N)
-    pid_n = first_row_block + (pid % per_group) % group_rows
-    pid_v = (pid % per_group) // group_rows
+    row0 = (first_row_block + (pid % per_group) % group_rows).to(tl.int64) * BLOCK_N
+    v0 = ((pid % per_group) // group_rows).to(tl.int64) * BLOCK_V
 
-    offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_v = pid_v.to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
-    mask_n = offs_n < N
-    mask_v = offs_v < V
+    rows, mask_n, local_rows = _valid(row0, N, BLOCK_N)
+    lanes, mask_v, cols = _valid(v0, V, BLOCK_V)
+    h_tile = hidden + row0 * stride_hn
+    h_offsets = _tile_offsets(local_rows, stride_hn, stride_hd, BLOCK_D)
+    w_tile = weight + v0 * stride_wv
+    w_offsets = _tile_offsets(cols, stride_wv, stride_wd, BLOCK_D)
     z = _logits_tile(
-        hidden, weight, bias, offs_n, offs_v, mask_n, mask_v, D,
-        stride_hn, stride_hd, stride_wv, stride_wd, softcap, z_scale,
-        BLOCK_N, BLOCK_V, BLOCK_D, HAS_BIAS, HAS_SOFTCAP, INTERPRET_BF16,
+        h_tile, h_offsets, w_tile, w_offsets, bias, v0, cols, D, stride_hd, stride_wd,
+        softcap, z_scale,
+        BLOCK_N, BLOCK_V, BLOCK_D, EVEN_D, HAS_BIAS, HAS_SOFTCAP, INTERPRET_BF16,
     )
 
-    logp = z - tl.load(lse + offs_n, mask=mask_n, other=0.0)[:, None]
+    row_ptrs = row0 + rows
+    logp = z - tl.load(lse + row_ptrs, mask=mask_n, other=0.0)[:, None]
     p = tl.exp(logp)
     dz = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
     if HAS_G_LP:
-        g = tl.load(g_lp + offs_n, mask=mask_n, other=0.0)[:, None]
-        tgt = tl.load(targets + offs_n, mask=mask_n, other=-1)
-        dz += g * (tl.where(offs_v[None, :] == tgt[:, None], 1.0, 0.0) - p)
+        g = tl.load(g_lp + row_ptrs, mask=mask_n, other=0.0)[:, None]
+        tgt = tl.load(targets + row_ptrs, mask=mask_n, other=-1)
+        hit = lanes[None, :] == _local_targets(tgt, v0, BLOCK_V)[:, None]
+        dz += g * (tl.where(hit, 1.0, 0.0) - p)
     if HAS_G_ENTROPY:
-        g = tl.load(g_entropy + offs_n, mask=mask_n, other=0.0)[:, None]
-        h_ent = tl.load(entropy + offs_n, mask=mask_n, other=0.0)[:, None]
+        g = tl.load(g_entropy + row_ptrs, mask=mask_n, other=0.0)[:, None]
+        h_ent = tl.load(entropy + row_ptrs, mask=mask_n, other=0.0)[:, None]
         dz -= g * p * (logp + h_ent)
     if HAS_G_SUM_P_SQ:
-        g = tl.load(g_sum_p_sq + offs_n, mask=mask_n, other=0.0)[:, None]
-        s2 = tl.load(sum_p_sq + offs_n, mask=mask_n, other=0.0)[:, None]
+        g = tl.load(g_sum_p_sq + row_ptrs, mask=mask_n, other=0.0)[:, None]
+        s2 = tl.load(sum_p_sq + row_ptrs, mask=mask_n, other=0.0)[:, None]
         dz += 2.0 * g * p * (p - s2)
     if HAS_G_MEAN:
-        dz += tl.load(g_mean_logit + offs_n, mask=mask_n, other=0.0)[:, None] * inv_vocab_total
+        dz += tl.load(g_mean_logit + row_ptrs, mask=mask_n, other=0.0)[:, None] * inv_vocab_total
     # Through the transform: dz/dx = z_scale * (1 - tanh(x/c)^2), tanh(x/c) = z / (z_scale c).
     dx = dz * z_scale
     if HAS_SOFTCAP:
@@ -311,31 +356,24 @@ def _backward_kernel(
     dx = tl.where(mask_n[:, None] & mask_v[None, :], dx, 0.0)
 
     if NEED_BIAS:
-        tl.atomic_add(d_bias + offs_v, tl.sum(dx, 0), mask=mask_v, sem="relaxed")
+        tl.atomic_add(d_bias + v0 + lanes, tl.sum(dx, 0), mask=mask_v, sem="relaxed")
     # The gradient GEMMs run in the input dtype (tensor cores) and accumulate in fp32.
     dx_in = _round_to_input(dx, hidden.dtype.element_ty, INTERPRET_BF16)
-    offs_d = tl.arange(0, BLOCK_D)
     for k in range(0, tl.cdiv(D, BLOCK_D)):
-        cols = k * BLOCK_D + offs_d
-        mask_d = cols < D
+        offs_d = k * BLOCK_D + tl.arange(0, BLOCK_D)
+        mask_d = offs_d < D
         if NEED_HIDDEN:
-            w = tl.load(
-                weight + offs_v[:, None] * stride_wv + cols[None, :] * stride_wd,
-                mask=mask_v[:, None] & mask_d[None, :], other=0.0,
-            )
-            dh = _dot(dx_in, w, None, INTERPRET_BF16)
+            w = _load_chunk(w_tile, w_offsets, k, stride_wd, D, BLOCK_D, EVEN_D)
             tl.atomic_add(
-                d_hidden + offs_n[:, None] * D + cols[None, :], dh,
+                d_hidden + row0 * D + (rows[:, None] * D + offs_d[None, :]),
+                _dot(dx_in, w, None, INTERPRET_BF16),
                 mask=mask_n[:, None] & mask_d[None, :], sem="relaxed",
             )
         if NEED_WEIGHT:
-            h = tl.load(
-                hidden + offs_n[:, None] * stride_hn + cols[None, :] * stride_hd,
-                mask=mask_n[:, None] & mask_d[None, :], other=0.0,
-            )
-            dw = _dot(tl.trans(dx_in), h, None, INTERPRET_BF16)
+            h = _load_chunk(h_tile, h_offsets, k, stride_hd, D, BLOCK_D, EVEN_D)
             tl.atomic_add(
-                d_weight + offs_v[:, None] * D + cols[None, :], dw,
+                d_weight + v0 * D + (lanes[:, None] * D + offs_d[None, :]),
+                _dot(tl.trans(dx_in), h, None, INTERPRET_BF16),
                 mask=mask_v[:, None] & mask_d[None, :], sem="relaxed",
             )
 
