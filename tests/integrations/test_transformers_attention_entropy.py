@@ -15,8 +15,12 @@ from transformers import (
     Qwen3Config,
     Qwen3ForCausalLM,
 )
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.masking_utils import (
+    ALL_MASK_ATTENTION_FUNCTIONS,
+    AttentionMaskInterface,
+    flash_attention_mask,
+)
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
 import logitless
 from logitless.integrations.transformers import AttentionEntropyRecorder
@@ -235,3 +239,69 @@ def test_end_to_end_anchor_explorer_weighting():
     assert not torch.allclose(loss, plain)
     loss.backward()
     assert model.lm_head.weight.grad.abs().sum() > 0
+
+
+# Not named "flash": transformers would try to load a flash kernel by that name.
+FAKE_FLASH = "fake_varlen_attention"
+
+
+@pytest.fixture
+def fake_flash():
+    """A stand-in for flash-attention (not installed here) with its interface: the 2D padding
+    mask (transformers' flash mask function) or, without one, packing read from position_ids;
+    causal and sliding window built in. It keeps the probabilities it used."""
+    kept = []
+
+    def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                  sliding_window=None, **kwargs):
+        b, h, t, _ = query.shape
+        i, j = torch.arange(t)[:, None], torch.arange(t)[None, :]
+        allowed = (j <= i)[None].expand(b, t, t).clone()
+        if sliding_window is not None:
+            allowed &= i - j < sliding_window
+        position_ids = kwargs.get("position_ids")
+        if attention_mask is not None:
+            allowed &= attention_mask.bool()[:, None, :]
+        elif position_ids is not None and b == 1:
+            seq = (position_ids == position_ids.min()).cumsum(-1)
+            allowed &= seq[:, :, None] == seq[:, None, :]
+        group = h // key.shape[1]
+        k = key.repeat_interleave(group, 1)
+        v = value.repeat_interleave(group, 1)
+        s = (query @ k.transpose(-1, -2) * scaling).masked_fill(~allowed[:, None], -torch.inf)
+        p = torch.softmax(s, -1).nan_to_num(0.0)
+        kept.append(p)
+        return (p @ v).transpose(1, 2).contiguous(), None
+
+    AttentionInterface.register(FAKE_FLASH, attention)
+    AttentionMaskInterface.register(FAKE_FLASH, flash_attention_mask)
+    yield kept
+    ALL_ATTENTION_FUNCTIONS._global_mapping.pop(FAKE_FLASH)
+    ALL_MASK_ATTENTION_FUNCTIONS._global_mapping.pop(FAKE_FLASH)
+
+
+@pytest.mark.parametrize("inputs", ["left", "right", "packed"])
+def test_flash_style_implementation(fake_flash, inputs):
+    """The flash branch: padding from the 2D mask the attention function receives, packing
+    from position_ids; entropies equal those of the implementation's own probabilities."""
+    model = build("qwen2-sliding", FAKE_FLASH)
+    if inputs == "packed":
+        ids = torch.randint(0, SMALL["vocab_size"], (1, 16), generator=torch.Generator())
+        mask = torch.ones(1, 16, dtype=torch.long)
+        positions = torch.tensor([[*range(5), *range(7), *range(4)]])
+        # With the default cache transformers builds no packed mask; flash packs anyway.
+        call = dict(input_ids=ids, position_ids=positions)
+    else:
+        ids, mask = batch(inputs)
+        call = dict(input_ids=ids, attention_mask=mask, use_cache=False)
+    with torch.no_grad():
+        plain = model(**call).logits
+        fake_flash.clear()
+        with AttentionEntropyRecorder(model) as rec:
+            recorded = model(**call).logits
+    assert torch.equal(plain, recorded)
+    assert model.config._attn_implementation == FAKE_FLASH
+    expected = entropy_of(torch.stack(fake_flash))
+    got = rec.per_layer()
+    valid = mask.bool()[None, :, None, :].expand_as(got)
+    torch.testing.assert_close(got.double()[valid], expected[valid], atol=2e-6, rtol=0)

@@ -18,19 +18,16 @@ from collections.abc import Callable, Sequence
 
 import torch
 from transformers.configuration_utils import PreTrainedConfig
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.masking_utils import (
+    ALL_MASK_ATTENTION_FUNCTIONS,
+    AttentionMaskInterface,
+    flash_attention_mask,
+)
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
 from logitless.fused_losses.attention_entropy import attention_entropy
 
 __all__ = ["AttentionEntropyRecorder"]
-
-
-def _segment_starts(position_ids: torch.Tensor) -> torch.Tensor:
-    """``[B, T]`` bool, True where a packed sequence starts (positions not continuing by +1)."""
-    starts = torch.ones_like(position_ids, dtype=torch.bool)
-    starts[:, 1:] = position_ids[:, 1:] - position_ids[:, :-1] != 1
-    return starts
 
 
 class AttentionEntropyRecorder:
@@ -239,20 +236,24 @@ class AttentionEntropyRecorder:
         )
 
         padding, starts = self._padding, self._seg_starts
-        if "flash" in impl:
-            # flash-attention: the 2D mask reaches the attention function; packing comes from
-            # cu_seq_lens_q or position_ids, as in transformers' _flash_attention_forward.
+        mask_fn = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping.get(impl)
+        if "flash" in impl or mask_fn is flash_attention_mask:
+            # flash-attention (and any implementation that takes its 2D mask): the padding mask
+            # reaches the attention function; packing comes from cu_seq_lens_q or
+            # position_ids, as in transformers' _flash_attention_forward.
             padding = attention_mask.bool() if isinstance(attention_mask, torch.Tensor) else None
             starts = None
             cu = kwargs.get("cu_seq_lens_q")
             position_ids = kwargs.get("position_ids")
             if padding is None and cu is not None:
                 starts = torch.zeros(bsz * t, dtype=torch.bool, device=query.device)
-                starts[cu[:-1].long()] = True
+                first = cu[:-1].long()
+                starts[first[first < bsz * t]] = True
                 starts = starts.view(bsz, t)
             elif padding is None and position_ids is not None and bsz == 1:
-                starts = _segment_starts(position_ids.expand(bsz, -1))
-                starts = None if bool(starts[:, 1:].sum() == 0) else starts
+                # Sequences start where the position is the smallest (0, or padding_idx + 1).
+                starts = position_ids == position_ids.min()
+                starts = starts if int(starts.sum()) > 1 else None
         if padding is not None and padding.shape != (bsz, t):
             raise ValueError(
                 f"AttentionEntropyRecorder: padding mask of shape {list(padding.shape)} does not "
