@@ -1,0 +1,239 @@
+"""verl adapter: logitless objectives as verl policy losses, and the fused head.
+
+Importing this module (the ``verl.plugins`` entry point does it on ``import verl`` in every
+process, Ray workers included) registers ``logitless_<objective>`` for every registered
+logitless objective in verl's policy-loss registry. Select one with::
+
+    actor_rollout_ref.actor.policy_loss.loss_mode=logitless_grpo
+
+Hyperparameters verl already has come from the actor config (``clip_ratio_low/high`` are
+``eps_low/eps_high``, ``clip_ratio_c`` the dual clip and DPPO's ratio cap, ``tau_pos/tau_neg``
+SAPO's temperatures, ``loss_agg_mode`` the aggregation, ``policy_loss.clip_cov_*``,
+``kl_cov_ratio``, ``ppo_kl_coef`` and ``dro_beta`` the covariance and DRO knobs), the
+normalisers from verl's ``global_batch_info`` (``dp_size``, ``batch_num_tokens``,
+``global_batch_size``, ``loss_scale_factor``) and the rollout IS weights from verl's trainer.
+The other logitless knobs are fields of :class:`LogitlessPolicyLossConfig`, selected with
+``policy_loss._target_=logitless.integrations.verl.LogitlessPolicyLossConfig``.
+
+verl calls a policy loss without reference logprobs or entropies: its own ``use_kl_loss`` and
+``entropy_coeff`` terms apply as usual, and the logitless knobs that need those inputs (KL,
+entropy selections, rollout logprobs) are not offered here.
+
+The fused head (:func:`enable_fused_head`) lives in :mod:`logitless.integrations.verl_head`;
+``LOGITLESS_VERL_FUSED_HEAD=1`` in a worker's environment enables it when this module loads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import torch
+from verl.trainer.ppo.core_algos import register_policy_loss
+from verl.workers.config import PolicyLossConfig as VerlPolicyLossConfig
+
+from logitless.fused_losses.config import PolicyLossConfig
+from logitless.fused_losses.objectives import OBJECTIVES
+from logitless.fused_losses.policy_loss import policy_loss
+from logitless.integrations.verl_head import (
+    disable_fused_head,
+    enable_fused_head,
+    fused_head_enabled,
+    linear_cross_entropy,
+)
+
+__all__ = [
+    "LOSS_PREFIX",
+    "LogitlessPolicyLossConfig",
+    "disable_fused_head",
+    "enable_fused_head",
+    "fused_head_enabled",
+    "linear_cross_entropy",
+    "register_verl_losses",
+    "to_logitless_config",
+]
+
+LOSS_PREFIX = "logitless_"
+
+# PolicyLossConfig fields that verl supplies (actor config, verl's own PolicyLossConfig, the
+# loss mode, global_batch_info) ...
+_FROM_VERL = frozenset({
+    "objective", "eps_low", "eps_high", "loss_agg", "dual_clip_c", "sapo_tau_pos",
+    "sapo_tau_neg", "dppo_ratio_cap", "clip_cov_lb", "clip_cov_ub", "cov_fraction",
+    "kl_cov_coef", "dro_beta", "dp_size", "max_response_length",
+})
+# ... and those that need inputs a verl policy-loss function never receives (reference and
+# rollout logprobs, entropies, attention entropies).
+_NEEDS_OTHER_INPUTS = frozenset({
+    "beta", "kl_estimator", "kl_bias_correction", "kl_bias_correction_grad", "kl_clamp",
+    "future_kl_coef", "entropy_coef", "entropy_agg", "top_entropy_quantile",
+    "stapo_prob_threshold", "stapo_entropy_threshold", "adv_entropy_top_fraction",
+    "rollout_is", "rollout_is_mode", "rollout_is_min", "rollout_is_max", "rollout_rs",
+    "rollout_rs_threshold", "opsm_threshold",
+})
+# verl counts only non-empty sequences in seq-mean normalisers.
+_VERL_DEFAULTS = {"seq_count": "nonempty"}
+# Objectives whose verl counterpart (``vanilla``) always applies the dual clip.
+_VERL_DUAL_CLIP = frozenset({"ppo", "grpo", "dapo", "bnpo", "dr_grpo"})
+
+PASSTHROUGH_FIELDS = tuple(
+    f.name
+    for f in dataclasses.fields(PolicyLossConfig)
+    if f.init
+    and f.name not in _FROM_VERL
+    and f.name not in _NEEDS_OTHER_INPUTS
+    and not f.name.startswith("attn_entropy")
+)
+
+
+def _passthrough_default(name: str):
+    if name in _VERL_DEFAULTS:
+        return _VERL_DEFAULTS[name]
+    return next(f.default for f in dataclasses.fields(PolicyLossConfig) if f.name == name)
+
+
+LogitlessPolicyLossConfig = dataclasses.make_dataclass(
+    "LogitlessPolicyLossConfig",
+    [
+        ("loss_agg", Any, dataclasses.field(default=None)),
+        ("dual_clip", Any, dataclasses.field(default=None)),
+        ("use_global_batch_info", bool, dataclasses.field(default=True)),
+        *((name, Any, dataclasses.field(default=_passthrough_default(name)))
+          for name in PASSTHROUGH_FIELDS),
+    ],
+    bases=(VerlPolicyLossConfig,),
+)
+# Ray pickles configs to its workers and hydra resolves ``_target_`` by module path.
+LogitlessPolicyLossConfig.__module__ = __name__
+LogitlessPolicyLossConfig.__doc__ = f"""verl's ``PolicyLossConfig`` plus the logitless knobs.
+
+Select it with ``policy_loss._target_=logitless.integrations.verl.LogitlessPolicyLossConfig``
+and ``policy_loss.loss_mode=logitless_<objective>``. Its own fields:
+
+- ``loss_agg``: overrides the actor's ``loss_agg_mode`` for this loss (any logitless
+  aggregation, e.g. ``balanced`` or ``length-power``); None keeps verl's.
+- ``dual_clip``: apply ``clip_ratio_c`` as a dual clip; None does what verl's matching loss
+  does (on for the ppo family, as ``vanilla``; off otherwise).
+- ``use_global_batch_info``: normalise by verl's global batch information (default); False
+  normalises over the micro-batch, as verl's ``geo_mean`` does.
+- the logitless knobs a verl policy loss can honour, defaults as in
+  ``logitless.PolicyLossConfig`` (``seq_count`` defaults to verl's ``nonempty``):
+  {", ".join(PASSTHROUGH_FIELDS)}.
+"""
+
+
+def _get(config, key, default=None):
+    """``key`` of a dataclass, verl ``BaseConfig`` or ``DictConfig``, None-valued -> default."""
+    if config is None:
+        return default
+    value = config.get(key, default) if hasattr(config, "get") else getattr(config, key, default)
+    return default if value is None else value
+
+
+def to_logitless_config(objective: str, actor_config, loss_agg_mode: str | None = None):
+    """The logitless config and normaliser arguments for one verl policy-loss call.
+
+    Args:
+        objective: a registered logitless objective name.
+        actor_config: verl's ``ActorConfig`` (or its ``DictConfig``) as passed to the loss.
+        loss_agg_mode: the ``loss_agg_mode`` verl passed (default: the actor's).
+
+    Returns:
+        ``(PolicyLossConfig, kwargs)`` with ``kwargs`` the ``num_items_in_batch`` and
+        ``global_batch_size`` arguments of :func:`logitless.policy_loss`.
+    """
+    pl = _get(actor_config, "policy_loss")
+    clip = _get(actor_config, "clip_ratio", 0.2)
+    clip_c = _get(actor_config, "clip_ratio_c", 3.0)
+    dual = _get(pl, "dual_clip")
+    if dual is None:
+        dual = objective in _VERL_DUAL_CLIP
+    cov_key = "kl_cov_ratio" if objective == "kl_cov" else "clip_cov_ratio"
+    fields = dict(
+        objective=objective,
+        eps_low=_get(actor_config, "clip_ratio_low", clip),
+        eps_high=_get(actor_config, "clip_ratio_high", clip),
+        loss_agg=_get(pl, "loss_agg") or loss_agg_mode or _get(actor_config, "loss_agg_mode"),
+        dual_clip_c=clip_c if dual else None,
+        dppo_ratio_cap=clip_c,
+        sapo_tau_pos=_get(actor_config, "tau_pos", 1.0),
+        sapo_tau_neg=_get(actor_config, "tau_neg", 1.05),
+        clip_cov_lb=_get(pl, "clip_cov_lb", 1.0),
+        clip_cov_ub=_get(pl, "clip_cov_ub", 5.0),
+        cov_fraction=_get(pl, cov_key, 2e-4),
+        kl_cov_coef=_get(pl, "ppo_kl_coef", 0.1),
+    )
+    if _get(pl, "dro_beta") is not None:
+        fields["dro_beta"] = _get(pl, "dro_beta")
+    for name in PASSTHROUGH_FIELDS:
+        fields[name] = _get(pl, name, _passthrough_default(name))
+    kwargs = {}
+    if _get(pl, "use_global_batch_info", True):
+        info = _get(actor_config, "global_batch_info", {})
+        fields["dp_size"] = int(_get(info, "dp_size", 1))
+        fields["max_response_length"] = _get(info, "loss_scale_factor")
+        kwargs = dict(num_items_in_batch=_get(info, "batch_num_tokens"),
+                      global_batch_size=_get(info, "global_batch_size"))
+    return PolicyLossConfig(**fields), kwargs
+
+
+def _verl_metrics(metrics: dict[str, torch.Tensor]) -> dict[str, float]:
+    """verl's metric names (same meaning where verl has one) plus every logitless metric under
+    ``actor/logitless/``; one device sync for all of them."""
+    names = list(metrics)
+    values = torch.stack([metrics[k].to(torch.float64) for k in names]).tolist()
+    ours = dict(zip(names, values))
+    out = {"actor/ppo_kl": ours["approx_kl"]}
+    if "clip_ratio/region" in ours:
+        out["actor/pg_clipfrac"] = ours["clip_ratio/region"]
+        out["actor/pg_clipfrac_lower"] = ours["clip_ratio/low"]
+    out.update({f"actor/logitless/{k}": v for k, v in ours.items()})
+    return out
+
+
+def _verl_policy_loss(objective: str):
+    def compute_policy_loss(
+        old_log_prob: torch.Tensor,
+        log_prob: torch.Tensor,
+        advantages: torch.Tensor,
+        response_mask: torch.Tensor,
+        loss_agg_mode: str = "token-mean",
+        config=None,
+        rollout_is_weights: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        if config is None:
+            raise ValueError(f"config: {LOSS_PREFIX}{objective} needs verl's actor config")
+        cfg, normalisers = to_logitless_config(objective, config, loss_agg_mode)
+        loss, metrics = policy_loss(log_prob, old_log_prob, advantages, response_mask, cfg,
+                                    token_weights=rollout_is_weights, **normalisers)
+        return loss, _verl_metrics(metrics)
+
+    compute_policy_loss.__name__ = f"compute_policy_loss_{LOSS_PREFIX}{objective}"
+    compute_policy_loss.__qualname__ = compute_policy_loss.__name__
+    compute_policy_loss.__doc__ = (
+        f"verl policy loss over logitless's ``{objective}`` objective "
+        "(see logitless.integrations.verl)."
+    )
+    return compute_policy_loss
+
+
+def register_verl_losses(objectives=None) -> list[str]:
+    """Register ``logitless_<name>`` in verl's policy-loss registry for the given objective
+    names (default: every registered logitless objective; call it again after registering
+    your own with ``logitless.register_objective``). Returns the loss-mode names."""
+    names = sorted(OBJECTIVES) if objectives is None else list(objectives)
+    for name in names:
+        if name not in OBJECTIVES:
+            raise ValueError(f"objectives: {name!r} is not a registered logitless objective")
+        register_policy_loss(LOSS_PREFIX + name)(_verl_policy_loss(name))
+    return [LOSS_PREFIX + name for name in names]
+
+
+register_verl_losses()
+
+if os.environ.get("LOGITLESS_VERL_FUSED_HEAD", "").strip().lower() in ("1", "true", "yes"):
+    enable_fused_head(
+        entropy_grad=os.environ.get("LOGITLESS_VERL_ENTROPY_GRAD", "1").strip().lower()
+        not in ("0", "false", "no")
+    )

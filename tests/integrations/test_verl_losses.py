@@ -1,0 +1,258 @@
+"""logitless loss modes inside verl's policy-loss registry, against verl's built-in losses.
+
+Every call goes through ``verl.trainer.ppo.core_algos.get_policy_loss_fn`` with a real verl
+``ActorConfig`` carrying ``global_batch_info``, as verl's actor does; the logitless side is
+configured only through verl configuration (``LogitlessPolicyLossConfig``).
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import verl.trainer.ppo.core_algos as core_algos
+import verl.workers.config as verl_config
+from omegaconf import OmegaConf
+from verl.utils.config import omega_conf_to_dataclass
+
+import logitless
+from logitless.fused_losses.objectives import OBJECTIVES
+from logitless.integrations.verl import (
+    LOSS_PREFIX,
+    LogitlessPolicyLossConfig,
+    register_verl_losses,
+)
+
+RTOL, ATOL = 1e-12, 1e-14
+VERL_AGGS = ("token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum",
+             "seq-mean-token-sum-norm")
+BATCH_INFOS = {
+    "local": dict(dp_size=1, batch_num_tokens=None, global_batch_size=None,
+                  loss_scale_factor=None),
+    "global": dict(dp_size=4, batch_num_tokens=97, global_batch_size=19, loss_scale_factor=23),
+}
+# verl's policy_loss block for both sides; the logitless side adds its options to it.
+VERL_POLICY_LOSS = dict(dro_beta=0.4, clip_cov_ratio=0.3, clip_cov_lb=0.05, clip_cov_ub=5.0,
+                        kl_cov_ratio=0.2, ppo_kl_coef=0.6)
+
+# verl loss -> (logitless loss mode, LogitlessPolicyLossConfig options giving verl's behaviour,
+# actor overrides for both sides).
+CASES = {
+    "vanilla": ("logitless_ppo", {}, {}),
+    "vanilla-no-dual-clip": ("logitless_ppo", dict(dual_clip=False), dict(clip_ratio_c=1e12)),
+    "gspo": ("logitless_gspo", dict(ratio_level="sequence_token"), {}),
+    "sapo": ("logitless_sapo", dict(loss_agg="seq-mean-token-mean"), {}),
+    "gpg": ("logitless_gpg", {}, {}),
+    "clip_cov": ("logitless_clip_cov", {}, {}),
+    "kl_cov": ("logitless_kl_cov", {}, {}),
+    "geo_mean": ("logitless_gmpo", dict(loss_agg="seq-mean-token-mean", seq_count="all",
+                                        use_global_batch_info=False), {}),
+    "dro": ("logitless_dro", {}, {}),
+    "cispo": ("logitless_cispo", {}, {}),
+    "dppo_tv": ("logitless_dppo_tv", {}, {}),
+    "dppo_kl": ("logitless_dppo_kl", {}, {}),
+}
+SHARED_METRICS = {
+    "vanilla-no-dual-clip": ("actor/ppo_kl", "actor/pg_clipfrac"),
+    "gspo": ("actor/ppo_kl", "actor/pg_clipfrac"),
+    "sapo": ("actor/ppo_kl",),
+    "geo_mean": ("actor/ppo_kl",),
+    "dro": ("actor/ppo_kl",),
+    "cispo": ("actor/ppo_kl",),
+    "dppo_tv": ("actor/ppo_kl", "actor/pg_clipfrac"),
+    "dppo_kl": ("actor/ppo_kl", "actor/pg_clipfrac"),
+}
+
+
+def _actor(policy_loss, info, **overrides):
+    kw = dict(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1, clip_ratio=0.2,
+              clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0, tau_pos=1.0,
+              tau_neg=1.05)
+    kw.update(overrides)
+    actor = verl_config.ActorConfig(policy_loss=policy_loss, **kw)
+    actor.global_batch_info.update(info)
+    return actor
+
+
+def _batch(seed):
+    g = torch.Generator().manual_seed(seed)
+    b, t = 7, 11
+    lengths = torch.randint(1, t + 1, (b,), generator=g)
+    lengths[1] = 0
+    mask = torch.arange(t)[None, :] < lengths[:, None]
+    lp = -3 * torch.rand(b, t, generator=g, dtype=torch.float64) - 0.05
+    old = (lp + 0.3 * torch.randn(b, t, generator=g, dtype=torch.float64)).clamp(max=-1e-3)
+    old[:, :2] = lp[:, :2] - 1.5  # ratios above clip_ratio_c: the dual clip binds for A < 0
+    adv = 2 * torch.randn(b, t, generator=g, dtype=torch.float64)
+    return lp, old, adv, mask
+
+
+def _call(mode, lp, old, adv, mask, agg, actor, weights):
+    lp = lp.clone().requires_grad_(True)
+    loss, metrics = core_algos.get_policy_loss_fn(mode)(
+        old_log_prob=old, log_prob=lp, advantages=adv, response_mask=mask, loss_agg_mode=agg,
+        config=actor, rollout_is_weights=weights)
+    (grad,) = torch.autograd.grad(loss, lp)
+    return loss, grad, metrics
+
+
+def _seed(case):
+    if case == "clip_cov":  # both sides draw the dropped tokens from torch's global generator
+        torch.manual_seed(99)
+
+
+@pytest.mark.parametrize("info", sorted(BATCH_INFOS))
+@pytest.mark.parametrize("agg", VERL_AGGS)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_logitless_loss_mode_equals_verl_builtin(case, agg, info):
+    mode, options, overrides = CASES[case]
+    verl_mode = case.split("-")[0]
+    lp, old, adv, mask = _batch(seed=len(case))
+    if verl_mode == "geo_mean":
+        # verl folds token IS weights into a per-sequence geometric mean; with one weight per
+        # sequence that is the weight itself.
+        weights = (torch.rand(lp.shape[0], 1, dtype=torch.float64) + 0.5).expand_as(lp)
+    else:
+        weights = 2 * torch.rand(lp.shape, dtype=torch.float64)
+
+    theirs_cfg = _actor(verl_config.PolicyLossConfig(loss_mode=verl_mode, **VERL_POLICY_LOSS),
+                        BATCH_INFOS[info], **overrides)
+    ours_cfg = _actor(LogitlessPolicyLossConfig(loss_mode=mode, **VERL_POLICY_LOSS, **options),
+                      BATCH_INFOS[info], **overrides)
+    _seed(case)
+    v_loss, v_grad, v_metrics = _call(verl_mode, lp, old, adv, mask, agg, theirs_cfg, weights)
+    _seed(case)
+    o_loss, o_grad, o_metrics = _call(mode, lp, old, adv, mask, agg, ours_cfg, weights)
+
+    # geo_mean: verl takes exp(mean log(w + 1e-10)), a relative shift of at most 2e-10.
+    rtol = 1e-9 if verl_mode == "geo_mean" else RTOL
+    torch.testing.assert_close(o_loss, v_loss, rtol=rtol, atol=ATOL)
+    torch.testing.assert_close(o_grad, v_grad, rtol=rtol, atol=ATOL)
+    for name in SHARED_METRICS.get(case, ()):
+        assert o_metrics[name] == pytest.approx(v_metrics[name], abs=1e-6), name
+    assert all(isinstance(v, float) for v in o_metrics.values())
+    assert {"actor/ppo_kl", "actor/logitless/approx_kl",
+            "actor/logitless/masked_fraction"} <= set(o_metrics)
+
+
+def test_defaults_follow_the_paper_where_verl_differs():
+    """Without the verl-behaviour options the deviating modes differ from verl's built-ins."""
+    lp, old, adv, mask = _batch(seed=3)
+    info = BATCH_INFOS["global"]
+    for case in ("sapo", "geo_mean", "gspo"):
+        mode, _, _ = CASES[case]
+        theirs = _actor(verl_config.PolicyLossConfig(loss_mode=case), info)
+        ours = _actor(LogitlessPolicyLossConfig(loss_mode=mode), info)
+        v_loss, v_grad, _ = _call(case, lp, old, adv, mask, "token-mean", theirs, None)
+        o_loss, o_grad, _ = _call(mode, lp, old, adv, mask, "token-mean", ours, None)
+        assert not (torch.allclose(o_loss, v_loss) and torch.allclose(o_grad, v_grad)), case
+
+
+def test_plain_verl_policy_loss_config_works_with_logitless_modes():
+    """``loss_mode=logitless_x`` alone (verl's own PolicyLossConfig): logitless defaults, and
+    verl's dual clip for the ppo family (as verl's ``vanilla``)."""
+    lp, old, adv, mask = _batch(seed=5)
+    info = BATCH_INFOS["global"]
+    actor = _actor(verl_config.PolicyLossConfig(loss_mode="logitless_dapo"), info)
+    o_loss, o_grad, _ = _call("logitless_dapo", lp, old, adv, mask, "token-mean", actor, None)
+    cfg = logitless.PolicyLossConfig(objective="dapo", eps_low=0.2, eps_high=0.28,
+                                     dual_clip_c=3.0, loss_agg="token-mean", dp_size=4,
+                                     max_response_length=23, seq_count="nonempty")
+    lp_ = lp.clone().requires_grad_(True)
+    e_loss, _ = logitless.policy_loss(lp_, old, adv, mask, cfg, num_items_in_batch=97,
+                                      global_batch_size=19)
+    (e_grad,) = torch.autograd.grad(e_loss, lp_)
+    torch.testing.assert_close(o_loss, e_loss, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(o_grad, e_grad, rtol=RTOL, atol=ATOL)
+
+
+def test_target_selects_the_config_through_verls_instantiation():
+    """``policy_loss._target_`` in a verl actor config instantiates LogitlessPolicyLossConfig
+    (verl's own omega_conf_to_dataclass, hydra underneath), and its knobs reach the loss."""
+    yaml = textwrap.dedent("""
+        _target_: verl.workers.config.ActorConfig
+        strategy: fsdp
+        rollout_n: 1
+        ppo_micro_batch_size_per_gpu: 1
+        clip_ratio_low: 0.2
+        clip_ratio_high: 0.3
+        loss_agg_mode: seq-mean-token-mean
+        policy_loss:
+          _target_: logitless.integrations.verl.LogitlessPolicyLossConfig
+          loss_mode: logitless_grpo
+          delta: 1.5
+          loss_agg: balanced
+    """)
+    actor = omega_conf_to_dataclass(OmegaConf.create(yaml))
+    assert isinstance(actor.policy_loss, LogitlessPolicyLossConfig)
+    assert actor.policy_loss.delta == 1.5 and actor.policy_loss.loss_agg == "balanced"
+    lp, old, adv, mask = _batch(seed=9)
+    o_loss, o_grad, _ = _call(actor.policy_loss.loss_mode, lp, old, adv, mask,
+                              actor.loss_agg_mode, actor, None)
+    cfg = logitless.PolicyLossConfig(objective="grpo", eps_low=0.2, eps_high=0.3, delta=1.5,
+                                     dual_clip_c=3.0, loss_agg="balanced",
+                                     seq_count="nonempty")
+    lp_ = lp.clone().requires_grad_(True)
+    e_loss, _ = logitless.policy_loss(lp_, old, adv, mask, cfg)
+    (e_grad,) = torch.autograd.grad(e_loss, lp_)
+    torch.testing.assert_close(o_loss, e_loss, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(o_grad, e_grad, rtol=RTOL, atol=ATOL)
+    without_delta = logitless.PolicyLossConfig(objective="grpo", eps_low=0.2, eps_high=0.3,
+                                               dual_clip_c=3.0, loss_agg="balanced",
+                                               seq_count="nonempty")
+    assert not torch.isclose(logitless.policy_loss(lp, old, adv, mask, without_delta)[0], e_loss)
+
+
+def test_every_objective_is_registered_and_custom_ones_can_be():
+    assert {LOSS_PREFIX + name for name in OBJECTIVES} <= set(core_algos.POLICY_LOSS_REGISTRY)
+
+    @logitless.register_objective("verl_test_pg")
+    def _pg(x):
+        from logitless.fused_losses.objectives import ObjectiveOutput
+
+        return ObjectiveOutput(-x.adv * x.lp * 2)
+
+    try:
+        assert register_verl_losses(["verl_test_pg"]) == ["logitless_verl_test_pg"]
+        lp, old, adv, mask = _batch(seed=1)
+        actor = _actor(verl_config.PolicyLossConfig(), BATCH_INFOS["local"])
+        mine, _, _ = _call("logitless_verl_test_pg", lp, old, adv, mask, "token-mean", actor,
+                           None)
+        gpg, _, _ = _call("gpg", lp, old, adv, mask, "token-mean", actor, None)
+        torch.testing.assert_close(mine, 2 * gpg, rtol=RTOL, atol=ATOL)
+    finally:
+        OBJECTIVES.pop("verl_test_pg", None)
+        core_algos.POLICY_LOSS_REGISTRY.pop("logitless_verl_test_pg", None)
+    with pytest.raises(ValueError, match="not a registered"):
+        register_verl_losses(["no_such_objective"])
+
+
+def test_missing_config_raises():
+    lp, old, adv, mask = _batch(seed=2)
+    with pytest.raises(ValueError, match="config"):
+        core_algos.get_policy_loss_fn("logitless_ppo")(old, lp, adv, mask, "token-mean", None)
+
+
+def test_entry_point_registers_in_a_fresh_interpreter_that_only_imports_verl():
+    """What each Ray worker does: ``import verl`` loads the ``verl.plugins`` entry point of the
+    installed logitless (``pip install -e .``), which registers the losses and, with
+    LOGITLESS_VERL_FUSED_HEAD=1, routes verl's fused head to logitless."""
+    script = textwrap.dedent("""
+        import sys
+        import verl
+        from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
+        import verl.utils.kernel.linear_cross_entropy as kernel
+        modes = sorted(k for k in POLICY_LOSS_REGISTRY if k.startswith("logitless_"))
+        print(",".join(modes))
+        print(kernel.linear_cross_entropy.__module__)
+    """)
+    env = {**os.environ, "LOGITLESS_VERL_FUSED_HEAD": "1", "PYTHONWARNINGS": "ignore"}
+    env.pop("VERL_USE_EXTERNAL_PLUGINS", None)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         env=env, cwd="/", timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    modes, head_module = out.stdout.strip().splitlines()[-2:]
+    assert set(modes.split(",")) == {LOSS_PREFIX + name for name in OBJECTIVES}
+    assert head_module == "logitless.integrations.verl_head"
