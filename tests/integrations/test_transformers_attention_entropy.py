@@ -8,6 +8,8 @@ import copy
 import pytest
 import torch
 from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     Qwen2Config,
@@ -102,6 +104,24 @@ def test_recorder_matches_eager_probabilities(arch, impl, padding):
     torch.testing.assert_close(got.double()[valid], expected[valid], atol=2e-6, rtol=0)
     assert (got[~valid] == 0).all()
     torch.testing.assert_close(rec.per_token(), got.mean(dim=(0, 2)))
+
+
+@pytest.mark.parametrize("padding", ["left", "right"])
+def test_softcap_and_scaling_gemma2(padding):
+    """Gemma2 (eager only: sdpa has no softcap): logit softcap, query_pre_attn_scalar scaling,
+    alternating sliding-window layers."""
+    torch.manual_seed(0)
+    config = Gemma2Config(**SMALL, head_dim=8, attn_logit_softcapping=1.5, sliding_window=4,
+                          query_pre_attn_scalar=3, final_logit_softcapping=None,
+                          initializer_range=0.5)  # scores of a few units: the cap bites
+    model = Gemma2ForCausalLM._from_config(config, attn_implementation="eager").eval()
+    ids, mask = batch(padding)
+    with torch.no_grad(), AttentionEntropyRecorder(model) as rec:
+        out = model(input_ids=ids, attention_mask=mask, output_attentions=True, use_cache=False)
+    expected = entropy_of(torch.stack(out.attentions))
+    got = rec.per_layer()
+    valid = mask.bool()[None, :, None, :].expand_as(got)
+    torch.testing.assert_close(got.double()[valid], expected[valid], atol=2e-6, rtol=0)
 
 
 def test_recorder_with_output_attentions_in_eager():
