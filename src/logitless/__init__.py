@@ -4,12 +4,14 @@ __version__ = "0.1.0"
 
 from logitless.fused_losses.attention_entropy import attention_entropy
 from logitless.fused_losses.config import PolicyLossConfig
+from logitless.fused_losses.entropy_control import AdaptiveEntropyCoef
 from logitless.fused_losses.fused_policy_loss import fused_policy_loss
 from logitless.fused_losses.logprobs import LogprobOutput, linear_logprobs
 from logitless.fused_losses.objectives import register_objective
 from logitless.fused_losses.policy_loss import policy_loss, policy_loss_globals
 
 __all__ = [
+    "AdaptiveEntropyCoef",
     "LogprobOutput",
     "PolicyLossConfig",
     "attention_entropy",

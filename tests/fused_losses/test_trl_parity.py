@@ -95,7 +95,8 @@ def make_batch(seed, per_token_adv=False):
     lp = lp.clamp(max=-1e-3)
     ref = old + 0.2 * torch.randn(B, T, generator=g, dtype=torch.float64)
     sampling = old + 0.3 * torch.randn(B, T, generator=g, dtype=torch.float64)
-    # fp32-representable entropies: TRL takes its quantile in fp32
+    # fp32-representable entropies: TRL takes its quantile in fp32. The tests' quantiles keep
+    # (n - 1)(1 - q) away from integers, where fp32 and fp64 round the boundary differently.
     entropy = (torch.rand(B, T, generator=g) * 2).double()
     adv_shape = (B, T) if per_token_adv else (B,)
     adv = torch.randn(adv_shape, generator=g, dtype=torch.float64)
@@ -244,10 +245,10 @@ def test_options(loss_type, option):
         trl_kw = dict(beta=0.07, use_bias_correction_kl=corrected)
         our_kw = dict(beta=0.07, kl_estimator="k3", kl_bias_correction=corrected)
     elif option == "top_entropy":
-        trl_kw, our_kw = dict(top_entropy_quantile=0.35), dict(top_entropy_quantile=0.35)
+        trl_kw, our_kw = dict(top_entropy_quantile=0.37), dict(top_entropy_quantile=0.37)
     elif option == "entropy_bonus":
-        trl_kw = dict(entropy_coef=0.03, top_entropy_quantile=0.6)
-        our_kw = dict(entropy_coef=0.03, top_entropy_quantile=0.6)
+        trl_kw = dict(entropy_coef=0.03, top_entropy_quantile=0.61)
+        our_kw = dict(entropy_coef=0.03, top_entropy_quantile=0.61)
     elif option == "off_policy_mask":
         trl_kw, our_kw = dict(off_policy_mask_threshold=0.05), dict(opsm_threshold=0.05)
         our_call = dict(rollout_logprobs=batch.sampling)
@@ -259,7 +260,7 @@ def test_options(loss_type, option):
 
 def test_gmpo():
     gmpo = pytest.importorskip("trl.experimental.gmpo.gmpo_trainer")
-    for seed, extra in [(1, {}), (2, dict(beta=0.05)), (3, dict(top_entropy_quantile=0.5))]:
+    for seed, extra in [(1, {}), (2, dict(beta=0.05)), (3, dict(top_entropy_quantile=0.53))]:
         batch = make_batch(seed)
         batch.mask[2, 0] = 1  # TRL's GMPO counts an empty sequence as -A; we do not (see notes)
         trainer = make_trainer(gmpo.GMPOTrainer, epsilon_low=0.4, epsilon_high=0.3, **extra)
@@ -365,3 +366,43 @@ def test_vllm_importance_sampling(loss_type, mode):
     for stat in ("min", "mean", "max"):
         theirs = logged[f"sampling/importance_sampling_ratio/{stat}"]
         assert abs(float(ours[f"is_weight/{stat}"]) - theirs) <= 1e-6, stat
+
+
+def test_adaptive_entropy_coefficient():
+    """Three optimizer steps of GA micro-batches: TRL's controller state and our
+    AdaptiveEntropyCoef agree, and so do the losses that use them."""
+    from logitless import AdaptiveEntropyCoef
+
+    target, delta, coef_max = 1.0, 0.01, 0.035
+    trainer = make_trainer(
+        loss_type="dapo",
+        epsilon_high=0.28,
+        use_adaptive_entropy=True,
+        entropy_coef=0.02,
+        top_entropy_quantile=0.63,
+    )
+    trainer.__dict__.update(
+        _entropy_bonus_enabled=True, _last_world_entropy=float("inf"), _entropy_window_stats=None
+    )
+    trainer.args.__dict__.update(
+        entropy_target=target,
+        entropy_coef_delta=delta,
+        entropy_coef_min=0.0,
+        entropy_coef_max=coef_max,
+    )
+    controller = AdaptiveEntropyCoef(0.02, target, delta, coef_min=0.0, coef_max=coef_max)
+    config = our_config("dapo", epsilon_high=0.28, top_entropy_quantile=0.63)
+    applied = []
+    for step, scale in enumerate((0.5, 0.6, 1.6)):  # low, low, then high entropy
+        for micro in range(GA):
+            batch = make_batch(100 + 10 * step + micro)
+            batch.entropy = (batch.entropy * scale).float().double()  # TRL: fp32 quantile
+            trainer.accelerator.sync_gradients = micro == GA - 1
+            applied.append(controller.current())
+            compare(trainer, config, batch, our_kwargs=dict(entropy_coef=controller.current()))
+            _, _, _, metrics = run_ours(config, batch, entropy_coef=controller.current())
+            controller.observe(metrics)
+        controller.step()
+        assert abs(trainer.entropy_coef - controller.coef) < 1e-12
+        assert abs(trainer._last_world_entropy - controller.last_entropy) < 1e-12
+    assert applied == [0.0, 0.0, 0.03, 0.03, 0.035, 0.035]  # the gate and both directions act

@@ -259,6 +259,7 @@ def policy_loss(
     global_batch_size=None,
     batch_globals: BatchGlobals | None = None,
     training_progress: float | None = None,
+    entropy_coef: float | None = None,
 ):
     """Policy loss and metrics from per-token logprobs.
 
@@ -277,11 +278,13 @@ def policy_loss(
             (global token-mean normaliser); global_batch_size: its sequences (seq-mean-*).
         batch_globals: `BatchGlobals` of the full batch for chunked use (module docstring).
         training_progress: in [0, 1], drives the attention-entropy alpha schedule.
+        entropy_coef: overrides ``config.entropy_coef`` (for `AdaptiveEntropyCoef`).
 
     Returns:
         ``(loss, metrics)``: a scalar (dtype of the logprobs, at least fp32) and a dict of
         detached scalars: ``clip_ratio/low|high|region``, ``kl``, ``approx_kl``,
         ``ratio/min|mean|max``, ``entropy/mean``, ``is_weight/min|mean|max``,
+        ``entropy/bonus_sum|bonus_tokens`` (over the tokens the entropy bonus acts on),
         ``masked_fraction``.
     """
     cfg = config
@@ -409,16 +412,20 @@ def policy_loss(
         global_batch_size=global_batch_size,
     )
     loss = aggregate(per_token, m, grid.adv, cfg.loss_agg, glob.loss, cfg, **agg_args)
-    if cfg.entropy_coef:
+    coef = cfg.entropy_coef if entropy_coef is None else entropy_coef
+    if coef:
         if ent is None:
             raise ValueError("entropy: entropy_coef != 0 needs entropy")
         mode = cfg.entropy_agg or cfg.loss_agg
-        loss = loss - cfg.entropy_coef * aggregate(
+        loss = loss - coef * aggregate(
             ent, entropy_mask, grid.adv, mode, glob.entropy, cfg, **agg_args
         )
 
     with torch.no_grad():
         metrics = _metrics(out, ratio, d, kl, ent, is_weight, m_in, m, select, factor, cfg)
+        if ent is not None:  # what an adaptive entropy coefficient accumulates
+            metrics["entropy/bonus_sum"] = torch.where(entropy_mask, ent, 0.0).sum().detach()
+            metrics["entropy/bonus_tokens"] = entropy_mask.sum().to(d.dtype)
     return loss, metrics
 
 

@@ -205,7 +205,7 @@ def token_loss_loop(
             else 1.0
         )
         s = torch.exp(sum((lp[i, t] - old[i, t] for t in valid), lp.new_zeros(())) / n)
-        log_w = sum(float(lp[i, t] - old[i, t]) for t in valid)
+        log_w = sum(float(lp[i, t].detach() - old[i, t]) for t in valid)
         if is_weight is not None:
             log_w += sum(min(max(math.log(is_weight[i][t]), math.log(1e-8)), 20.0) for t in valid)
         for t in valid:
