@@ -25,13 +25,23 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo()
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from logitless.bench.cli import run
+
+    return run(args)
+
+
 def main(argv: list[str] | None = None) -> int:
+    from logitless.bench.cli import add_arguments
+
     parser = argparse.ArgumentParser(prog="logitless", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("check", help="every op against the fp64 reference on each device present")
     sub.add_parser("demo", help="check, then logitless side by side with plain PyTorch")
+    add_arguments(sub.add_parser(
+        "bench", help="time, peak memory and error of an op, side by side with its peers"))
     args = parser.parse_args(argv)
-    return {"check": _check, "demo": _demo}[args.command](args)
+    return {"check": _check, "demo": _demo, "bench": _bench}[args.command](args)
 
 
 if __name__ == "__main__":

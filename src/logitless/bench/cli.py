@@ -1,0 +1,82 @@
+"""Arguments and entry point of ``logitless bench``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+OPS = ("logprobs", "policy-loss", "attention-entropy")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--op", choices=OPS, default="logprobs")
+    p.add_argument("--preset", help="shape sweep (default: the op's small preset); see "
+                   "logitless.bench.shapes.PRESETS")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+    p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
+                   help="default: float32 on CPU, bfloat16 on CUDA")
+    p.add_argument("--mode", default="fwd-bwd", choices=("fwd", "fwd-bwd", "both"))
+    p.add_argument("--providers", help="comma-separated subset (default: all of the op's)")
+    for dim in ("tokens", "hidden", "vocab", "seq", "heads", "head_dim"):
+        p.add_argument(f"--{dim.replace('_', '-')}", type=int, nargs="+", dest=dim,
+                       help=f"{dim} sizes, replacing the preset's")
+    p.add_argument("--warmup", type=int, default=None, help="calls before measuring (CPU 1)")
+    p.add_argument("--repeats", type=int, default=None, help="timed calls (CPU 3, CUDA 20)")
+    p.add_argument("--block-rows", type=int, default=32,
+                   help="tokens in the block checked against the fp64 reference")
+    p.add_argument("--interpret-max-tokens", type=int, default=64,
+                   help="largest token count for providers run under the Triton interpreter")
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds per child process")
+    p.add_argument("--no-isolate", action="store_true",
+                   help="measure in this process (default on CUDA; on CPU a child per row)")
+    p.add_argument("--json", help="write one record per row to this file")
+    p.add_argument("--plot", help="write a PNG of time and memory to this file")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def settings_from(args: argparse.Namespace):
+    import torch
+
+    from logitless.bench.registry import get_op
+    from logitless.bench.runner import Settings
+    from logitless.bench.shapes import DEFAULT_PRESET, explicit_shapes, preset_shapes
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    op = get_op(args.op)
+    preset = preset_shapes(args.preset or DEFAULT_PRESET[args.op], args.op, device)
+    shapes = explicit_shapes(op.dims, {d: getattr(args, d, None) for d in op.dims}, preset)
+    cpu = device == "cpu"
+    return Settings(
+        op=args.op, shapes=shapes,
+        modes=list(op.modes) if args.mode == "both" else [args.mode],
+        dtype=args.dtype or ("float32" if cpu else "bfloat16"), device=device,
+        providers=args.providers.split(",") if args.providers else None,
+        warmup=args.warmup if args.warmup is not None else (1 if cpu else 0),
+        repeats=args.repeats if args.repeats is not None else (3 if cpu else 20),
+        block_rows=args.block_rows, isolate=False if args.no_isolate else None,
+        interpret_max_tokens=args.interpret_max_tokens, timeout_s=args.timeout,
+        progress=not args.no_progress)
+
+
+def run(args: argparse.Namespace) -> int:
+    from logitless.bench.report import describe, format_table, write_json
+    from logitless.bench.runner import run_sweep
+
+    try:
+        settings = settings_from(args)
+    except ValueError as err:
+        print(f"logitless bench: {err}", file=sys.stderr)
+        return 2
+    records = run_sweep(settings)
+    print(format_table(records))
+    print(describe(records))
+    if args.json:
+        write_json(records, args.json)
+        print(f"wrote {args.json}")
+    if args.plot:
+        from logitless.bench.plot import plot
+
+        plot(records, args.plot)
+        print(f"wrote {args.plot}")
+    failed = [r for r in records if r["status"] == "failed" and r["provider"] == "logitless"]
+    return 1 if failed else 0

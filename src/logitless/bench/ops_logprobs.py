@@ -1,0 +1,220 @@
+"""Op ``logprobs``: per-token logprob (and entropy) of targets under an LM head ``[V, D]``.
+
+Providers: logitless, naive torch (materialised logits), TRL's ``ChunkedLogProbFunction``,
+Liger's fused linear cross entropy, Cut Cross-Entropy, verl's ``linear_cross_entropy`` and the
+plain GEMMs floor. Cross-entropy libraries (Liger, CCE) return ``-logprob`` and no entropy;
+their rows say so (``computes`` column), and their backward carries the logprob term only.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+
+import torch
+
+from logitless import reference
+from logitless.bench.registry import Inputs, Op, Outputs, Provider, register_op, register_provider
+
+
+class LogprobsOp(Op):
+    name = "logprobs"
+    dims = ("tokens", "hidden", "vocab")
+    x_dims = ("tokens", "vocab", "hidden")
+    grad_inputs = ("hidden", "weight")
+
+    def make_inputs(self, shape, dtype, device, seed=0):
+        n, d, v = shape["tokens"], shape["hidden"], shape["vocab"]
+        gen = torch.Generator(device=device).manual_seed(seed)
+        # Unit hidden states and a head scaled to logits of std ~2: entropies of a few nats,
+        # like a trained model's, so that no provider wins by a degenerate softmax.
+        hidden = torch.randn(n, d, generator=gen, device=device, dtype=dtype)
+        weight = torch.randn(v, d, generator=gen, device=device, dtype=dtype)
+        weight.mul_(2.0 / d**0.5)
+        targets = torch.randint(0, v, (n,), generator=gen, device=device)
+        return {"hidden": hidden, "weight": weight, "targets": targets}
+
+    def first_block(self, inputs, rows):
+        return {"hidden": inputs["hidden"][:rows], "weight": inputs["weight"],
+                "targets": inputs["targets"][:rows]}
+
+    def reference(self, inputs, quantities):
+        stats = reference.linear_softmax_stats(inputs["hidden"], inputs["weight"],
+                                               inputs["targets"])
+        return {q: stats[q] for q in quantities}
+
+    def floor_flops(self, shape, mode):
+        gemm = 2.0 * shape["tokens"] * shape["hidden"] * shape["vocab"]
+        return gemm if mode == "fwd" else 3 * gemm
+
+
+register_op(LogprobsOp())
+
+
+def _installed(module: str) -> bool:
+    return importlib.util.find_spec(module.split(".")[0]) is not None
+
+
+def _needs_interpreter(device: str) -> str | None:
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        return ("Triton kernels only: on CPU they need TRITON_INTERPRET=1 set before the "
+                "process starts (the runner does this in its child processes)")
+    return None
+
+
+@register_provider
+class Logitless(Provider):
+    op, name, package = "logprobs", "logitless", "logitless"
+    quantities = ("logprobs", "entropy")
+
+    def forward(self, x: Inputs) -> Outputs:
+        from logitless import linear_logprobs
+
+        out = linear_logprobs(x["hidden"], x["weight"], x["targets"], return_entropy=True)
+        return {"logprobs": out.logprobs, "entropy": out.entropy}
+
+    def note(self, device):
+        return "chunked torch" if device == "cpu" else "triton"
+
+
+@register_provider
+class Naive(Provider):
+    """What a trainer does without a fused head: full logits, fp32 log-softmax, entropy."""
+
+    op, name, package = "logprobs", "naive", "torch"
+    quantities = ("logprobs", "entropy")
+
+    def forward(self, x):
+        logits = x["hidden"] @ x["weight"].t()
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        lp = logp.gather(1, x["targets"].unsqueeze(1)).squeeze(1)
+        entropy = -(logp.exp() * logp).sum(-1)
+        return {"logprobs": lp, "entropy": entropy}
+
+
+@register_provider
+class TRLChunked(Provider):
+    """``trl.kernels.chunked_logprob.ChunkedLogProbFunction`` with the chunk TRL's trainer uses.
+
+    On CPU TRL folds its tiles with torch ops (its Triton kernels are for CUDA/XPU only).
+    """
+
+    op, name, package = "logprobs", "trl", "trl"
+    quantities = ("logprobs", "entropy")
+
+    def unavailable(self, device, dtype, mode):
+        if not _installed("trl"):
+            return "trl is not installed (pip install 'logitless[trl]')"
+        try:
+            from trl.kernels.chunked_logprob import ChunkedLogProbFunction  # noqa: F401
+        except ImportError as err:
+            return f"trl has no ChunkedLogProbFunction: {err}"
+        return None
+
+    def forward(self, x):
+        from trl.kernels.chunked_logprob import ChunkedLogProbFunction
+
+        lp, entropy, *_ = ChunkedLogProbFunction.apply(
+            x["hidden"], x["weight"], None, x["targets"], 1.0, _trl_chunk_size(), None, 1.0,
+            ("entropy",))
+        return {"logprobs": lp, "entropy": entropy}
+
+    def note(self, device):
+        return "torch fold" if device == "cpu" else "triton"
+
+
+def _trl_chunk_size() -> int:
+    try:
+        from trl.trainer import utils
+    except ImportError:
+        return 32768
+    return int(getattr(utils, "_CHUNKED_LOGPROB_CHUNK_SIZE", 32768))
+
+
+@register_provider
+class Liger(Provider):
+    """Liger's fused linear cross entropy, per token (``reduction="none"``), fp32 accumulation
+    of the weight gradient (as logitless and TRL do)."""
+
+    op, name, package = "logprobs", "liger", "liger-kernel"
+    quantities = ("logprobs",)
+    interpreted_on_cpu = True
+
+    def unavailable(self, device, dtype, mode):
+        if not _installed("liger_kernel"):
+            return "liger-kernel is not installed (pip install liger-kernel)"
+        return _needs_interpreter(device)
+
+    def forward(self, x):
+        from liger_kernel.ops.fused_linear_cross_entropy import (
+            LigerFusedLinearCrossEntropyFunction,
+        )
+
+        loss, *_ = LigerFusedLinearCrossEntropyFunction.apply(
+            x["hidden"], x["weight"], x["targets"], None, None, -100, 0.0, 0.0, "none", None,
+            False, torch.float32)
+        return {"logprobs": -loss}
+
+
+@register_provider
+class CutCrossEntropy(Provider):
+    """Cut Cross-Entropy: its Triton kernels on CUDA; on CPU its ``torch_compile`` impl (the
+    Triton kernels fail under the interpreter, and CCE ships that impl for such devices)."""
+
+    op, name, package = "logprobs", "cce", "cut-cross-entropy"
+    quantities = ("logprobs",)
+
+    def unavailable(self, device, dtype, mode):
+        if not _installed("cut_cross_entropy"):
+            return "cut-cross-entropy is not installed (pip install cut-cross-entropy)"
+        if device == "cpu" and not (shutil.which("g++") or shutil.which("c++")):
+            return "CPU impl is torch.compile, which needs a C++ compiler (none on PATH)"
+        return None
+
+    def forward(self, x):
+        from cut_cross_entropy import linear_cross_entropy
+
+        impl = "torch_compile" if x["hidden"].device.type == "cpu" else "cce"
+        loss = linear_cross_entropy(x["hidden"], x["weight"], x["targets"], reduction="none",
+                                    impl=impl)
+        return {"logprobs": -loss.float()}
+
+    def note(self, device):
+        return "torch.compile impl" if device == "cpu" else "triton"
+
+
+@register_provider
+class Verl(Provider):
+    op, name, package = "logprobs", "verl", "verl"
+    quantities = ("logprobs", "entropy")
+
+    def unavailable(self, device, dtype, mode):
+        if not _installed("verl"):
+            return "verl is not installed (pip install 'logitless[verl]')"
+        if device != "cuda":
+            return "verl's linear_cross_entropy kernels assert CUDA tensors"
+        return None
+
+    def forward(self, x):
+        from verl.utils.kernel.linear_cross_entropy import linear_cross_entropy
+
+        lp, entropy = linear_cross_entropy(x["hidden"], x["weight"], x["targets"], 1.0, "none")
+        return {"logprobs": lp, "entropy": entropy}
+
+
+@register_provider
+class PlainGemms(Provider):
+    """The floor: forward ``Z = H W^T``; forward+backward adds ``dH = dZ W`` and
+    ``dW = dZ^T H`` (with ``dZ`` stood in for by ``Z``): 2 N D V and 6 N D V FLOPs."""
+
+    op, name, package = "logprobs", "gemm", "torch"
+    is_floor = True
+
+    def step(self, inputs, mode, upstream):
+        with torch.no_grad():
+            h, w = inputs["hidden"], inputs["weight"]
+            z = h @ w.t()
+            if mode == "fwd-bwd":
+                d_hidden, d_weight = z @ w, z.t() @ h
+                del d_hidden, d_weight

@@ -1,0 +1,76 @@
+"""The end-of-run table and the JSON file of records.
+
+A record (one per provider x shape x mode) holds: ``op, provider, mode, shape, dtype, device,
+device_name, host, date, versions, quantities, note, warmup, repeats, status`` (ok |
+unavailable | skipped | failed), ``reason``, ``time_ms`` (median, p20, p80), ``floor_ratio``
+(median time / the plain GEMMs' median on the same shape and mode), ``peak_bytes`` (peak above
+the inputs, beyond their gradients), ``above_inputs_bytes`` (gradients included),
+``grad_bytes``, ``errors`` (max abs error per quantity and input gradient against the fp64
+reference on the first token block), ``timer`` and ``memory_probe``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from logitless.bench.shapes import label
+
+_MB = 2**20
+
+
+def _time(r: dict) -> str:
+    t = r["time_ms"]
+    return f"{t['median']:.1f} ({t['p20']:.1f}-{t['p80']:.1f})"
+
+
+def _errors(r: dict, grads: bool) -> str:
+    errs = {k: v for k, v in r["errors"].items() if k.startswith("d_") == grads}
+    return f"{max(errs.values()):.1e}" if errs else "-"
+
+
+def _computes(r: dict) -> str:
+    names = {"logprobs": "lp", "entropy": "H", "entropy_attn": "H"}
+    q = r.get("quantities") or []
+    return "+".join(names.get(x, x) for x in q) if q else "GEMMs"
+
+
+def format_table(records: list[dict]) -> str:
+    """Rows grouped by shape and mode; unavailable providers listed with their reason."""
+    head = ("shape", "mode", "provider", "computes", "time ms (p20-p80)", "x GEMMs",
+            "peak MB", "err out", "err grad", "note")
+    body = []
+    for r in records:
+        base = (label(r["shape"]), r["mode"], r["provider"], _computes(r))
+        if r["status"] != "ok":
+            body.append((*base, "-", "-", "-", "-", "-", f"{r['status']}: {r['reason']}"))
+            continue
+        ratio = "-" if r.get("floor_ratio") is None else f"{r['floor_ratio']:.2f}"
+        body.append((*base, _time(r), ratio, f"{r['peak_bytes'] / _MB:.1f}",
+                     _errors(r, False), _errors(r, True), r.get("note") or ""))
+    widths = [max(len(str(row[i])) for row in (head, *body)) for i in range(len(head) - 1)]
+    line = lambda cells: "  ".join(
+        [str(c).ljust(w) for c, w in zip(cells[:-1], widths)] + [str(cells[-1])]).rstrip()
+    sep = line(["-" * w for w in widths] + ["----"])
+    return "\n".join([line(head), sep, *map(line, body)])
+
+
+def describe(records: list[dict]) -> str:
+    """One line on where the figures come from."""
+    if not records:
+        return ""
+    r = next((x for x in records if x["status"] == "ok"), records[0])
+    vers = ", ".join(f"{k} {v}" for k, v in r["versions"].items())
+    return (f"{r['op']} on {r['device']} ({r['device_name']}), {r['dtype']}, {r['date']}; "
+            f"peak MB: above inputs and their gradients ({r['memory_probe'] or 'n/a'}); "
+            f"errors: max abs vs fp64 on the first token block; {vers}")
+
+
+def write_json(records: list[dict], path: str | Path) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(records, indent=1) + "\n")
+
+
+def read_json(path: str | Path) -> list[dict]:
+    return json.loads(Path(path).read_text())
