@@ -256,3 +256,63 @@ def test_entry_point_registers_in_a_fresh_interpreter_that_only_imports_verl():
     modes, head_module = out.stdout.strip().splitlines()[-2:]
     assert set(modes.split(",")) == {LOSS_PREFIX + name for name in OBJECTIVES}
     assert head_module == "logitless.integrations.verl_head"
+
+
+def _verl_actor_batch(seed):
+    """A batch as verl's actor hands it to ``ppo_loss``: unpadded per-token model outputs over
+    prompt + response, and padded response tensors with the global batch information."""
+    from tensordict import TensorDict
+    from verl.utils import tensordict_utils as tu
+
+    g = torch.Generator().manual_seed(seed)
+    b, p, t = 5, 3, 7
+    prompt_lens = torch.tensor([3, 1, 2, 3, 2])
+    response_lens = torch.tensor([7, 4, 0, 5, 6])
+    attention_mask = torch.zeros(b, p + t, dtype=torch.long)
+    for i in range(b):
+        attention_mask[i, p - prompt_lens[i]:p] = 1
+        attention_mask[i, p:p + response_lens[i]] = 1
+    total = int((prompt_lens + response_lens).sum())
+    data = TensorDict({
+        "prompts": torch.zeros(b, p, dtype=torch.long),
+        "responses": torch.zeros(b, t, dtype=torch.long),
+        "attention_mask": attention_mask,
+        "response_mask": torch.arange(t)[None] < response_lens[:, None],
+        "old_log_probs": -3 * torch.rand(b, t, generator=g, dtype=torch.float64),
+        "advantages": torch.randn(b, t, generator=g, dtype=torch.float64),
+        "ref_log_prob": -3 * torch.rand(b, t, generator=g, dtype=torch.float64),
+        "rollout_is_weights": 2 * torch.rand(b, t, generator=g, dtype=torch.float64),
+    }, batch_size=[b])
+    tu.assign_non_tensor(data, dp_size=2, batch_num_tokens=41, global_batch_size=9)
+    log_probs = -3 * torch.rand(total, generator=g, dtype=torch.float64)
+    entropy = torch.rand(total, generator=g, dtype=torch.float64)
+    return data, log_probs, entropy
+
+
+@pytest.mark.parametrize("case", ["vanilla", "gspo", "cispo", "dppo_kl"])
+def test_inside_verls_actor_loss_with_kl_and_entropy(case):
+    """verl's own ``ppo_loss`` (the actor's loss function: unpadding, rollout IS weights,
+    entropy bonus, KL loss, global batch information) with a logitless loss mode equals it with
+    the built-in, values and gradients with respect to the logprobs and the entropies."""
+    from verl.workers.utils.losses import ppo_loss
+
+    mode, options, _ = CASES[case]
+    data, log_probs, entropy = _verl_actor_batch(seed=4)
+
+    def run(policy_loss):
+        actor = verl_config.ActorConfig(
+            strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1, clip_ratio_high=0.28,
+            policy_loss=policy_loss, entropy_coeff=0.01, use_kl_loss=True,
+            kl_loss_type="k3+", loss_agg_mode="seq-mean-token-mean")
+        lp = log_probs.clone().requires_grad_(True)
+        ent = entropy.clone().requires_grad_(True)
+        loss, metrics = ppo_loss(actor, {"log_probs": lp, "entropy": ent}, data)
+        return loss, torch.autograd.grad(loss, (lp, ent)), metrics
+
+    v_loss, v_grads, _ = run(verl_config.PolicyLossConfig(loss_mode=case))
+    o_loss, o_grads, o_metrics = run(LogitlessPolicyLossConfig(loss_mode=mode, **options))
+    torch.testing.assert_close(o_loss, v_loss, rtol=RTOL, atol=ATOL)
+    for ours, theirs in zip(o_grads, v_grads):
+        torch.testing.assert_close(ours, theirs, rtol=RTOL, atol=ATOL)
+    assert {"actor/ppo_kl", "actor/pg_loss", "actor/logitless/clip_ratio/region"} <= set(o_metrics)
+    assert "actor/logitless/kl" not in o_metrics  # verl's kl_loss is the KL metric here

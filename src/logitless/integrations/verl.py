@@ -188,7 +188,9 @@ def _verl_metrics(metrics: dict[str, torch.Tensor]) -> dict[str, float]:
     if "clip_ratio/region" in ours:
         out["actor/pg_clipfrac"] = ours["clip_ratio/region"]
         out["actor/pg_clipfrac_lower"] = ours["clip_ratio/low"]
-    out.update({f"actor/logitless/{k}": v for k, v in ours.items()})
+    # verl passes no reference logprobs or entropies: their metrics are verl's own.
+    out.update({f"actor/logitless/{k}": v for k, v in ours.items()
+                if k not in ("kl", "entropy/mean")})
     return out
 
 
