@@ -67,7 +67,7 @@ def test_padded_matches_reference(backend, t, group, causal, monkeypatch):
     ids=["window5", "window17-bidir", "window1", "softcap", "scale-softcap-window"],
 )
 def test_options_match_reference(backend, opts, monkeypatch):
-    q, k = padded(t=130, group=2)
+    q, k = padded(b=1, t=130, group=2)
     check(q, k, backend, monkeypatch, **opts)
 
 
@@ -94,13 +94,14 @@ def test_padding(backend, side, causal, monkeypatch):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_query_mask(backend, monkeypatch):
-    q, k = padded(b=2, t=130, group=4)
+    q, k = padded(b=2, hk=1, t=130, group=2)
     mask = padding_mask(2, 130, "left")
     query_mask = torch.rand(2, 130) < 0.3
     query_mask[:, 64:96] = False  # whole kernel blocks unselected: they are skipped
     out, _ = check(q, k, backend, monkeypatch, attention_mask=mask, query_mask=query_mask)
     assert (out.permute(0, 2, 1)[~query_mask] == 0).all()
-    chosen = query_mask & mask.bool()
+    # Computed rows are not zeroed (the first real token sees only itself: H = 0 there).
+    chosen = query_mask & mask.bool() & (mask.cumsum(-1) > 1)
     assert (out.permute(0, 2, 1)[chosen] > 0).all()
 
 
@@ -114,11 +115,11 @@ def test_packed_varlen(backend, opts, monkeypatch):
     lengths = [1, 37, 0, 60, 32]  # an empty sequence and a single token included
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     total = int(cu[-1])
-    q = torch.randn(total, 4, 24) * 2
-    k = torch.randn(total, 2, 24)
+    q = torch.randn(total, 2, 24) * 2
+    k = torch.randn(total, 1, 24)
     query_mask = torch.rand(total) < 0.7
     out, _ = check(q, k, backend, monkeypatch, cu_seqlens=cu, query_mask=query_mask, **opts)
-    assert out.shape == (total, 4)
+    assert out.shape == (total, 2)
     # A sequence never sees another: its values equal those of the sequence on its own.
     alone = logitless.attention_entropy(
         q[1:38], k[1:38], cu_seqlens=torch.tensor([0, 37]), query_mask=query_mask[1:38], **opts
@@ -137,7 +138,7 @@ def test_packed_varlen(backend, opts, monkeypatch):
 def test_half_inputs(backend, dtype, monkeypatch):
     """fp32 accumulation from half inputs: exact products of the half values, so the error
     against fp64 on the same values is fp32-sized; torch's same-dtype softmax is the bound."""
-    q, k = padded(t=130, group=2, dtype=dtype)
+    q, k = padded(b=1, t=130, group=2, dtype=dtype)
     monkeypatch.setenv("LOGITLESS_BACKEND", backend)
     out = logitless.attention_entropy(q, k, window=50)
     ref = reference.attention_entropy(q.double(), k.double(), window=50)
@@ -155,10 +156,9 @@ def test_large_scores_keep_precision(backend, monkeypatch):
     assert ref.min() < 1e-3  # the case really is peaked
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_reduce_heads_mean(backend, monkeypatch):
+def test_reduce_heads_mean(monkeypatch):
     q, k = padded(t=37, group=2)
-    monkeypatch.setenv("LOGITLESS_BACKEND", backend)
+    monkeypatch.setenv("LOGITLESS_BACKEND", "torch")
     full = logitless.attention_entropy(q, k, window=9)
     mean = logitless.attention_entropy(q, k, window=9, reduce_heads="mean")
     torch.testing.assert_close(mean, full.mean(1))
