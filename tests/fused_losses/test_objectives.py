@@ -6,7 +6,7 @@ import torch
 from logitless import PolicyLossConfig, policy_loss, policy_loss_globals
 from logitless import reference as ref
 from logitless.fused_losses import segments
-from logitless.fused_losses.config import parse_rollout_rs
+from logitless.fused_losses.config import LOSS_AGGS, parse_rollout_rs
 from logitless.fused_losses.objectives import OBJECTIVES
 from logitless.fused_losses.rollout_correction import rollout_log_ratio, rollout_rejection_keep
 from logitless.fused_losses.token_selection import quantile
@@ -138,19 +138,7 @@ def test_objective_matches_reference(objective, extra, per_token_adv):
             close(gh, ent.grad, name=f"{layout} entropy grad")
 
 
-@pytest.mark.parametrize(
-    "agg",
-    [
-        "token-mean",
-        "token-sum",
-        "seq-mean-token-mean",
-        "seq-mean-token-sum",
-        "seq-mean-token-sum-norm",
-        "bnpo",
-        "balanced",
-        "length-power",
-    ],
-)
+@pytest.mark.parametrize("agg", LOSS_AGGS)
 def test_aggregations_match_reference(agg):
     d = make(21, per_token_adv=agg == "balanced")
     cfg = PolicyLossConfig(

@@ -105,12 +105,12 @@ def ratio_loop(
                 high[i][t] = math.exp(_at(eps_high, i, t) * g)
             elif level == "prefix_min":
                 if minpro_prefix == "inclusive":
-                    running_min = min(running_min, float(r))
+                    running_min = min(running_min, float(r.detach()))
                     mu = running_min
                 else:
-                    mu = float(r) * (1.0 if math.isinf(running_min) else running_min)
-                    running_min = min(running_min, float(r))
-                rho[i][t] = r * (mu / float(r))
+                    mu = float(r.detach()) * (1.0 if math.isinf(running_min) else running_min)
+                    running_min = min(running_min, float(r.detach()))
+                rho[i][t] = r * (mu / float(r.detach()))
     return rho, low, high
 
 
@@ -226,13 +226,13 @@ def token_loss_loop(
                 loss = clipped_token_loss(
                     r_t, a, lo, hi, delta=cfg.delta, dual_clip_c=cfg.dual_clip_c
                 )
-                if cfg.hard_trust_region and not lo <= float(r_t) <= hi:
+                if cfg.hard_trust_region and not lo <= float(r_t.detach()) <= hi:
                     loss = loss.detach()
             elif objective == "cispo":
                 w = (
-                    min(float(r_t), hi)
+                    min(float(r_t.detach()), hi)
                     if cfg.cispo_clip == "upper"
-                    else min(max(float(r_t), lo), hi)
+                    else min(max(float(r_t.detach()), lo), hi)
                 )
                 loss = -w * a * x
             elif objective == "sapo":
@@ -253,11 +253,11 @@ def token_loss_loop(
             elif objective == "dro":
                 loss = -(x * a - 0.5 * cfg.dro_beta * (x - old[i, t]) ** 2)
             elif objective in ("dppo_tv", "dppo_kl"):
-                p, p_old = math.exp(float(x)), math.exp(float(old[i, t]))
+                p, p_old = math.exp(float(x.detach())), math.exp(float(old[i, t]))
                 if objective == "dppo_tv":
                     ok = p - p_old <= cfg.eps_high if a > 0 else p - p_old >= -cfg.eps_low
                 else:
-                    bkl = p_old * (float(old[i, t]) - float(x)) + (1 - p_old) * math.log(
+                    bkl = p_old * (float(old[i, t]) - float(x.detach())) + (1 - p_old) * math.log(
                         (1 - p_old + 1e-8) / (1 - p + 1e-8)
                     )
                     ok = (
@@ -265,12 +265,12 @@ def token_loss_loop(
                         if a > 0
                         else (bkl <= cfg.eps_low or p >= p_old)
                     )
-                loss = -a * min(float(r), cfg.dppo_ratio_cap) * x * float(ok)
+                loss = -a * min(float(r.detach()), cfg.dppo_ratio_cap) * x * float(ok)
             elif objective == "aspo":
                 if a > 0:
-                    flipped = torch.exp(x - x.detach()) / float(r)
+                    flipped = torch.exp(x - x.detach()) / float(r.detach())
                 else:
-                    flipped = r * (min(float(r), cfg.dual_clip_c) / float(r))
+                    flipped = r * (min(float(r.detach()), cfg.dual_clip_c) / float(r.detach()))
                 loss = torch.maximum(-a * flipped, -a * torch.clamp(flipped, lo, hi))
             elif objective == "dhpo":
                 mix = (
@@ -389,6 +389,7 @@ def policy_loss_reference(
     adv = adv.reshape(B, 1).expand(B, T) if adv.dim() == 1 else adv
     mask = mask.bool().clone()
     m_in = mask.clone()
+    h = None if entropy is None else entropy.detach()  # selections read values only
     if cfg.rollout_rs is not None:
         mask &= rollout_rejection_keep_loop(old, rollout, m_in, cfg.rollout_rs_parsed)
     if cfg.stapo_prob_threshold is not None:
@@ -397,7 +398,7 @@ def policy_loss_reference(
                 if (
                     adv[i, t] > 0
                     and math.exp(float(old[i, t])) < cfg.stapo_prob_threshold
-                    and float(entropy[i, t]) < cfg.stapo_entropy_threshold
+                    and float(h[i, t]) < cfg.stapo_entropy_threshold
                 ):
                     mask[i, t] = False
     valid = [(i, t) for i in range(B) for t in _valid(mask, i)]
@@ -407,20 +408,20 @@ def policy_loss_reference(
             ts = _valid(mask, i)
             for t in ts:
                 a[i, t] = a[i, t] - cfg.future_kl_coef * sum(
-                    float(lp[i, j] - ref[i, j]) for j in ts if j >= t
+                    float(lp[i, j].detach() - ref[i, j]) for j in ts if j >= t
                 )
     if cfg.prob_reweight_alpha:
         for i, t in valid:
-            p = math.exp(float(lp[i, t]))
+            p = math.exp(float(lp[i, t].detach()))
             a[i, t] = (cfg.prob_reweight_alpha * p + 1 - cfg.prob_reweight_alpha) * a[i, t]
     select = mask.clone()
     if cfg.top_entropy_quantile < 1:
-        thr = quantile_loop([float(entropy[k]) for k in valid], 1 - cfg.top_entropy_quantile)
+        thr = quantile_loop([float(h[k]) for k in valid], 1 - cfg.top_entropy_quantile)
         for k in valid:
-            select[k] = float(entropy[k]) >= thr
+            select[k] = float(h[k]) >= thr
     entropy_select = select.clone()
     if cfg.adv_entropy_top_fraction < 1:
-        scores = {k: abs(float(adv[k])) * float(entropy[k]) for k in valid}
+        scores = {k: abs(float(adv[k])) * float(h[k]) for k in valid}
         thr = quantile_loop(list(scores.values()), 1 - cfg.adv_entropy_top_fraction)
         for k in valid:
             select[k] = select[k] and scores[k] >= thr
@@ -429,7 +430,7 @@ def policy_loss_reference(
         sampling = rollout if rollout is not None else old
         for i in range(B):
             ts = _valid(mask, i)
-            divs = [float(sampling[i, t] - lp[i, t]) for t in ts]
+            divs = [float(sampling[i, t] - lp[i, t].detach()) for t in ts]
             avg = sum(0.0 if math.isnan(v) else v for v in divs) / max(len(ts), 1)
             for t in ts:
                 if adv[i, t] < 0 and avg > cfg.opsm_threshold:
