@@ -325,3 +325,16 @@ def test_flash_style_implementation(fake_flash, inputs):
     got = rec.per_layer()
     valid = mask.bool()[None, :, None, :].expand_as(got)
     torch.testing.assert_close(got.double()[valid], expected[valid], atol=2e-6, rtol=0)
+
+
+def test_base_model_called_directly():
+    """Each forward starts a fresh record, also when the base model is called on its own."""
+    model = build("qwen2", "eager")
+    ids, mask = batch("left")
+    with torch.no_grad(), AttentionEntropyRecorder(model) as rec:
+        model(input_ids=ids, attention_mask=mask, use_cache=False)
+        via_head = rec.per_layer()
+        model(input_ids=ids[:2, :7], use_cache=False)  # a different batch in between
+        model.model(input_ids=ids, attention_mask=mask, use_cache=False)
+        direct = rec.per_layer()
+    torch.testing.assert_close(direct, via_head, atol=0, rtol=0)

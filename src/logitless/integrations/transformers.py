@@ -68,7 +68,7 @@ class AttentionEntropyRecorder:
         self.model = model
         self._key = f"logitless_entropy_{id(self):x}"
         self._saved: list[tuple[PreTrainedConfig, str | None]] = []
-        self._hook = None
+        self._hooks: list = []
         self._records: dict[int, torch.Tensor] = {}
         self._padding: torch.Tensor | None = None
         self._seg_starts: torch.Tensor | None = None
@@ -98,14 +98,21 @@ class AttentionEntropyRecorder:
         self._saved = [(cfg, cfg._attn_implementation_internal) for cfg in configs.values()]
         for cfg, _ in self._saved:
             cfg._attn_implementation_internal = self._key
-        self._hook = self.model.register_forward_pre_hook(self._on_forward, with_kwargs=True)
+        # On the base model too, so that calling it directly also starts a fresh record.
+        bases = (self.model, getattr(self.model, "base_model", None))
+        modules = {id(m): m for m in bases if m is not None}
+        self._hooks = [
+            m.register_forward_pre_hook(self._on_forward, with_kwargs=True)
+            for m in modules.values()
+        ]
         self._records = {}
         return self
 
     def __exit__(self, *exc) -> None:
         for cfg, impl in self._saved:
             cfg._attn_implementation_internal = impl
-        self._hook.remove()
+        for hook in self._hooks:
+            hook.remove()
         AttentionInterface._global_mapping.pop(self._key, None)
         AttentionMaskInterface._global_mapping.pop(self._key, None)
 
