@@ -128,6 +128,8 @@ class PolicyLossConfig:
         delta: two-sided cap of the unclipped ratio, ``rho <- min(rho, delta)`` (TRL ``delta``).
         hard_trust_region: tokens whose ratio leaves the clip range get no gradient (SAO).
         log_ratio_clamp: ``d = lp - lp_old`` is clamped to ``[-c, c]`` before any exp.
+        seq_log_ratio_max: cap of the log sequence ratio of ``sequence`` and ``sequence_token``
+            (value and gradient), verl's GSPO guard (10, with ``log_ratio_clamp=None``).
         cispo_clip: ``two_sided`` (paper, verl) ``clip(r, 1-eps_low, 1+eps_high)`` or ``upper``
             ``min(r, 1+eps_high)`` (ScaleRL, TRL: TRL's ``epsilon_high`` is our ``1+eps_high``).
         sapo_tau_pos, sapo_tau_neg; vespo_k_pos, vespo_lambda_pos, vespo_k_neg,
@@ -175,6 +177,7 @@ class PolicyLossConfig:
     delta: float | None = None
     hard_trust_region: bool = False
     log_ratio_clamp: float | None = 20.0
+    seq_log_ratio_max: float | None = None
     cispo_clip: str = "two_sided"
     sapo_tau_pos: float = 1.0
     sapo_tau_neg: float = 1.05

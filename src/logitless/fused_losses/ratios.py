@@ -28,17 +28,22 @@ def _token(d, lp, m, adv, cfg, eps_low, eps_high, ratio_mask):
     return Ratio(torch.exp(d), 1 - eps_low, 1 + eps_high, False)
 
 
+def _capped(log_s, cfg):
+    # verl's GSPO caps the log sequence ratio (at 10): past it, value and gradient stop.
+    return log_s if cfg.seq_log_ratio_max is None else log_s.clamp(max=cfg.seq_log_ratio_max)
+
+
 def _sequence(d, lp, m, adv, cfg, eps_low, eps_high, ratio_mask):
     # GSPO: s_i = exp(mean_t d), the gradient reaches every token of the sequence.
-    return Ratio(
-        torch.exp(_seq(segments.segment_mean(d, ratio_mask), d)), 1 - eps_low, 1 + eps_high, True
-    )
+    log_s = _capped(_seq(segments.segment_mean(d, ratio_mask), d), cfg)
+    return Ratio(torch.exp(log_s), 1 - eps_low, 1 + eps_high, True)
 
 
 def _sequence_token(d, lp, m, adv, cfg, eps_low, eps_high, ratio_mask):
     # GSPO-token: value s_i, gradient through lp_t only.
     log_s = _seq(segments.segment_mean(d, ratio_mask), d).detach()
-    return Ratio(torch.exp(log_s + lp - lp.detach()), 1 - eps_low, 1 + eps_high, False)
+    return Ratio(torch.exp(_capped(log_s + lp - lp.detach(), cfg)), 1 - eps_low, 1 + eps_high,
+                 False)
 
 
 def _geometric(d, lp, m, adv, cfg, eps_low, eps_high, ratio_mask):
