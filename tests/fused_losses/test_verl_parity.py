@@ -40,8 +40,10 @@ CLIP_LOW, CLIP_HIGH, CLIP_C = 0.2, 0.28, 3.0
 # verl loss mode -> (logitless objective, config fields that give verl's behaviour).
 VERL_EQUIVALENTS = {
     "vanilla": ("ppo", dict(dual_clip_c=CLIP_C)),
-    # verl's GSPO is the GSPO-token form (value s_i, gradient through lp_t only).
-    "gspo": ("gspo", dict(ratio_level="sequence_token")),
+    # verl's GSPO is the GSPO-token form (value s_i, gradient through lp_t only), with the log
+    # sequence ratio capped at 10 instead of each token's log-ratio clamped.
+    "gspo": ("gspo", dict(ratio_level="sequence_token", seq_log_ratio_max=10.0,
+                          log_ratio_clamp=None)),
     "sapo": ("sapo", dict(sapo_tau_pos=1.0, sapo_tau_neg=1.05)),
     "gpg": ("gpg", {}),
     "dro": ("dro", dict(dro_beta=0.3)),
@@ -178,6 +180,25 @@ def test_vanilla_without_dual_clip(info):
     d_loss, _, _ = _run_ours(_ours_config("ppo", "token-mean", batch_info, dual_clip_c=CLIP_C),
                              lp, old, adv, mask, batch_info)
     assert not torch.isclose(d_loss, o_loss)
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+def test_gspo_log_ratio_cap_is_verls_option(agg):
+    """Far off-policy sequences (mean log-ratio 12): verl caps the log sequence ratio at 10,
+    value and gradient; logitless does with seq_log_ratio_max=10 and differs without it."""
+    batch_info = BATCH_INFOS["global"]
+    lp, old, adv, mask = _batch(seed=29)
+    old[:3] = lp[:3] - 12.0
+    adv[:3] = -adv[:3].abs()  # A < 0: the unclipped side is taken, the cap is what binds
+    v_loss, v_grad, _ = _run_verl("gspo", lp, old, adv, mask, agg, _verl_actor(batch_info))
+    objective, options = VERL_EQUIVALENTS["gspo"]
+    cfg = _ours_config(objective, agg, batch_info, **options)
+    o_loss, o_grad, _ = _run_ours(cfg, lp, old, adv, mask, batch_info)
+    _close(o_loss, v_loss, "loss")
+    _close(o_grad, v_grad, "grad")
+    uncapped = _ours_config(objective, agg, batch_info, ratio_level="sequence_token")
+    u_loss, _, _ = _run_ours(uncapped, lp, old, adv, mask, batch_info)
+    assert not torch.isclose(u_loss, v_loss)
 
 
 @pytest.mark.parametrize("mode", ["vanilla", "gspo", "cispo", "dppo_tv", "gpg", "dro"])

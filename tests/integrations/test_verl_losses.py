@@ -42,7 +42,8 @@ VERL_POLICY_LOSS = dict(dro_beta=0.4, clip_cov_ratio=0.3, clip_cov_lb=0.05, clip
 CASES = {
     "vanilla": ("logitless_ppo", {}, {}),
     "vanilla-no-dual-clip": ("logitless_ppo", dict(dual_clip=False), dict(clip_ratio_c=1e12)),
-    "gspo": ("logitless_gspo", dict(ratio_level="sequence_token"), {}),
+    "gspo": ("logitless_gspo", dict(ratio_level="sequence_token", seq_log_ratio_max=10.0,
+                                    log_ratio_clamp=None), {}),
     "sapo": ("logitless_sapo", dict(loss_agg="seq-mean-token-mean"), {}),
     "gpg": ("logitless_gpg", {}, {}),
     "clip_cov": ("logitless_clip_cov", {}, {}),
