@@ -53,28 +53,38 @@ class _Spec:
     gather_weight: Callable[[], AbstractContextManager] | None
 
 
-def _backend_for(device: torch.device, dtype: torch.dtype) -> ModuleType:
-    """The kernel module for this call: ``LOGITLESS_BACKEND`` (read at each call) or by device.
+def triton_selected(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a call on tensors of this device and dtype runs the Triton kernels.
 
-    fp64 always takes the torch path (it exists for gradcheck and oracles, not for speed).
+    ``LOGITLESS_BACKEND`` (``triton`` | ``torch`` | unset, read at each call), else by device:
+    Triton on CUDA/XPU, torch on CPU. fp64 always takes the torch path (it exists for gradcheck
+    and oracles, not for speed). Shared by every op with a Triton kernel and a torch twin.
     """
     choice = os.environ.get("LOGITLESS_BACKEND", "auto").lower()
     if choice not in ("auto", "triton", "torch"):
         raise ValueError(f"LOGITLESS_BACKEND must be 'triton', 'torch' or unset, got {choice!r}")
     if choice == "torch" or dtype == torch.float64 or (choice == "auto" and device.type == "cpu"):
-        return linear_softmax_torch
+        return False
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(
             "LOGITLESS_BACKEND=triton on CPU tensors needs the Triton interpreter: set "
             "TRITON_INTERPRET=1 before the process starts"
         )
     try:
-        from logitless.kernels import linear_softmax
-    except ImportError as err:  # no triton for this platform
+        import triton  # noqa: F401
+    except ImportError:  # no triton for this platform
         if choice == "triton":
             raise
-        del err
+        return False
+    return True
+
+
+def _backend_for(device: torch.device, dtype: torch.dtype) -> ModuleType:
+    """The kernel module for this call (see :func:`triton_selected`)."""
+    if not triton_selected(device, dtype):
         return linear_softmax_torch
+    from logitless.kernels import linear_softmax
+
     return linear_softmax
 
 

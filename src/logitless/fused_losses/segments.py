@@ -7,10 +7,27 @@ vectorised index (no Python loop over sequences), reduced or scanned there, and 
 so both layouts give bit-identical results. Masked tokens contribute nothing to sums and are
 skipped by min/max; scans return values at every position (masked ones included).
 
-This is the CPU path and the oracle for the Triton versions in ``kernels/segments.py``.
+This is the CPU path and the oracle for the Triton versions in ``kernels/segments.py``: the
+reductions, scans and packed ``broadcast`` run those (autograd in ``segments_triton.py``) when
+``triton_selected`` picks Triton for ``x`` (CUDA, or ``LOGITLESS_BACKEND=triton``; fp32, bf16
+and fp16 only, fp64 stays here), with the same values and gradients.
 """
 
 import torch
+
+from logitless.fused_losses.logprobs import triton_selected
+
+_TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _triton_ops(x: torch.Tensor, dtype: torch.dtype | None = None):
+    """``segments_triton`` when this call runs the Triton kernels, else None."""
+    dtype = x.dtype if dtype is None else dtype
+    if dtype not in _TRITON_DTYPES or not triton_selected(x.device, dtype):
+        return None
+    from logitless.fused_losses import segments_triton
+
+    return segments_triton
 
 
 def packed_index(cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -48,18 +65,24 @@ def _scan_out(y, cu_seqlens):
 
 def segment_sum(x, mask, cu_seqlens=None) -> torch.Tensor:
     """``[B]``: ``sum_t m x`` per sequence."""
+    if (fast := _triton_ops(x)) is not None:
+        return fast.segment_sum(x, mask, cu_seqlens)
     g, m = _grid(x, mask, cu_seqlens)
     return torch.where(m, g, torch.zeros_like(g)).sum(-1)
 
 
 def segment_count(mask, cu_seqlens=None) -> torch.Tensor:
     """``[B]`` int64: number of valid tokens per sequence (``L_i``)."""
+    if (fast := _triton_ops(mask, torch.float32)) is not None:
+        return fast.segment_count(mask, cu_seqlens)
     _, m = _grid(mask, mask, cu_seqlens)
     return m.sum(-1)
 
 
 def segment_mean(x, mask, cu_seqlens=None) -> torch.Tensor:
     """``[B]``: ``sum_t m x / L_i``; 0 for a sequence without valid tokens."""
+    if (fast := _triton_ops(x)) is not None:
+        return fast.segment_mean(x, mask, cu_seqlens)
     g, m = _grid(x, mask, cu_seqlens)
     total = torch.where(m, g, torch.zeros_like(g)).sum(-1)
     return total / m.sum(-1).clamp(min=1).to(total.dtype)
@@ -67,6 +90,8 @@ def segment_mean(x, mask, cu_seqlens=None) -> torch.Tensor:
 
 def segment_max(x, mask, cu_seqlens=None, empty: float = 0.0) -> torch.Tensor:
     """``[B]``: max over valid tokens; ``empty`` for a sequence without valid tokens."""
+    if (fast := _triton_ops(x)) is not None:
+        return fast.segment_max(x, mask, cu_seqlens, empty)
     g, m = _grid(x, mask, cu_seqlens)
     out = torch.where(m, g, torch.full_like(g, -torch.inf)).amax(-1)
     return torch.where(m.any(-1), out, torch.full_like(out, empty))
@@ -74,12 +99,16 @@ def segment_max(x, mask, cu_seqlens=None, empty: float = 0.0) -> torch.Tensor:
 
 def prefix_sum(x, mask, cu_seqlens=None) -> torch.Tensor:
     """Like ``x``: ``sum_{j <= t} m_j x_j`` within each sequence."""
+    if (fast := _triton_ops(x)) is not None:
+        return fast.prefix_sum(x, mask, cu_seqlens)
     g, m = _grid(x, mask, cu_seqlens)
     return _scan_out(torch.where(m, g, torch.zeros_like(g)).cumsum(-1), cu_seqlens)
 
 
 def suffix_sum(x, mask, cu_seqlens=None) -> torch.Tensor:
     """Like ``x``: ``sum_{j >= t} m_j x_j`` within each sequence."""
+    if (fast := _triton_ops(x)) is not None:
+        return fast.suffix_sum(x, mask, cu_seqlens)
     g, m = _grid(x, mask, cu_seqlens)
     y = torch.where(m, g, torch.zeros_like(g)).flip(-1).cumsum(-1).flip(-1)
     return _scan_out(y, cu_seqlens)
@@ -90,6 +119,8 @@ def prefix_min(x, mask, cu_seqlens=None, *, exclusive: bool = False) -> torch.Te
 
     The gradient reaches the arg-min token of each prefix (``torch.cummin``).
     """
+    if (fast := _triton_ops(x)) is not None:
+        return fast.prefix_min(x, mask, cu_seqlens, exclusive=exclusive)
     g, m = _grid(x, mask, cu_seqlens)
     vals = torch.where(m, g, torch.full_like(g, torch.inf))
     if exclusive:
@@ -99,6 +130,8 @@ def prefix_min(x, mask, cu_seqlens=None, *, exclusive: bool = False) -> torch.Te
 
 def broadcast(values: torch.Tensor, like: torch.Tensor, cu_seqlens=None) -> torch.Tensor:
     """Per-sequence ``values [B]`` repeated at each token of ``like`` (``[B, T]`` or ``[N]``)."""
+    if cu_seqlens is not None and (fast := _triton_ops(values)) is not None:
+        return fast.broadcast(values, like, cu_seqlens)
     if cu_seqlens is None:
         return values[:, None].expand_as(like)
     seq, _, _ = packed_index(cu_seqlens)
