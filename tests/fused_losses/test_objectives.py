@@ -510,3 +510,97 @@ def test_options_match_reference(case):
         close(lpx.grad, lp.grad, name=f"{layout} grad")
         if cfg.entropy_coef:
             close(entx.grad, ent.grad, name=f"{layout} entropy grad")
+
+
+def test_gradients_reach_logprobs_and_entropy_only():
+    d = make(6, per_token_adv=True)
+    leaves = {k: d[k].clone().requires_grad_() for k in ("lp", "old", "ref", "roll", "ent", "adv")}
+    extra = {k: torch.rand(B, T, dtype=torch.float64, requires_grad=True) for k in ("w", "h", "b")}
+    cfg = PolicyLossConfig(
+        objective="grpo",
+        beta=extra["b"],
+        entropy_coef=0.1,
+        future_kl_coef=0.1,
+        rollout_is="token",
+        opsm_threshold=0.0,
+        attn_entropy_weighting="tanh",
+    )
+    loss, _ = policy_loss(
+        leaves["lp"],
+        leaves["old"],
+        leaves["adv"],
+        d["mask"],
+        cfg,
+        ref_logprobs=leaves["ref"],
+        rollout_logprobs=leaves["roll"],
+        entropy=leaves["ent"],
+        token_weights=extra["w"],
+        attention_entropy=extra["h"],
+    )
+    loss.backward()
+    assert leaves["lp"].grad.abs().sum() > 0 and leaves["ent"].grad.abs().sum() > 0
+    for name, t in {**leaves, **extra}.items():
+        if name not in ("lp", "ent"):
+            assert t.grad is None, name
+
+
+def test_metrics_match_direct_formulas():
+    d = make(12)
+    m = d["mask"]
+    cfg = PolicyLossConfig(
+        objective="dapo", beta=0.1, kl_estimator="k2", rollout_is="token", top_entropy_quantile=0.5
+    )
+    _, _, _, metrics = run(cfg, d)
+    r = torch.exp(d["lp"] - d["old"])[m]
+    assert float(metrics["ratio/min"]) == float(r.min())
+    assert float(metrics["ratio/max"]) == float(r.max())
+    close(metrics["ratio/mean"], r.mean())
+    close(metrics["approx_kl"], (d["old"] - d["lp"])[m].mean())
+    close(metrics["kl"], (0.5 * (d["ref"] - d["lp"]) ** 2)[m].mean())
+    close(metrics["entropy/mean"], d["ent"][m].mean())
+    a = d["adv"][:, None].expand_as(d["lp"])[m]
+    low = ((r < 0.8) & (a < 0)).double().mean()
+    high = ((r > 1.28) & (a > 0)).double().mean()
+    close(metrics["clip_ratio/low"], low)
+    close(metrics["clip_ratio/high"], high)
+    close(metrics["clip_ratio/region"], low + high)
+    w = torch.exp(d["old"] - d["roll"])[m].clamp(max=2.0)
+    close(metrics["is_weight/mean"], w.mean())
+    kept = d["ent"][m] >= quantile(d["ent"][m], 0.5)
+    close(metrics["masked_fraction"], 1 - kept.double().mean())
+
+
+def test_low_precision_and_padded_empty_inputs():
+    d = make(14)
+    lp = d["lp"].float().requires_grad_()
+    loss, metrics = policy_loss(
+        lp, d["old"].float(), d["adv"].float(), d["mask"], PolicyLossConfig(objective="gspo")
+    )
+    loss.backward()
+    assert loss.dtype == torch.float32 and lp.grad.dtype == torch.float32
+    want, _, _, _ = run(PolicyLossConfig(objective="gspo"), d)
+    close(loss.double(), want, tol=1e-5)
+    lpb = d["lp"].bfloat16().requires_grad_()
+    loss, _ = policy_loss(lpb, d["old"].bfloat16(), d["adv"], d["mask"], PolicyLossConfig())
+    loss.backward()
+    assert loss.dtype == torch.float32 and lpb.grad.dtype == torch.bfloat16
+    empty = torch.zeros(0, 7, dtype=torch.float64, requires_grad=True)
+    loss, metrics = policy_loss(
+        empty,
+        empty.detach(),
+        torch.zeros(0, dtype=torch.float64),
+        torch.zeros(0, 7, dtype=torch.bool),
+        PolicyLossConfig(beta=0.1),
+        ref_logprobs=empty.detach(),
+    )
+    loss.backward()
+    assert loss.item() == 0.0 and all(float(v) == 0.0 for v in metrics.values())
+
+
+def test_kl_in_reward():
+    from logitless.fused_losses.kl import kl_in_reward
+
+    d = make(3)
+    rewards = torch.randn(B, T, dtype=torch.float64)
+    out = kl_in_reward(rewards, d["lp"], d["ref"], 0.2, d["mask"])
+    close(out, rewards - 0.2 * (d["lp"] - d["ref"]) * d["mask"])

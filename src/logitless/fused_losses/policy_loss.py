@@ -215,17 +215,17 @@ def policy_loss_globals(
 
 
 def _as_tensor(value, grid_like, cu_seqlens, name):
-    """A scalar or per-token tensor knob, on the grid."""
+    """A scalar or per-token tensor knob, on the grid (knobs never receive gradients)."""
     if not isinstance(value, torch.Tensor):
         return torch.tensor(float(value), dtype=grid_like.dtype, device=grid_like.device)
+    value = value.detach().to(grid_like)
     if value.dim() == 0:
-        return value.to(grid_like.dtype)
+        return value
     expected = grid_like.shape if cu_seqlens is None else (int(cu_seqlens[-1]),)
     if tuple(value.shape) != tuple(expected):
         raise ValueError(
             f"{name}: per-token tensor must be laid out like logprobs {tuple(expected)}"
         )
-    value = value.to(grid_like.dtype)
     return value if cu_seqlens is None else segments.to_padded(value, cu_seqlens)
 
 
