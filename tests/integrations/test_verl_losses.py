@@ -49,7 +49,8 @@ CASES = {
     "clip_cov": ("logitless_clip_cov", {}, {}),
     "kl_cov": ("logitless_kl_cov", {}, {}),
     "geo_mean": ("logitless_gmpo", dict(loss_agg="seq-mean-token-mean", seq_count="all",
-                                        use_global_batch_info=False), {}),
+                                        use_global_batch_info=False,
+                                        sequence_is_weight="geometric"), {}),
     "dro": ("logitless_dro", {}, {}),
     "cispo": ("logitless_cispo", {}, {}),
     "dppo_tv": ("logitless_dppo_tv", {}, {}),
@@ -111,12 +112,8 @@ def test_logitless_loss_mode_equals_verl_builtin(case, agg, info):
     mode, options, overrides = CASES[case]
     verl_mode = case.split("-")[0]
     lp, old, adv, mask = _batch(seed=len(case))
-    if verl_mode == "geo_mean":
-        # verl folds token IS weights into a per-sequence geometric mean; with one weight per
-        # sequence that is the weight itself.
-        weights = (torch.rand(lp.shape[0], 1, dtype=torch.float64) + 0.5).expand_as(lp)
-    else:
-        weights = 2 * torch.rand(lp.shape, dtype=torch.float64)
+    weights = 2 * torch.rand(lp.shape, dtype=torch.float64)
+    weights[0, 3] = 0.0  # a token zeroed by IcePop
 
     theirs_cfg = _actor(verl_config.PolicyLossConfig(loss_mode=verl_mode, **VERL_POLICY_LOSS),
                         BATCH_INFOS[info], **overrides)
@@ -127,10 +124,8 @@ def test_logitless_loss_mode_equals_verl_builtin(case, agg, info):
     _seed(case)
     o_loss, o_grad, o_metrics = _call(mode, lp, old, adv, mask, agg, ours_cfg, weights)
 
-    # geo_mean: verl takes exp(mean log(w + 1e-10)), a relative shift of at most 2e-10.
-    rtol = 1e-9 if verl_mode == "geo_mean" else RTOL
-    torch.testing.assert_close(o_loss, v_loss, rtol=rtol, atol=ATOL)
-    torch.testing.assert_close(o_grad, v_grad, rtol=rtol, atol=ATOL)
+    torch.testing.assert_close(o_loss, v_loss, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(o_grad, v_grad, rtol=RTOL, atol=ATOL)
     for name in SHARED_METRICS.get(case, ()):
         assert o_metrics[name] == pytest.approx(v_metrics[name], abs=1e-6), name
     assert all(isinstance(v, float) for v in o_metrics.values())
@@ -230,10 +225,19 @@ def test_every_objective_is_registered_and_custom_ones_can_be():
         register_verl_losses(["no_such_objective"])
 
 
-def test_missing_config_raises():
+def test_bad_configuration_raises():
     lp, old, adv, mask = _batch(seed=2)
     with pytest.raises(ValueError, match="config"):
         core_algos.get_policy_loss_fn("logitless_ppo")(old, lp, adv, mask, "token-mean", None)
+    actor = _actor(LogitlessPolicyLossConfig(loss_mode="logitless_gmpo",
+                                             sequence_is_weight="harmonic"), BATCH_INFOS["local"])
+    with pytest.raises(ValueError, match="sequence_is_weight"):
+        core_algos.get_policy_loss_fn("logitless_gmpo")(old, lp, adv, mask, "token-mean", actor,
+                                                        torch.ones_like(lp))
+    actor = _actor(LogitlessPolicyLossConfig(loss_mode="logitless_ppo", delta=0.5),
+                   BATCH_INFOS["local"])
+    with pytest.raises(ValueError, match="delta"):  # logitless's own validation
+        core_algos.get_policy_loss_fn("logitless_ppo")(old, lp, adv, mask, "token-mean", actor)
 
 
 def test_entry_point_registers_in_a_fresh_interpreter_that_only_imports_verl():

@@ -99,6 +99,7 @@ LogitlessPolicyLossConfig = dataclasses.make_dataclass(
         ("loss_agg", Any, dataclasses.field(default=None)),
         ("dual_clip", Any, dataclasses.field(default=None)),
         ("use_global_batch_info", bool, dataclasses.field(default=True)),
+        ("sequence_is_weight", Any, dataclasses.field(default=None)),
         *((name, Any, dataclasses.field(default=_passthrough_default(name)))
           for name in PASSTHROUGH_FIELDS),
     ],
@@ -117,6 +118,9 @@ and ``policy_loss.loss_mode=logitless_<objective>``. Its own fields:
   does (on for the ppo family, as ``vanilla``; off otherwise).
 - ``use_global_batch_info``: normalise by verl's global batch information (default); False
   normalises over the micro-batch, as verl's ``geo_mean`` does.
+- ``sequence_is_weight``: None weights each token by its rollout IS weight; ``geometric``
+  weights every token of a sequence by the geometric mean of the sequence's weights, as verl's
+  ``geo_mean`` does.
 - the logitless knobs a verl policy loss can honour, defaults as in
   ``logitless.PolicyLossConfig`` (``seq_count`` defaults to verl's ``nonempty``):
   {", ".join(PASSTHROUGH_FIELDS)}.
@@ -194,6 +198,16 @@ def _verl_metrics(metrics: dict[str, torch.Tensor]) -> dict[str, float]:
     return out
 
 
+def _geometric_sequence_weights(weights: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``[B, T]`` weights -> each sequence's geometric mean over its valid tokens, broadcast.
+    The ``1e-10`` floor inside the log is verl's, so a zeroed (IcePop) token weight shrinks
+    its sequence's weight as it does in verl rather than zeroing it."""
+    m = mask.bool()
+    log_w = torch.where(m, torch.log(weights + 1e-10), torch.zeros_like(weights))
+    mean = log_w.sum(-1) / m.sum(-1).clamp(min=1).to(weights.dtype)
+    return torch.exp(mean)[:, None].expand_as(weights)
+
+
 def _verl_policy_loss(objective: str):
     def compute_policy_loss(
         old_log_prob: torch.Tensor,
@@ -207,6 +221,13 @@ def _verl_policy_loss(objective: str):
         if config is None:
             raise ValueError(f"config: {LOSS_PREFIX}{objective} needs verl's actor config")
         cfg, normalisers = to_logitless_config(objective, config, loss_agg_mode)
+        mode = _get(_get(config, "policy_loss"), "sequence_is_weight")
+        if mode not in (None, "geometric"):
+            raise ValueError(
+                f"policy_loss.sequence_is_weight: expected None or 'geometric', got {mode!r}"
+            )
+        if rollout_is_weights is not None and mode == "geometric":
+            rollout_is_weights = _geometric_sequence_weights(rollout_is_weights, response_mask)
         loss, metrics = policy_loss(log_prob, old_log_prob, advantages, response_mask, cfg,
                                     token_weights=rollout_is_weights, **normalisers)
         return loss, _verl_metrics(metrics)
