@@ -190,15 +190,20 @@ def test_gspo_log_ratio_cap_is_verls_option(agg):
     lp, old, adv, mask = _batch(seed=29)
     old[:3] = lp[:3] - 12.0
     adv[:3] = -adv[:3].abs()  # A < 0: the unclipped side is taken, the cap is what binds
+    # A long sequence below the cap with one token log-ratio of 25: verl does not clamp it.
+    row = int(torch.nonzero(mask.sum(-1) >= 6).flatten()[-1])
+    assert row >= 3
+    old[row, 0] = lp[row, 0] - 25.0
     v_loss, v_grad, _ = _run_verl("gspo", lp, old, adv, mask, agg, _verl_actor(batch_info))
     objective, options = VERL_EQUIVALENTS["gspo"]
     cfg = _ours_config(objective, agg, batch_info, **options)
     o_loss, o_grad, _ = _run_ours(cfg, lp, old, adv, mask, batch_info)
     _close(o_loss, v_loss, "loss")
     _close(o_grad, v_grad, "grad")
-    uncapped = _ours_config(objective, agg, batch_info, ratio_level="sequence_token")
-    u_loss, _, _ = _run_ours(uncapped, lp, old, adv, mask, batch_info)
-    assert not torch.isclose(u_loss, v_loss)
+    for differs in (dict(seq_log_ratio_max=10.0), dict(log_ratio_clamp=None)):
+        other = _ours_config(objective, agg, batch_info, ratio_level="sequence_token", **differs)
+        _, o_grad, _ = _run_ours(other, lp, old, adv, mask, batch_info)
+        assert not torch.allclose(o_grad, v_grad), differs
 
 
 @pytest.mark.parametrize("mode", ["vanilla", "gspo", "cispo", "dppo_tv", "gpg", "dro"])

@@ -225,6 +225,21 @@ def test_every_objective_is_registered_and_custom_ones_can_be():
         register_verl_losses(["no_such_objective"])
 
 
+def test_none_valued_knobs_reach_logitless():
+    """A knob set to None in the verl config (``log_ratio_clamp: null``: no clamp) is passed as
+    None, not replaced by the default; knobs absent from verl's own config take defaults."""
+    from logitless.integrations.verl import to_logitless_config
+
+    actor = _actor(LogitlessPolicyLossConfig(loss_mode="logitless_gspo", log_ratio_clamp=None,
+                                             ratio_level="sequence_token"), BATCH_INFOS["local"])
+    cfg, _ = to_logitless_config("gspo", actor)
+    assert cfg.log_ratio_clamp is None and cfg.ratio_level == "sequence_token"
+    plain = _actor(verl_config.PolicyLossConfig(loss_mode="logitless_gspo"), BATCH_INFOS["local"])
+    cfg, _ = to_logitless_config("gspo", plain)
+    assert cfg.log_ratio_clamp == 20.0 and cfg.ratio_level == "sequence"
+    assert cfg.seq_count == "nonempty"
+
+
 def test_bad_configuration_raises():
     lp, old, adv, mask = _batch(seed=2)
     with pytest.raises(ValueError, match="config"):

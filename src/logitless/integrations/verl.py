@@ -127,11 +127,16 @@ and ``policy_loss.loss_mode=logitless_<objective>``. Its own fields:
 """
 
 
-def _get(config, key, default=None):
-    """``key`` of a dataclass, verl ``BaseConfig`` or ``DictConfig``, None-valued -> default."""
+def _raw(config, key, default=None):
+    """``key`` of a dataclass, verl ``BaseConfig`` or ``DictConfig`` (default when absent)."""
     if config is None:
         return default
-    value = config.get(key, default) if hasattr(config, "get") else getattr(config, key, default)
+    return config.get(key, default) if hasattr(config, "get") else getattr(config, key, default)
+
+
+def _get(config, key, default=None):
+    """Like `_raw`, with None read as "not set" (verl's convention for its own fields)."""
+    value = _raw(config, key, default)
     return default if value is None else value
 
 
@@ -171,7 +176,9 @@ def to_logitless_config(objective: str, actor_config, loss_agg_mode: str | None 
     if _get(pl, "dro_beta") is not None:
         fields["dro_beta"] = _get(pl, "dro_beta")
     for name in PASSTHROUGH_FIELDS:
-        fields[name] = _get(pl, name, _passthrough_default(name))
+        # None is a value here (log_ratio_clamp=None: no clamp); absent keys (verl's own
+        # PolicyLossConfig) take the logitless default.
+        fields[name] = _raw(pl, name, _passthrough_default(name))
     kwargs = {}
     if _get(pl, "use_global_batch_info", True):
         info = _get(actor_config, "global_batch_info", {})
