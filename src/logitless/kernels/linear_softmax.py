@@ -50,23 +50,25 @@ def _config(block_n, block_v, block_d, warps, stages, pre_hook=None):
 
 
 # (BLOCK_N, BLOCK_V, BLOCK_D, num_warps, num_stages). The interpreter gets one small config:
-# it runs every program in Python, and autotuning there would only measure numpy. On GPU the
-# fp32 logits tile stays at <= 128 registers a thread (BLOCK_N * BLOCK_V / (32 * num_warps)),
-# so the online-softmax temporaries beside it do not spill.
+# it runs every program in Python, and autotuning there would only measure numpy. The GPU
+# lists hold tiles that compile for sm_90 (triton 3.9, bf16, every feature flag on) without
+# register spills, or with a few dozen bytes at most; 64-wide D chunks and 256 x 128 tiles
+# spill hundreds of bytes once the online-softmax or dz temporaries sit beside the fp32 tile.
 _FORWARD_TILES = [(16, 128, 32, 1, 1)] if _INTERPRET else [
-    (32, 256, 64, 4, 3),
-    (64, 128, 64, 4, 4),
-    (64, 256, 64, 8, 3),
-    (128, 128, 64, 8, 3),
-    (128, 128, 32, 8, 4),
+    (32, 128, 32, 4, 4),
+    (64, 64, 64, 4, 4),
+    (64, 128, 32, 4, 3),
+    (64, 256, 32, 8, 3),
+    (128, 64, 32, 4, 4),
+    (128, 128, 32, 8, 3),
 ]
 _BACKWARD_TILES = [(16, 128, 32, 1, 1)] if _INTERPRET else [
-    (32, 128, 64, 4, 3),
-    (64, 128, 64, 4, 4),
+    (32, 128, 32, 4, 4),
+    (64, 64, 64, 4, 4),
+    (64, 128, 32, 4, 3),
     (64, 256, 32, 8, 3),
-    (128, 64, 64, 4, 4),
+    (128, 128, 32, 8, 3),
     (128, 128, 32, 8, 4),
-    (128, 128, 64, 8, 3),
 ]
 _GROUP_N = 8
 # A vocab split is a whole number of the largest forward vocab tile, so every config tiles it.
