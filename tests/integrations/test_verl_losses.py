@@ -6,6 +6,7 @@ configured only through verl configuration (``LogitlessPolicyLossConfig``).
 """
 
 import os
+import pickle
 import subprocess
 import sys
 import textwrap
@@ -183,6 +184,7 @@ def test_target_selects_the_config_through_verls_instantiation():
     """)
     actor = omega_conf_to_dataclass(OmegaConf.create(yaml))
     assert isinstance(actor.policy_loss, LogitlessPolicyLossConfig)
+    assert pickle.loads(pickle.dumps(actor.policy_loss)) == actor.policy_loss  # Ray ships it
     assert actor.policy_loss.delta == 1.5 and actor.policy_loss.loss_agg == "balanced"
     lp, old, adv, mask = _batch(seed=9)
     o_loss, o_grad, _ = _call(actor.policy_loss.loss_mode, lp, old, adv, mask,
