@@ -20,14 +20,19 @@ Either way the loss math is :func:`policy_loss`, run once more on the collected 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import torch
 
 from logitless.fused_losses.config import PolicyLossConfig
 from logitless.fused_losses.logprobs import check_head_args, compute_dtype, linear_logprobs
-from logitless.fused_losses.policy_loss import _NON_GLOBAL_OBJECTIVES as NON_GLOBAL_OBJECTIVES
-from logitless.fused_losses.policy_loss import policy_loss, policy_loss_globals
+from logitless.fused_losses.policy_loss import (
+    NON_GLOBAL_OBJECTIVES,
+    check_policy_inputs,
+    policy_loss,
+    policy_loss_globals,
+)
 from logitless.kernels import linear_softmax_torch as tiles
 from logitless.kernels.softmax_partials import finish
 
@@ -97,29 +102,50 @@ class _StoredGradients(torch.autograd.Function):
         return None, scale(d_hidden), scale(d_weight), scale(d_bias), None
 
 
-@dataclasses.dataclass
 class _Layout:
-    """Where each sequence's tokens live in the flattened inputs."""
+    """Where each sequence's tokens live in the flattened inputs, known on the host.
 
-    packed: bool
-    width: int  # T for padded batches
-    cu_seqlens: torch.Tensor | None
+    Planning reads ``cu_seqlens`` once; afterwards every chunk is cut and laid out as a
+    right-padded ``[sequences, width]`` grid without reading anything back from the device.
+    """
+
+    def __init__(self, mask: torch.Tensor, cu_seqlens: torch.Tensor | None):
+        self.packed = cu_seqlens is not None
+        self.device = mask.device
+        if self.packed:
+            self.cu = [int(c) for c in cu_seqlens.tolist()]
+        else:
+            self.width = mask.shape[1]
 
     def token_range(self, s0: int, s1: int) -> tuple[int, int]:
         if self.packed:
-            return int(self.cu_seqlens[s0]), int(self.cu_seqlens[s1])
+            return self.cu[s0], self.cu[s1]
         return s0 * self.width, s1 * self.width
 
-    def sub(self, x, s0: int, s1: int, per_sequence: bool = False):
-        """Slice a per-token (or per-sequence) tensor to sequences ``s0:s1``."""
+    def chunk_index(self, s0: int, s1: int):
+        """For a packed chunk: (row, column) in its padded grid of each of its tokens, and the
+        grid's shape. For a padded batch the chunk already is a grid: None."""
+        if not self.packed:
+            return None
+        lengths = [self.cu[i + 1] - self.cu[i] for i in range(s0, s1)]
+        total, width = sum(lengths), max(lengths, default=0)
+        lens = torch.tensor(lengths, device=self.device)
+        row = torch.repeat_interleave(torch.arange(s1 - s0, device=self.device), lens,
+                                      output_size=total)
+        first = torch.tensor([self.cu[i] - self.cu[s0] for i in range(s0, s1)],
+                             device=self.device, dtype=torch.long)
+        col = torch.arange(total, device=self.device) - first[row]
+        return row, col, (s1 - s0, width)
+
+    def grid(self, x, s0: int, s1: int, index, fill=0.0):
+        """Per-token ``x`` (``[B, T]`` or packed ``[N]``) of sequences ``s0:s1`` as a grid."""
         if x is None or not isinstance(x, torch.Tensor) or x.dim() == 0:
             return x
-        if per_sequence:
+        if index is None:
             return x[s0:s1]
-        if self.packed:
-            a, b = self.token_range(s0, s1)
-            return x[a:b]
-        return x[s0:s1]
+        a, b = self.token_range(s0, s1)
+        row, col, shape = index
+        return x.new_full(shape, fill).index_put((row, col), x[a:b])
 
 
 def fused_policy_loss(
@@ -143,6 +169,7 @@ def fused_policy_loss(
     num_items_in_batch=None,
     global_batch_size=None,
     training_progress: float | None = None,
+    entropy_coef: float | None = None,
     selection_entropy=None,
     memory_budget: int | None = None,
     strategy: str = "auto",
@@ -160,8 +187,8 @@ def fused_policy_loss(
         weight, bias: the head, ``[V, D]`` and ``[V]``.
         targets: token ids like ``mask``; only positions where ``mask`` is nonzero are scored.
         old_logprobs, advantages, mask, config, ref_logprobs, rollout_logprobs, token_weights,
-        attention_entropy, num_items_in_batch, global_batch_size, training_progress: as in
-            :func:`policy_loss`.
+        attention_entropy, num_items_in_batch, global_batch_size, training_progress,
+            entropy_coef: as in :func:`policy_loss`.
         temperature, softcap, logit_scale: the logit transform, as in :func:`linear_logprobs`.
         memory_budget: bytes of temporary logits a chunk may use (default: a quarter of free
             device memory on CUDA, 256 MB on CPU).
@@ -193,7 +220,8 @@ def fused_policy_loss(
     loss_kw = dict(ref_logprobs=ref_logprobs, rollout_logprobs=rollout_logprobs,
                    token_weights=token_weights, attention_entropy=attention_entropy,
                    cu_seqlens=cu_seqlens, num_items_in_batch=num_items_in_batch,
-                   global_batch_size=global_batch_size, training_progress=training_progress)
+                   global_batch_size=global_batch_size, training_progress=training_progress,
+                   entropy_coef=entropy_coef)
     scored = torch.where(m_flat, t_flat, torch.full_like(t_flat, -100)).view(targets.shape)
 
     if strategy == "streaming" or config.objective in NON_GLOBAL_OBJECTIVES:
@@ -208,11 +236,16 @@ def fused_policy_loss(
         return policy_loss(out.logprobs, old_logprobs, advantages, mask, config,
                            entropy=out.entropy, batch_globals=globals_, **loss_kw)
 
+    # Validated once here; the chunks below skip the checks (they synchronise with the device).
+    check_policy_inputs(mask, advantages, cu_seqlens=cu_seqlens, old_logprobs=old_logprobs,
+                        ref_logprobs=ref_logprobs, rollout_logprobs=rollout_logprobs,
+                        token_weights=token_weights, attention_entropy=attention_entropy,
+                        selection_entropy=selection_entropy)
     dtype = compute_dtype(hidden, weight, bias)
     h_all = hidden.to(dtype).reshape(-1, hidden.shape[-1])
     w = weight.to(dtype)
     b = None if bias is None else bias.to(dtype)
-    layout = _Layout(packed, 0 if packed else mask.shape[1], cu_seqlens)
+    layout = _Layout(mask, cu_seqlens)
 
     if selection_entropy is None and _selects_by_entropy(config):
         with torch.no_grad():
@@ -270,7 +303,8 @@ def fused_policy_loss(
     with torch.no_grad():
         lp_view, ent_view = lp_all.view(mask.shape), h_ent_all.view(mask.shape)
         loss, metrics = policy_loss(lp_view, old_logprobs, advantages, mask, config,
-                                    entropy=ent_view, batch_globals=globals_, **loss_kw)
+                                    entropy=ent_view, batch_globals=globals_, validate=False,
+                                    **loss_kw)
     if not want_grad:
         return loss, metrics
     grads = (
@@ -287,45 +321,57 @@ def _selects_by_entropy(cfg: PolicyLossConfig) -> bool:
 
 
 class _SubBatch:
-    """The sequences ``s0:s1`` of the batch, laid out as `policy_loss` takes them."""
+    """The sequences ``s0:s1`` of the batch as a right-padded grid `policy_loss` takes."""
 
     def __init__(self, layout, s0, s1, grows, mask, advantages, old_logprobs, config, loss_kw,
                  adv_per_sequence, globals_):
         self.layout, self.s0, self.s1 = layout, s0, s1
+        index = layout.chunk_index(s0, s1)
         a, _ = layout.token_range(s0, s1)
-        self.local_rows = grows - a
-        self.mask = layout.sub(mask, s0, s1)
-        self.advantages = layout.sub(advantages, s0, s1, per_sequence=adv_per_sequence)
-        self.old = layout.sub(old_logprobs, s0, s1)
-        self.config = _config_slice(config, layout, s0, s1, mask.shape)
-        self.kw = {k: layout.sub(v, s0, s1) for k, v in loss_kw.items()
-                   if k not in ("cu_seqlens", "num_items_in_batch", "global_batch_size",
-                                "training_progress")}
-        self.kw.update({k: loss_kw[k] for k in ("num_items_in_batch", "global_batch_size",
-                                                "training_progress")})
-        if layout.packed:
-            cu = layout.cu_seqlens[s0:s1 + 1]
-            self.kw["cu_seqlens"] = cu - cu[0]
+        local = grows - a
+        if index is None:  # padded: flat position in the [s1 - s0, T] slice
+            self.shape = (s1 - s0, layout.width)
+            self.where = (local // layout.width, local % layout.width)
+        else:
+            row, col, self.shape = index
+            self.where = (row[local], col[local])
+        self.local_rows = local
+        self.mask = layout.grid(mask, s0, s1, index, fill=False)
+        self.advantages = (advantages[s0:s1] if adv_per_sequence
+                           else layout.grid(advantages, s0, s1, index))
+        self.old = layout.grid(old_logprobs, s0, s1, index)
+        self.config = _config_slice(config, layout, s0, s1, index, mask.shape)
+        scalars = ("num_items_in_batch", "global_batch_size", "training_progress",
+                   "entropy_coef")
+        self.kw = {k: v if k in scalars else layout.grid(v, s0, s1, index)
+                   for k, v in loss_kw.items() if k != "cu_seqlens"}
         self.globals = globals_
 
     def loss(self, lp_g, ent_g):
         """This chunk's share of the loss, from its loss tokens' ``lp`` and ``H``."""
-        shape = self.mask.shape
-        lp = lp_g.new_zeros(shape.numel()).index_put((self.local_rows,), lp_g).view(shape)
-        ent = ent_g.new_zeros(shape.numel()).index_put((self.local_rows,), ent_g).view(shape)
+        lp = lp_g.new_zeros(self.shape).index_put(self.where, lp_g)
+        ent = ent_g.new_zeros(self.shape).index_put(self.where, ent_g)
         loss, _ = policy_loss(lp, self.old, self.advantages, self.mask, self.config,
-                              entropy=ent, batch_globals=self.globals, **self.kw)
+                              entropy=ent, batch_globals=self.globals, validate=False,
+                              compute_metrics=False, **self.kw)
         return loss
 
 
-def _config_slice(config, layout, s0, s1, shape):
-    """The config with per-token tensor knobs (clip bounds, beta) cut to the chunk."""
+def _config_slice(config, layout, s0, s1, index, shape):
+    """The config with per-token tensor knobs (clip bounds, beta) cut to the chunk's grid."""
     changes = {}
     for f in dataclasses.fields(config):
         value = getattr(config, f.name)
         if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == shape:
-            changes[f.name] = layout.sub(value, s0, s1)
-    return dataclasses.replace(config, **changes) if changes else config
+            changes[f.name] = layout.grid(value, s0, s1, index)
+    if not changes:
+        return config
+    # A shallow copy, not dataclasses.replace: the knobs were validated once, and validating
+    # tensors again would read them back from the device for every chunk.
+    sliced = copy.copy(config)
+    for name, value in changes.items():
+        setattr(sliced, name, value)
+    return sliced
 
 
 def _dense_chunk(sub, h_g, w, b, t_g, head, want_grad, need, lp_all, ent_all, d_weight,

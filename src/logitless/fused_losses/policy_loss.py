@@ -41,7 +41,8 @@ from logitless.fused_losses.token_selection import (
     top_fraction_threshold,
 )
 
-_NON_GLOBAL_OBJECTIVES = ("clip_cov", "kl_cov")
+# Objectives that select tokens from statistics of the whole batch's current logprobs.
+NON_GLOBAL_OBJECTIVES = ("clip_cov", "kl_cov")
 
 
 @dataclass
@@ -67,8 +68,11 @@ def _check_cu_seqlens(cu_seqlens, n):
         raise ValueError("cu_seqlens: must be non-decreasing")
 
 
-def _to_grid(mask, advantages, cu_seqlens, dtype, **tensors) -> _Grid:
-    """Validate shapes and NaNs, cast to ``dtype`` and scatter packed inputs into ``[B, T]``."""
+def _to_grid(mask, advantages, cu_seqlens, dtype, validate=True, **tensors) -> _Grid:
+    """Validate shapes and NaNs, cast to ``dtype`` and scatter packed inputs into ``[B, T]``.
+
+    ``validate=False`` skips the value checks (NaN, ``cu_seqlens`` order), which synchronise
+    with the device; shapes are always checked (free)."""
     shape = mask.shape
     if cu_seqlens is None:
         if mask.dim() != 2:
@@ -77,7 +81,8 @@ def _to_grid(mask, advantages, cu_seqlens, dtype, **tensors) -> _Grid:
     else:
         if mask.dim() != 1:
             raise ValueError(f"mask: expected packed [N] with cu_seqlens, got {tuple(shape)}")
-        _check_cu_seqlens(cu_seqlens, shape[0])
+        if validate:
+            _check_cu_seqlens(cu_seqlens, shape[0])
         num_seqs = cu_seqlens.numel() - 1
     for name, t in tensors.items():
         if t is None:
@@ -86,9 +91,9 @@ def _to_grid(mask, advantages, cu_seqlens, dtype, **tensors) -> _Grid:
             raise ValueError(
                 f"{name}: expected shape {tuple(shape)} like mask, got {tuple(t.shape)}"
             )
-        if name != "rollout_logprobs" and torch.isnan(t).any():
+        if validate and name != "rollout_logprobs" and torch.isnan(t).any():
             raise ValueError(f"{name}: contains NaN")
-    if torch.isnan(advantages).any():
+    if validate and torch.isnan(advantages).any():
         raise ValueError("advantages: contains NaN")
     if advantages.shape in ((num_seqs,), (num_seqs, 1)):
         per_sequence = True
@@ -110,6 +115,13 @@ def _to_grid(mask, advantages, cu_seqlens, dtype, **tensors) -> _Grid:
     if per_sequence:
         adv = adv.reshape(num_seqs, 1).expand(num_seqs, m.shape[1])
     return _Grid(m, adv, m.shape[1], cu_seqlens is not None, out)
+
+
+def check_policy_inputs(mask, advantages, *, cu_seqlens=None, **tensors) -> None:
+    """Raise ``ValueError`` where `policy_loss` would (shapes, NaN, ``cu_seqlens``), without
+    computing anything: lets a chunked caller validate the batch once."""
+    with torch.no_grad():
+        _to_grid(mask, advantages, cu_seqlens, torch.float32, True, **tensors)
 
 
 def _dtype(t):
@@ -260,6 +272,8 @@ def policy_loss(
     batch_globals: BatchGlobals | None = None,
     training_progress: float | None = None,
     entropy_coef: float | None = None,
+    validate: bool = True,
+    compute_metrics: bool = True,
 ):
     """Policy loss and metrics from per-token logprobs.
 
@@ -279,6 +293,10 @@ def policy_loss(
         batch_globals: `BatchGlobals` of the full batch for chunked use (module docstring).
         training_progress: in [0, 1], drives the attention-entropy alpha schedule.
         entropy_coef: overrides ``config.entropy_coef`` (for `AdaptiveEntropyCoef`).
+        validate: ``False`` skips the NaN and ``cu_seqlens`` value checks, which synchronise
+            with the device: for callers that validated the whole batch once and now run
+            chunks of it (``fused_policy_loss``).
+        compute_metrics: ``False`` returns an empty metrics dict (no metric work).
 
     Returns:
         ``(loss, metrics)``: a scalar (dtype of the logprobs, at least fp32) and a dict of
@@ -299,6 +317,7 @@ def policy_loss(
         advantages,
         cu_seqlens,
         dtype,
+        validate,
         logprobs=logprobs,
         old_logprobs=old_logprobs,
         ref_logprobs=ref_logprobs,
@@ -317,7 +336,7 @@ def policy_loss(
     ent = t["entropy"]
     if ref_lp is not None:
         ref_lp = ref_lp.detach()
-    if cfg.objective in _NON_GLOBAL_OBJECTIVES and batch_globals is not None:
+    if cfg.objective in NON_GLOBAL_OBJECTIVES and batch_globals is not None:
         raise ValueError(
             f"batch_globals: {cfg.objective} selects tokens from statistics of the "
             "whole batch and cannot run on a chunk"
@@ -421,6 +440,8 @@ def policy_loss(
             ent, entropy_mask, grid.adv, mode, glob.entropy, cfg, **agg_args
         )
 
+    if not compute_metrics:
+        return loss, {}
     with torch.no_grad():
         metrics = _metrics(out, ratio, d, kl, ent, is_weight, m_in, m, select, factor, cfg)
         if ent is not None:  # what an adaptive entropy coefficient accumulates
