@@ -54,7 +54,7 @@ def _config(block_n, block_v, block_d, warps, stages, pre_hook=None):
 # lists hold tiles that compile for sm_90 (triton 3.9, bf16, every feature flag on) without
 # register spills, or with a few dozen bytes at most; 64-wide D chunks and 256 x 128 tiles
 # spill hundreds of bytes once the online-softmax or dz temporaries sit beside the fp32 tile.
-_FORWARD_TILES = [(16, 128, 32, 1, 1)] if _INTERPRET else [
+_FORWARD_TILES = [(32, 128, 64, 1, 1)] if _INTERPRET else [
     (32, 128, 32, 4, 4),
     (64, 64, 64, 4, 4),
     (64, 128, 32, 4, 3),
@@ -62,7 +62,7 @@ _FORWARD_TILES = [(16, 128, 32, 1, 1)] if _INTERPRET else [
     (128, 64, 32, 4, 4),
     (128, 128, 32, 8, 3),
 ]
-_BACKWARD_TILES = [(16, 128, 32, 1, 1)] if _INTERPRET else [
+_BACKWARD_TILES = [(32, 128, 64, 1, 1)] if _INTERPRET else [
     (32, 128, 32, 4, 4),
     (64, 64, 64, 4, 4),
     (64, 128, 32, 4, 3),
