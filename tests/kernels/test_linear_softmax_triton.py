@@ -27,15 +27,15 @@ def _device():
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def _problem(n, dtype, *, bias, outside, contiguous=True, **opts):
+def _problem(n, dtype, *, bias, outside, contiguous=True, d=D, **opts):
     """Fresh random inputs; a third of the targets are the argmax (so is_top1 is exercised),
     ``outside`` of them are -1 (target in another vocabulary slice)."""
     dev = _device()
-    hidden = torch.randn(n, D, device=dev).to(dtype)
+    hidden = torch.randn(n, d, device=dev).to(dtype)
     if contiguous:
-        weight = (0.2 * torch.randn(V, D, device=dev)).to(dtype)
+        weight = (0.2 * torch.randn(V, d, device=dev)).to(dtype)
     else:
-        weight = (0.2 * torch.randn(D, V, device=dev)).to(dtype).t()
+        weight = (0.2 * torch.randn(d, V, device=dev)).to(dtype).t()
     b = torch.randn(V, device=dev).to(dtype) if bias else None
     z = linear_logits(
         hidden.double(), weight.double(), None if b is None else b.double(),
@@ -70,18 +70,20 @@ OPTIONS = {
 }
 
 FORWARD_CASES = [
-    pytest.param(N, "plain", False, 0, True, True, id="N37-plain"),
-    pytest.param(N, "T0.7-cap3-scale1.3", True, 4, True, True, id="N37-bias-T0.7-cap3-scale1.3"),
-    pytest.param(5, "T1.5", True, 1, False, True, id="N5-bias-T1.5-noncontigW"),
-    pytest.param(N, "T0.7-cap3-scale1.3", False, 2, True, False, id="N37-cap-no_s2_sum_z"),
+    pytest.param(N, D, "plain", False, 0, True, True, id="N37-plain"),
+    pytest.param(N, D, "T0.7-cap3-scale1.3", True, 4, True, True,
+                 id="N37-bias-T0.7-cap3-scale1.3"),
+    pytest.param(5, 64, "T1.5", True, 1, False, True, id="N5-D64-bias-T1.5-noncontigW"),
+    pytest.param(N, D, "T0.7-cap3-scale1.3", False, 2, True, False, id="N37-cap-no_s2_sum_z"),
 ]
 
 
-@pytest.mark.parametrize(("n", "option", "bias", "outside", "contiguous", "want"), FORWARD_CASES)
-def test_forward_fp32_matches_reference(n, option, bias, outside, contiguous, want):
+@pytest.mark.parametrize(("n", "d", "option", "bias", "outside", "contiguous", "want"),
+                         FORWARD_CASES)
+def test_forward_fp32_matches_reference(n, d, option, bias, outside, contiguous, want):
     opts = OPTIONS[option]
     hidden, weight, b, targets = _problem(
-        n, torch.float32, bias=bias, outside=outside, contiguous=contiguous, **opts
+        n, torch.float32, bias=bias, outside=outside, contiguous=contiguous, d=d, **opts
     )
     # The vocabulary must really be split across programs, and the last split is partial.
     splits, per_split = kernel._vocab_splits(n, V, hidden.device)
@@ -144,21 +146,22 @@ def _kernel_grads(hidden, weight, bias, targets, upstream, need, **opts):
 
 
 BACKWARD_CASES = [
-    pytest.param(N, "plain", False, 0, True, ("g_lp",), id="N37-plain-lp"),
-    pytest.param(N, "T0.7-cap3-scale1.3", True, 3, True, GRADS, id="N37-bias-cap-all_grads"),
-    pytest.param(N, "T0.7-cap3-scale1.3", True, 0, False, ("g_entropy",),
+    pytest.param(N, D, "plain", False, 0, True, ("g_lp",), id="N37-plain-lp"),
+    pytest.param(N, D, "T0.7-cap3-scale1.3", True, 3, True, GRADS,
+                 id="N37-bias-cap-all_grads"),
+    pytest.param(N, D, "T0.7-cap3-scale1.3", True, 0, False, ("g_entropy",),
                  id="N37-bias-cap-entropy-noncontigW"),
-    pytest.param(5, "T1.5", True, 1, True, ("g_lp", "g_sum_p_sq", "g_mean_logit"),
-                 id="N5-bias-T1.5-lp_sq_mean"),
+    pytest.param(5, 64, "T1.5", True, 1, True, ("g_lp", "g_sum_p_sq", "g_mean_logit"),
+                 id="N5-D64-bias-T1.5-lp_sq_mean"),
 ]
 
 
-@pytest.mark.parametrize(("n", "option", "bias", "outside", "contiguous", "grads"),
+@pytest.mark.parametrize(("n", "d", "option", "bias", "outside", "contiguous", "grads"),
                          BACKWARD_CASES)
-def test_backward_fp32_matches_reference(n, option, bias, outside, contiguous, grads):
+def test_backward_fp32_matches_reference(n, d, option, bias, outside, contiguous, grads):
     opts = OPTIONS[option]
     hidden, weight, b, targets = _problem(
-        n, torch.float32, bias=bias, outside=outside, contiguous=contiguous, **opts
+        n, torch.float32, bias=bias, outside=outside, contiguous=contiguous, d=d, **opts
     )
     upstream = _upstream(n, grads)
     need = (True, True, bias)

@@ -23,12 +23,16 @@ separate d_hidden and d_weight kernels, each of which would have to recompute th
 The cost is atomic traffic of ``D (BLOCK_N + BLOCK_V)`` adds per tile (amortised by large
 tiles) and a run-to-run nondeterministic summation order.
 
-Offsets are int64 throughout (``N * V`` passes 2^31 at 16k tokens x 152k vocabulary). tanh is
-written with ``tl.exp``: the CPU interpreter cannot run libdevice calls.
+Addressing: every tile's first row / column and every D-chunk step is an int64 scalar
+(``N * V`` passes 2^31 at 16k tokens x 152k vocabulary, ``N * D`` at long batches); offsets
+inside a tile are int32 (bounded by tile size x stride), because a 64-bit pointer per element
+carried through the GEMM loop spills registers on Hopper. tanh is written with ``tl.exp``: the
+CPU interpreter cannot run libdevice calls.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -156,14 +160,14 @@ def _tile_offsets(local_rows, stride_row, stride_d, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
-def _load_chunk(tile, offsets, k, stride_d, D, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr):
-    """Chunk ``k`` of D columns of a row tile (zeros past D)."""
-    ptrs = tile + k * BLOCK_D * stride_d + offsets
+def _load_chunk(chunk, offsets, d_left, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr):
+    """One D chunk of a row tile: ``chunk`` points at its first element, ``d_left`` columns
+    remain (zeros past D)."""
     if EVEN_D:
-        chunk = tl.load(ptrs)
+        tile = tl.load(chunk + offsets)
     else:
-        chunk = tl.load(ptrs, mask=(tl.arange(0, BLOCK_D) < D - k * BLOCK_D)[None, :], other=0.0)
-    return chunk
+        tile = tl.load(chunk + offsets, mask=(tl.arange(0, BLOCK_D) < d_left)[None, :], other=0.0)
+    return tile
 
 
 @triton.jit
@@ -196,9 +200,12 @@ def _logits_tile(
     """
     acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
     for k in range(0, tl.cdiv(D, BLOCK_D)):
-        h = _load_chunk(h_tile, h_offsets, k, stride_hd, D, BLOCK_D, EVEN_D)
-        w = _load_chunk(w_tile, w_offsets, k, stride_wd, D, BLOCK_D, EVEN_D)
+        h = _load_chunk(h_tile, h_offsets, D - k * BLOCK_D, BLOCK_D, EVEN_D)
+        w = _load_chunk(w_tile, w_offsets, D - k * BLOCK_D, BLOCK_D, EVEN_D)
         acc = _dot(h, tl.trans(w), acc, INTERPRET_BF16)
+        # Scalar (64-bit) pointer steps: the in-tile offsets stay int32.
+        h_tile += BLOCK_D * stride_hd
+        w_tile += BLOCK_D * stride_wd
     if HAS_BIAS:
         acc += tl.load(bias + v0 + cols).to(tl.float32)[None, :]
     if HAS_SOFTCAP:
@@ -365,19 +372,26 @@ def _backward_kernel(
         offs_d = k * BLOCK_D + tl.arange(0, BLOCK_D)
         mask_d = offs_d < D
         if NEED_HIDDEN:
-            w = _load_chunk(w_tile, w_offsets, k, stride_wd, D, BLOCK_D, EVEN_D)
+            w = _load_chunk(w_tile, w_offsets, D - k * BLOCK_D, BLOCK_D, EVEN_D)
             tl.atomic_add(
                 d_hidden + row0 * D + (rows[:, None] * D + offs_d[None, :]),
                 _dot(dx_in, w, None, INTERPRET_BF16),
                 mask=mask_n[:, None] & mask_d[None, :], sem="relaxed",
             )
         if NEED_WEIGHT:
-            h = _load_chunk(h_tile, h_offsets, k, stride_hd, D, BLOCK_D, EVEN_D)
+            h = _load_chunk(h_tile, h_offsets, D - k * BLOCK_D, BLOCK_D, EVEN_D)
             tl.atomic_add(
                 d_weight + v0 * D + (lanes[:, None] * D + offs_d[None, :]),
                 _dot(tl.trans(dx_in), h, None, INTERPRET_BF16),
                 mask=mask_v[:, None] & mask_d[None, :], sem="relaxed",
             )
+        w_tile += BLOCK_D * stride_wd
+        h_tile += BLOCK_D * stride_hd
+
+
+@functools.cache
+def _sm_count(index: int | None) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def _vocab_splits(n_rows: int, vocab: int, device: torch.device) -> tuple[int, int]:
@@ -388,8 +402,7 @@ def _vocab_splits(n_rows: int, vocab: int, device: torch.device) -> tuple[int, i
     of them (so a program's epilogue stays small next to its GEMM work).
     """
     if device.type == "cuda":
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        target = _PROGRAMS_PER_SM * sms
+        target = _PROGRAMS_PER_SM * _sm_count(device.index)
     else:
         target = _INTERPRET_PROGRAMS
     row_blocks = triton.cdiv(max(n_rows, 1), _SPLIT_ROW_BLOCK)
