@@ -67,11 +67,10 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as err:
         print(f"logitless bench: {err}", file=sys.stderr)
         return 2
-    records = run_sweep(settings)
+    records = run_sweep(settings, (lambda rs: write_json(rs, args.json)) if args.json else None)
     print(format_table(records))
     print(describe(records))
     if args.json:
-        write_json(records, args.json)
         print(f"wrote {args.json}")
     if args.plot:
         from logitless.bench.plot import plot

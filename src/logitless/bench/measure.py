@@ -32,6 +32,9 @@ class Figures:
     status: str = "ok"  # ok | unavailable | failed
     reason: str = ""
     time_ms: dict[str, float] | None = None  # median, p20, p80
+    # CPU only: process CPU time (all threads) per call, median/p20/p80; on a machine shared
+    # with other jobs it moves less than the wall-clock time.
+    cpu_ms: dict[str, float] | None = None
     peak_bytes: int | None = None  # above inputs, beyond the inputs' gradients
     above_inputs_bytes: int | None = None  # above inputs, gradients included
     grad_bytes: int = 0
@@ -119,7 +122,7 @@ def _malloc_trim() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
-def _prepare(op: Op, provider: Provider, inputs: Inputs, mode: str):
+def prepare(op: Op, provider: Provider, inputs: Inputs, mode: str):
     """Leaves that take gradients, and the op's fixed upstream gradients."""
     leaves = []
     if mode == "fwd-bwd" and not provider.is_floor:
@@ -135,13 +138,11 @@ def _clear(leaves) -> None:
         t.grad = None
 
 
-def _time_cpu(run, repeats: int) -> list[float]:
-    out = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        run()
-        out.append((time.perf_counter() - t0) * 1e3)
-    return out
+def _time_cpu(run) -> tuple[float, float]:
+    """Wall-clock and process CPU time of one call, in ms."""
+    t0, c0 = time.perf_counter(), time.process_time()
+    run()
+    return (time.perf_counter() - t0) * 1e3, (time.process_time() - c0) * 1e3
 
 
 def _time_cuda(run, repeats: int, leaves) -> tuple[dict[str, float], str]:
@@ -186,7 +187,7 @@ def measure(op: Op, provider: Provider, shape: dict[str, int], mode: str, dtype:
 
 def _measure(op, provider, shape, mode, dtype, device, *, warmup, repeats, block_rows, seed):
     inputs = op.make_inputs(shape, dtype, device, seed)
-    leaves, upstream = _prepare(op, provider, inputs, mode)
+    leaves, upstream = prepare(op, provider, inputs, mode)
 
     def run():
         provider.step(inputs, mode, upstream)
@@ -202,9 +203,7 @@ def _measure(op, provider, shape, mode, dtype, device, *, warmup, repeats, block
     # The memory step: one call, leaving the gradients in place so that the peak includes them
     # exactly as a trainer sees it.
     probe.start()
-    t0 = time.perf_counter()
-    provider.step(inputs, mode, upstream)
-    first_ms = (time.perf_counter() - t0) * 1e3
+    first = _time_cpu(lambda: provider.step(inputs, mode, upstream))
     figures.above_inputs_bytes = probe.peak()
     figures.peak_bytes = max(0, figures.above_inputs_bytes - figures.grad_bytes)
     _clear(leaves)
@@ -212,8 +211,10 @@ def _measure(op, provider, shape, mode, dtype, device, *, warmup, repeats, block
         figures.time_ms, figures.timer = _time_cuda(run, repeats, leaves)
     else:
         # The memory step was a full call after warm-up: it counts as the first repeat.
-        figures.time_ms = quantiles([first_ms, *_time_cpu(run, repeats - 1)])
-        figures.timer = "time.perf_counter"
+        samples = [first, *(_time_cpu(run) for _ in range(repeats - 1))]
+        figures.time_ms = quantiles([wall for wall, _ in samples])
+        figures.cpu_ms = quantiles([cpu for _, cpu in samples])
+        figures.timer = "time.perf_counter (cpu_ms: time.process_time)"
     if not provider.is_floor:
         figures.errors = block_errors(op, provider, inputs, mode, block_rows)
     return figures

@@ -66,8 +66,11 @@ def device_name(device: str) -> str:
     return f"{model} ({torch.get_num_threads()} threads)"
 
 
-def run_sweep(settings: Settings) -> list[dict]:
-    """Measure every row and return the records (see ``report.py`` for their fields)."""
+def run_sweep(settings: Settings, on_record=None) -> list[dict]:
+    """Measure every row and return the records (see ``report.py`` for their fields).
+
+    ``on_record(records_so_far)`` is called after each row (the CLI rewrites its JSON there, so
+    a sweep cut short by a time limit still leaves its finished rows)."""
     op = get_op(settings.op)
     providers = get_providers(settings.op, settings.providers)
     isolate = settings.device == "cpu" if settings.isolate is None else settings.isolate
@@ -91,7 +94,9 @@ def run_sweep(settings: Settings) -> list[dict]:
                 "warmup": warmup, "repeats": repeats, **figures.to_dict(),
             })
             bar.update(1)
-    _floor_ratios(records, providers)
+            _floor_ratios(records, providers)
+            if on_record is not None:
+                on_record(records)
     return records
 
 

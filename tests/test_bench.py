@@ -1,0 +1,108 @@
+"""``logitless bench``, the demo's table and the GPU script's dry run, on tiny CPU shapes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from logitless.bench.measure import Figures, measure, quantiles
+from logitless.bench.registry import Provider, get_op
+from logitless.bench.report import format_table
+from logitless.cli import main
+from logitless.demo import side_by_side
+
+ROOT = Path(__file__).resolve().parents[1]
+N, D, V = 48, 32, 3000
+
+
+@pytest.fixture(scope="module")
+def bench_run(tmp_path_factory):
+    """One isolated (child process per row) fwd-bwd run of three providers, JSON and plot."""
+    out = tmp_path_factory.mktemp("bench")
+    argv = ["bench", "--op", "logprobs", "--device", "cpu", "--tokens", str(N), "--hidden",
+            str(D), "--vocab", str(V), "--providers", "logitless,naive,gemm,verl", "--repeats",
+            "2", "--warmup", "1", "--no-progress", "--json", str(out / "r.json"), "--plot",
+            str(out / "r.png")]
+    assert main(argv) == 0
+    return json.loads((out / "r.json").read_text()), out
+
+
+def test_records(bench_run):
+    records, out = bench_run
+    by = {r["provider"]: r for r in records}
+    assert set(by) == {"logitless", "naive", "gemm", "verl"}
+    for name in ("logitless", "naive", "gemm"):
+        r = by[name]
+        assert r["status"] == "ok", r["reason"]
+        assert r["op"] == "logprobs" and r["mode"] == "fwd-bwd" and r["device"] == "cpu"
+        assert r["shape"] == {"tokens": N, "hidden": D, "vocab": V}
+        assert r["dtype"] == "float32" and r["versions"]["torch"] == torch.__version__
+        t = r["time_ms"]
+        assert 0 < t["p20"] <= t["median"] <= t["p80"]
+        assert r["grad_bytes"] == (N * D + V * D) * 4
+    assert by["gemm"]["floor_ratio"] == pytest.approx(1.0)
+    assert by["logitless"]["floor_ratio"] > 0
+    # The naive provider holds at least the fp32 [N, V] logits beyond inputs and gradients:
+    # a probe that missed the child's allocations would report less.
+    assert by["naive"]["peak_bytes"] >= N * V * 4
+    for name in ("logitless", "naive"):
+        errs = by[name]["errors"]
+        assert set(errs) == {"logprobs", "entropy", "d_hidden", "d_weight"}
+        assert max(errs.values()) < 1e-4, errs
+    # A provider that cannot run is listed with its reason, not dropped.
+    assert by["verl"]["status"] == "unavailable" and "CUDA" in by["verl"]["reason"]
+    assert "unavailable: verl" in format_table(records)
+    assert (out / "r.png").stat().st_size > 10_000
+
+
+def test_demo_table(bench_run):
+    records, _ = bench_run
+    text = side_by_side(records)
+    assert "naive PyTorch" in text and "logitless/naive" in text
+
+
+def test_gpu_script_dry_run(tmp_path):
+    env = {**os.environ, "PYTHON": sys.executable}
+    done = subprocess.run(["bash", str(ROOT / "benchmarks/gpu/run.sh"), str(tmp_path),
+                           "--dry-run"], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (merged,) = [p for p in tmp_path.glob("*-dry-run.json")]
+    records = json.loads(merged.read_text())
+    sweeps = {r["sweep"] for r in records}
+    assert sweeps == {"logprobs-16k", "policy-loss-16k", "logprobs-sweep", "attention-entropy"}
+    assert {r["op"] for r in records} == {"logprobs", "policy-loss", "attention-entropy"}
+    for r in records:
+        assert r["status"] == "ok", (r["provider"], r["reason"])
+        if r["provider"] != "gemm":
+            # bf16 inputs: errors at bf16 rounding, far below what a wrong result gives
+            assert max(r["errors"].values()) < 0.1, (r["op"], r["provider"], r["errors"])
+    assert len(list(tmp_path.glob("*.png"))) == 4
+
+
+def test_quantiles():
+    q = quantiles([5.0, 1.0, 3.0, 2.0, 4.0])
+    assert q["median"] == 3.0 and q["p20"] == pytest.approx(1.8) and q["p80"] == pytest.approx(4.2)
+    assert quantiles([7.0]) == {"median": 7.0, "p20": 7.0, "p80": 7.0}
+
+
+class _Broken(Provider):
+    op, name, quantities = "logprobs", "broken", ("logprobs",)
+
+    def forward(self, inputs):
+        raise RuntimeError("no kernel for this device")
+
+
+def test_failing_provider_is_a_row():
+    shape = {"tokens": 4, "hidden": 8, "vocab": 16}
+    got = measure(get_op("logprobs"), _Broken(), shape, "fwd", torch.float32, "cpu", warmup=0,
+                  repeats=1, block_rows=4)
+    assert got.status == "failed" and "no kernel for this device" in got.reason
+    row = {"op": "logprobs", "provider": "broken", "mode": "fwd", "shape": shape,
+           "quantities": ["logprobs"], **Figures(status="failed", reason="boom").to_dict()}
+    assert "failed: boom" in format_table([row])
