@@ -1,0 +1,430 @@
+"""logitless inside TRL: the fused-head kernel swap and a `GRPOTrainer` whose loss is `policy_loss`.
+
+``from logitless.integrations.trl import GRPOTrainer`` in place of TRL's: same arguments, plus
+``loss_config`` (a `PolicyLossConfig`; by default :func:`config_from_grpo` of the
+``GRPOConfig``, which reproduces TRL's loss for every ``loss_type``). The forward passes are
+TRL's own (`_get_per_token_logps_and_entropies` over TRL's fused LM head), with the head's
+kernel swapped for `linear_logprobs` during each call; the loss, its gradient-accumulation
+scaling and TRL's metrics are computed from `policy_loss`.
+
+Sharded heads. The weight reaches the kernel through TRL's fused forward, which gathers it:
+``DTensor.full_tensor()`` under FSDP2 (differentiable, so the gradient returns to the shards),
+``maybe_gather_lm_head_ctx`` under DeepSpeed ZeRO-3 around the forward; our kernel's backward,
+which recomputes the logits, re-enters that same TRL context (``gather_weight``). Verified here:
+single process on CPU, through TRL's code path with both contexts inactive, and the backward's
+gather hook called. Not verified (no multi-GPU machine): real ZeRO-3 and FSDP2 runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+import trl
+
+from logitless.fused_losses.config import PolicyLossConfig
+from logitless.fused_losses.entropy_control import AdaptiveEntropyCoef
+from logitless.fused_losses.objectives import clip_flags
+from logitless.fused_losses.policy_loss import policy_loss
+from logitless.fused_losses.ratios import compute_ratio
+from logitless.integrations.trl_head import (
+    SUPPORTED_TRL,
+    LogitlessChunkedLogProb,
+    _check_contract,
+    _trl_modules,
+    patch_trl,
+    trl_patched,
+    unpatch_trl,
+)
+
+__all__ = [
+    "SUPPORTED_TRL",
+    "GRPOTrainer",
+    "LogitlessChunkedLogProb",
+    "config_from_grpo",
+    "patch_trl",
+    "trl_patched",
+    "unpatch_trl",
+]
+
+# Objectives whose loss is the clipped surrogate on their ratio: TRL's per-sequence clip
+# metrics (clip_ratio/low_min, clip_ratio/high_max) are defined for them.
+_CLIPPED_SURROGATES = ("ppo", "grpo", "dapo", "bnpo", "dr_grpo", "luspo", "gspo", "ctpo", "minpro")
+# Multimodal inputs TRL's forward helper takes from the batch.
+_FORWARD_KEYS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask",
+                 "spatial_shapes", "num_tiles", "image_sizes", "token_type_ids",
+                 "mm_token_type_ids", "image_position_ids")
+
+
+def _fp32(x: float) -> float:
+    return float(torch.tensor(x, dtype=torch.float32))
+
+
+def config_from_grpo(args, **overrides) -> PolicyLossConfig:
+    """The `PolicyLossConfig` whose loss is TRL's ``GRPOTrainer`` loss for ``args`` (a
+    ``GRPOConfig``); ``overrides`` replace any field (e.g. ``dual_clip_c=3.0``).
+
+    ``loss_type`` -> ``objective`` (all eight of TRL 1.16), ``importance_sampling_level`` ->
+    ``ratio_level``, ``epsilon`` / ``epsilon_high`` -> ``eps_low`` / ``eps_high`` (cispo:
+    TRL's ``epsilon_high`` is the ratio cap itself, ``min(r, epsilon_high)``, so ``cispo_clip=
+    "upper"`` and ``eps_high = epsilon_high - 1``), ``delta``, ``beta`` with TRL's k3 estimator
+    and ``use_bias_correction_kl`` (times ``r`` with its gradient, as TRL's code does),
+    ``top_entropy_quantile``, ``entropy_coef`` (a mean over the selected tokens: ``entropy_agg=
+    "bnpo"``), ``off_policy_mask_threshold`` -> ``opsm_threshold``, vLLM importance sampling
+    (``use_vllm`` and ``vllm_importance_sampling_correction``: ``*_truncate`` / ``*_mask`` modes
+    and clip bounds) -> ``rollout_is*``, sapo temperatures and vespo k/lambda (rounded to fp32:
+    TRL builds them with ``torch.where`` on python floats), ``max_completion_length`` ->
+    ``max_response_length`` (dr_grpo's constant), ``gradient_accumulation_steps`` and the world
+    size (the trainer sets both per call). TRL exponentiates the log-ratio unclamped (vespo
+    clamps it to +-20), and so does this config.
+    """
+    loss_type = args.loss_type
+    eps_high = args.epsilon if args.epsilon_high is None else args.epsilon_high
+    fields = dict(
+        objective=loss_type,
+        # vespo computes its own sequence weight from token ratios whatever the level (TRL)
+        ratio_level="token" if loss_type == "vespo" else args.importance_sampling_level,
+        eps_low=args.epsilon,
+        eps_high=eps_high,
+        delta=args.delta,
+        beta=args.beta,
+        kl_estimator="k3",
+        kl_bias_correction=args.use_bias_correction_kl,
+        kl_bias_correction_grad=True,
+        log_ratio_clamp=20.0 if loss_type == "vespo" else None,
+        entropy_coef=args.entropy_coef,
+        entropy_agg="bnpo",
+        top_entropy_quantile=args.top_entropy_quantile,
+        opsm_threshold=args.off_policy_mask_threshold,
+        sapo_tau_pos=_fp32(args.sapo_temperature_pos),
+        sapo_tau_neg=_fp32(args.sapo_temperature_neg),
+        vespo_k_pos=_fp32(args.vespo_k_pos),
+        vespo_lambda_pos=_fp32(args.vespo_lambda_pos),
+        vespo_k_neg=_fp32(args.vespo_k_neg),
+        vespo_lambda_neg=_fp32(args.vespo_lambda_neg),
+        max_response_length=args.max_completion_length,
+        grad_accum_steps=args.gradient_accumulation_steps,
+        dp_size=getattr(args, "world_size", 1),
+        seq_count="all",
+    )
+    if loss_type == "cispo":
+        fields.update(cispo_clip="upper", eps_high=eps_high - 1)
+    if args.use_vllm and args.vllm_importance_sampling_correction:
+        level, how = args.vllm_importance_sampling_mode.split("_")
+        fields.update(
+            rollout_is=level,
+            rollout_is_mode="mask" if how == "mask" else "truncate",
+            rollout_is_min=args.vllm_importance_sampling_clip_min,
+            rollout_is_max=args.vllm_importance_sampling_clip_max,
+        )
+    fields.update(overrides)
+    return PolicyLossConfig(**fields)
+
+
+class _Head:
+    """TRL's kernel contract for one forward helper call; drops the entropy when not wanted
+    (TRL's policy head always computes it, even in the old-policy pass that discards it)."""
+
+    def __init__(self, entropy: bool):
+        self.entropy = entropy
+
+    def apply(self, hidden, weight, bias, targets, temperature, chunk_size,
+              final_logit_softcapping=None, logit_scale=1.0, outputs=()):
+        if not self.entropy:
+            outputs = tuple(o for o in outputs if o != "entropy")
+        return LogitlessChunkedLogProb.apply(hidden, weight, bias, targets, temperature,
+                                             chunk_size, final_logit_softcapping, logit_scale,
+                                             outputs)
+
+
+@contextlib.contextmanager
+def _logitless_head(entropy: bool):
+    """TRL's fused head computes through logitless inside the block (TRL looks the kernel up
+    at each call; the backward belongs to the returned tensors, so it needs no patch)."""
+    import trl.trainer.utils as trl_utils
+
+    saved = trl_utils._ChunkedLogProbFunction
+    trl_utils._ChunkedLogProbFunction = _Head(entropy)
+    try:
+        yield
+    finally:
+        trl_utils._ChunkedLogProbFunction = saved
+
+
+def _uses_kl(cfg: PolicyLossConfig) -> bool:
+    return isinstance(cfg.beta, torch.Tensor) or cfg.beta != 0 or cfg.future_kl_coef != 0
+
+
+class GRPOTrainer(trl.GRPOTrainer):
+    """TRL's ``GRPOTrainer`` with the loss of `policy_loss` and the LM head of logitless.
+
+    Args: TRL's, plus
+        loss_config: the objective (default ``config_from_grpo(args)``: TRL's own loss).
+            Its ``grad_accum_steps`` and ``dp_size`` are set per call from the trainer.
+        attention_entropy_layers, attention_entropy_heads: layers and query heads whose mean
+            attention entropy feeds ``attn_entropy_weighting`` (default: all).
+
+    Logs TRL's metric names (``kl``, ``entropy``, ``clip_ratio/*``, ``cispo_clip_ratio``,
+    ``vespo/phi_seq_mean``, ``policy_loss``, ``entropy_coef``, ``aux_loss``) with TRL's values,
+    and every metric of `policy_loss` as ``logitless/<name>``.
+
+    Attention-entropy weighting: the `AttentionEntropyRecorder` runs during TRL's old-policy
+    pass when TRL makes one, else during a dedicated no-grad pass after generation; the
+    per-token value of completion token t is the entropy at that token's position, averaged
+    over the chosen layers and heads. Text-only models.
+    """
+
+    def __init__(self, *args, loss_config: PolicyLossConfig | None = None,
+                 attention_entropy_layers: Sequence[int] | None = None,
+                 attention_entropy_heads: Sequence[int] | None = None, **kwargs):
+        trl_module, _, function = _trl_modules()
+        _check_contract(trl_module, function)
+        super().__init__(*args, **kwargs)
+        cfg = config_from_grpo(self.args) if loss_config is None else loss_config
+        if _uses_kl(cfg) and self.beta == 0.0:
+            raise ValueError(
+                "loss_config: a KL term (beta or future_kl_coef) needs the reference logprobs, "
+                "which TRL computes only with GRPOConfig.beta != 0; set GRPOConfig.beta too"
+            )
+        self.loss_config = cfg
+        self._configs: dict[tuple[int, int], PolicyLossConfig] = {}
+        self._entropy_control = None
+        if self.args.use_adaptive_entropy:
+            self._entropy_control = AdaptiveEntropyCoef(
+                cfg.entropy_coef, self.args.entropy_target, self.args.entropy_coef_delta,
+                self.args.entropy_coef_min, self.args.entropy_coef_max)
+        self._attention_layers = attention_entropy_layers
+        self._attention_heads = attention_entropy_heads
+        self._attention_pending = False
+        self._attention_entropy = None
+
+    # -- forward passes ----------------------------------------------------------------------
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask,
+                                           logits_to_keep, batch_size=None,
+                                           compute_entropy=False, **kwargs):
+        record = self._attention_pending and model is self.model
+        recording = (self._recording_attention(model, logits_to_keep) if record
+                     else contextlib.nullcontext())
+        with _logitless_head(compute_entropy), recording:
+            return super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
+                compute_entropy=compute_entropy, **kwargs)
+
+    @contextlib.contextmanager
+    def _recording_attention(self, model, logits_to_keep):
+        """Per-token attention entropy of each forward in the block, completion positions."""
+        from logitless.integrations.transformers import AttentionEntropyRecorder
+
+        self._attention_pending = False
+        module = self.accelerator.unwrap_model(model)
+        recorder = AttentionEntropyRecorder(module, self._attention_layers, self._attention_heads)
+        chunks = []
+        hook = module.register_forward_hook(lambda *_: chunks.append(recorder.per_token()))
+        try:
+            with recorder:
+                yield
+        finally:
+            hook.remove()
+        self._attention_entropy = torch.cat(chunks)[:, -logits_to_keep:]
+
+    def _old_policy_pass(self) -> bool:
+        """Whether TRL's `_generate_and_score_completions` computes old logprobs (its rule)."""
+        generate_every = self.args.steps_per_generation * self.num_iterations
+        return self.args.gradient_accumulation_steps % generate_every != 0 or (
+            self.use_vllm and self.vllm_importance_sampling_correction)
+
+    def _generate_and_score_completions(self, inputs):
+        if self.loss_config.attn_entropy_weighting is None:
+            return super()._generate_and_score_completions(inputs)
+        self._attention_entropy = None
+        self._attention_pending = self._old_policy_pass()
+        try:
+            output = super()._generate_and_score_completions(inputs)
+        finally:
+            self._attention_pending = False
+        if self._attention_entropy is None:
+            self._dedicated_attention_pass(output)
+        output["attention_entropy"] = self._attention_entropy
+        self._attention_entropy = None
+        return output
+
+    def _dedicated_attention_pass(self, output):
+        from trl.models.utils import disable_gradient_checkpointing
+
+        multimodal = [k for k in _FORWARD_KEYS if k in output]
+        if multimodal:
+            raise ValueError(
+                "attn_entropy_weighting: supported for text-only models, the batch has "
+                f"{multimodal}"
+            )
+        ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
+        mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
+        batch_size = (self.args.per_device_train_batch_size if self.model.training
+                      else self.args.per_device_eval_batch_size)
+        self._attention_pending = True
+        try:
+            with torch.no_grad(), disable_gradient_checkpointing(
+                    self.model, self.args.gradient_checkpointing_kwargs):
+                self._get_per_token_logps_and_entropies(
+                    self.model, ids, mask, output["completion_ids"].size(1), batch_size=batch_size)
+        finally:
+            self._attention_pending = False
+
+    # -- loss --------------------------------------------------------------------------------
+
+    def _config_for(self, grad_accum_steps: int) -> PolicyLossConfig:
+        key = (grad_accum_steps, self.accelerator.num_processes)
+        if key not in self._configs:
+            self._configs[key] = dataclasses.replace(
+                self.loss_config, grad_accum_steps=key[0], dp_size=key[1])
+        return self._configs[key]
+
+    def _compute_loss(self, model, inputs):
+        prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
+        completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+        attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+        logits_to_keep = completion_ids.size(1)
+        mask = completion_mask
+        if "tool_mask" in inputs:
+            mask = completion_mask * inputs["tool_mask"]
+        logps, entropies, aux_loss = self._get_per_token_logps_and_entropies(
+            model, input_ids, attention_mask, logits_to_keep, compute_entropy=True,
+            compute_aux_loss=self.aux_loss_enabled, **{k: inputs.get(k) for k in _FORWARD_KEYS})
+
+        mode = "train" if self.model.training else "eval"
+        # TRL divides by the accumulation steps in training only (no accumulation in eval);
+        # the token-mean normaliser spans the generation batch, rescaled to one window.
+        grad_accum = self.current_gradient_accumulation_steps if mode == "train" else 1
+        cfg = self._config_for(grad_accum)
+        num_items = inputs["num_items_in_batch"]
+        if mode == "train":
+            num_items = num_items * grad_accum / self.args.steps_per_generation
+        old = inputs.get("old_per_token_logps")
+        old = logps.detach() if old is None else old
+        coef = cfg.entropy_coef
+        if self._entropy_control is not None:
+            coef = self._entropy_control.current()
+        max_steps = max(self.state.max_steps, 1)
+        loss, metrics = policy_loss(
+            logps, old, inputs["advantages"], mask, cfg,
+            ref_logprobs=inputs.get("ref_per_token_logps"),
+            rollout_logprobs=inputs.get("sampling_per_token_logps"),
+            entropy=entropies,
+            attention_entropy=inputs.get("attention_entropy"),
+            num_items_in_batch=num_items,
+            training_progress=self.state.global_step / max_steps,
+            entropy_coef=coef,
+        )
+        self._log_entropy_bonus(mode, loss, metrics, coef, cfg, grad_accum)
+        if self.aux_loss_enabled:
+            loss = loss + self.router_aux_loss_coef * aux_loss / grad_accum
+            self._metrics[mode]["aux_loss"].append(
+                self.accelerator.gather_for_metrics(aux_loss).mean().item())
+        self._log_metrics(mode, metrics, cfg, logps, old, inputs, mask)
+        return loss
+
+    # -- metrics -----------------------------------------------------------------------------
+
+    def _log_entropy_bonus(self, mode, loss, metrics, coef, cfg, grad_accum):
+        """TRL's ``policy_loss`` (the policy term before accumulation scaling) and
+        ``entropy_coef``, and the adaptive coefficient's update at optimizer-step ends."""
+        if cfg.entropy_coef == 0 and self._entropy_control is None:
+            return
+        if cfg.entropy_agg == "bnpo":
+            tokens = metrics["entropy/bonus_tokens"]
+            bonus = metrics["entropy/bonus_sum"] / tokens.clamp(min=1.0) / grad_accum
+            policy = loss.detach() + coef * bonus
+            if cfg.loss_agg not in ("token-mean", "token-sum"):
+                policy = policy * grad_accum
+            self._metrics[mode]["policy_loss"].append(
+                self.accelerator.gather(policy).nanmean().item())
+        control = self._entropy_control
+        if control is not None and mode == "train":
+            control.observe(metrics)
+            if self.accelerator.sync_gradients:
+                control.step(reduce=lambda x: self.accelerator.reduce(x, reduction="sum"))
+                self.entropy_coef = control.coef
+        if mode == "train" and self.accelerator.sync_gradients:
+            self._metrics[mode]["entropy_coef"].append(
+                cfg.entropy_coef if control is None else control.coef)
+
+    def _global_mean(self, value, count) -> float:
+        """A mean over every rank's tokens (or sequences) from the local mean and count."""
+        if self.accelerator.num_processes == 1:
+            return float(value)
+        count = torch.as_tensor(count, dtype=torch.float32, device=value.device)
+        totals = self.accelerator.reduce(torch.stack([value.float() * count, count]),
+                                         reduction="sum")
+        return float(totals[0] / totals[1].clamp(min=1.0))
+
+    def _log_metrics(self, mode, metrics, cfg, logps, old, inputs, mask):
+        from trl.trainer.utils import nanmax, nanmin
+
+        logged = self._metrics[mode]
+        tokens = mask.sum()
+        if _uses_kl(cfg):
+            logged["kl"].append(self._global_mean(metrics["kl"], tokens))
+        logged["entropy"].append(self._global_mean(metrics["entropy/mean"], tokens))
+        per_sequence = cfg.ratio_level in ("sequence", "sequence_token")
+        flag_count = mask.shape[0] if per_sequence else tokens
+        if cfg.objective == "cispo":
+            logged["cispo_clip_ratio"].append(
+                self._global_mean(metrics["clip_ratio/high"], flag_count))
+        elif "clip_ratio/low" in metrics:
+            for side in ("low", "high", "region"):
+                logged[f"clip_ratio/{side}_mean"].append(
+                    self._global_mean(metrics[f"clip_ratio/{side}"], flag_count))
+            if cfg.objective in _CLIPPED_SURROGATES:
+                low, high = self._clip_rate_per_sequence(cfg, logps, old, inputs, mask)
+                logged["clip_ratio/low_min"].append(nanmin(self.accelerator.gather(low)).item())
+                logged["clip_ratio/high_max"].append(
+                    nanmax(self.accelerator.gather(high)).item())
+        if cfg.objective == "vespo":
+            phi = self._vespo_weights(cfg, logps, old, inputs, mask)
+            logged["vespo/phi_seq_mean"].append(self._global_mean(phi.mean(), phi.numel()))
+        ours = {k: v for k, v in metrics.items() if not k.startswith("entropy/bonus")}
+        values = self.accelerator.gather(torch.stack([v.float() for v in ours.values()])[None])
+        for i, name in enumerate(ours):
+            column = values[:, i]
+            reduce = nanmin if name.endswith("/min") else nanmax if name.endswith("/max") else None
+            value = reduce(column) if reduce is not None else column.nanmean()
+            logged[f"logitless/{name}"].append(value.item())
+
+    @torch.no_grad()
+    def _clip_rate_per_sequence(self, cfg, logps, old, inputs, mask):
+        """Per sequence, the fraction of tokens clipped low / high (one flag per sequence for
+        sequence-level ratios); NaN for empty sequences, as TRL's ``masked_seq_mean``."""
+        m = mask.bool()
+        adv = inputs["advantages"]
+        adv = adv[:, None].expand_as(logps) if adv.dim() == 1 else adv
+        d = logps.detach() - old
+        if cfg.log_ratio_clamp is not None:
+            d = d.clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp)
+
+        def bound(eps):
+            return torch.as_tensor(eps, dtype=d.dtype, device=d.device)
+
+        ratio = compute_ratio(cfg.ratio_level, d, logps.detach(), m, adv, cfg,
+                              bound(cfg.eps_low), bound(cfg.eps_high), m)
+        low, high = clip_flags(ratio.value, adv, ratio.low, ratio.high)
+        if ratio.per_sequence:
+            return (low & m).any(-1).float(), (high & m).any(-1).float()
+        n = m.sum(-1)
+        return (low & m).sum(-1) / n, (high & m).sum(-1) / n
+
+    def _vespo_weights(self, cfg, logps, old, inputs, mask):
+        """TRL's own gamma weights phi(w) ``[B, 1]`` for its ``vespo/phi_seq_mean`` metric."""
+        adv = inputs["advantages"]
+        return self.get_gamma_weights(
+            advantages=adv[:, None] if adv.dim() == 1 else adv,
+            log_ratio_per_token=logps.detach() - old,
+            mask=mask,
+            importance_sampling_ratio=inputs.get("importance_sampling_ratio"),
+            k_pos=cfg.vespo_k_pos, lambda_pos=cfg.vespo_lambda_pos,
+            k_neg=cfg.vespo_k_neg, lambda_neg=cfg.vespo_lambda_neg,
+        )
+

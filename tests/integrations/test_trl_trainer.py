@@ -1,0 +1,326 @@
+"""logitless inside TRL, trained for real on CPU: a tiny Qwen2 built from its config, a tokenizer
+trained here, an in-memory prompt set and a Python reward (nothing downloaded).
+
+Stock TRL and logitless's `GRPOTrainer` train from the same weights and seed and must agree on
+losses, parameters and logged metrics. SGD keeps the comparison meaningful: Adam divides each
+gradient by its own magnitude, so on components whose gradient is near zero it would turn
+ulp-level differences between the two heads into steps of the learning rate's size.
+"""
+
+import math
+import os
+
+import pytest
+import torch
+
+from logitless import PolicyLossConfig
+from logitless.demo_trl import prompt_dataset, tiny_qwen2, tiny_tokenizer, vowel_reward
+from logitless.integrations import trl_head
+
+trl = pytest.importorskip("trl", reason="TRL is installed by `make test`")
+
+from logitless.integrations.trl import GRPOTrainer, config_from_grpo  # noqa: E402
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+TIMING_KEYS = ("step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # Tiny matrices: more threads than cores only adds contention.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return tiny_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, tokenizer):
+    # A path, not an instance: TRL builds the reference model (beta > 0) from it.
+    path = tmp_path_factory.mktemp("tiny-qwen2")
+    tiny_qwen2(tokenizer).save_pretrained(path)
+    return str(path)
+
+
+def grpo_args(tmp_path, **overrides):
+    fields = dict(
+        output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
+        max_completion_length=8, max_steps=2, gradient_accumulation_steps=2, num_iterations=2,
+        learning_rate=2.0, optim="sgd", logging_steps=1, report_to=[], bf16=False,
+        use_cpu=True, seed=0, save_strategy="no", disable_tqdm=True,
+    )
+    fields.update(overrides)
+    return trl.GRPOConfig(**fields)
+
+
+def train(cls, model_dir, tokenizer, args, **kwargs):
+    trainer = cls(model=model_dir, reward_funcs=vowel_reward, args=args,
+                  train_dataset=prompt_dataset(), processing_class=tokenizer, **kwargs)
+    trainer.train()
+    return trainer
+
+
+@pytest.fixture
+def head_calls(monkeypatch):
+    """Every call of logitless's TRL head: (outputs requested, grad enabled)."""
+    calls = []
+    inner = trl_head.LogitlessChunkedLogProb.apply
+
+    def spy(*args, **kwargs):
+        outputs = kwargs.get("outputs", args[8] if len(args) > 8 else ())
+        calls.append((tuple(outputs), torch.is_grad_enabled()))
+        return inner(*args, **kwargs)
+
+    monkeypatch.setattr(trl_head.LogitlessChunkedLogProb, "apply", staticmethod(spy))
+    return calls
+
+
+def initial_parameters(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    return {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def assert_same_parameters(ours, theirs, tol=1e-5):
+    a, b = dict(ours.named_parameters()), dict(theirs.named_parameters())
+    assert a.keys() == b.keys()
+    for name in b:
+        err = float((a[name] - b[name]).detach().abs().max() / b[name].abs().max().clamp(min=1e-30))
+        assert err <= tol, f"{name}: relative difference {err:.2e}"
+
+
+def assert_moved(model, before, at_least):
+    moved = max(float((p - before[k]).abs().max() / before[k].abs().max().clamp(min=1e-30))
+                for k, p in model.named_parameters() if p.requires_grad)
+    assert moved >= at_least, f"parameters moved by {moved:.2e} only"
+    return moved
+
+
+def assert_same_logs(ours, theirs):
+    """Every value stock TRL logs, ours logs too (we log more: logitless/*)."""
+    assert len(ours) == len(theirs)
+    for step, (o, t) in enumerate(zip(ours, theirs)):
+        for key, value in t.items():
+            assert key in o, f"step {step}: {key} not logged"
+            if key in TIMING_KEYS:
+                continue
+            assert abs(o[key] - value) <= 1e-5 * abs(value) + 1e-7, (step, key, o[key], value)
+
+
+def test_config_from_grpo_maps_trl_semantics(tmp_path):
+    cfg = config_from_grpo(grpo_args(tmp_path, loss_type="cispo", epsilon=0.3, epsilon_high=4.0))
+    assert (cfg.objective, cfg.cispo_clip) == ("cispo", "upper")
+    assert (cfg.eps_low, cfg.eps_high) == (0.3, 3.0)
+    assert cfg.loss_agg == "token-mean" and cfg.entropy_agg == "bnpo" and cfg.seq_count == "all"
+    cfg = config_from_grpo(grpo_args(
+        tmp_path, loss_type="dr_grpo", beta=0.1, use_bias_correction_kl=True, delta=1.7,
+        importance_sampling_level="sequence", top_entropy_quantile=0.4, entropy_coef=0.01,
+        off_policy_mask_threshold=0.2))
+    assert (cfg.ratio_level, cfg.beta, cfg.kl_estimator, cfg.delta) == ("sequence", 0.1, "k3", 1.7)
+    assert cfg.kl_bias_correction and cfg.kl_bias_correction_grad
+    assert (cfg.top_entropy_quantile, cfg.entropy_coef, cfg.opsm_threshold) == (0.4, 0.01, 0.2)
+    assert (cfg.loss_agg, cfg.max_response_length, cfg.grad_accum_steps) == (
+        "seq-mean-token-sum-norm", 8, 2)
+    assert cfg.log_ratio_clamp is None
+    cfg = config_from_grpo(grpo_args(tmp_path, loss_type="sapo", sapo_temperature_neg=1.05))
+    assert cfg.sapo_tau_neg == float(torch.tensor(1.05)) != 1.05  # TRL's fp32 rounding
+    cfg = config_from_grpo(grpo_args(
+        tmp_path, loss_type="vespo", use_vllm=True, vllm_importance_sampling_mode="token_mask",
+        vllm_importance_sampling_clip_min=0.5, vllm_importance_sampling_clip_max=2.5))
+    assert (cfg.rollout_is, cfg.rollout_is_mode, cfg.rollout_is_min, cfg.rollout_is_max) == (
+        "token", "mask", 0.5, 2.5)
+    assert cfg.log_ratio_clamp == 20.0
+    cfg = config_from_grpo(grpo_args(tmp_path, use_vllm=True,
+                                     vllm_importance_sampling_mode="sequence_truncate"))
+    assert (cfg.rollout_is, cfg.rollout_is_mode) == ("sequence", "truncate")
+    assert config_from_grpo(grpo_args(tmp_path), dual_clip_c=3.0).dual_clip_c == 3.0
+
+
+LOSS_TYPES = {
+    "grpo": {},
+    "bnpo": {},
+    "dr_grpo": {},
+    "dapo": {},
+    "cispo": dict(epsilon_high=1.5),  # TRL's cap of the ratio itself; reached on step 2
+    "sapo": {},
+    "luspo": dict(importance_sampling_level="sequence"),
+    "vespo": {},
+}
+PARITY = [
+    pytest.param(loss_type, dict(extra, loss_type=loss_type, beta=beta),
+                 id=f"{loss_type}-beta{beta}",
+                 # the reference-model path stays in the default run through grpo
+                 marks=[pytest.mark.slow] if beta and loss_type != "grpo" else [])
+    for loss_type, extra in LOSS_TYPES.items()
+    for beta in (0.0, 0.05)
+] + [
+    pytest.param("gspo", dict(loss_type="grpo", importance_sampling_level="sequence", beta=0.05,
+                              use_bias_correction_kl=True), id="gspo-bias-corrected-kl"),
+    pytest.param("entropy", dict(loss_type="dapo", top_entropy_quantile=0.5, entropy_coef=0.02),
+                 id="dapo-top-entropy-bonus"),
+    pytest.param("adaptive", dict(loss_type="bnpo", use_adaptive_entropy=True, entropy_coef=0.01,
+                                  entropy_target=10.0, entropy_coef_delta=0.02),
+                 id="bnpo-adaptive-entropy"),
+    pytest.param("opsm", dict(loss_type="grpo", delta=1.5, off_policy_mask_threshold=0.01),
+                 id="grpo-delta-opsm"),
+    # generation every 2 optimizer steps: the token-mean normaliser spans 4 micro-batches
+    pytest.param("spg", dict(loss_type="dapo", steps_per_generation=4, num_iterations=1),
+                 id="dapo-steps-per-generation-4"),
+]
+
+
+@pytest.mark.parametrize("name,overrides", PARITY)
+def test_stock_trl_parity(name, overrides, tmp_path, model_dir, tokenizer, head_calls):
+    args = grpo_args(tmp_path, **overrides)
+    theirs = train(trl.GRPOTrainer, model_dir, tokenizer, args)
+    assert not head_calls  # stock TRL kept its own kernel
+    ours = train(GRPOTrainer, model_dir, tokenizer, grpo_args(tmp_path, **overrides))
+    assert_same_logs(ours.state.log_history, theirs.state.log_history)
+    assert_same_parameters(ours.model, theirs.model)
+    assert_moved(ours.model, initial_parameters(model_dir), at_least=1e-4)
+    # Our head served every pass; entropy only where something uses it (the training pass).
+    grad_calls = [outputs for outputs, grad in head_calls if grad]
+    no_grad_calls = [outputs for outputs, grad in head_calls if not grad]
+    assert grad_calls and all("entropy" in o for o in grad_calls)
+    assert no_grad_calls and not any("entropy" in o for o in no_grad_calls)
+    if name == "cispo":
+        assert any(h.get("cispo_clip_ratio", 0) > 0 for h in theirs.state.log_history)
+    if name == "adaptive":
+        coefs = [h["entropy_coef"] for h in theirs.state.log_history if "entropy_coef" in h]
+        assert coefs == pytest.approx([0.03, 0.05])  # entropy below target: it rises
+
+
+@pytest.mark.slow
+def test_lora_parity(tmp_path, model_dir, tokenizer):
+    """LoRA adapters, and with beta > 0 the reference is the model with adapters disabled."""
+    from peft import LoraConfig
+
+    def run(cls):
+        lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                          task_type="CAUSAL_LM")
+        return train(cls, model_dir, tokenizer, grpo_args(tmp_path, beta=0.05, loss_type="grpo"),
+                     peft_config=lora)
+
+    theirs, ours = run(trl.GRPOTrainer), run(GRPOTrainer)
+    assert_same_logs(ours.state.log_history, theirs.state.log_history)
+    assert_same_parameters(ours.model, theirs.model)
+    trained = {k: p for k, p in ours.model.named_parameters() if p.requires_grad}
+    assert trained and all("lora_" in k for k in trained)
+    before = initial_parameters(model_dir)
+    for name, p in ours.model.named_parameters():
+        if not p.requires_grad:  # the base weights did not move
+            base = name.replace("base_model.model.", "").replace(".base_layer", "")
+            assert torch.equal(p, before[base]), name
+    assert any(h.get("kl", 0) > 0 for h in ours.state.log_history)
+
+
+@pytest.mark.slow
+def test_patch_trl_grpo_and_dpo_match_unpatched(tmp_path, model_dir, tokenizer, head_calls):
+    def one_grpo_step():
+        return train(trl.GRPOTrainer, model_dir, tokenizer,
+                     grpo_args(tmp_path, max_steps=1, gradient_accumulation_steps=1))
+
+    def one_dpo_step():
+        pairs = [(p, " on a red mat", " zzz qq") for p in prompt_dataset()["prompt"]]
+        data = {"prompt": [p for p, _, _ in pairs], "chosen": [c for _, c, _ in pairs],
+                "rejected": [r for _, _, r in pairs]}
+        from datasets import Dataset
+
+        args = trl.DPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4,
+                             max_steps=1, learning_rate=1.0, optim="sgd", report_to=[],
+                             bf16=False, use_cpu=True, seed=0, save_strategy="no",
+                             disable_tqdm=True, logging_steps=1)
+        trainer = trl.DPOTrainer(model=model_dir, args=args, processing_class=tokenizer,
+                                 train_dataset=Dataset.from_dict(data))
+        trainer.train()
+        return trainer
+
+    for run in (one_grpo_step, one_dpo_step):
+        theirs = run()
+        calls_before = len(head_calls)
+        trl_head.patch_trl()
+        try:
+            ours = run()
+        finally:
+            trl_head.unpatch_trl()
+        assert len(head_calls) > calls_before, run.__name__
+        assert_same_logs(ours.state.log_history, theirs.state.log_history)
+        assert_same_parameters(ours.model, theirs.model)
+        assert_moved(ours.model, initial_parameters(model_dir), at_least=1e-4)
+
+
+EXTRA_OBJECTIVES = {
+    "gmpo": dict(objective="gmpo"),
+    "dual_clip": dict(objective="grpo", dual_clip_c=2.0),
+    "minpro": dict(objective="minpro"),
+    "ctpo": dict(objective="ctpo"),
+    "k1_kl": dict(objective="dapo", beta=0.05, kl_estimator="k1"),
+    "k2_kl": dict(objective="dapo", beta=0.05, kl_estimator="k2"),
+    "balanced": dict(objective="dapo", loss_agg="balanced"),
+    "attention_entropy": dict(objective="dapo", attn_entropy_weighting="tanh",
+                              attn_entropy_alpha=0.5, attn_entropy_alpha_final=0.1),
+}
+
+
+@pytest.mark.parametrize("name", EXTRA_OBJECTIVES)
+def test_extra_objectives_train(name, tmp_path, model_dir, tokenizer):
+    """Ten steps of objectives TRL does not have: finite losses, parameters that move."""
+    fields = EXTRA_OBJECTIVES[name]
+    args = grpo_args(tmp_path, max_steps=10, gradient_accumulation_steps=1, learning_rate=0.5,
+                     beta=fields.get("beta", 0.0))
+    trainer = train(GRPOTrainer, model_dir, tokenizer, args,
+                    loss_config=PolicyLossConfig(**fields))
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(logs) == 10
+    assert all(math.isfinite(h["loss"]) and math.isfinite(h["grad_norm"]) for h in logs)
+    assert all(math.isfinite(v) for h in logs for k, v in h.items() if k.startswith("logitless/"))
+    assert any(h["logitless/ratio/max"] != 1.0 for h in logs)  # off-policy iterations happened
+    assert_moved(trainer.model, initial_parameters(model_dir), at_least=1e-3)
+
+
+@pytest.mark.parametrize("num_iterations", [2, 1], ids=["old-policy-pass", "dedicated-pass"])
+def test_attention_entropy_weighting(num_iterations, tmp_path, model_dir, tokenizer):
+    """The recorder's per-token attention entropies reach the loss and change its gradient."""
+    from logitless.integrations.transformers import AttentionEntropyRecorder
+
+    cfg = PolicyLossConfig(objective="dapo", attn_entropy_weighting="tanh", attn_entropy_alpha=0.8)
+    args = grpo_args(tmp_path, gradient_accumulation_steps=1, num_iterations=num_iterations)
+    trainer = GRPOTrainer(model=model_dir, reward_funcs=vowel_reward, args=args,
+                          train_dataset=prompt_dataset(), processing_class=tokenizer,
+                          loss_config=cfg, attention_entropy_layers=[1])
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1  # set by Trainer.train, not called here
+    batch = next(iter(trainer.get_train_dataloader()))
+    inputs = trainer._generate_and_score_completions(batch)
+    assert ("old_per_token_logps" in inputs) == (num_iterations == 2)
+
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+    mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+    with torch.no_grad(), AttentionEntropyRecorder(trainer.model, layers=[1]) as rec:
+        trainer.model(input_ids=ids, attention_mask=mask)
+    width = inputs["completion_ids"].shape[1]
+    torch.testing.assert_close(inputs["attention_entropy"], rec.per_token()[:, -width:])
+
+    def gradient(config):
+        trainer.loss_config, trainer._configs = config, {}
+        trainer.model.zero_grad()
+        trainer.compute_loss(trainer.model, inputs).backward()
+        return torch.cat([p.grad.flatten() for p in trainer.model.parameters()])
+
+    weighted = gradient(cfg)
+    plain = gradient(PolicyLossConfig(objective="dapo"))
+    assert (weighted - plain).abs().max() > 1e-3 * plain.abs().max()
+
+
+def test_kl_config_needs_grpo_beta(tmp_path, model_dir, tokenizer):
+    with pytest.raises(ValueError, match=r"GRPOConfig\.beta"):
+        GRPOTrainer(model=model_dir, reward_funcs=vowel_reward, args=grpo_args(tmp_path),
+                    train_dataset=prompt_dataset(), processing_class=tokenizer,
+                    loss_config=PolicyLossConfig(beta=0.1))
