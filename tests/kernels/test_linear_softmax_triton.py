@@ -6,6 +6,10 @@ runs every program in Python.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -234,3 +238,52 @@ def test_empty_batch():
         vocab_total=V, need_hidden=True, need_weight=True, need_bias=False, **OPTIONS["plain"],
     )
     assert d_hidden.shape == (0, D) and torch.equal(d_weight, torch.zeros_like(d_weight))
+
+
+# Compiles both kernels for sm_90 with the largest GPU tiles and every feature flag on: the
+# interpreter accepts programs the GPU compiler rejects (types, layouts, int64 loops), and CI
+# has no GPU. Runs in a subprocess because TRITON_INTERPRET=1 replaces the JIT.
+_COMPILE_SCRIPT = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from logitless.kernels import linear_softmax as k
+
+def jit_fn(kernel):
+    while not isinstance(kernel, triton.runtime.jit.JITFunction):
+        kernel = kernel.fn
+    return kernel
+
+def compile_for_sm90(kernel, tile, types, flags):
+    fn = jit_fn(kernel)
+    block_n, block_v, block_d, warps, stages = tile
+    consts = dict(flags, BLOCK_N=block_n, BLOCK_V=block_v, BLOCK_D=block_d, EVEN_D=True,
+                  HAS_BIAS=True, HAS_SOFTCAP=True, INTERPRET_BF16=False, stride_hd=1, stride_wd=1)
+    signature = {a: "constexpr" if a in consts else types.get(a, "i32") for a in fn.arg_names}
+    src = ASTSource(fn=fn, signature=signature, constexprs=consts)
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": warps, "num_stages": stages})
+    assert compiled.asm["cubin"], fn.__name__
+
+largest = lambda tiles: max(tiles, key=lambda t: t[0] * t[1])
+inputs = {"hidden": "*bf16", "weight": "*bf16", "bias": "*bf16", "targets": "*i64",
+          "softcap": "fp32", "z_scale": "fp32"}
+compile_for_sm90(k._forward_kernel, largest(k._FORWARD_TILES), {**inputs, "out": "*fp32"},
+                 dict(WANT_S2=True, WANT_SUM_Z=True))
+per_row = ("lse", "entropy", "sum_p_sq", "g_lp", "g_entropy", "g_sum_p_sq", "g_mean_logit",
+           "d_hidden", "d_weight", "d_bias")
+compile_for_sm90(
+    k._backward_kernel, largest(k._BACKWARD_TILES),
+    {**inputs, **dict.fromkeys(per_row, "*fp32"), "inv_vocab_total": "fp32"},
+    dict(GROUP_N=k._GROUP_N, HAS_G_LP=True, HAS_G_ENTROPY=True, HAS_G_SUM_P_SQ=True,
+         HAS_G_MEAN=True, NEED_HIDDEN=True, NEED_WEIGHT=True, NEED_BIAS=True),
+)
+"""
+
+
+def test_kernels_compile_for_sm90():
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
