@@ -101,7 +101,9 @@ def _prune_row_blocks(configs, named_args, **kwargs):
 
 
 def _zero_grads(nargs):
-    # Backward accumulates with atomics: each autotuning trial must start from zeros.
+    # Backward accumulates with atomics: each autotuning trial must start from zeros. A config
+    # pre_hook (unlike autotune's reset_to_zero in older Triton) tolerates the None outputs;
+    # it also runs before the real launch, so the zeros are written twice there (one memset).
     for name in ("d_hidden", "d_weight", "d_bias"):
         if nargs[name] is not None:
             nargs[name].zero_()
