@@ -43,6 +43,7 @@ class BatchGlobals:
     adv_entropy_threshold: float | None = None
     attn_stats: tuple[float, float] | None = None
     attn_thresholds: tuple[float, float] | None = None
+    is_weight_mean: float | None = None  # batch mean of the rollout IS weights (normalising)
 
 
 def agg_counts(m, adv, seq_count: str, length_power_alpha: float) -> AggCounts:

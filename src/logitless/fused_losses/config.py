@@ -155,7 +155,9 @@ class PolicyLossConfig:
         prob_reweight_alpha (Lopti).
     Rollout correction:
         rollout_is (``token | sequence | sequence_geometric``), rollout_is_mode (``truncate``:
-        TIS, ``mask``: MIS/IcePop), rollout_is_min, rollout_is_max, rollout_rs and
+        TIS, ``mask``: MIS/IcePop), rollout_is_min, rollout_is_max,
+        rollout_is_batch_normalize (divide the weights by their batch mean: over tokens, or
+        over non-empty sequences for sequence levels; verl's option), rollout_rs and
         rollout_rs_threshold (verl syntax), opsm_threshold (DeepSeek-V3.2, TRL
         ``off_policy_mask_threshold``).
     Aggregation:
@@ -220,6 +222,7 @@ class PolicyLossConfig:
     rollout_is_mode: str = "truncate"
     rollout_is_min: float | None = None
     rollout_is_max: float | None = 2.0
+    rollout_is_batch_normalize: bool = False
     rollout_rs: str | None = None
     rollout_rs_threshold: float | str | None = None
     opsm_threshold: float | None = None

@@ -27,6 +27,7 @@ from logitless.fused_losses.objectives import ObjectiveInputs, get_objective
 from logitless.fused_losses.ratios import compute_ratio
 from logitless.fused_losses.rollout_correction import (
     off_policy_sequence_keep,
+    rollout_is_batch_mean,
     rollout_is_weight,
     rollout_log_ratio,
     rollout_rejection_keep,
@@ -181,6 +182,14 @@ def _globals_from_grid(grid: _Grid, cfg: PolicyLossConfig) -> BatchGlobals:
         )
     else:
         max_len = float(grid.width)
+    is_weight_mean = None
+    if cfg.rollout_is is not None and cfg.rollout_is_batch_normalize:
+        old_lp, roll_lp = t.get("old_logprobs"), t.get("rollout_logprobs")
+        if old_lp is None or roll_lp is None:
+            raise ValueError("rollout_logprobs: rollout_is_batch_normalize needs "
+                             "rollout_logprobs and old_logprobs of the whole batch")
+        weight = rollout_is_weight(rollout_log_ratio(old_lp, roll_lp, grid.m), grid.m, cfg)
+        is_weight_mean = rollout_is_batch_mean(weight, grid.m, cfg.rollout_is)
     return BatchGlobals(
         loss=agg_counts(m, grid.adv, cfg.seq_count, cfg.length_power_alpha),
         entropy=agg_counts(entropy_mask, grid.adv, cfg.seq_count, cfg.length_power_alpha),
@@ -191,6 +200,7 @@ def _globals_from_grid(grid: _Grid, cfg: PolicyLossConfig) -> BatchGlobals:
         else float(adv_entropy_threshold),
         attn_stats=attn_stats,
         attn_thresholds=attn_thresholds,
+        is_weight_mean=is_weight_mean,
     )
 
 
@@ -390,6 +400,10 @@ def policy_loss(
         # Over the mask as given: a sequence's IS weight is its likelihood ratio, rejected
         # tokens included (as verl's rollout-correction helper computes it).
         is_weight = rollout_is_weight(rollout_log_ratio(old_lp, roll_lp, m_in), m_in, cfg)
+        if cfg.rollout_is_batch_normalize:
+            if glob.is_weight_mean is None:
+                raise ValueError("batch_globals: computed without rollout_is_batch_normalize")
+            is_weight = is_weight / glob.is_weight_mean
 
     d = lp - old_lp
     if cfg.log_ratio_clamp is not None:

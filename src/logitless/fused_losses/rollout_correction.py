@@ -36,6 +36,20 @@ def rollout_is_weight(log_ratio, m, cfg) -> torch.Tensor:
     return torch.where((w >= lo) & (w <= hi), w, torch.zeros_like(w))
 
 
+def rollout_is_batch_mean(weight, m, level) -> float:
+    """Mean of the IS weights over the batch: over valid tokens (``token``), or over non-empty
+    sequences, one weight each (sequence levels). 1 when it is not positive (verl's guard)."""
+    if level == "token":
+        n = m.sum()
+        mean = torch.where(m, weight, torch.zeros_like(weight)).sum() / n.clamp(min=1)
+    else:
+        nonempty = m.any(-1)
+        first = weight[:, :1].squeeze(-1) if weight.shape[1] else weight.new_zeros(len(m))
+        mean = torch.where(nonempty, first, 0.0).sum() / nonempty.sum().clamp(min=1)
+    mean = float(mean)
+    return mean if mean > 1e-8 else 1.0
+
+
 def rollout_rejection_keep(log_ratio, m, options) -> torch.Tensor:
     """verl ``rollout_rs``: bool ``[B, T]``, False where any option rejects the token/sequence.
 
