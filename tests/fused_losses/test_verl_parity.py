@@ -10,6 +10,8 @@ Tolerances: values and gradients agree to rounding (``rtol=1e-12``); metrics to 
 computes them in fp32. The one exception is named where it occurs.
 """
 
+import dataclasses
+
 import pytest
 import torch
 import verl.trainer.ppo.core_algos as core_algos
@@ -316,6 +318,9 @@ ROLLOUT_CASES = [
          rollout_rs_threshold=1.05),
     dict(rollout_is="sequence", rollout_is_threshold=2.0, rollout_rs="token_k1",
          rollout_rs_threshold="0.8_1.25"),
+    dict(rollout_is="token", rollout_is_threshold=1.2, rollout_is_batch_normalize=True),
+    dict(rollout_is="sequence", rollout_is_threshold="0.5_2.0", rollout_is_batch_normalize=True,
+         rollout_rs="seq_max_k2", rollout_rs_threshold=0.03),
 ]
 
 
@@ -329,6 +334,7 @@ def _ours_rollout_fields(case):
             out.update(rollout_is_mode="mask", rollout_is_min=lo, rollout_is_max=hi)
         else:
             out.update(rollout_is_mode="truncate", rollout_is_max=float(spec))
+        out["rollout_is_batch_normalize"] = case.get("rollout_is_batch_normalize", False)
     if "rollout_rs" in case:
         out.update(rollout_rs=case["rollout_rs"], rollout_rs_threshold=case["rollout_rs_threshold"])
     return out
@@ -355,6 +361,10 @@ def test_rollout_correction_equals_verl_helper(case):
     o_loss, o_grad, _ = _run_ours(cfg, lp, old, adv, mask, batch_info, rollout_logprobs=rollout)
     _close(o_loss, v_loss, "loss")
     _close(o_grad, v_grad, "grad")
+    if case.get("rollout_is_batch_normalize"):  # the normalisation is not a no-op here
+        plain = dataclasses.replace(cfg, rollout_is_batch_normalize=False)
+        p_loss, _, _ = _run_ours(plain, lp, old, adv, mask, batch_info, rollout_logprobs=rollout)
+        assert not torch.isclose(p_loss, v_loss)
 
 
 BYPASS_CASES = [

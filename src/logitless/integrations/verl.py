@@ -69,7 +69,8 @@ _NEEDS_OTHER_INPUTS = frozenset({
     "beta", "kl_estimator", "kl_bias_correction", "kl_bias_correction_grad", "kl_clamp",
     "future_kl_coef", "entropy_coef", "entropy_agg", "top_entropy_quantile",
     "stapo_prob_threshold", "stapo_entropy_threshold", "adv_entropy_top_fraction",
-    "rollout_is", "rollout_is_mode", "rollout_is_min", "rollout_is_max", "rollout_rs",
+    "rollout_is", "rollout_is_mode", "rollout_is_min", "rollout_is_max",
+    "rollout_is_batch_normalize", "rollout_rs",
     "rollout_rs_threshold", "opsm_threshold",
 })
 # verl counts only non-empty sequences in seq-mean normalisers.
