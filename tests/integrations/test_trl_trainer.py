@@ -221,6 +221,21 @@ def test_lora_parity(tmp_path, model_dir, tokenizer):
     assert any(h.get("kl", 0) > 0 for h in ours.state.log_history)
 
 
+
+def test_lora_with_attention_entropy_weighting(tmp_path, model_dir, tokenizer):
+    """The recorder sees through the PEFT wrapper; only the adapters train."""
+    from peft import LoraConfig
+
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                      task_type="CAUSAL_LM")
+    cfg = PolicyLossConfig(objective="dapo", attn_entropy_weighting="softmax")
+    trainer = train(GRPOTrainer, model_dir, tokenizer, grpo_args(tmp_path), peft_config=lora,
+                    loss_config=cfg)
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(logs) == 2 and all(math.isfinite(h["loss"]) for h in logs)
+    lora_b = [p for k, p in trainer.model.named_parameters() if "lora_B" in k]
+    assert lora_b and all(p.abs().max() > 0 for p in lora_b)  # initialised at zero
+
 @pytest.mark.slow
 def test_patch_trl_grpo_and_dpo_match_unpatched(tmp_path, model_dir, tokenizer, head_calls):
     def one_grpo_step():
@@ -324,3 +339,87 @@ def test_kl_config_needs_grpo_beta(tmp_path, model_dir, tokenizer):
         GRPOTrainer(model=model_dir, reward_funcs=vowel_reward, args=grpo_args(tmp_path),
                     train_dataset=prompt_dataset(), processing_class=tokenizer,
                     loss_config=PolicyLossConfig(beta=0.1))
+
+
+def _fused_head_grads(model, ids):
+    """TRL's fused-head forward of ``model`` through our kernel, and the backward."""
+    from logitless.integrations.trl import _logitless_head
+
+    with _logitless_head(entropy=True):
+        out = model(input_ids=ids, labels=ids, fused_lm_head=True)
+    (out.log_probs.sum() + 0.5 * out.entropy.sum()).backward()
+    return out.log_probs.detach()
+
+
+def test_zero3_gather_context_in_forward_and_backward(monkeypatch, tokenizer):
+    """Under ZeRO-3 TRL gathers the head weight around its forward with
+    ``maybe_gather_lm_head_ctx``; our kernel's backward, which recomputes the logits, must run
+    inside the same context (it is a null context here: no DeepSpeed)."""
+    import contextlib
+
+    import trl.trainer.utils as trl_utils
+    from trl.trainer.utils import add_fused_lm_head
+
+    phases, phase = [], ["forward"]
+
+    @contextlib.contextmanager
+    def gather(*params):
+        phases.append((phase[0], tuple(p.shape for p in params if p is not None)))
+        yield
+
+    monkeypatch.setattr(trl_utils, "maybe_gather_lm_head_ctx", gather)
+    model = tiny_qwen2(tokenizer)
+    add_fused_lm_head(model, outputs=("log_probs", "entropy"))
+    ids = torch.randint(0, len(tokenizer), (2, 7))
+    from logitless.integrations.trl import _logitless_head
+
+    with _logitless_head(entropy=True):
+        out = model(input_ids=ids, labels=ids, fused_lm_head=True)
+    assert [p for p, _ in phases] == ["forward"]  # TRL's, around the whole head call
+    phase[0] = "backward"
+    (out.log_probs.sum() + out.entropy.sum()).backward()
+    weight_shape = tuple(model.lm_head.weight.shape)
+    assert phases[-1] == ("backward", (weight_shape,))
+    assert model.lm_head.weight.grad.abs().sum() > 0
+
+
+def _fsdp2_worker(rank, world, port, model_dir):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoModelForCausalLM
+    from trl.trainer.utils import add_fused_lm_head
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)  # every rank scores the same batch: averaged grads are its grads
+        plain, sharded = (AutoModelForCausalLM.from_pretrained(model_dir) for _ in range(2))
+        for model in (plain, sharded):
+            add_fused_lm_head(model, outputs=("log_probs", "entropy"))
+        fully_shard(sharded.lm_head, mesh=init_device_mesh("cpu", (world,)))
+        assert type(sharded.lm_head.weight).__name__ == "DTensor"
+        ids = torch.randint(0, plain.config.vocab_size, (3, 9))
+        expected = _fused_head_grads(plain, ids)
+        got = _fused_head_grads(sharded, ids)
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+        grad = sharded.lm_head.weight.grad
+        assert type(grad).__name__ == "DTensor"
+        torch.testing.assert_close(grad.full_tensor(), plain.lm_head.weight.grad,
+                                   rtol=1e-5, atol=1e-7)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_fsdp2_sharded_head_two_ranks(model_dir):
+    """FSDP2 (``fully_shard``) over two gloo ranks on CPU: TRL's fused forward gathers the
+    DTensor head weight and our kernel's gradient returns to the shards."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_fsdp2_worker, args=(2, port, model_dir), nprocs=2, join=True)

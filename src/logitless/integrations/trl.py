@@ -10,9 +10,11 @@ scaling and TRL's metrics are computed from `policy_loss`.
 Sharded heads. The weight reaches the kernel through TRL's fused forward, which gathers it:
 ``DTensor.full_tensor()`` under FSDP2 (differentiable, so the gradient returns to the shards),
 ``maybe_gather_lm_head_ctx`` under DeepSpeed ZeRO-3 around the forward; our kernel's backward,
-which recomputes the logits, re-enters that same TRL context (``gather_weight``). Verified here:
-single process on CPU, through TRL's code path with both contexts inactive, and the backward's
-gather hook called. Not verified (no multi-GPU machine): real ZeRO-3 and FSDP2 runs.
+which recomputes the logits, re-enters that same TRL context (``gather_weight``). Verified on
+CPU: FSDP2 with the head sharded over two gloo ranks (values and the sharded weight gradient
+against the unsharded head), and that the backward enters TRL's ZeRO-3 gather context. Not
+verified (no GPUs, no DeepSpeed here): a real ZeRO-3 run, and FSDP2 on GPUs with the whole
+model sharded and mixed precision.
 """
 
 from __future__ import annotations
@@ -386,7 +388,8 @@ class GRPOTrainer(trl.GRPOTrainer):
         if cfg.objective == "vespo":
             phi = self._vespo_weights(cfg, logps, old, inputs, mask)
             logged["vespo/phi_seq_mean"].append(self._global_mean(phi.mean(), phi.numel()))
-        ours = {k: v for k, v in metrics.items() if not k.startswith("entropy/bonus")}
+        ours = {k: v for k, v in metrics.items() if not k.startswith("entropy/bonus")
+                and (k != "kl" or "ref_per_token_logps" in inputs)}
         values = self.accelerator.gather(torch.stack([v.float() for v in ours.values()])[None])
         for i, name in enumerate(ours):
             column = values[:, i]
