@@ -3,6 +3,10 @@ the chunked torch twin at tiny chunk sizes (many chunks, partial ones, skipped o
 kernel on strided views, and both against the fp64 reference; keys a query cannot see never
 influence it, even when they hold NaN."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -127,3 +131,37 @@ def test_triton_strided_views_and_segments():
         query_mask=query_valid[0],
     )
     torch.testing.assert_close(out[0].T.double(), ref, atol=TOL, rtol=0)
+
+
+# Compiles the kernel for sm_90 (no GPU needed) with the largest GPU tile and every feature
+# flag on: the interpreter accepts programs the GPU compiler rejects (types, layouts, int64
+# offsets, dynamic loop bounds). A subprocess, because TRITON_INTERPRET=1 replaces the JIT.
+_COMPILE_SCRIPT = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from logitless.kernels import attention_entropy as ae
+
+fn = ae._attention_entropy_fwd
+while not isinstance(fn, triton.runtime.jit.JITFunction):
+    fn = fn.fn
+config = max(ae._configs(), key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])
+consts = dict(config.kwargs, BLOCK_D=128, IS_CAUSAL=False, HAS_WINDOW=True, HAS_SOFTCAP=True,
+              HAS_SEG=True, HAS_KEY_VALID=True, HAS_QUERY_VALID=True, UPCAST_DOT=False,
+              stride_qd=1, stride_kd=1)
+types = {"Q": "*bf16", "K": "*bf16", "OUT": "*fp32", "SEG_START": "*i32", "SEG_END": "*i32",
+         "KEY_VALID": "*u8", "QUERY_VALID": "*u8", "scale": "fp32", "softcap": "fp32"}
+signature = {a: "constexpr" if a in consts else types.get(a, "i32") for a in fn.arg_names}
+compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=consts),
+                          target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": config.num_warps, "num_stages": config.num_stages})
+assert compiled.asm["cubin"]
+"""
+
+
+def test_kernel_compiles_for_sm90():
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
