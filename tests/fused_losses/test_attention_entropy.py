@@ -16,15 +16,6 @@ BACKENDS = ["torch", pytest.param("triton", marks=requires_triton)]
 TOL = 2e-5
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Small tiles: one intra-op thread avoids OpenMP spin-waits on a shared CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def padded(b=2, hk=2, group=2, t=37, d=24, dtype=torch.float32, spread=2.0):
     q = torch.randn(b, hk * group, t, d, dtype=torch.float64) * spread
     k = torch.randn(b, hk, t, d, dtype=torch.float64)

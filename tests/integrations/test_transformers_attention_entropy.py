@@ -41,15 +41,6 @@ ARCHS = {
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny matmuls: one intra-op thread avoids OpenMP spin-waits on a shared CPU (x20)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def build(arch, impl):
     config_cls, model_cls, extra = ARCHS[arch]
     torch.manual_seed(0)

@@ -18,15 +18,6 @@ from testing import requires_triton
 TOL = 2e-5
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Small tiles: one intra-op thread avoids OpenMP spin-waits on a shared CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def problem(b=2, hq=4, hk=2, t=67, d=20):
     q = torch.randn(b, hq, t, d) * 2
     k = torch.randn(b, hk, t, d)
