@@ -32,6 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", help="write one record per row to this file")
     p.add_argument("--plot", help="write a PNG of time and memory to this file")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--from-json", metavar="PATH",
+                   help="measure nothing: print the table (and --plot) of a saved --json file")
 
 
 def settings_from(args: argparse.Namespace):
@@ -59,18 +61,22 @@ def settings_from(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    from logitless.bench.report import describe, format_table, write_json
+    from logitless.bench.report import describe, format_table, read_json, write_json
     from logitless.bench.runner import run_sweep
 
-    try:
-        settings = settings_from(args)
-    except ValueError as err:
-        print(f"logitless bench: {err}", file=sys.stderr)
-        return 2
-    records = run_sweep(settings, (lambda rs: write_json(rs, args.json)) if args.json else None)
+    if args.from_json:
+        records = read_json(args.from_json)
+    else:
+        try:
+            settings = settings_from(args)
+        except ValueError as err:
+            print(f"logitless bench: {err}", file=sys.stderr)
+            return 2
+        records = run_sweep(settings,
+                            (lambda rs: write_json(rs, args.json)) if args.json else None)
     print(format_table(records))
     print(describe(records))
-    if args.json:
+    if args.json and not args.from_json:
         print(f"wrote {args.json}")
     if args.plot:
         from logitless.bench.plot import plot

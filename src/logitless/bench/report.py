@@ -3,7 +3,8 @@
 A record (one per provider x shape x mode) holds: ``op, provider, mode, shape, dtype, device,
 device_name, host, date, versions, quantities, note, warmup, repeats, status`` (ok |
 unavailable | skipped | failed), ``reason``, ``time_ms`` (median, p20, p80), ``floor_ratio``
-(median time / the plain GEMMs' median on the same shape and mode), ``peak_bytes`` (peak above
+(median time / the plain GEMMs' median on the same shape and mode; ``floor_ratio_cpu`` the
+same by process CPU time), ``peak_bytes`` (peak above
 the inputs, beyond their gradients), ``above_inputs_bytes`` (gradients included),
 ``grad_bytes``, ``cpu_ms`` (CPU: process CPU time per call), ``errors`` (max abs error per
 quantity and input gradient against the fp64 reference on the first token block), ``timer``
@@ -39,16 +40,17 @@ def _computes(r: dict) -> str:
 def format_table(records: list[dict]) -> str:
     """Rows grouped by shape and mode; unavailable providers listed with their reason."""
     head = ("shape", "mode", "provider", "computes", "time ms (p20-p80)", "x GEMMs",
-            "cpu ms", "peak MB", "err out", "err grad", "note")
+            "cpu ms", "x GEMMs cpu", "peak MB", "err out", "err grad", "note")
     body = []
     for r in records:
         base = (label(r["shape"]), r["mode"], r["provider"], _computes(r))
         if r["status"] != "ok":
-            body.append((*base, "-", "-", "-", "-", "-", "-", f"{r['status']}: {r['reason']}"))
+            body.append((*base, *"-" * 7, f"{r['status']}: {r['reason']}"))
             continue
-        ratio = "-" if r.get("floor_ratio") is None else f"{r['floor_ratio']:.2f}"
+        ratio, ratio_cpu = (f"{r[k]:.2f}" if r.get(k) is not None else "-"
+                            for k in ("floor_ratio", "floor_ratio_cpu"))
         cpu = f"{r['cpu_ms']['median']:.1f}" if r.get("cpu_ms") else "-"
-        body.append((*base, _time(r), ratio, cpu, f"{r['peak_bytes'] / _MB:.1f}",
+        body.append((*base, _time(r), ratio, cpu, ratio_cpu, f"{r['peak_bytes'] / _MB:.1f}",
                      _errors(r, False), _errors(r, True), r.get("note") or ""))
     widths = [max(len(str(row[i])) for row in (head, *body)) for i in range(len(head) - 1)]
     line = lambda cells: "  ".join(

@@ -138,14 +138,15 @@ def _in_child(spec: dict, env: dict[str, str], timeout_s: float) -> Figures:
 
 
 def _floor_ratios(records: list[dict], providers: list[Provider]) -> None:
-    """Each row's median time over the plain GEMMs' median on the same shape and mode."""
+    """Each row's median time over the plain GEMMs' median on the same shape and mode, by wall
+    clock (``floor_ratio``) and, on CPU, by process CPU time (``floor_ratio_cpu``)."""
     floors = {p.name for p in providers if p.is_floor}
-    base = {(json.dumps(r["shape"], sort_keys=True), r["mode"]): r["time_ms"]["median"]
-            for r in records if r["provider"] in floors and r["status"] == "ok"}
-    for r in records:
-        t = base.get((json.dumps(r["shape"], sort_keys=True), r["mode"]))
-        ok = r["status"] == "ok" and t
-        r["floor_ratio"] = r["time_ms"]["median"] / t if ok else None
+    for key, ratio in (("time_ms", "floor_ratio"), ("cpu_ms", "floor_ratio_cpu")):
+        base = {(json.dumps(r["shape"], sort_keys=True), r["mode"]): r[key]["median"]
+                for r in records if r["provider"] in floors and r.get(key)}
+        for r in records:
+            t = base.get((json.dumps(r["shape"], sort_keys=True), r["mode"]))
+            r[ratio] = r[key]["median"] / t if t and r.get(key) else None
 
 
 class _Plain:
