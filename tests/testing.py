@@ -1,9 +1,12 @@
 """Shared test helpers (importable as `testing` because pytest puts tests/ on sys.path)."""
 
 import os
+import socket
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 
 def _triton_runs_here() -> bool:
@@ -35,3 +38,24 @@ def assert_close_to_oracle(actual, oracle, same_dtype, tol, name=""):
         f"{name}: {int(bad.sum())} elements exceed the three-way bound; "
         f"max excess {float((err - bound).max()):.3e}, max err {float(err.max()):.3e}"
     )
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _gloo_entry(rank, world, port, fn, args):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        fn(rank, world, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_on_gloo(world: int, fn, *args) -> None:
+    """Run ``fn(rank, world, *args)`` in ``world`` processes of one gloo group on loopback;
+    an assertion failing in any of them fails the caller. ``fn`` must be module-level."""
+    mp.spawn(_gloo_entry, args=(world, _free_port(), fn, args), nprocs=world, join=True)

@@ -1,33 +1,20 @@
 """Vocab-parallel linear_logprobs with real gloo processes on CPU, against the unsharded op."""
 
-import os
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import logitless
+
+from testing import run_on_gloo
 
 # Uneven, contiguous slices of the vocabulary in rank order.
 SPLITS = {2: [400, 607], 3: [300, 1, 706]}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank, world, port):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        for softcap in (None, 5.0):
-            _check_rank(rank, world, softcap)
-    finally:
-        dist.destroy_process_group()
+def _worker(rank, world):
+    for softcap in (None, 5.0):
+        _check_rank(rank, world, softcap)
 
 
 def _check_rank(rank, world, softcap):
@@ -69,4 +56,4 @@ def _check_rank(rank, world, softcap):
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_vocab_parallel_matches_unsharded(world):
-    mp.spawn(_worker, args=(world, _free_port()), nprocs=world, join=True)
+    run_on_gloo(world, _worker)

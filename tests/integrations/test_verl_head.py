@@ -7,13 +7,10 @@ drop-in exactly as verl's forwards do. This module imports verl only inside the 
 need it, so the spawned gloo workers start quickly.
 """
 
-import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from logitless.integrations.verl_head import (
     disable_fused_head,
@@ -22,7 +19,7 @@ from logitless.integrations.verl_head import (
     linear_cross_entropy,
 )
 
-from testing import assert_close_to_oracle
+from testing import assert_close_to_oracle, run_on_gloo
 
 
 def _oracle(hidden, weight, labels, temperature):
@@ -152,41 +149,30 @@ def test_bad_arguments_raise(kwargs, match):
 SPLIT = [20, 17]  # uneven contiguous vocabulary slices, in rank order
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _tp_worker(rank, world):
+    torch.manual_seed(0)  # every rank builds the same full problem
+    hidden, weight, labels = _problem(v=sum(SPLIT))
+    n = labels.numel()
+    g_lp, g_ent = torch.randn(n, dtype=torch.float64), torch.randn(n, dtype=torch.float64)
+    lo = sum(SPLIT[:rank])
+    hi = lo + SPLIT[rank]
+    group = dist.new_group([0, 1])
 
+    def ours(h, w, y, temp):
+        return linear_cross_entropy(h, w[lo:hi], y, temp, "none", group)
 
-def _tp_worker(rank, world, port):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        torch.manual_seed(0)  # every rank builds the same full problem
-        hidden, weight, labels = _problem(v=sum(SPLIT))
-        n = labels.numel()
-        g_lp, g_ent = torch.randn(n, dtype=torch.float64), torch.randn(n, dtype=torch.float64)
-        lo = sum(SPLIT[:rank])
-        hi = lo + SPLIT[rank]
-        group = dist.new_group([0, 1])
-
-        def ours(h, w, y, temp):
-            return linear_cross_entropy(h, w[lo:hi], y, temp, "none", group)
-
-        lp, ent, dh, dw = _grads(ours, hidden, weight, labels, 0.9, g_lp, g_ent)
-        lp_o, ent_o, dh_o, dw_o = _grads(_oracle, hidden, weight, labels, 0.9, g_lp, g_ent)
-        torch.testing.assert_close(lp, lp_o, rtol=1e-12, atol=1e-12)
-        torch.testing.assert_close(ent, ent_o, rtol=1e-12, atol=1e-12)
-        torch.testing.assert_close(dh, dh_o, rtol=1e-10, atol=1e-12)
-        # Each rank's weight gradient is its own slice of the full one.
-        torch.testing.assert_close(dw[lo:hi], dw_o[lo:hi], rtol=1e-10, atol=1e-12)
-        assert torch.all(dw[:lo] == 0) and torch.all(dw[hi:] == 0)
-    finally:
-        dist.destroy_process_group()
+    lp, ent, dh, dw = _grads(ours, hidden, weight, labels, 0.9, g_lp, g_ent)
+    lp_o, ent_o, dh_o, dw_o = _grads(_oracle, hidden, weight, labels, 0.9, g_lp, g_ent)
+    torch.testing.assert_close(lp, lp_o, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(ent, ent_o, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(dh, dh_o, rtol=1e-10, atol=1e-12)
+    # Each rank's weight gradient is its own slice of the full one.
+    torch.testing.assert_close(dw[lo:hi], dw_o[lo:hi], rtol=1e-10, atol=1e-12)
+    assert torch.all(dw[:lo] == 0) and torch.all(dw[hi:] == 0)
 
 
 def test_vocab_parallel_over_the_tp_group_on_gloo():
-    mp.spawn(_tp_worker, args=(2, _free_port()), nprocs=2, join=True)
+    run_on_gloo(2, _tp_worker)
 
 
 # ---------------------------------------------------------------- switch inside verl
