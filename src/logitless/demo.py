@@ -41,4 +41,7 @@ def run_demo() -> int:
                                  providers=["naive", "logitless"], warmup=1, repeats=2))
     print(side_by_side(records))
     print("more: logitless bench --op logprobs --device cpu --preset qwen-small")
-    return 0 if all(r["status"] == "ok" for r in records) else 1
+    status = 0 if all(r["status"] == "ok" for r in records) else 1
+    from logitless.demo_trl import run_trl_demo
+
+    return run_trl_demo() or status
