@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from logitless import PolicyLossConfig
+from logitless import PolicyLossConfig, policy_loss
 from logitless.demo_trl import prompt_dataset, tiny_qwen2, tiny_tokenizer, vowel_reward
 from logitless.integrations import trl_head
 
@@ -342,6 +342,64 @@ def test_attention_entropy_weighting(num_iterations, tmp_path, model_dir, tokeni
     plain = gradient(PolicyLossConfig(objective="dapo"))
     assert (weighted - plain).abs().max() > 1e-3 * plain.abs().max()
 
+
+class _TwoRanks:
+    """This process's accelerator seen as rank 0 of two, the other rank holding the same
+    batch with entropies shifted by half their spread: gathers and reductions change, so
+    TRL's entropy quantile (and its metrics) see both ranks."""
+
+    num_processes = 2
+
+    def __init__(self, inner):
+        self._inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def gather(self, x):
+        if x.dim() == 0:
+            return torch.stack([x, x])
+        return torch.cat([x, x + 0.5 * (x.max() - x.min())])
+
+    def pad_across_processes(self, x, **kwargs):
+        return x
+
+    def reduce(self, x, reduction="sum"):
+        return 2 * x
+
+
+def test_entropy_quantile_over_processes(tmp_path, model_dir, tokenizer):
+    """TRL's top-entropy threshold is a quantile over every process's tokens; ours too."""
+    args = dict(loss_type="dapo", top_entropy_quantile=0.5, entropy_coef=0.05,
+                gradient_accumulation_steps=1)
+    trainers = [cls(model=model_dir, reward_funcs=vowel_reward, args=grpo_args(tmp_path, **args),
+                    train_dataset=prompt_dataset(), processing_class=tokenizer)
+                for cls in (trl.GRPOTrainer, GRPOTrainer)]
+    for trainer in trainers:
+        trainer.model.train()
+        trainer.current_gradient_accumulation_steps = 1  # set by Trainer.train
+    inputs = trainers[0]._generate_and_score_completions(
+        next(iter(trainers[0].get_train_dataloader())))
+    results = []
+    for trainer in trainers:
+        trainer.accelerator = _TwoRanks(trainer.accelerator)
+        loss = trainer.compute_loss(trainer.model, inputs)
+        loss.backward()
+        grads = torch.cat([p.grad.flatten() for p in trainer.model.parameters()])
+        results.append((loss.detach(), grads))
+    (theirs, g_theirs), (ours, g_ours) = results
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(g_ours, g_theirs, rtol=1e-5, atol=1e-5 * g_theirs.abs().max())
+    # The world threshold is not this process's own quantile: the test can tell them apart.
+    local = trainers[1]._config_for(1)  # dp_size 2, as the trainer's own call
+    lp, ent, _ = trainers[1]._get_per_token_logps_and_entropies(
+        trainers[1].model, torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1),
+        torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1),
+        inputs["completion_ids"].shape[1], compute_entropy=True)
+    alone, _ = policy_loss(lp, inputs.get("old_per_token_logps", lp.detach()),
+                           inputs["advantages"], inputs["completion_mask"], local, entropy=ent,
+                           num_items_in_batch=inputs["num_items_in_batch"])
+    assert abs(float(alone) - float(theirs)) > 1e-4 * abs(float(theirs))
 
 def test_kl_config_needs_grpo_beta(tmp_path, model_dir, tokenizer):
     with pytest.raises(ValueError, match=r"GRPOConfig\.beta"):

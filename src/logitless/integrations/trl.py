@@ -21,15 +21,17 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from collections.abc import Sequence
 
 import torch
 import trl
 
+from logitless.fused_losses.aggregation import agg_counts
 from logitless.fused_losses.config import PolicyLossConfig
 from logitless.fused_losses.entropy_control import AdaptiveEntropyCoef
 from logitless.fused_losses.objectives import clip_flags
-from logitless.fused_losses.policy_loss import policy_loss
+from logitless.fused_losses.policy_loss import policy_loss, policy_loss_globals
 from logitless.fused_losses.ratios import compute_ratio
 from logitless.integrations.trl_head import (
     SUPPORTED_TRL,
@@ -311,13 +313,20 @@ class GRPOTrainer(trl.GRPOTrainer):
         if self._entropy_control is not None:
             coef = self._entropy_control.current()
         max_steps = max(self.state.max_steps, 1)
+        batch = dict(old_logprobs=old, rollout_logprobs=inputs.get("sampling_per_token_logps"),
+                     attention_entropy=inputs.get("attention_entropy"))
+        batch_globals = None
+        if cfg.top_entropy_quantile < 1 and self.accelerator.num_processes > 1:
+            batch_globals = self._world_entropy_globals(cfg, mask, inputs["advantages"],
+                                                        entropies, batch)
         loss, metrics = policy_loss(
             logps, old, inputs["advantages"], mask, cfg,
             ref_logprobs=inputs.get("ref_per_token_logps"),
-            rollout_logprobs=inputs.get("sampling_per_token_logps"),
+            rollout_logprobs=batch["rollout_logprobs"],
             entropy=entropies,
-            attention_entropy=inputs.get("attention_entropy"),
+            attention_entropy=batch["attention_entropy"],
             num_items_in_batch=num_items,
+            batch_globals=batch_globals,
             training_progress=self.state.global_step / max_steps,
             entropy_coef=coef,
         )
@@ -328,6 +337,24 @@ class GRPOTrainer(trl.GRPOTrainer):
                 self.accelerator.gather_for_metrics(aux_loss).mean().item())
         self._log_metrics(mode, metrics, cfg, logps, old, inputs, mask)
         return loss
+
+    def _world_entropy_globals(self, cfg, mask, advantages, entropies, batch):
+        """`policy_loss`'s batch globals with TRL's top-entropy selection, whose threshold is
+        the quantile over every process's tokens (TRL's own ``get_high_entropy_mask``), where
+        `policy_loss` alone would take it over this process's."""
+        if cfg.rollout_rs is not None or cfg.stapo_prob_threshold is not None:
+            raise ValueError(
+                "top_entropy_quantile: over several processes it selects among the loss mask's "
+                "tokens as TRL does, which rollout_rs and STAPO would narrow first")
+        ent = entropies.detach()
+        keep = self.get_high_entropy_mask(ent, mask, 1 - cfg.top_entropy_quantile)
+        kept = ent[keep]
+        # the smallest kept value selects exactly the kept tokens of this process
+        threshold = float(kept.min()) if kept.numel() else math.inf
+        glob = policy_loss_globals(mask, advantages, cfg, entropy=ent, **batch)
+        adv = advantages[:, None] if advantages.dim() == 1 else advantages
+        counts = agg_counts(keep, adv.expand(keep.shape), cfg.seq_count, cfg.length_power_alpha)
+        return dataclasses.replace(glob, entropy_threshold=threshold, entropy=counts)
 
     # -- metrics -----------------------------------------------------------------------------
 
