@@ -383,6 +383,7 @@ def test_entropy_quantile_over_processes(tmp_path, model_dir, tokenizer):
     results = []
     for trainer in trainers:
         trainer.accelerator = _TwoRanks(trainer.accelerator)
+        trainer._metrics["train"].clear()
         loss = trainer.compute_loss(trainer.model, inputs)
         loss.backward()
         grads = torch.cat([p.grad.flatten() for p in trainer.model.parameters()])
@@ -390,6 +391,10 @@ def test_entropy_quantile_over_processes(tmp_path, model_dir, tokenizer):
     (theirs, g_theirs), (ours, g_ours) = results
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(g_ours, g_theirs, rtol=1e-5, atol=1e-5 * g_theirs.abs().max())
+    logged = [{k: v[-1] for k, v in t._metrics["train"].items()} for t in trainers]
+    assert {"entropy", "policy_loss", "clip_ratio/low_min"} <= logged[0].keys()
+    for key, value in logged[0].items():  # reduced over both ranks alike
+        assert abs(logged[1][key] - value) <= 1e-5 * abs(value) + 1e-7, key
     # The world threshold is not this process's own quantile: the test can tell them apart.
     local = trainers[1]._config_for(1)  # dp_size 2, as the trainer's own call
     lp, ent, _ = trainers[1]._get_per_token_logps_and_entropies(
