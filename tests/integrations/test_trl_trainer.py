@@ -406,11 +406,17 @@ def test_entropy_quantile_over_processes(tmp_path, model_dir, tokenizer):
                            num_items_in_batch=inputs["num_items_in_batch"])
     assert abs(float(alone) - float(theirs)) > 1e-4 * abs(float(theirs))
 
-def test_kl_config_needs_grpo_beta(tmp_path, model_dir, tokenizer):
-    with pytest.raises(ValueError, match=r"GRPOConfig\.beta"):
+@pytest.mark.parametrize("config,kwargs,message", [
+    (PolicyLossConfig(beta=0.1), {}, r"GRPOConfig\.beta"),
+    (PolicyLossConfig(attn_entropy_weighting="tanh"), dict(attention_entropy_layers=[2]),
+     r"layers must be distinct indices in \[0, 2\)"),
+], ids=["kl-without-reference", "attention-layer-out-of-range"])
+def test_bad_configuration_fails_at_construction(config, kwargs, message, tmp_path, model_dir,
+                                                 tokenizer):
+    with pytest.raises(ValueError, match=message):
         GRPOTrainer(model=model_dir, reward_funcs=vowel_reward, args=grpo_args(tmp_path),
                     train_dataset=prompt_dataset(), processing_class=tokenizer,
-                    loss_config=PolicyLossConfig(beta=0.1))
+                    loss_config=config, **kwargs)
 
 
 def _fused_head_grads(model, ids):

@@ -201,6 +201,11 @@ class GRPOTrainer(trl.GRPOTrainer):
                 self.args.entropy_coef_min, self.args.entropy_coef_max)
         self._attention_layers = attention_entropy_layers
         self._attention_heads = attention_entropy_heads
+        if cfg.attn_entropy_weighting is not None:  # fail fast on layer / head indices
+            from logitless.integrations.transformers import AttentionEntropyRecorder
+
+            AttentionEntropyRecorder(self.accelerator.unwrap_model(self.model),
+                                     attention_entropy_layers, attention_entropy_heads)
         self._attention_pending = False
         self._attention_entropy = None
 
