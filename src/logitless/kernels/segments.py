@@ -17,6 +17,8 @@ Offsets are int64. No libdevice calls, so everything runs under ``TRITON_INTERPR
 Block sizes come from a heuristic on the mean sequence length, not from autotuning: these
 kernels are bound by launch latency and memory, and autotuning would benchmark (and
 synchronise the host) the first time each shape bucket appears, inside the training step.
+A packed program walks to its longest sequence, so one very long sequence among short ones
+costs its neighbours masked lanes. NaN inputs to max/min: unspecified (torch propagates them).
 
 Launchers (no autograd here; ``fused_losses/segments_triton.py`` builds the Functions):
 ``segment_reduce`` (sum, mean, max with its tie count, count), ``segment_scan`` (prefix or
