@@ -17,6 +17,8 @@ from logitless import PolicyLossConfig, policy_loss
 from logitless.demo_trl import prompt_dataset, tiny_qwen2, tiny_tokenizer, vowel_reward
 from logitless.integrations import trl_head
 
+from testing import run_on_gloo
+
 trl = pytest.importorskip("trl", reason="TRL is installed by `make test`")
 
 from logitless.integrations.trl import GRPOTrainer, config_from_grpo  # noqa: E402
@@ -461,43 +463,30 @@ def test_zero3_gather_context_in_forward_and_backward(monkeypatch, tokenizer):
     assert model.lm_head.weight.grad.abs().sum() > 0
 
 
-def _fsdp2_worker(rank, world, port, model_dir):
-    import torch.distributed as dist
+def _fsdp2_worker(rank, world, model_dir):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from transformers import AutoModelForCausalLM
     from trl.trainer.utils import add_fused_lm_head
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        torch.manual_seed(0)  # every rank scores the same batch: averaged grads are its grads
-        plain, sharded = (AutoModelForCausalLM.from_pretrained(model_dir) for _ in range(2))
-        for model in (plain, sharded):
-            add_fused_lm_head(model, outputs=("log_probs", "entropy"))
-        fully_shard(sharded.lm_head, mesh=init_device_mesh("cpu", (world,)))
-        assert type(sharded.lm_head.weight).__name__ == "DTensor"
-        ids = torch.randint(0, plain.config.vocab_size, (3, 9))
-        expected = _fused_head_grads(plain, ids)
-        got = _fused_head_grads(sharded, ids)
-        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
-        grad = sharded.lm_head.weight.grad
-        assert type(grad).__name__ == "DTensor"
-        torch.testing.assert_close(grad.full_tensor(), plain.lm_head.weight.grad,
-                                   rtol=1e-5, atol=1e-7)
-    finally:
-        dist.destroy_process_group()
+    torch.manual_seed(0)  # every rank scores the same batch: averaged grads are its grads
+    plain, sharded = (AutoModelForCausalLM.from_pretrained(model_dir) for _ in range(2))
+    for model in (plain, sharded):
+        add_fused_lm_head(model, outputs=("log_probs", "entropy"))
+    fully_shard(sharded.lm_head, mesh=init_device_mesh("cpu", (world,)))
+    assert type(sharded.lm_head.weight).__name__ == "DTensor"
+    ids = torch.randint(0, plain.config.vocab_size, (3, 9))
+    expected = _fused_head_grads(plain, ids)
+    got = _fused_head_grads(sharded, ids)
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+    grad = sharded.lm_head.weight.grad
+    assert type(grad).__name__ == "DTensor"
+    torch.testing.assert_close(grad.full_tensor(), plain.lm_head.weight.grad,
+                               rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.slow
 def test_fsdp2_sharded_head_two_ranks(model_dir):
     """FSDP2 (``fully_shard``) over two gloo ranks on CPU: TRL's fused forward gathers the
     DTensor head weight and our kernel's gradient returns to the shards."""
-    import socket
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_fsdp2_worker, args=(2, port, model_dir), nprocs=2, join=True)
+    run_on_gloo(2, _fsdp2_worker, model_dir)
