@@ -28,15 +28,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 TIMING_KEYS = ("step_time", "runtime", "_per_second")  # suffixes of wall-clock metrics
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny matrices: more threads than cores only adds contention.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def tokenizer():
     return tiny_tokenizer()
