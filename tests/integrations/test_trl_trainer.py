@@ -481,3 +481,15 @@ def test_fsdp2_sharded_head_two_ranks(model_dir):
     """FSDP2 (``fully_shard``) over two gloo ranks on CPU: TRL's fused forward gathers the
     DTensor head weight and our kernel's gradient returns to the shards."""
     run_on_gloo(2, _fsdp2_worker, model_dir)
+
+
+def test_example_script_runs(monkeypatch, capsys):
+    import runpy
+    from pathlib import Path
+
+    script = Path(__file__).parents[2] / "examples" / "trl_grpo.py"
+    monkeypatch.setattr("sys.argv", [str(script), "--steps", "2", "--objective", "gmpo",
+                                     "--attention-entropy"])
+    runpy.run_path(str(script), run_name="__main__")
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert [line.split(":")[0] for line in lines] == ["step 1", "step 2"]
