@@ -142,6 +142,7 @@ def test_frozen_weight_and_unused_outputs_cost_nothing(monkeypatch):
         calls.append((args, kw))
         return real(*args, **kw)
 
+    monkeypatch.setenv("LOGITLESS_BACKEND", "torch")  # the spy sits on the torch path
     monkeypatch.setattr(logprobs_module.linear_softmax_torch, "backward", spy)
     hidden, weight, _, targets = make_inputs(bias=False)
     h = hidden.clone().requires_grad_(True)
@@ -164,6 +165,7 @@ def test_no_grad_saves_nothing():
 
 def test_ignored_rows_are_zero_and_dropped(monkeypatch):
     seen = []
+    monkeypatch.setenv("LOGITLESS_BACKEND", "torch")  # the spy sits on the torch path
     real = logprobs_module.linear_softmax_torch.forward
     monkeypatch.setattr(logprobs_module.linear_softmax_torch, "forward",
                         lambda h, *a, **k: seen.append(h.shape[0]) or real(h, *a, **k))

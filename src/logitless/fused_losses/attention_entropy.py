@@ -8,31 +8,14 @@ torch twin. Forward only: the op refuses inputs that require grad.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from logitless.fused_losses.backend import triton_selected
 from logitless.kernels.attention_entropy_torch import attention_entropy_chunked
 
 __all__ = ["attention_entropy"]
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _backend(device: torch.device) -> str:
-    """``LOGITLESS_BACKEND`` (``triton`` | ``torch`` | ``auto``, read at every call) or by device:
-    Triton on CUDA/XPU, the chunked torch path on CPU."""
-    choice = os.environ.get("LOGITLESS_BACKEND", "auto").strip().lower()
-    if choice not in ("auto", "triton", "torch"):
-        raise ValueError(f"LOGITLESS_BACKEND must be 'triton', 'torch' or unset, got {choice!r}")
-    if choice == "auto":
-        return "torch" if device.type == "cpu" else "triton"
-    if choice == "triton" and device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(
-            "LOGITLESS_BACKEND=triton on CPU tensors needs the Triton interpreter: set "
-            "TRITON_INTERPRET=1 before the process starts"
-        )
-    return choice
 
 
 def _check_mask(name: str, mask: torch.Tensor | None, shape: tuple[int, ...], device) -> None:
@@ -197,7 +180,7 @@ def attention_entropy(
         seg_start=seg_start,
         seg_end=seg_end,
     )
-    if _backend(q.device) == "triton":
+    if triton_selected(q.device, q.dtype):
         from logitless.kernels.attention_entropy import attention_entropy_triton
 
         # The kernel reads the masks as bytes; a bool tensor is reinterpreted, not copied.

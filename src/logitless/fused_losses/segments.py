@@ -15,7 +15,7 @@ and fp16 only, fp64 stays here), with the same values and gradients.
 
 import torch
 
-from logitless.fused_losses.logprobs import triton_selected
+from logitless.fused_losses.backend import triton_selected
 
 _TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

@@ -1,6 +1,6 @@
 """Autograd over the segmented Triton kernels (``kernels/segments.py``).
 
-``fused_losses/segments.py`` calls these when :func:`logprobs.triton_selected` picks Triton for
+``fused_losses/segments.py`` calls these when :func:`backend.triton_selected` picks Triton for
 the tensor (CUDA, or ``LOGITLESS_BACKEND=triton``; fp64 stays on the torch twins there, though
 the functions here accept it so that ``gradcheck`` can run on them). Values and gradients are
 those of the torch twins:
