@@ -16,10 +16,11 @@ from logitless.kernels.softmax_partials import Partials, merge, stack
 # tile plus one scratch tile of the same size; the backward the same two.
 DEFAULT_TILE_BYTES = 64 * 2**20
 _TILE_BUFFERS = 2
-# Token rows per tile (the GEMMs' M), and the fewest vocab columns a tile is cut to before rows
-# are given up (small tile budgets).
+# Token rows per tile (the GEMMs' M), the fewest vocab columns a tile is cut to before rows are
+# given up (small tile budgets), and the most.
 _ROW_BLOCK = 1024
 _MIN_COLS = 1024
+_MAX_COLS = 16384
 # torch >= 2.8 can write a bf16 x bf16 GEMM straight into an fp32 output on CUDA.
 _MM_OUT_DTYPE = "out_dtype" in (torch.addmm.__doc__ or "")
 
@@ -33,11 +34,13 @@ def _tile_shape(n: int, v: int, tile_bytes: int) -> tuple[int, int]:
     product, N / 55 passes over ``[V, D]``; with 1024-row tiles each weight tile is read once
     per 1024 tokens and ``d_weight`` is written once per 1024 tokens (fwd+bwd at N=256, D=1024,
     V=152k on CPU: 8 s of CPU time instead of 12.5). The partials of a row's vocab tiles are
-    merged exactly as vocab-parallel shards are.
+    merged exactly as vocab-parallel shards are. At most ``_MAX_COLS`` columns: a few tokens
+    get a tile sized to them (64 x 16384 fp32 is 4 MB), not the whole budget, which at 64
+    tokens would exceed the naive full logits.
     """
     elems = max(1, tile_bytes // (4 * _TILE_BUFFERS))
     rows = max(1, min(n, _ROW_BLOCK, elems // min(v, _MIN_COLS)))
-    return rows, max(1, min(v, elems // rows))
+    return rows, max(1, min(v, _MAX_COLS, elems // rows))
 
 
 def logits_tile(hidden, weight, bias, temperature, softcap, logit_scale):
