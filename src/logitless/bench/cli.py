@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 OPS = ("logprobs", "policy-loss", "attention-entropy")
@@ -64,6 +65,9 @@ def run(args: argparse.Namespace) -> int:
     from logitless.bench.report import describe, format_table, read_json, write_json
     from logitless.bench.runner import run_sweep
 
+    # `timeout` and job control send SIGTERM: exit through Python so that subprocess.run kills
+    # the running child measurement instead of leaving it orphaned.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.from_json:
         records = read_json(args.from_json)
     else:

@@ -15,7 +15,7 @@ import platform
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 
 import torch
@@ -41,7 +41,6 @@ class Settings:
     interpret_max_tokens: int = 64
     timeout_s: float = 1800.0
     progress: bool = True
-    extra_env: dict[str, str] = field(default_factory=dict)
 
 
 def versions(packages: list[str]) -> dict[str, str]:
@@ -118,7 +117,7 @@ def _one(settings: Settings, provider: Provider, shape, mode, isolate):
         return measure(op, provider, shape, mode, getattr(torch, settings.dtype),
                        settings.device, warmup=warmup, repeats=repeats,
                        block_rows=settings.block_rows), warmup, repeats
-    env = {**os.environ, **settings.extra_env}
+    env = dict(os.environ)
     if interpreted:
         env["TRITON_INTERPRET"] = "1"
     return _in_child(spec, env, settings.timeout_s), warmup, repeats
