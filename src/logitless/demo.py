@@ -1,6 +1,6 @@
 """``logitless demo`` (after ``logitless check``): linear_logprobs beside plain PyTorch.
 
-Forward+backward with entropy on a Qwen2.5-0.5B-sized head (D=896, V=151936) for 256 tokens,
+Forward+backward with entropy on a Qwen2.5-0.5B-sized head (D=896, V=151936) for 512 tokens,
 fp32 on CPU: time and peak memory beyond the inputs and their gradients, each measured by
 ``logitless bench``'s machinery in a process of its own, and their ratios.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from logitless.bench.runner import Settings, run_sweep
 
-SHAPE = {"tokens": 256, "hidden": 896, "vocab": 151936}
+SHAPE = {"tokens": 512, "hidden": 896, "vocab": 151936}
 _MB = 2**20
 
 
@@ -38,7 +38,7 @@ def run_demo() -> int:
           f"logits), fp32, CPU, {shape}\npeak MB: above the inputs and their gradients, each "
           f"provider in its own process (about a minute)")
     records = run_sweep(Settings(op="logprobs", shapes=[SHAPE], modes=["fwd-bwd"],
-                                 providers=["naive", "logitless"], warmup=1, repeats=2))
+                                 providers=["naive", "logitless"], warmup=0, repeats=2))
     print(side_by_side(records))
     print("more: logitless bench --op logprobs --device cpu --preset qwen-small")
     status = 0 if all(r["status"] == "ok" for r in records) else 1
