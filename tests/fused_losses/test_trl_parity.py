@@ -16,6 +16,9 @@ from logitless import PolicyLossConfig, policy_loss
 
 trl_grpo = pytest.importorskip("trl.trainer.grpo_trainer")
 GRPOTrainer = trl_grpo.GRPOTrainer
+GRPOConfig = pytest.importorskip("trl").GRPOConfig
+
+from logitless.integrations.trl import config_from_grpo  # noqa: E402
 
 B, T, GA = 6, 9, 2
 
@@ -176,31 +179,21 @@ def compare(trainer, config, batch, trl_inputs=None, our_kwargs=None):
     assert checked >= 1
 
 
-def our_config(loss_type, *, epsilon=0.2, epsilon_high=None, level="token", **kw):
-    eps_high = epsilon if epsilon_high is None else epsilon_high
-    extra = {}
-    if loss_type == "cispo":
-        # TRL's epsilon_high is the ratio cap itself (ScaleRL's eps_max): min(r, 1 + eps_high)
-        extra = dict(cispo_clip="upper")
-        eps_high = eps_high - 1
-    if loss_type == "sapo":
-        # TRL builds its temperatures with torch.where on python floats, which rounds them to
-        # fp32: its 1.05 is float32(1.05). We keep the configured value exactly.
-        extra = dict(sapo_tau_neg=float(torch.tensor(1.05, dtype=torch.float32)))
-    return PolicyLossConfig(
-        objective=loss_type,
-        ratio_level=level,
-        eps_low=epsilon,
-        eps_high=eps_high,
-        grad_accum_steps=GA,
-        dp_size=2,
-        max_response_length=T + 3,
-        entropy_agg="bnpo",
-        kl_bias_correction_grad=True,
-        **extra,
-        **kw,
+def our_config(loss_type, *, epsilon=0.2, epsilon_high=None, level="token", **trl_fields):
+    """Our config for the same TRL settings, through the public translation (the trainer's
+    world size is 2 here: ``num_processes`` of `_SingleProcess`)."""
+    args = GRPOConfig(
+        output_dir="unused",
+        bf16=False,
+        loss_type=loss_type,
+        epsilon=epsilon,
+        epsilon_high=epsilon_high,
+        importance_sampling_level=level,
+        gradient_accumulation_steps=GA,
+        max_completion_length=T + 3,
+        **trl_fields,
     )
-
+    return config_from_grpo(args, dp_size=2)
 
 LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
 
@@ -235,25 +228,22 @@ def test_loss_types(loss_type, level):
 def test_options(loss_type, option):
     batch = make_batch(7 + len(option), per_token_adv=option == "per_token_adv")
     eps_high = 4.0 if loss_type == "cispo" else 0.28
-    trl_kw, our_kw, our_call = {}, {}, {}
+    trl_kw, our_call = {}, {}
     if option == "delta":
-        trl_kw, our_kw = dict(delta=1.5), dict(delta=1.5)
+        trl_kw = dict(delta=1.5)
         batch.lp = batch.old + 0.6 * torch.randn_like(batch.old)  # ratios beyond delta
         batch.lp = batch.lp.clamp(max=-1e-3)
     elif option.startswith("beta"):
-        corrected = option == "beta_bias_corrected"
-        trl_kw = dict(beta=0.07, use_bias_correction_kl=corrected)
-        our_kw = dict(beta=0.07, kl_estimator="k3", kl_bias_correction=corrected)
+        trl_kw = dict(beta=0.07, use_bias_correction_kl=option == "beta_bias_corrected")
     elif option == "top_entropy":
-        trl_kw, our_kw = dict(top_entropy_quantile=0.37), dict(top_entropy_quantile=0.37)
+        trl_kw = dict(top_entropy_quantile=0.37)
     elif option == "entropy_bonus":
         trl_kw = dict(entropy_coef=0.03, top_entropy_quantile=0.61)
-        our_kw = dict(entropy_coef=0.03, top_entropy_quantile=0.61)
     elif option == "off_policy_mask":
-        trl_kw, our_kw = dict(off_policy_mask_threshold=0.05), dict(opsm_threshold=0.05)
+        trl_kw = dict(off_policy_mask_threshold=0.05)
         our_call = dict(rollout_logprobs=batch.sampling)
     trainer = make_trainer(loss_type=loss_type, epsilon_high=eps_high, **trl_kw)
-    config = our_config(loss_type, epsilon_high=eps_high, **our_kw)
+    config = our_config(loss_type, epsilon_high=eps_high, **trl_kw)
     trl_inputs = {"sampling_per_token_logps": batch.sampling} if option == "off_policy_mask" else {}
     compare(trainer, config, batch, trl_inputs, our_call)
 
@@ -333,29 +323,20 @@ def test_vllm_importance_sampling(loss_type, mode):
     # fp32-representable: TRL builds the sampling logprobs with torch.tensor (default dtype)
     batch.sampling = (batch.old + 0.15 * torch.randn_like(batch.old)).float().double()
     clip_min, clip_max = (0.8, 1.1) if mode.startswith("token") else (0.5, 1.3)
-    trainer = make_trainer(
-        loss_type=loss_type,
-        epsilon_high=0.28,
+    vllm = dict(
         use_vllm=True,
         vllm_importance_sampling_correction=True,
         vllm_importance_sampling_mode=mode,
         vllm_importance_sampling_clip_min=clip_min,
         vllm_importance_sampling_clip_max=clip_max,
     )
+    trainer = make_trainer(loss_type=loss_type, epsilon_high=0.28, **vllm)
     nan_tokens = {(0, 0), (3, 1)}
     out = trl_generation(trainer, batch, nan_tokens)
     rollout = batch.sampling.clone()
     for i, j in nan_tokens:
         rollout[i, j] = float("nan")
-    level, how = mode.split("_")
-    config = our_config(
-        loss_type,
-        epsilon_high=0.28,
-        rollout_is=level,
-        rollout_is_mode="mask" if how == "mask" else "truncate",
-        rollout_is_min=clip_min,
-        rollout_is_max=clip_max,
-    )
+    config = our_config(loss_type, epsilon_high=0.28, **vllm)
     trl_inputs = {
         "importance_sampling_ratio": out["importance_sampling_ratio"],
         "sampling_per_token_logps": out["sampling_per_token_logps"],
