@@ -1,6 +1,6 @@
 """Op ``policy-loss``: a GRPO-style clipped policy loss from hidden states and the LM head.
 
-The batch is ``B = tokens / T`` right-padded sequences of ``T = min(tokens, 512)`` tokens (the
+The batch is ``B = tokens / T`` right-padded sequences of ``T = min(tokens, 128)`` tokens (the
 first sequence's last quarter is padding), advantages per sequence, old logprobs near the
 current ones. Objective: the clipped ratio with eps 0.2, token-mean aggregation, no KL (Liger's
 ``loss_type="dapo"`` with ``beta=0``, the same loss).
@@ -20,7 +20,7 @@ from logitless import reference
 from logitless.bench.ops_logprobs import LogprobsOp, PlainGemms
 from logitless.bench.registry import Provider, register_op, register_provider
 
-SEQ_LEN = 512
+SEQ_LEN = 128
 
 
 def _config():

@@ -96,8 +96,8 @@ class _StoredGradients(torch.autograd.Function):
         d_hidden, d_weight, d_bias = ctx.grads
         ctx.grads = None  # a second backward through the same loss is an error, as usual
 
-        def scale(x):
-            return None if x is None else x * g.to(x.dtype)
+        def scale(x):  # in place: the stored gradients are ours, and [V, D] is large
+            return None if x is None else x.mul_(g.to(x.dtype))
 
         return None, scale(d_hidden), scale(d_weight), scale(d_bias), None
 
@@ -242,9 +242,11 @@ def fused_policy_loss(
                         token_weights=token_weights, attention_entropy=attention_entropy,
                         selection_entropy=selection_entropy)
     dtype = compute_dtype(hidden, weight, bias)
-    h_all = hidden.to(dtype).reshape(-1, hidden.shape[-1])
-    w = weight.to(dtype)
-    b = None if bias is None else bias.to(dtype)
+    # Detached: the chunks compute their gradients themselves, and an autograd graph over the
+    # logits would keep every chunk's tiles alive until the backward.
+    h_all = hidden.detach().to(dtype).reshape(-1, hidden.shape[-1])
+    w = weight.detach().to(dtype)
+    b = None if bias is None else bias.detach().to(dtype)
     layout = _Layout(mask, cu_seqlens)
 
     if selection_entropy is None and _selects_by_entropy(config):
