@@ -10,6 +10,7 @@ when one lands.
 
 from __future__ import annotations
 
+import abc
 import importlib
 from collections.abc import Callable
 
@@ -19,7 +20,7 @@ Inputs = dict[str, torch.Tensor]
 Outputs = dict[str, torch.Tensor]
 
 
-class Op:
+class Op(abc.ABC):
     """One benchmarked operation. Subclasses set the class attributes and the methods."""
 
     name: str = ""
@@ -31,17 +32,18 @@ class Op:
     grad_inputs: tuple[str, ...] = ()
     modes: tuple[str, ...] = ("fwd", "fwd-bwd")
 
+    @abc.abstractmethod
     def make_inputs(self, shape: dict[str, int], dtype: torch.dtype, device: str,
                     seed: int = 0) -> Inputs:
-        raise NotImplementedError
+        """Fresh random inputs of ``shape`` (never zeros)."""
 
+    @abc.abstractmethod
     def first_block(self, inputs: Inputs, rows: int) -> Inputs:
         """The inputs restricted to the first ``rows`` tokens (the correctness check's block)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def reference(self, inputs: Inputs, quantities: tuple[str, ...]) -> Outputs:
         """The fp64 reference of ``quantities`` on (fp64 copies of) ``inputs``."""
-        raise NotImplementedError
 
     def upstream(self, inputs: Inputs, quantities: tuple[str, ...]) -> Outputs:
         """Fixed upstream gradients for ``fwd-bwd``: one per token of each quantity."""
@@ -83,7 +85,8 @@ class Provider:
         return "triton-interpret" if self.interpreted_on_cpu and device == "cpu" else ""
 
     def forward(self, inputs: Inputs) -> Outputs:
-        raise NotImplementedError
+        """Per-token quantities; providers that time something else override ``step``."""
+        raise TypeError(f"provider {self.name!r} has no forward: it computes through step()")
 
     def step(self, inputs: Inputs, mode: str, upstream: Outputs) -> None:
         """One timed unit of work: the forward, and in ``fwd-bwd`` mode its backward."""
