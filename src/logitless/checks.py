@@ -8,6 +8,7 @@ to exactly the standard of the plain PyTorch computation it replaces.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -48,13 +49,8 @@ def backends(device: str) -> list[str]:
     if device != "cpu":
         return ["triton"]
     found = ["torch"]
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        try:
-            import triton  # noqa: F401
-        except ImportError:
-            pass
-        else:
-            found.append("triton")
+    if os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton"):
+        found.append("triton")
     return found
 
 

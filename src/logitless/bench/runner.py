@@ -149,10 +149,10 @@ def _floor_ratios(records: list[dict], providers: list[Provider]) -> None:
 
 
 class _Plain:
-    """A progress line on stderr for when tqdm is not installed."""
+    """A progress line on stderr for when tqdm is not installed (``show=False``: silent)."""
 
-    def __init__(self, total: int):
-        self.total, self.done, self.desc = total, 0, ""
+    def __init__(self, total: int, show: bool = True):
+        self.total, self.done, self.desc, self.show = total, 0, "", show
 
     def set_description(self, desc: str) -> None:
         self.desc = desc
@@ -163,6 +163,8 @@ class _Plain:
         self._draw()
 
     def _draw(self) -> None:
+        if not self.show:
+            return
         width = 24
         fill = width * self.done // max(1, self.total)
         sys.stderr.write(f"\r[{'#' * fill}{'.' * (width - fill)}] {self.done}/{self.total} "
@@ -173,20 +175,13 @@ class _Plain:
         return self
 
     def __exit__(self, *exc):
-        sys.stderr.write("\n")
-
-
-class _Silent(_Plain):
-    def _draw(self) -> None:
-        pass
-
-    def __exit__(self, *exc):
-        pass
+        if self.show:
+            sys.stderr.write("\n")
 
 
 def _progress(total: int, show: bool):
     if not show:
-        return _Silent(total)
+        return _Plain(total, show=False)
     try:
         from tqdm import tqdm
     except ImportError:
