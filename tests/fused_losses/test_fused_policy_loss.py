@@ -8,13 +8,25 @@ import logitless
 from logitless import PolicyLossConfig, policy_loss, reference
 from logitless.fused_losses.fused_policy_loss import fused_policy_loss, plan_chunks
 from logitless.fused_losses.objectives import OBJECTIVES
+from logitless.kernels import stored_logits
 
 from testing import assert_close_to_oracle
 
 B, T, D, V = 5, 13, 24, 301
 HEAD = dict(temperature=0.9, softcap=5.0)
-# Bytes of one chunk row here (fp64, softcap): three fp64 rows of V.
-ROW = V * 8 * 3
+
+
+def rows(n):
+    """A memory budget of ``n`` chunk rows here (fp64, soft-capped), at the current block."""
+    return n * stored_logits.bytes_per_row(V, torch.float64, HEAD["softcap"])
+
+
+@pytest.fixture(params=[None, 64], ids=["one-block", "vocab-blocks-of-64"])
+def vocab_block(request, monkeypatch):
+    """The whole vocabulary in one block, or in blocks of 64 (the last one partial)."""
+    if request.param is not None:
+        monkeypatch.setattr(stored_logits, "VOCAB_BLOCK", request.param)
+    return request.param
 
 
 def make_batch(dtype=torch.float64, seed=0):
@@ -105,7 +117,7 @@ OBJECTIVE_EXTRAS = {"dhpo": {"dhpo_mix": "entropy"}}
 
 @pytest.mark.parametrize("layout", ["padded", "packed"])
 @pytest.mark.parametrize("name", sorted(OBJECTIVES))
-def test_every_objective_many_chunks(name, layout):
+def test_every_objective_many_chunks(name, layout, vocab_block):
     """A budget of 8 rows splits the batch into several chunks; results equal the spec."""
     batch = make_batch()
     if layout == "packed":
@@ -113,7 +125,7 @@ def test_every_objective_many_chunks(name, layout):
     cfg = config_for(name, beta=0.05, **OBJECTIVE_EXTRAS.get(name, {}))
     if layout == "packed" and cfg.loss_agg == "seq-mean-token-sum-norm":
         cfg = config_for(name, beta=0.05, max_response_length=T)
-    got = run_fused(batch, cfg, memory_budget=8 * ROW)
+    got = run_fused(batch, cfg, memory_budget=rows(8))
     assert_same(got, run_reference(batch, cfg))
 
 
@@ -126,10 +138,10 @@ def test_every_objective_many_chunks(name, layout):
     dict(objective="gspo", ratio_level="sequence_token", opsm_threshold=0.5),
     dict(objective="dr_grpo", dual_clip_c=3.0, delta=2.0),
 ], ids=["grpo-kl-entropy-tis", "dapo-quantile-rs", "gspo-token-opsm", "drgrpo-dual-delta"])
-def test_options_with_rollout_logprobs(cfg, strategy):
+def test_options_with_rollout_logprobs(cfg, strategy, vocab_block):
     batch = make_batch(seed=1)
     config = PolicyLossConfig(**cfg)
-    got = run_fused(batch, config, with_rollout=True, memory_budget=20 * ROW, strategy=strategy)
+    got = run_fused(batch, config, with_rollout=True, memory_budget=rows(20), strategy=strategy)
     assert_same(got, run_reference(batch, config, with_rollout=True))
 
 
@@ -143,7 +155,7 @@ def test_sequence_longer_than_budget_is_streamed(monkeypatch):
                         lambda sub, *a: calls.append((sub.s0, sub.s1)) or real(sub, *a))
     batch = make_batch(seed=2)
     cfg = PolicyLossConfig(objective="grpo", beta=0.02, entropy_coef=0.003)
-    got = run_fused(batch, cfg, memory_budget=6 * ROW)
+    got = run_fused(batch, cfg, memory_budget=rows(6))
     assert (0, 1) in calls and (3, 4) in calls  # the 13- and 10-token sequences
     assert_same(got, run_reference(batch, cfg))
 
@@ -154,7 +166,7 @@ def test_per_token_clip_bounds_and_beta_are_cut_per_chunk():
     cfg = PolicyLossConfig(objective="grpo", eps_low=0.1 + 0.2 * torch.rand(B, T, generator=gen),
                            eps_high=0.2 + 0.2 * torch.rand(B, T, generator=gen),
                            beta=0.1 * torch.rand(B, T, generator=gen, dtype=torch.float64))
-    got = run_fused(batch, cfg, memory_budget=9 * ROW)
+    got = run_fused(batch, cfg, memory_budget=rows(9))
     assert_same(got, run_reference(batch, cfg))
 
 
@@ -164,7 +176,7 @@ def test_frozen_weight_gets_no_weight_gradient():
     h = batch["hidden"].clone().requires_grad_(True)
     loss, _ = fused_policy_loss(h, batch["weight"], batch["targets"], batch["old"],
                                 batch["adv"], batch["mask"], cfg, bias=batch["bias"],
-                                memory_budget=8 * ROW, **HEAD)
+                                memory_budget=rows(8), **HEAD)
     loss.backward()
     _, _, (g_ref, _, _) = run_reference(batch, cfg, with_ref=False)
     torch.testing.assert_close(h.grad, g_ref, rtol=1e-10, atol=1e-14)
@@ -181,7 +193,7 @@ def test_gradient_accumulation_over_two_calls():
     for mb in (a, b):
         loss, _ = fused_policy_loss(mb["hidden"], w, mb["targets"], mb["old"], mb["adv"],
                                     mb["mask"], cfg, bias=mb["bias"], num_items_in_batch=n_items,
-                                    memory_budget=10 * ROW, **HEAD)
+                                    memory_budget=rows(10), **HEAD)
         loss.backward()
         scored = torch.where(mb["mask"], mb["targets"], -100)
         stats = reference.linear_softmax_stats(mb["hidden"], w_ref, scored, mb["bias"], **HEAD)
@@ -211,7 +223,7 @@ def test_selection_entropy_from_the_old_pass():
     leaves = [batch[k].clone().requires_grad_(True) for k in ("hidden", "weight", "bias")]
     loss, _ = fused_policy_loss(leaves[0], leaves[1], batch["targets"], batch["old"],
                                 batch["adv"], batch["mask"], cfg, bias=leaves[2],
-                                selection_entropy=old_entropy, memory_budget=8 * ROW, **HEAD)
+                                selection_entropy=old_entropy, memory_budget=rows(8), **HEAD)
     ref_leaves = [batch[k].clone().requires_grad_(True) for k in ("hidden", "weight", "bias")]
     scored = torch.where(batch["mask"], batch["targets"], -100)
     stats = reference.linear_softmax_stats(ref_leaves[0], ref_leaves[1], scored, ref_leaves[2],
@@ -225,7 +237,31 @@ def test_selection_entropy_from_the_old_pass():
         torch.testing.assert_close(g, gr, rtol=1e-10, atol=1e-14)
 
 
-def test_bf16_three_way():
+@pytest.mark.parametrize("entropy_coef", [0.0, 0.01])
+def test_plain_head_in_vocab_blocks(monkeypatch, entropy_coef):
+    """No bias, no transform (the usual head), the vocabulary in blocks of 40, 9 rows a chunk."""
+    monkeypatch.setattr(stored_logits, "VOCAB_BLOCK", 40)
+    b = make_batch(seed=10)
+    cfg = PolicyLossConfig(objective="grpo", entropy_coef=entropy_coef)
+    leaves = [b[k].clone().requires_grad_(True) for k in ("hidden", "weight")]
+    budget = 9 * stored_logits.bytes_per_row(V, torch.float64, None)
+    loss, _ = fused_policy_loss(leaves[0], leaves[1], b["targets"], b["old"], b["adv"],
+                                b["mask"], cfg, memory_budget=budget)
+    ref_leaves = [b[k].clone().requires_grad_(True) for k in ("hidden", "weight")]
+    scored = torch.where(b["mask"], b["targets"], -100)
+    stats = reference.linear_softmax_stats(ref_leaves[0], ref_leaves[1], scored)
+    loss_r, _ = policy_loss(stats["logprobs"], b["old"], b["adv"], b["mask"], cfg,
+                            entropy=stats["entropy"])
+    torch.testing.assert_close(loss, loss_r, rtol=1e-10, atol=1e-14)
+    for g, gr in zip(torch.autograd.grad(loss, leaves), torch.autograd.grad(loss_r, ref_leaves)):
+        assert gr.abs().max() > 0
+        torch.testing.assert_close(g, gr, rtol=1e-10, atol=1e-12 * float(gr.abs().max()))
+
+
+@pytest.mark.parametrize("block", [None, 96])
+def test_bf16_three_way(monkeypatch, block):
+    if block is not None:
+        monkeypatch.setattr(stored_logits, "VOCAB_BLOCK", block)
     batch = make_batch(dtype=torch.bfloat16, seed=9)
     cfg = PolicyLossConfig(objective="grpo", entropy_coef=0.01)
     ours = run_fused(batch, cfg, with_ref=False, memory_budget=2**20)
@@ -241,6 +277,16 @@ def test_plan_chunks():
         (0, 1, False), (1, 3, False), (3, 4, True), (4, 7, False)]
     assert plan_chunks([], 4) == []
     assert plan_chunks([2, 2, 2], 100) == [(0, 3, False)]
+    # The fewest chunks (greedy: 3 + 3 + 3 + 3 + 3 + 1 sequences), evened out to 3 or 2 each,
+    # contiguous and covering the batch.
+    plan = plan_chunks([96] + [128] * 15, 430)
+    assert sorted(b - a for a, b, _ in plan) == [2, 2, 3, 3, 3, 3]
+    assert [a for a, _, _ in plan[1:]] == [b for _, b, _ in plan[:-1]]
+    assert plan[0][0] == 0 and plan[-1][1] == 16
+    assert not any(streamed for *_, streamed in plan)
+    # Even cuts that would overflow the budget fall back to the greedy ones.
+    # (nearest cuts 4 | 4 1 4 | 4: 9 rows in the middle one)
+    assert plan_chunks([4, 4, 1, 4, 4], 8) == [(0, 2, False), (2, 4, False), (4, 5, False)]
 
 
 def test_bad_input():

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 
 import torch
 
@@ -34,7 +35,7 @@ from logitless.fused_losses.policy_loss import (
     policy_loss_globals,
 )
 from logitless.kernels import linear_softmax_torch as tiles
-from logitless.kernels.softmax_partials import finish
+from logitless.kernels import stored_logits
 
 __all__ = ["CPU_MEMORY_BUDGET", "fused_policy_loss", "plan_chunks"]
 
@@ -51,36 +52,83 @@ def _default_budget(device: torch.device) -> int:
     return CPU_MEMORY_BUDGET
 
 
-def _bytes_per_row(vocab: int, dtype: torch.dtype, softcap: float | None) -> int:
-    """Temporary bytes one token row of a chunk holds at the peak: the fp32 logits (turned into
-    ``dz`` in place), one fp32 scratch row (the exponentials, then the gradient coefficients),
-    the GEMM output in the input dtype before its fp32 copy, and ``tanh`` when soft-capping."""
-    acc = 8 if dtype == torch.float64 else 4
-    gemm_out = 0 if dtype in (torch.float32, torch.float64) else torch.finfo(dtype).bits // 8
-    return vocab * (2 * acc + gemm_out + (acc if softcap is not None else 0))
-
-
 def plan_chunks(tokens_per_sequence: list[int], max_rows: int) -> list[tuple[int, int, bool]]:
     """Group consecutive sequences into chunks of at most ``max_rows`` loss tokens.
 
     Returns ``(first_sequence, end_sequence, streamed)`` triples; a sequence alone longer than
-    the budget forms its own chunk, marked to be streamed.
+    the budget forms its own chunk, marked to be streamed. Between streamed sequences, the
+    fewest chunks that fit are formed and then evened out: cut at the sequence boundaries
+    nearest to equal shares (when those cuts fit), so that no chunk is left with a thin tail of
+    rows (a thin GEMM is a slow one).
     """
-    plan, start, rows = [], 0, 0
+    plan, run = [], []
     for i, n in enumerate(tokens_per_sequence):
         if n > max_rows:
-            if i > start:
-                plan.append((start, i, False))
+            plan += _even_chunks(run, tokens_per_sequence, max_rows)
             plan.append((i, i + 1, True))
-            start, rows = i + 1, 0
-            continue
-        if rows + n > max_rows and i > start:
-            plan.append((start, i, False))
-            start, rows = i, 0
+            run = []
+        else:
+            run.append(i)
+    return plan + _even_chunks(run, tokens_per_sequence, max_rows)
+
+
+def _greedy_chunks(first: int, sizes: list[int], max_rows: int) -> list[tuple[int, int]]:
+    cuts, rows = [], 0
+    for j, n in enumerate(sizes):
+        if rows + n > max_rows and j > 0 and rows > 0:
+            cuts.append(j)
+            rows = 0
         rows += n
-    if start < len(tokens_per_sequence):
-        plan.append((start, len(tokens_per_sequence), False))
-    return plan
+    bounds = [0, *cuts, len(sizes)]
+    return [(first + a, first + b) for a, b in itertools.pairwise(bounds)]
+
+
+def _even_chunks(run: list[int], sizes_all: list[int], max_rows: int):
+    """Consecutive sequences ``run`` (each within the budget) as evened-out chunks."""
+    if not run:
+        return []
+    first, sizes = run[0], [sizes_all[i] for i in run]
+    greedy = _greedy_chunks(first, sizes, max_rows)
+    k = len(greedy)
+    cum = [0]
+    for n in sizes:
+        cum.append(cum[-1] + n)
+    cuts, prev = [], 0
+    for j in range(1, k):
+        ideal = cum[-1] * j / k
+        # the boundary nearest the ideal share, leaving a sequence for each later chunk
+        best = min(range(prev + 1, len(sizes) - (k - j) + 1),
+                   key=lambda c: abs(cum[c] - ideal))
+        cuts.append(best)
+        prev = best
+    bounds = [0, *cuts, len(sizes)]
+    if any(cum[b] - cum[a] > max_rows for a, b in itertools.pairwise(bounds)):
+        chunks = greedy
+    else:
+        chunks = [(first + a, first + b) for a, b in itertools.pairwise(bounds)]
+    return [(a, b, False) for a, b in chunks]
+
+
+class _WeightGrad:
+    """The fp32 weight-gradient accumulator, written (not added to) by its first chunk: zeroing
+    ``[V, D]`` first would cost a pass over it (0.3 s at V=152k, D=1024 on CPU)."""
+
+    def __init__(self, weight: torch.Tensor, dtype: torch.dtype):
+        self.t = torch.empty_like(weight, dtype=dtype)
+        self.fresh = True
+
+    def add_(self, g: torch.Tensor) -> None:
+        if self.fresh:
+            self.t.copy_(g)
+        else:
+            self.t += g
+        self.fresh = False
+
+    def result(self) -> torch.Tensor:
+        if self.fresh:  # no chunk's loss depended on the head
+            self.t.zero_()
+            self.fresh = False
+        return self.t
 
 
 class _StoredGradients(torch.autograd.Function):
@@ -267,20 +315,22 @@ def fused_policy_loss(
         per_seq = m_flat.view(mask.shape).sum(1)
     per_seq = per_seq.tolist()
     budget = memory_budget if memory_budget is not None else _default_budget(hidden.device)
-    max_rows = max(1, budget // _bytes_per_row(vocab, dtype, softcap))
+    max_rows = max(1, budget // stored_logits.bytes_per_row(vocab, dtype, softcap))
     plan = plan_chunks(per_seq, max_rows)
     starts = [0]
     for n in per_seq:
         starts.append(starts[-1] + n)
+    dense_rows = max((starts[s1] - starts[s0] for s0, s1, streamed in plan if not streamed),
+                     default=0)
+    store = (stored_logits.StoredLogits(vocab, dense_rows, dtype, hidden.device, softcap)
+             if dense_rows else None)
 
     need = (torch.is_grad_enabled(), hidden.requires_grad, weight.requires_grad,
             bias is not None and bias.requires_grad)
     want_grad = need[0] and any(need[1:])
     acc = tiles.acc_dtype(dtype)
     d_hidden = torch.zeros_like(h_all) if want_grad and need[1] else None
-    d_weight = None
-    if want_grad and need[2]:
-        d_weight = torch.zeros_like(w, dtype=acc)
+    d_weight = _WeightGrad(w, acc) if want_grad and need[2] else None
     d_bias = torch.zeros(vocab, dtype=acc, device=w.device) if want_grad and need[3] else None
     lp_all = torch.zeros(m_flat.shape, dtype=acc, device=hidden.device)
     h_ent_all = torch.zeros_like(lp_all)
@@ -297,7 +347,8 @@ def fused_policy_loss(
         sub = _SubBatch(layout, s0, s1, grows, mask, advantages, old_logprobs, config, loss_kw,
                         adv_per_sequence, globals_)
         run = _streamed_chunk if streamed else _dense_chunk
-        gh = run(sub, h_g, w, b, t_g, head, want_grad, need, lp_all, h_ent_all, d_weight, d_bias)
+        gh = run(sub, h_g, w, b, t_g, head, want_grad, need, lp_all, h_ent_all, d_weight, d_bias,
+                 store)
         if d_hidden is not None and gh is not None:
             d_hidden.index_copy_(0, grows, gh.to(d_hidden.dtype))
 
@@ -311,7 +362,7 @@ def fused_policy_loss(
         return loss, metrics
     grads = (
         None if d_hidden is None else d_hidden.view(hidden.shape).to(hidden.dtype),
-        None if d_weight is None else d_weight.to(weight.dtype),
+        None if d_weight is None else d_weight.result().to(weight.dtype),
         None if d_bias is None else d_bias.to(bias.dtype),
     )
     return _StoredGradients.apply(loss, hidden, weight, bias, grads), metrics
@@ -377,15 +428,10 @@ def _config_slice(config, layout, s0, s1, index, shape):
 
 
 def _dense_chunk(sub, h_g, w, b, t_g, head, want_grad, need, lp_all, ent_all, d_weight,
-                 d_bias):
+                 d_bias, store):
     """One chunk at the 3-GEMM floor: adds to the weight and bias gradients, returns the
     chunk's hidden-gradient rows (or None)."""
-    temperature, softcap, scale = head["temperature"], head["softcap"], head["logit_scale"]
-    vocab = w.shape[0]
-    z, t = tiles.logits_tile(h_g, w, b, temperature, softcap, scale)  # GEMM 1
-    parts, e = tiles.tile_partials(z, t_g, want_s2=False, want_sum_z=False, keep_exp=True)
-    stats = finish(parts, vocab)
-    lp, ent = stats["logprobs"], stats["entropy"]
+    lp, ent, lse = store.forward(h_g, w, b, t_g, **_transform(head))  # GEMM 1
     lp_all.index_copy_(0, _global_rows(sub), lp)
     ent_all.index_copy_(0, _global_rows(sub), ent)
     if not want_grad:
@@ -397,19 +443,23 @@ def _dense_chunk(sub, h_g, w, b, t_g, head, want_grad, need, lp_all, ent_all, d_
         g_lp, g_ent = torch.autograd.grad(loss, (lp_leaf, ent_leaf), allow_unused=True)
     if g_lp is None and g_ent is None:
         return None  # the chunk's loss does not depend on the head (e.g. all advantages 0)
-    col = lambda x: None if x is None else x.unsqueeze(1)
-    # The logits buffer (now z - max) and the exponentials become dz, with no second exp.
-    dz = tiles.logit_grad_from_exp_(e, z, col(parts.l), col(ent), col(g_lp), col(g_ent), t_g)
-    dx = tiles.through_transform_(dz, t, scale, temperature).to(w.dtype)
+    # The stored logits become dz in place, each vocabulary block feeding GEMMs 2 and 3.
+    gh = store.backward_(h_g, w, lse, ent, g_lp, g_ent, None if d_weight is None else d_weight.t,
+                         d_bias, want_hidden=need[1],
+                         weight_beta=0.0 if d_weight is not None and d_weight.fresh else 1.0)
     if d_weight is not None:
-        tiles.addmm_acc_(d_weight, dx.t(), h_g)  # GEMM 3, straight into the accumulator
-    if d_bias is not None:
-        d_bias += dz.sum(0)
-    return dx @ w if need[1] else None  # GEMM 2
+        d_weight.fresh = False
+    return gh
+
+
+def _transform(head):
+    """The logit transform's arguments."""
+    return dict(temperature=head["temperature"], softcap=head["softcap"],
+                logit_scale=head["logit_scale"])
 
 
 def _streamed_chunk(sub, h_g, w, b, t_g, head, want_grad, need, lp_all, ent_all, d_weight,
-                    d_bias):
+                    d_bias, store):
     """A sequence longer than the budget: stream its vocabulary (4 GEMMs), never the logits.
 
     Adds to the weight and bias gradients, returns the hidden-gradient rows (or None)."""
@@ -417,8 +467,7 @@ def _streamed_chunk(sub, h_g, w, b, t_g, head, want_grad, need, lp_all, ent_all,
               for x, flag in ((h_g, need[1]), (w, need[2]), (b, need[3]))]
     with torch.enable_grad() if want_grad else torch.no_grad():
         out = linear_logprobs(leaves[0], leaves[1], t_g, bias=leaves[2], return_entropy=True,
-                              temperature=head["temperature"], softcap=head["softcap"],
-                              logit_scale=head["logit_scale"])
+                              **_transform(head))
         lp_all.index_copy_(0, _global_rows(sub), out.logprobs.detach().to(lp_all.dtype))
         ent_all.index_copy_(0, _global_rows(sub), out.entropy.detach().to(ent_all.dtype))
         if not want_grad:
@@ -430,7 +479,7 @@ def _streamed_chunk(sub, h_g, w, b, t_g, head, want_grad, need, lp_all, ent_all,
         got = iter(torch.autograd.grad(loss, wanted, allow_unused=True))
     gh, gw, gb = (next(got) if x is not None and x.requires_grad else None for x in leaves)
     if d_weight is not None and gw is not None:
-        d_weight += gw
+        d_weight.add_(gw)
     if d_bias is not None and gb is not None:
         d_bias += gb
     return gh

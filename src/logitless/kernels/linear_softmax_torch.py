@@ -179,18 +179,19 @@ def backward(hidden, weight, bias, targets, lse, entropy, sum_p_sq, g_lp, g_entr
     return d_hidden, d_weight, d_bias
 
 
-def addmm_acc_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``acc += a @ b`` into an fp32 (fp64) accumulator without rounding ``a @ b`` to bf16/fp16.
+def addmm_acc_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, beta: float = 1.0) -> None:
+    """``acc = beta * acc + a @ b`` into an fp32 (fp64) accumulator without rounding ``a @ b``
+    to bf16/fp16. ``beta=0`` overwrites ``acc`` (whatever it held, NaN included).
 
     Rounding each tile's product to the inputs' 8-bit mantissa before summing the tiles biases
     the weight gradient (TRL measured the entropy drifting down over a few dozen steps).
     """
     if a.dtype == acc.dtype:
-        acc.addmm_(a, b)
+        torch.addmm(acc, a, b, beta=beta, out=acc)
     elif acc.is_cuda and _MM_OUT_DTYPE:
-        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+        torch.addmm(acc, a, b, beta=beta, out_dtype=acc.dtype, out=acc)
     else:
-        acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
+        torch.addmm(acc, a.to(acc.dtype), b.to(acc.dtype), beta=beta, out=acc)
 
 
 def through_transform_(dz, t, logit_scale, temperature):
