@@ -8,7 +8,8 @@ Two strategies (DESIGN.md, "Core op 3"):
   batch's :class:`BatchGlobals`, so autograd on the small per-token graph gives
   ``d loss / d lp`` and ``d loss / d H``. The logits buffer then becomes ``dz`` in place and two
   GEMMs give the group's hidden gradient and add to the weight gradient (fp32). The backward of
-  the returned loss only scales the stored gradients. 6 N D V FLOPs, memory one group.
+  the returned loss only scales the stored gradients. 6 N D V FLOPs, memory one group: its
+  logits, vocab-major, in one buffer reused by every group (``kernels/stored_logits.py``).
 - **Streaming**: ``policy_loss(linear_logprobs(...))``, the vocabulary streamed forward and
   recomputed backward (8 N D V FLOPs), never the full logits. Used when asked for, for
   objectives that select tokens from statistics of the whole batch's current logprobs

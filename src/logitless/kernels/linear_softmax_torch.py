@@ -63,11 +63,10 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def tile_partials(z: torch.Tensor, local_targets: torch.Tensor, want_s2: bool, want_sum_z: bool,
-                  keep_exp: bool = False):
+def tile_partials(z: torch.Tensor, local_targets: torch.Tensor, want_s2: bool,
+                  want_sum_z: bool) -> Partials:
     """Partial statistics of one fp32 logits tile ``z [n, v]``; ``z`` is overwritten with
-    ``z - m``. With ``keep_exp`` also returns the tile ``exp(z - m)`` (for a gradient that
-    follows in the same pass, see :func:`logit_grad_from_exp_`)."""
+    ``z - m``."""
     n = z.shape[0]
     has_y = (local_targets >= 0) & (local_targets < z.shape[1])
     idx = local_targets.clamp(0, z.shape[1] - 1).unsqueeze(1)
@@ -82,29 +81,7 @@ def tile_partials(z: torch.Tensor, local_targets: torch.Tensor, want_s2: bool, w
     else:
         s2 = z.new_zeros(n)
     a = torch.linalg.vecdot(e, z)
-    parts = Partials(m, l, a, s2, sum_z, z_y)
-    return (parts, e) if keep_exp else parts
-
-
-def logit_grad_from_exp_(e, z_shift, l, entropy, g_lp, g_entropy, local_targets):
-    """``d loss / d z`` written over ``e = exp(z - m)`` (``z_shift = z - m``, also overwritten).
-
-    The single-pass form of :func:`logit_grad_` for a tile whose exponentials are still at hand
-    (the sequence-aligned chunks of ``fused_policy_loss``): ``p = e / l``, so
-    ``dz = p * (-g_lp - g_H (z - m - log l + H)) + g_lp 1[j=y]``; without an entropy gradient
-    that is one multiply per element. Per-row arguments are ``[n, 1]``; ``g_*`` may be None.
-    """
-    inv_l = l.reciprocal()
-    if g_entropy is None:
-        dz = e.mul_(-g_lp * inv_l) if g_lp is not None else e.zero_()
-    else:
-        coef = z_shift.sub_(torch.log(l)).add_(entropy).mul_(-g_entropy)  # -g_H (log p + H)
-        if g_lp is not None:
-            coef -= g_lp
-        dz = e.mul_(inv_l).mul_(coef)
-    if g_lp is not None:
-        _add_one_hot_(dz, local_targets, g_lp.squeeze(1))
-    return dz
+    return Partials(m, l, a, s2, sum_z, z_y)
 
 
 def _add_one_hot_(dz, local_targets, values):
