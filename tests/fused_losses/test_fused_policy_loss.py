@@ -258,6 +258,39 @@ def test_plain_head_in_vocab_blocks(monkeypatch, entropy_coef):
         torch.testing.assert_close(g, gr, rtol=1e-10, atol=1e-12 * float(gr.abs().max()))
 
 
+@pytest.mark.parametrize("softcap", [None, 150.0])
+def test_fp32_logits_far_below_the_block_maximum(monkeypatch, softcap):
+    """Logits spread over hundreds: most exponentials of a block underflow to 0 in fp32. Their
+    probabilities are 0 and so are their gradient terms (the entropy term's log of 0 included);
+    the results stay within fp32 PyTorch's own distance from fp64."""
+    monkeypatch.setattr(stored_logits, "VOCAB_BLOCK", 64)
+    b = make_batch(seed=11)
+    b["hidden"] = b["hidden"] * 100.0
+    head = dict(temperature=0.8, softcap=softcap)
+    cfg = PolicyLossConfig(objective="grpo", entropy_coef=0.05)
+
+    def run(dtype, fused):
+        leaves = [b[k].to(dtype).clone().requires_grad_(True)
+                  for k in ("hidden", "weight", "bias")]
+        if fused:
+            loss, _ = fused_policy_loss(leaves[0], leaves[1], b["targets"], b["old"], b["adv"],
+                                        b["mask"], cfg, bias=leaves[2], memory_budget=2**20,
+                                        **head)
+        else:
+            scored = torch.where(b["mask"], b["targets"], -100)
+            st = reference.linear_softmax_stats(leaves[0], leaves[1], scored, leaves[2], **head)
+            loss, _ = policy_loss(st["logprobs"], b["old"], b["adv"], b["mask"], cfg,
+                                  entropy=st["entropy"])
+        return loss, torch.autograd.grad(loss, leaves)
+
+    ours, exact, same = run(torch.float32, True), run(torch.float64, False), \
+        run(torch.float32, False)
+    assert torch.isfinite(ours[0]) and all(torch.isfinite(g).all() for g in ours[1])
+    assert_close_to_oracle(ours[0], exact[0], same[0], tol=1e-5, name="loss")
+    for name, g, ge, gs in zip(("hidden", "weight", "bias"), ours[1], exact[1], same[1]):
+        assert_close_to_oracle(g, ge, gs, tol=1e-5 * float(ge.abs().max()), name=f"d_{name}")
+
+
 @pytest.mark.parametrize("block", [None, 96])
 def test_bf16_three_way(monkeypatch, block):
     if block is not None:

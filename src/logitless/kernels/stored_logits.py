@@ -1,22 +1,25 @@
 """One chunk's logits, computed once and turned into the logit gradient in place (torch).
 
-The sequence-aligned chunks of ``fused_policy_loss`` hold a chunk's whole ``[rows, V]`` logits
+The sequence-aligned chunks of ``fused_policy_loss`` hold a chunk's whole ``[rows, V]`` softmax
 between the forward statistics and the gradient, so the head is multiplied three times in all
 (logits, hidden gradient, weight gradient) instead of four. This module is that buffer.
 
-Layout: **vocab-major**, ``[V, rows]``. A chunk has a few hundred rows, so every GEMM has one
-thin side. With the vocabulary as the GEMMs' long dimension (``W_b @ h^T``, ``dz_b^T @ W_b``,
-``dz_b @ h``) each one runs at the speed of the full-batch GEMM on CPU BLAS, while
-``h @ W^T`` with 128 to 384 rows runs 15 to 50% slower (MKL, 2 cores). Slices of vocabulary
-rows are contiguous, so the work goes block by block: a block of ``VOCAB_BLOCK`` vocabulary
-rows is written by its GEMM and reduced to partial statistics while it is still in cache, and
-in the backward it becomes ``dz`` and feeds its two GEMMs in one visit.
+Layout: **vocab-major**, ``[V, rows]``, in blocks of ``VOCAB_BLOCK`` vocabulary rows. A chunk
+has a few hundred rows, so every GEMM has one thin side. With the vocabulary as the GEMMs' long
+dimension (``W_b @ h^T``, ``dz_b^T @ W_b``, ``dz_b @ h``) each one runs at the speed of the
+full-batch GEMM on CPU BLAS, while ``h @ W^T`` with 128 to 384 rows runs 15 to 50% slower (MKL,
+2 cores). A block is written by its GEMM and reduced to partial statistics while it is still in
+cache; in the backward it becomes ``dz`` and feeds its two GEMMs in one visit.
 
-Storage: the buffer keeps ``z - m_b`` (the logits minus the block's per-token maximum ``m_b``),
-which the partial ``a = sum e (z - m_b)`` needs anyway; the block maxima are kept per token, so
-``z - lse = (z - m_b) + (m_b - lse)`` in the backward. Beside the buffer: one block of scratch
-for the exponentials, one more when soft-capping (``1 - tanh^2``, recomputed from the stored
-logit rather than stored), and one block in the input dtype for bf16/fp16 GEMMs.
+What is kept: each block's **exponentials** ``e = exp(z - m_b)`` relative to the block's
+per-token maximum ``m_b``, and the maxima. Then ``p = e * exp(m_b - lse)`` is one multiply per
+element, and the common gradient (no entropy term, no soft-capping),
+``dz = p * (-g_lp) + g_lp 1[j = y]``, is that same multiply with a per-token factor: the
+backward touches each element once, with no second ``exp``. The entropy term and the
+soft-cap derivative need ``log p`` and ``z``, taken back from ``log e`` (a zero ``e`` is a zero
+``p``, whose term is zero whatever its logarithm). The forward writes each block's
+exponentials into a spare block of the pool, which then becomes that block's storage, so the
+logits the GEMM wrote need no copy.
 """
 
 from __future__ import annotations
@@ -28,19 +31,24 @@ from logitless.kernels.softmax_partials import Partials, finish, merge
 
 # Vocabulary rows per block: 4096 x 384 tokens x 4 bytes is 6 MB, within the last-level cache.
 VOCAB_BLOCK = 4096
+# log e is clamped here: e = 0 there (p = 0), and the clamp keeps 0 * log e at 0 instead of NaN.
+_LOG_FLOOR = -1e4
+
+
+def _num_blocks(vocab: int, block: int) -> int:
+    return -(-vocab // block)
 
 
 def bytes_per_row(vocab: int, dtype: torch.dtype, softcap: float | None,
                   block: int | None = None) -> int:
-    """Bytes one token row of a chunk needs: its ``vocab`` logits and its share of the scratch
-    blocks (exponentials; ``1 - tanh^2`` when soft-capping; a low-precision copy for the GEMMs
-    when the inputs are bf16/fp16)."""
+    """Bytes one token row of a chunk needs: its share of the pool (a slot per vocabulary block
+    and one spare), one more block when soft-capping (``1 - tanh^2``), and a block in the input
+    dtype for the GEMMs when the inputs are bf16/fp16."""
     block = min(vocab, block or VOCAB_BLOCK)
     acc = torch.finfo(acc_dtype(dtype)).bits // 8
-    scratch = block * acc * (2 if softcap is not None else 1)
-    if acc_dtype(dtype) != dtype:
-        scratch += block * (torch.finfo(dtype).bits // 8)
-    return vocab * acc + scratch
+    slots = _num_blocks(vocab, block) + 1 + (1 if softcap is not None else 0)
+    low = block * (torch.finfo(dtype).bits // 8) if acc_dtype(dtype) != dtype else 0
+    return slots * block * acc + low
 
 
 class StoredLogits:
@@ -51,32 +59,36 @@ class StoredLogits:
         self.vocab, self.dtype = vocab, dtype
         self.block = min(vocab, block or VOCAB_BLOCK)
         self.acc = acc_dtype(dtype)
-        self._z = torch.empty(vocab * max_rows, dtype=self.acc, device=device)
-        self._p = torch.empty(self.block * max_rows, dtype=self.acc, device=device)
-        self._cap = (torch.empty_like(self._p) if softcap is not None else None)
+        n = _num_blocks(vocab, self.block)
+        self._pool = torch.empty(n + 1, self.block * max_rows, dtype=self.acc, device=device)
+        self._cap = (torch.empty(self.block * max_rows, dtype=self.acc, device=device)
+                     if softcap is not None else None)
         self._low = (torch.empty(self.block * max_rows, dtype=dtype, device=device)
                      if self.acc != dtype else None)
 
     def _blocks(self):
-        for v0 in range(0, self.vocab, self.block):
-            yield v0, min(v0 + self.block, self.vocab)
+        for i, v0 in enumerate(range(0, self.vocab, self.block)):
+            yield i, v0, min(v0 + self.block, self.vocab)
 
-    def _scratch(self, buf, v0, v1, rows):
-        return buf[:(v1 - v0) * rows].view(v1 - v0, rows)
+    def _view(self, flat, v0, v1):
+        return flat[:(v1 - v0) * self.rows].view(v1 - v0, self.rows)
 
     def forward(self, hidden, weight, bias, targets, *, temperature, softcap, logit_scale):
-        """Compute and keep the logits of ``hidden [rows, D]``; return per-token ``logprobs``,
-        ``entropy`` and ``lse`` (fp32; fp64 for fp64 inputs)."""
+        """Compute the logits of ``hidden [rows, D]`` block by block and keep their
+        exponentials; return per-token ``logprobs``, ``entropy`` and ``lse`` (fp32; fp64 for
+        fp64 inputs). ``targets`` lie in ``[0, V)``."""
         rows = hidden.shape[0]
-        self.rows, self.head = rows, (temperature, softcap, logit_scale)
-        self.z = self._z[:self.vocab * rows].view(self.vocab, rows)
+        self.rows, self.head, self.targets = rows, (temperature, softcap, logit_scale), targets
         h_t = hidden.t()
         factor = logit_scale / temperature
-        maxima, sums, a_parts = [], [], []
-        for v0, v1 in self._blocks():
-            zb = self.z[v0:v1]
+        target_block = targets // self.block
+        z_y = torch.zeros(rows, dtype=self.acc, device=hidden.device)
+        maxima, sums, a_parts, self.slot = [], [], [], []
+        spare = len(self._pool) - 1
+        for i, v0, v1 in self._blocks():
+            zb = self._view(self._pool[i], v0, v1)  # slot i is free: blocks < i moved down one
             b = None if bias is None else bias[v0:v1].unsqueeze(1)
-            out = zb if self._low is None else self._scratch(self._low, v0, v1, rows)
+            out = zb if self._low is None else self._view(self._low, v0, v1)
             if b is None:
                 torch.mm(weight[v0:v1], h_t, out=out)
             else:
@@ -87,71 +99,78 @@ class StoredLogits:
                 torch.tanh(zb.div_(softcap), out=zb).mul_(softcap * factor)
             elif factor != 1.0:
                 zb.mul_(factor)
+            here = target_block == i
+            at = zb.gather(0, torch.where(here, targets - v0, 0).unsqueeze(0)).squeeze(0)
+            z_y += torch.where(here, at, 0.0)
             m = zb.amax(0)
             zb.sub_(m)
-            e = torch.exp(zb, out=self._scratch(self._p, v0, v1, rows))
+            e = torch.exp(zb, out=self._view(self._pool[spare], v0, v1))
             maxima.append(m)
             sums.append(e.sum(0))
-            a_parts.append(e.mul_(zb).sum(0))  # in the scratch: no block-sized temporary
+            a_parts.append(zb.mul_(e).sum(0))  # over the logits: no block-sized temporary
+            self.slot.append(spare)  # the exponentials' slot is the block's storage now
+            spare = i
+        self.spare = spare
         self.block_max = torch.stack(maxima)
-        cols = torch.arange(rows, device=hidden.device)
-        z_y = self.z[targets, cols] + self.block_max[targets // self.block, cols]
         zeros = torch.zeros_like(self.block_max)
         parts = merge(Partials(self.block_max, torch.stack(sums), torch.stack(a_parts), zeros,
                                zeros, zeros))
         stats = finish(parts._replace(z_y=z_y), self.vocab)
-        self.targets = targets
+        self.z_y = z_y
         return stats["logprobs"], stats["entropy"], stats["lse"]
 
     def backward_(self, hidden, weight, lse, entropy, g_lp, g_entropy, d_weight, d_bias,
                   want_hidden: bool, weight_beta: float = 1.0):
-        """Turn the stored logits into ``d loss / d x`` (``x`` the untransformed logits) block by
-        block, add ``dx @ hidden`` to ``d_weight`` (``weight_beta=0``: overwrite it) and ``dx``
-        summed to ``d_bias`` (either may be None), and return ``dx^T W`` when ``want_hidden``
-        (fp32; fp64 for fp64 inputs).
+        """Turn the stored exponentials into ``d loss / d x`` (``x`` the untransformed logits)
+        block by block, add ``dx @ hidden`` to ``d_weight`` (``weight_beta=0``: overwrite it)
+        and ``dx`` summed to ``d_bias`` (either may be None), and return ``dx^T W`` when
+        ``want_hidden`` (fp32; fp64 for fp64 inputs).
 
         ``g_lp``, ``g_entropy``: per-token upstream gradients (None: zero). With
-        ``p = exp((z - m_b) + (m_b - lse))``:
-        ``dz = p * (-g_lp - g_H (log p + H)) + g_lp 1[j = y]``, times ``scale / T`` and, when
-        soft-capping, ``1 - tanh^2``.
+        ``p = e exp(m_b - lse)`` and ``f = scale / T``:
+        ``dz = f p (-g_lp - g_H (log p + H)) + f g_lp 1[j = y]``, times ``1 - tanh^2`` when
+        soft-capping (at the target, from its exact logit).
         """
         temperature, softcap, logit_scale = self.head
-        rows = self.rows
-        factor = logit_scale / temperature
-        shift = self.block_max - lse  # [blocks, rows]: log p = stored + shift
+        f = logit_scale / temperature
+        shift = self.block_max - lse  # [blocks, rows]: log p = log e + shift
+        scale = torch.exp(shift)  # p = e * scale
         g_lp = torch.zeros_like(lse) if g_lp is None else g_lp.to(lse.dtype)
-        if g_entropy is None:
-            alpha, beta = None, -g_lp * factor
-            beta = beta.expand_as(shift)
-        else:
+        if g_entropy is None:  # dz = e * k0
+            k1, k0 = None, scale * (-g_lp * f)
+        else:  # dz = e * (k1 log e + k0)
             g_entropy = g_entropy.to(lse.dtype)
-            alpha = -g_entropy * factor
-            beta = (-g_lp - g_entropy * (shift + entropy)) * factor
-        one_hot = g_lp * factor
+            k1 = scale * (-g_entropy * f)
+            k0 = scale * ((-g_lp - g_entropy * (shift + entropy)) * f)
+        one_hot = g_lp * f
+        if softcap is not None:
+            cap_f = softcap * f
+            one_hot = one_hot * (1.0 - (self.z_y / cap_f).square())
         target_block = self.targets // self.block
-        d_hidden = (torch.zeros(rows, weight.shape[1], dtype=self.acc, device=weight.device)
+        d_hidden = (torch.zeros(self.rows, weight.shape[1], dtype=self.acc, device=weight.device)
                     if want_hidden else None)
-        cap_scale = None if softcap is None else softcap * factor
-        for i, (v0, v1) in enumerate(self._blocks()):
-            s = self.z[v0:v1]
-            if softcap is not None:  # 1 - tanh^2 from the stored logit z = m_b + s
-                t = torch.add(s, self.block_max[i], out=self._scratch(self._cap, v0, v1, rows))
-                t.div_(cap_scale).square_().neg_().add_(1.0)
-            p = torch.add(s, shift[i], out=self._scratch(self._p, v0, v1, rows)).exp_()
-            if alpha is None:
-                dz = torch.mul(p, beta[i], out=s)
+        for i, v0, v1 in self._blocks():
+            dz = self._view(self._pool[self.slot[i]], v0, v1)  # e, becoming dz
+            if k1 is not None or softcap is not None:
+                log_e = torch.log(dz, out=self._view(self._pool[self.spare], v0, v1))
+                log_e.clamp_(min=_LOG_FLOOR)
+            if softcap is not None:  # 1 - tanh^2, tanh = z / cap_f = (m_b + log e) / cap_f
+                t = torch.add(log_e, self.block_max[i], out=self._view(self._cap, v0, v1))
+                t.div_(cap_f).clamp_(-1.0, 1.0).square_().neg_().add_(1.0)
+            if k1 is None:
+                dz.mul_(k0[i])
             else:
-                dz = s.mul_(alpha).add_(beta[i]).mul_(p)
-            # += g_lp at each token's target (no host read: the others add 0 at a clamped row)
+                dz.mul_(log_e.mul_(k1[i]).add_(k0[i]))
+            if softcap is not None:
+                dz.mul_(t)
+            # += the target's term (no host read: the other tokens add 0 at a clamped row)
             here = target_block == i
             index = torch.where(here, self.targets - v0, 0).unsqueeze(0)
             dz.scatter_add_(0, index, torch.where(here, one_hot, 0.0).unsqueeze(0))
-            if softcap is not None:
-                dz.mul_(t)
             if d_bias is not None:
                 d_bias[v0:v1] += dz.sum(1)
             if self._low is not None:
-                dz = self._scratch(self._low, v0, v1, rows).copy_(dz)
+                dz = self._view(self._low, v0, v1).copy_(dz)
             if d_hidden is not None:
                 addmm_acc_(d_hidden, dz.t(), weight[v0:v1])
             if d_weight is not None:
