@@ -1,9 +1,15 @@
 """Chunked PyTorch twin of the Triton linear-softmax kernels (the CPU path).
 
-Same contract as ``kernels/linear_softmax.py``: the forward streams ``[rows, vocab]`` tiles of
-bounded size through ``torch.mm`` and keeps only per-token partial statistics; the backward
-recomputes each tile, turns it into the logit gradient in place, and feeds it to two GEMMs.
-At no point does more than one tile of logits (plus its in-place transforms) exist.
+Same contract as ``kernels/linear_softmax.py``: the forward streams tiles of bounded size
+through ``torch.mm`` and keeps only per-token partial statistics; the backward recomputes each
+tile, turns it into the logit gradient in place, and feeds it to two GEMMs. At no point does
+more than one tile of logits (plus its in-place transforms) exist.
+
+The backward's tiles are **vocab-major**, ``[cols, rows]`` (``W_c @ h^T``): the vocabulary is
+the GEMMs' long side, the side CPU BLAS handles at full speed for any number of tokens. The
+forward's stay token-major (see ``forward``). The tile buffers are allocated once per call and
+every elementwise step writes into them: no tile-sized temporaries, so glibc does not map and
+fault in fresh pages for each tile.
 """
 
 from __future__ import annotations
@@ -13,9 +19,9 @@ import torch
 from logitless.kernels.softmax_partials import Partials, merge, stack
 
 # Default bound on the temporary logits one tile may hold (bytes). The forward keeps one fp32
-# tile plus one scratch tile of the same size; the backward the same two.
+# tile plus one scratch tile of the same size; the backward the same two (a third when
+# soft-capping).
 DEFAULT_TILE_BYTES = 64 * 2**20
-_TILE_BUFFERS = 2
 # Token rows per tile (the GEMMs' M), the fewest vocab columns a tile is cut to before rows are
 # given up (small tile budgets), and the most.
 _ROW_BLOCK = 1024
@@ -25,7 +31,7 @@ _MAX_COLS = 16384
 _MM_OUT_DTYPE = "out_dtype" in (torch.addmm.__doc__ or "")
 
 
-def _tile_shape(n: int, v: int, tile_bytes: int) -> tuple[int, int]:
+def _tile_shape(n: int, v: int, tile_bytes: int, buffers: int = 2) -> tuple[int, int]:
     """Rows and vocab columns per tile so that the tile buffers fit in ``tile_bytes``.
 
     Up to ``_ROW_BLOCK`` token rows per tile, the vocabulary split to fit: with whole-vocabulary
@@ -38,24 +44,52 @@ def _tile_shape(n: int, v: int, tile_bytes: int) -> tuple[int, int]:
     get a tile sized to them (64 x 16384 fp32 is 4 MB), not the whole budget, which at 64
     tokens would exceed the naive full logits.
     """
-    elems = max(1, tile_bytes // (4 * _TILE_BUFFERS))
+    elems = max(1, tile_bytes // (4 * buffers))
     rows = max(1, min(n, _ROW_BLOCK, elems // min(v, _MIN_COLS)))
     return rows, max(1, min(v, _MAX_COLS, elems // rows))
 
 
-def logits_tile(hidden, weight, bias, temperature, softcap, logit_scale):
-    """Tempered fp32 logits of one tile, and ``tanh(x / c)`` when softcapping (for the backward)."""
-    x = hidden @ weight.t()
-    if bias is not None:
-        x += bias
-    x = x.to(acc_dtype(x.dtype))
-    t = None
-    if softcap is not None:
-        t = torch.tanh(x.div_(softcap))
-        x = t * (softcap * logit_scale / temperature)
-    elif logit_scale != 1.0 or temperature != 1.0:
-        x.mul_(logit_scale / temperature)
-    return x, t
+class _Tiles:
+    """The buffers of one call's tiles: logits, scratch, ``1 - tanh^2`` when soft-capping, and
+    the GEMM's output in the input dtype when that is bf16/fp16."""
+
+    def __init__(self, rows, cols, dtype, device, softcap):
+        self.acc = acc_dtype(dtype)
+        size = rows * cols
+        self.z = torch.empty(size, dtype=self.acc, device=device)
+        self.scratch = torch.empty(size, dtype=self.acc, device=device)
+        self.cap = torch.empty(size, dtype=self.acc, device=device) if softcap is not None \
+            else None
+        self.low = torch.empty(size, dtype=dtype, device=device) if self.acc != dtype else None
+
+    @staticmethod
+    def view(buf, cols, rows):
+        return buf[:cols * rows].view(cols, rows)
+
+    def logits(self, hidden, weight, bias, temperature, softcap, logit_scale, vocab_major=True):
+        """Tempered logits of one tile, ``[cols, rows]`` (``vocab_major``) or ``[rows, cols]``,
+        and ``tanh(x / c)`` when soft-capping (for the backward)."""
+        cols, rows = weight.shape[0], hidden.shape[0]
+        shape = (cols, rows) if vocab_major else (rows, cols)
+        x = self.view(self.z, *shape)
+        out = x if self.low is None else self.view(self.low, *shape)
+        if vocab_major:
+            a, b, bias = weight, hidden.t(), None if bias is None else bias.unsqueeze(1)
+        else:
+            a, b = hidden, weight.t()
+        if bias is None:
+            torch.mm(a, b, out=out)
+        else:
+            torch.addmm(bias, a, b, out=out)
+        if self.low is not None:
+            x.copy_(out)
+        t = None
+        if softcap is not None:
+            t = torch.tanh(x.div_(softcap), out=self.view(self.cap, *shape))
+            torch.mul(t, softcap * logit_scale / temperature, out=x)
+        elif logit_scale != 1.0 or temperature != 1.0:
+            x.mul_(logit_scale / temperature)
+        return x, t
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -64,30 +98,28 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def tile_partials(z: torch.Tensor, local_targets: torch.Tensor, want_s2: bool,
-                  want_sum_z: bool) -> Partials:
-    """Partial statistics of one fp32 logits tile ``z [n, v]``; ``z`` is overwritten with
-    ``z - m``."""
-    n = z.shape[0]
-    has_y = (local_targets >= 0) & (local_targets < z.shape[1])
-    idx = local_targets.clamp(0, z.shape[1] - 1).unsqueeze(1)
-    z_y = torch.where(has_y, z.gather(1, idx).squeeze(1), z.new_zeros(()))
-    sum_z = z.sum(1) if want_sum_z else z.new_zeros(n)
-    m = z.amax(1)
-    z -= m.unsqueeze(1)  # z - m, in place
-    e = torch.exp(z)
-    l = e.sum(1)
-    if want_s2:
-        s2 = torch.linalg.vecdot(e, e)
-    else:
-        s2 = z.new_zeros(n)
-    a = torch.linalg.vecdot(e, z)
-    return Partials(m, l, a, s2, sum_z, z_y)
+                  want_sum_z: bool, scratch: torch.Tensor, vocab_dim: int = 0) -> Partials:
+    """Partial statistics of one logits tile whose vocabulary runs along ``vocab_dim``, using
+    ``scratch`` (same shape) for the exponentials. ``z`` and ``scratch`` are overwritten."""
+    cols, n = z.shape[vocab_dim], z.shape[1 - vocab_dim]
+    has_y = (local_targets >= 0) & (local_targets < cols)
+    idx = local_targets.clamp(0, cols - 1).unsqueeze(vocab_dim)
+    z_y = torch.where(has_y, z.gather(vocab_dim, idx).squeeze(vocab_dim), 0.0)
+    sum_z = z.sum(vocab_dim) if want_sum_z else z.new_zeros(n)
+    m = z.amax(vocab_dim, keepdim=True)
+    z.sub_(m)
+    e = torch.exp(z, out=scratch)
+    l = e.sum(vocab_dim)
+    a = z.mul_(e).sum(vocab_dim)  # sum e (z - m), over the logits (no longer needed)
+    s2 = e.square_().sum(vocab_dim) if want_s2 else z.new_zeros(n)
+    return Partials(m.squeeze(vocab_dim), l, a, s2, sum_z, z_y)
 
 
 def _add_one_hot_(dz, local_targets, values):
-    has_y = (local_targets >= 0) & (local_targets < dz.shape[1])
-    rows = torch.nonzero(has_y).squeeze(1)
-    dz[rows, local_targets[rows]] += values[rows]
+    """``dz[y_j, j] += values[j]`` for the tokens whose target lies in this tile."""
+    has_y = (local_targets >= 0) & (local_targets < dz.shape[0])
+    index = torch.where(has_y, local_targets, 0).unsqueeze(0)
+    dz.scatter_add_(0, index, torch.where(has_y, values, 0.0).unsqueeze(0))
 
 
 def forward(hidden, weight, bias, targets, *, temperature, softcap, logit_scale, want_s2,
@@ -99,7 +131,11 @@ def forward(hidden, weight, bias, targets, *, temperature, softcap, logit_scale,
     ``[N]`` relative to each token's maximum (see ``softmax_partials``).
     """
     n, v = hidden.shape[0], weight.shape[0]
-    rows, cols = _tile_shape(n, v, tile_bytes)
+    if n == 0:
+        empty = hidden.new_empty(0, dtype=acc_dtype(hidden.dtype))
+        return Partials(*(empty,) * 6)
+    rows, cols = _tile_shape(n, v, tile_bytes, 2 if softcap is None else 3)
+    tiles = _Tiles(min(rows, n), min(cols, v), hidden.dtype, hidden.device, softcap)
     out = []
     for r0 in range(0, n, rows):
         h = hidden[r0:r0 + rows]
@@ -107,12 +143,14 @@ def forward(hidden, weight, bias, targets, *, temperature, softcap, logit_scale,
         parts = []
         for c0 in range(0, v, cols):
             b = None if bias is None else bias[c0:c0 + cols]
-            z, _ = logits_tile(h, weight[c0:c0 + cols], b, temperature, softcap, logit_scale)
-            parts.append(tile_partials(z, tgt - c0, want_s2, want_sum_z))
+            # Token-major here: the forward's logits then round exactly as ``h @ W^T`` does in
+            # the plain-PyTorch heads this replaces (TRL's, for one), so logprobs agree with
+            # theirs to the last bits and losses that cancel (VESPO's) agree too.
+            z, _ = tiles.logits(h, weight[c0:c0 + cols], b, temperature, softcap, logit_scale,
+                                vocab_major=False)
+            scratch = tiles.view(tiles.scratch, *z.shape)
+            parts.append(tile_partials(z, tgt - c0, want_s2, want_sum_z, scratch, vocab_dim=1))
         out.append(parts[0] if len(parts) == 1 else merge(stack(parts)))
-    if not out:
-        empty = hidden.new_empty(0, dtype=acc_dtype(hidden.dtype))
-        return Partials(*(empty,) * 6)
     return Partials(*(torch.cat(f) for f in zip(*out)))
 
 
@@ -123,36 +161,42 @@ def backward(hidden, weight, bias, targets, lse, entropy, sum_p_sq, g_lp, g_entr
 
     With ``p = exp(z - lse)`` recomputed per tile:
     ``dz = g_lp (1[j=y] - p) - g_entropy p (log p + H) + g_sum_p_sq 2 p (p - S2) + g_mean / V``,
-    then through the logit transform, then ``d_hidden = dx @ W``, ``d_weight = dx^T @ hidden``,
-    ``d_bias = sum_rows dx``, each accumulated in fp32 (fp64 for fp64 inputs). Upstream
-    gradients that are None cost nothing; so do results not asked for.
+    then through the logit transform, then ``d_hidden = dx^T @ W``, ``d_weight = dx @ hidden``,
+    ``d_bias = sum dx``, each accumulated in fp32 (fp64 for fp64 inputs): the first product
+    into each accumulator overwrites it, so nothing is zeroed first. Upstream gradients that
+    are None cost nothing; so do results not asked for.
     """
     n, v = hidden.shape[0], weight.shape[0]
-    rows, cols = _tile_shape(n, v, tile_bytes)
     acc = acc_dtype(hidden.dtype)
-    d_hidden = hidden.new_zeros(hidden.shape, dtype=acc) if need_hidden else None
-    d_weight = weight.new_zeros(weight.shape, dtype=acc) if need_weight else None
-    d_bias = weight.new_zeros(v, dtype=acc) if need_bias else None
     if not (need_hidden or need_weight or need_bias) or n == 0:
-        return d_hidden, d_weight, d_bias
-    gemm_dtype = hidden.dtype
+        return tuple(hidden.new_zeros(shape, dtype=acc) if need else None
+                     for need, shape in ((need_hidden, hidden.shape),
+                                         (need_weight, weight.shape), (need_bias, (v,))))
+    rows, cols = _tile_shape(n, v, tile_bytes, 2 if softcap is None else 3)
+    tiles = _Tiles(min(rows, n), min(cols, v), hidden.dtype, hidden.device, softcap)
+    d_hidden = hidden.new_empty(hidden.shape, dtype=acc) if need_hidden else None
+    d_weight = weight.new_empty(weight.shape, dtype=acc) if need_weight else None
+    d_bias = weight.new_zeros(v, dtype=acc) if need_bias else None
     for r0 in range(0, n, rows):
         sl = slice(r0, r0 + rows)
         h = hidden[sl]
-        per_row = [None if g is None else g[sl].unsqueeze(1)
+        per_row = [None if g is None else g[sl]
                    for g in (lse, entropy, sum_p_sq, g_lp, g_entropy, g_sum_p_sq, g_mean_logit)]
         for c0 in range(0, v, cols):
             w = weight[c0:c0 + cols]
             b = None if bias is None else bias[c0:c0 + cols]
-            z, t = logits_tile(h, w, b, temperature, softcap, logit_scale)
-            dz = logit_grad_(z, targets[sl] - c0, *per_row, vocab_total)
-            dx = through_transform_(dz, t, logit_scale, temperature).to(gemm_dtype)
+            z, t = tiles.logits(h, w, b, temperature, softcap, logit_scale)
+            scratch = tiles.view(tiles.scratch, *z.shape)
+            dz = logit_grad_(z, targets[sl] - c0, *per_row, vocab_total, scratch)
+            dx = through_transform_(dz, t, logit_scale, temperature)
+            if tiles.low is not None:
+                dx = tiles.view(tiles.low, *dx.shape).copy_(dx)
             if d_hidden is not None:
-                addmm_acc_(d_hidden[sl], dx, w)
+                addmm_acc_(d_hidden[sl], dx.t(), w, beta=0.0 if c0 == 0 else 1.0)
             if d_weight is not None:
-                addmm_acc_(d_weight[c0:c0 + cols], dx.t(), h)
+                addmm_acc_(d_weight[c0:c0 + cols], dx, h, beta=0.0 if r0 == 0 else 1.0)
             if d_bias is not None:
-                d_bias[c0:c0 + cols] += dz.sum(0)
+                d_bias[c0:c0 + cols] += dz.sum(1)
     return d_hidden, d_weight, d_bias
 
 
@@ -182,20 +226,21 @@ def through_transform_(dz, t, logit_scale, temperature):
 
 
 def logit_grad_(z, local_targets, lse, entropy, sum_p_sq, g_lp, g_entropy, g_sum_p_sq,
-                 g_mean_logit, vocab_total):
-    """Overwrite the fp32 logits tile ``z`` with ``d loss / d z`` and return it.
+                 g_mean_logit, vocab_total, scratch):
+    """Overwrite the logits tile ``z [cols, rows]`` with ``d loss / d z`` and return it.
 
     ``dz = p * (-g_lp - g_H (log p + H) + 2 g_S2 (p - S2)) + g_lp 1[j=y] + g_mean / V``: the
-    per-element coefficient is built in at most one extra buffer, then multiplied into ``p``.
+    per-element coefficient is built in ``scratch``, then multiplied into ``p``. Per-token
+    arguments are ``[rows]`` (None: zero).
     """
     z -= lse  # log p
     coef = None
     if g_entropy is not None:
-        coef = (z + entropy).mul_(-g_entropy)
+        coef = torch.add(z, entropy, out=scratch).mul_(-g_entropy)
     p = z.exp_()
     if g_sum_p_sq is not None:
         two_g = 2.0 * g_sum_p_sq
-        coef = p * two_g if coef is None else coef.addcmul_(p, two_g)
+        coef = torch.mul(p, two_g, out=scratch) if coef is None else coef.addcmul_(p, two_g)
         coef -= two_g * sum_p_sq
     if coef is None:
         dz = p.mul_(-g_lp) if g_lp is not None else p.zero_()
@@ -206,5 +251,5 @@ def logit_grad_(z, local_targets, lse, entropy, sum_p_sq, g_lp, g_entropy, g_sum
     if g_mean_logit is not None:
         dz += g_mean_logit / vocab_total
     if g_lp is not None:
-        _add_one_hot_(dz, local_targets, g_lp.squeeze(1))
+        _add_one_hot_(dz, local_targets, g_lp)
     return dz
