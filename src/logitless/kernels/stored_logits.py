@@ -26,8 +26,14 @@ from __future__ import annotations
 
 import torch
 
-from logitless.kernels.linear_softmax_torch import acc_dtype, addmm_acc_
-from logitless.kernels.softmax_partials import Partials, finish, merge
+from logitless.kernels.linear_softmax_torch import (
+    acc_dtype,
+    add_one_hot_,
+    addmm_acc_,
+    logits_into,
+    tile_partials,
+)
+from logitless.kernels.softmax_partials import finish, merge, stack
 
 # Vocabulary rows per block: 4096 x 384 tokens x 4 bytes is 6 MB, within the last-level cache.
 VOCAB_BLOCK = 4096
@@ -42,8 +48,8 @@ def _num_blocks(vocab: int, block: int) -> int:
 def bytes_per_row(vocab: int, dtype: torch.dtype, softcap: float | None,
                   block: int | None = None) -> int:
     """Bytes one token row of a chunk needs: its share of the pool (a slot per vocabulary block
-    and one spare), one more block when soft-capping (``1 - tanh^2``), and a block in the input
-    dtype for the GEMMs when the inputs are bf16/fp16."""
+    and one spare), one more block when soft-capping (``tanh``, then ``1 - tanh^2``), and a
+    block in the input dtype for the GEMMs when the inputs are bf16/fp16."""
     block = min(vocab, block or VOCAB_BLOCK)
     acc = torch.finfo(acc_dtype(dtype)).bits // 8
     slots = _num_blocks(vocab, block) + 1 + (1 if softcap is not None else 0)
@@ -79,44 +85,25 @@ class StoredLogits:
         fp64 inputs). ``targets`` lie in ``[0, V)``."""
         rows = hidden.shape[0]
         self.rows, self.head, self.targets = rows, (temperature, softcap, logit_scale), targets
-        h_t = hidden.t()
-        factor = logit_scale / temperature
-        target_block = targets // self.block
-        z_y = torch.zeros(rows, dtype=self.acc, device=hidden.device)
-        maxima, sums, a_parts, self.slot = [], [], [], []
+        parts, self.slot = [], []
         spare = len(self._pool) - 1
         for i, v0, v1 in self._blocks():
             zb = self._view(self._pool[i], v0, v1)  # slot i is free: blocks < i moved down one
-            b = None if bias is None else bias[v0:v1].unsqueeze(1)
-            out = zb if self._low is None else self._view(self._low, v0, v1)
-            if b is None:
-                torch.mm(weight[v0:v1], h_t, out=out)
-            else:
-                torch.addmm(b, weight[v0:v1], h_t, out=out)
-            if self._low is not None:
-                zb.copy_(out)
-            if softcap is not None:
-                torch.tanh(zb.div_(softcap), out=zb).mul_(softcap * factor)
-            elif factor != 1.0:
-                zb.mul_(factor)
-            here = target_block == i
-            at = zb.gather(0, torch.where(here, targets - v0, 0).unsqueeze(0)).squeeze(0)
-            z_y += torch.where(here, at, 0.0)
-            m = zb.amax(0)
-            zb.sub_(m)
-            e = torch.exp(zb, out=self._view(self._pool[spare], v0, v1))
-            maxima.append(m)
-            sums.append(e.sum(0))
-            a_parts.append(zb.mul_(e).sum(0))  # over the logits: no block-sized temporary
-            self.slot.append(spare)  # the exponentials' slot is the block's storage now
+            logits_into(zb, None if self._low is None else self._view(self._low, v0, v1),
+                        None if self._cap is None else self._view(self._cap, v0, v1),
+                        hidden, weight[v0:v1], None if bias is None else bias[v0:v1],
+                        temperature, softcap, logit_scale, vocab_major=True)
+            # The exponentials go to the spare slot, which becomes the block's storage.
+            e = self._view(self._pool[spare], v0, v1)
+            parts.append(tile_partials(zb, targets - v0, False, False, e, vocab_dim=0))
+            self.slot.append(spare)
             spare = i
         self.spare = spare
-        self.block_max = torch.stack(maxima)
-        zeros = torch.zeros_like(self.block_max)
-        parts = merge(Partials(self.block_max, torch.stack(sums), torch.stack(a_parts), zeros,
-                               zeros, zeros))
-        stats = finish(parts._replace(z_y=z_y), self.vocab)
-        self.z_y = z_y
+        stacked = stack(parts)
+        self.block_max = stacked.m
+        merged = merge(stacked)
+        self.z_y = merged.z_y
+        stats = finish(merged, self.vocab)
         return stats["logprobs"], stats["entropy"], stats["lse"]
 
     def backward_(self, hidden, weight, lse, entropy, g_lp, g_entropy, d_weight, d_bias,
@@ -146,7 +133,6 @@ class StoredLogits:
         if softcap is not None:
             cap_f = softcap * f
             one_hot = one_hot * (1.0 - (self.z_y / cap_f).square())
-        target_block = self.targets // self.block
         d_hidden = (torch.zeros(self.rows, weight.shape[1], dtype=self.acc, device=weight.device)
                     if want_hidden else None)
         for i, v0, v1 in self._blocks():
@@ -163,10 +149,7 @@ class StoredLogits:
                 dz.mul_(log_e.mul_(k1[i]).add_(k0[i]))
             if softcap is not None:
                 dz.mul_(t)
-            # += the target's term (no host read: the other tokens add 0 at a clamped row)
-            here = target_block == i
-            index = torch.where(here, self.targets - v0, 0).unsqueeze(0)
-            dz.scatter_add_(0, index, torch.where(here, one_hot, 0.0).unsqueeze(0))
+            add_one_hot_(dz, self.targets - v0, one_hot)  # the target's term
             if d_bias is not None:
                 d_bias[v0:v1] += dz.sum(1)
             if self._low is not None:
