@@ -27,6 +27,7 @@ import itertools
 
 import torch
 
+from logitless.fused_losses import gpu_plan
 from logitless.fused_losses.config import PolicyLossConfig
 from logitless.fused_losses.logprobs import check_head_args, compute_dtype, linear_logprobs
 from logitless.fused_losses.policy_loss import (
@@ -41,15 +42,14 @@ from logitless.kernels import stored_logits
 __all__ = ["CPU_MEMORY_BUDGET", "fused_policy_loss", "plan_chunks"]
 
 CPU_MEMORY_BUDGET = 256 * 2**20
-# On CUDA, the default budget is this fraction of the free device memory at call time.
-CUDA_BUDGET_FRACTION = 0.25
 STRATEGIES = ("auto", "chunked", "streaming")
 
 
 def _default_budget(device: torch.device) -> int:
+    """A fixed number of bytes per device type, never read off the allocator: on CUDA the one
+    the cost model chooses (``gpu_plan.CUDA_MEMORY_BUDGET``)."""
     if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free * CUDA_BUDGET_FRACTION)
+        return gpu_plan.CUDA_MEMORY_BUDGET
     return CPU_MEMORY_BUDGET
 
 
@@ -239,8 +239,8 @@ def fused_policy_loss(
         attention_entropy, num_items_in_batch, global_batch_size, training_progress,
             entropy_coef: as in :func:`policy_loss`.
         temperature, softcap, logit_scale: the logit transform, as in :func:`linear_logprobs`.
-        memory_budget: bytes of temporary logits a chunk may use (default: a quarter of free
-            device memory on CUDA, 256 MB on CPU).
+        memory_budget: bytes of temporary logits a chunk may use (default: 512 MiB on CUDA,
+            chosen by the cost model in ``gpu_plan``; 256 MiB on CPU).
         strategy: ``"auto"`` (chunks, streaming where needed), ``"chunked"`` or ``"streaming"``.
 
     Returns:

@@ -1,0 +1,411 @@
+"""The plan of each GPU path and its predicted cost, computed without a GPU.
+
+For a shape ``(N, D, V)``, a dtype and a memory budget, :func:`gpu_plan` lays out what the CUDA
+path of ``linear_logprobs`` or ``fused_policy_loss`` launches (row chunks, vocabulary tiles,
+GEMMs and one-pass Triton epilogues), counts each pass's FLOPs and HBM bytes, and predicts its
+time on a :class:`Hardware` (an H200 by default). Pure arithmetic: no tensor is made and no
+device is asked anything, so the model runs and is tested on CPU.
+
+The model, stated once:
+
+- A launch costs ``max(flops / rate, bytes / bandwidth) + launch_seconds``: GEMMs at the
+  tensor-core rate (bf16/fp16; TF32 for fp32 inputs), epilogue passes at the fp32 vector rate.
+- Bytes are the fewest a launch must move: each operand read once, each output written once, an
+  accumulator (``C += A @ B``) read and written. A GEMM's operand re-reads from L2 are not
+  counted; neither are cuBLAS's losses on thin or oddly shaped tiles, which only a measurement
+  shows.
+- The plain GEMMs of a path (its floor) are the same products over the whole shape, one launch
+  each: no-grad one (``2 N D V`` FLOPs), head forward+backward four, fused loss three.
+- Peak memory is what a path holds beyond its inputs and their gradients: the logits tile or
+  the stored chunk, per-row state, fp32 accumulators.
+
+Paths:
+
+- ``"logprobs-nograd"``: per vocabulary tile and row chunk, a GEMM writes the logits tile in the
+  input dtype and one Triton pass folds it into the per-row statistics (a fixed merge order).
+- ``"logprobs-fwd-bwd"``: that forward, then vocabulary-outer: per tile the GEMM again, one pass
+  turning the tile into ``dz`` in place, ``d_hidden += dz @ W_tile`` into an fp32 ``[N, D]``
+  accumulator, ``d_weight[tile] = dz^T @ hidden`` written once (an fp32 tile accumulator only
+  when there are several row chunks).
+- ``"fused-policy-loss"``: sequence-aligned chunks of rows, each chunk's ``[rows, V]`` logits
+  stored once in the input dtype; a statistics pass, the objective on ``(lp, H)``, a pass turning
+  the stored logits into ``dz`` in place, ``dz @ W`` for the chunk's hidden gradient and
+  ``dz^T @ hidden`` added into the one fp32 weight-gradient accumulator.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+
+__all__ = [
+    "CUDA_MEMORY_BUDGET",
+    "H200",
+    "HEAD_TILE_BUDGET",
+    "PATHS",
+    "REFERENCE_SHAPE",
+    "VOCAB_TILE",
+    "GpuPlan",
+    "Hardware",
+    "Pass",
+    "format_table",
+    "gpu_plan",
+    "reference_plans",
+]
+
+PATHS = ("logprobs-nograd", "logprobs-fwd-bwd", "fused-policy-loss")
+# The shape of the issue's targets: a 16k-token batch, Qwen-sized hidden and vocabulary.
+REFERENCE_SHAPE = (16384, 4096, 151936)
+# Vocabulary columns per head tile: fixed, so tile boundaries never depend on N (batch
+# invariance), and wide enough that a tile's GEMM at a few thousand rows fills the chip.
+VOCAB_TILE = 4096
+# Bytes of the head's logits tile: at V-tiles of 4096 bf16 columns, 32768 rows per chunk.
+HEAD_TILE_BUDGET = 256 * 2**20
+# The default memory budget of ``fused_policy_loss`` on CUDA, in bytes: the smallest power of
+# two at which the model puts the fused loss within the issue's 1.15x of its three GEMMs at the
+# reference shape (1.12x in 10 chunks of 1639 rows; 256 MiB gives 1.17x, its fp32
+# weight-gradient traffic at 92% of a GEMM's time; bigger budgets gain little: 1.10x at 1 GiB,
+# 1.08x with no chunking at all). Fixed, not a fraction of free memory: the chunking must not
+# depend on what the caching allocator happens to hold.
+CUDA_MEMORY_BUDGET = 512 * 2**20
+
+# Epilogue arithmetic per logits element (fp32 vector FLOPs, exp counted as 4): the statistics
+# pass (transform, running max, exp, sums of e, e z, e^2, z, target compare) and the dz pass
+# (exp(z - lse), the entropy term, the upstream scale, the target's one-hot).
+_STATS_FLOPS = 16
+_DZ_FLOPS = 12
+# Per-row state an epilogue reads and writes: the seven fp32 partials, or lse, entropy and
+# the per-token upstream gradients.
+_ROW_STATE_BYTES = 7 * 4
+# What a path holds per token for its whole duration: statistics, results, targets, per-token
+# gradients and the saved forward state (fp32 or int64 each).
+_ROW_HELD_BYTES = 64
+# The objective on a chunk's (lp, H): policy_loss forward and backward on per-token grids, a
+# few dozen small kernels reading and writing a few fp32 values per token.
+_OBJECTIVE_LAUNCHES = 60
+_OBJECTIVE_BYTES_PER_ROW = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    """Rates of one GPU: FLOP/s of the tensor cores (bf16/fp16, and TF32 for fp32 inputs) and of
+    the fp32 vector units, HBM bytes/s (read plus write), and seconds each launch adds (the
+    kernel's ramp-up and tail, and the host's launch when it cannot run ahead)."""
+
+    name: str
+    matmul_flops: float
+    tf32_flops: float
+    vector_flops: float
+    bandwidth: float
+    launch_seconds: float
+
+
+# 790 TFLOP/s and 4.3 TB/s were measured on this workplace's H200 (8192^3 bf16 GEMM on random
+# data; a device-to-device copy); TF32 at half the bf16 rate and 67 TFLOP/s fp32 vector are
+# the datasheet's ratios; 5 us per launch is an estimate.
+H200 = Hardware("H200", 790e12, 395e12, 67e12, 4.3e12, 5e-6)
+
+_ELEMENT_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+@dataclasses.dataclass(frozen=True)
+class Pass:
+    """One kind of launch of a plan, summed over its launches: ``unit`` is ``"matmul"`` (cuBLAS
+    on the tensor cores) or ``"vector"`` (a Triton or torch elementwise pass)."""
+
+    name: str
+    unit: str
+    launches: int
+    flops: int
+    bytes: int
+    seconds: float
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuPlan:
+    """A path's plan for one shape: its chunks and tiles, its passes, and its plain GEMMs.
+
+    ``chunk_rows`` is the largest row chunk (chunks are evened out: sizes differ by at most
+    one row) and ``chunks`` their number; ``vocab_tile`` the columns per tile (the whole
+    vocabulary for the fused loss, whose chunk stores all of it). ``extra_bytes`` is the peak
+    memory beyond inputs and their gradients, ``accumulator_bytes`` the part of it that is the
+    fp32 weight-gradient accumulator (fused loss with bf16/fp16 inputs; 0 otherwise).
+    """
+
+    path: str
+    n: int
+    d: int
+    v: int
+    dtype: str
+    memory_budget: int
+    chunk_rows: int
+    chunks: int
+    vocab_tile: int
+    vocab_tiles: int
+    passes: tuple[Pass, ...]
+    gemm_floor: tuple[Pass, ...]
+    extra_bytes: int
+    accumulator_bytes: int
+
+    @property
+    def flops(self) -> int:
+        return sum(p.flops for p in self.passes)
+
+    @property
+    def bytes(self) -> int:
+        return sum(p.bytes for p in self.passes)
+
+    @property
+    def seconds(self) -> float:
+        return sum(p.seconds for p in self.passes)
+
+    @property
+    def floor_seconds(self) -> float:
+        return sum(p.seconds for p in self.gemm_floor)
+
+    @property
+    def ratio(self) -> float:
+        """Predicted time over the predicted time of the path's plain GEMMs."""
+        return self.seconds / self.floor_seconds
+
+
+class _Passes:
+    """Launches added one group at a time, summed per pass name in order of first appearance."""
+
+    def __init__(self, hw: Hardware, matmul_flops: float):
+        self.hw, self.matmul_flops = hw, matmul_flops
+        self.totals: dict[str, list] = {}
+
+    def add(self, name: str, unit: str, flops: int, nbytes: int, launches: int = 1) -> None:
+        """``launches`` launches of ``flops`` FLOPs and ``nbytes`` bytes each."""
+        rate = self.matmul_flops if unit == "matmul" else self.hw.vector_flops
+        each = max(flops / rate, nbytes / self.hw.bandwidth) + self.hw.launch_seconds
+        t = self.totals.setdefault(name, [unit, 0, 0, 0, 0.0])
+        t[1] += launches
+        t[2] += launches * flops
+        t[3] += launches * nbytes
+        t[4] += launches * each
+
+    def result(self) -> tuple[Pass, ...]:
+        return tuple(Pass(name, *t) for name, t in self.totals.items())
+
+
+def _even_split(total: int, parts: int) -> list[tuple[int, int]]:
+    """``total`` rows in ``parts`` chunks differing by at most one: ``(size, count)`` pairs."""
+    q, r = divmod(total, parts)
+    return [(s, c) for s, c in ((q + 1, r), (q, parts - r)) if c]
+
+
+def _tiles(v: int, tile: int) -> list[tuple[int, int]]:
+    """Vocabulary tiles of ``tile`` columns, the last one partial: ``(width, count)`` pairs."""
+    full, rest = divmod(v, tile)
+    return [(w, c) for w, c in ((tile, full), (rest, 1)) if w and c]
+
+
+def _positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+def _dtype_name(dtype) -> str:
+    name = str(dtype).removeprefix("torch.")
+    if name not in _ELEMENT_BYTES:
+        raise ValueError(f"dtype must be one of {tuple(_ELEMENT_BYTES)} (or the torch dtype), "
+                         f"got {dtype!r}")
+    return name
+
+
+def gpu_plan(n: int, d: int, v: int, dtype="bfloat16", path: str = "fused-policy-loss",
+             memory_budget: int | None = None, *, vocab_tile: int = VOCAB_TILE,
+             hardware: Hardware = H200) -> GpuPlan:
+    """The plan and predicted cost of one GPU path for ``hidden [n, d]``, ``weight [v, d]``.
+
+    Args:
+        n, d, v: tokens, hidden size, vocabulary size (positive ints).
+        dtype: the inputs' dtype, ``"bfloat16"``, ``"float16"`` or ``"float32"`` (or the torch
+            dtype); logits tiles and stored chunks are kept in it.
+        path: one of :data:`PATHS`.
+        memory_budget: bytes. For the head paths, of its logits tile (default
+            :data:`HEAD_TILE_BUDGET`); for the fused loss, of a chunk's stored logits and its
+            gathered hidden and hidden-gradient rows (default :data:`CUDA_MEMORY_BUDGET`). It
+            must hold at least one row.
+        vocab_tile: vocabulary columns per head tile (positive int; the fused loss stores the
+            whole vocabulary and ignores it).
+        hardware: the rates the time is predicted at.
+
+    Returns:
+        A :class:`GpuPlan`; ``plan.seconds`` is the predicted time, ``plan.ratio`` its ratio to
+        the path's plain GEMMs.
+    """
+    n, d, v = _positive_int("n", n), _positive_int("d", d), _positive_int("v", v)
+    dtype = _dtype_name(dtype)
+    if path not in PATHS:
+        raise ValueError(f"path must be one of {PATHS}, got {path!r}")
+    vocab_tile = _positive_int("vocab_tile", vocab_tile)
+    if memory_budget is None:
+        memory_budget = CUDA_MEMORY_BUDGET if path == "fused-policy-loss" else HEAD_TILE_BUDGET
+    memory_budget = _positive_int("memory_budget", memory_budget)
+    e = _ELEMENT_BYTES[dtype]
+    rate = hardware.tf32_flops if dtype == "float32" else hardware.matmul_flops
+    build = _fused_plan if path == "fused-policy-loss" else _head_plan
+    fields = build(n, d, v, e, path, memory_budget, min(vocab_tile, v), _Passes(hardware, rate))
+    floor = _Passes(hardware, rate)
+    for name in _FLOOR_GEMMS[path]:
+        floor.add(name, "matmul", 2 * n * d * v, e * (n * d + v * d + n * v))
+    return GpuPlan(path=path, n=n, d=d, v=v, dtype=dtype, memory_budget=memory_budget,
+                   gemm_floor=floor.result(), **fields)
+
+
+_FLOOR_GEMMS = {
+    "logprobs-nograd": ("logits",),
+    "logprobs-fwd-bwd": ("logits", "logits again", "dz @ W", "dz^T @ hidden"),
+    "fused-policy-loss": ("logits", "dz @ W", "dz^T @ hidden"),
+}
+
+
+def _rows_within(budget: int, row_bytes: int, what: str) -> int:
+    rows = budget // row_bytes
+    if rows == 0:
+        raise ValueError(f"memory_budget must hold at least one row of {what} ({row_bytes} "
+                         f"bytes), got {budget}")
+    return rows
+
+
+def _head_plan(n, d, v, e, path, budget, tile, passes: _Passes) -> dict:
+    """linear_logprobs: vocabulary tiles of ``tile`` columns, row chunks within ``budget``."""
+    chunks = math.ceil(n / _rows_within(budget, tile * e, f"a {tile}-column logits tile"))
+    row_groups, tiles = _even_split(n, chunks), _tiles(v, tile)
+    backward = path == "logprobs-fwd-bwd"
+    # bf16/fp16 gradients accumulate in fp32 buffers; fp32 ones accumulate in place.
+    fp32_acc = e < 4
+    for r, rc in row_groups:
+        for w, tc in tiles:
+            k = rc * tc
+            passes.add("logits GEMM", "matmul", 2 * r * d * w, e * (r * d + w * d + r * w), k)
+            passes.add("statistics pass", "vector", _STATS_FLOPS * r * w,
+                       e * r * w + 2 * _ROW_STATE_BYTES * r, k)
+            if not backward:
+                continue
+            passes.add("logits GEMM again", "matmul", 2 * r * d * w,
+                       e * (r * d + w * d + r * w), k)
+            passes.add("dz pass (in place)", "vector", _DZ_FLOPS * r * w,
+                       2 * e * r * w + _ROW_STATE_BYTES * r, k)
+            passes.add("d_hidden += dz @ W_tile", "matmul", 2 * r * w * d,
+                       e * (r * w + w * d) + 2 * 4 * r * d, k)
+            # written once with one row chunk; else summed over the chunks in an fp32 tile
+            out = e * w * d if chunks == 1 else 2 * 4 * w * d
+            passes.add("d_weight[tile] = dz^T @ hidden", "matmul", 2 * r * w * d,
+                       e * (r * w + r * d) + out, k)
+    passes.add("finish statistics", "vector", 8 * n, _ROW_STATE_BYTES * n + _ROW_HELD_BYTES * n)
+    extra = max(r for r, _ in row_groups) * tile * e + _ROW_HELD_BYTES * n
+    if backward and fp32_acc:
+        passes.add("d_hidden fp32 -> dtype", "vector", 0, (4 + e) * n * d)
+        extra += 4 * n * d
+        if chunks > 1:
+            for w, tc in tiles:
+                passes.add("d_weight tile fp32 -> dtype", "vector", 0, (4 + e) * w * d, tc)
+            extra += 4 * tile * d
+    return dict(chunk_rows=row_groups[0][0], chunks=chunks, vocab_tile=tile,
+                vocab_tiles=sum(c for _, c in tiles), passes=passes.result(),
+                extra_bytes=extra, accumulator_bytes=0)
+
+
+def _fused_plan(n, d, v, e, path, budget, tile, passes: _Passes) -> dict:
+    """fused_policy_loss: evened-out chunks of rows, each storing its ``[rows, V]`` logits."""
+    row_bytes = e * (v + 2 * d)  # stored logits, gathered hidden row, hidden-gradient row
+    chunks = math.ceil(n / _rows_within(budget, row_bytes, "stored logits and hidden rows"))
+    row_groups = _even_split(n, chunks)
+    fp32_acc = e < 4
+    first = True
+    for r, rc in row_groups:
+        passes.add("gather hidden rows", "vector", 0, 2 * e * r * d, rc)
+        passes.add("logits GEMM", "matmul", 2 * r * d * v, e * (r * d + v * d + r * v), rc)
+        passes.add("statistics pass", "vector", _STATS_FLOPS * r * v,
+                   e * r * v + 2 * _ROW_STATE_BYTES * r, rc)
+        passes.add("objective on (lp, H)", "vector", 0,
+                   _OBJECTIVE_BYTES_PER_ROW * r // _OBJECTIVE_LAUNCHES,
+                   rc * _OBJECTIVE_LAUNCHES)
+        passes.add("dz pass (in place)", "vector", _DZ_FLOPS * r * v,
+                   2 * e * r * v + _ROW_STATE_BYTES * r, rc)
+        passes.add("d_hidden rows = dz @ W", "matmul", 2 * r * v * d,
+                   e * (r * v + v * d + r * d), rc)
+        # the first chunk writes the fp32 accumulator, every later one reads and writes it
+        later = rc - 1 if first else rc
+        grad = e * (r * v + r * d)
+        if first:
+            passes.add("d_weight += dz^T @ hidden", "matmul", 2 * r * v * d, grad + 4 * v * d)
+        if later:
+            passes.add("d_weight += dz^T @ hidden", "matmul", 2 * r * v * d,
+                       grad + 2 * 4 * v * d, later)
+        first = False
+        passes.add("scatter hidden-gradient rows", "vector", 0, 2 * e * r * d, rc)
+    passes.add("objective on all rows (value, metrics)", "vector", 0,
+               _OBJECTIVE_BYTES_PER_ROW * n // _OBJECTIVE_LAUNCHES, _OBJECTIVE_LAUNCHES)
+    if fp32_acc:
+        passes.add("d_weight fp32 -> dtype", "vector", 0, (4 + e) * v * d)
+    passes.add("scale gradients by the upstream gradient", "vector", 0,
+               2 * e * (v * d + n * d), 2)
+    accumulator = 4 * v * d if fp32_acc else 0
+    chunk_rows = row_groups[0][0]
+    return dict(chunk_rows=chunk_rows, chunks=chunks, vocab_tile=v, vocab_tiles=1,
+                passes=passes.result(),
+                extra_bytes=chunk_rows * row_bytes + _ROW_HELD_BYTES * n + accumulator,
+                accumulator_bytes=accumulator)
+
+
+def reference_plans(budgets=(256 * 2**20, CUDA_MEMORY_BUDGET, 2**30)) -> list[GpuPlan]:
+    """The plans of the docs' table: at :data:`REFERENCE_SHAPE` in bf16, the head without and
+    with its backward, and the fused loss at each of ``budgets``."""
+    n, d, v = REFERENCE_SHAPE
+    plans = [gpu_plan(n, d, v, "bfloat16", p) for p in ("logprobs-nograd", "logprobs-fwd-bwd")]
+    return plans + [gpu_plan(n, d, v, "bfloat16", "fused-policy-loss", b) for b in budgets]
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:,.0f} MiB"
+
+
+def format_table(plans: list[GpuPlan], hardware: Hardware = H200) -> str:
+    """A markdown table of ``plans``: plan, predicted time, ratio to the plain GEMMs, peak
+    memory beyond inputs and gradients, and an empty column for the measured time."""
+    lines = [
+        f"| path | budget | plan | plain GEMMs | predicted ({hardware.name}) | ratio "
+        "| beyond inputs and gradients | of which fp32 weight-grad accumulator | measured |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for p in plans:
+        shape = (f"{p.chunks} chunk(s) of <= {p.chunk_rows} rows x {p.vocab_tiles} tile(s) of "
+                 f"<= {p.vocab_tile} columns")
+        lines.append(
+            f"| {p.path} | {_mib(p.memory_budget)} | {shape} "
+            f"| {p.floor_seconds * 1e3:.1f} ms | {p.seconds * 1e3:.1f} ms | {p.ratio:.3f}x "
+            f"| {_mib(p.extra_bytes)} | {_mib(p.accumulator_bytes)} | not run |")
+    return "\n".join(lines)
+
+
+def format_passes(plan: GpuPlan) -> str:
+    """A markdown table of one plan's passes: launches, FLOPs, bytes and predicted time."""
+    lines = ["| pass | unit | launches | TFLOP | GB | predicted |",
+             "| --- | --- | ---: | ---: | ---: | ---: |"]
+    for p in (*plan.passes, *(dataclasses.replace(g, name=f"plain: {g.name}")
+                              for g in plan.gemm_floor)):
+        lines.append(f"| {p.name} | {p.unit} | {p.launches} | {p.flops / 1e12:.2f} "
+                     f"| {p.bytes / 1e9:.2f} | {p.seconds * 1e3:.2f} ms |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    """Print the docs' tables (``python -m logitless.fused_losses.gpu_plan``)."""
+    plans = reference_plans()
+    n, d, v = REFERENCE_SHAPE
+    print(f"N={n}, D={d}, V={v}, bfloat16\n")
+    print(format_table(plans))
+    for plan in plans:
+        print(f"\n{plan.path}, budget {_mib(plan.memory_budget)}:\n")
+        print(format_passes(plan))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,193 @@
+"""The GPU cost model: FLOPs and bytes against closed forms, plans within their budgets, the
+issue's targets at the reference shape, bad arguments, and the fixed CUDA default budget."""
+
+import itertools
+import math
+import pathlib
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from logitless.fused_losses import fused_policy_loss as fpl
+from logitless.fused_losses import gpu_plan as gp
+
+MiB, GiB = 2**20, 2**30
+N, D, V = 1000, 96, 1007  # odd, so chunks and tiles split unevenly
+BUDGETS = {  # each path's budget that forces several row chunks at N, D, V in bf16
+    "logprobs-nograd": 2 * 128 * 300,
+    "logprobs-fwd-bwd": 2 * 128 * 300,
+    "fused-policy-loss": 2 * (V + 2 * D) * 300,
+}
+GEMMS = {"logprobs-nograd": 1, "logprobs-fwd-bwd": 4, "fused-policy-loss": 3}
+
+
+def by_name(plan, name):
+    (p,) = [p for p in plan.passes if p.name == name]
+    return p
+
+
+def matmul_flops(plan):
+    return sum(p.flops for p in plan.passes if p.unit == "matmul")
+
+
+@pytest.mark.parametrize("path", gp.PATHS)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_gemm_flops_equal_closed_form(path, dtype):
+    """However the rows and vocabulary are cut, the GEMMs do 2NDV each: 1, 4 or 3 of them."""
+    plan = gp.gpu_plan(N, D, V, dtype, path, BUDGETS[path] * 2, vocab_tile=128)
+    assert plan.chunks > 1
+    assert matmul_flops(plan) == GEMMS[path] * 2 * N * D * V
+    assert sum(p.flops for p in plan.gemm_floor) == GEMMS[path] * 2 * N * D * V
+    assert len(plan.gemm_floor) == GEMMS[path]
+    assert by_name(plan, "statistics pass").flops == gp._STATS_FLOPS * N * V
+
+
+def test_head_bytes_equal_closed_form():
+    """One row chunk, tiles of 128: each tile's GEMM reads all of hidden and its slice of the
+    weight and writes its logits; the epilogues read each logit once (the dz pass writes it
+    back) and each row's state once per tile."""
+    e, tiles = 2, math.ceil(V / 128)
+    plan = gp.gpu_plan(N, D, V, "bfloat16", "logprobs-fwd-bwd", vocab_tile=128)
+    assert (plan.chunks, plan.chunk_rows, plan.vocab_tiles) == (1, N, tiles)
+    assert by_name(plan, "logits GEMM").bytes == e * (tiles * N * D + V * D + N * V)
+    state = tiles * gp._ROW_STATE_BYTES * N
+    assert by_name(plan, "statistics pass").bytes == e * N * V + 2 * state
+    assert by_name(plan, "dz pass (in place)").bytes == 2 * e * N * V + state
+    # the fp32 hidden-gradient accumulator is read and written by every tile's GEMM
+    assert by_name(plan, "d_hidden += dz @ W_tile").bytes == (
+        e * (N * V + V * D) + tiles * 8 * N * D)
+    assert by_name(plan, "d_weight[tile] = dz^T @ hidden").bytes == e * (N * V + tiles * N * D
+                                                                         + V * D)
+
+
+def test_fused_weight_gradient_bytes_equal_closed_form():
+    """k chunks: the fp32 accumulator written by the first, read and written by k - 1 more."""
+    plan = gp.gpu_plan(N, D, V, "bfloat16", "fused-policy-loss", BUDGETS["fused-policy-loss"])
+    k = plan.chunks
+    assert k == math.ceil(N / 300)
+    grad = by_name(plan, "d_weight += dz^T @ hidden")
+    assert grad.launches == k
+    assert grad.bytes == 2 * (N * V + N * D) + 4 * V * D * (2 * k - 1)
+    assert by_name(plan, "logits GEMM").bytes == 2 * (N * D + k * V * D + N * V)
+
+
+def test_launch_time_is_max_of_flops_and_bytes_plus_overhead():
+    hw = gp.H200
+    plan = gp.gpu_plan(64, 32, 100, "bfloat16", "logprobs-nograd")
+    gemm = by_name(plan, "logits GEMM")
+    flops, nbytes = 2 * 64 * 32 * 100, 2 * (64 * 32 + 100 * 32 + 64 * 100)
+    assert (gemm.flops, gemm.bytes, gemm.launches) == (flops, nbytes, 1)
+    assert gemm.seconds == pytest.approx(
+        max(flops / hw.matmul_flops, nbytes / hw.bandwidth) + hw.launch_seconds)
+    assert plan.seconds == pytest.approx(sum(p.seconds for p in plan.passes))
+    assert plan.ratio == pytest.approx(plan.seconds / plan.floor_seconds)
+    # fp32 inputs: the GEMMs run at the TF32 rate and move 4-byte elements
+    fp32 = by_name(gp.gpu_plan(64, 32, 100, torch.float32, "logprobs-nograd"), "logits GEMM")
+    assert fp32.bytes == 2 * nbytes
+    assert fp32.seconds == pytest.approx(
+        max(flops / hw.tf32_flops, 2 * nbytes / hw.bandwidth) + hw.launch_seconds)
+
+
+@pytest.mark.parametrize("path", gp.PATHS)
+def test_bytes_fall_and_memory_grows_with_the_budget(path):
+    """A bigger budget means fewer, taller chunks: never more bytes, never less memory."""
+    n, d, v = gp.REFERENCE_SHAPE
+    plans = [gp.gpu_plan(n, d, v, "bfloat16", path, b * MiB)
+             for b in (16, 24, 64, 100, 128, 256, 500, 512, 1024, 4096, 16384)]
+    assert len({p.chunks for p in plans}) > 2
+    for small, big in itertools.pairwise(plans):
+        assert big.bytes <= small.bytes
+        assert big.chunks <= small.chunks
+        assert big.extra_bytes >= small.extra_bytes
+
+
+def chunk_bytes(plan):
+    e = {"bfloat16": 2, "float16": 2, "float32": 4}[plan.dtype]
+    if plan.path == "fused-policy-loss":
+        return plan.chunk_rows * e * (plan.v + 2 * plan.d)
+    return plan.chunk_rows * e * plan.vocab_tile
+
+
+@settings(max_examples=200, deadline=None)
+@given(n=st.integers(1, 200_000), d=st.integers(1, 8192), v=st.integers(1, 300_000),
+       path=st.sampled_from(gp.PATHS), dtype=st.sampled_from(["bfloat16", "float32"]),
+       budget_rows=st.integers(1, 50_000), slack=st.integers(0, 10_000))
+def test_chunks_respect_the_budget(n, d, v, path, dtype, budget_rows, slack):
+    """The largest chunk fits the budget, the chunks cover every row, and there are no more of
+    them than the budget forces (evened out: sizes differ by at most one row)."""
+    e = 4 if dtype == "float32" else 2
+    row = e * (v + 2 * d) if path == "fused-policy-loss" else e * min(v, gp.VOCAB_TILE)
+    budget = budget_rows * row + slack % row
+    plan = gp.gpu_plan(n, d, v, dtype, path, budget)
+    assert chunk_bytes(plan) <= budget
+    assert plan.chunks == math.ceil(n / budget_rows)
+    assert plan.chunk_rows == math.ceil(n / plan.chunks)
+    assert plan.extra_bytes >= chunk_bytes(plan)
+
+
+def test_targets_hold_at_the_reference_shape():
+    """Issue 14's targets on the model: no-grad <= 1.2x one GEMM, head forward+backward <=
+    1.15x four, fused loss <= 1.15x three at the default budget, holding at most 1 GiB beyond
+    inputs, gradients and the fp32 weight-gradient accumulator."""
+    n, d, v = gp.REFERENCE_SHAPE
+    nograd = gp.gpu_plan(n, d, v, "bfloat16", "logprobs-nograd")
+    head = gp.gpu_plan(n, d, v, "bfloat16", "logprobs-fwd-bwd")
+    fused = gp.gpu_plan(n, d, v, "bfloat16", "fused-policy-loss")
+    assert fused.memory_budget == gp.CUDA_MEMORY_BUDGET
+    assert nograd.ratio <= 1.2
+    assert head.ratio <= 1.15
+    assert fused.ratio <= 1.15
+    assert fused.accumulator_bytes == 4 * v * d
+    assert fused.extra_bytes - fused.accumulator_bytes <= GiB
+
+
+def test_default_budget_is_the_smallest_power_of_two_meeting_the_target():
+    n, d, v = gp.REFERENCE_SHAPE
+    assert gp.CUDA_MEMORY_BUDGET & (gp.CUDA_MEMORY_BUDGET - 1) == 0
+    half = gp.gpu_plan(n, d, v, "bfloat16", "fused-policy-loss", gp.CUDA_MEMORY_BUDGET // 2)
+    assert half.ratio > 1.15
+
+
+def test_torch_dtype_is_accepted():
+    a = gp.gpu_plan(N, D, V, torch.bfloat16, "logprobs-fwd-bwd")
+    assert a == gp.gpu_plan(N, D, V, "bfloat16", "logprobs-fwd-bwd")
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    (dict(n=0), "n"), (dict(n=True), "n"), (dict(d=-3), "d"), (dict(v=2.0), "v"),
+    (dict(dtype="float64"), "dtype"), (dict(dtype=torch.int32), "dtype"),
+    (dict(path="logprobs"), "path"), (dict(memory_budget=0), "memory_budget"),
+    (dict(memory_budget=2 * (V + 2 * D) - 1), "memory_budget"),
+    (dict(path="logprobs-nograd", memory_budget=2 * 128 - 1, vocab_tile=128), "memory_budget"),
+    (dict(vocab_tile=0), "vocab_tile"),
+])
+def test_bad_arguments_raise_naming_them(kwargs, name):
+    args = dict(n=N, d=D, v=V, dtype="bfloat16", path="fused-policy-loss") | kwargs
+    with pytest.raises(ValueError, match=f"^{name} must"):
+        gp.gpu_plan(**args)
+
+
+def test_cuda_default_budget_is_fixed_not_read_off_free_memory(monkeypatch):
+    """Regression: the CUDA default was a quarter of torch.cuda.mem_get_info()'s free bytes."""
+    calls = []
+
+    def free_memory(device=None):
+        calls.append(device)
+        return (len(calls) * 40 * GiB, 141 * GiB)
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", free_memory)
+    cuda = torch.device("cuda", 0)
+    assert fpl._default_budget(cuda) == gp.CUDA_MEMORY_BUDGET
+    assert fpl._default_budget(cuda) == gp.CUDA_MEMORY_BUDGET
+    assert calls == []
+    assert fpl._default_budget(torch.device("cpu")) == fpl.CPU_MEMORY_BUDGET
+
+
+def test_docs_table_is_the_models():
+    """docs/gpu.md holds the table `python -m logitless.fused_losses.gpu_plan` prints."""
+    doc = pathlib.Path(__file__).parents[2] / "docs" / "gpu.md"
+    table = gp.format_table(gp.reference_plans())
+    assert table in doc.read_text()
+    assert table.count("| not run |") == 5
