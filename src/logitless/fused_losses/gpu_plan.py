@@ -31,13 +31,17 @@ Paths:
   stored once in the input dtype; a statistics pass, the objective on ``(lp, H)``, a pass turning
   the stored logits into ``dz`` in place, ``dz @ W`` for the chunk's hidden gradient and
   ``dz^T @ hidden`` added into the one fp32 weight-gradient accumulator.
+
+The bias and the logit transform (temperature, soft-cap) are not counted: O(V) bytes and a few
+FLOPs per logit inside passes that are bound by their bytes. :data:`VOCAB_TILE` and
+:data:`HEAD_TILE_BUDGET` describe the CUDA launcher's tiling and must follow it.
+``scripts/gpu_cost_table.py`` prints the tables that ``docs/gpu.md`` holds.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import sys
 
 __all__ = [
     "CUDA_MEMORY_BUDGET",
@@ -49,6 +53,8 @@ __all__ = [
     "GpuPlan",
     "Hardware",
     "Pass",
+    "format_passes",
+    "format_report",
     "format_table",
     "gpu_plan",
     "reference_plans",
@@ -355,38 +361,48 @@ def _fused_plan(n, d, v, e, path, budget, tile, passes: _Passes) -> dict:
                 accumulator_bytes=accumulator)
 
 
-def reference_plans(budgets=(256 * 2**20, CUDA_MEMORY_BUDGET, 2**30)) -> list[GpuPlan]:
+def reference_plans(budgets=(256 * 2**20, CUDA_MEMORY_BUDGET, 2**30),
+                    hardware: Hardware = H200) -> list[GpuPlan]:
     """The plans of the docs' table: at :data:`REFERENCE_SHAPE` in bf16, the head without and
-    with its backward, and the fused loss at each of ``budgets``."""
+    with its backward at its default tile, and the fused loss at each of ``budgets``."""
     n, d, v = REFERENCE_SHAPE
-    plans = [gpu_plan(n, d, v, "bfloat16", p) for p in ("logprobs-nograd", "logprobs-fwd-bwd")]
-    return plans + [gpu_plan(n, d, v, "bfloat16", "fused-policy-loss", b) for b in budgets]
+    plans = [gpu_plan(n, d, v, "bfloat16", p, hardware=hardware)
+             for p in ("logprobs-nograd", "logprobs-fwd-bwd")]
+    return plans + [gpu_plan(n, d, v, "bfloat16", "fused-policy-loss", b, hardware=hardware)
+                    for b in budgets]
 
 
 def _mib(nbytes: int) -> str:
     return f"{nbytes / 2**20:,.0f} MiB"
 
 
-def format_table(plans: list[GpuPlan], hardware: Hardware = H200) -> str:
-    """A markdown table of ``plans``: plan, predicted time, ratio to the plain GEMMs, peak
-    memory beyond inputs and gradients, and an empty column for the measured time."""
+def _layout(p: GpuPlan) -> str:
+    if p.path == "fused-policy-loss":
+        return f"{p.chunks} chunk(s) of <= {p.chunk_rows} rows, all {p.v} columns stored"
+    return (f"{p.chunks} chunk(s) of <= {p.chunk_rows} rows x {p.vocab_tiles} tiles of "
+            f"<= {p.vocab_tile} columns")
+
+
+def format_table(plans: list[GpuPlan]) -> str:
+    """A markdown table of ``plans``: layout, predicted time, ratio to the plain GEMMs, peak
+    memory beyond inputs and gradients, and a column for the measured time (none yet)."""
     lines = [
-        f"| path | budget | plan | plain GEMMs | predicted ({hardware.name}) | ratio "
+        "| path | budget (tile or chunk) | plan | plain GEMMs | predicted | ratio "
         "| beyond inputs and gradients | of which fp32 weight-grad accumulator | measured |",
-        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | --- |",
+        "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for p in plans:
-        shape = (f"{p.chunks} chunk(s) of <= {p.chunk_rows} rows x {p.vocab_tiles} tile(s) of "
-                 f"<= {p.vocab_tile} columns")
+        acc = _mib(p.accumulator_bytes) if p.accumulator_bytes else "-"
         lines.append(
-            f"| {p.path} | {_mib(p.memory_budget)} | {shape} "
+            f"| {p.path} | {_mib(p.memory_budget)} | {_layout(p)} "
             f"| {p.floor_seconds * 1e3:.1f} ms | {p.seconds * 1e3:.1f} ms | {p.ratio:.3f}x "
-            f"| {_mib(p.extra_bytes)} | {_mib(p.accumulator_bytes)} | not run |")
+            f"| {_mib(p.extra_bytes)} | {acc} | not run |")
     return "\n".join(lines)
 
 
 def format_passes(plan: GpuPlan) -> str:
-    """A markdown table of one plan's passes: launches, FLOPs, bytes and predicted time."""
+    """A markdown table of one plan's passes, then its plain GEMMs: launches, FLOPs, bytes and
+    predicted time."""
     lines = ["| pass | unit | launches | TFLOP | GB | predicted |",
              "| --- | --- | ---: | ---: | ---: | ---: |"]
     for p in (*plan.passes, *(dataclasses.replace(g, name=f"plain: {g.name}")
@@ -396,16 +412,15 @@ def format_passes(plan: GpuPlan) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    """Print the docs' tables (``python -m logitless.fused_losses.gpu_plan``)."""
-    plans = reference_plans()
+def format_report(hardware: Hardware = H200) -> str:
+    """The tables of ``docs/gpu.md``: :func:`reference_plans` side by side, then the passes of
+    each path at its default budget."""
     n, d, v = REFERENCE_SHAPE
-    print(f"N={n}, D={d}, V={v}, bfloat16\n")
-    print(format_table(plans))
-    for plan in plans:
-        print(f"\n{plan.path}, budget {_mib(plan.memory_budget)}:\n")
-        print(format_passes(plan))
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    plans = reference_plans(hardware=hardware)
+    parts = [f"N={n}, D={d}, V={v}, bfloat16, predicted on {hardware.name}.", "",
+             format_table(plans)]
+    defaults = [gpu_plan(n, d, v, "bfloat16", path, hardware=hardware) for path in PATHS]
+    for plan in defaults:
+        parts += ["", f"Passes of {plan.path} at its default budget "
+                      f"({_mib(plan.memory_budget)}):", "", format_passes(plan)]
+    return "\n".join(parts)
