@@ -50,7 +50,8 @@ def broken_links(text: str, base: Path, root: Path = ROOT) -> list[str]:
             bad.append(f"{target}: no such file in the repository")
         elif anchor and path is None and anchor not in _anchors(text):
             bad.append(f"{target}: no such heading")
-        elif anchor and path is not None and anchor not in _anchors(path.read_text()):
+        elif anchor and path is not None and path.suffix == ".md" \
+                and anchor not in _anchors(path.read_text()):
             bad.append(f"{target}: no such heading in {path.name}")
     return bad
 
