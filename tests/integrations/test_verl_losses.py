@@ -203,7 +203,7 @@ def test_target_selects_the_config_through_verls_instantiation():
     assert not torch.isclose(logitless.policy_loss(lp, old, adv, mask, without_delta)[0], e_loss)
 
 
-# Every objective of OBJECTIVES.md section 2.
+# Every objective of docs/objectives.md, section 2.
 DOCUMENTED_OBJECTIVES = ("ppo", "grpo", "dapo", "bnpo", "dr_grpo", "luspo", "cispo", "sapo",
                          "gspo", "gmpo", "vespo", "reinforce", "gpg", "dro", "dppo_tv",
                          "dppo_kl", "clip_cov", "kl_cov", "ctpo", "minpro", "aspo", "dhpo",

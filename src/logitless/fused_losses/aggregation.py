@@ -1,4 +1,4 @@
-"""Aggregation of per-token losses (OBJECTIVES.md section 6) and the batch-global quantities.
+"""Aggregation of per-token losses (docs/objectives.md, section 7) and the batch-global quantities.
 
 Everything that depends on the whole batch rather than on one sequence lives in `BatchGlobals`:
 token and sequence counts, L_max, the positive/negative counts of balanced aggregation, the

@@ -1,4 +1,4 @@
-"""`PolicyLossConfig`: the objective and every knob of OBJECTIVES.md, validated at construction."""
+"""`PolicyLossConfig`: the objective and every knob of docs/objectives.md, checked when built."""
 
 import math
 from dataclasses import dataclass, field

@@ -1,4 +1,4 @@
-"""Adaptive entropy-bonus coefficient (OBJECTIVES.md section 4), as TRL's controller behaves.
+"""Adaptive entropy-bonus coefficient (docs/objectives.md, section 5), as TRL's controller behaves.
 
 The bonus applies only while the entropy measured over the last optimizer step is at or below
 the target; the coefficient then moves by ``delta`` each step, up while the entropy stays at or

@@ -1,6 +1,6 @@
 """``fused_policy_loss``: from hidden states to the policy loss at the 3-GEMM floor.
 
-Two strategies (DESIGN.md, "Core op 3"):
+Two strategies (docs/design.md, "Op 4"):
 
 - **Sequence-aligned chunks** (gradient in the forward). Whole sequences are grouped up to a
   token budget. For each group the logits are computed once (GEMM 1), reduced to per-token

@@ -1,4 +1,4 @@
-"""The objective library: per-token losses (OBJECTIVES.md section 2) as registered functions.
+"""The objective library: per-token losses (docs/objectives.md, section 2) as registered functions.
 
 An objective maps `ObjectiveInputs` (right-padded ``[B, T]`` tensors and the chosen `Ratio`) to
 a per-token loss; `policy_loss` does the rest (rollout correction, selections, KL, entropy,

@@ -1,4 +1,4 @@
-"""Importance ratios by level (OBJECTIVES.md section 1), on right-padded ``[B, T]`` tensors.
+"""Importance ratios by level (docs/objectives.md, section 1), on right-padded ``[B, T]`` tensors.
 
 Each level returns a `Ratio`: a per-token value ``rho`` (with its gradient path) and the clip
 bounds in ratio space that the clipped surrogate uses with it. Values at masked positions are

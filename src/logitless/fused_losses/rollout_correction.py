@@ -1,4 +1,4 @@
-"""Rollout correction (OBJECTIVES.md section 5): IS weights, rejection masks, OPSM.
+"""Rollout correction (docs/objectives.md, section 6): IS weights, rejection masks, OPSM.
 
 All on right-padded ``[B, T]`` tensors, all detached. A NaN rollout logprob means "not
 available": its token gets a zero log-ratio (weight 1, no rejection evidence), as TRL does.

@@ -1,4 +1,4 @@
-"""Token selections and weights (OBJECTIVES.md section 4) on right-padded ``[B, T]`` tensors.
+"""Token selections and weights (docs/objectives.md, section 5) on right-padded ``[B, T]`` tensors.
 
 Thresholds that depend on the whole batch (quantiles, batch statistics) are computed once, in
 `logitless.fused_losses.aggregation.policy_loss_globals`, and passed in here, so a chunk of
