@@ -5,7 +5,6 @@ import torch
 
 from logitless import PolicyLossConfig, policy_loss, policy_loss_globals
 from logitless import reference as ref
-from logitless.fused_losses import segments
 from logitless.fused_losses.config import LOSS_AGGS, parse_rollout_rs
 from logitless.fused_losses.objectives import OBJECTIVES
 from logitless.fused_losses.rollout_correction import rollout_log_ratio, rollout_rejection_keep
@@ -64,35 +63,6 @@ def close(a, b, tol=1e-10, name=""):
     scale = b.abs().max().clamp(min=1e-12)
     err = float((a - b).abs().max() / scale)
     assert err <= tol, f"{name}: relative error {err:.3e}"
-
-
-def test_segments_match_loops_on_both_layouts():
-    d = make(3)
-    x, m = d["old"], d["mask"]
-    cu = cu_of(m)
-    xp = x[m]
-    close(segments.segment_sum(x, m), ref.segment_sum_loop(x, m))
-    close(segments.segment_sum(xp, m[m], cu), ref.segment_sum_loop(x, m))
-    for fn, loop in [
-        (segments.prefix_sum, ref.prefix_sum_loop),
-        (segments.suffix_sum, ref.suffix_sum_loop),
-    ]:
-        close(fn(x, m)[m], loop(x, m)[m])
-        close(fn(xp, m[m], cu), loop(x, m)[m])
-    for exclusive in (False, True):
-        want = ref.prefix_min_loop(x, m, exclusive=exclusive)[m]
-        assert torch.equal(segments.prefix_min(x, m, exclusive=exclusive)[m], want)
-        assert torch.equal(segments.prefix_min(xp, m[m], cu, exclusive=exclusive), want)
-    lengths = m.sum(-1).clamp(min=1).double()
-    close(segments.segment_mean(xp, m[m], cu), ref.segment_sum_loop(x, m) / lengths)
-    xm = torch.where(m, x, -torch.inf).amax(-1)
-    assert torch.equal(segments.segment_max(xp, m[m], cu), torch.where(m.any(-1), xm, 0.0))
-    # gradient of a scan through the packed scatter/gather
-    xg = xp.clone().requires_grad_()
-    (segments.prefix_sum(xg, m[m], cu) * torch.arange(xp.numel())).sum().backward()
-    xr = x.clone().requires_grad_()
-    (ref.prefix_sum_loop(xr, m)[m] * torch.arange(xp.numel())).sum().backward()
-    close(xg.grad, xr.grad[m])
 
 
 def _objective_configs():

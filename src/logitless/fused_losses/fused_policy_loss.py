@@ -38,6 +38,7 @@ from logitless.fused_losses.policy_loss import (
 )
 from logitless.kernels import linear_softmax_torch as tiles
 from logitless.kernels import stored_logits
+from logitless.kernels.segments_torch import packed_index
 
 __all__ = ["CPU_MEMORY_BUDGET", "fused_policy_loss", "plan_chunks"]
 
@@ -172,19 +173,13 @@ class _Layout:
         return s0 * self.width, s1 * self.width
 
     def chunk_index(self, s0: int, s1: int):
-        """For a packed chunk: (row, column) in its padded grid of each of its tokens, and the
-        grid's shape. For a padded batch the chunk already is a grid: None."""
+        """For a packed chunk: its `PackedIndex` (row and column in its padded grid of each of
+        its tokens, and the grid's shape). For a padded batch the chunk already is a grid: None."""
         if not self.packed:
             return None
         lengths = [self.cu[i + 1] - self.cu[i] for i in range(s0, s1)]
-        total, width = sum(lengths), max(lengths, default=0)
-        lens = torch.tensor(lengths, device=self.device)
-        row = torch.repeat_interleave(torch.arange(s1 - s0, device=self.device), lens,
-                                      output_size=total)
-        first = torch.tensor([self.cu[i] - self.cu[s0] for i in range(s0, s1)],
-                             device=self.device, dtype=torch.long)
-        col = torch.arange(total, device=self.device) - first[row]
-        return row, col, (s1 - s0, width)
+        offsets = torch.tensor([c - self.cu[s0] for c in self.cu[s0:s1 + 1]], device=self.device)
+        return packed_index(offsets, sum(lengths), max(lengths, default=0))
 
     def grid(self, x, s0: int, s1: int, index, fill=0.0):
         """Per-token ``x`` (``[B, T]`` or packed ``[N]``) of sequences ``s0:s1`` as a grid."""
@@ -193,8 +188,7 @@ class _Layout:
         if index is None:
             return x[s0:s1]
         a, b = self.token_range(s0, s1)
-        row, col, shape = index
-        return x.new_full(shape, fill).index_put((row, col), x[a:b])
+        return index.pad(x[a:b], fill)
 
 
 def fused_policy_loss(

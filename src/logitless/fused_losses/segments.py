@@ -1,117 +1,195 @@
 """Segmented reductions and scans over packed (``cu_seqlens``) and right-padded batches.
 
 Every function takes either a right-padded ``x [B, T]`` with ``mask [B, T]``, or a packed
-``x [N]`` with ``mask [N]`` and ``cu_seqlens [B + 1]`` (int, increasing, ``cu_seqlens[-1] == N``,
-the flash-attention layout). A packed batch is scattered into a ``[B, L_max]`` grid with one
-vectorised index (no Python loop over sequences), reduced or scanned there, and gathered back,
-so both layouts give bit-identical results. Masked tokens contribute nothing to sums and are
-skipped by min/max; scans return values at every position (masked ones included).
+``x [N]`` with ``mask [N]`` and ``cu_seqlens [B + 1]`` (int, increasing, ``cu_seqlens[0] == 0``,
+``cu_seqlens[-1] == N``, the flash-attention layout). Masked tokens contribute nothing to sums
+and are skipped by min/max; scans return values at every position (masked ones included).
 
-This is the CPU path and the oracle for the Triton versions in ``kernels/segments.py``: the
-reductions, scans and packed ``broadcast`` run those (autograd in ``segments_triton.py``) when
-``triton_selected`` picks Triton for ``x`` (CUDA, or ``LOGITLESS_BACKEND=triton``; fp32, bf16
-and fp16 only, fp64 stays here), with the same values and gradients.
+Each call runs the Triton kernels (``kernels/segments.py``, through the autograd Functions
+below) when ``triton_selected`` picks Triton for ``x`` (CUDA, or ``LOGITLESS_BACKEND=triton``;
+fp32, bf16 and fp16 only, fp64 stays on the twin), else the torch twin
+(``kernels/segments_torch.py``); both give the same values and gradients:
+
+- sum: ``dx_t = m_t g_b``; mean: ``dx_t = m_t g_b / max(L_b, 1)`` (both one spread launch);
+- max: ``g_b`` split evenly between the valid tokens equal to the max (``amax``'s rule; the
+  forward kernel counts the ties);
+- prefix sum: ``dx_j = m_j sum_{t >= j} g_t`` (a suffix scan of ``g``, masked at the output) and
+  the suffix sum the other way round;
+- prefix min: ``g_t`` to the arg-min token of the prefix, which the forward kernel returns
+  (ties to the latest token, as ``torch.cummin``); nothing where the prefix has no valid token;
+- broadcast (packed): the backward is an unmasked segment sum. Padded broadcast stays a
+  zero-copy ``expand``, whose backward is one ``sum``.
+
+The Functions' backward passes are not differentiable again (``once_differentiable``); they
+accept fp64 so that ``gradcheck`` can run on them.
 """
 
+from __future__ import annotations
+
 import torch
+from torch.autograd.function import once_differentiable
 
 from logitless.fused_losses.backend import triton_selected
+from logitless.kernels import segments_torch as twin
+from logitless.kernels.segments_torch import to_packed, to_padded
+
+__all__ = ["broadcast", "prefix_min", "prefix_sum", "segment_count", "segment_max", "segment_mean",
+           "segment_sum", "suffix_sum", "to_packed", "to_padded"]
 
 _TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _triton_ops(x: torch.Tensor, dtype: torch.dtype | None = None):
-    """``segments_triton`` when this call runs the Triton kernels, else None."""
+def _on_triton(x: torch.Tensor, dtype: torch.dtype | None = None) -> bool:
+    """Whether this call on ``x`` (computing in ``dtype``, else ``x``'s) runs the kernels."""
     dtype = x.dtype if dtype is None else dtype
-    if dtype not in _TRITON_DTYPES or not triton_selected(x.device, dtype):
-        return None
-    from logitless.fused_losses import segments_triton
-
-    return segments_triton
+    return dtype in _TRITON_DTYPES and triton_selected(x.device, dtype)
 
 
-def packed_index(cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Sequence id ``[N]``, position within the sequence ``[N]`` and ``L_max`` of a packed batch."""
-    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-    n = int(cu_seqlens[-1])
-    seq = torch.repeat_interleave(torch.arange(lengths.numel(), device=cu_seqlens.device), lengths)
-    pos = torch.arange(n, device=cu_seqlens.device) - cu_seqlens[:-1].long()[seq]
-    l_max = int(lengths.max()) if lengths.numel() else 0
-    return seq, pos, l_max
+def _kernels():
+    """The Triton launchers, imported on first use: the twin serves where Triton is absent."""
+    from logitless.kernels import segments
+
+    return segments
 
 
-def to_padded(x: torch.Tensor, cu_seqlens: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
-    """Packed ``x [N]`` to right-padded ``[B, L_max]`` (differentiable)."""
-    seq, pos, l_max = packed_index(cu_seqlens)
-    out = x.new_full((cu_seqlens.numel() - 1, l_max), fill)
-    return out.index_put((seq, pos), x)
+class _SegmentSum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, mask, cu_seqlens):
+        ctx.save_for_backward(mask, cu_seqlens)
+        ctx.shape = x.shape
+        return _kernels().segment_reduce(x, mask, cu_seqlens, "sum")[0]
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g):
+        mask, cu_seqlens = ctx.saved_tensors
+        return _kernels().segment_spread(g.contiguous(), ctx.shape, mask, cu_seqlens), None, None
 
 
-def to_packed(x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """Right-padded ``x [B, T]`` (T >= L_max) back to packed ``[N]`` (differentiable)."""
-    seq, pos, _ = packed_index(cu_seqlens)
-    return x[seq, pos]
+class _SegmentMean(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, mask, cu_seqlens):
+        out, count = _kernels().segment_reduce(x, mask, cu_seqlens, "mean")
+        ctx.save_for_backward(mask, cu_seqlens, count)
+        ctx.shape = x.shape
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g):
+        mask, cu_seqlens, count = ctx.saved_tensors
+        dx = _kernels().segment_spread(g.contiguous(), ctx.shape, mask, cu_seqlens, count=count)
+        return dx, None, None
 
 
-def _grid(x, mask, cu_seqlens, fill=0.0):
-    if cu_seqlens is None:
-        return x, mask.bool()
-    return to_padded(x, cu_seqlens, fill), to_padded(mask.bool(), cu_seqlens, False)
+class _SegmentMax(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, mask, cu_seqlens, empty):
+        out, ties = _kernels().segment_reduce(x, mask, cu_seqlens, "max", empty=empty)
+        ctx.save_for_backward(x, mask, cu_seqlens, out, ties)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g):
+        x, mask, cu_seqlens, out, ties = ctx.saved_tensors
+        dx = _kernels().segment_spread(g.contiguous(), x.shape, mask, cu_seqlens, count=ties,
+                                       x=x, ref=out)
+        return dx, None, None, None
 
 
-def _scan_out(y, cu_seqlens):
-    return y if cu_seqlens is None else to_packed(y, cu_seqlens)
+class _PrefixSum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, mask, cu_seqlens, reverse):
+        ctx.save_for_backward(mask, cu_seqlens)
+        ctx.reverse = reverse
+        return _kernels().segment_scan(x, mask, cu_seqlens,
+                                       "suffix_sum" if reverse else "prefix_sum")[0]
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g):
+        mask, cu_seqlens = ctx.saved_tensors
+        # Output t of a prefix sum holds x_j for every j <= t (masked t included).
+        op = "prefix_sum" if ctx.reverse else "suffix_sum"
+        dx = _kernels().segment_scan(g, mask, cu_seqlens, op, mask_output=True)[0]
+        return dx, None, None, None
+
+
+class _PrefixMin(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, mask, cu_seqlens, exclusive):
+        want = ctx.needs_input_grad[0]
+        out, idx = _kernels().segment_scan(x, mask, cu_seqlens, "prefix_min",
+                                           exclusive=exclusive, want_index=want)
+        if want:
+            ctx.save_for_backward(idx)
+            ctx.shape, ctx.dtype = x.shape, x.dtype
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g):
+        (idx,) = ctx.saved_tensors
+        hit = idx >= 0
+        dx = torch.zeros(ctx.shape, dtype=ctx.dtype, device=g.device)
+        dx.scatter_add_(-1, torch.where(hit, idx, 0), torch.where(hit, g, 0).to(ctx.dtype))
+        return dx, None, None, None
+
+
+class _BroadcastPacked(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, values, shape, cu_seqlens):
+        ctx.save_for_backward(cu_seqlens)
+        return _kernels().segment_spread(values.contiguous(), shape, None, cu_seqlens)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g):
+        (cu_seqlens,) = ctx.saved_tensors
+        return _kernels().segment_reduce(g.contiguous(), None, cu_seqlens, "sum")[0], None, None
 
 
 def segment_sum(x, mask, cu_seqlens=None) -> torch.Tensor:
     """``[B]``: ``sum_t m x`` per sequence."""
-    if (fast := _triton_ops(x)) is not None:
-        return fast.segment_sum(x, mask, cu_seqlens)
-    g, m = _grid(x, mask, cu_seqlens)
-    return torch.where(m, g, torch.zeros_like(g)).sum(-1)
+    if _on_triton(x):
+        return _SegmentSum.apply(x, mask, cu_seqlens)
+    return twin.segment_sum(x, mask, cu_seqlens)
 
 
 def segment_count(mask, cu_seqlens=None) -> torch.Tensor:
     """``[B]`` int64: number of valid tokens per sequence (``L_i``)."""
-    if (fast := _triton_ops(mask, torch.float32)) is not None:
-        return fast.segment_count(mask, cu_seqlens)
-    _, m = _grid(mask, mask, cu_seqlens)
-    return m.sum(-1)
+    if _on_triton(mask, torch.float32):
+        return _kernels().segment_reduce(mask, mask, cu_seqlens, "count")[0]
+    return twin.segment_count(mask, cu_seqlens)
 
 
 def segment_mean(x, mask, cu_seqlens=None) -> torch.Tensor:
     """``[B]``: ``sum_t m x / L_i``; 0 for a sequence without valid tokens."""
-    if (fast := _triton_ops(x)) is not None:
-        return fast.segment_mean(x, mask, cu_seqlens)
-    g, m = _grid(x, mask, cu_seqlens)
-    total = torch.where(m, g, torch.zeros_like(g)).sum(-1)
-    return total / m.sum(-1).clamp(min=1).to(total.dtype)
+    if _on_triton(x):
+        return _SegmentMean.apply(x, mask, cu_seqlens)
+    return twin.segment_mean(x, mask, cu_seqlens)
 
 
 def segment_max(x, mask, cu_seqlens=None, empty: float = 0.0) -> torch.Tensor:
     """``[B]``: max over valid tokens; ``empty`` for a sequence without valid tokens."""
-    if (fast := _triton_ops(x)) is not None:
-        return fast.segment_max(x, mask, cu_seqlens, empty)
-    g, m = _grid(x, mask, cu_seqlens)
-    out = torch.where(m, g, torch.full_like(g, -torch.inf)).amax(-1)
-    return torch.where(m.any(-1), out, torch.full_like(out, empty))
+    if _on_triton(x):
+        return _SegmentMax.apply(x, mask, cu_seqlens, float(empty))
+    return twin.segment_max(x, mask, cu_seqlens, empty)
 
 
 def prefix_sum(x, mask, cu_seqlens=None) -> torch.Tensor:
     """Like ``x``: ``sum_{j <= t} m_j x_j`` within each sequence."""
-    if (fast := _triton_ops(x)) is not None:
-        return fast.prefix_sum(x, mask, cu_seqlens)
-    g, m = _grid(x, mask, cu_seqlens)
-    return _scan_out(torch.where(m, g, torch.zeros_like(g)).cumsum(-1), cu_seqlens)
+    if _on_triton(x):
+        return _PrefixSum.apply(x, mask, cu_seqlens, False)
+    return twin.prefix_sum(x, mask, cu_seqlens)
 
 
 def suffix_sum(x, mask, cu_seqlens=None) -> torch.Tensor:
     """Like ``x``: ``sum_{j >= t} m_j x_j`` within each sequence."""
-    if (fast := _triton_ops(x)) is not None:
-        return fast.suffix_sum(x, mask, cu_seqlens)
-    g, m = _grid(x, mask, cu_seqlens)
-    y = torch.where(m, g, torch.zeros_like(g)).flip(-1).cumsum(-1).flip(-1)
-    return _scan_out(y, cu_seqlens)
+    if _on_triton(x):
+        return _PrefixSum.apply(x, mask, cu_seqlens, True)
+    return twin.suffix_sum(x, mask, cu_seqlens)
 
 
 def prefix_min(x, mask, cu_seqlens=None, *, exclusive: bool = False) -> torch.Tensor:
@@ -119,20 +197,13 @@ def prefix_min(x, mask, cu_seqlens=None, *, exclusive: bool = False) -> torch.Te
 
     The gradient reaches the arg-min token of each prefix (``torch.cummin``).
     """
-    if (fast := _triton_ops(x)) is not None:
-        return fast.prefix_min(x, mask, cu_seqlens, exclusive=exclusive)
-    g, m = _grid(x, mask, cu_seqlens)
-    vals = torch.where(m, g, torch.full_like(g, torch.inf))
-    if exclusive:
-        vals = torch.cat([torch.full_like(vals[..., :1], torch.inf), vals[..., :-1]], -1)
-    return _scan_out(torch.cummin(vals, -1).values, cu_seqlens)
+    if _on_triton(x):
+        return _PrefixMin.apply(x, mask, cu_seqlens, exclusive)
+    return twin.prefix_min(x, mask, cu_seqlens, exclusive=exclusive)
 
 
 def broadcast(values: torch.Tensor, like: torch.Tensor, cu_seqlens=None) -> torch.Tensor:
     """Per-sequence ``values [B]`` repeated at each token of ``like`` (``[B, T]`` or ``[N]``)."""
-    if cu_seqlens is not None and (fast := _triton_ops(values)) is not None:
-        return fast.broadcast(values, like, cu_seqlens)
-    if cu_seqlens is None:
-        return values[:, None].expand_as(like)
-    seq, _, _ = packed_index(cu_seqlens)
-    return values[seq]
+    if cu_seqlens is not None and _on_triton(values):
+        return _BroadcastPacked.apply(values, like.shape, cu_seqlens)
+    return twin.broadcast(values, like, cu_seqlens)

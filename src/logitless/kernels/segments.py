@@ -1,6 +1,6 @@
 """Segmented reductions and scans over right-padded ``[B, T]`` and packed ``[N]`` batches.
 
-Layouts (the contract of ``fused_losses/segments.py``, whose torch functions are the oracle):
+Layouts (the contract of the torch twin ``kernels/segments_torch.py``, these kernels' oracle):
 a padded ``x [B, T]`` with ``mask [B, T]`` (any strides), or a packed ``x [N]`` with
 ``mask [N]`` and ``cu_seqlens [B + 1]`` (int32/int64, flash-attention layout). Masked tokens add
 nothing to sums and are skipped by max/min; scans write every position, masked ones included.
@@ -20,7 +20,7 @@ synchronise the host) the first time each shape bucket appears, inside the train
 A packed program walks to its longest sequence, so one very long sequence among short ones
 costs its neighbours masked lanes. NaN inputs to max/min: unspecified (torch propagates them).
 
-Launchers (no autograd here; ``fused_losses/segments_triton.py`` builds the Functions):
+Launchers (no autograd here; ``fused_losses/segments.py`` builds the Functions):
 ``segment_reduce`` (sum, mean, max with its tie count, count), ``segment_scan`` (prefix or
 suffix sum, inclusive or exclusive prefix min with its arg-min index) and ``segment_spread``
 (per-sequence values written at every token, optionally masked, divided by a count, or kept

@@ -11,11 +11,13 @@ from logitless.reference.objectives import (
     aggregate_loop,
     kl_loop,
     policy_loss_reference,
-    prefix_min_loop,
-    prefix_sum_loop,
     quantile_loop,
     ratio_loop,
     rollout_rejection_keep_loop,
+)
+from logitless.reference.segments import (
+    prefix_min_loop,
+    prefix_sum_loop,
     segment_sum_loop,
     suffix_sum_loop,
 )

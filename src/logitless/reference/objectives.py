@@ -9,44 +9,7 @@ import math
 
 import torch
 
-
-def _valid(mask, i):
-    return [t for t in range(mask.shape[1]) if mask[i, t]]
-
-
-def segment_sum_loop(x, mask):
-    return torch.stack(
-        [sum((x[i, t] for t in _valid(mask, i)), x.new_zeros(())) for i in range(x.shape[0])]
-    )
-
-
-def prefix_sum_loop(x, mask):
-    out = torch.zeros_like(x)
-    for i in range(x.shape[0]):
-        run = x.new_zeros(())
-        for t in range(x.shape[1]):
-            if mask[i, t]:
-                run = run + x[i, t]
-            out[i, t] = run
-    return out
-
-
-def suffix_sum_loop(x, mask):
-    return prefix_sum_loop(x.flip(-1), mask.flip(-1)).flip(-1)
-
-
-def prefix_min_loop(x, mask, exclusive=False):
-    out = torch.full_like(x, math.inf)
-    for i in range(x.shape[0]):
-        run = math.inf
-        for t in range(x.shape[1]):
-            if exclusive:
-                out[i, t] = run
-            if mask[i, t]:
-                run = min(run, float(x[i, t]))
-            if not exclusive:
-                out[i, t] = run
-    return out
+from logitless.reference.segments import valid_tokens as _valid
 
 
 def quantile_loop(values, q):
