@@ -109,6 +109,7 @@ def _objective_configs():
         ("ppo", dict(dual_clip_c=2.0)),
         ("ppo", dict(delta=1.3)),
         ("cispo", dict(cispo_clip="upper")),
+        ("cispo", dict(cispo_cap=0.9)),
         ("dhpo", dict(dhpo_mix="entropy")),
         ("grpo", dict(beta=0.1, entropy_coef=0.02)),
     ]
