@@ -453,10 +453,20 @@ def trl_generation(trainer, batch, nan_tokens):
 def test_vllm_importance_sampling(loss_type, mode):
     if loss_type == "vespo" and mode.startswith("sequence"):
         pytest.skip("TRL rejects vespo with sequence-level vLLM IS")
+    clip_min, clip_max = (0.8, 1.1) if mode.startswith("token") else (0.5, 1.3)
+    check_vllm_importance_sampling(loss_type, mode, clip_min, clip_max)
+
+
+@pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_mask"])
+def test_vllm_importance_sampling_negative_clip_min(mode):
+    """TRL accepts a negative lower bound (it bounds no ratio); so do we."""
+    check_vllm_importance_sampling("dapo", mode, -0.5, 1.1)
+
+
+def check_vllm_importance_sampling(loss_type, mode, clip_min, clip_max):
     batch = make_batch(11)
     # fp32-representable: TRL builds the sampling logprobs with torch.tensor (default dtype)
     batch.sampling = (batch.old + 0.15 * torch.randn_like(batch.old)).float().double()
-    clip_min, clip_max = (0.8, 1.1) if mode.startswith("token") else (0.5, 1.3)
     vllm = dict(
         use_vllm=True,
         vllm_importance_sampling_correction=True,
