@@ -335,3 +335,48 @@ def test_bad_input():
         fused_policy_loss(args[0], args[1], bad_targets, *args[3:])
     with pytest.raises(ValueError, match="hidden"):
         fused_policy_loss(args[0][0], *args[1:])
+
+
+def _chunked_loss(batch, strategy="chunked"):
+    leaves = [batch[k].clone().requires_grad_(True) for k in ("hidden", "weight", "bias")]
+    loss, _ = fused_policy_loss(leaves[0], leaves[1], batch["targets"], batch["old"],
+                                batch["adv"], batch["mask"], PolicyLossConfig(objective="grpo"),
+                                bias=leaves[2], strategy=strategy, **HEAD)
+    return loss, leaves
+
+
+def test_second_backward_is_refused():
+    """The chunked strategy hands its forward-computed gradients to the first backward."""
+    loss, leaves = _chunked_loss(make_batch())
+    loss.backward(retain_graph=True)
+    first = [x.grad.clone() for x in leaves]
+    with pytest.raises(RuntimeError, match="backward ran a second time"):
+        loss.backward()
+    for x, g in zip(leaves, first):  # the first backward's gradients are left as they were
+        assert torch.equal(x.grad, g)
+
+
+def test_create_graph_is_refused():
+    loss, leaves = _chunked_loss(make_batch())
+    with pytest.raises(RuntimeError, match="create_graph=True"):
+        torch.autograd.grad(loss, leaves, create_graph=True)
+
+
+def test_streaming_backpropagates_a_retained_graph_again():
+    loss, leaves = _chunked_loss(make_batch(), strategy="streaming")
+    loss.backward(retain_graph=True)
+    first = [x.grad.clone() for x in leaves]
+    loss.backward()
+    for x, g in zip(leaves, first):
+        torch.testing.assert_close(x.grad, 2 * g, rtol=1e-14, atol=0)
+
+
+@pytest.mark.parametrize("strategy", ["chunked", "streaming"])
+@pytest.mark.parametrize("name,value", [("num_items_in_batch", 0), ("num_items_in_batch", -4),
+                                        ("global_batch_size", 0), ("global_batch_size", -1.0)])
+def test_bad_global_counts(strategy, name, value):
+    batch = make_batch()
+    with pytest.raises(ValueError, match=name):
+        fused_policy_loss(batch["hidden"], batch["weight"], batch["targets"], batch["old"],
+                          batch["adv"], batch["mask"], PolicyLossConfig(objective="grpo"),
+                          strategy=strategy, **{name: value})

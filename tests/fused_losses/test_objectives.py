@@ -79,6 +79,7 @@ def _objective_configs():
         ("ppo", dict(dual_clip_c=2.0)),
         ("ppo", dict(delta=1.3)),
         ("cispo", dict(cispo_clip="upper")),
+        ("cispo", dict(cispo_cap=0.9)),
         ("dhpo", dict(dhpo_mix="entropy")),
         ("grpo", dict(beta=0.1, entropy_coef=0.02)),
     ]
@@ -307,7 +308,7 @@ def test_registered_user_objective():
         (dict(dual_clip_c=1.0), "dual_clip_c"),
         (dict(eps_low=-0.1), "eps_low"),
         (dict(eps_high=torch.tensor([0.1, -0.2])), "eps_high"),
-        (dict(top_entropy_quantile=0.0), "top_entropy_quantile"),
+        (dict(top_entropy_quantile=-0.1), "top_entropy_quantile"),
         (dict(top_entropy_quantile=1.5), "top_entropy_quantile"),
         (dict(objective="gmpo", ratio_level="token"), "ratio_level"),
         (dict(rollout_rs="seq_max_k1", rollout_rs_threshold=2.0), "rollout_rs"),

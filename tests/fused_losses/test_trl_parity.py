@@ -223,6 +223,7 @@ def test_loss_types(loss_type, level):
         "entropy_bonus",
         "off_policy_mask",
         "per_token_adv",
+        "top_entropy_zero",
     ],
 )
 def test_options(loss_type, option):
@@ -237,6 +238,8 @@ def test_options(loss_type, option):
         trl_kw = dict(beta=0.07, use_bias_correction_kl=option == "beta_bias_corrected")
     elif option == "top_entropy":
         trl_kw = dict(top_entropy_quantile=0.37)
+    elif option == "top_entropy_zero":  # TRL: "0.0 masks all but the highest entropy token"
+        trl_kw = dict(top_entropy_quantile=0.0)
     elif option == "entropy_bonus":
         trl_kw = dict(entropy_coef=0.03, top_entropy_quantile=0.61)
     elif option == "off_policy_mask":
@@ -246,6 +249,137 @@ def test_options(loss_type, option):
     config = our_config(loss_type, epsilon_high=eps_high, **trl_kw)
     trl_inputs = {"sampling_per_token_logps": batch.sampling} if option == "off_policy_mask" else {}
     compare(trainer, config, batch, trl_inputs, our_call)
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("epsilon_high", [0.5, 0.9, 1.0, 5.0])
+def test_cispo_cap_is_trl_epsilon_high(epsilon_high, level):
+    """TRL's cispo weight is ``min(r, epsilon_high)`` for any epsilon_high, below 1 included;
+    its ``epsilon`` is read by no other part of the cispo loss (here -1, which TRL runs with)."""
+    batch = make_batch(int(epsilon_high * 10) + len(level))
+    batch.lp = (batch.old + 0.5 * torch.randn_like(batch.old)).clamp(max=-1e-3)
+    if level == "sequence":
+        # TRL's cispo_clip_ratio counts an empty sequence (ratio exp(0) = 1) as clipped when
+        # the cap is below 1; ours flags no empty sequence (it has no ratio). The loss agrees.
+        batch.mask[2, 0] = 1
+    trainer = make_trainer(loss_type="cispo", importance_sampling_level=level, epsilon_low=-1.0,
+                           epsilon_high=epsilon_high)
+    config = our_config("cispo", epsilon=-1.0, epsilon_high=epsilon_high, level=level)
+    assert (config.cispo_clip, config.cispo_cap) == ("upper", epsilon_high)
+    compare(trainer, config, batch)
+    _, _, _, metrics = run_trl(trainer, batch)
+    assert 0 < metrics["cispo_clip_ratio"] < 1 or epsilon_high == 5.0  # the cap is reached
+
+
+def test_cispo_epsilon_high_defaults_to_epsilon():
+    config = our_config("cispo", epsilon=0.3)
+    assert config.cispo_cap == 0.3
+
+
+# Settings GRPOConfig and TRL's loss accept, each of which we must accept with TRL's numbers.
+TRL_ACCEPTS = {
+    "epsilon_above_1": ("dapo", dict(epsilon=1.5, epsilon_high=0.28)),
+    "epsilon_high_0": ("dapo", dict(epsilon_high=0.0)),
+    "cispo_cap_0": ("cispo", dict(epsilon_high=0.0)),
+    "delta_below_1_plus_eps": ("grpo", dict(delta=1.1)),
+    "negative_entropy_coef": ("grpo", dict(entropy_coef=-0.02)),
+    "negative_opsm_threshold": ("dapo", dict(off_policy_mask_threshold=-0.01)),
+    "vespo_negative_k": ("vespo", dict(vespo_k_pos=-1.0, vespo_lambda_neg=0.0)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TRL_ACCEPTS))
+def test_accepts_what_trl_accepts(case):
+    loss_type, trl_fields = TRL_ACCEPTS[case]
+    batch = make_batch(zlib.crc32(case.encode()) % 1000)
+    config = our_config(loss_type, **trl_fields)
+    attrs = dict(trl_fields)
+    epsilon = attrs.pop("epsilon", 0.2)
+    trainer = make_trainer(loss_type=loss_type, epsilon_low=epsilon,
+                           epsilon_high=attrs.pop("epsilon_high", epsilon), **attrs)
+    opsm = "off_policy_mask_threshold" in attrs
+    trl_inputs = {"sampling_per_token_logps": batch.sampling} if opsm else {}
+    compare(trainer, config, batch, trl_inputs, dict(rollout_logprobs=batch.sampling) if opsm
+            else None)
+
+
+# Settings TRL runs with that have no meaning as a loss: refused, naming TRL's argument.
+TRL_REFUSED = {
+    "epsilon": ("grpo", dict(epsilon=-0.1)),
+    "epsilon_high": ("dapo", dict(epsilon_high=float("nan"))),
+    "epsilon_high ": ("cispo", dict(epsilon_high=-1.0)),  # a negative weight
+    "beta": ("grpo", dict(beta=-0.04)),
+    "delta": ("grpo", dict(delta=0.9)),
+    "sapo_temperature_pos": ("sapo", dict(sapo_temperature_pos=0.0)),
+    "vespo_lambda_pos": ("vespo", dict(vespo_lambda_pos=float("inf"))),
+    "top_entropy_quantile": ("grpo", dict(top_entropy_quantile=1.5)),
+    "entropy_coef": ("grpo", dict(entropy_coef=float("nan"))),
+    "off_policy_mask_threshold": ("grpo", dict(off_policy_mask_threshold=float("nan"))),
+    "vllm_importance_sampling_mode": ("grpo", dict(
+        use_vllm=True, vllm_importance_sampling_mode="token")),
+}
+
+
+@pytest.mark.parametrize("argument", sorted(TRL_REFUSED))
+def test_refusals_name_trl_argument(argument):
+    loss_type, trl_fields = TRL_REFUSED[argument]
+    with pytest.raises(ValueError, match=rf"^GRPOConfig\.{argument.strip()}: "):
+        our_config(loss_type, **trl_fields)
+
+
+def test_refused_override_names_our_field():
+    args = GRPOConfig(output_dir="unused", bf16=False)
+    with pytest.raises(ValueError, match=r"^PolicyLossConfig\.eps_low: "):
+        config_from_grpo(args, eps_low=-0.1)
+
+
+def loss_inputs(batch, num_items):
+    return {"prompt_ids": torch.zeros(B, 1, dtype=torch.long),
+            "prompt_mask": torch.ones(B, 1, dtype=torch.long),
+            "completion_ids": torch.zeros(B, T, dtype=torch.long),
+            "completion_mask": batch.mask, "advantages": batch.adv,
+            "old_per_token_logps": batch.old, "num_items_in_batch": num_items}
+
+
+def our_trainer_loss(trainer, batch, num_items):
+    """logitless's GRPOTrainer._compute_loss on the state `make_trainer` gives TRL's."""
+    from logitless.integrations.trl import GRPOTrainer as OurTrainer
+
+    ours = make_trainer(OurTrainer, loss_type=trainer.loss_type,
+                        epsilon_high=trainer.epsilon_high,
+                        steps_per_generation=trainer.args.steps_per_generation)
+    ours.args.gradient_accumulation_steps = GA
+    ours.__dict__.update(
+        loss_config=our_config(trainer.loss_type, epsilon_high=trainer.epsilon_high),
+        _configs={}, _entropy_control=None, state=SimpleNamespace(max_steps=1, global_step=0))
+    lp = batch.lp.clone().requires_grad_()
+    ours._get_per_token_logps_and_entropies = lambda *a, **k: (lp, batch.entropy, None)
+    inputs = loss_inputs(batch, num_items)
+    loss = OurTrainer._compute_loss(ours, None, inputs)
+    loss.backward()
+    return loss.detach(), lp.grad
+
+
+@pytest.mark.parametrize("case", ["one_token", "no_token"])
+def test_trainer_token_count_clamped_before_rescaling(case):
+    """TRL clamps ``num_items_in_batch`` at 1 and then rescales it to one accumulation window
+    (``* GA / steps_per_generation``), so a small count gives a normaliser below 1; a batch of
+    empty completions (count 0) has loss 0."""
+    batch = make_batch(5)
+    batch.mask = torch.zeros_like(batch.mask)
+    if case == "one_token":
+        batch.mask[1, 0] = 1
+    num_items = batch.mask.sum()
+    trainer = make_trainer(loss_type="dapo", epsilon_high=0.28, steps_per_generation=4 * GA)
+    lp = batch.lp.clone().requires_grad_()
+    trainer._get_per_token_logps_and_entropies = lambda *a, **k: (lp, batch.entropy, None)
+    inputs = loss_inputs(batch, num_items)
+    want = GRPOTrainer._compute_loss(trainer, None, inputs)
+    want.backward()
+    ours = our_trainer_loss(trainer, batch, num_items)
+    assert_rel(ours[0], want.detach(), 1e-12, "loss")
+    assert_rel(ours[1], lp.grad, 1e-12, "d loss / d logprobs")
+    assert (float(want.detach()) != 0) == (case == "one_token")
 
 
 def test_gmpo():
@@ -319,10 +453,20 @@ def trl_generation(trainer, batch, nan_tokens):
 def test_vllm_importance_sampling(loss_type, mode):
     if loss_type == "vespo" and mode.startswith("sequence"):
         pytest.skip("TRL rejects vespo with sequence-level vLLM IS")
+    clip_min, clip_max = (0.8, 1.1) if mode.startswith("token") else (0.5, 1.3)
+    check_vllm_importance_sampling(loss_type, mode, clip_min, clip_max)
+
+
+@pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_mask"])
+def test_vllm_importance_sampling_negative_clip_min(mode):
+    """TRL accepts a negative lower bound (it bounds no ratio); so do we."""
+    check_vllm_importance_sampling("dapo", mode, -0.5, 1.1)
+
+
+def check_vllm_importance_sampling(loss_type, mode, clip_min, clip_max):
     batch = make_batch(11)
     # fp32-representable: TRL builds the sampling logprobs with torch.tensor (default dtype)
     batch.sampling = (batch.old + 0.15 * torch.randn_like(batch.old)).float().double()
-    clip_min, clip_max = (0.8, 1.1) if mode.startswith("token") else (0.5, 1.3)
     vllm = dict(
         use_vllm=True,
         vllm_importance_sampling_correction=True,

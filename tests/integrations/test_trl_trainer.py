@@ -111,8 +111,7 @@ def assert_same_logs(ours, theirs):
 
 def test_config_from_grpo_maps_trl_semantics(tmp_path):
     cfg = config_from_grpo(grpo_args(tmp_path, loss_type="cispo", epsilon=0.3, epsilon_high=4.0))
-    assert (cfg.objective, cfg.cispo_clip) == ("cispo", "upper")
-    assert (cfg.eps_low, cfg.eps_high) == (0.3, 3.0)
+    assert (cfg.objective, cfg.cispo_clip, cfg.cispo_cap) == ("cispo", "upper", 4.0)
     assert cfg.loss_agg == "token-mean" and cfg.entropy_agg == "bnpo" and cfg.seq_count == "all"
     cfg = config_from_grpo(grpo_args(
         tmp_path, loss_type="dr_grpo", beta=0.1, use_bias_correction_kl=True, delta=1.7,
@@ -165,6 +164,9 @@ PARITY = [
                  id="bnpo-adaptive-entropy"),
     pytest.param("opsm", dict(loss_type="grpo", delta=1.5, off_policy_mask_threshold=0.01),
                  id="grpo-delta-opsm"),
+    # a cap below 1 (every weight capped on-policy) and an epsilon TRL's cispo never reads
+    pytest.param("cispo", dict(loss_type="cispo", epsilon=-1.0, epsilon_high=0.9),
+                 id="cispo-cap-below-1"),
     # generation every 2 optimizer steps: the token-mean normaliser spans 4 micro-batches
     pytest.param("spg", dict(loss_type="dapo", steps_per_generation=4, num_iterations=1),
                  id="dapo-steps-per-generation-4"),

@@ -8,6 +8,7 @@ batch and passing them to `policy_loss` on any subset of whole sequences gives t
 exact share of the full loss (the shares of a partition sum to the full loss).
 """
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -68,6 +69,26 @@ def _div(x, n):
     return x / n if n > 0 else x * 0.0
 
 
+def check_global_counts(num_items_in_batch, global_batch_size, counts: AggCounts) -> None:
+    """``ValueError`` naming the argument unless each given global count is a finite number
+    > 0; 0 is accepted for a batch without loss tokens (its loss is 0, as TRL's clamp of the
+    count at 1 gives). ``counts``: the loss tokens of the whole batch."""
+    for name, value in (("num_items_in_batch", num_items_in_batch),
+                        ("global_batch_size", global_batch_size)):
+        if value is None:
+            continue
+        if isinstance(value, torch.Tensor):
+            if value.numel() != 1:
+                raise ValueError(f"{name}: expected a number, got a tensor of shape "
+                                 f"{tuple(value.shape)}")
+            value = value.item()
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ValueError(f"{name}: expected a number, got {value!r}")
+        if not math.isfinite(value) or value < 0 or (value == 0 and counts.num_tokens > 0):
+            raise ValueError(f"{name}: must be > 0 (a count over the whole optimizer step), "
+                             f"got {value}")
+
+
 def aggregate(
     loss,
     m,
@@ -84,8 +105,9 @@ def aggregate(
 
     Local normalisers (from ``counts``) average over micro-batches: divided by
     ``cfg.grad_accum_steps``. Global ones (``num_items_in_batch``: tokens of the optimizer step
-    over every rank and micro-batch; ``global_batch_size``: its sequences) are exact already;
-    the loss is multiplied by ``cfg.dp_size`` because data parallelism averages gradients.
+    over every rank and micro-batch; ``global_batch_size``: its sequences; both > 0, see
+    `check_global_counts`) are exact already; the loss is multiplied by ``cfg.dp_size`` because
+    data parallelism averages gradients.
     """
     masked = torch.where(m, loss, torch.zeros_like(loss))
     seq_sum = masked.sum(-1)
@@ -93,7 +115,7 @@ def aggregate(
     dp, ga = cfg.dp_size, cfg.grad_accum_steps
     if mode == "token-mean":
         if num_items_in_batch is not None:
-            return seq_sum.sum() * dp / max(float(num_items_in_batch), 1.0)
+            return _div(seq_sum.sum() * dp, float(num_items_in_batch))
         return _div(seq_sum.sum(), counts.num_tokens) / ga
     if mode == "token-sum":
         return seq_sum.sum() * dp
@@ -107,7 +129,7 @@ def aggregate(
         else:
             per_seq = seq_sum / max_response_length
         if global_batch_size is not None:
-            return per_seq.sum() * dp / max(float(global_batch_size), 1.0)
+            return _div(per_seq.sum() * dp, float(global_batch_size))
         return _div(per_seq.sum(), counts.num_sequences) / ga
     if mode == "balanced":
         # (n+/n) mean over tokens of A > 0 + (n-/n) mean over tokens of A < 0, n counting

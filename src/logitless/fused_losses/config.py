@@ -1,6 +1,8 @@
 """`PolicyLossConfig`: the objective and every knob of docs/objectives.md, checked when built."""
 
+import dataclasses
 import math
+import numbers
 from dataclasses import dataclass, field
 
 import torch
@@ -47,9 +49,46 @@ ATTN_WEIGHTINGS = ("tanh", "softmax", "low_quantile", "high_quantile")
 
 Scalar = float | torch.Tensor
 
+# Fields whose infinite value is meaningful: a bound that is absent (no clip, cap, clamp or
+# threshold). Every other float field must be finite, and no field may be NaN.
+INF_ALLOWED = frozenset({
+    "eps_low", "eps_high", "seq_eps_low", "seq_eps_high", "dual_clip_c", "delta",
+    "log_ratio_clamp", "seq_log_ratio_max", "cispo_cap", "dppo_ratio_cap", "clip_cov_lb",
+    "clip_cov_ub", "stapo_entropy_threshold", "rollout_is_min", "rollout_is_max",
+    "rollout_rs_threshold", "opsm_threshold",
+})
+
+
+class ConfigError(ValueError):
+    """A `PolicyLossConfig` field's value is invalid; ``field`` names it, ``reason`` says why."""
+
+    def __init__(self, field_name: str, reason: str):
+        super().__init__(f"PolicyLossConfig.{field_name}: {reason}")
+        self.field = field_name
+        self.reason = reason
+
 
 def _fail(name: str, msg: str):
-    raise ValueError(f"PolicyLossConfig.{name}: {msg}")
+    raise ConfigError(name, msg)
+
+
+def _check_number(name, value):
+    """NaN is never a setting; inf only where it means an absent bound (`INF_ALLOWED`)."""
+    if isinstance(value, torch.Tensor) and value.is_floating_point():
+        nan, inf = bool(torch.isnan(value).any()), bool(torch.isinf(value).any())
+    elif isinstance(value, numbers.Real) and not isinstance(value, bool):
+        nan, inf = math.isnan(value), math.isinf(value)
+    else:
+        return
+    if nan:
+        _fail(name, f"must not be NaN, got {value}")
+    if inf and name not in INF_ALLOWED:
+        _fail(name, f"must be finite, got {value}")
+
+
+def _check_positive_int(name, value):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        _fail(name, f"must be a positive integer, got {value!r}")
 
 
 def _check_nonneg(name, value):
@@ -68,6 +107,10 @@ def _check_fraction(name, value):
 def _check_choice(name, value, choices):
     if value not in choices:
         _fail(name, f"unknown value {value!r}; expected one of {list(choices)}")
+
+
+def _log(x: float) -> float:
+    return math.log(x) if x > 0 else -math.inf  # a bound of 1/inf is 0: no lower bound
 
 
 def parse_rollout_rs(options: str, threshold) -> tuple[tuple[str, float, float], ...]:
@@ -95,7 +138,7 @@ def parse_rollout_rs(options: str, threshold) -> tuple[tuple[str, float, float],
             parts = [float(p) for p in spec.split("_")]
         except ValueError:
             _fail("rollout_rs_threshold", f"cannot parse {spec!r}")
-        if any(p <= 0 for p in parts) or len(parts) > 2:
+        if any(not p > 0 for p in parts) or len(parts) > 2:  # `not p > 0`: NaN too
             _fail(
                 "rollout_rs_threshold", f"{spec!r}: thresholds must be one or two positive numbers"
             )
@@ -103,7 +146,7 @@ def parse_rollout_rs(options: str, threshold) -> tuple[tuple[str, float, float],
             lo, hi = (1.0 / parts[0], parts[0]) if len(parts) == 1 else parts
             if lo > hi:
                 _fail("rollout_rs_threshold", f"{spec!r}: lower bound above upper bound")
-            out.append((name, math.log(lo), math.log(hi)))
+            out.append((name, _log(lo), _log(hi)))
         else:
             if len(parts) != 1:
                 _fail("rollout_rs_threshold", f"{name} takes a single upper bound, got {spec!r}")
@@ -114,6 +157,14 @@ def parse_rollout_rs(options: str, threshold) -> tuple[tuple[str, float, float],
 @dataclass
 class PolicyLossConfig:
     """The objective and its knobs. Fields left at ``None`` take the objective's default.
+
+    Every invalid value raises `ConfigError` (a ``ValueError``) naming the field. No float
+    field may be NaN, and only the bounds listed in `INF_ALLOWED` may be infinite, where
+    ``inf`` means the bound is absent: ``eps_low``, ``eps_high``, ``seq_eps_low``,
+    ``seq_eps_high`` (no clip on that side), ``dual_clip_c``, ``delta``, ``cispo_cap``,
+    ``dppo_ratio_cap`` (no cap), ``log_ratio_clamp``, ``seq_log_ratio_max`` (no clamp),
+    ``clip_cov_lb`` / ``clip_cov_ub``, ``stapo_entropy_threshold``, ``opsm_threshold``,
+    ``rollout_is_min`` / ``rollout_is_max``, ``rollout_rs_threshold`` (no threshold).
 
     Objective and ratio:
         objective: a registered objective name (see ``logitless.fused_losses.objectives``).
@@ -131,7 +182,10 @@ class PolicyLossConfig:
         seq_log_ratio_max: cap of the log sequence ratio of ``sequence`` and ``sequence_token``
             (value and gradient), verl's GSPO guard (10, with ``log_ratio_clamp=None``).
         cispo_clip: ``two_sided`` (paper, verl) ``clip(r, 1-eps_low, 1+eps_high)`` or ``upper``
-            ``min(r, 1+eps_high)`` (ScaleRL, TRL: TRL's ``epsilon_high`` is our ``1+eps_high``).
+            ``min(r, cap)`` (ScaleRL, TRL); ``None``: ``upper`` when ``cispo_cap`` is set,
+            else ``two_sided``.
+        cispo_cap: the cap of ``upper``, a number >= 0 (TRL's ``epsilon_high`` of
+            ``loss_type="cispo"``, any value, below 1 included); ``None``: ``1 + eps_high``.
         sapo_tau_pos, sapo_tau_neg; vespo_k_pos, vespo_lambda_pos, vespo_k_neg,
             vespo_lambda_neg; dro_beta; dppo_ratio_cap (verl ``clip_ratio_c`` of DPPO);
             cov_fraction, clip_cov_lb, clip_cov_ub, kl_cov_coef, cov_seed (``clip_cov``,
@@ -148,22 +202,26 @@ class PolicyLossConfig:
         k3: x to [-20, 20], result to [-10, 10]), future_kl_coef (FRPO).
     Entropy:
         entropy_coef, entropy_agg (``None``: the loss aggregation, as verl; TRL: ``bnpo``),
-        top_entropy_quantile, stapo_prob_threshold and stapo_entropy_threshold (STAPO, both
-        needed), adv_entropy_top_fraction (D3S), attn_entropy_weighting (``tanh | softmax |
-        low_quantile | high_quantile``), attn_entropy_alpha, attn_entropy_alpha_final,
+        top_entropy_quantile (in [0, 1]: keep the tokens at or above the ``1 - q`` quantile of
+        the entropies, 0 keeping the highest only, as TRL), stapo_prob_threshold and
+        stapo_entropy_threshold (STAPO, both needed), adv_entropy_top_fraction (D3S),
+        attn_entropy_weighting (``tanh | softmax | low_quantile | high_quantile``),
+        attn_entropy_alpha, attn_entropy_alpha_final,
         attn_entropy_standardize (``sequence | batch``), attn_entropy_quantile,
         prob_reweight_alpha (Lopti).
     Rollout correction:
         rollout_is (``token | sequence | sequence_geometric``), rollout_is_mode (``truncate``:
-        TIS, ``mask``: MIS/IcePop), rollout_is_min, rollout_is_max,
+        TIS, ``mask``: MIS/IcePop), rollout_is_min (a bound at or below 0 bounds nothing, as
+        TRL's ``vllm_importance_sampling_clip_min``), rollout_is_max,
         rollout_is_batch_normalize (divide the weights by their batch mean: over tokens, or
         over non-empty sequences for sequence levels; verl's option), rollout_rs and
         rollout_rs_threshold (verl syntax), opsm_threshold (DeepSeek-V3.2, TRL
         ``off_policy_mask_threshold``).
     Aggregation:
         loss_agg, max_response_length (``L_max`` of seq-mean-token-sum-norm; default: the padded
-        width), length_power_alpha, dp_size, grad_accum_steps, seq_count (``all``: every
-        sequence counts in seq-mean denominators, as TRL; ``nonempty``: as verl).
+        width), length_power_alpha, dp_size and grad_accum_steps (positive integers),
+        seq_count (``all``: every sequence counts in seq-mean denominators, as TRL;
+        ``nonempty``: as verl).
     """
 
     objective: str = "grpo"
@@ -180,7 +238,8 @@ class PolicyLossConfig:
     hard_trust_region: bool = False
     log_ratio_clamp: float | None = 20.0
     seq_log_ratio_max: float | None = None
-    cispo_clip: str = "two_sided"
+    cispo_clip: str | None = None
+    cispo_cap: float | None = None
     sapo_tau_pos: float = 1.0
     sapo_tau_neg: float = 1.05
     vespo_k_pos: float = 2.0
@@ -249,8 +308,13 @@ class PolicyLossConfig:
             self.eps_high = spec.eps_high if spec.eps_high is not None else self.eps_low
         if spec.dual_clip_c is not None and self.dual_clip_c is None:
             self.dual_clip_c = spec.dual_clip_c
+        if self.cispo_clip is None:
+            self.cispo_clip = "two_sided" if self.cispo_cap is None else "upper"
         if spec.ratio_levels is not None and self.ratio_level not in spec.ratio_levels:
             _fail("ratio_level", f"{self.objective} supports {list(spec.ratio_levels)}")
+        for f in dataclasses.fields(self):
+            if f.init:
+                _check_number(f.name, getattr(self, f.name))
 
         _check_choice("ratio_level", self.ratio_level, RATIO_LEVELS)
         _check_choice("loss_agg", self.loss_agg, LOSS_AGGS)
@@ -287,13 +351,13 @@ class PolicyLossConfig:
             "kl_cov_coef",
             "prob_reweight_alpha",
             "length_power_alpha",
-            "rollout_is_min",
             "log_ratio_clamp",
             "delight_eta",
         ):
             _check_nonneg(name, getattr(self, name))
+        if not 0.0 <= self.top_entropy_quantile <= 1.0:
+            _fail("top_entropy_quantile", f"must be in [0, 1], got {self.top_entropy_quantile}")
         for name in (
-            "top_entropy_quantile",
             "adv_entropy_top_fraction",
             "attn_entropy_quantile",
             "cov_fraction",
@@ -308,6 +372,7 @@ class PolicyLossConfig:
             _fail("dual_clip_c", f"must be > 1, got {self.dual_clip_c}")
         if self.delta is not None and self.delta <= 1.0:
             _fail("delta", f"must be > 1, got {self.delta}")
+        self._check_cispo_cap()
         if self.clip_cov_lb >= self.clip_cov_ub:
             _fail("clip_cov_lb", "must be below clip_cov_ub")
         if self.rollout_is_max is not None and self.rollout_is_max <= 0:
@@ -328,7 +393,17 @@ class PolicyLossConfig:
         if self.max_response_length is not None and self.max_response_length < 1:
             _fail("max_response_length", f"must be >= 1, got {self.max_response_length}")
         for name in ("dp_size", "grad_accum_steps"):
-            if getattr(self, name) < 1:
-                _fail(name, f"must be >= 1, got {getattr(self, name)}")
+            _check_positive_int(name, getattr(self, name))
         if self.rollout_rs is not None:
             self.rollout_rs_parsed = parse_rollout_rs(self.rollout_rs, self.rollout_rs_threshold)
+
+    def _check_cispo_cap(self):
+        if self.cispo_cap is None:
+            return
+        if isinstance(self.cispo_cap, bool) or not isinstance(self.cispo_cap, numbers.Real):
+            _fail("cispo_cap", f"must be a number, got {self.cispo_cap!r}")
+        if self.cispo_cap < 0:
+            _fail("cispo_cap", f"must be >= 0 (a cap of the ratio), got {self.cispo_cap}")
+        if self.cispo_clip != "upper":
+            _fail("cispo_cap", "is the cap of cispo_clip='upper'; cispo_clip is "
+                  f"{self.cispo_clip!r}")

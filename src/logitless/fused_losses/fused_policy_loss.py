@@ -28,6 +28,7 @@ import itertools
 import torch
 
 from logitless.fused_losses import gpu_plan
+from logitless.fused_losses.aggregation import check_global_counts
 from logitless.fused_losses.config import PolicyLossConfig
 from logitless.fused_losses.logprobs import check_head_args, compute_dtype, linear_logprobs
 from logitless.fused_losses.policy_loss import (
@@ -134,7 +135,8 @@ class _WeightGrad:
 
 
 class _StoredGradients(torch.autograd.Function):
-    """The loss, whose backward scales gradients computed in the forward."""
+    """The loss, whose backward scales gradients computed in the forward (once: see
+    `fused_policy_loss`, "Backward")."""
 
     @staticmethod
     def forward(ctx, loss, hidden, weight, bias, grads):
@@ -143,8 +145,21 @@ class _StoredGradients(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                "fused_policy_loss: backward(create_graph=True) is not supported: the chunked "
+                "strategy computes its gradients in the forward, as plain tensors with no graph "
+                "to differentiate again (a higher-order gradient needs the logits' graph: "
+                "policy_loss on materialised logits).")
+        if ctx.grads is None:
+            raise RuntimeError(
+                "fused_policy_loss: backward ran a second time through the same loss "
+                "(retain_graph=True does not keep them): the chunked strategy computes its "
+                "gradients in the forward and hands them over, scaled in place, to the first "
+                "backward, keeping no copy of the [V, D] weight gradient. Call "
+                "fused_policy_loss again for a second backward, or use strategy='streaming'.")
         d_hidden, d_weight, d_bias = ctx.grads
-        ctx.grads = None  # a second backward through the same loss is an error, as usual
+        ctx.grads = None  # handed over: autograd may keep d_weight as weight.grad itself
 
         def scale(x):  # in place: the stored gradients are ours, and [V, D] is large
             return None if x is None else x.mul_(g.to(x.dtype))
@@ -239,6 +254,16 @@ def fused_policy_loss(
 
     Returns:
         ``(loss, metrics)`` as :func:`policy_loss`.
+
+    Backward: the chunked strategy computes the gradients of ``hidden``, ``weight`` and ``bias``
+    during the forward (a buffer of each, the memory the backward would use anyway) and the
+    loss's backward hands them over scaled by the incoming gradient, in place. So the loss
+    supports exactly one backward, without ``create_graph``: a second backward (after
+    ``retain_graph=True``) and ``create_graph=True`` raise ``RuntimeError`` rather than
+    return gradients that are wrong or have no graph; keeping a copy for a second backward
+    would double the weight gradient's memory. ``strategy="streaming"`` recomputes in its
+    backward, so a retained graph backpropagates again there (neither strategy gives
+    higher-order gradients).
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
@@ -299,6 +324,7 @@ def fused_policy_loss(
     globals_ = policy_loss_globals(mask, advantages, config, old_logprobs=old_logprobs,
                                    rollout_logprobs=rollout_logprobs, entropy=selection_entropy,
                                    attention_entropy=attention_entropy, cu_seqlens=cu_seqlens)
+    check_global_counts(num_items_in_batch, global_batch_size, globals_.loss)
 
     # Planning: the only host synchronisation besides the input checks.
     rows = torch.nonzero(m_flat).squeeze(1)

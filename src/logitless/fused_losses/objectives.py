@@ -117,7 +117,8 @@ def clipped_surrogate(rho, adv, low, high, cfg) -> ObjectiveOutput:
         loss = torch.where(adv < 0, torch.minimum(loss, -cfg.dual_clip_c * adv), loss)
     if cfg.hard_trust_region:
         loss = torch.where((rho >= low) & (rho <= high), loss, loss.detach())
-    return ObjectiveOutput(loss, *clip_flags(rho.detach(), adv, low, high))
+    # flagged where the clip binds: a delta below 1 + eps_high binds first (TRL's metric too)
+    return ObjectiveOutput(loss, *clip_flags(capped.detach(), adv, low, high))
 
 
 def _clipped(x: ObjectiveInputs) -> ObjectiveOutput:
@@ -146,9 +147,11 @@ register_objective("minpro", ratio_level="prefix_min", ratio_levels=("prefix_min
 def cispo(x: ObjectiveInputs) -> ObjectiveOutput:
     """CISPO: ``-sg(clip(rho, 1-eps_low, 1+eps_high)) A lp``.
 
-    ``cispo_clip="upper"``: ``min(rho, 1+eps_high)`` (ScaleRL, TRL)."""
+    ``cispo_clip="upper"``: ``min(rho, cap)`` (ScaleRL, TRL), ``cap`` the config's ``cispo_cap``
+    (TRL's ``epsilon_high``) or ``1+eps_high``."""
     rho, low, high = x.ratio.value, x.ratio.low, x.ratio.high
     if x.cfg.cispo_clip == "upper":
+        high = high if x.cfg.cispo_cap is None else x.cfg.cispo_cap
         weight = torch.clamp(rho, max=high)
         low = torch.zeros_like(rho)
     else:

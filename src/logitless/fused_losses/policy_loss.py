@@ -20,7 +20,12 @@ from dataclasses import dataclass
 import torch
 
 from logitless.fused_losses import segments
-from logitless.fused_losses.aggregation import BatchGlobals, agg_counts, aggregate
+from logitless.fused_losses.aggregation import (
+    BatchGlobals,
+    agg_counts,
+    aggregate,
+    check_global_counts,
+)
 from logitless.fused_losses.config import PolicyLossConfig
 from logitless.fused_losses.kl import kl_estimate
 from logitless.fused_losses.objectives import ObjectiveInputs, get_objective
@@ -300,12 +305,13 @@ def policy_loss(
         attention_entropy: like ``logprobs``, per-token attention entropies (weighting input).
         num_items_in_batch: tokens of the whole optimizer step over all ranks and micro-batches
             (global token-mean normaliser); global_batch_size: its sequences (seq-mean-*).
+            Numbers (or one-element tensors) > 0; 0 only for a batch without loss tokens.
         batch_globals: `BatchGlobals` of the full batch for chunked use (module docstring).
         training_progress: in [0, 1], drives the attention-entropy alpha schedule.
         entropy_coef: overrides ``config.entropy_coef`` (for `AdaptiveEntropyCoef`).
-        validate: ``False`` skips the NaN and ``cu_seqlens`` value checks, which synchronise
-            with the device: for callers that validated the whole batch once and now run
-            chunks of it (``fused_policy_loss``).
+        validate: ``False`` skips the NaN, ``cu_seqlens`` and global-count checks, which
+            synchronise with the device: for callers that validated the whole batch once and
+            now run chunks of it (``fused_policy_loss``).
         compute_metrics: ``False`` returns an empty metrics dict (no metric work).
 
     Returns:
@@ -352,6 +358,8 @@ def policy_loss(
             "whole batch and cannot run on a chunk"
         )
     glob = batch_globals if batch_globals is not None else _globals_from_grid(grid, cfg)
+    if validate:
+        check_global_counts(num_items_in_batch, global_batch_size, glob.loss)
 
     m_in = grid.m
     m = _kept_mask(grid, cfg, old_lp, roll_lp, ent)

@@ -28,7 +28,7 @@ import torch
 import trl
 
 from logitless.fused_losses.aggregation import agg_counts
-from logitless.fused_losses.config import PolicyLossConfig
+from logitless.fused_losses.config import ConfigError, PolicyLossConfig
 from logitless.fused_losses.entropy_control import AdaptiveEntropyCoef
 from logitless.fused_losses.objectives import clip_flags
 from logitless.fused_losses.policy_loss import policy_loss, policy_loss_globals
@@ -66,23 +66,51 @@ def _fp32(x: float) -> float:
     return float(torch.tensor(x, dtype=torch.float32))
 
 
+# Each PolicyLossConfig field config_from_grpo sets, and the GRPOConfig argument it comes from
+# (an invalid value is reported under the argument's name).
+_GRPO_ARGUMENTS = dict(
+    objective="loss_type", ratio_level="importance_sampling_level", eps_low="epsilon",
+    eps_high="epsilon_high", cispo_cap="epsilon_high", delta="delta", beta="beta",
+    entropy_coef="entropy_coef", top_entropy_quantile="top_entropy_quantile",
+    opsm_threshold="off_policy_mask_threshold", sapo_tau_pos="sapo_temperature_pos",
+    sapo_tau_neg="sapo_temperature_neg", vespo_k_pos="vespo_k_pos",
+    vespo_lambda_pos="vespo_lambda_pos", vespo_k_neg="vespo_k_neg",
+    vespo_lambda_neg="vespo_lambda_neg", max_response_length="max_completion_length",
+    grad_accum_steps="gradient_accumulation_steps", dp_size="world_size",
+    rollout_is_min="vllm_importance_sampling_clip_min",
+    rollout_is_max="vllm_importance_sampling_clip_max",
+)
+_VLLM_IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
+
 def config_from_grpo(args, **overrides) -> PolicyLossConfig:
     """The `PolicyLossConfig` whose loss is TRL's ``GRPOTrainer`` loss for ``args`` (a
     ``GRPOConfig``); ``overrides`` replace any field (e.g. ``dual_clip_c=3.0``).
 
     ``loss_type`` -> ``objective`` (all eight of TRL 1.16), ``importance_sampling_level`` ->
     ``ratio_level``, ``epsilon`` / ``epsilon_high`` -> ``eps_low`` / ``eps_high`` (cispo:
-    TRL's ``epsilon_high`` is the ratio cap itself, ``min(r, epsilon_high)``, so ``cispo_clip=
-    "upper"`` and ``eps_high = epsilon_high - 1``), ``delta``, ``beta`` with TRL's k3 estimator
-    and ``use_bias_correction_kl`` (times ``r`` with its gradient, as TRL's code does),
-    ``top_entropy_quantile``, ``entropy_coef`` (a mean over the selected tokens: ``entropy_agg=
-    "bnpo"``), ``off_policy_mask_threshold`` -> ``opsm_threshold``, vLLM importance sampling
-    (``use_vllm`` and ``vllm_importance_sampling_correction``: ``*_truncate`` / ``*_mask`` modes
-    and clip bounds) -> ``rollout_is*``, sapo temperatures and vespo k/lambda (rounded to fp32:
-    TRL builds them with ``torch.where`` on python floats), ``max_completion_length`` ->
-    ``max_response_length`` (dr_grpo's constant), ``gradient_accumulation_steps`` and the world
-    size (the trainer sets both per call). TRL exponentiates the log-ratio unclamped (vespo
-    clamps it to +-20), and so does this config.
+    TRL's ``epsilon_high``, else ``epsilon``, is the ratio cap itself, ``min(r, epsilon_high)``
+    for any value, below 1 included: ``cispo_cap``; TRL's cispo reads no other clip bound),
+    ``delta``, ``beta`` with TRL's k3 estimator and ``use_bias_correction_kl`` (times ``r``
+    with its gradient, as TRL's code does), ``top_entropy_quantile``, ``entropy_coef`` (a mean
+    over the selected tokens: ``entropy_agg="bnpo"``), ``off_policy_mask_threshold`` ->
+    ``opsm_threshold``, vLLM importance sampling (``use_vllm`` and
+    ``vllm_importance_sampling_correction``: ``*_truncate`` / ``*_mask`` modes and clip bounds)
+    -> ``rollout_is*``, sapo temperatures and vespo k/lambda (rounded to fp32: TRL builds them
+    with ``torch.where`` on python floats), ``max_completion_length`` -> ``max_response_length``
+    (dr_grpo's constant), ``gradient_accumulation_steps`` and the world size (the trainer sets
+    both per call). TRL exponentiates the log-ratio unclamped (vespo clamps it to +-20), and so
+    does this config.
+
+    Raises ``ValueError`` naming the ``GRPOConfig`` argument (or the override) whose value
+    `PolicyLossConfig` rejects. It accepts every value TRL's loss gives a meaning to; rejected
+    although TRL runs with them: NaN anywhere; an infinite ``beta``, ``entropy_coef``,
+    temperature or vespo parameter; ``epsilon`` / ``epsilon_high`` < 0 (a clip range not
+    around 1), cispo's ``epsilon_high`` < 0 (a negative weight), ``beta`` < 0 (a reward for
+    leaving the reference), ``delta`` <= 1 (caps the ratio below its on-policy value),
+    sapo temperatures <= 0 (TRL divides by them), ``top_entropy_quantile`` > 1 (TRL ignores it,
+    its documented range is [0, 1]), ``vllm_importance_sampling_clip_max`` <= 0 (every weight
+    0).
     """
     loss_type = args.loss_type
     eps_high = args.epsilon if args.epsilon_high is None else args.epsilon_high
@@ -114,9 +142,14 @@ def config_from_grpo(args, **overrides) -> PolicyLossConfig:
         seq_count="all",
     )
     if loss_type == "cispo":
-        fields.update(cispo_clip="upper", eps_high=eps_high - 1)
+        del fields["eps_low"], fields["eps_high"]
+        fields.update(cispo_clip="upper", cispo_cap=eps_high)
     if args.use_vllm and args.vllm_importance_sampling_correction:
-        level, how = args.vllm_importance_sampling_mode.split("_")
+        mode = args.vllm_importance_sampling_mode
+        if mode not in _VLLM_IS_MODES:
+            raise ValueError(f"GRPOConfig.vllm_importance_sampling_mode: expected one of "
+                             f"{list(_VLLM_IS_MODES)}, got {mode!r}")
+        level, how = mode.split("_")
         fields.update(
             rollout_is=level,
             rollout_is_mode="mask" if how == "mask" else "truncate",
@@ -124,7 +157,16 @@ def config_from_grpo(args, **overrides) -> PolicyLossConfig:
             rollout_is_max=args.vllm_importance_sampling_clip_max,
         )
     fields.update(overrides)
-    return PolicyLossConfig(**fields)
+    try:
+        return PolicyLossConfig(**fields)
+    except ConfigError as e:
+        argument = None if e.field in overrides else _GRPO_ARGUMENTS.get(e.field)
+        if argument == "epsilon_high" and args.epsilon_high is None:
+            argument = "epsilon"  # TRL's epsilon_high defaults to epsilon
+        if argument is None:
+            raise
+        raise ValueError(f"GRPOConfig.{argument}: {e.reason} (as PolicyLossConfig.{e.field})"
+                         ) from e
 
 
 class _Head:
@@ -309,7 +351,9 @@ class GRPOTrainer(trl.GRPOTrainer):
         # the token-mean normaliser spans the generation batch, rescaled to one window.
         grad_accum = self.current_gradient_accumulation_steps if mode == "train" else 1
         cfg = self._config_for(grad_accum)
-        num_items = inputs["num_items_in_batch"]
+        # TRL clamps the generation batch's token count at 1 before rescaling it (a batch of
+        # empty completions has none, and its loss is 0).
+        num_items = inputs["num_items_in_batch"].clamp(min=1.0)
         if mode == "train":
             num_items = num_items * grad_accum / self.args.steps_per_generation
         old = inputs.get("old_per_token_logps")
@@ -445,7 +489,8 @@ class GRPOTrainer(trl.GRPOTrainer):
 
         ratio = compute_ratio(cfg.ratio_level, d, logps.detach(), m, adv, cfg,
                               bound(cfg.eps_low), bound(cfg.eps_high), m)
-        low, high = clip_flags(ratio.value, adv, ratio.low, ratio.high)
+        value = ratio.value if cfg.delta is None else ratio.value.clamp(max=cfg.delta)
+        low, high = clip_flags(value, adv, ratio.low, ratio.high)
         if ratio.per_sequence:
             return (low & m).any(-1).float(), (high & m).any(-1).float()
         n = m.sum(-1)

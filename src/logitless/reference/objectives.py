@@ -192,6 +192,7 @@ def token_loss_loop(
                 if cfg.hard_trust_region and not lo <= float(r_t.detach()) <= hi:
                     loss = loss.detach()
             elif objective == "cispo":
+                hi = hi if cfg.cispo_cap is None else cfg.cispo_cap
                 w = (
                     min(float(r_t.detach()), hi)
                     if cfg.cispo_clip == "upper"
