@@ -221,8 +221,8 @@ def _bad_cases():
         ("q must be float32", (q.double(), k.double()), {}),
         ("window must be >= 1", (q, k), {"window": 0}),
         ("window must be a positive int", (q, k), {"window": 2.5}),
-        ("softcap must be > 0", (q, k), {"softcap": 0.0}),
-        ("scale must be > 0", (q, k), {"scale": -1.0}),
+        ("softcap must be a finite number > 0", (q, k), {"softcap": 0.0}),
+        ("scale must be a finite number > 0", (q, k), {"scale": -1.0}),
         ("reduce_heads must be", (q, k), {"reduce_heads": "sum"}),
     ]
 
@@ -233,3 +233,116 @@ def test_bad_input_names_the_argument(case, monkeypatch):
     match, args, opts = _bad_cases()[case]
     with pytest.raises(ValueError, match=match):
         logitless.attention_entropy(*args, **opts)
+
+
+def _bad_numbers():
+    return [
+        ("scale", float("inf")), ("scale", float("nan")), ("scale", "0.5"), ("scale", True),
+        ("softcap", float("inf")), ("softcap", float("nan")), ("softcap", "30"),
+        ("softcap", -float("inf")),
+    ]
+
+
+@pytest.mark.parametrize("name,value", _bad_numbers(), ids=repr)
+@pytest.mark.parametrize("op", ["op", "reference"])
+def test_non_finite_or_non_number_scale_and_softcap_refused(op, name, value, monkeypatch):
+    """scale=inf used to give all-zero entropies (every row one-hot) and softcap="30" a
+    TypeError from inside; both are refused, naming the argument."""
+    monkeypatch.setenv("LOGITLESS_BACKEND", "torch")
+    q, k = padded(t=10)
+    fn = logitless.attention_entropy if op == "op" else reference.attention_entropy
+    with pytest.raises(ValueError, match=f"{name} must be a finite number > 0"):
+        fn(q, k, **{name: value})
+
+
+def _expected_nan(b, hq, group, t, bad_q, bad_k, causal):
+    """[B, Hq, T] True where a row sees a NaN: its own query, or a visible NaN key."""
+    want = torch.zeros(b, hq, t, dtype=torch.bool)
+    for bi, h, i in bad_q:
+        want[bi, h, i] = True
+    for bi, hk, j in bad_k:
+        for h in range(hk * group, (hk + 1) * group):
+            want[bi, h, j if causal else 0:] = True
+    return want
+
+
+@pytest.mark.parametrize("backend", [*BACKENDS, "reference"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidir"])
+def test_nan_in_gives_nan_out(backend, causal, monkeypatch):
+    """A row that sees a NaN query or key is NaN, never 0 (0 would read as the most confident
+    token); other rows are unaffected, and hidden or unselected NaN changes nothing."""
+    q, k = padded(b=2, hk=2, group=2, t=70, d=24)
+    clean_q, clean_k = q.clone(), k.clone()
+    bad_q, bad_k = [(0, 1, 5), (1, 3, 66)], [(1, 0, 40)]
+    for bi, h, i in bad_q:
+        q[bi, h, i, 3] = float("nan")
+    for bi, hk, j in bad_k:
+        k[bi, hk, j, 0] = float("nan")
+    # Padding (hidden keys, unselected queries) full of NaN must not matter.
+    mask = torch.ones(2, 70, dtype=torch.long)
+    mask[0, 60:] = 0
+    q[0, :, 60:] = float("nan")
+    k[0, :, 60:] = float("nan")
+    opts = dict(causal=causal, attention_mask=mask, window=None if causal else 50)
+    if backend == "reference":
+        out = reference.attention_entropy(q.double(), k.double(), **opts)
+    else:
+        monkeypatch.setenv("LOGITLESS_BACKEND", backend)
+        out = logitless.attention_entropy(q, k, **opts)
+    want = _expected_nan(2, 4, 2, 70, bad_q, bad_k, causal)
+    if not causal:  # window 50: key 40 is seen by queries 0..89
+        want[1, 0:2, :] = True
+    assert torch.equal(out.isnan(), want)
+    ref = reference.attention_entropy(clean_q.double(), clean_k.double(), **opts)
+    torch.testing.assert_close(out.double()[~want], ref[~want], atol=TOL, rtol=0)
+    assert (out[0, :, 60:] == 0).all()
+
+
+@pytest.mark.parametrize("backend", [*BACKENDS, "reference"])
+def test_nan_packed_and_unselected(backend, monkeypatch):
+    """Packed: a NaN key poisons only its own sequence's later queries; a NaN query that
+    query_mask leaves out gives 0."""
+    cu = torch.tensor([0, 30, 75])
+    q = torch.randn(75, 2, 16)
+    k = torch.randn(75, 1, 16)
+    k[10, 0, 2] = float("nan")
+    q[50, 1, 0] = float("nan")
+    q[60, 0, 0] = float("nan")
+    query_mask = torch.ones(75, dtype=torch.bool)
+    query_mask[60] = False
+    if backend == "reference":
+        out = reference.attention_entropy(q.double(), k.double(), cu_seqlens=cu,
+                                          query_mask=query_mask)
+    else:
+        monkeypatch.setenv("LOGITLESS_BACKEND", backend)
+        out = logitless.attention_entropy(q, k, cu_seqlens=cu, query_mask=query_mask)
+    want = torch.zeros(75, 2, dtype=torch.bool)
+    want[10:30] = True
+    want[50, 1] = True
+    assert torch.equal(out.isnan(), want)
+    assert (out[60] == 0).all()
+
+
+@pytest.mark.parametrize("standardize", ["sequence", "batch"])
+@pytest.mark.parametrize("mode", ["tanh", "softmax", "low_quantile", "high_quantile"])
+def test_weights_propagate_nan(mode, standardize):
+    """attn_entropy_weighting: a NaN attention entropy at a valid token gives a NaN weight
+    (the loss shows the corruption), never a weight of a clean token; padding NaN is ignored."""
+    from logitless import PolicyLossConfig
+    from logitless.fused_losses.token_selection import (
+        attention_entropy_stats,
+        attention_entropy_weights,
+    )
+
+    cfg = PolicyLossConfig(attn_entropy_weighting=mode, attn_entropy_standardize=standardize)
+    hatt = torch.rand(3, 9, dtype=torch.float64) * 3
+    m = torch.ones(3, 9, dtype=torch.bool)
+    m[2, 5:] = False
+    hatt[2, 7] = float("nan")  # padding: ignored
+    clean = attention_entropy_weights(hatt, m, cfg, stats=attention_entropy_stats(hatt, m),
+                                      thresholds=(1.0, 2.0))
+    assert not clean[m].isnan().any()
+    hatt[0, 4] = float("nan")
+    w = attention_entropy_weights(hatt, m, cfg, stats=attention_entropy_stats(hatt, m),
+                                  thresholds=(1.0, 2.0))
+    assert w[0, 4].isnan()

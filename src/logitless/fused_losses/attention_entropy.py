@@ -8,12 +8,15 @@ torch twin. Forward only: the op refuses inputs that require grad.
 
 from __future__ import annotations
 
+import math
+import numbers
+
 import torch
 
 from logitless.fused_losses.backend import triton_selected
 from logitless.kernels.attention_entropy_torch import attention_entropy_chunked
 
-__all__ = ["attention_entropy"]
+__all__ = ["attention_entropy", "check_positive_number"]
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -27,6 +30,14 @@ def _check_mask(name: str, mask: torch.Tensor | None, shape: tuple[int, ...], de
         raise ValueError(f"{name} must be bool or integer 0/1, got {mask.dtype}")
     if mask.device != device:
         raise ValueError(f"{name} must be on {device}, got {mask.device}")
+
+
+def check_positive_number(name: str, value) -> None:
+    """``value`` must be a real number, finite and > 0 (None is the caller's business): an
+    infinite scale or softcap would make every row one-hot or the cap vanish, silently."""
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if not (ok and math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a finite number > 0 or None, got {value!r}")
 
 
 def _check_inputs(q, k, *, scale, window, softcap, reduce_heads) -> None:
@@ -55,10 +66,9 @@ def _check_inputs(q, k, *, scale, window, softcap, reduce_heads) -> None:
         raise ValueError(f"window must be a positive int or None, got {window!r}")
     if window is not None and window < 1:
         raise ValueError(f"window must be >= 1 (keys i - window < j <= i), got {window}")
-    if softcap is not None and not softcap > 0:
-        raise ValueError(f"softcap must be > 0 or None, got {softcap!r}")
-    if scale is not None and not scale > 0:
-        raise ValueError(f"scale must be > 0 or None, got {scale!r}")
+    for name, value in (("scale", scale), ("softcap", softcap)):
+        if value is not None:
+            check_positive_number(name, value)
     if reduce_heads not in (None, "mean"):
         raise ValueError(f"reduce_heads must be None or 'mean', got {reduce_heads!r}")
 
@@ -119,8 +129,11 @@ def attention_entropy(
 
     Indices count positions in the row, padding included, as transformers' masks do.
     Queries that are padding (``attention_mask`` 0), that ``query_mask`` leaves out, or that see
-    no key get 0, never NaN. ``query_mask`` also saves the work: blocks of unselected queries are
-    skipped. ``reduce_heads="mean"`` averages over the query heads (``[B, T]`` / ``[total]``).
+    no key get 0, never NaN, whatever their inputs hold. A selected query that sees a NaN
+    (in its own vector or in a key it can see) gets NaN: never a value that could pass for a
+    confident token. ``scale`` and ``softcap`` must be finite numbers > 0. ``query_mask``
+    also saves the work: blocks of unselected queries are skipped. ``reduce_heads="mean"``
+    averages over the query heads (``[B, T]`` / ``[total]``).
 
     Forward only; inputs that require grad are refused. Inputs fp32/bf16/fp16, computed in fp32.
     Backend: ``LOGITLESS_BACKEND`` (``triton`` | ``torch``) if set, else Triton on CUDA and the

@@ -54,13 +54,15 @@ def attention_entropy_weights(hatt, m, cfg, *, stats=None, thresholds=None, prog
     ``progress`` in [0, 1]. ``tanh``: ``w = 1 + alpha tanh(z)``; ``softmax``: ``w = L_i
     softmax_i(alpha z)`` (mean weight 1 per sequence); ``low_quantile`` / ``high_quantile``:
     keep the tokens below / above the batch quantile (``thresholds``), weight 1.
+    A NaN entropy at a valid token (a corrupted attention row) gives NaN weights, never a
+    weight a clean token could have: the loss shows the corruption.
     """
     h = hatt.detach()
     mode = cfg.attn_entropy_weighting
-    if mode == "low_quantile":
-        return (m & (h <= thresholds[0])).to(h.dtype)
-    if mode == "high_quantile":
-        return (m & (h >= thresholds[1])).to(h.dtype)
+    if mode in ("low_quantile", "high_quantile"):
+        keep = h <= thresholds[0] if mode == "low_quantile" else h >= thresholds[1]
+        w = (m & keep).to(h.dtype)
+        return torch.where(m & h.isnan(), h, w)
     alpha = cfg.attn_entropy_alpha
     if cfg.attn_entropy_alpha_final is not None and progress is not None:
         alpha = alpha + (cfg.attn_entropy_alpha_final - alpha) * min(max(progress, 0.0), 1.0)
@@ -75,7 +77,9 @@ def attention_entropy_weights(hatt, m, cfg, *, stats=None, thresholds=None, prog
     if mode == "tanh":
         return 1 + alpha * torch.tanh(z)
     logits = torch.where(m, alpha * z, torch.full_like(z, -torch.inf))
-    soft = torch.softmax(logits, -1).nan_to_num(0.0)
+    # A sequence without valid tokens softmaxes to NaN: 0 there; any other NaN is kept.
+    soft = torch.softmax(logits, -1)
+    soft = torch.where(m.any(-1, keepdim=True), soft, torch.zeros_like(soft))
     return soft * m.sum(-1, keepdim=True).to(h.dtype)
 
 

@@ -183,7 +183,7 @@ def _attention_entropy_fwd(
         l = alpha * l + tl.sum(p, axis=1)
         m = m_new
 
-    seen = row_sel & (l > 0)
+    seen = row_sel & (l != 0)  # a NaN l (the row saw a NaN) stays NaN
     l_safe = tl.where(seen, l, 1.0)
     ent = tl.where(seen, tl.log(l_safe) - a / l_safe, 0.0)
     tl.store(OUT + pid_bh.to(tl.int64) * T + offs_m, ent, mask=row_ok)

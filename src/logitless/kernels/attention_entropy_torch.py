@@ -16,7 +16,8 @@ is computed in fp32.
 Visibility contract (shared with ``attention_entropy.py``), for query row ``i`` and key ``j``
 of batch row ``b``: ``key_valid[b, j]``; ``seg_start[b, i] <= j < seg_end[b, i]``; causal
 ``j <= i``; window ``i - j < window`` (and ``j - i < window`` when not causal). Rows with
-``query_valid[b, i]`` False, or that see no key, get 0.
+``query_valid[b, i]`` False, or that see no key, get 0; a row that sees a NaN score gets NaN
+(``l`` is NaN then, and ``l != 0`` keeps it).
 """
 
 from __future__ import annotations
@@ -183,10 +184,11 @@ def attention_entropy_chunked(
             l = alpha * l + p.sum(-1)
             a += p.mul_(s).sum(-1)
             m = m_new
-        seen = l > 0
+        seen = l != 0  # NaN when the row saw a NaN: kept, never read as "saw nothing"
         l_safe = torch.where(seen, l, torch.ones_like(l))
         h = torch.where(seen, torch.log(l_safe) - a / l_safe, torch.zeros_like(l))
         out[:, :, q0:q1] = h.reshape(b, hq, n)
     if query_valid is not None:
-        out *= query_valid[:, None, :]
+        # where, not a product: an unselected row computed beside selected ones may be NaN.
+        out = torch.where(query_valid[:, None, :], out, torch.zeros_like(out))
     return out

@@ -9,7 +9,8 @@ row index, padding included, as transformers' masks count it):
   transformers' ``sliding_window = W`` and flash-attn's ``window_size = (W - 1, 0)``); without
   ``causal`` also ``j - i < W`` (flash-attn's ``window_size = (W - 1, W - 1)``).
 
-Queries whose ``attention_mask`` or ``query_mask`` is 0, and rows that see no key, get 0.
+Queries whose ``attention_mask`` or ``query_mask`` is 0, and rows that see no key, get 0;
+a selected row that sees a NaN (its query, or a visible key) gets NaN.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from __future__ import annotations
 import itertools
 
 import torch
+
+from logitless.fused_losses.attention_entropy import check_positive_number
 
 __all__ = ["attention_entropy", "attention_visibility"]
 
@@ -52,8 +55,9 @@ def _entropy_one(
         s = softcap * torch.tanh(s / softcap)
     s = s.masked_fill(~visible, float("-inf"))
     p = torch.softmax(s, dim=-1)
-    # 0 log 0 = 0; a row that sees nothing softmaxes to NaN and is set to 0 below.
-    plogp = torch.where(p > 0, p * torch.log(p), torch.zeros_like(p))
+    # 0 log 0 = 0 (a NaN p stays NaN); a row that sees nothing softmaxes to NaN and is set to
+    # 0 below.
+    plogp = torch.where(p == 0, torch.zeros_like(p), p * torch.log(p))
     h = -plogp.sum(-1)
     return torch.where(visible.any(-1), h, torch.zeros_like(h))
 
@@ -79,6 +83,9 @@ def attention_entropy(
     ``d ** -0.5``), then ``softcap * tanh(s / softcap)``; ``H = -sum_j p_j log p_j``.
     ``reduce_heads="mean"`` averages over the head dimension. Run it in fp64 for the oracle.
     """
+    for name, value in (("scale", scale), ("softcap", softcap)):
+        if value is not None:
+            check_positive_number(name, value)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if cu_seqlens is None:
         b, _, t, _ = q.shape
@@ -106,5 +113,5 @@ def attention_entropy(
         )
         out[start:end] = h.transpose(0, 1)
     if query_mask is not None:
-        out = out * query_mask.bool()[:, None]
+        out = torch.where(query_mask.bool()[:, None], out, torch.zeros_like(out))
     return out.mean(1) if reduce_heads == "mean" else out
