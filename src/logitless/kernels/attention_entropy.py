@@ -1,95 +1,197 @@
 """Flash-style attention entropy: per query block, stream key blocks, never store ``T x T``.
 
 Each program owns ``BLOCK_M`` queries of one (batch row, query head) and walks the key blocks
-they can see, keeping per query the running max ``m``, ``l = sum e^(s - m)`` and
-``a = sum e^(s - m) (s - m)``. ``a`` is kept relative to ``m`` (rescaled as
-``a <- e^(m - m') (a + l (m - m'))`` when the max moves) so that the finish
-``H = log l - a / l`` does not cancel ``lse`` against ``sum p s``, which are both large.
+they can see, keeping per query, in base-2 units (``t = s log2(e)``), the running max ``m``,
+``l = sum 2^(t - m)`` and ``a = sum 2^(t - m) (t - m)``. ``a`` is kept relative to ``m``
+(rescaled as ``a <- 2^(m - m') (a + l (m - m'))`` when the max moves) so that the finish
+``H = ln 2 (log2 l - a / l)`` does not cancel ``lse`` against ``sum p s``, both large.
 
-Key blocks above the causal diagonal, outside the sliding window, or outside the packed
-sequences of the block's queries are not visited. Blocks whose queries are all unselected
-(``query_valid``) visit nothing and write 0. Scores ``s = scale * q.k`` accumulate in fp32 from
-fp32/bf16/fp16 inputs; offsets are int64. The visibility contract is the one documented in
-``attention_entropy_torch.py``; no libdevice calls (tanh is built from ``exp``), so the kernel
-runs under ``TRITON_INTERPRET=1``.
+Work layout (GPU):
+
+- ``log2(e)`` is folded into the score scale on the host, so the exponentials are ``exp2``
+  (one ``ex2`` instruction each) and the scores need one multiply.
+- Key blocks come in three ranges: blocks that every query of the block sees (no mask: below
+  the causal diagonal, inside the window and the packed sequence of every query; a padding
+  mask costs one column select there), and the boundary blocks before and after them
+  (the causal diagonal, the window's far edge, sequence edges, the tail past ``T``), which
+  build the full ``[BLOCK_M, BLOCK_N]`` visibility mask.
+- One 1-D grid of ``cdiv(T, BLOCK_M) * B * Hq`` programs (grid dimension 0 holds up to
+  ``2^31 - 1``, so any ``B * Hq`` works); query blocks are handed out last block first, the
+  heaviest under a causal mask, so the short ones fill the tail of the schedule; the heads
+  of one query block are neighbours, so a GQA group's key blocks are read while in L2.
+- One block configuration per (head dim, dtype) from ``block_config``, no autotuning (which
+  would time every new shape inside the training step and could pick a different reduction
+  order from run to run). Checked for register spills by ``tests/kernels``' sm_90 compile
+  tests.
+
+Key blocks outside the causal diagonal, the sliding window or the packed sequences of the
+block's queries are not visited. Blocks whose queries are all unselected (``query_valid``)
+visit nothing and write 0. A selected query that sees a NaN score gets NaN (``l`` is NaN;
+``l != 0`` keeps it). Scores accumulate in fp32 from fp32/bf16/fp16 inputs; offsets are
+int64. The visibility contract is the one documented in ``attention_entropy_torch.py``; no
+libdevice calls (tanh is built from ``exp2``), so the kernel runs under ``TRITON_INTERPRET=1``.
 """
 
 from __future__ import annotations
 
+import math
 import os
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-__all__ = ["attention_entropy_triton"]
+__all__ = ["BlockConfig", "attention_entropy_triton", "block_config"]
+
+_LOG2E = math.log2(math.e)
+_LN2 = math.log(2.0)
 
 
-def _configs() -> list[triton.Config]:
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        # The interpreter runs programs one by one in numpy: one config, blocks big enough to
-        # keep the Python loop short and small enough to exercise several key blocks in tests.
-        return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 32}, num_warps=4, num_stages=1)]
-    return [
-        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=st)
-        for bm, bn, w, st in [
-            (64, 64, 4, 2),
-            (64, 64, 4, 3),
-            (128, 64, 4, 3),
-            (128, 64, 8, 3),
-            (128, 32, 4, 3),
-            (128, 128, 8, 2),
-            (64, 128, 4, 2),
-        ]
-    ]
+class BlockConfig(NamedTuple):
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
 
 
-@triton.autotune(configs=_configs(), key=["T_BUCKET", "BLOCK_D", "IS_CAUSAL", "HAS_WINDOW"])
-@triton.heuristics(
-    {
-        "HAS_SEG": lambda args: args["SEG_START"] is not None,
-        "HAS_KEY_VALID": lambda args: args["KEY_VALID"] is not None,
-        "HAS_QUERY_VALID": lambda args: args["QUERY_VALID"] is not None,
-    }
-)
+# (BLOCK_M, BLOCK_N, warps, stages) per padded head dim, for 16-bit inputs (wgmma tiles) and
+# for fp32 (IEEE products: no tensor cores, the [BLOCK_M, BLOCK_D] and [BLOCK_D, BLOCK_N]
+# operands live in registers, so the tiles are smaller). BLOCK_M is a multiple of BLOCK_N.
+_CONFIGS_16 = {
+    16: BlockConfig(128, 64, 8, 3),
+    32: BlockConfig(128, 64, 8, 3),
+    64: BlockConfig(128, 64, 8, 3),
+    128: BlockConfig(128, 64, 8, 3),
+    256: BlockConfig(128, 32, 8, 2),
+}
+_CONFIGS_32 = {
+    16: BlockConfig(32, 32, 8, 2),
+    32: BlockConfig(32, 32, 8, 2),
+    64: BlockConfig(32, 32, 8, 2),
+    128: BlockConfig(32, 16, 8, 1),
+    256: BlockConfig(32, 32, 8, 1),
+}
+# The interpreter runs programs one by one in numpy: small blocks keep tests short while a
+# T of a few dozen already spans several key blocks and several boundary blocks per query
+# block; tests pass other configs (BLOCK_M = 2 BLOCK_N, 4 BLOCK_N) through `config=`.
+_INTERPRET_CONFIG = BlockConfig(32, 32, 4, 1)
+
+
+def padded_head_dim(d: int) -> int:
+    """The ``BLOCK_D`` that holds head dim ``d`` (a power of two, at least 16)."""
+    return max(16, triton.next_power_of_2(d))
+
+
+def block_config(head_dim: int, dtype: torch.dtype, interpret: bool = False) -> BlockConfig:
+    """The launch configuration for a head dim and input dtype (fixed, no autotuning)."""
+    if interpret:
+        return _INTERPRET_CONFIG
+    block_d = padded_head_dim(head_dim)
+    if block_d > 256:
+        raise ValueError(f"q must have a head dim of at most 256 on the Triton path, got {head_dim}")
+    table = _CONFIGS_32 if dtype == torch.float32 else _CONFIGS_16
+    return table[block_d]
+
+
+@triton.jit
+def _scores(q, kt, qk_scale, cap2, HAS_SOFTCAP: tl.constexpr):
+    """Scores of a tile in base-2 units, ``log2(e) * s``, fp32."""
+    # "ieee": fp32 inputs keep full precision (TF32 would cost ~1e-3 relative on the scores);
+    # bf16/fp16 inputs are exact in the fp32 accumulator either way.
+    x = tl.dot(q, kt, input_precision="ieee") * qk_scale
+    if HAS_SOFTCAP:
+        # log2(e) cap tanh(s / cap); x = 2 log2(e) s / cap here, so e = e^(-2|s / cap|) <= 1
+        # never overflows and (1 - e) / (1 + e) keeps precision near 0.
+        e = tl.exp2(-tl.abs(x))
+        th = (1.0 - e) / (1.0 + e)
+        x = cap2 * tl.where(x < 0, -th, th)
+    return x
+
+
+@triton.jit
+def _visit(
+    q, k_base, m, l, a, start_n, offs_m, offs_d, d_ok, seg_lo, seg_hi, KEY_VALID, row0,
+    stride_kt, stride_kd, T, qk_scale, cap2, window,
+    MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_SEG: tl.constexpr, HAS_KEY_VALID: tl.constexpr,
+    EVEN_D: tl.constexpr, UPCAST_DOT: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Fold key block ``[start_n, start_n + BLOCK_N)`` into ``(m, l, a)``. Unmasked blocks
+    (``MASKED`` False) are wholly visible to every query of the block, up to the padding
+    mask; masked ones build the full visibility tile."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    kt_ptrs = k_base + offs_n[None, :].to(tl.int64) * stride_kt + offs_d[:, None] * stride_kd
+    if MASKED:
+        col_ok = offs_n < T
+        kt = tl.load(kt_ptrs, mask=d_ok[:, None] & col_ok[None, :], other=0.0)
+    elif EVEN_D:
+        kt = tl.load(kt_ptrs)
+    else:
+        kt = tl.load(kt_ptrs, mask=d_ok[:, None], other=0.0)
+    if UPCAST_DOT:
+        # The interpreter stores bf16 as uint16 and would multiply the raw bits; exact fp32
+        # copies give the product a GPU forms with fp32 accumulation.
+        kt = kt.to(tl.float32)
+    t = _scores(q, kt, qk_scale, cap2, HAS_SOFTCAP)
+    if MASKED:
+        vis = col_ok[None, :] & (offs_m[:, None] >= 0)
+        if HAS_KEY_VALID:
+            kv = tl.load(KEY_VALID + row0 + offs_n, mask=col_ok, other=0)
+            vis = vis & (kv[None, :] != 0)
+        if HAS_SEG:
+            vis = vis & (offs_n[None, :] >= seg_lo[:, None]) & (offs_n[None, :] < seg_hi[:, None])
+        if IS_CAUSAL:
+            vis = vis & (offs_n[None, :] <= offs_m[:, None])
+        if HAS_WINDOW:
+            vis = vis & (offs_m[:, None] - offs_n[None, :] < window)
+            if not IS_CAUSAL:
+                vis = vis & (offs_n[None, :] - offs_m[:, None] < window)
+        t_vis = tl.where(vis, t, float("-inf"))
+        m_new = tl.maximum(m, tl.max(t_vis, axis=1))
+        p = tl.exp2(t_vis - m_new[:, None])
+        # where, not p * (t - m'): a key the row cannot see must not matter even if its score
+        # is inf or NaN (garbage in padding).
+        shifted = tl.where(vis, t - m_new[:, None], 0.0)
+    elif HAS_KEY_VALID:
+        kv = tl.load(KEY_VALID + row0 + offs_n) != 0
+        t_vis = tl.where(kv[None, :], t, float("-inf"))
+        m_new = tl.maximum(m, tl.max(t_vis, axis=1))
+        p = tl.exp2(t_vis - m_new[:, None])
+        shifted = tl.where(kv[None, :], t - m_new[:, None], 0.0)
+    else:
+        m_new = tl.maximum(m, tl.max(t, axis=1))
+        shifted = t - m_new[:, None]
+        p = tl.exp2(shifted)
+    alpha = tl.exp2(m - m_new)
+    a = alpha * (a + l * (m - m_new)) + tl.sum(p * shifted, axis=1)
+    l = alpha * l + tl.sum(p, axis=1)
+    return m_new, l, a
+
+
 @triton.jit
 def _attention_entropy_fwd(
-    Q,
-    K,
-    OUT,
-    SEG_START,
-    SEG_END,
-    KEY_VALID,
-    QUERY_VALID,
-    stride_qb,
-    stride_qh,
-    stride_qt,
-    stride_qd,
-    stride_kb,
-    stride_kh,
-    stride_kt,
-    stride_kd,
-    T,
-    HQ,
-    GROUP,
-    D,
-    scale,
-    softcap,
-    window,
-    T_BUCKET,
+    Q, K, OUT, SEG_START, SEG_END, KEY_VALID, QUERY_VALID,
+    stride_qb, stride_qh, stride_qt, stride_qd,
+    stride_kb, stride_kh, stride_kt, stride_kd,
+    T, HQ, BH, GROUP, D, qk_scale, cap2, window,
     IS_CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     HAS_SEG: tl.constexpr,
     HAS_KEY_VALID: tl.constexpr,
     HAS_QUERY_VALID: tl.constexpr,
+    EVEN_D: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    # 1-D grid: the query block varies slowest and runs last block first.
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(T, BLOCK_M)
+    pid_m = num_m - 1 - pid // BH
+    pid_bh = pid % BH
     b = (pid_bh // HQ).to(tl.int64)
     h = (pid_bh % HQ).to(tl.int64)
     hk = h // GROUP
@@ -113,80 +215,90 @@ def _attention_entropy_fwd(
     if UPCAST_DOT:
         q = q.to(tl.float32)
 
-    # The key range [lo, hi) that some query of this block may see.
+    # [lo, hi): the keys some query of the block may see; [full_lo, full_hi): those every
+    # query of the block sees (up to the padding mask).
     lo = first * 0
     hi = T + first * 0
+    full_lo = lo
+    full_hi = hi
+    seg_lo = offs_m
+    seg_hi = offs_m
     if HAS_SEG:
+        # Segment bounds are non-decreasing along the row: the first query has the lowest,
+        # the last the highest.
         lo = tl.load(SEG_START + row0 + first).to(tl.int32)
         hi = tl.load(SEG_END + row0 + last).to(tl.int32)
+        full_lo = tl.load(SEG_START + row0 + last).to(tl.int32)
+        full_hi = tl.load(SEG_END + row0 + first).to(tl.int32)
         seg_lo = tl.load(SEG_START + row0 + offs_m, mask=row_ok, other=0)
         seg_hi = tl.load(SEG_END + row0 + offs_m, mask=row_ok, other=0)
     if IS_CAUSAL:
         hi = tl.minimum(hi, last + 1)
+        full_hi = tl.minimum(full_hi, first + 1)
     if HAS_WINDOW:
         lo = tl.maximum(lo, first - window + 1)
+        full_lo = tl.maximum(full_lo, last - window + 1)
         if not IS_CAUSAL:
             hi = tl.minimum(hi, last + window)
+            full_hi = tl.minimum(full_hi, first + window)
+    lo = (lo // BLOCK_N) * BLOCK_N
+    full_lo = tl.cdiv(full_lo, BLOCK_N) * BLOCK_N
+    full_hi = (full_hi // BLOCK_N) * BLOCK_N
+    # No whole block visible to all: every block is a boundary block.
+    some_full = full_lo < full_hi
+    full_lo = tl.where(some_full, full_lo, lo)
+    full_hi = tl.where(some_full, full_hi, lo)
     row_sel = row_ok
     if HAS_QUERY_VALID:
         row_sel = row_sel & (tl.load(QUERY_VALID + row0 + offs_m, mask=row_ok, other=0) != 0)
         # A block with no selected query visits no key.
-        hi = tl.where(tl.max(row_sel.to(tl.int32), axis=0) > 0, hi, lo)
-    lo = (lo // BLOCK_N) * BLOCK_N
+        any_sel = tl.max(row_sel.to(tl.int32), axis=0) > 0
+        hi = tl.where(any_sel, hi, lo)
+        full_lo = tl.where(any_sel, full_lo, lo)
+        full_hi = tl.where(any_sel, full_hi, lo)
 
-    # Finite "minus infinity" for m: e^(m - m') and l (m - m') stay 0, not NaN, while a row
+    # Finite "minus infinity" for m: 2^(m - m') and l (m - m') stay 0, not NaN, while a row
     # has seen no key.
     m = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l = tl.zeros([BLOCK_M], dtype=tl.float32)
     a = tl.zeros([BLOCK_M], dtype=tl.float32)
     k_base = K + b * stride_kb + hk * stride_kh
-    for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        col_ok = offs_n < T
-        # K^T tile [BLOCK_D, BLOCK_N]
-        kt_ptrs = k_base + offs_n[None, :].to(tl.int64) * stride_kt + offs_d[:, None] * stride_kd
-        kt = tl.load(kt_ptrs, mask=d_ok[:, None] & col_ok[None, :], other=0.0)
-        if UPCAST_DOT:
-            # The interpreter stores bf16 as uint16 and would multiply the raw bits; exact fp32
-            # copies give the product a GPU forms with fp32 accumulation.
-            kt = kt.to(tl.float32)
-        # "ieee": fp32 inputs keep full precision (TF32 would cost ~1e-3 relative on the
-        # scores); bf16/fp16 inputs are exact in the fp32 accumulator either way.
-        s = tl.dot(q, kt, input_precision="ieee") * scale
-        if HAS_SOFTCAP:
-            # cap * tanh(s / cap) with tanh from exp (no libdevice under the interpreter):
-            # e = e^(-2|x|) <= 1 never overflows, and (1 - e) / (1 + e) keeps precision near 0.
-            x = s / softcap
-            e = tl.exp(-2.0 * tl.abs(x))
-            t = (1.0 - e) / (1.0 + e)
-            s = softcap * tl.where(x < 0, -t, t)
-        vis = row_ok[:, None] & col_ok[None, :]
-        if HAS_KEY_VALID:
-            kv = tl.load(KEY_VALID + row0 + offs_n, mask=col_ok, other=0)
-            vis = vis & (kv[None, :] != 0)
-        if HAS_SEG:
-            vis = vis & (offs_n[None, :] >= seg_lo[:, None]) & (offs_n[None, :] < seg_hi[:, None])
-        if IS_CAUSAL:
-            vis = vis & (offs_n[None, :] <= offs_m[:, None])
-        if HAS_WINDOW:
-            vis = vis & (offs_m[:, None] - offs_n[None, :] < window)
-            if not IS_CAUSAL:
-                vis = vis & (offs_n[None, :] - offs_m[:, None] < window)
-        s_vis = tl.where(vis, s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s_vis, axis=1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s_vis - m_new[:, None])
-        # where, not p * (s - m'): a key the row cannot see must not matter even if its score
-        # is inf or NaN (garbage in padding).
-        shifted = tl.where(vis, s - m_new[:, None], 0.0)
-        a = alpha * (a + l * (m - m_new)) + tl.sum(p * shifted, axis=1)
-        l = alpha * l + tl.sum(p, axis=1)
-        m = m_new
+    for start_n in range(lo, full_lo, BLOCK_N):  # leading boundary (window, sequence start)
+        m, l, a = _visit(
+            q, k_base, m, l, a, start_n, offs_m, offs_d, d_ok, seg_lo, seg_hi, KEY_VALID, row0,
+            stride_kt, stride_kd, T, qk_scale, cap2, window, True, IS_CAUSAL, HAS_WINDOW,
+            HAS_SOFTCAP, HAS_SEG, HAS_KEY_VALID, EVEN_D, UPCAST_DOT, BLOCK_N,
+        )
+    for start_n in range(full_lo, full_hi, BLOCK_N):  # wholly visible
+        m, l, a = _visit(
+            q, k_base, m, l, a, start_n, offs_m, offs_d, d_ok, seg_lo, seg_hi, KEY_VALID, row0,
+            stride_kt, stride_kd, T, qk_scale, cap2, window, False, IS_CAUSAL, HAS_WINDOW,
+            HAS_SOFTCAP, HAS_SEG, HAS_KEY_VALID, EVEN_D, UPCAST_DOT, BLOCK_N,
+        )
+    for start_n in range(full_hi, hi, BLOCK_N):  # trailing boundary (diagonal, ends, tail)
+        m, l, a = _visit(
+            q, k_base, m, l, a, start_n, offs_m, offs_d, d_ok, seg_lo, seg_hi, KEY_VALID, row0,
+            stride_kt, stride_kd, T, qk_scale, cap2, window, True, IS_CAUSAL, HAS_WINDOW,
+            HAS_SOFTCAP, HAS_SEG, HAS_KEY_VALID, EVEN_D, UPCAST_DOT, BLOCK_N,
+        )
 
     seen = row_sel & (l != 0)  # a NaN l (the row saw a NaN) stays NaN
     l_safe = tl.where(seen, l, 1.0)
-    ent = tl.where(seen, tl.log(l_safe) - a / l_safe, 0.0)
+    ent = tl.where(seen, 0.6931471805599453 * (tl.log2(l_safe) - a / l_safe), 0.0)
     tl.store(OUT + pid_bh.to(tl.int64) * T + offs_m, ent, mask=row_ok)
+
+
+def grid_size(b: int, hq: int, t: int, block_m: int) -> tuple[int]:
+    """The 1-D launch grid: one program per (query block, batch row, query head)."""
+    return (triton.cdiv(t, block_m) * b * hq,)
+
+
+def kernel_scalars(scale: float, softcap: float | None) -> tuple[float, float]:
+    """``(qk_scale, cap2)``: the dot product's multiplier and the softcap's, with log2(e)
+    folded in (and the softcap's tanh argument doubled, as its exp2 form needs)."""
+    if softcap is None:
+        return scale * _LOG2E, 1.0
+    return 2.0 * _LOG2E * scale / softcap, _LOG2E * softcap
 
 
 def attention_entropy_triton(
@@ -201,44 +313,41 @@ def attention_entropy_triton(
     seg_end: torch.Tensor | None = None,
     key_valid: torch.Tensor | None = None,
     query_valid: torch.Tensor | None = None,
+    config: BlockConfig | None = None,
 ) -> torch.Tensor:
     """Attention entropy per query, fp32 ``[B, Hq, T]``, by the Triton kernel.
 
     q ``[B, Hq, T, d]``, k ``[B, Hk, T, d]`` (any strides, same dtype); seg_start / seg_end int
     ``[B, T]``, key_valid / query_valid ``[B, T]``, contiguous (the caller normalises them).
+    ``config`` overrides ``block_config`` (tests).
     """
     b, hq, t, d = q.shape
     hk = k.shape[1]
     out = torch.empty(b, hq, t, dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         return out
-    block_d = max(16, triton.next_power_of_2(d))
-
-    def grid(meta):
-        return (triton.cdiv(t, meta["BLOCK_M"]), b * hq)
-
-    _attention_entropy_fwd[grid](
-        q,
-        k,
-        out,
-        seg_start,
-        seg_end,
-        key_valid,
-        query_valid,
-        *q.stride(),
-        *k.stride(),
-        t,
-        hq,
-        hq // hk,
-        d,
-        float(scale),
-        float(softcap) if softcap is not None else 1.0,
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    if config is None:
+        config = block_config(d, q.dtype, interpret)
+    block_d = padded_head_dim(d)
+    qk_scale, cap2 = kernel_scalars(float(scale), softcap)
+    _attention_entropy_fwd[grid_size(b, hq, t, config.block_m)](
+        q, k, out, seg_start, seg_end, key_valid, query_valid,
+        *q.stride(), *k.stride(),
+        t, hq, b * hq, hq // hk, d, qk_scale, cap2,
         int(window) if window is not None else 0,
-        triton.next_power_of_2(t),
         IS_CAUSAL=causal,
         HAS_WINDOW=window is not None,
         HAS_SOFTCAP=softcap is not None,
-        UPCAST_DOT=os.environ.get("TRITON_INTERPRET") == "1" and q.dtype == torch.bfloat16,
+        HAS_SEG=seg_start is not None,
+        HAS_KEY_VALID=key_valid is not None,
+        HAS_QUERY_VALID=query_valid is not None,
+        EVEN_D=block_d == d,
+        UPCAST_DOT=interpret and q.dtype == torch.bfloat16,
         BLOCK_D=block_d,
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
     return out
