@@ -89,7 +89,9 @@ def block_config(head_dim: int, dtype: torch.dtype, interpret: bool = False) -> 
         return _INTERPRET_CONFIG
     block_d = padded_head_dim(head_dim)
     if block_d > 256:
-        raise ValueError(f"q must have a head dim of at most 256 on the Triton path, got {head_dim}")
+        raise ValueError(
+            f"q must have a head dim of at most 256 on the Triton path, got {head_dim}"
+        )
     table = _CONFIGS_32 if dtype == torch.float32 else _CONFIGS_16
     return table[block_d]
 
