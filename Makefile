@@ -7,6 +7,11 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
+# triton 3.6.0 (the version on the lent H200) beside the newest, for the sm_90 compile tests
+# (tests/kernels/test_compile_triton36.py puts it first on PYTHONPATH). --no-deps: triton needs
+# nothing else, and no CUDA torch is pulled.
+TRITON36 := $(VENV)/triton-3.6.0
+TRITON36_STAMP := $(TRITON36)/.installed
 
 .PHONY: setup demo test bench lint clean
 
@@ -25,7 +30,12 @@ $(STAMP): pyproject.toml Makefile | $(PY)
 	bash scripts/install_verl.sh $(PY)
 	touch $(STAMP)
 
-setup: $(STAMP)
+$(TRITON36_STAMP): Makefile | $(PY)
+	rm -rf $(TRITON36)
+	$(PIP) install --no-deps --target $(TRITON36) triton==3.6.0
+	touch $(TRITON36_STAMP)
+
+setup: $(STAMP) $(TRITON36_STAMP)
 
 demo: setup
 	$(VENV)/bin/logitless demo

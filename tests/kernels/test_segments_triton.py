@@ -82,3 +82,36 @@ def test_bad_inputs_are_refused():
         kernels.segment_scan(x, mask, cu.float(), "prefix_sum")
     with pytest.raises(ValueError, match="op"):
         kernels.segment_scan(x, mask, cu, "prefix_max")
+
+
+@pytest.mark.compile_sm90
+@pytest.mark.parametrize("mean_length", [3, 4096], ids=["short", "long"])
+def test_kernels_compile_for_sm90(mean_length, monkeypatch):
+    """Each segment kernel at the launchers' GPU block configs (short sequences sharing a
+    program, one long sequence per program), with the flags that make the most code."""
+    pytest.importorskip("triton.backends.nvidia")
+    from logitless.kernels import segments as seg
+
+    from sm90 import compile_sm90
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the GPU configs, not the interpreter's
+    block_b, block_t, warps = seg._blocks(mean_length)
+    ints = dict.fromkeys(["B", "T", "stride_xb", "stride_xt", "stride_mb", "stride_mt"], "i32")
+    tiles = dict(PACKED=True, FP64=False, BLOCK_B=block_b, BLOCK_T=block_t)
+    kernels = [
+        (seg._segment_reduce_kernel,
+         {"X": "*bf16", "M": "*u8", "CU": "*i32", "OUT": "*bf16", "CNT": "*i64", "empty": "fp32",
+          **ints}, dict(OP=seg._MAX, HAS_MASK=True)),
+        (seg._segment_scan_kernel,
+         {"X": "*fp32", "M": "*u8", "CU": "*i64", "OUT": "*fp32", "IDX": "*i64",
+          "stride_ob": "i32", **ints},
+         dict(OP=seg._MIN, REVERSE=True, EXCLUSIVE=True, MASK_IN=True, MASK_OUT=False,
+              WANT_INDEX=True)),
+        (seg._segment_spread_kernel,
+         {"V": "*fp16", "CNT": "*i64", "X": "*fp16", "REF": "*fp16", "M": "*u8", "CU": "*i32",
+          "OUT": "*fp16", "stride_ob": "i32", **ints},
+         dict(HAS_CNT=True, HAS_REF=True, HAS_MASK=True)),
+    ]
+    for kernel, signature, flags in kernels:
+        compiled = compile_sm90(kernel, signature, {**flags, **tiles}, warps, 3)  # launch default
+        assert compiled.asm["cubin"]
