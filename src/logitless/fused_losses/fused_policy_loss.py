@@ -31,8 +31,8 @@ from logitless.fused_losses import gpu_plan
 from logitless.fused_losses.aggregation import check_global_counts
 from logitless.fused_losses.config import PolicyLossConfig
 from logitless.fused_losses.logprobs import check_head_args, compute_dtype, linear_logprobs
+from logitless.fused_losses.objectives import needs_whole_batch
 from logitless.fused_losses.policy_loss import (
-    NON_GLOBAL_OBJECTIVES,
     check_policy_inputs,
     policy_loss,
     policy_loss_globals,
@@ -292,9 +292,10 @@ def fused_policy_loss(
                    entropy_coef=entropy_coef)
     scored = torch.where(m_flat, t_flat, torch.full_like(t_flat, -100)).view(targets.shape)
 
-    if strategy == "streaming" or config.objective in NON_GLOBAL_OBJECTIVES:
+    whole_batch = needs_whole_batch(config.objective)
+    if strategy == "streaming" or whole_batch:
         globals_ = None
-        if selection_entropy is not None and config.objective not in NON_GLOBAL_OBJECTIVES:
+        if selection_entropy is not None and not whole_batch:
             globals_ = policy_loss_globals(mask, advantages, config, old_logprobs=old_logprobs,
                                            rollout_logprobs=rollout_logprobs,
                                            entropy=selection_entropy,

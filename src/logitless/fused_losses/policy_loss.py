@@ -47,9 +47,6 @@ from logitless.fused_losses.token_selection import (
     top_fraction_threshold,
 )
 
-# Objectives that select tokens from statistics of the whole batch's current logprobs.
-NON_GLOBAL_OBJECTIVES = ("clip_cov", "kl_cov")
-
 
 @dataclass
 class _Grid:
@@ -352,7 +349,7 @@ def policy_loss(
     ent = t["entropy"]
     if ref_lp is not None:
         ref_lp = ref_lp.detach()
-    if cfg.objective in NON_GLOBAL_OBJECTIVES and batch_globals is not None:
+    if spec.needs_whole_batch and batch_globals is not None:
         raise ValueError(
             f"batch_globals: {cfg.objective} selects tokens from statistics of the "
             "whole batch and cannot run on a chunk"

@@ -3,12 +3,15 @@
 Written for obviousness, not speed: scans are running values in a loop, quantiles come from a
 sorted Python list, aggregations sum sequence by sequence. Inputs are right-padded ``[B, T]``
 with a 0/1 mask; per-token values are torch scalars so autograd gives the reference gradients.
+What an objective is (its family and flags) is read from the registry, the one source of that
+metadata; the formulas here are the reference's own.
 """
 
 import math
 
 import torch
 
+from logitless.fused_losses.objectives import CLIPPED_SURROGATE, get_objective
 from logitless.reference.segments import valid_tokens as _valid
 
 
@@ -158,6 +161,7 @@ def token_loss_loop(
     """Per-token losses ``[B, T]`` of one objective (options: delta, dual clip, hard trust
     region, cispo_clip; ``is_weight`` is folded into vespo's sequence weight)."""
     B, T = lp.shape
+    family = get_objective(objective).family
     out = [[lp.new_zeros(()) for _ in range(T)] for _ in range(B)]
     for i in range(B):
         valid = _valid(mask, i)
@@ -175,17 +179,7 @@ def token_loss_loop(
             a, r_t, x = float(adv[i, t]), rho[i][t], lp[i, t]
             r = torch.exp(x - old[i, t])
             lo, hi = low[i][t], high[i][t]
-            if objective in (
-                "ppo",
-                "grpo",
-                "dapo",
-                "bnpo",
-                "dr_grpo",
-                "luspo",
-                "gspo",
-                "ctpo",
-                "minpro",
-            ):
+            if family == CLIPPED_SURROGATE:
                 loss = clipped_token_loss(
                     r_t, a, lo, hi, delta=cfg.delta, dual_clip_c=cfg.dual_clip_c
                 )
@@ -242,7 +236,8 @@ def token_loss_loop(
                     if cfg.dhpo_mix == "entropy"
                     else cfg.dhpo_mix
                 )
-                s_lo, s_hi = 1 - cfg.eps_low, 1 + cfg.eps_high
+                s_lo = 1 - (cfg.eps_low if cfg.seq_eps_low is None else cfg.seq_eps_low)
+                s_hi = 1 + (cfg.eps_high if cfg.seq_eps_high is None else cfg.seq_eps_high)
                 unclipped = mix * r + (1 - mix) * s
                 clipped = mix * torch.clamp(r, lo, hi) + (1 - mix) * torch.clamp(s, s_lo, s_hi)
                 loss = torch.maximum(-a * unclipped, -a * clipped)
@@ -424,24 +419,24 @@ def policy_loss_reference(
             cfg.rollout_is_min,
             cfg.rollout_is_max,
         )
-    gmpo = cfg.objective == "gmpo"
+    spec = get_objective(cfg.objective)
     rho, low, high = ratio_loop(
         cfg.ratio_level,
         lp,
         old,
         a,
-        select if gmpo else mask,
+        select if spec.selects_in_ratio else mask,
         cfg.eps_low,
         cfg.eps_high,
         growth=cfg.prefix_bound_growth,
         minpro_prefix=cfg.minpro_prefix,
     )
-    folds = cfg.objective == "vespo"
+    folds = spec.folds_rollout_is
     loss = token_loss_loop(
         cfg.objective, lp, old, a, mask, rho, low, high, cfg, entropy, is_weight if folds else None
     )
     loss = loss * factor
-    if not gmpo:
+    if not spec.selects_in_ratio:
         loss = loss * select
     if is_weight is not None and not folds:
         loss = loss * torch.tensor(is_weight, dtype=lp.dtype)
