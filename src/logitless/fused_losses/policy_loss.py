@@ -46,7 +46,7 @@ from logitless.fused_losses.token_selection import (
     stapo_keep,
     top_fraction_threshold,
 )
-from logitless.kernels.segments_torch import packed_index
+from logitless.kernels.segments_torch import PackedIndex, packed_index
 
 _POLICY_TENSORS = ("logprobs", "old_logprobs", "ref_logprobs", "rollout_logprobs", "entropy",
                    "token_weights", "attention_entropy")
@@ -61,6 +61,7 @@ class _Batch:
     it (`rows`). ``m`` is the bool mask as given, ``adv`` the detached per-token advantages;
     ``tensors`` the per-token inputs by argument name (None where not given); ``knobs`` the
     config's ``beta``, ``eps_low``, ``eps_high`` as tensors on the grid (0-d when scalars).
+    A chunk is laid out on its own grid already (``index`` None).
     """
 
     m: torch.Tensor
@@ -68,10 +69,17 @@ class _Batch:
     packed: bool
     tensors: dict
     knobs: dict = field(default_factory=dict)
+    index: PackedIndex | None = None  # where the packed input's tokens sit on the grid
 
     @property
     def width(self) -> int:
         return self.m.shape[1]
+
+    def positions(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Grid ``(row, column)`` of token indices into the input's flattened layout."""
+        if self.index is None:
+            return flat // self.width, flat % self.width
+        return self.index.row[flat], self.index.col[flat]
 
     def __getitem__(self, name):
         return self.tensors.get(name)
@@ -95,7 +103,7 @@ class _Batch:
 
         return _Batch(cut(self.m), cut(self.adv), self.packed,
                       {k: cut(t) for k, t in self.tensors.items()},
-                      {k: cut(t) for k, t in self.knobs.items()})
+                      {k: cut(t) for k, t in self.knobs.items()}, index=None)
 
 
 def _check_cu_seqlens(cu_seqlens, n):
@@ -170,6 +178,7 @@ def _to_batch(mask, advantages, cu_seqlens, dtype, validate=True, cfg=None, **te
     adv = advantages.detach().to(dtype)
     out = {name: None if t is None else t.to(dtype) for name, t in tensors.items()}
     knobs = {} if cfg is None else _knob_tensors(cfg, mask, dtype, mask.device)
+    index = None
     if cu_seqlens is None:
         m = mask != 0
     else:
@@ -181,7 +190,7 @@ def _to_batch(mask, advantages, cu_seqlens, dtype, validate=True, cfg=None, **te
             adv = index.pad(adv)
     if per_sequence:
         adv = adv.reshape(m.shape[0], 1).expand(m.shape)
-    return _Batch(m, adv, cu_seqlens is not None, out, knobs)
+    return _Batch(m, adv, cu_seqlens is not None, out, knobs, index)
 
 
 def check_policy_inputs(mask, advantages, *, cu_seqlens=None, **tensors) -> None:
@@ -421,6 +430,18 @@ def policy_loss(
         rollout_logprobs=rollout_logprobs, entropy=entropy, token_weights=token_weights,
         attention_entropy=attention_entropy,
     )
+    return _loss_of_batch(
+        batch, cfg, batch_globals, validate=validate,
+        num_items_in_batch=num_items_in_batch, global_batch_size=global_batch_size,
+        training_progress=training_progress, entropy_coef=entropy_coef,
+        compute_metrics=compute_metrics,
+    )
+
+
+def _loss_of_batch(batch: _Batch, cfg, batch_globals, *, validate=True, num_items_in_batch=None,
+                   global_batch_size=None, **kw):
+    """`policy_loss` of a batch on the grid: its `BatchGlobals` when not given (the kept mask
+    and selections computed once for both), the global counts checked, then `_policy_loss`."""
     if get_objective(cfg.objective).needs_whole_batch and batch_globals is not None:
         raise ValueError(
             f"batch_globals: {cfg.objective} selects tokens from statistics of the "
@@ -433,12 +454,9 @@ def policy_loss(
         masks = _call_masks(batch, cfg, batch_globals, kept)
     if validate:
         check_global_counts(num_items_in_batch, global_batch_size, batch_globals.loss)
-    return _policy_loss(
-        batch, cfg, batch_globals, masks=masks,
-        num_items_in_batch=num_items_in_batch, global_batch_size=global_batch_size,
-        training_progress=training_progress, entropy_coef=entropy_coef,
-        compute_metrics=compute_metrics,
-    )
+    return _policy_loss(batch, cfg, batch_globals, masks=masks,
+                        num_items_in_batch=num_items_in_batch,
+                        global_batch_size=global_batch_size, **kw)
 
 
 def _call_masks(batch, cfg, glob: BatchGlobals, kept=None) -> _Masks:
