@@ -340,6 +340,7 @@ class _Call:
     def globals_batch(self, entropy) -> _Batch:
         """The batch `BatchGlobals` are computed from (old logprobs' dtype, as
         `policy_loss_globals`), with the entropies the selections use."""
+        entropy = None if entropy is None else entropy.to(self.globals_dtype)
         return self.full.to(self.globals_dtype).with_tensors(entropy=entropy)
 
 
