@@ -4,12 +4,13 @@ Two strategies (docs/design.md, "Op 4"):
 
 - **Sequence-aligned chunks** (gradient in the forward). Whole sequences are grouped up to a
   token budget. For each group the logits are computed once (GEMM 1), reduced to per-token
-  ``lp`` and ``H``, and the objective runs on that group through :func:`policy_loss` with the
-  batch's :class:`BatchGlobals`, so autograd on the small per-token graph gives
-  ``d loss / d lp`` and ``d loss / d H``. The logits buffer then becomes ``dz`` in place and two
-  GEMMs give the group's hidden gradient and add to the weight gradient (fp32). The backward of
-  the returned loss only scales the stored gradients. 6 N D V FLOPs, memory one group: its
-  logits, vocab-major, in one buffer reused by every group (``kernels/stored_logits.py``).
+  ``lp`` and ``H``, and the objective runs on that group through :func:`policy_loss` (its
+  private entry for a validated batch) with the batch's :class:`BatchGlobals`, so autograd on
+  the small per-token graph gives ``d loss / d lp`` and ``d loss / d H``. The logits buffer
+  then becomes ``dz`` in place and two GEMMs give the group's hidden gradient and add to the
+  weight gradient (fp32). The backward of the returned loss only scales the stored gradients.
+  6 N D V FLOPs, memory one group: its logits, vocab-major, in one buffer reused by every group
+  (``kernels/stored_logits.py``).
 - **Streaming**: ``policy_loss(linear_logprobs(...))``, the vocabulary streamed forward and
   recomputed backward (8 N D V FLOPs), never the full logits. Used when asked for, for
   objectives that select tokens from statistics of the whole batch's current logprobs
@@ -17,6 +18,9 @@ Two strategies (docs/design.md, "Op 4"):
 
 Either way the loss math is :func:`policy_loss`, run once more on the collected per-token
 ``lp`` and ``H`` (O(N), no vocabulary) for the loss value and the metrics.
+
+The code: checks (once, for the whole call), plan, chunk loop (`_ChunkRunner`, with a pluggable
+`ChunkStore` for the dense chunks).
 """
 
 from __future__ import annotations
