@@ -525,10 +525,10 @@ class _Grads:
     dtype, weight and bias in the accumulation dtype."""
 
     def __init__(self, need: _Need, head: _Head, acc: torch.dtype):
-        h, w, _ = head.hidden, head.weight, head.bias
+        h, w = head.hidden, head.weight
         rows = h.reshape(-1, h.shape[-1]).shape
-        self.hidden = torch.zeros(rows, dtype=head.dtype, device=h.device) if need.hidden \
-            else None
+        self.hidden = (torch.zeros(rows, dtype=head.dtype, device=h.device) if need.hidden
+                       else None)
         self.weight = _WeightGrad(w, acc) if need.weight else None
         self.bias = torch.zeros(head.vocab, dtype=acc, device=w.device) if need.bias else None
 

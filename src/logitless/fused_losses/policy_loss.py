@@ -206,8 +206,8 @@ def _dtype(t):
 
 def _kept_mask(batch: _Batch, cfg: PolicyLossConfig) -> torch.Tensor:
     """The mask after rollout rejection and STAPO (both renormalise over what remains)."""
-    m, old_lp, rollout_lp, entropy = batch.m, batch["old_logprobs"], batch["rollout_logprobs"], \
-        batch["entropy"]
+    m, old_lp, rollout_lp = batch.m, batch["old_logprobs"], batch["rollout_logprobs"]
+    entropy = batch["entropy"]
     if cfg.rollout_rs is not None:
         if rollout_lp is None or old_lp is None:
             raise ValueError("rollout_logprobs: rollout_rs needs rollout_logprobs and old_logprobs")
