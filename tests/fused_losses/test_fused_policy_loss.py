@@ -150,13 +150,34 @@ def test_sequence_longer_than_budget_is_streamed(monkeypatch):
     from logitless.fused_losses import fused_policy_loss as module
 
     calls = []
-    real = module._streamed_chunk
-    monkeypatch.setattr(module, "_streamed_chunk",
-                        lambda sub, *a: calls.append((sub.s0, sub.s1)) or real(sub, *a))
+    real = module._ChunkRunner._streamed
+    monkeypatch.setattr(module._ChunkRunner, "_streamed",
+                        lambda self, chunk, *a: calls.append((chunk.s0, chunk.s1))
+                        or real(self, chunk, *a))
     batch = make_batch(seed=2)
     cfg = PolicyLossConfig(objective="grpo", beta=0.02, entropy_coef=0.003)
     got = run_fused(batch, cfg, memory_budget=rows(6))
     assert (0, 1) in calls and (3, 4) in calls  # the 13- and 10-token sequences
+    assert_same(got, run_reference(batch, cfg))
+
+
+@pytest.mark.parametrize("strategy", ["auto", "streaming"])
+def test_inputs_are_checked_once(monkeypatch, strategy):
+    """The head's arguments and the policy inputs are checked once for the call, not again by
+    each chunk (a streamed chunk takes the op's private path, which checks nothing)."""
+    from logitless.fused_losses import fused_policy_loss as module
+    from logitless.fused_losses import logprobs, policy_loss
+
+    calls = []
+    for mod, name in ((module, "check_head_args"), (logprobs, "check_head_args"),
+                      (policy_loss, "_check_shapes")):
+        real = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _real=real, _n=name, **k:
+                            calls.append(_n) or _real(*a, **k))
+    batch = make_batch(seed=2)
+    cfg = PolicyLossConfig(objective="grpo", top_entropy_quantile=0.5)
+    got = run_fused(batch, cfg, memory_budget=rows(6), strategy=strategy)  # 2 streamed chunks
+    assert sorted(calls) == ["_check_shapes", "check_head_args"]
     assert_same(got, run_reference(batch, cfg))
 
 

@@ -67,8 +67,8 @@ def close(a, b, tol=1e-10, name=""):
 
 def _objective_configs():
     out = []
-    for name in OBJECTIVES:
-        if name in ("clip_cov", "kl_cov"):
+    for name, spec in OBJECTIVES.items():
+        if spec.needs_whole_batch:  # clip_cov, kl_cov: tested against their own loops below
             continue
         out.append((name, {}))
     out += [
@@ -81,6 +81,8 @@ def _objective_configs():
         ("cispo", dict(cispo_clip="upper")),
         ("cispo", dict(cispo_cap=0.9)),
         ("dhpo", dict(dhpo_mix="entropy")),
+        # sequence bounds of their own, tighter than the token ones: they bind
+        ("dhpo", dict(seq_eps_low=0.03, seq_eps_high=0.05)),
         ("grpo", dict(beta=0.1, entropy_coef=0.02)),
     ]
     return out
@@ -296,6 +298,40 @@ def test_registered_user_objective():
     loss, _, _, _ = run(PolicyLossConfig(objective="test_double_reinforce"), d)
     base, _, _, _ = run(PolicyLossConfig(objective="reinforce", loss_agg="token-sum"), d)
     close(loss, 2 * base)
+
+
+def test_registry_flags_drive_the_reference_and_chunking():
+    """The flags on a registered spec are what the reference and policy_loss read: a user
+    objective in the clipped-surrogate family is the reference's clipped surrogate, and one
+    that needs the whole batch refuses a chunk's batch_globals."""
+    from logitless import register_objective
+    from logitless.fused_losses.objectives import CLIPPED_SURROGATE, OBJECTIVES, clipped_surrogate
+
+    @register_objective("test_my_clip", family=CLIPPED_SURROGATE, eps_high=0.1)
+    def _my_clip(x):
+        return clipped_surrogate(x.ratio.value, x.adv, x.ratio.low, x.ratio.high, x.cfg)
+
+    @register_objective("test_whole_batch", needs_whole_batch=True)
+    def _whole(x):
+        return OBJECTIVES["reinforce"].fn(x)
+
+    try:
+        d = make(6)
+        cfg = PolicyLossConfig(objective="test_my_clip", dual_clip_c=2.5)
+        lp = d["lp"].clone().requires_grad_()
+        want = ref.policy_loss_reference(lp, d["old"], d["adv"], d["mask"], cfg)
+        want.backward()
+        loss, g, _, _ = run(cfg, d)
+        close(loss, want.detach())
+        close(g, lp.grad)
+
+        cfg = PolicyLossConfig(objective="test_whole_batch")
+        glob = policy_loss_globals(d["mask"], d["adv"], cfg)
+        with pytest.raises(ValueError, match="batch_globals: test_whole_batch"):
+            policy_loss(d["lp"], d["old"], d["adv"], d["mask"], cfg, batch_globals=glob)
+    finally:
+        OBJECTIVES.pop("test_my_clip", None)
+        OBJECTIVES.pop("test_whole_batch", None)
 
 
 @pytest.mark.parametrize(

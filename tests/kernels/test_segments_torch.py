@@ -61,8 +61,8 @@ def test_packed_index_lays_packed_tokens_on_the_padded_grid():
 
 
 def test_packed_index_from_host_sizes_is_the_same():
-    # fused_policy_loss passes N and L_max from the host (no device read) for a chunk of
-    # sequences, with the chunk's offsets counted from its first token.
+    # A caller that knows N and L_max on the host passes them (no device read), here for a
+    # chunk of sequences, with the chunk's offsets counted from its first token.
     *_, cu = _batch()
     chunk = cu[1:5] - cu[1]  # sequences 1 (empty) to 3
     lengths = (chunk[1:] - chunk[:-1]).tolist()

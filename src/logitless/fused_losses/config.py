@@ -295,6 +295,20 @@ class PolicyLossConfig:
     rollout_rs_parsed: tuple = field(init=False, repr=False, compare=False, default=())
 
     def __post_init__(self):
+        self._take_objective_defaults()
+        for f in dataclasses.fields(self):
+            if f.init:
+                _check_number(f.name, getattr(self, f.name))
+        self._check_choices()
+        self._check_ranges()
+        self._check_bounds()
+        self._check_rollout()
+        self._check_aggregation()
+        if self.rollout_rs is not None:
+            self.rollout_rs_parsed = parse_rollout_rs(self.rollout_rs, self.rollout_rs_threshold)
+
+    def _take_objective_defaults(self):
+        """Fields left at None take the registered objective's defaults."""
         from logitless.fused_losses.objectives import get_objective
 
         spec = get_objective(self.objective)  # raises ValueError naming `objective`
@@ -312,10 +326,9 @@ class PolicyLossConfig:
             self.cispo_clip = "two_sided" if self.cispo_cap is None else "upper"
         if spec.ratio_levels is not None and self.ratio_level not in spec.ratio_levels:
             _fail("ratio_level", f"{self.objective} supports {list(spec.ratio_levels)}")
-        for f in dataclasses.fields(self):
-            if f.init:
-                _check_number(f.name, getattr(self, f.name))
 
+    def _check_choices(self):
+        """Fields that name one of a fixed set of options."""
         _check_choice("ratio_level", self.ratio_level, RATIO_LEVELS)
         _check_choice("loss_agg", self.loss_agg, LOSS_AGGS)
         if self.entropy_agg is not None:
@@ -340,6 +353,8 @@ class PolicyLossConfig:
         elif not 0.0 <= self.dhpo_mix <= 1.0:
             _fail("dhpo_mix", f"must be in [0, 1] or 'entropy', got {self.dhpo_mix}")
 
+    def _check_ranges(self):
+        """Signs and ranges of the numeric knobs."""
         for name in (
             "eps_low",
             "eps_high",
@@ -368,6 +383,9 @@ class PolicyLossConfig:
                 _fail(name, f"must be > 0, got {getattr(self, name)}")
         if self.prob_reweight_alpha > 1:
             _fail("prob_reweight_alpha", f"must be in [0, 1], got {self.prob_reweight_alpha}")
+
+    def _check_bounds(self):
+        """Caps and clips of the ratio, and the covariance window."""
         if self.dual_clip_c is not None and self.dual_clip_c <= 1.0:
             _fail("dual_clip_c", f"must be > 1, got {self.dual_clip_c}")
         if self.delta is not None and self.delta <= 1.0:
@@ -375,6 +393,9 @@ class PolicyLossConfig:
         self._check_cispo_cap()
         if self.clip_cov_lb >= self.clip_cov_ub:
             _fail("clip_cov_lb", "must be below clip_cov_ub")
+
+    def _check_rollout(self):
+        """Rollout IS bounds and STAPO's thresholds."""
         if self.rollout_is_max is not None and self.rollout_is_max <= 0:
             _fail("rollout_is_max", f"must be > 0, got {self.rollout_is_max}")
         if (
@@ -390,12 +411,13 @@ class PolicyLossConfig:
             )
         if self.stapo_prob_threshold is not None and not 0 < self.stapo_prob_threshold <= 1:
             _fail("stapo_prob_threshold", f"must be in (0, 1], got {self.stapo_prob_threshold}")
+
+    def _check_aggregation(self):
+        """Aggregation sizes."""
         if self.max_response_length is not None and self.max_response_length < 1:
             _fail("max_response_length", f"must be >= 1, got {self.max_response_length}")
         for name in ("dp_size", "grad_accum_steps"):
             _check_positive_int(name, getattr(self, name))
-        if self.rollout_rs is not None:
-            self.rollout_rs_parsed = parse_rollout_rs(self.rollout_rs, self.rollout_rs_threshold)
 
     def _check_cispo_cap(self):
         if self.cispo_cap is None:

@@ -4,12 +4,13 @@ Two strategies (docs/design.md, "Op 4"):
 
 - **Sequence-aligned chunks** (gradient in the forward). Whole sequences are grouped up to a
   token budget. For each group the logits are computed once (GEMM 1), reduced to per-token
-  ``lp`` and ``H``, and the objective runs on that group through :func:`policy_loss` with the
-  batch's :class:`BatchGlobals`, so autograd on the small per-token graph gives
-  ``d loss / d lp`` and ``d loss / d H``. The logits buffer then becomes ``dz`` in place and two
-  GEMMs give the group's hidden gradient and add to the weight gradient (fp32). The backward of
-  the returned loss only scales the stored gradients. 6 N D V FLOPs, memory one group: its
-  logits, vocab-major, in one buffer reused by every group (``kernels/stored_logits.py``).
+  ``lp`` and ``H``, and the objective runs on that group through :func:`policy_loss` (its
+  private entry for a validated batch) with the batch's :class:`BatchGlobals`, so autograd on
+  the small per-token graph gives ``d loss / d lp`` and ``d loss / d H``. The logits buffer
+  then becomes ``dz`` in place and two GEMMs give the group's hidden gradient and add to the
+  weight gradient (fp32). The backward of the returned loss only scales the stored gradients.
+  6 N D V FLOPs, memory one group: its logits, vocab-major, in one buffer reused by every group
+  (``kernels/stored_logits.py``).
 - **Streaming**: ``policy_loss(linear_logprobs(...))``, the vocabulary streamed forward and
   recomputed backward (8 N D V FLOPs), never the full logits. Used when asked for, for
   objectives that select tokens from statistics of the whole batch's current logprobs
@@ -17,31 +18,37 @@ Two strategies (docs/design.md, "Op 4"):
 
 Either way the loss math is :func:`policy_loss`, run once more on the collected per-token
 ``lp`` and ``H`` (O(N), no vocabulary) for the loss value and the metrics.
+
+The code: checks (once, for the whole call), plan, chunk loop (`_ChunkRunner`, with a pluggable
+`ChunkStore` for the dense chunks).
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
+import functools
 import itertools
+from typing import NamedTuple, Protocol
 
 import torch
 
 from logitless.fused_losses import gpu_plan
 from logitless.fused_losses.aggregation import check_global_counts
 from logitless.fused_losses.config import PolicyLossConfig
-from logitless.fused_losses.logprobs import check_head_args, compute_dtype, linear_logprobs
+from logitless.fused_losses.logprobs import _rows_logprobs, check_head_args, compute_dtype
+from logitless.fused_losses.objectives import needs_whole_batch
 from logitless.fused_losses.policy_loss import (
-    NON_GLOBAL_OBJECTIVES,
-    check_policy_inputs,
-    policy_loss,
-    policy_loss_globals,
+    _Batch,
+    _batch_globals,
+    _dtype,
+    _loss_of_batch,
+    _policy_loss,
+    _to_batch,
 )
 from logitless.kernels import linear_softmax_torch as tiles
 from logitless.kernels import stored_logits
-from logitless.kernels.segments_torch import packed_index
 
-__all__ = ["CPU_MEMORY_BUDGET", "fused_policy_loss", "plan_chunks"]
+__all__ = ["CPU_MEMORY_BUDGET", "ChunkStore", "fused_policy_loss", "plan_chunks"]
 
 CPU_MEMORY_BUDGET = 256 * 2**20
 STRATEGIES = ("auto", "chunked", "streaming")
@@ -127,6 +134,13 @@ class _WeightGrad:
             self.t += g
         self.fresh = False
 
+    def buffer(self) -> tuple[torch.Tensor, float]:
+        """The accumulator and the beta of a GEMM writing into it (0: the first write
+        overwrites); the accumulator counts as written from here."""
+        beta = 0.0 if self.fresh else 1.0
+        self.fresh = False
+        return self.t, beta
+
     def result(self) -> torch.Tensor:
         if self.fresh:  # no chunk's loss depended on the head
             self.t.zero_()
@@ -165,45 +179,6 @@ class _StoredGradients(torch.autograd.Function):
             return None if x is None else x.mul_(g.to(x.dtype))
 
         return None, scale(d_hidden), scale(d_weight), scale(d_bias), None
-
-
-class _Layout:
-    """Where each sequence's tokens live in the flattened inputs, known on the host.
-
-    Planning reads ``cu_seqlens`` once; afterwards every chunk is cut and laid out as a
-    right-padded ``[sequences, width]`` grid without reading anything back from the device.
-    """
-
-    def __init__(self, mask: torch.Tensor, cu_seqlens: torch.Tensor | None):
-        self.packed = cu_seqlens is not None
-        self.device = mask.device
-        if self.packed:
-            self.cu = [int(c) for c in cu_seqlens.tolist()]
-        else:
-            self.width = mask.shape[1]
-
-    def token_range(self, s0: int, s1: int) -> tuple[int, int]:
-        if self.packed:
-            return self.cu[s0], self.cu[s1]
-        return s0 * self.width, s1 * self.width
-
-    def chunk_index(self, s0: int, s1: int):
-        """For a packed chunk: its `PackedIndex` (row and column in its padded grid of each of
-        its tokens, and the grid's shape). For a padded batch the chunk already is a grid: None."""
-        if not self.packed:
-            return None
-        lengths = [self.cu[i + 1] - self.cu[i] for i in range(s0, s1)]
-        offsets = torch.tensor([c - self.cu[s0] for c in self.cu[s0:s1 + 1]], device=self.device)
-        return packed_index(offsets, sum(lengths), max(lengths, default=0))
-
-    def grid(self, x, s0: int, s1: int, index, fill=0.0):
-        """Per-token ``x`` (``[B, T]`` or packed ``[N]``) of sequences ``s0:s1`` as a grid."""
-        if x is None or not isinstance(x, torch.Tensor) or x.dim() == 0:
-            return x
-        if index is None:
-            return x[s0:s1]
-        a, b = self.token_range(s0, s1)
-        return index.pad(x[a:b], fill)
 
 
 def fused_policy_loss(
@@ -265,6 +240,118 @@ def fused_policy_loss(
     backward, so a retained graph backpropagates again there (neither strategy gives
     higher-order gradients).
     """
+    head = _Head(hidden, weight, bias, temperature, softcap, logit_scale)
+    call = _checked_call(head, targets, old_logprobs, advantages, mask, config, strategy,
+                         cu_seqlens, selection_entropy, ref_logprobs=ref_logprobs,
+                         rollout_logprobs=rollout_logprobs, token_weights=token_weights,
+                         attention_entropy=attention_entropy)
+    loss_args = dict(num_items_in_batch=num_items_in_batch, global_batch_size=global_batch_size,
+                     training_progress=training_progress, entropy_coef=entropy_coef)
+    if call.whole:
+        return _streamed_whole(call, loss_args)
+
+    glob = _batch_globals(call.globals_batch(_selection_entropy(call)), config)
+    check_global_counts(num_items_in_batch, global_batch_size, glob.loss)
+    plan = _plan(call, memory_budget)
+    need = _Need.of(hidden, weight, bias)
+    grads = _Grads(need, head, call.batch.adv.dtype)
+    store = _new_store(head.vocab, plan.dense_rows, head.dtype, hidden.device, softcap)
+    runner = _ChunkRunner(call, glob, loss_args, need, grads, store)
+    for chunk in plan.chunks:
+        runner.run(chunk)
+
+    # The loss value and metrics: the one copy of the objective on the collected (lp, H).
+    with torch.no_grad():
+        loss, metrics = _policy_loss(call.with_logprobs(runner.lp, runner.ent), config, glob,
+                                     **loss_args)
+    if not need.any:
+        return loss, metrics
+    return _StoredGradients.apply(loss, hidden, weight, bias, grads.result(hidden, weight, bias)
+                                  ), metrics
+
+
+# --- checks ------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Head:
+    """The LM head of one call: inputs as given, their compute dtype, the logit transform."""
+
+    hidden: torch.Tensor
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    temperature: float
+    softcap: float | None
+    logit_scale: float
+
+    @property
+    def vocab(self) -> int:
+        return self.weight.shape[0]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return compute_dtype(self.hidden, self.weight, self.bias)
+
+    def transform(self) -> dict:
+        return dict(temperature=self.temperature, softcap=self.softcap,
+                    logit_scale=self.logit_scale)
+
+    def detached(self):
+        """``(hidden [rows, D], weight, bias)`` in the compute dtype, detached."""
+        dtype = self.dtype
+        h = self.hidden.detach().to(dtype).reshape(-1, self.hidden.shape[-1])
+        b = None if self.bias is None else self.bias.detach().to(dtype)
+        return h, self.weight.detach().to(dtype), b
+
+
+@dataclasses.dataclass
+class _Call:
+    """A validated call: the head, its loss rows (flat token indices where the mask is set, in
+    sequence order) with their targets and grid positions, and the batch on the grid."""
+
+    head: _Head
+    config: PolicyLossConfig
+    batch: _Batch  # in the loss's dtype (the accumulation dtype of the head)
+    full: _Batch  # in the wider of the loss's and the globals' dtypes (globals are cast from it)
+    globals_dtype: torch.dtype
+    rows: torch.Tensor
+    targets: torch.Tensor
+    where: tuple[torch.Tensor, torch.Tensor]
+    packed: bool
+    cu_seqlens: torch.Tensor | None
+    strategy: str
+    selection_entropy: bool
+
+    @functools.cached_property
+    def detached(self):
+        """The head detached (`_Head.detached`), once: the chunks compute their gradients
+        themselves, and an autograd graph over the logits would keep every chunk's tiles alive
+        until the backward."""
+        return self.head.detached()
+
+    @property
+    def whole(self) -> bool:
+        """The batch streams in one call: asked for, or the objective needs the whole batch."""
+        return self.strategy == "streaming" or needs_whole_batch(self.config.objective)
+
+    def grid(self, per_row: torch.Tensor) -> torch.Tensor:
+        """Values of the loss rows on the batch grid (zero elsewhere; differentiable)."""
+        return per_row.new_zeros(self.batch.m.shape).index_put(self.where, per_row)
+
+    def with_logprobs(self, lp_rows, ent_rows) -> _Batch:
+        return self.batch.with_tensors(logprobs=self.grid(lp_rows), entropy=self.grid(ent_rows))
+
+    def globals_batch(self, entropy) -> _Batch:
+        """The batch `BatchGlobals` are computed from (old logprobs' dtype, as
+        `policy_loss_globals`), with the entropies the selections use."""
+        entropy = None if entropy is None else entropy.to(self.globals_dtype)
+        return self.full.to(self.globals_dtype).with_tensors(entropy=entropy)
+
+
+def _checked_call(head, targets, old_logprobs, advantages, mask, config, strategy, cu_seqlens,
+                  selection_entropy, **tensors) -> _Call:
+    """Every check of the call, once, here: arguments, head, targets (one host sync), and the
+    policy inputs (`policy_loss`'s checks); the batch laid out on the grid once."""
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
     if not isinstance(mask, torch.Tensor) or tuple(targets.shape) != tuple(mask.shape):
@@ -272,121 +359,82 @@ def fused_policy_loss(
                          f" got {tuple(targets.shape)}")
     packed = cu_seqlens is not None
     expected_dims = 1 if packed else 2
-    if mask.dim() != expected_dims or hidden.dim() != expected_dims + 1:
+    if mask.dim() != expected_dims or head.hidden.dim() != expected_dims + 1:
         raise ValueError(
             "hidden must be [B, T, D] with mask [B, T], or [N, D] with mask [N] and cu_seqlens; "
-            f"got hidden {tuple(hidden.shape)}, mask {tuple(mask.shape)}")
-    check_head_args(hidden, weight, targets, bias, temperature, softcap, logit_scale, ())
+            f"got hidden {tuple(head.hidden.shape)}, mask {tuple(mask.shape)}")
+    check_head_args(head.hidden, head.weight, targets, head.bias, head.temperature, head.softcap,
+                    head.logit_scale, ())
     m_flat = mask.reshape(-1) != 0
     t_flat = targets.reshape(-1).long()
-    vocab = weight.shape[0]
-    bad = m_flat & ((t_flat < 0) | (t_flat >= vocab))
+    bad = m_flat & ((t_flat < 0) | (t_flat >= head.vocab))
     if bool(bad.any()):
-        raise ValueError(f"targets must lie in [0, {vocab}) wherever mask is set; found "
+        raise ValueError(f"targets must lie in [0, {head.vocab}) wherever mask is set; found "
                          f"{t_flat[bad][:5].tolist()}")
-    head = dict(bias=bias, temperature=temperature, softcap=softcap, logit_scale=logit_scale)
-    loss_kw = dict(ref_logprobs=ref_logprobs, rollout_logprobs=rollout_logprobs,
-                   token_weights=token_weights, attention_entropy=attention_entropy,
-                   cu_seqlens=cu_seqlens, num_items_in_batch=num_items_in_batch,
-                   global_batch_size=global_batch_size, training_progress=training_progress,
-                   entropy_coef=entropy_coef)
-    scored = torch.where(m_flat, t_flat, torch.full_like(t_flat, -100)).view(targets.shape)
-
-    if strategy == "streaming" or config.objective in NON_GLOBAL_OBJECTIVES:
-        globals_ = None
-        if selection_entropy is not None and config.objective not in NON_GLOBAL_OBJECTIVES:
-            globals_ = policy_loss_globals(mask, advantages, config, old_logprobs=old_logprobs,
-                                           rollout_logprobs=rollout_logprobs,
-                                           entropy=selection_entropy,
-                                           attention_entropy=attention_entropy,
-                                           cu_seqlens=cu_seqlens)
-        out = linear_logprobs(hidden, weight, scored, return_entropy=True, **head)
-        return policy_loss(out.logprobs, old_logprobs, advantages, mask, config,
-                           entropy=out.entropy, batch_globals=globals_, **loss_kw)
-
-    # Validated once here; the chunks below skip the checks (they synchronise with the device).
-    check_policy_inputs(mask, advantages, cu_seqlens=cu_seqlens, old_logprobs=old_logprobs,
-                        ref_logprobs=ref_logprobs, rollout_logprobs=rollout_logprobs,
-                        token_weights=token_weights, attention_entropy=attention_entropy,
-                        selection_entropy=selection_entropy)
-    dtype = compute_dtype(hidden, weight, bias)
-    # Detached: the chunks compute their gradients themselves, and an autograd graph over the
-    # logits would keep every chunk's tiles alive until the backward.
-    h_all = hidden.detach().to(dtype).reshape(-1, hidden.shape[-1])
-    w = weight.detach().to(dtype)
-    b = None if bias is None else bias.detach().to(dtype)
-    layout = _Layout(mask, cu_seqlens)
-
-    if selection_entropy is None and _selects_by_entropy(config):
-        with torch.no_grad():
-            selection_entropy = linear_logprobs(hidden, weight, scored, return_entropy=True,
-                                                **head).entropy
-    globals_ = policy_loss_globals(mask, advantages, config, old_logprobs=old_logprobs,
-                                   rollout_logprobs=rollout_logprobs, entropy=selection_entropy,
-                                   attention_entropy=attention_entropy, cu_seqlens=cu_seqlens)
-    check_global_counts(num_items_in_batch, global_batch_size, globals_.loss)
-
-    # Planning: the only host synchronisation besides the input checks.
+    if old_logprobs is None:
+        raise ValueError("old_logprobs: required (pass logprobs.detach() when on-policy)")
+    loss_dtype = tiles.acc_dtype(head.dtype)
+    globals_dtype = _dtype(old_logprobs)
+    full = _to_batch(mask, advantages, cu_seqlens, torch.promote_types(loss_dtype, globals_dtype),
+                     True, config, old_logprobs=old_logprobs, selection_entropy=selection_entropy,
+                     **tensors)
     rows = torch.nonzero(m_flat).squeeze(1)
-    if packed:
-        per_seq = torch.zeros(cu_seqlens.numel() - 1, dtype=torch.long, device=mask.device)
-        seq_of_token = torch.searchsorted(cu_seqlens[1:].to(mask.device), rows, right=True)
-        per_seq.index_add_(0, seq_of_token, torch.ones_like(rows))
-    else:
-        per_seq = m_flat.view(mask.shape).sum(1)
-    per_seq = per_seq.tolist()
-    budget = memory_budget if memory_budget is not None else _default_budget(hidden.device)
-    max_rows = max(1, budget // stored_logits.bytes_per_row(vocab, dtype, softcap))
-    plan = plan_chunks(per_seq, max_rows)
-    starts = [0]
-    for n in per_seq:
-        starts.append(starts[-1] + n)
-    dense_rows = max((starts[s1] - starts[s0] for s0, s1, streamed in plan if not streamed),
-                     default=0)
-    store = (stored_logits.StoredLogits(vocab, dense_rows, dtype, hidden.device, softcap)
-             if dense_rows else None)
+    return _Call(head, config, full.to(loss_dtype), full, globals_dtype, rows,
+                 t_flat.index_select(0, rows), full.positions(rows), packed, cu_seqlens,
+                 strategy, selection_entropy is not None)
 
-    need = (torch.is_grad_enabled(), hidden.requires_grad, weight.requires_grad,
-            bias is not None and bias.requires_grad)
-    want_grad = need[0] and any(need[1:])
-    acc = tiles.acc_dtype(dtype)
-    d_hidden = torch.zeros_like(h_all) if want_grad and need[1] else None
-    d_weight = _WeightGrad(w, acc) if want_grad and need[2] else None
-    d_bias = torch.zeros(vocab, dtype=acc, device=w.device) if want_grad and need[3] else None
-    lp_all = torch.zeros(m_flat.shape, dtype=acc, device=hidden.device)
-    h_ent_all = torch.zeros_like(lp_all)
-    num_seqs = cu_seqlens.numel() - 1 if packed else mask.shape[0]
-    # The same rule as policy_loss: [B] or [B, 1] is one advantage per sequence.
-    adv_per_sequence = tuple(advantages.shape) in ((num_seqs,), (num_seqs, 1))
 
-    for s0, s1, streamed in plan:
-        grows = rows[starts[s0]:starts[s1]]
-        if grows.numel() == 0:
-            continue
-        h_g = h_all.index_select(0, grows)
-        t_g = t_flat.index_select(0, grows)
-        sub = _SubBatch(layout, s0, s1, grows, mask, advantages, old_logprobs, config, loss_kw,
-                        adv_per_sequence, globals_)
-        run = _streamed_chunk if streamed else _dense_chunk
-        gh = run(sub, h_g, w, b, t_g, head, want_grad, need, lp_all, h_ent_all, d_weight, d_bias,
-                 store)
-        if d_hidden is not None and gh is not None:
-            d_hidden.index_copy_(0, grows, gh.to(d_hidden.dtype))
+# --- the whole batch streamed --------------------------------------------------------------
 
-    # The loss value and metrics: the one copy of the objective on the collected (lp, H).
+
+def _streamed_whole(call: _Call, loss_args) -> tuple:
+    """``policy_loss`` on the streamed op's (lp, H): the vocabulary streamed forward and
+    recomputed backward, for the whole batch in one call."""
+    glob = None
+    if call.selection_entropy and not needs_whole_batch(call.config.objective):
+        glob = _batch_globals(call.globals_batch(call.full["selection_entropy"]), call.config)
+    head, dtype = call.head, call.head.dtype
+    hidden = head.hidden.to(dtype).reshape(-1, head.hidden.shape[-1]).index_select(0, call.rows)
+    lp, ent = _rows_logprobs(hidden, head.weight.to(dtype), call.targets,
+                             bias=None if head.bias is None else head.bias.to(dtype),
+                             **head.transform())
+    return _loss_of_batch(call.with_logprobs(lp, ent), call.config, glob, validate=True,
+                          **loss_args)
+
+
+# --- plan ----------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Chunk:
+    """Sequences ``s0:s1``, their loss rows ``a:b`` (of the call's), the chunk's grid width."""
+
+    s0: int
+    s1: int
+    a: int
+    b: int
+    width: int
+    streamed: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    chunks: list[_Chunk]
+    dense_rows: int  # the largest dense chunk's rows: what the store holds
+
+
+def _selection_entropy(call: _Call):
+    """The entropies the selections use: the caller's, or (when the config selects by entropy)
+    the current ones by a no-grad pass, on the grid; None when not needed."""
+    if call.selection_entropy:
+        return call.full["selection_entropy"]
+    if not _selects_by_entropy(call.config):
+        return None
+    h, w, b = call.detached
     with torch.no_grad():
-        lp_view, ent_view = lp_all.view(mask.shape), h_ent_all.view(mask.shape)
-        loss, metrics = policy_loss(lp_view, old_logprobs, advantages, mask, config,
-                                    entropy=ent_view, batch_globals=globals_, validate=False,
-                                    **loss_kw)
-    if not want_grad:
-        return loss, metrics
-    grads = (
-        None if d_hidden is None else d_hidden.view(hidden.shape).to(hidden.dtype),
-        None if d_weight is None else d_weight.result().to(weight.dtype),
-        None if d_bias is None else d_bias.to(bias.dtype),
-    )
-    return _StoredGradients.apply(loss, hidden, weight, bias, grads), metrics
+        _, ent = _rows_logprobs(h.index_select(0, call.rows), w, call.targets, bias=b,
+                                **call.head.transform())
+    return call.grid(ent)
 
 
 def _selects_by_entropy(cfg: PolicyLossConfig) -> bool:
@@ -394,118 +442,192 @@ def _selects_by_entropy(cfg: PolicyLossConfig) -> bool:
             or cfg.stapo_prob_threshold is not None)
 
 
-class _SubBatch:
-    """The sequences ``s0:s1`` of the batch as a right-padded grid `policy_loss` takes."""
+def _plan(call: _Call, memory_budget) -> _Plan:
+    """Chunks of whole sequences within the memory budget (`plan_chunks`). The only host
+    synchronisation besides the checks: the loss tokens and lengths of the sequences."""
+    m = call.batch.m
+    if call.packed:
+        lengths = call.cu_seqlens[1:] - call.cu_seqlens[:-1]
+    else:
+        lengths = torch.full((m.shape[0],), m.shape[1], device=m.device)
+    per_seq, widths = torch.stack([m.sum(1), lengths.to(m.device)]).tolist()
+    device = call.head.hidden.device
+    budget = memory_budget if memory_budget is not None else _default_budget(device)
+    row_bytes = _store_type(device).bytes_per_row(call.head.vocab, call.head.dtype,
+                                                  call.head.softcap)
+    starts = list(itertools.accumulate(per_seq, initial=0))
+    chunks = [_Chunk(s0, s1, starts[s0], starts[s1], max(widths[s0:s1], default=0), streamed)
+              for s0, s1, streamed in plan_chunks(per_seq, max(1, budget // row_bytes))]
+    dense = max((c.b - c.a for c in chunks if not c.streamed), default=0)
+    return _Plan(chunks, dense)
 
-    def __init__(self, layout, s0, s1, grows, mask, advantages, old_logprobs, config, loss_kw,
-                 adv_per_sequence, globals_):
-        self.layout, self.s0, self.s1 = layout, s0, s1
-        index = layout.chunk_index(s0, s1)
-        a, _ = layout.token_range(s0, s1)
-        local = grows - a
-        if index is None:  # padded: flat position in the [s1 - s0, T] slice
-            self.shape = (s1 - s0, layout.width)
-            self.where = (local // layout.width, local % layout.width)
-        else:
-            row, col, self.shape = index
-            self.where = (row[local], col[local])
-        self.local_rows = local
-        self.mask = layout.grid(mask, s0, s1, index, fill=False)
-        self.advantages = (advantages[s0:s1] if adv_per_sequence
-                           else layout.grid(advantages, s0, s1, index))
-        self.old = layout.grid(old_logprobs, s0, s1, index)
-        self.config = _config_slice(config, layout, s0, s1, index, mask.shape)
-        scalars = ("num_items_in_batch", "global_batch_size", "training_progress",
-                   "entropy_coef")
-        self.kw = {k: v if k in scalars else layout.grid(v, s0, s1, index)
-                   for k, v in loss_kw.items() if k != "cu_seqlens"}
-        self.globals = globals_
 
-    def loss(self, lp_g, ent_g):
-        """This chunk's share of the loss, from its loss tokens' ``lp`` and ``H``."""
-        lp = lp_g.new_zeros(self.shape).index_put(self.where, lp_g)
-        ent = ent_g.new_zeros(self.shape).index_put(self.where, ent_g)
-        loss, _ = policy_loss(lp, self.old, self.advantages, self.mask, self.config,
-                              entropy=ent, batch_globals=self.globals, validate=False,
-                              compute_metrics=False, **self.kw)
+# --- the chunk store -----------------------------------------------------------------------
+
+
+class ChunkStore(Protocol):
+    """Where a dense chunk's logits live between its forward statistics and its gradient.
+
+    `stored_logits.StoredLogits` (torch, any device) is the implementation today; another
+    (e.g. a CUDA store keeping bf16 logits with Triton epilogues) plugs in through
+    `_store_type` without touching `_ChunkRunner`."""
+
+    @staticmethod
+    def bytes_per_row(vocab: int, dtype: torch.dtype, softcap: float | None) -> int:
+        """Bytes one token row of a chunk needs (sizes the chunks)."""
+
+    def forward(self, hidden, weight, bias, targets, *, temperature, softcap, logit_scale):
+        """Keep the logits of ``hidden [rows, D]``; return per-token ``(logprobs, entropy,
+        lse)`` (fp32; fp64 for fp64 inputs). ``targets`` lie in ``[0, V)``."""
+
+    def backward_(self, hidden, weight, lse, entropy, g_lp, g_entropy, d_weight, d_bias,
+                  want_hidden: bool, weight_beta: float = 1.0):
+        """Turn the kept logits into their gradient: add to ``d_weight`` (``weight_beta=0``:
+        overwrite it) and ``d_bias`` (either may be None); return the hidden-gradient rows
+        when ``want_hidden``."""
+
+
+def _store_type(device: torch.device) -> type[ChunkStore]:
+    """The chunk store for ``device``."""
+    return stored_logits.StoredLogits
+
+
+def _new_store(vocab, max_rows, dtype, device, softcap) -> ChunkStore | None:
+    """A store for chunks of up to ``max_rows`` rows (None when no chunk is dense)."""
+    if not max_rows:
+        return None
+    return _store_type(device)(vocab, max_rows, dtype, device, softcap)
+
+
+# --- the chunk loop ------------------------------------------------------------------------
+
+
+class _Need(NamedTuple):
+    """The gradients a call computes (grad mode on and the input requires one)."""
+
+    hidden: bool
+    weight: bool
+    bias: bool
+
+    @classmethod
+    def of(cls, hidden, weight, bias) -> _Need:
+        on = torch.is_grad_enabled()
+        return cls(on and hidden.requires_grad, on and weight.requires_grad,
+                   on and bias is not None and bias.requires_grad)
+
+    @property
+    def any(self) -> bool:
+        return self.hidden or self.weight or self.bias
+
+
+class _Grads:
+    """The call's gradient accumulators (None where not needed): hidden rows in the compute
+    dtype, weight and bias in the accumulation dtype."""
+
+    def __init__(self, need: _Need, head: _Head, acc: torch.dtype):
+        h, w = head.hidden, head.weight
+        rows = h.reshape(-1, h.shape[-1]).shape
+        self.hidden = (torch.zeros(rows, dtype=head.dtype, device=h.device) if need.hidden
+                       else None)
+        self.weight = _WeightGrad(w, acc) if need.weight else None
+        self.bias = torch.zeros(head.vocab, dtype=acc, device=w.device) if need.bias else None
+
+    def weight_buffer(self):
+        """``(buffer, beta)`` for a GEMM writing the weight gradient, or ``(None, 1.0)``."""
+        return (None, 1.0) if self.weight is None else self.weight.buffer()
+
+    def add(self, gw, gb) -> None:
+        if self.weight is not None and gw is not None:
+            self.weight.add_(gw)
+        if self.bias is not None and gb is not None:
+            self.bias += gb
+
+    def set_hidden(self, rows, gh) -> None:
+        if self.hidden is not None and gh is not None:
+            self.hidden.index_copy_(0, rows, gh.to(self.hidden.dtype))
+
+    def result(self, hidden, weight, bias):
+        return (
+            None if self.hidden is None else self.hidden.view(hidden.shape).to(hidden.dtype),
+            None if self.weight is None else self.weight.result().to(weight.dtype),
+            None if self.bias is None else self.bias.to(bias.dtype),
+        )
+
+
+class _ChunkRunner:
+    """Runs the chunks of one call: each chunk's ``lp`` and ``H`` into ``self.lp`` /
+    ``self.ent`` (per loss row), its share of the loss differentiated, its gradients into the
+    accumulators. Dense chunks keep their logits in the store (3 GEMMs); a streamed chunk goes
+    through the op's private path (4 GEMMs). Nothing here checks an input."""
+
+    def __init__(self, call: _Call, glob, loss_args, need: _Need, grads: _Grads, store):
+        self.call, self.glob, self.loss_args = call, glob, loss_args
+        self.need, self.grads, self.store = need, grads, store
+        self.h, self.w, self.b = call.detached
+        self.transform = call.head.transform()
+        acc = call.batch.adv.dtype
+        self.lp = torch.zeros(call.rows.shape, dtype=acc, device=self.h.device)
+        self.ent = torch.zeros_like(self.lp)
+
+    def run(self, chunk: _Chunk) -> None:
+        if chunk.a == chunk.b:
+            return
+        rows = self.call.rows[chunk.a:chunk.b]
+        h, t = self.h.index_select(0, rows), self.call.targets[chunk.a:chunk.b]
+        gh = (self._streamed if chunk.streamed else self._dense)(chunk, h, t)
+        self.grads.set_hidden(rows, gh)
+
+    def _record(self, chunk, lp, ent) -> None:
+        self.lp[chunk.a:chunk.b] = lp.detach()
+        self.ent[chunk.a:chunk.b] = ent.detach()
+
+    def _loss(self, chunk: _Chunk, lp, ent):
+        """The chunk's share of the loss, from its loss rows' ``lp`` and ``H``."""
+        sub = self.call.batch.rows(chunk.s0, chunk.s1, chunk.width)
+        row, col = (x[chunk.a:chunk.b] for x in self.call.where)
+        where = (row - chunk.s0, col)
+
+        def grid(x):
+            return x.new_zeros(sub.m.shape).index_put(where, x)
+
+        loss, _ = _policy_loss(sub.with_tensors(logprobs=grid(lp), entropy=grid(ent)),
+                               self.call.config, self.glob, compute_metrics=False,
+                               **self.loss_args)
         return loss
 
-
-def _config_slice(config, layout, s0, s1, index, shape):
-    """The config with per-token tensor knobs (clip bounds, beta) cut to the chunk's grid."""
-    changes = {}
-    for f in dataclasses.fields(config):
-        value = getattr(config, f.name)
-        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == shape:
-            changes[f.name] = layout.grid(value, s0, s1, index)
-    if not changes:
-        return config
-    # A shallow copy, not dataclasses.replace: the knobs were validated once, and validating
-    # tensors again would read them back from the device for every chunk.
-    sliced = copy.copy(config)
-    for name, value in changes.items():
-        setattr(sliced, name, value)
-    return sliced
-
-
-def _dense_chunk(sub, h_g, w, b, t_g, head, want_grad, need, lp_all, ent_all, d_weight,
-                 d_bias, store):
-    """One chunk at the 3-GEMM floor: adds to the weight and bias gradients, returns the
-    chunk's hidden-gradient rows (or None)."""
-    lp, ent, lse = store.forward(h_g, w, b, t_g, **_transform(head))  # GEMM 1
-    lp_all.index_copy_(0, _global_rows(sub), lp)
-    ent_all.index_copy_(0, _global_rows(sub), ent)
-    if not want_grad:
-        return None
-    lp_leaf = lp.detach().requires_grad_(True)
-    ent_leaf = ent.detach().requires_grad_(True)
-    with torch.enable_grad():
-        loss = sub.loss(lp_leaf, ent_leaf)
-        g_lp, g_ent = torch.autograd.grad(loss, (lp_leaf, ent_leaf), allow_unused=True)
-    if g_lp is None and g_ent is None:
-        return None  # the chunk's loss does not depend on the head (e.g. all advantages 0)
-    # The stored logits become dz in place, each vocabulary block feeding GEMMs 2 and 3.
-    gh = store.backward_(h_g, w, lse, ent, g_lp, g_ent, None if d_weight is None else d_weight.t,
-                         d_bias, want_hidden=need[1],
-                         weight_beta=0.0 if d_weight is not None and d_weight.fresh else 1.0)
-    if d_weight is not None:
-        d_weight.fresh = False
-    return gh
-
-
-def _transform(head):
-    """The logit transform's arguments."""
-    return dict(temperature=head["temperature"], softcap=head["softcap"],
-                logit_scale=head["logit_scale"])
-
-
-def _streamed_chunk(sub, h_g, w, b, t_g, head, want_grad, need, lp_all, ent_all, d_weight,
-                    d_bias, store):
-    """A sequence longer than the budget: stream its vocabulary (4 GEMMs), never the logits.
-
-    Adds to the weight and bias gradients, returns the hidden-gradient rows (or None)."""
-    leaves = [None if x is None else x.detach().requires_grad_(want_grad and flag)
-              for x, flag in ((h_g, need[1]), (w, need[2]), (b, need[3]))]
-    with torch.enable_grad() if want_grad else torch.no_grad():
-        out = linear_logprobs(leaves[0], leaves[1], t_g, bias=leaves[2], return_entropy=True,
-                              **_transform(head))
-        lp_all.index_copy_(0, _global_rows(sub), out.logprobs.detach().to(lp_all.dtype))
-        ent_all.index_copy_(0, _global_rows(sub), out.entropy.detach().to(ent_all.dtype))
-        if not want_grad:
+    def _dense(self, chunk, h, t):
+        """One chunk at the 3-GEMM floor; returns its hidden-gradient rows (or None)."""
+        lp, ent, lse = self.store.forward(h, self.w, self.b, t, **self.transform)  # GEMM 1
+        self._record(chunk, lp, ent)
+        if not self.need.any:
             return None
-        loss = sub.loss(out.logprobs, out.entropy)
-        wanted = [x for x in leaves if x is not None and x.requires_grad]
-        if not loss.requires_grad:
-            return None
-        got = iter(torch.autograd.grad(loss, wanted, allow_unused=True))
-    gh, gw, gb = (next(got) if x is not None and x.requires_grad else None for x in leaves)
-    if d_weight is not None and gw is not None:
-        d_weight.add_(gw)
-    if d_bias is not None and gb is not None:
-        d_bias += gb
-    return gh
+        lp_leaf = lp.detach().requires_grad_(True)
+        ent_leaf = ent.detach().requires_grad_(True)
+        with torch.enable_grad():
+            loss = self._loss(chunk, lp_leaf, ent_leaf)
+            g_lp, g_ent = torch.autograd.grad(loss, (lp_leaf, ent_leaf), allow_unused=True)
+        if g_lp is None and g_ent is None:
+            return None  # the chunk's loss does not depend on the head (e.g. all advantages 0)
+        # The stored logits become dz in place, each vocabulary block feeding GEMMs 2 and 3.
+        d_weight, beta = self.grads.weight_buffer()
+        return self.store.backward_(h, self.w, lse, ent, g_lp, g_ent, d_weight, self.grads.bias,
+                                    want_hidden=self.need.hidden, weight_beta=beta)
 
-
-def _global_rows(sub) -> torch.Tensor:
-    a, _ = sub.layout.token_range(sub.s0, sub.s1)
-    return sub.local_rows + a
+    def _streamed(self, chunk, h, t):
+        """A sequence longer than the budget: its vocabulary streamed (4 GEMMs), never the
+        logits; returns its hidden-gradient rows (or None)."""
+        leaves = [None if x is None else x.detach().requires_grad_(flag)
+                  for x, flag in zip((h, self.w, self.b), self.need)]
+        with torch.enable_grad() if self.need.any else torch.no_grad():
+            lp, ent = _rows_logprobs(leaves[0], leaves[1], t, bias=leaves[2], **self.transform)
+            self._record(chunk, lp, ent)
+            if not self.need.any:
+                return None
+            loss = self._loss(chunk, lp, ent)
+            wanted = [x for x in leaves if x is not None and x.requires_grad]
+            if not loss.requires_grad:
+                return None
+            got = iter(torch.autograd.grad(loss, wanted, allow_unused=True))
+        gh, gw, gb = (next(got) if x is not None and x.requires_grad else None for x in leaves)
+        self.grads.add(gw, gb)
+        return gh

@@ -295,3 +295,18 @@ def linear_logprobs(
         is_top1=expand(top1) if "is_top1" in stats else None,
         lse=expand(lse) if "lse" in stats else None,
     )
+
+
+def _rows_logprobs(hidden, weight, targets, *, bias=None, temperature=1.0, softcap=None,
+                   logit_scale=1.0):
+    """`linear_logprobs`'s private path for rows a caller has checked already (the chunks of
+    ``fused_policy_loss``): ``hidden [N, D]``, ``weight`` and ``bias`` in one compute dtype,
+    every target in ``[0, V)``. No checks, no host synchronisation, no vocab parallelism.
+    Returns ``(logprobs, entropy)``, each ``[N]``, with gradient."""
+    spec = _Spec(temperature=float(temperature),
+                 softcap=None if softcap is None else float(softcap),
+                 logit_scale=float(logit_scale), vocab_total=weight.shape[0], want_s2=False,
+                 want_sum_z=False, backend=_backend_for(hidden.device, hidden.dtype), group=None,
+                 tile_bytes=None, gather_weight=None)
+    lp, ent, *_ = _LinearSoftmax.apply(hidden, weight, bias, targets, spec)
+    return lp, ent

@@ -12,8 +12,9 @@ and select it with ``PolicyLossConfig(objective="my_pg")``.
 """
 
 import math
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
 
 import torch
 
@@ -46,8 +47,15 @@ class ObjectiveOutput:
     flags_per_sequence: bool | None = None  # clip metrics per sequence; None: as the ratio
 
 
+CLIPPED_SURROGATE = "clipped_surrogate"
+
+
 @dataclass(frozen=True)
 class ObjectiveSpec:
+    """A registered objective: its function, the defaults a `PolicyLossConfig` naming it takes,
+    and the flags the rest of the library reads instead of lists of names (docs/objectives.md,
+    "Registry flags")."""
+
     name: str
     fn: Callable[[ObjectiveInputs], ObjectiveOutput]
     loss_agg: str
@@ -56,8 +64,20 @@ class ObjectiveSpec:
     eps_low: float
     eps_high: float | None
     dual_clip_c: float | None
-    folds_rollout_is: bool  # the objective uses the rollout IS weight itself
-    selects_in_ratio: bool  # entropy selections narrow the ratio's tokens, not the loss
+    # CLIPPED_SURROGATE: the loss is `clipped_surrogate` on the ratio (TRL's per-sequence clip
+    # metrics are defined for it); None: a formula of its own.
+    family: str | None = None
+    folds_rollout_is: bool = False  # the objective uses the rollout IS weight itself
+    selects_in_ratio: bool = False  # entropy selections narrow the ratio's tokens, not the loss
+    # Selects tokens from statistics of the whole batch's current logprobs: one call over the
+    # whole batch (no chunks, no batch_globals).
+    needs_whole_batch: bool = False
+    verl_dual_clip: bool = False  # verl's matching loss applies clip_ratio_c as a dual clip
+    # PolicyLossConfig field -> the key of verl's policy_loss config it is read from, where
+    # that key depends on the objective.
+    verl_keys: Mapping[str, str] = field(default_factory=dict)
+    # PolicyLossConfig fields TRL's loss of this name fixes, whatever GRPOConfig says.
+    trl_fields: Mapping[str, object] = field(default_factory=dict)
 
 
 OBJECTIVES: dict[str, ObjectiveSpec] = {}
@@ -72,24 +92,35 @@ def register_objective(
     eps_low=0.2,
     eps_high=None,
     dual_clip_c=None,
+    family=None,
     folds_rollout_is=False,
     selects_in_ratio=False,
+    needs_whole_batch=False,
+    verl_dual_clip=False,
+    verl_keys=None,
+    trl_fields=None,
 ):
     """Decorator registering ``fn(ObjectiveInputs) -> ObjectiveOutput`` under ``name`` with the
-    defaults a `PolicyLossConfig` naming it takes (aggregation, ratio level, clip bounds)."""
+    defaults a `PolicyLossConfig` naming it takes (aggregation, ratio level, clip bounds) and
+    its flags (`ObjectiveSpec`)."""
 
     def decorate(fn):
         OBJECTIVES[name] = ObjectiveSpec(
-            name,
-            fn,
-            loss_agg,
-            ratio_level,
-            None if ratio_levels is None else tuple(ratio_levels),
-            eps_low,
-            eps_high,
-            dual_clip_c,
-            folds_rollout_is,
-            selects_in_ratio,
+            name=name,
+            fn=fn,
+            loss_agg=loss_agg,
+            ratio_level=ratio_level,
+            ratio_levels=None if ratio_levels is None else tuple(ratio_levels),
+            eps_low=eps_low,
+            eps_high=eps_high,
+            dual_clip_c=dual_clip_c,
+            family=family,
+            folds_rollout_is=folds_rollout_is,
+            selects_in_ratio=selects_in_ratio,
+            needs_whole_batch=needs_whole_batch,
+            verl_dual_clip=verl_dual_clip,
+            verl_keys=MappingProxyType(dict(verl_keys or {})),
+            trl_fields=MappingProxyType(dict(trl_fields or {})),
         )
         return fn
 
@@ -103,6 +134,11 @@ def get_objective(name: str) -> ObjectiveSpec:
             f"{sorted(OBJECTIVES)}"
         )
     return OBJECTIVES[name]
+
+
+def needs_whole_batch(name: str) -> bool:
+    """Whether objective ``name`` must see the whole batch in one call (`ObjectiveSpec`)."""
+    return get_objective(name).needs_whole_batch
 
 
 def clip_flags(rho, adv, low, high):
@@ -125,22 +161,27 @@ def _clipped(x: ObjectiveInputs) -> ObjectiveOutput:
     return clipped_surrogate(x.ratio.value, x.adv, x.ratio.low, x.ratio.high, x.cfg)
 
 
-register_objective("ppo")(_clipped)
-register_objective("grpo", loss_agg="seq-mean-token-mean")(_clipped)
-register_objective("dapo", eps_high=0.28)(_clipped)
-register_objective("bnpo", loss_agg="bnpo")(_clipped)
-register_objective("dr_grpo", loss_agg="seq-mean-token-sum-norm")(_clipped)
-register_objective("luspo", loss_agg="seq-mean-token-sum", ratio_level="sequence")(_clipped)
-register_objective(
+def _register_clipped(name, *, verl_dual_clip=False, **defaults):
+    register_objective(name, family=CLIPPED_SURROGATE, verl_dual_clip=verl_dual_clip, **defaults)(
+        _clipped
+    )
+
+
+# verl's ``vanilla`` loss, the counterpart of the PPO family, always applies the dual clip.
+_register_clipped("ppo", verl_dual_clip=True)
+_register_clipped("grpo", loss_agg="seq-mean-token-mean", verl_dual_clip=True)
+_register_clipped("dapo", eps_high=0.28, verl_dual_clip=True)
+_register_clipped("bnpo", loss_agg="bnpo", verl_dual_clip=True)
+_register_clipped("dr_grpo", loss_agg="seq-mean-token-sum-norm", verl_dual_clip=True)
+_register_clipped("luspo", loss_agg="seq-mean-token-sum", ratio_level="sequence")
+_register_clipped(
     "gspo",
     loss_agg="seq-mean-token-mean",
     ratio_level="sequence",
     ratio_levels=("sequence", "sequence_token"),
-)(_clipped)
-register_objective("ctpo", ratio_level="prefix_cumulative", ratio_levels=("prefix_cumulative",))(
-    _clipped
 )
-register_objective("minpro", ratio_level="prefix_min", ratio_levels=("prefix_min",))(_clipped)
+_register_clipped("ctpo", ratio_level="prefix_cumulative", ratio_levels=("prefix_cumulative",))
+_register_clipped("minpro", ratio_level="prefix_min", ratio_levels=("prefix_min",))
 
 
 @register_objective("cispo")
@@ -187,7 +228,14 @@ def gmpo(x: ObjectiveInputs) -> ObjectiveOutput:
 _LOG_1E8 = math.log(1e-8)
 
 
-@register_objective("vespo", ratio_levels=("token",), folds_rollout_is=True)
+# TRL computes vespo's sequence weight from token ratios whatever its importance_sampling_level,
+# and clamps the log-ratio to +-20 (its other losses do not clamp).
+@register_objective(
+    "vespo",
+    ratio_levels=("token",),
+    folds_rollout_is=True,
+    trl_fields={"ratio_level": "token", "log_ratio_clamp": 20.0},
+)
 def vespo(x: ObjectiveInputs) -> ObjectiveOutput:
     """``-sg(phi(w)) A lp``, ``phi(w) = exp(lambda + k log w - lambda w)`` on the sequence ratio
     ``w`` (sum of log-ratios, times the rollout IS weights), (k, lambda) by the sign of A. The
@@ -261,7 +309,12 @@ def _generator(cfg, device):
     return torch.Generator(device=device).manual_seed(cfg.cov_seed)
 
 
-@register_objective("clip_cov", ratio_levels=("token",))
+@register_objective(
+    "clip_cov",
+    ratio_levels=("token",),
+    needs_whole_batch=True,
+    verl_keys={"cov_fraction": "clip_cov_ratio"},
+)
 def clip_cov(x: ObjectiveInputs) -> ObjectiveOutput:
     """verl ``clip_cov``: the clipped surrogate, with a random ``cov_fraction`` of the tokens
     whose covariance lies in ``(clip_cov_lb, clip_cov_ub)`` (and that PPO did not clip) dropped."""
@@ -289,7 +342,12 @@ def clip_cov(x: ObjectiveInputs) -> ObjectiveOutput:
     )
 
 
-@register_objective("kl_cov", ratio_levels=("token",))
+@register_objective(
+    "kl_cov",
+    ratio_levels=("token",),
+    needs_whole_batch=True,
+    verl_keys={"cov_fraction": "kl_cov_ratio"},
+)
 def kl_cov(x: ObjectiveInputs) -> ObjectiveOutput:
     """verl ``kl_cov``: ``-A r``, plus ``kl_cov_coef |d|`` on the top ``cov_fraction`` tokens by
     covariance."""

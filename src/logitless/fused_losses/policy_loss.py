@@ -15,11 +15,11 @@ and so do their gradients. Exceptions: ``clip_cov`` and ``kl_cov`` select tokens
 statistics of the current logprobs (verl's definition) and need the whole batch in one call.
 """
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 
 import torch
 
-from logitless.fused_losses import segments
 from logitless.fused_losses.aggregation import (
     BatchGlobals,
     agg_counts,
@@ -28,8 +28,8 @@ from logitless.fused_losses.aggregation import (
 )
 from logitless.fused_losses.config import PolicyLossConfig
 from logitless.fused_losses.kl import kl_estimate
-from logitless.fused_losses.objectives import ObjectiveInputs, get_objective
-from logitless.fused_losses.ratios import compute_ratio
+from logitless.fused_losses.objectives import ObjectiveInputs, ObjectiveOutput, get_objective
+from logitless.fused_losses.ratios import Ratio, compute_ratio
 from logitless.fused_losses.rollout_correction import (
     off_policy_sequence_keep,
     rollout_is_batch_mean,
@@ -46,20 +46,64 @@ from logitless.fused_losses.token_selection import (
     stapo_keep,
     top_fraction_threshold,
 )
+from logitless.kernels.segments_torch import PackedIndex, packed_index
 
-# Objectives that select tokens from statistics of the whole batch's current logprobs.
-NON_GLOBAL_OBJECTIVES = ("clip_cov", "kl_cov")
+_POLICY_TENSORS = ("logprobs", "old_logprobs", "ref_logprobs", "rollout_logprobs", "entropy",
+                   "token_weights", "attention_entropy")
+_KNOBS = ("beta", "eps_low", "eps_high")  # config fields that may be per-token tensors
 
 
 @dataclass
-class _Grid:
-    """Inputs on the ``[B, T]`` grid; ``m`` the bool mask as given."""
+class _Batch:
+    """A validated batch on the right-padded ``[B, T]`` grid: what every stage reads.
+
+    Built once at the public boundary (`_to_batch`); a chunk of whole sequences is a slice of
+    it (`rows`). ``m`` is the bool mask as given, ``adv`` the detached per-token advantages;
+    ``tensors`` the per-token inputs by argument name (None where not given); ``knobs`` the
+    config's ``beta``, ``eps_low``, ``eps_high`` as tensors on the grid (0-d when scalars).
+    A chunk is laid out on its own grid already (``index`` None).
+    """
 
     m: torch.Tensor
     adv: torch.Tensor
-    width: int
     packed: bool
     tensors: dict
+    knobs: dict = field(default_factory=dict)
+    index: PackedIndex | None = None  # where the packed input's tokens sit on the grid
+
+    @property
+    def width(self) -> int:
+        return self.m.shape[1]
+
+    def positions(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Grid ``(row, column)`` of token indices into the input's flattened layout."""
+        if self.index is None:
+            return flat // self.width, flat % self.width
+        return self.index.row[flat], self.index.col[flat]
+
+    def __getitem__(self, name):
+        return self.tensors.get(name)
+
+    def with_tensors(self, **tensors) -> "_Batch":
+        return dataclasses.replace(self, tensors={**self.tensors, **tensors})
+
+    def to(self, dtype: torch.dtype) -> "_Batch":
+        def cast(t):
+            return None if t is None else t.to(dtype)
+
+        return dataclasses.replace(
+            self, adv=self.adv.to(dtype), tensors={k: cast(t) for k, t in self.tensors.items()},
+            knobs={k: t.to(dtype) for k, t in self.knobs.items()})
+
+    def rows(self, s0: int, s1: int, width: int) -> "_Batch":
+        """Sequences ``s0:s1``, positions ``:width`` (a chunk of whole sequences)."""
+
+        def cut(t):
+            return t if t is None or t.dim() < 2 else t[s0:s1, :width]
+
+        return _Batch(cut(self.m), cut(self.adv), self.packed,
+                      {k: cut(t) for k, t in self.tensors.items()},
+                      {k: cut(t) for k, t in self.knobs.items()}, index=None)
 
 
 def _check_cu_seqlens(cu_seqlens, n):
@@ -74,11 +118,9 @@ def _check_cu_seqlens(cu_seqlens, n):
         raise ValueError("cu_seqlens: must be non-decreasing")
 
 
-def _to_grid(mask, advantages, cu_seqlens, dtype, validate=True, **tensors) -> _Grid:
-    """Validate shapes and NaNs, cast to ``dtype`` and scatter packed inputs into ``[B, T]``.
-
-    ``validate=False`` skips the value checks (NaN, ``cu_seqlens`` order), which synchronise
-    with the device; shapes are always checked (free)."""
+def _check_shapes(mask, advantages, cu_seqlens, validate, tensors) -> bool:
+    """Shapes (free) and, with ``validate``, NaN and ``cu_seqlens`` (they synchronise with the
+    device). Returns whether the advantages are per sequence."""
     shape = mask.shape
     if cu_seqlens is None:
         if mask.dim() != 2:
@@ -102,41 +144,70 @@ def _to_grid(mask, advantages, cu_seqlens, dtype, validate=True, **tensors) -> _
     if validate and torch.isnan(advantages).any():
         raise ValueError("advantages: contains NaN")
     if advantages.shape in ((num_seqs,), (num_seqs, 1)):
-        per_sequence = True
-    elif advantages.shape == shape:
-        per_sequence = False
-    else:
-        raise ValueError(
-            f"advantages: expected [{num_seqs}] per sequence or {tuple(shape)} per "
-            f"token, got {tuple(advantages.shape)}"
-        )
+        return True
+    if advantages.shape == shape:
+        return False
+    raise ValueError(
+        f"advantages: expected [{num_seqs}] per sequence or {tuple(shape)} per "
+        f"token, got {tuple(advantages.shape)}"
+    )
+
+
+def _knob_tensors(cfg, mask, dtype, device) -> dict:
+    """``beta``, ``eps_low``, ``eps_high`` as tensors, per-token ones checked against the
+    layout of the logprobs (knobs never receive gradients)."""
+    out = {}
+    for name in _KNOBS:
+        value = getattr(cfg, name)
+        if not isinstance(value, torch.Tensor):
+            out[name] = torch.tensor(float(value), dtype=dtype, device=device)
+            continue
+        value = value.detach().to(dtype=dtype, device=device)
+        if value.dim() and tuple(value.shape) != tuple(mask.shape):
+            raise ValueError(
+                f"{name}: per-token tensor must be laid out like logprobs {tuple(mask.shape)}"
+            )
+        out[name] = value
+    return out
+
+
+def _to_batch(mask, advantages, cu_seqlens, dtype, validate=True, cfg=None, **tensors) -> _Batch:
+    """Validate (`_check_shapes`), cast to ``dtype`` and lay every input out on the ``[B, T]``
+    grid once; with ``cfg``, its tensor knobs too."""
+    per_sequence = _check_shapes(mask, advantages, cu_seqlens, validate, tensors)
     adv = advantages.detach().to(dtype)
-    m = mask != 0
     out = {name: None if t is None else t.to(dtype) for name, t in tensors.items()}
-    if cu_seqlens is not None:
-        m = segments.to_padded(m, cu_seqlens, False)
-        out = {k: None if t is None else segments.to_padded(t, cu_seqlens) for k, t in out.items()}
+    knobs = {} if cfg is None else _knob_tensors(cfg, mask, dtype, mask.device)
+    index = None
+    if cu_seqlens is None:
+        m = mask != 0
+    else:
+        index = packed_index(cu_seqlens, total=mask.shape[0])
+        m = index.pad(mask != 0, False)
+        out = {k: None if t is None else index.pad(t) for k, t in out.items()}
+        knobs = {k: index.pad(t) if t.dim() else t for k, t in knobs.items()}
         if not per_sequence:
-            adv = segments.to_padded(adv, cu_seqlens)
+            adv = index.pad(adv)
     if per_sequence:
-        adv = adv.reshape(num_seqs, 1).expand(num_seqs, m.shape[1])
-    return _Grid(m, adv, m.shape[1], cu_seqlens is not None, out)
+        adv = adv.reshape(m.shape[0], 1).expand(m.shape)
+    return _Batch(m, adv, cu_seqlens is not None, out, knobs, index)
 
 
 def check_policy_inputs(mask, advantages, *, cu_seqlens=None, **tensors) -> None:
     """Raise ``ValueError`` where `policy_loss` would (shapes, NaN, ``cu_seqlens``), without
     computing anything: lets a chunked caller validate the batch once."""
     with torch.no_grad():
-        _to_grid(mask, advantages, cu_seqlens, torch.float32, True, **tensors)
+        _check_shapes(mask, advantages, cu_seqlens, True, tensors)
 
 
 def _dtype(t):
     return torch.promote_types(t.dtype, torch.float32)
 
 
-def _kept_mask(grid: _Grid, cfg: PolicyLossConfig, old_lp, rollout_lp, entropy):
+def _kept_mask(batch: _Batch, cfg: PolicyLossConfig) -> torch.Tensor:
     """The mask after rollout rejection and STAPO (both renormalise over what remains)."""
-    m = grid.m
+    m, old_lp, rollout_lp = batch.m, batch["old_logprobs"], batch["rollout_logprobs"]
+    entropy = batch["entropy"]
     if cfg.rollout_rs is not None:
         if rollout_lp is None or old_lp is None:
             raise ValueError("rollout_logprobs: rollout_rs needs rollout_logprobs and old_logprobs")
@@ -147,66 +218,109 @@ def _kept_mask(grid: _Grid, cfg: PolicyLossConfig, old_lp, rollout_lp, entropy):
         if entropy is None or old_lp is None:
             raise ValueError("entropy: STAPO needs entropy and old_logprobs")
         m = stapo_keep(
-            grid.adv, old_lp, entropy, m, cfg.stapo_prob_threshold, cfg.stapo_entropy_threshold
+            batch.adv, old_lp, entropy, m, cfg.stapo_prob_threshold, cfg.stapo_entropy_threshold
         )
     return m
 
 
-def _globals_from_grid(grid: _Grid, cfg: PolicyLossConfig) -> BatchGlobals:
-    t = grid.tensors
-    entropy, hatt = t.get("entropy"), t.get("attention_entropy")
-    m = _kept_mask(grid, cfg, t.get("old_logprobs"), t.get("rollout_logprobs"), entropy)
-    needs_entropy = cfg.top_entropy_quantile < 1 or cfg.adv_entropy_top_fraction < 1
-    if needs_entropy and entropy is None:
-        raise ValueError("entropy: top_entropy_quantile / adv_entropy_top_fraction need entropy")
-    entropy_threshold = adv_entropy_threshold = attn_stats = attn_thresholds = None
-    entropy_mask = m
+@dataclass
+class _Masks:
+    """The masks of one call: ``given`` as passed; ``kept`` after rejection and STAPO (what the
+    normalisers count); ``entropy`` ``kept`` narrowed by the entropy-quantile selection (where
+    the entropy bonus acts); ``select`` further narrowed by the |A| H selection (where the
+    policy term acts). Selections zero a token's policy term without changing the normalisers
+    (TRL's entropy mask)."""
+
+    given: torch.Tensor
+    kept: torch.Tensor
+    entropy: torch.Tensor
+    select: torch.Tensor
+
+
+def _selection_masks(batch, cfg, kept, entropy_threshold, adv_entropy_threshold) -> _Masks:
+    ent = batch["entropy"]
+    entropy_mask = kept
     if cfg.top_entropy_quantile < 1:
-        entropy_threshold = top_fraction_threshold(entropy, m, cfg.top_entropy_quantile)
-        entropy_mask = (
-            m & (entropy >= entropy_threshold) if entropy_threshold is not None else m & False
-        )
+        thr = entropy_threshold
+        entropy_mask = kept & (ent.detach() >= thr) if thr is not None else kept & False
+    select = entropy_mask
     if cfg.adv_entropy_top_fraction < 1:
-        adv_entropy_threshold = top_fraction_threshold(
-            grid.adv.abs() * entropy, m, cfg.adv_entropy_top_fraction
-        )
-    if cfg.attn_entropy_weighting is not None:
-        if hatt is None:
-            raise ValueError("attention_entropy: attn_entropy_weighting needs attention_entropy")
-        attn_stats = attention_entropy_stats(hatt, m)
-        valid = hatt.detach()[m]
-        if valid.numel():
-            q = cfg.attn_entropy_quantile
-            attn_thresholds = (float(quantile(valid, q)), float(quantile(valid, 1 - q)))
+        thr = adv_entropy_threshold
+        keep = (batch.adv.abs() * ent.detach() >= thr) if thr is not None else kept & False
+        select = select & keep
+    return _Masks(batch.m, kept, entropy_mask, select)
+
+
+def _max_response_length(batch: _Batch, cfg: PolicyLossConfig) -> float:
     if cfg.max_response_length is not None:
-        max_len = float(cfg.max_response_length)
-    elif grid.packed and cfg.loss_agg == "seq-mean-token-sum-norm":
+        return float(cfg.max_response_length)
+    if batch.packed and cfg.loss_agg == "seq-mean-token-sum-norm":
         raise ValueError(
             "max_response_length: seq-mean-token-sum-norm on a packed batch needs "
             "PolicyLossConfig.max_response_length (the padded width is not known)"
         )
-    else:
-        max_len = float(grid.width)
+    return float(batch.width)
+
+
+def _attention_globals(batch, cfg, kept):
+    hatt = batch["attention_entropy"]
+    if hatt is None:
+        raise ValueError("attention_entropy: attn_entropy_weighting needs attention_entropy")
+    valid = hatt.detach()[kept]
+    thresholds = None
+    if valid.numel():
+        q = cfg.attn_entropy_quantile
+        thresholds = (float(quantile(valid, q)), float(quantile(valid, 1 - q)))
+    return attention_entropy_stats(hatt, kept), thresholds
+
+
+def _is_weight_mean(batch, cfg):
+    old_lp, roll_lp = batch["old_logprobs"], batch["rollout_logprobs"]
+    if old_lp is None or roll_lp is None:
+        raise ValueError("rollout_logprobs: rollout_is_batch_normalize needs "
+                         "rollout_logprobs and old_logprobs of the whole batch")
+    weight = rollout_is_weight(rollout_log_ratio(old_lp, roll_lp, batch.m), batch.m, cfg)
+    return rollout_is_batch_mean(weight, batch.m, cfg.rollout_is)
+
+
+def _globals(batch: _Batch, cfg: PolicyLossConfig, kept) -> tuple[BatchGlobals, _Masks]:
+    """The batch's `BatchGlobals`, and its masks (computed on the way, so a caller that runs the
+    loss on the same batch need not compute them again)."""
+    entropy = batch["entropy"]
+    needs_entropy = cfg.top_entropy_quantile < 1 or cfg.adv_entropy_top_fraction < 1
+    if needs_entropy and entropy is None:
+        raise ValueError("entropy: top_entropy_quantile / adv_entropy_top_fraction need entropy")
+    entropy_threshold = adv_entropy_threshold = None
+    if cfg.top_entropy_quantile < 1:
+        thr = top_fraction_threshold(entropy, kept, cfg.top_entropy_quantile)
+        entropy_threshold = None if thr is None else float(thr)
+    if cfg.adv_entropy_top_fraction < 1:
+        thr = top_fraction_threshold(batch.adv.abs() * entropy, kept, cfg.adv_entropy_top_fraction)
+        adv_entropy_threshold = None if thr is None else float(thr)
+    masks = _selection_masks(batch, cfg, kept, entropy_threshold, adv_entropy_threshold)
+    attn_stats = attn_thresholds = None
+    if cfg.attn_entropy_weighting is not None:
+        attn_stats, attn_thresholds = _attention_globals(batch, cfg, kept)
+    max_len = _max_response_length(batch, cfg)
     is_weight_mean = None
     if cfg.rollout_is is not None and cfg.rollout_is_batch_normalize:
-        old_lp, roll_lp = t.get("old_logprobs"), t.get("rollout_logprobs")
-        if old_lp is None or roll_lp is None:
-            raise ValueError("rollout_logprobs: rollout_is_batch_normalize needs "
-                             "rollout_logprobs and old_logprobs of the whole batch")
-        weight = rollout_is_weight(rollout_log_ratio(old_lp, roll_lp, grid.m), grid.m, cfg)
-        is_weight_mean = rollout_is_batch_mean(weight, grid.m, cfg.rollout_is)
-    return BatchGlobals(
-        loss=agg_counts(m, grid.adv, cfg.seq_count, cfg.length_power_alpha),
-        entropy=agg_counts(entropy_mask, grid.adv, cfg.seq_count, cfg.length_power_alpha),
+        is_weight_mean = _is_weight_mean(batch, cfg)
+    glob = BatchGlobals(
+        loss=agg_counts(kept, batch.adv, cfg.seq_count, cfg.length_power_alpha),
+        entropy=agg_counts(masks.entropy, batch.adv, cfg.seq_count, cfg.length_power_alpha),
         max_response_length=max_len,
-        entropy_threshold=None if entropy_threshold is None else float(entropy_threshold),
-        adv_entropy_threshold=None
-        if adv_entropy_threshold is None
-        else float(adv_entropy_threshold),
+        entropy_threshold=entropy_threshold,
+        adv_entropy_threshold=adv_entropy_threshold,
         attn_stats=attn_stats,
         attn_thresholds=attn_thresholds,
         is_weight_mean=is_weight_mean,
     )
+    return glob, masks
+
+
+def _batch_globals(batch: _Batch, cfg: PolicyLossConfig) -> BatchGlobals:
+    with torch.no_grad():
+        return _globals(batch, cfg, _kept_mask(batch, cfg))[0]
 
 
 def policy_loss_globals(
@@ -228,7 +342,7 @@ def policy_loss_globals(
     """
     dtype = _dtype(old_logprobs if old_logprobs is not None else advantages)
     with torch.no_grad():
-        grid = _to_grid(
+        batch = _to_batch(
             mask,
             advantages,
             cu_seqlens,
@@ -238,22 +352,7 @@ def policy_loss_globals(
             entropy=entropy,
             attention_entropy=attention_entropy,
         )
-        return _globals_from_grid(grid, config)
-
-
-def _as_tensor(value, grid_like, cu_seqlens, name):
-    """A scalar or per-token tensor knob, on the grid (knobs never receive gradients)."""
-    if not isinstance(value, torch.Tensor):
-        return torch.tensor(float(value), dtype=grid_like.dtype, device=grid_like.device)
-    value = value.detach().to(grid_like)
-    if value.dim() == 0:
-        return value
-    expected = grid_like.shape if cu_seqlens is None else (int(cu_seqlens[-1]),)
-    if tuple(value.shape) != tuple(expected):
-        raise ValueError(
-            f"{name}: per-token tensor must be laid out like logprobs {tuple(expected)}"
-        )
-    return value if cu_seqlens is None else segments.to_padded(value, cu_seqlens)
+    return _batch_globals(batch, config)
 
 
 def _masked_mean(x, m):
@@ -310,8 +409,7 @@ def policy_loss(
         training_progress: in [0, 1], drives the attention-entropy alpha schedule.
         entropy_coef: overrides ``config.entropy_coef`` (for `AdaptiveEntropyCoef`).
         validate: ``False`` skips the NaN, ``cu_seqlens`` and global-count checks, which
-            synchronise with the device: for callers that validated the whole batch once and
-            now run chunks of it (``fused_policy_loss``).
+            synchronise with the device: for callers that validated the whole batch once.
         compute_metrics: ``False`` returns an empty metrics dict (no metric work).
 
     Returns:
@@ -322,154 +420,194 @@ def policy_loss(
         ``masked_fraction``.
     """
     cfg = config
-    spec = get_objective(cfg.objective)
     if logprobs.dim() == 1 and cu_seqlens is None:
         raise ValueError("cu_seqlens: a packed [N] batch needs cu_seqlens")
     if old_logprobs is None:
         raise ValueError("old_logprobs: required (pass logprobs.detach() when on-policy)")
-    dtype = _dtype(logprobs)
-    grid = _to_grid(
-        mask,
-        advantages,
-        cu_seqlens,
-        dtype,
-        validate,
-        logprobs=logprobs,
-        old_logprobs=old_logprobs,
-        ref_logprobs=ref_logprobs,
-        rollout_logprobs=rollout_logprobs,
-        entropy=entropy,
-        token_weights=token_weights,
+    batch = _to_batch(
+        mask, advantages, cu_seqlens, _dtype(logprobs), validate, cfg,
+        logprobs=logprobs, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
+        rollout_logprobs=rollout_logprobs, entropy=entropy, token_weights=token_weights,
         attention_entropy=attention_entropy,
     )
-    t = grid.tensors
-    lp, old_lp, ref_lp, roll_lp = (
-        t["logprobs"],
-        t["old_logprobs"].detach(),
-        t["ref_logprobs"],
-        t["rollout_logprobs"],
+    return _loss_of_batch(
+        batch, cfg, batch_globals, validate=validate,
+        num_items_in_batch=num_items_in_batch, global_batch_size=global_batch_size,
+        training_progress=training_progress, entropy_coef=entropy_coef,
+        compute_metrics=compute_metrics,
     )
-    ent = t["entropy"]
-    if ref_lp is not None:
-        ref_lp = ref_lp.detach()
-    if cfg.objective in NON_GLOBAL_OBJECTIVES and batch_globals is not None:
+
+
+def _loss_of_batch(batch: _Batch, cfg, batch_globals, *, validate=True, num_items_in_batch=None,
+                   global_batch_size=None, **kw):
+    """`policy_loss` of a batch on the grid: its `BatchGlobals` when not given (the kept mask
+    and selections computed once for both), the global counts checked, then `_policy_loss`."""
+    if get_objective(cfg.objective).needs_whole_batch and batch_globals is not None:
         raise ValueError(
             f"batch_globals: {cfg.objective} selects tokens from statistics of the "
             "whole batch and cannot run on a chunk"
         )
-    glob = batch_globals if batch_globals is not None else _globals_from_grid(grid, cfg)
+    kept = _kept_mask(batch, cfg)
+    if batch_globals is None:
+        batch_globals, masks = _globals(batch, cfg, kept)
+    else:
+        masks = _call_masks(batch, cfg, batch_globals, kept)
     if validate:
-        check_global_counts(num_items_in_batch, global_batch_size, glob.loss)
+        check_global_counts(num_items_in_batch, global_batch_size, batch_globals.loss)
+    return _policy_loss(batch, cfg, batch_globals, masks=masks,
+                        num_items_in_batch=num_items_in_batch,
+                        global_batch_size=global_batch_size, **kw)
 
-    m_in = grid.m
-    m = _kept_mask(grid, cfg, old_lp, roll_lp, ent)
-    adv = grid.adv
-    beta = _as_tensor(cfg.beta, lp, cu_seqlens, "beta")
-    eps_low = _as_tensor(cfg.eps_low, lp, cu_seqlens, "eps_low")
-    eps_high = _as_tensor(cfg.eps_high, lp, cu_seqlens, "eps_high")
-    uses_kl = isinstance(cfg.beta, torch.Tensor) or cfg.beta != 0
-    if (uses_kl or cfg.future_kl_coef) and ref_lp is None:
+
+def _call_masks(batch, cfg, glob: BatchGlobals, kept=None) -> _Masks:
+    """The masks of a call given the batch's `BatchGlobals` (their thresholds)."""
+    kept = _kept_mask(batch, cfg) if kept is None else kept
+    return _selection_masks(batch, cfg, kept, glob.entropy_threshold, glob.adv_entropy_threshold)
+
+
+def _policy_loss(batch: _Batch, cfg: PolicyLossConfig, glob: BatchGlobals, *,
+                 masks: _Masks | None = None, num_items_in_batch=None, global_batch_size=None,
+                 training_progress=None, entropy_coef=None, compute_metrics=True):
+    """`policy_loss` of a batch already validated and on the grid, with its `BatchGlobals`
+    (the private entry point of chunked callers; nothing here synchronises with the device to
+    check an input). The stages: masks; advantages and factors; the policy term; KL;
+    aggregation; metrics."""
+    spec = get_objective(cfg.objective)
+    masks = _call_masks(batch, cfg, glob) if masks is None else masks
+    adv = _advantages(batch, cfg, masks.kept)
+    factor = _factor(batch, cfg, masks.kept, glob, training_progress)
+    is_weight = _rollout_is_weight(batch, cfg, glob)
+    term = _policy_term(batch, cfg, spec, adv, masks, factor, is_weight)
+    kl = _kl(batch, cfg, term.ratio)
+    per_token = term.loss
+    if kl is not None and _uses_kl(cfg):
+        per_token = per_token + batch.knobs["beta"] * kl
+    counts = dict(num_items_in_batch=num_items_in_batch, global_batch_size=global_batch_size)
+    loss = _aggregate(per_token, batch, cfg, glob, masks, entropy_coef, counts)
+    if not compute_metrics:
+        return loss, {}
+    with torch.no_grad():
+        metrics = _metrics(term.out, term.ratio, term.d, kl, batch["entropy"], is_weight,
+                           masks.given, masks.kept, masks.select, factor, cfg)
+        ent = batch["entropy"]
+        if ent is not None:  # what an adaptive entropy coefficient accumulates
+            metrics["entropy/bonus_sum"] = torch.where(masks.entropy, ent, 0.0).sum().detach()
+            metrics["entropy/bonus_tokens"] = masks.entropy.sum().to(term.d.dtype)
+    return loss, metrics
+
+
+def _uses_kl(cfg) -> bool:
+    return isinstance(cfg.beta, torch.Tensor) or cfg.beta != 0
+
+
+def _advantages(batch: _Batch, cfg: PolicyLossConfig, kept) -> torch.Tensor:
+    """FRPO's future-KL correction, then probability reweighting."""
+    adv, lp, ref_lp = batch.adv, batch["logprobs"], batch["ref_logprobs"]
+    if (_uses_kl(cfg) or cfg.future_kl_coef) and ref_lp is None:
         raise ValueError("ref_logprobs: beta != 0 and future_kl_coef need ref_logprobs")
     if cfg.future_kl_coef:
-        adv = future_kl_advantages(adv, lp, ref_lp, m, cfg.future_kl_coef)
+        adv = future_kl_advantages(adv, lp, ref_lp.detach(), kept, cfg.future_kl_coef)
     if cfg.prob_reweight_alpha:
         adv = probability_reweighted_advantages(adv, lp, cfg.prob_reweight_alpha)
+    return adv
 
-    # Selections zero the policy term of a token without changing the normalisers (TRL's
-    # entropy mask); weights scale it. All are detached.
-    select = m
-    if cfg.top_entropy_quantile < 1:
-        thr = glob.entropy_threshold
-        select = select & (ent.detach() >= thr) if thr is not None else select & False
-    entropy_mask = select
-    if cfg.adv_entropy_top_fraction < 1:
-        thr = glob.adv_entropy_threshold
-        keep = (grid.adv.abs() * ent.detach() >= thr) if thr is not None else torch.zeros_like(m)
-        select = select & keep
+
+def _factor(batch: _Batch, cfg: PolicyLossConfig, kept, glob, progress) -> torch.Tensor:
+    """The detached per-token factor of the policy term: OPSM, attention weights, token
+    weights."""
+    lp = batch["logprobs"]
     factor = torch.ones_like(lp).detach()
     if cfg.opsm_threshold is not None:
-        sampling = roll_lp if roll_lp is not None else old_lp
-        factor = factor * off_policy_sequence_keep(lp, sampling, grid.adv, m, cfg.opsm_threshold)
+        roll_lp = batch["rollout_logprobs"]
+        sampling = roll_lp if roll_lp is not None else batch["old_logprobs"].detach()
+        factor = factor * off_policy_sequence_keep(lp, sampling, batch.adv, kept,
+                                                   cfg.opsm_threshold)
     if cfg.attn_entropy_weighting is not None:
         factor = factor * attention_entropy_weights(
-            t["attention_entropy"],
-            m,
-            cfg,
-            stats=glob.attn_stats,
-            thresholds=glob.attn_thresholds,
-            progress=training_progress,
+            batch["attention_entropy"], kept, cfg, stats=glob.attn_stats,
+            thresholds=glob.attn_thresholds, progress=progress,
         )
-    if t["token_weights"] is not None:
-        factor = factor * t["token_weights"].detach()
-    is_weight = None
-    if cfg.rollout_is is not None:
-        if roll_lp is None:
-            raise ValueError("rollout_logprobs: rollout_is needs rollout_logprobs")
-        # Over the mask as given: a sequence's IS weight is its likelihood ratio, rejected
-        # tokens included (as verl's rollout-correction helper computes it).
-        is_weight = rollout_is_weight(rollout_log_ratio(old_lp, roll_lp, m_in), m_in, cfg)
-        if cfg.rollout_is_batch_normalize:
-            if glob.is_weight_mean is None:
-                raise ValueError("batch_globals: computed without rollout_is_batch_normalize")
-            is_weight = is_weight / glob.is_weight_mean
+    if batch["token_weights"] is not None:
+        factor = factor * batch["token_weights"].detach()
+    return factor
 
+
+def _rollout_is_weight(batch: _Batch, cfg: PolicyLossConfig, glob):
+    """The rollout IS weight, or None. Over the mask as given: a sequence's IS weight is its
+    likelihood ratio, rejected tokens included (as verl's rollout-correction helper computes
+    it)."""
+    if cfg.rollout_is is None:
+        return None
+    roll_lp = batch["rollout_logprobs"]
+    if roll_lp is None:
+        raise ValueError("rollout_logprobs: rollout_is needs rollout_logprobs")
+    old_lp = batch["old_logprobs"].detach()
+    weight = rollout_is_weight(rollout_log_ratio(old_lp, roll_lp, batch.m), batch.m, cfg)
+    if cfg.rollout_is_batch_normalize:
+        if glob.is_weight_mean is None:
+            raise ValueError("batch_globals: computed without rollout_is_batch_normalize")
+        weight = weight / glob.is_weight_mean
+    return weight
+
+
+@dataclass
+class _PolicyTerm:
+    loss: torch.Tensor  # per token, times selections, factors and IS weight
+    out: ObjectiveOutput
+    ratio: Ratio
+    d: torch.Tensor  # the clamped log-ratio
+
+
+def _policy_term(batch, cfg, spec, adv, masks: _Masks, factor, is_weight) -> _PolicyTerm:
+    """The ratio of the configured level, the objective's per-token loss, and the selections,
+    factors and IS weight applied to it."""
+    lp, old_lp = batch["logprobs"], batch["old_logprobs"].detach()
+    eps_low, eps_high = batch.knobs["eps_low"], batch.knobs["eps_high"]
     d = lp - old_lp
     if cfg.log_ratio_clamp is not None:
         d = d.clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp)
-    ratio_mask = select if spec.selects_in_ratio else m
+    m = masks.kept
+    ratio_mask = masks.select if spec.selects_in_ratio else m
     ratio = compute_ratio(cfg.ratio_level, d, lp, m, adv, cfg, eps_low, eps_high, ratio_mask)
     out = spec.fn(
         ObjectiveInputs(
-            lp,
-            old_lp,
-            d,
-            adv,
-            m,
-            ratio,
-            cfg,
-            eps_low,
-            eps_high,
-            ent,
+            lp, old_lp, d, adv, m, ratio, cfg, eps_low, eps_high, batch["entropy"],
             is_weight if spec.folds_rollout_is else None,
         )
     )
     pg = out.loss * factor
     if not spec.selects_in_ratio:
-        pg = pg * select
+        pg = pg * masks.select
     if is_weight is not None and not spec.folds_rollout_is:
         pg = pg * is_weight
-    per_token = pg
-    kl = None
-    if ref_lp is not None:
-        kl = kl_estimate(lp, ref_lp, cfg.kl_estimator, clamp=cfg.kl_clamp)
-        if cfg.kl_bias_correction:
-            kl = kl * (ratio.value if cfg.kl_bias_correction_grad else ratio.value.detach())
-        if uses_kl:
-            per_token = per_token + beta * kl
+    return _PolicyTerm(pg, out, ratio, d)
 
-    agg_args = dict(
-        max_response_length=glob.max_response_length,
-        num_items_in_batch=num_items_in_batch,
-        global_batch_size=global_batch_size,
-    )
-    loss = aggregate(per_token, m, grid.adv, cfg.loss_agg, glob.loss, cfg, **agg_args)
+
+def _kl(batch: _Batch, cfg: PolicyLossConfig, ratio) -> torch.Tensor | None:
+    """Per-token KL to the reference (for the loss when beta != 0, for the metric always)."""
+    ref_lp = batch["ref_logprobs"]
+    if ref_lp is None:
+        return None
+    kl = kl_estimate(batch["logprobs"], ref_lp.detach(), cfg.kl_estimator, clamp=cfg.kl_clamp)
+    if cfg.kl_bias_correction:
+        kl = kl * (ratio.value if cfg.kl_bias_correction_grad else ratio.value.detach())
+    return kl
+
+
+def _aggregate(per_token, batch, cfg, glob, masks: _Masks, entropy_coef, counts):
+    """The aggregated loss minus the aggregated entropy bonus."""
+    agg_args = dict(max_response_length=glob.max_response_length, **counts)
+    loss = aggregate(per_token, masks.kept, batch.adv, cfg.loss_agg, glob.loss, cfg, **agg_args)
     coef = cfg.entropy_coef if entropy_coef is None else entropy_coef
     if coef:
+        ent = batch["entropy"]
         if ent is None:
             raise ValueError("entropy: entropy_coef != 0 needs entropy")
         mode = cfg.entropy_agg or cfg.loss_agg
         loss = loss - coef * aggregate(
-            ent, entropy_mask, grid.adv, mode, glob.entropy, cfg, **agg_args
+            ent, masks.entropy, batch.adv, mode, glob.entropy, cfg, **agg_args
         )
-
-    if not compute_metrics:
-        return loss, {}
-    with torch.no_grad():
-        metrics = _metrics(out, ratio, d, kl, ent, is_weight, m_in, m, select, factor, cfg)
-        if ent is not None:  # what an adaptive entropy coefficient accumulates
-            metrics["entropy/bonus_sum"] = torch.where(entropy_mask, ent, 0.0).sum().detach()
-            metrics["entropy/bonus_tokens"] = entropy_mask.sum().to(d.dtype)
-    return loss, metrics
+    return loss
 
 
 def _metrics(out, ratio, d, kl, ent, is_weight, m_in, m, select, factor, cfg):

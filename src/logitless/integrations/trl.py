@@ -30,7 +30,7 @@ import trl
 from logitless.fused_losses.aggregation import agg_counts
 from logitless.fused_losses.config import ConfigError, PolicyLossConfig
 from logitless.fused_losses.entropy_control import AdaptiveEntropyCoef
-from logitless.fused_losses.objectives import clip_flags
+from logitless.fused_losses.objectives import CLIPPED_SURROGATE, OBJECTIVES, clip_flags
 from logitless.fused_losses.policy_loss import policy_loss, policy_loss_globals
 from logitless.fused_losses.ratios import compute_ratio
 from logitless.integrations.trl_head import (
@@ -53,9 +53,6 @@ __all__ = [
     "unpatch_trl",
 ]
 
-# Objectives whose loss is the clipped surrogate on their ratio: TRL's per-sequence clip
-# metrics (clip_ratio/low_min, clip_ratio/high_max) are defined for them.
-_CLIPPED_SURROGATES = ("ppo", "grpo", "dapo", "bnpo", "dr_grpo", "luspo", "gspo", "ctpo", "minpro")
 # Multimodal inputs TRL's forward helper takes from the batch.
 _FORWARD_KEYS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask",
                  "spatial_shapes", "num_tiles", "image_sizes", "token_type_ids",
@@ -116,8 +113,7 @@ def config_from_grpo(args, **overrides) -> PolicyLossConfig:
     eps_high = args.epsilon if args.epsilon_high is None else args.epsilon_high
     fields = dict(
         objective=loss_type,
-        # vespo computes its own sequence weight from token ratios whatever the level (TRL)
-        ratio_level="token" if loss_type == "vespo" else args.importance_sampling_level,
+        ratio_level=args.importance_sampling_level,
         eps_low=args.epsilon,
         eps_high=eps_high,
         delta=args.delta,
@@ -125,7 +121,7 @@ def config_from_grpo(args, **overrides) -> PolicyLossConfig:
         kl_estimator="k3",
         kl_bias_correction=args.use_bias_correction_kl,
         kl_bias_correction_grad=True,
-        log_ratio_clamp=20.0 if loss_type == "vespo" else None,
+        log_ratio_clamp=None,
         entropy_coef=args.entropy_coef,
         entropy_agg="bnpo",
         top_entropy_quantile=args.top_entropy_quantile,
@@ -141,6 +137,9 @@ def config_from_grpo(args, **overrides) -> PolicyLossConfig:
         dp_size=getattr(args, "world_size", 1),
         seq_count="all",
     )
+    spec = OBJECTIVES.get(loss_type)  # an unknown name: PolicyLossConfig reports it
+    if spec is not None:
+        fields.update(spec.trl_fields)  # e.g. vespo's token level and log-ratio clamp
     if loss_type == "cispo":
         del fields["eps_low"], fields["eps_high"]
         fields.update(cispo_clip="upper", cispo_cap=eps_high)
@@ -456,7 +455,8 @@ class GRPOTrainer(trl.GRPOTrainer):
             for side in ("low", "high", "region"):
                 logged[f"clip_ratio/{side}_mean"].append(
                     self._global_mean(metrics[f"clip_ratio/{side}"], flag_count))
-            if cfg.objective in _CLIPPED_SURROGATES:
+            # TRL's per-sequence clip metrics are defined for the clipped surrogate
+            if OBJECTIVES[cfg.objective].family == CLIPPED_SURROGATE:
                 low, high = self._clip_rate_per_sequence(cfg, logps, old, inputs, mask)
                 logged["clip_ratio/low_min"].append(nanmin(self.accelerator.gather(low)).item())
                 logged["clip_ratio/high_max"].append(

@@ -34,7 +34,7 @@ from verl.trainer.ppo.core_algos import register_policy_loss
 from verl.workers.config import PolicyLossConfig as VerlPolicyLossConfig
 
 from logitless.fused_losses.config import PolicyLossConfig
-from logitless.fused_losses.objectives import OBJECTIVES
+from logitless.fused_losses.objectives import OBJECTIVES, get_objective
 from logitless.fused_losses.policy_loss import policy_loss
 from logitless.integrations.verl_head import (
     disable_fused_head,
@@ -75,8 +75,6 @@ _NEEDS_OTHER_INPUTS = frozenset({
 })
 # verl counts only non-empty sequences in seq-mean normalisers.
 _VERL_DEFAULTS = {"seq_count": "nonempty"}
-# Objectives whose verl counterpart (``vanilla``) always applies the dual clip.
-_VERL_DUAL_CLIP = frozenset({"ppo", "grpo", "dapo", "bnpo", "dr_grpo"})
 
 PASSTHROUGH_FIELDS = tuple(
     f.name
@@ -156,10 +154,11 @@ def to_logitless_config(objective: str, actor_config, loss_agg_mode: str | None 
     pl = _get(actor_config, "policy_loss")
     clip = _get(actor_config, "clip_ratio", 0.2)
     clip_c = _get(actor_config, "clip_ratio_c", 3.0)
+    spec = get_objective(objective)
     dual = _get(pl, "dual_clip")
     if dual is None:
-        dual = objective in _VERL_DUAL_CLIP
-    cov_key = "kl_cov_ratio" if objective == "kl_cov" else "clip_cov_ratio"
+        dual = spec.verl_dual_clip
+    cov_key = spec.verl_keys.get("cov_fraction", "clip_cov_ratio")
     fields = dict(
         objective=objective,
         eps_low=_get(actor_config, "clip_ratio_low", clip),

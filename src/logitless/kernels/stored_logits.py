@@ -58,7 +58,10 @@ def bytes_per_row(vocab: int, dtype: torch.dtype, softcap: float | None,
 
 
 class StoredLogits:
-    """Buffers for chunks of up to ``max_rows`` tokens, reused by every chunk of a call."""
+    """Buffers for chunks of up to ``max_rows`` tokens, reused by every chunk of a call (the
+    ``ChunkStore`` of ``fused_policy_loss``)."""
+
+    bytes_per_row = staticmethod(bytes_per_row)
 
     def __init__(self, vocab: int, max_rows: int, dtype: torch.dtype, device,
                  softcap: float | None, block: int | None = None):

@@ -3,12 +3,16 @@
 Written for obviousness, not speed: scans are running values in a loop, quantiles come from a
 sorted Python list, aggregations sum sequence by sequence. Inputs are right-padded ``[B, T]``
 with a 0/1 mask; per-token values are torch scalars so autograd gives the reference gradients.
+What an objective is (its family and flags) is read from the registry, the one source of that
+metadata; the formulas here are the reference's own.
 """
 
 import math
+from dataclasses import dataclass
 
 import torch
 
+from logitless.fused_losses.objectives import CLIPPED_SURROGATE, get_objective
 from logitless.reference.segments import valid_tokens as _valid
 
 
@@ -152,106 +156,166 @@ def rollout_rejection_keep_loop(old, rollout, mask, options):
     return keep
 
 
+@dataclass
+class _Token:
+    """One valid token as the objectives' formulas see it."""
+
+    a: float  # advantage
+    rho: torch.Tensor  # the ratio of the configured level, with gradient
+    x: torch.Tensor  # lp, with gradient
+    old: float
+    r: torch.Tensor  # the token ratio exp(lp - old), with gradient
+    lo: float  # clip bounds of the ratio level
+    hi: float
+    s: torch.Tensor  # the sequence ratio exp(mean d), with gradient
+    log_w: float  # vespo's sequence log-weight (rollout IS folded in)
+    h_rel: float | None  # entropy over the sequence's largest entropy (DHPO's mix)
+
+
+def _clipped(k: _Token, cfg):
+    loss = clipped_token_loss(k.rho, k.a, k.lo, k.hi, delta=cfg.delta, dual_clip_c=cfg.dual_clip_c)
+    if cfg.hard_trust_region and not k.lo <= float(k.rho.detach()) <= k.hi:
+        loss = loss.detach()
+    return loss
+
+
+def _cispo(k: _Token, cfg):
+    hi = k.hi if cfg.cispo_cap is None else cfg.cispo_cap
+    rho = float(k.rho.detach())
+    w = min(rho, hi) if cfg.cispo_clip == "upper" else min(max(rho, k.lo), hi)
+    return -w * k.a * k.x
+
+
+def _sapo(k: _Token, cfg):
+    tau = cfg.sapo_tau_pos if k.a > 0 else cfg.sapo_tau_neg
+    return -(4 / tau) * torch.sigmoid(tau * (k.rho - 1)) * k.a
+
+
+def _gmpo(k: _Token, cfg):
+    return -k.a * k.rho
+
+
+def _vespo(k: _Token, cfg):
+    lw = min(max(k.log_w, math.log(1e-8)), 20.0)
+    pos = k.a >= 0
+    kk = cfg.vespo_k_pos if pos else cfg.vespo_k_neg
+    lam = cfg.vespo_lambda_pos if pos else cfg.vespo_lambda_neg
+    return -math.exp(lam + kk * lw - lam * math.exp(lw)) * k.a * k.x
+
+
+def _reinforce(k: _Token, cfg):
+    return -k.a * k.x
+
+
+def _dro(k: _Token, cfg):
+    return -(k.x * k.a - 0.5 * cfg.dro_beta * (k.x - k.old) ** 2)
+
+
+def _dppo(k: _Token, cfg, ok: bool):
+    return -k.a * min(float(k.r.detach()), cfg.dppo_ratio_cap) * k.x * float(ok)
+
+
+def _dppo_tv(k: _Token, cfg):
+    change = math.exp(float(k.x.detach())) - math.exp(k.old)
+    return _dppo(k, cfg, change <= cfg.eps_high if k.a > 0 else change >= -cfg.eps_low)
+
+
+def _dppo_kl(k: _Token, cfg):
+    p, p_old = math.exp(float(k.x.detach())), math.exp(k.old)
+    bkl = p_old * (k.old - float(k.x.detach())) + (1 - p_old) * math.log(
+        (1 - p_old + 1e-8) / (1 - p + 1e-8)
+    )
+    if k.a > 0:
+        return _dppo(k, cfg, bkl <= cfg.eps_high or p <= p_old)
+    return _dppo(k, cfg, bkl <= cfg.eps_low or p >= p_old)
+
+
+def _aspo(k: _Token, cfg):
+    r = float(k.r.detach())
+    if k.a > 0:
+        flipped = torch.exp(k.x - k.x.detach()) / r
+    else:
+        flipped = k.r * (min(r, cfg.dual_clip_c) / r)
+    return torch.maximum(-k.a * flipped, -k.a * torch.clamp(flipped, k.lo, k.hi))
+
+
+def _dhpo(k: _Token, cfg):
+    mix = k.h_rel if cfg.dhpo_mix == "entropy" else cfg.dhpo_mix
+    s_lo = 1 - (cfg.eps_low if cfg.seq_eps_low is None else cfg.seq_eps_low)
+    s_hi = 1 + (cfg.eps_high if cfg.seq_eps_high is None else cfg.seq_eps_high)
+    unclipped = mix * k.r + (1 - mix) * k.s
+    clipped = mix * torch.clamp(k.r, k.lo, k.hi) + (1 - mix) * torch.clamp(k.s, s_lo, s_hi)
+    return torch.maximum(-k.a * unclipped, -k.a * clipped)
+
+
+def _delight(k: _Token, cfg):
+    gate = 1 / (1 + math.exp(-k.a * (-k.old) / cfg.delight_eta))
+    return -gate * k.a * k.x
+
+
+# The reference's own formula of each objective outside the clipped-surrogate family.
+_TOKEN_LOSSES = {
+    "cispo": _cispo,
+    "sapo": _sapo,
+    "gmpo": _gmpo,
+    "vespo": _vespo,
+    "reinforce": _reinforce,
+    "gpg": _reinforce,
+    "dro": _dro,
+    "dppo_tv": _dppo_tv,
+    "dppo_kl": _dppo_kl,
+    "aspo": _aspo,
+    "dhpo": _dhpo,
+    "delight": _delight,
+}
+
+
+def _token_formula(objective):
+    if get_objective(objective).family == CLIPPED_SURROGATE:
+        return _clipped
+    if objective not in _TOKEN_LOSSES:
+        raise ValueError(objective)
+    return _TOKEN_LOSSES[objective]
+
+
+def _sequence_values(lp, old, entropy, is_weight, i, valid):
+    """Per sequence: its ratio ``exp(mean d)``, vespo's log-weight, its largest entropy."""
+    n = max(len(valid), 1)
+    s = torch.exp(sum((lp[i, t] - old[i, t] for t in valid), lp.new_zeros(())) / n)
+    log_w = sum(float(lp[i, t].detach() - old[i, t]) for t in valid)
+    if is_weight is not None:
+        log_w += sum(min(max(math.log(is_weight[i][t]), math.log(1e-8)), 20.0) for t in valid)
+    h_max = 1.0
+    if entropy is not None:
+        h_max = max((float(entropy[i, t].detach()) for t in valid), default=1.0)
+    return s, log_w, h_max
+
+
 def token_loss_loop(
     objective, lp, old, adv, mask, rho, low, high, cfg, entropy=None, is_weight=None
 ):
     """Per-token losses ``[B, T]`` of one objective (options: delta, dual clip, hard trust
     region, cispo_clip; ``is_weight`` is folded into vespo's sequence weight)."""
     B, T = lp.shape
+    formula = _token_formula(objective)
     out = [[lp.new_zeros(()) for _ in range(T)] for _ in range(B)]
     for i in range(B):
         valid = _valid(mask, i)
-        n = max(len(valid), 1)
-        h_max = (
-            max((float(entropy[i, t].detach()) for t in valid), default=1.0)
-            if entropy is not None
-            else 1.0
-        )
-        s = torch.exp(sum((lp[i, t] - old[i, t] for t in valid), lp.new_zeros(())) / n)
-        log_w = sum(float(lp[i, t].detach() - old[i, t]) for t in valid)
-        if is_weight is not None:
-            log_w += sum(min(max(math.log(is_weight[i][t]), math.log(1e-8)), 20.0) for t in valid)
+        s, log_w, h_max = _sequence_values(lp, old, entropy, is_weight, i, valid)
         for t in valid:
-            a, r_t, x = float(adv[i, t]), rho[i][t], lp[i, t]
-            r = torch.exp(x - old[i, t])
-            lo, hi = low[i][t], high[i][t]
-            if objective in (
-                "ppo",
-                "grpo",
-                "dapo",
-                "bnpo",
-                "dr_grpo",
-                "luspo",
-                "gspo",
-                "ctpo",
-                "minpro",
-            ):
-                loss = clipped_token_loss(
-                    r_t, a, lo, hi, delta=cfg.delta, dual_clip_c=cfg.dual_clip_c
-                )
-                if cfg.hard_trust_region and not lo <= float(r_t.detach()) <= hi:
-                    loss = loss.detach()
-            elif objective == "cispo":
-                hi = hi if cfg.cispo_cap is None else cfg.cispo_cap
-                w = (
-                    min(float(r_t.detach()), hi)
-                    if cfg.cispo_clip == "upper"
-                    else min(max(float(r_t.detach()), lo), hi)
-                )
-                loss = -w * a * x
-            elif objective == "sapo":
-                tau = cfg.sapo_tau_pos if a > 0 else cfg.sapo_tau_neg
-                loss = -(4 / tau) * torch.sigmoid(tau * (r_t - 1)) * a
-            elif objective == "gmpo":
-                loss = -a * r_t
-            elif objective == "vespo":
-                lw = min(max(log_w, math.log(1e-8)), 20.0)
-                k, lam = (
-                    (cfg.vespo_k_pos, cfg.vespo_lambda_pos)
-                    if a >= 0
-                    else (cfg.vespo_k_neg, cfg.vespo_lambda_neg)
-                )
-                loss = -math.exp(lam + k * lw - lam * math.exp(lw)) * a * x
-            elif objective in ("reinforce", "gpg"):
-                loss = -a * x
-            elif objective == "dro":
-                loss = -(x * a - 0.5 * cfg.dro_beta * (x - old[i, t]) ** 2)
-            elif objective in ("dppo_tv", "dppo_kl"):
-                p, p_old = math.exp(float(x.detach())), math.exp(float(old[i, t]))
-                if objective == "dppo_tv":
-                    ok = p - p_old <= cfg.eps_high if a > 0 else p - p_old >= -cfg.eps_low
-                else:
-                    bkl = p_old * (float(old[i, t]) - float(x.detach())) + (1 - p_old) * math.log(
-                        (1 - p_old + 1e-8) / (1 - p + 1e-8)
-                    )
-                    ok = (
-                        (bkl <= cfg.eps_high or p <= p_old)
-                        if a > 0
-                        else (bkl <= cfg.eps_low or p >= p_old)
-                    )
-                loss = -a * min(float(r.detach()), cfg.dppo_ratio_cap) * x * float(ok)
-            elif objective == "aspo":
-                if a > 0:
-                    flipped = torch.exp(x - x.detach()) / float(r.detach())
-                else:
-                    flipped = r * (min(float(r.detach()), cfg.dual_clip_c) / float(r.detach()))
-                loss = torch.maximum(-a * flipped, -a * torch.clamp(flipped, lo, hi))
-            elif objective == "dhpo":
-                mix = (
-                    float(entropy[i, t].detach()) / h_max
-                    if cfg.dhpo_mix == "entropy"
-                    else cfg.dhpo_mix
-                )
-                s_lo, s_hi = 1 - cfg.eps_low, 1 + cfg.eps_high
-                unclipped = mix * r + (1 - mix) * s
-                clipped = mix * torch.clamp(r, lo, hi) + (1 - mix) * torch.clamp(s, s_lo, s_hi)
-                loss = torch.maximum(-a * unclipped, -a * clipped)
-            elif objective == "delight":
-                gate = 1 / (1 + math.exp(-a * (-float(old[i, t])) / cfg.delight_eta))
-                loss = -gate * a * x
-            else:
-                raise ValueError(objective)
-            out[i][t] = loss
+            token = _Token(
+                a=float(adv[i, t]),
+                rho=rho[i][t],
+                x=lp[i, t],
+                old=float(old[i, t]),
+                r=torch.exp(lp[i, t] - old[i, t]),
+                lo=low[i][t],
+                hi=high[i][t],
+                s=s,
+                log_w=log_w,
+                h_rel=None if entropy is None else float(entropy[i, t].detach()) / h_max,
+            )
+            out[i][t] = formula(token, cfg)
     return torch.stack([torch.stack(row) for row in out])
 
 
@@ -331,6 +395,131 @@ def attention_weight_loop(hatt, mask, cfg, batch_stats, thresholds, alpha):
     return out
 
 
+def _kept_mask_loop(old, adv, mask, h, cfg, rollout):
+    """The mask after rollout rejection and STAPO."""
+    kept = mask.clone()
+    if cfg.rollout_rs is not None:
+        kept &= rollout_rejection_keep_loop(old, rollout, mask, cfg.rollout_rs_parsed)
+    if cfg.stapo_prob_threshold is not None:
+        for i in range(kept.shape[0]):
+            for t in _valid(kept, i):
+                if (
+                    adv[i, t] > 0
+                    and math.exp(float(old[i, t])) < cfg.stapo_prob_threshold
+                    and float(h[i, t]) < cfg.stapo_entropy_threshold
+                ):
+                    kept[i, t] = False
+    return kept
+
+
+def _advantages_loop(lp, ref, adv, mask, cfg):
+    """FRPO's future-KL correction, then probability reweighting."""
+    a = adv.clone()
+    if cfg.future_kl_coef:
+        for i in range(a.shape[0]):
+            ts = _valid(mask, i)
+            for t in ts:
+                a[i, t] = a[i, t] - cfg.future_kl_coef * sum(
+                    float(lp[i, j].detach() - ref[i, j]) for j in ts if j >= t
+                )
+    if cfg.prob_reweight_alpha:
+        for i in range(a.shape[0]):
+            for t in _valid(mask, i):
+                p = math.exp(float(lp[i, t].detach()))
+                a[i, t] = (cfg.prob_reweight_alpha * p + 1 - cfg.prob_reweight_alpha) * a[i, t]
+    return a
+
+
+def _selections_loop(h, adv, mask, cfg):
+    """``(select, entropy_select)``: the tokens the policy term and the entropy bonus act on."""
+    valid = [(i, t) for i in range(mask.shape[0]) for t in _valid(mask, i)]
+    select = mask.clone()
+    if cfg.top_entropy_quantile < 1:
+        thr = quantile_loop([float(h[k]) for k in valid], 1 - cfg.top_entropy_quantile)
+        for k in valid:
+            select[k] = float(h[k]) >= thr
+    entropy_select = select.clone()
+    if cfg.adv_entropy_top_fraction < 1:
+        scores = {k: abs(float(adv[k])) * float(h[k]) for k in valid}
+        thr = quantile_loop(list(scores.values()), 1 - cfg.adv_entropy_top_fraction)
+        for k in valid:
+            select[k] = select[k] and scores[k] >= thr
+    return select, entropy_select
+
+
+def _opsm_loop(lp, sampling, adv, mask, cfg, factor):
+    """OPSM: zero the negative-advantage tokens of sequences that drifted off-policy."""
+    for i in range(mask.shape[0]):
+        ts = _valid(mask, i)
+        divs = [float(sampling[i, t] - lp[i, t].detach()) for t in ts]
+        avg = sum(0.0 if math.isnan(v) else v for v in divs) / max(len(ts), 1)
+        for t in ts:
+            if adv[i, t] < 0 and avg > cfg.opsm_threshold:
+                factor[i, t] = 0.0
+
+
+def _attention_factor_loop(attention_entropy, mask, cfg, training_progress):
+    """Attention-entropy weights with their batch statistics, quantiles and alpha schedule."""
+    valid = [(i, t) for i in range(mask.shape[0]) for t in _valid(mask, i)]
+    hv = [float(attention_entropy[k]) for k in valid]
+    n = len(hv)
+    mean = sum(hv) / n
+    stats = (mean, math.sqrt(sum((v - mean) ** 2 for v in hv) / (n - 1)))
+    q = cfg.attn_entropy_quantile
+    thresholds = (quantile_loop(hv, q), quantile_loop(hv, 1 - q))
+    alpha = cfg.attn_entropy_alpha
+    if cfg.attn_entropy_alpha_final is not None and training_progress is not None:
+        alpha += (cfg.attn_entropy_alpha_final - alpha) * training_progress
+    return attention_weight_loop(attention_entropy, mask, cfg, stats, thresholds, alpha)
+
+
+def _factor_loop(lp, old, adv, mask, cfg, rollout, token_weights, attention_entropy, progress):
+    """The per-token factor of the policy term: OPSM, attention weights, token weights."""
+    factor = torch.ones(lp.shape, dtype=lp.dtype)
+    if cfg.opsm_threshold is not None:
+        _opsm_loop(lp, rollout if rollout is not None else old, adv, mask, cfg, factor)
+    if cfg.attn_entropy_weighting is not None:
+        weights = _attention_factor_loop(attention_entropy, mask, cfg, progress)
+        factor = factor * torch.tensor(weights, dtype=lp.dtype)
+    if token_weights is not None:
+        factor = factor * token_weights
+    return factor
+
+
+def _policy_term_loop(lp, old, a, mask, select, factor, is_weight, cfg, entropy):
+    """The objective's per-token loss times the selections, factors and IS weight; and the
+    ratio (the KL bias correction reads it)."""
+    spec = get_objective(cfg.objective)
+    rho, low, high = ratio_loop(
+        cfg.ratio_level,
+        lp,
+        old,
+        a,
+        select if spec.selects_in_ratio else mask,
+        cfg.eps_low,
+        cfg.eps_high,
+        growth=cfg.prefix_bound_growth,
+        minpro_prefix=cfg.minpro_prefix,
+    )
+    folds = spec.folds_rollout_is
+    loss = token_loss_loop(
+        cfg.objective, lp, old, a, mask, rho, low, high, cfg, entropy, is_weight if folds else None
+    )
+    loss = loss * factor
+    if not spec.selects_in_ratio:
+        loss = loss * select
+    if is_weight is not None and not folds:
+        loss = loss * torch.tensor(is_weight, dtype=lp.dtype)
+    return loss, torch.stack([torch.stack(row) for row in rho])
+
+
+def _kl_term_loop(lp, ref, ratio, cfg):
+    kl = kl_loop(lp, ref, cfg.kl_estimator, clamp=cfg.kl_clamp)
+    if cfg.kl_bias_correction:
+        kl = kl * (ratio if cfg.kl_bias_correction_grad else ratio.detach())
+    return cfg.beta * kl
+
+
 def policy_loss_reference(
     lp,
     old,
@@ -351,68 +540,14 @@ def policy_loss_reference(
     the policy term; KL is added; local normalisers; the entropy bonus is subtracted."""
     B, T = lp.shape
     adv = adv.reshape(B, 1).expand(B, T) if adv.dim() == 1 else adv
-    mask = mask.bool().clone()
-    m_in = mask.clone()
+    m_in = mask.bool().clone()
     h = None if entropy is None else entropy.detach()  # selections read values only
-    if cfg.rollout_rs is not None:
-        mask &= rollout_rejection_keep_loop(old, rollout, m_in, cfg.rollout_rs_parsed)
-    if cfg.stapo_prob_threshold is not None:
-        for i in range(B):
-            for t in _valid(mask, i):
-                if (
-                    adv[i, t] > 0
-                    and math.exp(float(old[i, t])) < cfg.stapo_prob_threshold
-                    and float(h[i, t]) < cfg.stapo_entropy_threshold
-                ):
-                    mask[i, t] = False
-    valid = [(i, t) for i in range(B) for t in _valid(mask, i)]
-    a = adv.clone()
-    if cfg.future_kl_coef:
-        for i in range(B):
-            ts = _valid(mask, i)
-            for t in ts:
-                a[i, t] = a[i, t] - cfg.future_kl_coef * sum(
-                    float(lp[i, j].detach() - ref[i, j]) for j in ts if j >= t
-                )
-    if cfg.prob_reweight_alpha:
-        for i, t in valid:
-            p = math.exp(float(lp[i, t].detach()))
-            a[i, t] = (cfg.prob_reweight_alpha * p + 1 - cfg.prob_reweight_alpha) * a[i, t]
-    select = mask.clone()
-    if cfg.top_entropy_quantile < 1:
-        thr = quantile_loop([float(h[k]) for k in valid], 1 - cfg.top_entropy_quantile)
-        for k in valid:
-            select[k] = float(h[k]) >= thr
-    entropy_select = select.clone()
-    if cfg.adv_entropy_top_fraction < 1:
-        scores = {k: abs(float(adv[k])) * float(h[k]) for k in valid}
-        thr = quantile_loop(list(scores.values()), 1 - cfg.adv_entropy_top_fraction)
-        for k in valid:
-            select[k] = select[k] and scores[k] >= thr
-    factor = torch.ones(B, T, dtype=lp.dtype)
-    if cfg.opsm_threshold is not None:
-        sampling = rollout if rollout is not None else old
-        for i in range(B):
-            ts = _valid(mask, i)
-            divs = [float(sampling[i, t] - lp[i, t].detach()) for t in ts]
-            avg = sum(0.0 if math.isnan(v) else v for v in divs) / max(len(ts), 1)
-            for t in ts:
-                if adv[i, t] < 0 and avg > cfg.opsm_threshold:
-                    factor[i, t] = 0.0
-    if cfg.attn_entropy_weighting is not None:
-        hv = [float(attention_entropy[k]) for k in valid]
-        n = len(hv)
-        mean = sum(hv) / n
-        stats = (mean, math.sqrt(sum((v - mean) ** 2 for v in hv) / (n - 1)))
-        q = cfg.attn_entropy_quantile
-        thresholds = (quantile_loop(hv, q), quantile_loop(hv, 1 - q))
-        alpha = cfg.attn_entropy_alpha
-        if cfg.attn_entropy_alpha_final is not None and training_progress is not None:
-            alpha += (cfg.attn_entropy_alpha_final - alpha) * training_progress
-        weights = attention_weight_loop(attention_entropy, mask, cfg, stats, thresholds, alpha)
-        factor = factor * torch.tensor(weights, dtype=lp.dtype)
-    if token_weights is not None:
-        factor = factor * token_weights
+    mask = _kept_mask_loop(old, adv, m_in, h, cfg, rollout)
+    a = _advantages_loop(lp, ref, adv, mask, cfg)
+    select, entropy_select = _selections_loop(h, adv, mask, cfg)
+    factor = _factor_loop(
+        lp, old, adv, mask, cfg, rollout, token_weights, attention_entropy, training_progress
+    )
     is_weight = None
     if cfg.rollout_is is not None:
         is_weight = rollout_is_weight_loop(
@@ -424,33 +559,9 @@ def policy_loss_reference(
             cfg.rollout_is_min,
             cfg.rollout_is_max,
         )
-    gmpo = cfg.objective == "gmpo"
-    rho, low, high = ratio_loop(
-        cfg.ratio_level,
-        lp,
-        old,
-        a,
-        select if gmpo else mask,
-        cfg.eps_low,
-        cfg.eps_high,
-        growth=cfg.prefix_bound_growth,
-        minpro_prefix=cfg.minpro_prefix,
-    )
-    folds = cfg.objective == "vespo"
-    loss = token_loss_loop(
-        cfg.objective, lp, old, a, mask, rho, low, high, cfg, entropy, is_weight if folds else None
-    )
-    loss = loss * factor
-    if not gmpo:
-        loss = loss * select
-    if is_weight is not None and not folds:
-        loss = loss * torch.tensor(is_weight, dtype=lp.dtype)
+    loss, ratio = _policy_term_loop(lp, old, a, mask, select, factor, is_weight, cfg, entropy)
     if ref is not None and (isinstance(cfg.beta, torch.Tensor) or cfg.beta):
-        kl = kl_loop(lp, ref, cfg.kl_estimator, clamp=cfg.kl_clamp)
-        if cfg.kl_bias_correction:
-            ratio = torch.stack([torch.stack(row) for row in rho])
-            kl = kl * (ratio if cfg.kl_bias_correction_grad else ratio.detach())
-        loss = loss + cfg.beta * kl
+        loss = loss + _kl_term_loop(lp, ref, ratio, cfg)
     max_len = cfg.max_response_length or T
     total = aggregate_loop(
         loss, mask, adv, cfg.loss_agg, max_len=max_len, length_power_alpha=cfg.length_power_alpha
