@@ -408,7 +408,7 @@ def test_fp32_products_go_through_torch_matmul():
     """fp32 inputs follow torch.get_float32_matmul_precision() because every product is a
     torch GEMM: the Triton passes of this launcher hold no tl.dot (whose precision Triton
     would choose instead)."""
-    assert "tl.dot" not in (KERNELS / "linear_softmax.py").read_text()
+    assert "tl.dot(" not in (KERNELS / "linear_softmax.py").read_text()
 
 
 # Compiles both kernels for sm_90 with the constexprs and warps the launcher uses, for each
