@@ -96,7 +96,8 @@ def _forward(hidden, weight, bias, targets, want=True, **kw):
 
 FORWARD_CASES = [
     pytest.param("plain", False, 0, True, True, None, id="plain"),
-    pytest.param("T0.7-cap3-scale1.3", True, 3, True, True, ONE_CHUNK, id="bias-cap-outside-groups"),
+    pytest.param("T0.7-cap3-scale1.3", True, 3, True, True, ONE_CHUNK,
+                 id="bias-cap-outside-groups"),
     pytest.param("T1.5", True, 1, False, True, None, id="bias-T1.5-noncontigW"),
     pytest.param("T0.7-cap3-scale1.3", False, 2, True, False, None, id="cap-no_s2_sum_z"),
 ]
