@@ -35,10 +35,12 @@ def matmul_flops(plan):
 @pytest.mark.parametrize("path", gp.PATHS)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
 def test_gemm_flops_equal_closed_form(path, dtype):
-    """However the rows and vocabulary are cut, the GEMMs do 2NDV each: 1, 4 or 3 of them."""
-    plan = gp.gpu_plan(N, D, V, dtype, path, BUDGETS[path] * 2, vocab_tile=128)
+    """However the rows and vocabulary are cut, the GEMMs do 2NDV each: 1, 4 or 3 of them (the
+    head's over N padded to whole row chunks)."""
+    plan = gp.gpu_plan(N, D, V, dtype, path, BUDGETS[path] * 2, vocab_tile=128, row_chunk=64)
     assert plan.chunks > 1
-    assert matmul_flops(plan) == GEMMS[path] * 2 * N * D * V
+    rows = N if path == "fused-policy-loss" else math.ceil(N / 64) * 64
+    assert matmul_flops(plan) == GEMMS[path] * 2 * rows * D * V
     assert sum(p.flops for p in plan.gemm_floor) == GEMMS[path] * 2 * N * D * V
     assert len(plan.gemm_floor) == GEMMS[path]
     assert by_name(plan, "statistics pass").flops == gp._STATS_FLOPS * N * V
@@ -49,7 +51,7 @@ def test_head_bytes_equal_closed_form():
     weight and writes its logits; the epilogues read each logit once (the dz pass writes it
     back) and each row's state once per tile."""
     e, tiles = 2, math.ceil(V / 128)
-    plan = gp.gpu_plan(N, D, V, "bfloat16", "logprobs-fwd-bwd", vocab_tile=128)
+    plan = gp.gpu_plan(N, D, V, "bfloat16", "logprobs-fwd-bwd", vocab_tile=128, row_chunk=N)
     assert (plan.chunks, plan.chunk_rows, plan.vocab_tiles) == (1, N, tiles)
     assert by_name(plan, "logits GEMM").bytes == e * (tiles * N * D + V * D + N * V)
     state = tiles * gp._ROW_STATE_BYTES * N
@@ -75,7 +77,7 @@ def test_fused_weight_gradient_bytes_equal_closed_form():
 
 def test_launch_time_is_max_of_flops_and_bytes_plus_overhead():
     hw = gp.H200
-    plan = gp.gpu_plan(64, 32, 100, "bfloat16", "logprobs-nograd")
+    plan = gp.gpu_plan(64, 32, 100, "bfloat16", "logprobs-nograd", row_chunk=64)
     gemm = by_name(plan, "logits GEMM")
     flops, nbytes = 2 * 64 * 32 * 100, 2 * (64 * 32 + 100 * 32 + 64 * 100)
     assert (gemm.flops, gemm.bytes, gemm.launches) == (flops, nbytes, 1)
@@ -84,7 +86,8 @@ def test_launch_time_is_max_of_flops_and_bytes_plus_overhead():
     assert plan.seconds == pytest.approx(sum(p.seconds for p in plan.passes))
     assert plan.ratio == pytest.approx(plan.seconds / plan.floor_seconds)
     # fp32 inputs: the GEMMs run at the TF32 rate and move 4-byte elements
-    fp32 = by_name(gp.gpu_plan(64, 32, 100, torch.float32, "logprobs-nograd"), "logits GEMM")
+    fp32 = by_name(gp.gpu_plan(64, 32, 100, torch.float32, "logprobs-nograd", row_chunk=64),
+                   "logits GEMM")
     assert fp32.bytes == 2 * nbytes
     assert fp32.seconds == pytest.approx(
         max(flops / hw.tf32_flops, 2 * nbytes / hw.bandwidth) + hw.launch_seconds)
@@ -116,15 +119,39 @@ def chunk_bytes(plan):
        budget_rows=st.integers(1, 50_000), slack=st.integers(0, 10_000))
 def test_chunks_respect_the_budget(n, d, v, path, dtype, budget_rows, slack):
     """The largest chunk fits the budget, the chunks cover every row, and there are no more of
-    them than the budget forces (evened out: sizes differ by at most one row)."""
+    them than the budget forces (evened out: sizes differ by at most one row). Head GEMMs of
+    one row each, so that a head group can hold any number of rows."""
     e = 4 if dtype == "float32" else 2
     row = e * (v + 2 * d) if path == "fused-policy-loss" else e * min(v, gp.VOCAB_TILE)
     budget = budget_rows * row + slack % row
-    plan = gp.gpu_plan(n, d, v, dtype, path, budget)
+    plan = gp.gpu_plan(n, d, v, dtype, path, budget, row_chunk=1)
     assert chunk_bytes(plan) <= budget
     assert plan.chunks == math.ceil(n / budget_rows)
     assert plan.chunk_rows == math.ceil(n / plan.chunks)
     assert plan.extra_bytes >= chunk_bytes(plan)
+
+
+def test_head_groups_are_whole_row_chunks():
+    """The head pads N to whole 1024-row chunks, one GEMM each, and groups at least one chunk
+    (a budget below one chunk still gets one), evened out to within one chunk."""
+    n, d, v = 5000, 96, 1007
+    e, chunks = 2, math.ceil(5000 / gp.ROW_CHUNK)
+    for budget, groups in ((e * v, chunks), (e * v * gp.ROW_CHUNK * 2, 3), (2**30, 1)):
+        plan = gp.gpu_plan(n, d, v, "bfloat16", "logprobs-fwd-bwd", budget)
+        assert plan.chunks == groups
+        assert plan.chunk_rows == math.ceil(chunks / groups) * gp.ROW_CHUNK
+        assert by_name(plan, "logits GEMM").launches == chunks
+        assert by_name(plan, "statistics pass").launches == groups
+        assert by_name(plan, "d_weight[tile] = dz^T @ hidden").launches == groups
+        assert by_name(plan, "pad hidden to whole chunks").bytes == 2 * e * chunks * 1024 * d
+
+
+def test_head_tiling_is_the_cuda_launchers():
+    from logitless.kernels import linear_softmax
+
+    assert gp.VOCAB_TILE == linear_softmax.VOCAB_TILE
+    assert gp.ROW_CHUNK == linear_softmax.ROW_CHUNK
+    assert gp.HEAD_TILE_BUDGET == linear_softmax.TILE_BYTES
 
 
 def test_targets_hold_at_the_reference_shape():
@@ -161,7 +188,7 @@ def test_torch_dtype_is_accepted():
     (dict(path="logprobs"), "path"), (dict(memory_budget=0), "memory_budget"),
     (dict(memory_budget=2 * (V + 2 * D) - 1), "memory_budget"),
     (dict(path="logprobs-nograd", memory_budget=2 * 128 - 1, vocab_tile=128), "memory_budget"),
-    (dict(vocab_tile=0), "vocab_tile"),
+    (dict(vocab_tile=0), "vocab_tile"), (dict(row_chunk=0), "row_chunk"),
 ])
 def test_bad_arguments_raise_naming_them(kwargs, name):
     args = dict(n=N, d=D, v=V, dtype="bfloat16", path="fused-policy-loss") | kwargs

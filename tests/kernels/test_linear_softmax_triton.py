@@ -1,12 +1,16 @@
-"""Triton linear-softmax kernels against the fp64 reference (run under TRITON_INTERPRET=1 on CPU).
+"""The CUDA launcher of linear_logprobs (cuBLAS tiles + Triton epilogues) against the fp64
+reference, run under TRITON_INTERPRET=1 on CPU tensors with torch's CPU GEMMs.
 
-Shapes are odd on purpose (partial row, vocab and D tiles) and small, because the interpreter
-runs every program in Python.
+Tiles, row chunks and epilogue blocks are shrunk (``small_tiles``) so that odd sizes cross all
+of their boundaries: V=1007 spans four 256-column tiles (the last partial), N=37 three 16-row
+chunks (the last padded), each tile four 64-column blocks. ``tile_bytes=ONE_CHUNK`` puts every
+chunk in its own row group, so the weight gradient is summed over groups.
 """
 
 from __future__ import annotations
 
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -19,106 +23,167 @@ from logitless.reference.linear_softmax import linear_logits, linear_softmax_sta
 
 from testing import assert_close_to_oracle, requires_triton
 
-pytestmark = requires_triton
-
-N, D, V = 37, 80, 1007
+N, D, V = 37, 96, 1007
+TILE, CHUNK, BLOCK = 256, 16, 64
+ONE_CHUNK = CHUNK * TILE * 4  # bytes of one fp32 chunk tile: one chunk per row group
 STATS = ("lse", "logprobs", "entropy", "sum_p_sq", "mean_logit")
-GRADS = ("g_lp", "g_entropy", "g_sum_p_sq", "g_mean_logit")
-STAT_OF_GRAD = dict(zip(GRADS, ("logprobs", "entropy", "sum_p_sq", "mean_logit")))
-
-
-def _device():
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def _problem(n, dtype, *, bias, outside, contiguous=True, d=D, **opts):
-    """Fresh random inputs; a third of the targets are the argmax (so is_top1 is exercised),
-    ``outside`` of them are -1 (target in another vocabulary slice)."""
-    dev = _device()
-    hidden = torch.randn(n, d, device=dev).to(dtype)
-    if contiguous:
-        weight = (0.2 * torch.randn(V, d, device=dev)).to(dtype)
-    else:
-        weight = (0.2 * torch.randn(d, V, device=dev)).to(dtype).t()
-    b = torch.randn(V, device=dev).to(dtype) if bias else None
-    z = linear_logits(
-        hidden.double(), weight.double(), None if b is None else b.double(),
-        temperature=opts["temperature"], softcap_value=opts["softcap"],
-        logit_scale=opts["logit_scale"],
-    )
-    targets = torch.randint(0, V, (n,), device=dev)
-    targets[::3] = z.argmax(-1)[::3]
-    targets[1:1 + 3 * outside:3] = -1
-    return hidden, weight, b, targets
-
-
-def _reference(hidden, weight, bias, targets, dtype=torch.float64, **opts):
-    """Reference statistics in ``dtype``; rows with target -1 get ``z_y = 0`` like the kernel."""
-    out = linear_softmax_stats(
-        hidden.to(dtype), weight.to(dtype), targets.clamp(min=0),
-        None if bias is None else bias.to(dtype), **opts,
-    )
-    out["logprobs"] = torch.where(targets < 0, -out["lse"], out["logprobs"])
-    return out
-
-
-def _kernel_stats(hidden, weight, bias, targets, want=True, **opts):
-    parts = kernel.forward(hidden, weight, bias, targets, want_s2=want, want_sum_z=want, **opts)
-    return finish(parts, weight.shape[0])
-
-
+GRADS = ("g_lp", "g_entropy", "g_sum_p_sq", "g_mean_logit", "g_lse")
+STAT_OF_GRAD = dict(zip(GRADS, ("logprobs", "entropy", "sum_p_sq", "mean_logit", "lse")))
 OPTIONS = {
     "plain": dict(temperature=1.0, softcap=None, logit_scale=1.0),
     "T0.7-cap3-scale1.3": dict(temperature=0.7, softcap=3.0, logit_scale=1.3),
     "T1.5": dict(temperature=1.5, softcap=None, logit_scale=1.0),
 }
 
+
+@pytest.fixture
+def small_tiles(monkeypatch):
+    monkeypatch.setattr(kernel, "VOCAB_TILE", TILE)
+    monkeypatch.setattr(kernel, "ROW_CHUNK", CHUNK)
+    monkeypatch.setattr(kernel, "_BLOCK_V", BLOCK)
+
+
+def _device():
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _problem(n, dtype, *, bias, outside=0, contiguous=True, **opts):
+    """Fresh random inputs; a third of the targets are the argmax (is_top1 is exercised);
+    ``outside`` rows have a target before this vocabulary slice (negative) and ``outside``
+    after it (>= V)."""
+    dev = _device()
+    hidden = torch.randn(n, D, device=dev).to(dtype)
+    if contiguous:
+        weight = (0.2 * torch.randn(V, D, device=dev)).to(dtype)
+    else:
+        weight = (0.2 * torch.randn(D, V, device=dev)).to(dtype).t()
+    b = torch.randn(V, device=dev).to(dtype) if bias else None
+    z = _logits64(hidden, weight, b, **opts)
+    targets = torch.randint(0, V, (n,), device=dev)
+    targets[::3] = z.argmax(-1)[::3]
+    targets[1:1 + 3 * outside:3] = -1 - torch.arange(outside)
+    targets[2:2 + 3 * outside:3] = V + torch.arange(outside)
+    return hidden, weight, b, targets
+
+
+def _logits64(hidden, weight, bias, **opts):
+    return linear_logits(hidden.double(), weight.double(),
+                         None if bias is None else bias.double(),
+                         temperature=opts["temperature"], softcap_value=opts["softcap"],
+                         logit_scale=opts["logit_scale"])
+
+
+def _reference(hidden, weight, bias, targets, dtype=torch.float64, **opts):
+    """Reference statistics in ``dtype``; targets outside the slice get ``z_y = 0``."""
+    inside = (targets >= 0) & (targets < V)
+    out = linear_softmax_stats(
+        hidden.to(dtype), weight.to(dtype), targets.clamp(0, V - 1),
+        None if bias is None else bias.to(dtype), **opts,
+    )
+    out["logprobs"] = torch.where(inside, out["logprobs"], -out["lse"])
+    return out
+
+
+def _max_before(z, targets):
+    """fp64 max of each row's logits strictly before its target (-inf if none)."""
+    cols = torch.arange(z.shape[1], device=z.device)
+    return torch.where(cols < targets[:, None], z, float("-inf")).amax(1)
+
+
+def _forward(hidden, weight, bias, targets, want=True, **kw):
+    return kernel.forward(hidden, weight, bias, targets, want_s2=want, want_sum_z=want, **kw)
+
+
 FORWARD_CASES = [
-    pytest.param(N, D, "plain", False, 0, True, True, id="N37-plain"),
-    pytest.param(N, D, "T0.7-cap3-scale1.3", True, 4, True, True,
-                 id="N37-bias-T0.7-cap3-scale1.3"),
-    pytest.param(5, 64, "T1.5", True, 1, False, True, id="N5-D64-bias-T1.5-noncontigW"),
-    pytest.param(N, D, "T0.7-cap3-scale1.3", False, 2, True, False, id="N37-cap-no_s2_sum_z"),
+    pytest.param("plain", False, 0, True, True, None, id="plain"),
+    pytest.param("T0.7-cap3-scale1.3", True, 3, True, True, ONE_CHUNK,
+                 id="bias-cap-outside-groups"),
+    pytest.param("T1.5", True, 1, False, True, None, id="bias-T1.5-noncontigW"),
+    pytest.param("T0.7-cap3-scale1.3", False, 2, True, False, None, id="cap-no_s2_sum_z"),
 ]
 
 
-@pytest.mark.parametrize(("n", "d", "option", "bias", "outside", "contiguous", "want"),
+@requires_triton
+@pytest.mark.parametrize(("option", "bias", "outside", "contiguous", "want", "tile_bytes"),
                          FORWARD_CASES)
-def test_forward_fp32_matches_reference(n, d, option, bias, outside, contiguous, want,
-                                       monkeypatch):
-    # Allow one-tile splits, so that a GPU run splits this small vocabulary too.
-    monkeypatch.setattr(kernel, "_MIN_TILES_PER_SPLIT", 1)
+def test_forward_fp32_matches_reference(small_tiles, option, bias, outside, contiguous, want,
+                                        tile_bytes):
     opts = OPTIONS[option]
-    hidden, weight, b, targets = _problem(
-        n, torch.float32, bias=bias, outside=outside, contiguous=contiguous, d=d, **opts
-    )
-    # The vocabulary must really be split across programs, and the last split is partial.
-    splits, per_split = kernel._vocab_splits(n, V, hidden.device)
-    assert splits > 1 and V % per_split != 0
-
-    got = _kernel_stats(hidden, weight, b, targets, want=want, **opts)
+    hidden, weight, b, targets = _problem(N, torch.float32, bias=bias, outside=outside,
+                                          contiguous=contiguous, **opts)
+    parts = _forward(hidden, weight, b, targets, want, tile_bytes=tile_bytes, **opts)
+    assert len(parts) == 7 and all(f.dtype == torch.float32 and f.shape == (N,) for f in parts)
+    got = finish(parts, V)
     ref = _reference(hidden, weight, b, targets, **opts)
     for name in STATS if want else ("lse", "logprobs", "entropy"):
         torch.testing.assert_close(got[name].double(), ref[name], rtol=1e-5, atol=1e-5,
                                    msg=lambda m, name=name: f"{name}: {m}")
-    inside = targets >= 0
-    assert torch.equal(got["is_top1"][inside], ref["is_top1"][inside])
-    assert ref["is_top1"].any()
-    # A target outside this slice contributes exactly nothing: z_y = 0.
-    assert torch.equal(got["logprobs"][~inside], -got["lse"][~inside])
+    z = _logits64(hidden, weight, b, **opts)
+    torch.testing.assert_close(parts.m.double(), z.amax(1), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(parts.m_before.double(), _max_before(z, targets),
+                               rtol=1e-6, atol=1e-6)
+    inside = (targets >= 0) & (targets < V)
+    assert torch.equal(got["is_top1"], inside & (z.argmax(1) == targets))
+    assert got["is_top1"].any()
+    # A target outside this slice contributes exactly nothing to z_y.
+    assert torch.equal(parts.z_y[~inside], torch.zeros_like(parts.z_y[~inside]))
+    if outside:
+        assert (parts.m_before[targets < 0] == float("-inf")).all()
+        assert torch.equal(parts.m_before[targets >= V], parts.m[targets >= V])
 
 
+def _rounded_logits_reference(hidden, weight, bias, targets, **opts):
+    """fp64 statistics of the logits tile the launcher makes: ``h @ W^T + b`` by the same
+    torch GEMM in the inputs' dtype (so rounded to it), then everything else in fp64."""
+    x = torch.mm(hidden, weight.t()) if bias is None else torch.addmm(bias, hidden, weight.t())
+    eye = torch.eye(V, dtype=torch.float64, device=x.device)
+    return _reference(x.double(), eye, None, targets, **opts)
+
+
+@requires_triton
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_forward_low_precision_three_way(dtype):
+def test_forward_low_precision_three_way(small_tiles, dtype):
+    """The tile is rounded to the inputs' dtype, as torch's own GEMM rounds it; everything after
+    is fp32: within fp32 rounding of the fp64 statistics of that tile, and within the three-way
+    bound of the oracle, the tolerance being what the tile's rounding alone moves each
+    statistic by."""
     opts = OPTIONS["T0.7-cap3-scale1.3"]
     hidden, weight, b, targets = _problem(N, dtype, bias=True, outside=2, **opts)
-    got = _kernel_stats(hidden, weight, b, targets, **opts)
+    got = finish(_forward(hidden, weight, b, targets, tile_bytes=ONE_CHUNK, **opts), V)
     oracle = _reference(hidden, weight, b, targets, **opts)
     same_dtype = _reference(hidden, weight, b, targets, dtype=dtype, **opts)
+    tile = _rounded_logits_reference(hidden, weight, b, targets, **opts)
     for name in STATS:
-        assert_close_to_oracle(got[name], oracle[name], same_dtype[name], tol=2e-5, name=name)
-    inside = targets >= 0
-    assert torch.equal(got["is_top1"][inside], oracle["is_top1"][inside])
+        torch.testing.assert_close(got[name].double(), tile[name], rtol=1e-5, atol=2e-5,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+        assert_close_to_oracle(got[name], oracle[name], same_dtype[name],
+                               tol=(tile[name] - oracle[name]).abs() + 2e-5, name=name)
+        assert _rms(got[name] - oracle[name]) <= _rms(same_dtype[name] - oracle[name]), name
+
+
+@requires_triton
+def test_is_top1_takes_the_first_of_tied_maxima(small_tiles):
+    """Two vocabulary rows with equal weights tie for the maximum: the lower index is the top-1
+    (argmax's rule), the higher is not; pairs in different tiles and in one tile."""
+    dev = _device()
+    u = torch.nn.functional.normalize(torch.randn(2, D, device=dev), dim=1)
+    hidden = 3.0 * u.repeat_interleave(torch.tensor([19, N - 19], device=dev), 0)
+    hidden += 0.05 * torch.randn(N, D, device=dev)
+    weight = 0.1 * torch.randn(V, D, device=dev)
+    pairs = [(10, 700), (300, 301)]  # across tiles 0 and 2; inside tile 1
+    for k, (lo, hi) in enumerate(pairs):
+        weight[lo] = weight[hi] = 4.0 * u[k]
+    which = (torch.arange(N, device=dev) >= 19).long()
+    lo = torch.tensor([p[0] for p in pairs], device=dev)[which]
+    hi = torch.tensor([p[1] for p in pairs], device=dev)[which]
+    targets = torch.where(torch.arange(N, device=dev) % 2 == 0, lo, hi)
+    z = hidden @ weight.t()
+    assert torch.equal(z.gather(1, lo[:, None]), z.gather(1, hi[:, None]))
+    assert torch.equal(z.argmax(1), lo)
+    parts = _forward(hidden, weight, None, targets, **OPTIONS["plain"])
+    top1 = finish(parts, V)["is_top1"]
+    assert torch.equal(top1, targets == lo)
+    assert top1.any() and not top1.all()
 
 
 def _upstream(n, names):
@@ -139,58 +204,62 @@ def _reference_grads(hidden, weight, bias, targets, upstream, dtype=torch.float6
     return grads + [None] * (3 - len(grads))
 
 
-def _kernel_grads(hidden, weight, bias, targets, upstream, need, **opts):
+def _kernel_grads(hidden, weight, bias, targets, upstream, need, tile_bytes=None, **opts):
     # The statistics the backward consumes come from the fp64 reference rounded to fp32, so
-    # the backward is tested on its own (and the interpreter runs one kernel, not two).
+    # the backward is tested on its own.
     stats = {k: v.float() for k, v in _reference(hidden, weight, bias, targets, **opts).items()}
+    g = dict(upstream)
     return kernel.backward(
         hidden, weight, bias, targets, stats["lse"],
-        stats["entropy"] if upstream["g_entropy"] is not None else None,
-        stats["sum_p_sq"] if upstream["g_sum_p_sq"] is not None else None,
-        *upstream.values(), vocab_total=weight.shape[0],
-        need_hidden=need[0], need_weight=need[1], need_bias=need[2], **opts,
+        stats["entropy"] if g["g_entropy"] is not None else None,
+        stats["sum_p_sq"] if g["g_sum_p_sq"] is not None else None,
+        g["g_lp"], g["g_entropy"], g["g_sum_p_sq"], g["g_mean_logit"], g_lse=g["g_lse"],
+        vocab_total=weight.shape[0], need_hidden=need[0], need_weight=need[1],
+        need_bias=need[2], tile_bytes=tile_bytes, **opts,
     )
 
 
 BACKWARD_CASES = [
-    pytest.param(N, D, "plain", False, 0, True, ("g_lp",), id="N37-plain-lp"),
-    pytest.param(N, D, "T0.7-cap3-scale1.3", True, 3, True, GRADS,
-                 id="N37-bias-cap-all_grads"),
-    pytest.param(N, D, "T0.7-cap3-scale1.3", True, 0, False, ("g_entropy",),
-                 id="N37-bias-cap-entropy-noncontigW"),
-    pytest.param(5, 64, "T1.5", True, 1, True, ("g_lp", "g_sum_p_sq", "g_mean_logit"),
-                 id="N5-D64-bias-T1.5-lp_sq_mean"),
+    pytest.param("plain", False, 0, True, ("g_lp",), None, id="plain-lp"),
+    pytest.param("T0.7-cap3-scale1.3", True, 3, True, GRADS, ONE_CHUNK,
+                 id="bias-cap-all_grads-groups"),
+    pytest.param("T0.7-cap3-scale1.3", True, 0, False, ("g_entropy",), None,
+                 id="bias-cap-entropy-noncontigW"),
+    pytest.param("T1.5", True, 1, True, ("g_lp", "g_sum_p_sq", "g_mean_logit"), None,
+                 id="bias-T1.5-lp_sq_mean"),
+    pytest.param("plain", False, 0, True, ("g_lse",), ONE_CHUNK, id="plain-lse-groups"),
 ]
 
 
-@pytest.mark.parametrize(("n", "d", "option", "bias", "outside", "contiguous", "grads"),
+@requires_triton
+@pytest.mark.parametrize(("option", "bias", "outside", "contiguous", "grads", "tile_bytes"),
                          BACKWARD_CASES)
-def test_backward_fp32_matches_reference(n, d, option, bias, outside, contiguous, grads):
+def test_backward_fp32_matches_reference(small_tiles, option, bias, outside, contiguous, grads,
+                                         tile_bytes):
     opts = OPTIONS[option]
-    hidden, weight, b, targets = _problem(
-        n, torch.float32, bias=bias, outside=outside, contiguous=contiguous, d=d, **opts
-    )
-    upstream = _upstream(n, grads)
-    need = (True, True, bias)
-    got = _kernel_grads(hidden, weight, b, targets, upstream, need, **opts)
+    hidden, weight, b, targets = _problem(N, torch.float32, bias=bias, outside=outside,
+                                          contiguous=contiguous, **opts)
+    upstream = _upstream(N, grads)
+    got = _kernel_grads(hidden, weight, b, targets, upstream, (True, True, bias),
+                        tile_bytes=tile_bytes, **opts)
     ref = _reference_grads(hidden, weight, b, targets, upstream, **opts)
     for name, g, r in zip(("d_hidden", "d_weight", "d_bias"), got, ref):
         if r is None:
             assert g is None, name
             continue
-        assert g.dtype == torch.float32, name
+        assert g.dtype == torch.float32 and g.shape == r.shape, name
         torch.testing.assert_close(g.double(), r, rtol=1e-5, atol=1e-5,
                                    msg=lambda m, name=name: f"{name}: {m}")
 
 
-def test_backward_only_requested_grads():
+@requires_triton
+def test_backward_only_requested_grads(small_tiles):
     opts = OPTIONS["T1.5"]
-    hidden, weight, b, targets = _problem(5, torch.float32, bias=True, outside=0, **opts)
-    upstream = _upstream(5, ("g_lp", "g_entropy"))
+    hidden, weight, b, targets = _problem(N, torch.float32, bias=True, **opts)
+    upstream = _upstream(N, ("g_lp", "g_entropy"))
     ref = _reference_grads(hidden, weight, b, targets, upstream, **opts)
-    d_hidden, d_weight, d_bias = _kernel_grads(
-        hidden, weight, b, targets, upstream, (False, True, False), **opts
-    )
+    d_hidden, d_weight, d_bias = _kernel_grads(hidden, weight, b, targets, upstream,
+                                               (False, True, False), **opts)
     assert d_hidden is None and d_bias is None
     torch.testing.assert_close(d_weight.double(), ref[1], rtol=1e-5, atol=1e-5)
 
@@ -209,33 +278,89 @@ def _rms(x):
     return float(x.double().pow(2).mean().sqrt())
 
 
-def test_backward_bf16_three_way():
+@requires_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("tile_bytes", [None, ONE_CHUNK], ids=["one_group", "groups"])
+def test_backward_low_precision_three_way(small_tiles, dtype, tile_bytes):
     opts = OPTIONS["T0.7-cap3-scale1.3"]
-    hidden, weight, b, targets = _problem(N, torch.bfloat16, bias=True, outside=2, **opts)
+    hidden, weight, b, targets = _problem(N, dtype, bias=True, outside=2, **opts)
     upstream = _upstream(N, GRADS)
-    got = _kernel_grads(hidden, weight, b, targets, upstream, (True, True, True), **opts)
+    got = _kernel_grads(hidden, weight, b, targets, upstream, (True, True, True),
+                        tile_bytes=tile_bytes, **opts)
+    assert got[1].dtype == dtype  # d_weight: written by the GEMMs in the inputs' dtype
     oracle = _reference_grads(hidden, weight, b, targets, upstream, **opts)
-    same_dtype = _reference_grads(hidden, weight, b, targets, upstream, dtype=torch.bfloat16,
-                                  **opts)
-    # Like torch's bf16 autograd, the kernel rounds dx to bf16 once, for the tensor-core GEMMs.
-    # That rounding bounds its error elementwise by u |dx| @ |W| (and u |dx|^T @ |hidden|);
-    # d_bias sums the fp32 dx.
+    same_dtype = _reference_grads(hidden, weight, b, targets, upstream, dtype=dtype, **opts)
+    # Like torch's autograd in this dtype, the kernel rounds dx to it once, for the GEMMs,
+    # which bounds its error elementwise by u |dx| @ |W| (and u |dx|^T @ |hidden|, u sum |dx|).
     dx = _oracle_logit_grad(hidden, weight, b, targets, upstream, **opts).abs()
-    u = 2.0**-8
-    tols = (u * dx @ weight.double().abs(), u * dx.t() @ hidden.double().abs(), 1e-5)
+    u = torch.finfo(dtype).eps
+    tols = (u * dx @ weight.double().abs(), u * dx.t() @ hidden.double().abs(), u * dx.sum(0))
     for name, g, o, s, tol in zip(("d_hidden", "d_weight", "d_bias"), got, oracle, same_dtype,
                                   tols):
         assert_close_to_oracle(g, o, s, tol=tol, name=name)
         assert _rms(g - o) <= _rms(s - o), name
 
 
+def _run(hidden, weight, bias, targets, upstream, tile_bytes=None):
+    opts = OPTIONS["T0.7-cap3-scale1.3"]
+    parts = _forward(hidden, weight, bias, targets, tile_bytes=tile_bytes, **opts)
+    stats = finish(parts, V)
+    grads = kernel.backward(
+        hidden, weight, bias, targets, stats["lse"], stats["entropy"], stats["sum_p_sq"],
+        *(upstream[k] for k in GRADS[:4]), g_lse=upstream["g_lse"], vocab_total=V,
+        need_hidden=True, need_weight=True, need_bias=bias is not None, tile_bytes=tile_bytes,
+        **opts)
+    return parts, grads
+
+
+@requires_triton
+def test_runs_are_bitwise_identical(small_tiles):
+    hidden, weight, b, targets = _problem(N, torch.bfloat16, bias=True, outside=1,
+                                          **OPTIONS["T0.7-cap3-scale1.3"])
+    upstream = _upstream(N, GRADS)
+    first = _run(hidden, weight, b, targets, upstream, ONE_CHUNK)
+    second = _run(hidden, weight, b, targets, upstream, ONE_CHUNK)
+    for a, c in zip((*first[0], *first[1]), (*second[0], *second[1])):
+        assert torch.equal(a, c)
+
+
+@requires_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_are_batch_invariant(small_tiles, dtype):
+    """A row's statistics and hidden-gradient row are the same bits whichever rows share its
+    batch (37 rows, 20 of them, at another offset in a batch of 50 with other rows) and
+    however the rows are grouped (tile_bytes)."""
+    hidden, weight, b, targets = _problem(N, dtype, bias=True, outside=1,
+                                          **OPTIONS["T0.7-cap3-scale1.3"])
+    upstream = _upstream(N, GRADS)
+    full = _run(hidden, weight, b, targets, upstream)
+    rows = slice(5, 25)
+    other_h, _, _, other_t = _problem(30, dtype, bias=False, **OPTIONS["plain"])
+    mixed = (torch.cat([other_h[:7], hidden[rows], other_h[7:]]),
+             torch.cat([other_t[:7], targets[rows], other_t[7:]]))
+    place = slice(7, 27)
+    other_up = {k: torch.randn(30) for k in GRADS}
+    batches = [
+        (hidden[rows], targets[rows], {k: g[rows] for k, g in upstream.items()}, slice(None),
+         None),
+        (*mixed, {k: torch.cat([other_up[k][:7], g[rows], other_up[k][7:]])
+                  for k, g in upstream.items()}, place, None),
+        (hidden, targets, upstream, rows, ONE_CHUNK),
+    ]
+    for h, t, up, at, tile_bytes in batches:
+        parts, grads = _run(h, weight, b, t, up, tile_bytes)
+        for name, a, c in zip(parts._fields, full[0], parts):
+            assert torch.equal(a[rows], c[at]), name
+        assert torch.equal(full[1][0][rows], grads[0][at]), "d_hidden"
+
+
+@requires_triton
 def test_empty_batch():
     hidden = torch.randn(0, D, device=_device())
     weight = torch.randn(V, D, device=_device())
     targets = torch.zeros(0, dtype=torch.int64, device=_device())
-    parts = kernel.forward(hidden, weight, None, targets, want_s2=True, want_sum_z=True,
-                           **OPTIONS["plain"])
-    assert all(field.shape == (0,) for field in parts)
+    parts = _forward(hidden, weight, None, targets, **OPTIONS["plain"])
+    assert len(parts) == 7 and all(field.shape == (0,) for field in parts)
     d_hidden, d_weight, _ = kernel.backward(
         hidden, weight, None, targets, parts.l, None, None, parts.l, None, None, None,
         vocab_total=V, need_hidden=True, need_weight=True, need_bias=False, **OPTIONS["plain"],
@@ -243,50 +368,86 @@ def test_empty_batch():
     assert d_hidden.shape == (0, D) and torch.equal(d_weight, torch.zeros_like(d_weight))
 
 
-# Compiles both kernels for sm_90 with the largest GPU tiles and every feature flag on: the
-# interpreter accepts programs the GPU compiler rejects (types, layouts, int64 loops), and CI
-# has no GPU. Runs in a subprocess because TRITON_INTERPRET=1 replaces the JIT.
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(hidden=torch.randn(2, 3, D)), "^hidden must be"),
+    (dict(hidden=torch.randn(4, D, dtype=torch.float64)), "^hidden must be"),
+    (dict(weight=torch.randn(V, D + 1)), "^weight must be"),
+    (dict(bias=torch.randn(V - 1)), "^bias must be"),
+    (dict(targets=torch.zeros(4, dtype=torch.int32)), "^targets must be"),
+])
+def test_bad_inputs_raise(kwargs, match):
+    args = dict(hidden=torch.randn(4, D), weight=torch.randn(V, D), bias=None,
+                targets=torch.zeros(4, dtype=torch.int64)) | kwargs
+    with pytest.raises(ValueError, match=match):
+        kernel.forward(**args, want_s2=False, want_sum_z=False, **OPTIONS["plain"])
+
+
+def test_accumulating_gemm_never_rounds_the_product():
+    """bf16 products summed across tiles accumulate in fp32: the result is the fp32 product of
+    the (exact) fp32 copies, not a product rounded to bf16 first."""
+    a = torch.randn(32, 300).bfloat16()
+    b = torch.randn(300, 24).bfloat16()
+    acc = torch.full((32, 24), float("nan"))
+    kernel._addmm_fp32_(acc, a, b, beta=0.0)
+    exact = a.double() @ b.double()
+    assert (acc.double() - exact).abs().max() < 1e-4 * exact.abs().max()
+    assert not torch.equal(acc, (a @ b).float())
+    kernel._addmm_fp32_(acc, a, b, beta=1.0)
+    torch.testing.assert_close(acc.double(), 2 * exact, rtol=1e-5, atol=1e-4)
+
+
+KERNELS = pathlib.Path(kernel.__file__).parent
+
+
+def test_no_atomics_in_kernels():
+    """Every accumulation happens in a fixed order: no Triton atomics in any kernel file."""
+    for path in sorted(KERNELS.glob("*.py")):
+        assert "tl.atomic" not in path.read_text(), path.name
+
+
+def test_fp32_products_go_through_torch_matmul():
+    """fp32 inputs follow torch.get_float32_matmul_precision() because every product is a
+    torch GEMM: the Triton passes of this launcher hold no tl.dot (whose precision Triton
+    would choose instead)."""
+    assert "tl.dot(" not in (KERNELS / "linear_softmax.py").read_text()
+
+
+# Compiles both kernels for sm_90 with the constexprs and warps the launcher uses, for each
+# dtype, every feature flag on and off. A subprocess: TRITON_INTERPRET=1 replaces the JIT.
 _COMPILE_SCRIPT = """
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+import sys
+sys.path.insert(0, {tests!r})
+import torch
+from sm90 import compile_sm90
 from logitless.kernels import linear_softmax as k
 
-def jit_fn(kernel):
-    while not isinstance(kernel, triton.runtime.jit.JITFunction):
-        kernel = kernel.fn
-    return kernel
+def split(meta):
+    meta = dict(meta)
+    return meta.pop("num_warps"), meta
 
-def compile_for_sm90(kernel, tile, types, flags):
-    fn = jit_fn(kernel)
-    block_n, block_v, block_d, warps, stages = tile
-    consts = dict(flags, BLOCK_N=block_n, BLOCK_V=block_v, BLOCK_D=block_d, EVEN_D=True,
-                  HAS_BIAS=True, HAS_SOFTCAP=True, INTERPRET_BF16=False, stride_hd=1, stride_wd=1)
-    signature = {a: "constexpr" if a in consts else types.get(a, "i32") for a in fn.arg_names}
-    src = ASTSource(fn=fn, signature=signature, constexprs=consts)
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": warps, "num_stages": stages})
-    assert compiled.asm["cubin"], fn.__name__
-
-largest = lambda tiles: max(tiles, key=lambda t: t[0] * t[1])
-inputs = {"hidden": "*bf16", "weight": "*bf16", "bias": "*bf16", "targets": "*i64",
-          "softcap": "fp32", "z_scale": "fp32"}
-compile_for_sm90(k._forward_kernel, largest(k._FORWARD_TILES), {**inputs, "out": "*fp32"},
-                 dict(WANT_S2=True, WANT_SUM_Z=True))
-per_row = ("lse", "entropy", "sum_p_sq", "g_lp", "g_entropy", "g_sum_p_sq", "g_mean_logit",
-           "d_hidden", "d_weight", "d_bias")
-compile_for_sm90(
-    k._backward_kernel, largest(k._BACKWARD_TILES),
-    {**inputs, **dict.fromkeys(per_row, "*fp32"), "inv_vocab_total": "fp32"},
-    dict(GROUP_N=k._GROUP_N, HAS_G_LP=True, HAS_G_ENTROPY=True, HAS_G_SUM_P_SQ=True,
-         HAS_G_MEAN=True, NEED_HIDDEN=True, NEED_WEIGHT=True, NEED_BIAS=True),
-)
+for dtype, ty in (("bfloat16", "bf16"), ("float16", "fp16"), ("float32", "fp32")):
+    dt = getattr(torch, dtype)
+    for on in (True, False):
+        warps, consts = split(k.stats_meta(dt, 3.0 if on else None, on, on))
+        sig = dict(logits="*" + ty, stride_row="i32", targets="*i64", state="*fp32",
+                   plane="i32", width="i32", v0="i32", softcap="fp32", z_scale="fp32")
+        assert compile_sm90(k._tile_stats_kernel, sig, consts, num_warps=warps).asm["cubin"]
+        g = torch.zeros(1) if on else None
+        warps, consts = split(k.grad_meta(dt, 3.0 if on else None, g, g, g, g, g))
+        sig = dict(logits="*" + ty, stride_row="i32", targets="*i64",
+                   **dict.fromkeys(("lse", "entropy", "sum_p_sq", "g_lp", "g_entropy",
+                                    "g_sum_p_sq", "g_mean_logit", "g_lse"), "*fp32"),
+                   n_rows="i32", width="i32", v0="i32", softcap="fp32", z_scale="fp32",
+                   inv_vocab_total="fp32")
+        assert compile_sm90(k._tile_grad_kernel, sig, consts, num_warps=warps).asm["cubin"]
 """
 
 
+@pytest.mark.compile_sm90
 def test_kernels_compile_for_sm90():
     pytest.importorskip("triton.backends.nvidia")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], env=env,
-                          capture_output=True, text=True, timeout=600)
+    script = _COMPILE_SCRIPT.format(tests=str(pathlib.Path(__file__).parents[1]))
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]

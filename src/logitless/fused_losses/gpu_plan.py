@@ -21,12 +21,15 @@ The model, stated once:
 
 Paths:
 
-- ``"logprobs-nograd"``: per vocabulary tile and row chunk, a GEMM writes the logits tile in the
-  input dtype and one Triton pass folds it into the per-row statistics (a fixed merge order).
-- ``"logprobs-fwd-bwd"``: that forward, then vocabulary-outer: per tile the GEMM again, one pass
-  turning the tile into ``dz`` in place, ``d_hidden += dz @ W_tile`` into an fp32 ``[N, D]``
-  accumulator, ``d_weight[tile] = dz^T @ hidden`` written once (an fp32 tile accumulator only
-  when there are several row chunks).
+- ``"logprobs-nograd"``: hidden padded to whole ``ROW_CHUNK``-row chunks, the chunks grouped
+  within the tile budget; per vocabulary tile and row group, one GEMM per chunk writes the
+  group's logits tile in the input dtype and one Triton pass folds it into the per-row
+  statistics (a fixed merge order).
+- ``"logprobs-fwd-bwd"``: that forward, then vocabulary-outer: per tile and group the chunks'
+  GEMMs again, one pass turning the tile into ``dz`` in place, per chunk
+  ``d_hidden += dz @ W_tile`` into an fp32 ``[N, D]`` accumulator, and ``d_weight[tile] =
+  dz^T @ hidden`` written once (summed in an fp32 tile accumulator when there are several
+  row groups).
 - ``"fused-policy-loss"``: sequence-aligned chunks of rows, each chunk's ``[rows, V]`` logits
   stored once in the input dtype; a statistics pass, the objective on ``(lp, H)``, a pass turning
   the stored logits into ``dz`` in place, ``dz @ W`` for the chunk's hidden gradient and
@@ -34,7 +37,8 @@ Paths:
 
 The bias and the logit transform (temperature, soft-cap) are not counted: O(V) bytes and a few
 FLOPs per logit inside passes that are bound by their bytes. :data:`VOCAB_TILE` and
-:data:`HEAD_TILE_BUDGET` describe the CUDA launcher's tiling and must follow it.
+:data:`HEAD_TILE_BUDGET` and :data:`ROW_CHUNK` describe the CUDA launcher's tiling
+(``kernels/linear_softmax.py``) and must follow it.
 ``scripts/gpu_cost_table.py`` prints the tables that ``docs/gpu.md`` holds.
 """
 
@@ -49,6 +53,7 @@ __all__ = [
     "HEAD_TILE_BUDGET",
     "PATHS",
     "REFERENCE_SHAPE",
+    "ROW_CHUNK",
     "VOCAB_TILE",
     "GpuPlan",
     "Hardware",
@@ -64,9 +69,14 @@ PATHS = ("logprobs-nograd", "logprobs-fwd-bwd", "fused-policy-loss")
 # The shape of the issue's targets: a 16k-token batch, Qwen-sized hidden and vocabulary.
 REFERENCE_SHAPE = (16384, 4096, 151936)
 # Vocabulary columns per head tile: fixed, so tile boundaries never depend on N (batch
-# invariance), and wide enough that a tile's GEMM at a few thousand rows fills the chip.
-VOCAB_TILE = 4096
-# Bytes of the head's logits tile: at V-tiles of 4096 bf16 columns, 32768 rows per chunk.
+# invariance), and wide enough that a tile's 1024-row GEMM fills the chip (8 x 32 output tiles
+# of 128 x 256).
+VOCAB_TILE = 8192
+# Rows of every head GEMM: hidden is padded to whole chunks, so a row's GEMMs have one shape
+# whatever N is (cuBLAS chooses its kernel, and its order of sums, from the shape).
+ROW_CHUNK = 1024
+# Bytes of the head's logits tile (a row group of whole chunks): at V-tiles of 8192 bf16
+# columns, 16384 rows per group.
 HEAD_TILE_BUDGET = 256 * 2**20
 # The default memory budget of ``fused_policy_loss`` on CUDA, in bytes: the smallest power of
 # two at which the model puts the fused loss within the issue's 1.15x of its three GEMMs at the
@@ -225,7 +235,7 @@ def _dtype_name(dtype) -> str:
 
 def gpu_plan(n: int, d: int, v: int, dtype="bfloat16", path: str = "fused-policy-loss",
              memory_budget: int | None = None, *, vocab_tile: int = VOCAB_TILE,
-             hardware: Hardware = H200) -> GpuPlan:
+             row_chunk: int = ROW_CHUNK, hardware: Hardware = H200) -> GpuPlan:
     """The plan and predicted cost of one GPU path for ``hidden [n, d]``, ``weight [v, d]``.
 
     Args:
@@ -239,6 +249,8 @@ def gpu_plan(n: int, d: int, v: int, dtype="bfloat16", path: str = "fused-policy
             must hold at least one row.
         vocab_tile: vocabulary columns per head tile (positive int; the fused loss stores the
             whole vocabulary and ignores it).
+        row_chunk: rows of each head GEMM (positive int; rows are padded to whole chunks and
+            a head tile holds at least one chunk; the fused loss ignores it).
         hardware: the rates the time is predicted at.
 
     Returns:
@@ -250,13 +262,15 @@ def gpu_plan(n: int, d: int, v: int, dtype="bfloat16", path: str = "fused-policy
     if path not in PATHS:
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
     vocab_tile = _positive_int("vocab_tile", vocab_tile)
+    row_chunk = _positive_int("row_chunk", row_chunk)
     if memory_budget is None:
         memory_budget = CUDA_MEMORY_BUDGET if path == "fused-policy-loss" else HEAD_TILE_BUDGET
     memory_budget = _positive_int("memory_budget", memory_budget)
     e = _ELEMENT_BYTES[dtype]
     rate = hardware.tf32_flops if dtype == "float32" else hardware.matmul_flops
     build = _fused_plan if path == "fused-policy-loss" else _head_plan
-    fields = build(n, d, v, e, path, memory_budget, min(vocab_tile, v), _Passes(hardware, rate))
+    fields = build(n, d, v, e, path, memory_budget, min(vocab_tile, v), _Passes(hardware, rate),
+                   row_chunk)
     floor = _Passes(hardware, rate)
     for name in _FLOOR_GEMMS[path]:
         floor.add(name, "matmul", 2 * n * d * v, e * (n * d + v * d + n * v))
@@ -279,46 +293,61 @@ def _rows_within(budget: int, row_bytes: int, what: str) -> int:
     return rows
 
 
-def _head_plan(n, d, v, e, path, budget, tile, passes: _Passes) -> dict:
-    """linear_logprobs: vocabulary tiles of ``tile`` columns, row chunks within ``budget``."""
-    chunks = math.ceil(n / _rows_within(budget, tile * e, f"a {tile}-column logits tile"))
-    row_groups, tiles = _even_split(n, chunks), _tiles(v, tile)
+def _head_plan(n, d, v, e, path, budget, tile, passes: _Passes, row_chunk) -> dict:
+    """linear_logprobs: vocabulary tiles of ``tile`` columns; rows padded to whole chunks of
+    ``row_chunk`` (one GEMM each), chunks grouped within ``budget`` (at least one a group)."""
+    _rows_within(budget, tile * e, f"a {tile}-column logits tile")
+    n_chunks = math.ceil(n / row_chunk)
+    n_pad = n_chunks * row_chunk
+    per_group = max(1, budget // (tile * e * row_chunk))
+    groups = math.ceil(n_chunks / per_group)
+    group_chunks, tiles = _even_split(n_chunks, groups), _tiles(v, tile)
     backward = path == "logprobs-fwd-bwd"
     # bf16/fp16 gradients accumulate in fp32 buffers; fp32 ones accumulate in place.
     fp32_acc = e < 4
-    for r, rc in row_groups:
-        for w, tc in tiles:
-            k = rc * tc
-            passes.add("logits GEMM", "matmul", 2 * r * d * w, e * (r * d + w * d + r * w), k)
-            passes.add("statistics pass", "vector", _STATS_FLOPS * r * w,
-                       e * r * w + 2 * _ROW_STATE_BYTES * r, k)
-            if not backward:
-                continue
-            passes.add("logits GEMM again", "matmul", 2 * r * d * w,
-                       e * (r * d + w * d + r * w), k)
-            passes.add("dz pass (in place)", "vector", _DZ_FLOPS * r * w,
-                       2 * e * r * w + _ROW_STATE_BYTES * r, k)
-            passes.add("d_hidden += dz @ W_tile", "matmul", 2 * r * w * d,
-                       e * (r * w + w * d) + 2 * 4 * r * d, k)
-            # written once with one row chunk; else summed over the chunks in an fp32 tile
-            out = e * w * d if chunks == 1 else 2 * 4 * w * d
-            passes.add("d_weight[tile] = dz^T @ hidden", "matmul", 2 * r * w * d,
-                       e * (r * w + r * d) + out, k)
+    c = row_chunk
+    left = n  # real rows: the padding sits in the last group
+    for k, gc in group_chunks:
+        for _ in range(gc):
+            r = k * c
+            real = min(r, left)
+            left -= real
+            for w, tc in tiles:
+                passes.add("logits GEMM", "matmul", 2 * c * d * w, e * (c * d + w * d + c * w),
+                           k * tc)
+                passes.add("statistics pass", "vector", _STATS_FLOPS * real * w,
+                           e * real * w + 2 * _ROW_STATE_BYTES * real, tc)
+                if not backward:
+                    continue
+                passes.add("logits GEMM again", "matmul", 2 * c * d * w,
+                           e * (c * d + w * d + c * w), k * tc)
+                passes.add("dz pass (in place)", "vector", _DZ_FLOPS * r * w,
+                           2 * e * r * w + _ROW_STATE_BYTES * r, tc)
+                passes.add("d_hidden += dz @ W_tile", "matmul", 2 * c * w * d,
+                           e * (c * w + w * d) + 2 * 4 * c * d, k * tc)
+                # written once with one row group; else summed over the groups in an fp32 tile
+                out = e * w * d if groups == 1 else 2 * 4 * w * d
+                passes.add("d_weight[tile] = dz^T @ hidden", "matmul", 2 * r * w * d,
+                           e * (r * w + r * d) + out, tc)
     passes.add("finish statistics", "vector", 8 * n, _ROW_STATE_BYTES * n + _ROW_HELD_BYTES * n)
-    extra = max(r for r, _ in row_groups) * tile * e + _ROW_HELD_BYTES * n
+    group_rows = group_chunks[0][0] * c
+    extra = group_rows * tile * e + _ROW_HELD_BYTES * n
+    if n_pad != n:  # hidden copied into whole chunks
+        passes.add("pad hidden to whole chunks", "vector", 0, 2 * e * n_pad * d)
+        extra += e * n_pad * d
     if backward and fp32_acc:
         passes.add("d_hidden fp32 -> dtype", "vector", 0, (4 + e) * n * d)
-        extra += 4 * n * d
-        if chunks > 1:
+        extra += 4 * n_pad * d
+        if groups > 1:
             for w, tc in tiles:
                 passes.add("d_weight tile fp32 -> dtype", "vector", 0, (4 + e) * w * d, tc)
             extra += 4 * tile * d
-    return dict(chunk_rows=row_groups[0][0], chunks=chunks, vocab_tile=tile,
+    return dict(chunk_rows=group_rows, chunks=groups, vocab_tile=tile,
                 vocab_tiles=sum(c for _, c in tiles), passes=passes.result(),
                 extra_bytes=extra, accumulator_bytes=0)
 
 
-def _fused_plan(n, d, v, e, path, budget, tile, passes: _Passes) -> dict:
+def _fused_plan(n, d, v, e, path, budget, tile, passes: _Passes, row_chunk) -> dict:
     """fused_policy_loss: evened-out chunks of rows, each storing its ``[rows, V]`` logits."""
     row_bytes = e * (v + 2 * d)  # stored logits, gathered hidden row, hidden-gradient row
     chunks = math.ceil(n / _rows_within(budget, row_bytes, "stored logits and hidden rows"))
@@ -379,7 +408,7 @@ def _mib(nbytes: int) -> str:
 def _layout(p: GpuPlan) -> str:
     if p.path == "fused-policy-loss":
         return f"{p.chunks} chunk(s) of <= {p.chunk_rows} rows, all {p.v} columns stored"
-    return (f"{p.chunks} chunk(s) of <= {p.chunk_rows} rows x {p.vocab_tiles} tiles of "
+    return (f"{p.chunks} group(s) of <= {p.chunk_rows} rows x {p.vocab_tiles} tiles of "
             f"<= {p.vocab_tile} columns")
 
 

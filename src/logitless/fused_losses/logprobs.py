@@ -79,7 +79,7 @@ class _LinearSoftmax(torch.autograd.Function):
                                              want_sum_z=spec.want_sum_z, **kw)
             else:
                 acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
-                parts = Partials(*(hidden.new_empty(0, dtype=acc),) * 6)
+                parts = Partials(*(hidden.new_empty(0, dtype=acc),) * 7)  # placeholder (gpuhead)
             if spec.group is not None:
                 parts = _all_reduce_partials(parts, spec.group)
             stats = finish(parts, spec.vocab_total)
@@ -131,12 +131,14 @@ def _acc(g, like):
 def _all_reduce_partials(parts: Partials, group) -> Partials:
     """Combine per-rank partials: max of the maxima, then sums rescaled to it."""
     dist = torch.distributed
-    m = parts.m.clone()
-    dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+    # placeholder (gpuhead): helper "head" owns this; m_before is max-reduced with m
+    maxima = torch.stack([parts.m, parts.m_before])
+    dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group)
+    m, m_before = maxima.unbind(0)
     local = rescale_to(parts, m)
     sums = torch.stack([local.l, local.a, local.s2, local.sum_z, local.z_y])
     dist.all_reduce(sums, group=group)
-    return Partials(m, *sums.unbind(0))
+    return Partials(m, *sums.unbind(0), m_before)
 
 
 def _vocab_offset(v_local: int, group, device) -> tuple[int, int]:

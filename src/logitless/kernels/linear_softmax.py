@@ -1,33 +1,38 @@
-"""Triton kernels for the fused linear softmax statistics: the GPU path of core op 1.
+"""The CUDA path of ``linear_logprobs``: cuBLAS GEMMs for the logits, one-pass Triton epilogues.
 
-Logits ``z = logit_scale * softcap(hidden @ W^T + b) / temperature`` exist only as
-``[BLOCK_N, BLOCK_V]`` register tiles; the ``[N, V]`` matrix is never written.
+Logits ``z = logit_scale * softcap(hidden @ W^T + b) / temperature`` are made one tile at a
+time: a tile is ``VOCAB_TILE`` vocabulary columns by a *row group* of hidden states, written by
+``torch.mm`` / ``torch.addmm`` (cuBLAS, with fp32 accumulation) in the input dtype. Every GEMM
+has exactly ``ROW_CHUNK`` rows: hidden is padded with zero rows to a whole number of chunks, so
+the GEMMs that produce a row's logits and its hidden gradient have the same shape whatever N is
+(cuBLAS picks its kernel, and with it the order of the sums over D, from the shape). A row group
+is as many chunks as fit the tile budget (``tile_bytes``, default :data:`TILE_BYTES`).
 
-Forward (``forward``): grid ``(row blocks, vocab splits)``. Each program streams the vocab tiles
-of its split through ``tl.dot`` (fp32 accumulation over D chunks) and keeps flash-attention
-style running statistics per row: max ``m``, ``l = sum e^(z-m)``, ``a = sum e^(z-m) (z-m)``,
-``s2 = sum e^(2(z-m))``, ``sum z`` and the target logit, rescaling ``l, a, s2`` whenever the
-max grows. The target logit is picked from the same tile the max sees, so ``z_y >= m`` is an
-exact top-1 test. Splitting the vocabulary keeps the GPU busy when there are few row blocks;
-the ``[S, N]`` partials are merged by ``softmax_partials.merge`` (a tiny torch epilogue, the
-same one vocab-parallel ranks use).
+Forward (:func:`forward`): per vocabulary tile (in vocabulary order) and row group, the chunks'
+GEMMs fill the tile, then ``_tile_stats_kernel`` (one program per row) reads it once, applies
+the logit transform in fp32 and folds it into the row's running statistics ``m, l, a, s2,
+sum_z, z_y, m_before`` (see ``softmax_partials``), kept in fp32 between launches. The fold order
+is fixed (tiles left to right, ``_BLOCK_V`` columns at a time), so the statistics are the same
+bits run to run and for every N.
 
-Backward (``backward``): one program per ``(row block, vocab block)`` tile, ordered in groups
-of ``GROUP_N`` row blocks so that concurrently running programs share weight tiles in L2. A
-program recomputes its logits tile, turns it into ``dx = dL/dx`` in registers, then loops over
-D chunks and adds ``dx @ W`` into ``d_hidden`` and ``dx^T @ hidden`` into ``d_weight`` with
-fp32 ``tl.atomic_add`` (and ``sum_rows dx`` into ``d_bias``). This is Cut Cross-Entropy's
-shape: one logits recompute plus the two gradient GEMMs (3 GEMM-equivalents), against 4 for
-separate d_hidden and d_weight kernels, each of which would have to recompute the logits
-(a per-program ``[BLOCK, D]`` accumulator does not fit in registers for D in the thousands).
-The cost is atomic traffic of ``D (BLOCK_N + BLOCK_V)`` adds per tile (amortised by large
-tiles) and a run-to-run nondeterministic summation order.
+Backward (:func:`backward`), vocabulary-outer: per tile and row group, the GEMMs recompute the
+tile (the same GEMMs as the forward's, so the same bits), ``_tile_grad_kernel`` turns it into
+``dx = dL/dx`` in place (``x`` the logits before the transform), then per chunk
+``d_hidden[chunk] += dx @ W_tile`` into an fp32 ``[N, D]`` accumulator, and ``d_weight[tile] =
+dx^T @ hidden``, written once when there is one row group (else summed over the groups in an
+fp32 tile). ``d_bias[tile]`` is the fp32 column sum of ``dx``. Every accumulation is taken in a
+fixed order by launches that run one after another on one stream: there are no atomics, and the
+gradients are bitwise reproducible.
 
-Addressing: every tile's first row / column and every D-chunk step is an int64 scalar
-(``N * V`` passes 2^31 at 16k tokens x 152k vocabulary, ``N * D`` at long batches); offsets
-inside a tile are int32 (bounded by tile size x stride), because a 64-bit pointer per element
-carried through the GEMM loop spills registers on Hopper. tanh is written with ``tl.exp``: the
-CPU interpreter cannot run libdevice calls.
+fp32 inputs: the GEMMs are ``torch.mm`` calls, so they follow
+``torch.get_float32_matmul_precision()`` (TF32 where the user allows it, IEEE otherwise); the
+Triton passes hold no ``tl.dot``. bf16/fp16 products accumulated across tiles use ``addmm``'s
+``out_dtype=torch.float32`` where this torch has it on this device (probed once per device),
+else fp32 copies of the operands.
+
+Under ``TRITON_INTERPRET=1`` (CPU tensors) the same code runs, with torch's CPU GEMMs in place
+of cuBLAS; tests shrink :data:`VOCAB_TILE`, :data:`ROW_CHUNK` and ``_BLOCK_V`` to cross their
+boundaries at small sizes. tanh is written with ``tl.exp`` (the interpreter has no libdevice).
 """
 
 from __future__ import annotations
@@ -39,82 +44,25 @@ import torch
 import triton
 import triton.language as tl
 
-from logitless.kernels.softmax_partials import Partials, merge
+from logitless.kernels.softmax_partials import Partials
 
-__all__ = ["backward", "forward"]
+__all__ = ["ROW_CHUNK", "TILE_BYTES", "VOCAB_TILE", "backward", "forward"]
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
-
-def _config(block_n, block_v, block_d, warps, stages, pre_hook=None):
-    return triton.Config(
-        {"BLOCK_N": block_n, "BLOCK_V": block_v, "BLOCK_D": block_d},
-        num_warps=warps, num_stages=stages, pre_hook=pre_hook,
-    )
-
-
-# (BLOCK_N, BLOCK_V, BLOCK_D, num_warps, num_stages). The interpreter gets one small config:
-# it runs every program in Python, and autotuning there would only measure numpy. The GPU
-# lists hold tiles that compile for sm_90 (triton 3.9, bf16, every feature flag on) without
-# register spills, or with a few dozen bytes at most; 64-wide D chunks and 256 x 128 tiles
-# spill hundreds of bytes once the online-softmax or dz temporaries sit beside the fp32 tile.
-_FORWARD_TILES = [(32, 128, 64, 1, 1)] if _INTERPRET else [
-    (32, 128, 32, 4, 4),
-    (64, 64, 64, 4, 4),
-    (64, 128, 32, 4, 3),
-    (64, 256, 32, 8, 3),
-    (128, 64, 32, 4, 4),
-    (128, 128, 32, 8, 3),
-]
-_BACKWARD_TILES = [(32, 128, 64, 1, 1)] if _INTERPRET else [
-    (32, 128, 32, 4, 4),
-    (64, 64, 64, 4, 4),
-    (64, 128, 32, 4, 3),
-    (64, 256, 32, 8, 3),
-    (128, 128, 32, 8, 3),
-    (128, 128, 32, 8, 4),
-]
-_GROUP_N = 8
-# A vocab split is a whole number of the largest forward vocab tile, so every config tiles it.
-_SPLIT_GRANULE = max(t[1] for t in _FORWARD_TILES)
-# Row block used only to estimate how many programs a grid has when choosing the split count:
-# the largest, so the estimate errs towards more splits (cheap) rather than idle SMs.
-_SPLIT_ROW_BLOCK = max(t[0] for t in _FORWARD_TILES)
-# Programs to aim for per streaming multiprocessor; on the interpreter a small fixed count that
-# still splits the vocabulary of test-sized problems.
-_PROGRAMS_PER_SM = 2
-_INTERPRET_PROGRAMS = 8
-_MIN_TILES_PER_SPLIT = 1 if _INTERPRET else 4
-
-
-def _bucket(x: int) -> int:
-    """Power-of-two bucket of a size, so autotuning runs once per bucket and not per N."""
-    return triton.next_power_of_2(max(int(x), 1))
-
-
-def _prune_row_blocks(configs, named_args, **kwargs):
-    """Drop configs whose row block is far larger than N (all-masked rows are wasted work)."""
-    # N arrives as a keyword, which some Triton versions keep out of named_args.
-    limit = max(32, _bucket({**named_args, **kwargs}["N"]))
-    kept = [c for c in configs if c.kwargs["BLOCK_N"] <= limit]
-    return kept or configs[:1]
-
-
-def _zero_grads(nargs):
-    # Backward accumulates with atomics: each autotuning trial must start from zeros. A config
-    # pre_hook (unlike autotune's reset_to_zero in older Triton) tolerates the None outputs;
-    # it also runs before the real launch, so the zeros are written twice there (one memset).
-    for name in ("d_hidden", "d_weight", "d_bias"):
-        if nargs[name] is not None:
-            nargs[name].zero_()
-
-
-_INPUT_FLAGS = {
-    "HAS_BIAS": lambda args: args["bias"] is not None,
-    "HAS_SOFTCAP": lambda args: args["softcap"] is not None,
-    "INTERPRET_BF16": lambda args: _INTERPRET and args["hidden"].dtype == torch.bfloat16,
-    "EVEN_D": lambda args: args["D"] % args["BLOCK_D"] == 0,
-}
+# Vocabulary columns per tile: fixed, so tile boundaries (and the fold order of the statistics)
+# never depend on N. gpu_plan.VOCAB_TILE must equal it.
+VOCAB_TILE = 8192
+# Rows of every logits GEMM (hidden is padded to whole chunks). gpu_plan.ROW_CHUNK equals it.
+ROW_CHUNK = 1024
+# Default bytes of one tile (a row group by VOCAB_TILE columns in the input dtype):
+# 16384 bf16 rows. gpu_plan.HEAD_TILE_BUDGET equals it.
+TILE_BYTES = 256 * 2**20
+# Columns an epilogue program handles per step, and its warps: fixed, so the order of the sums
+# inside a row never depends on N (8 warps x 32 lanes x 8 bf16 = 2048: 16-byte loads).
+_BLOCK_V = 2048
+_WARPS = 8
+_TORCH_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
 @triton.jit
@@ -126,298 +74,185 @@ def _tanh(x):
 
 
 @triton.jit
-def _dot(a, b, acc, INTERPRET_BF16: tl.constexpr):
-    # Triton's CPU interpreter multiplies the raw bits of bf16 operands (it stores them as
-    # uint16); exact fp32 copies give it the product a GPU forms with fp32 accumulation.
+def _round_to(x, dtype: tl.constexpr, INTERPRET_BF16: tl.constexpr):
+    """fp32 ``x`` rounded to nearest-even in ``dtype`` for the store."""
     if INTERPRET_BF16:
-        a = a.to(tl.float32)
-        b = b.to(tl.float32)
-    # "ieee": fp32 inputs stay exact (no TF32); bf16/fp16 inputs use tensor cores as usual.
-    return tl.dot(a, b, acc, input_precision="ieee")
-
-
-@triton.jit
-def _round_to_input(x, dtype: tl.constexpr, INTERPRET_BF16: tl.constexpr):
-    """fp32 ``x`` rounded to nearest-even in the input dtype, for a tensor-core GEMM."""
-    if INTERPRET_BF16:
-        # The interpreter truncates fp32 -> bf16; round with integer ops and keep fp32 storage
-        # (``_dot`` upcasts there anyway).
+        # The interpreter truncates fp32 -> bf16: round with integer ops first, so the store's
+        # truncation is exact.
         bits = x.to(tl.uint32, bitcast=True)
         bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
-        y = bits.to(tl.float32, bitcast=True)
-    else:
-        y = x.to(dtype)
-    return y
+        x = bits.to(tl.float32, bitcast=True)
+    return x.to(dtype)
 
 
 @triton.jit
-def _tile_offsets(local_rows, stride_row, stride_d, BLOCK_D: tl.constexpr):
-    """int32 offsets ``[rows, BLOCK_D]`` of a row tile's first D chunk, from its first row.
-
-    Pointer math splits into an int64 scalar (the tile's first row, done once) and these
-    in-tile int32 offsets: a 64-bit pointer per element, carried through the GEMM loop,
-    costs enough registers to spill on Hopper.
-    """
-    return local_rows[:, None] * stride_row + tl.arange(0, BLOCK_D)[None, :] * stride_d
-
-
-@triton.jit
-def _load_chunk(chunk, offsets, d_left, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr):
-    """One D chunk of a row tile: ``chunk`` points at its first element, ``d_left`` columns
-    remain (zeros past D)."""
-    if EVEN_D:
-        tile = tl.load(chunk + offsets)
-    else:
-        tile = tl.load(chunk + offsets, mask=(tl.arange(0, BLOCK_D) < d_left)[None, :], other=0.0)
-    return tile
-
-
-@triton.jit
-def _valid(first, size, BLOCK: tl.constexpr):
-    """In-tile lanes, their validity, and lanes clamped into range (rows past the end are
-    computed from the last real one, so loads need no mask)."""
-    lanes = tl.arange(0, BLOCK)
-    count = (size - first).to(tl.int32)
-    return lanes, lanes < count, tl.minimum(lanes, count - 1)
-
-
-@triton.jit
-def _local_targets(targets, v0, BLOCK_V: tl.constexpr):
-    """Targets as int32 lanes of the vocab tile starting at ``v0``; -1 when not in it."""
-    inside = (targets >= v0) & (targets < v0 + BLOCK_V)
-    return tl.where(inside, targets - v0, -1).to(tl.int32)
-
-
-@triton.jit
-def _logits_tile(
-    h_tile, h_offsets, w_tile, w_offsets, bias, v0, cols, D, stride_hd, stride_wd,
-    softcap, z_scale,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, INTERPRET_BF16: tl.constexpr,
+def _tile_stats_kernel(
+    logits, stride_row, targets, state, plane, width, v0, softcap, z_scale,
+    HAS_SOFTCAP: tl.constexpr, WANT_S2: tl.constexpr, WANT_SUM_Z: tl.constexpr,
+    BLOCK_V: tl.constexpr,
 ):
-    """fp32 tile ``z [BLOCK_N, BLOCK_V]`` of tempered logits.
+    """Fold row ``r``'s ``width`` logits (vocabulary columns ``v0 ...``) into its statistics.
 
-    Rows past N and columns past V repeat the last real row / column (finite values);
-    callers mask them.
+    ``state`` is fp32 ``[7, plane]`` (m, l, a, s2, sum_z, z_y, m_before, relative to the running
+    max ``m``), read and written at column ``r``; ``targets[r]`` is the row's target index in
+    this weight's vocabulary (below 0 or past the end when it lies in another slice).
     """
-    acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
-    for k in range(0, tl.cdiv(D, BLOCK_D)):
-        h = _load_chunk(h_tile, h_offsets, D - k * BLOCK_D, BLOCK_D, EVEN_D)
-        w = _load_chunk(w_tile, w_offsets, D - k * BLOCK_D, BLOCK_D, EVEN_D)
-        acc = _dot(h, tl.trans(w), acc, INTERPRET_BF16)
-        # Scalar (64-bit) pointer steps: the in-tile offsets stay int32.
-        h_tile += BLOCK_D * stride_hd
-        w_tile += BLOCK_D * stride_wd
-    if HAS_BIAS:
-        acc += tl.load(bias + v0 + cols).to(tl.float32)[None, :]
-    if HAS_SOFTCAP:
-        acc = softcap * _tanh(acc / softcap)
-    return acc * z_scale
-
-
-@triton.autotune(
-    configs=[_config(*t) for t in _FORWARD_TILES],
-    key=["N_BIN", "D_BIN", "V_BIN"],
-    prune_configs_by={"early_config_prune": _prune_row_blocks},
-)
-@triton.heuristics(_INPUT_FLAGS)
-@triton.jit
-def _forward_kernel(
-    hidden, weight, bias, targets, out,
-    N, D, V, vocab_per_split,
-    stride_hn, stride_hd, stride_wv, stride_wd,
-    softcap, z_scale,
-    N_BIN, D_BIN, V_BIN,
-    WANT_S2: tl.constexpr, WANT_SUM_Z: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, INTERPRET_BF16: tl.constexpr,
-):
-    split = tl.program_id(1).to(tl.int64)
-    row0 = tl.program_id(0).to(tl.int64) * BLOCK_N
-    rows, mask_n, local_rows = _valid(row0, N, BLOCK_N)
-    h_tile = hidden + row0 * stride_hn
-    h_offsets = _tile_offsets(local_rows, stride_hn, stride_hd, BLOCK_D)
-    tgt = tl.load(targets + row0 + rows, mask=mask_n, other=-1)
-
-    m_i = tl.full((BLOCK_N,), float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    a_i = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    s2_i = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    sum_z = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    z_y = tl.zeros((BLOCK_N,), dtype=tl.float32)
-
-    v_start = split * vocab_per_split
-    n_tiles = tl.cdiv(tl.minimum(v_start + vocab_per_split, V) - v_start, BLOCK_V)
-    for t in range(0, n_tiles):
-        v0 = v_start + t * BLOCK_V
-        lanes, mask_v, cols = _valid(v0, V, BLOCK_V)
-        z = _logits_tile(
-            h_tile, h_offsets, weight + v0 * stride_wv,
-            _tile_offsets(cols, stride_wv, stride_wd, BLOCK_D), bias, v0, cols, D,
-            stride_hd, stride_wd, softcap, z_scale,
-            BLOCK_N, BLOCK_V, BLOCK_D, EVEN_D, HAS_BIAS, HAS_SOFTCAP, INTERPRET_BF16,
-        )
-        z = tl.where(mask_v[None, :], z, float("-inf"))
-        # Every tile holds at least one real column, so m_new is finite.
-        m_new = tl.maximum(m_i, tl.max(z, 1))
-        shift = m_i - m_new
+    row = tl.program_id(0).to(tl.int64)
+    z_row = logits + row * stride_row
+    tgt = tl.load(targets + row) - v0
+    s = state + row
+    m = tl.load(s)
+    l = tl.load(s + plane)
+    a = tl.load(s + 2 * plane)
+    s2 = tl.load(s + 3 * plane)
+    sum_z = tl.load(s + 4 * plane)
+    z_y = tl.load(s + 5 * plane)
+    m_before = tl.load(s + 6 * plane)
+    for c0 in range(0, width, BLOCK_V):
+        cols = c0 + tl.arange(0, BLOCK_V)
+        valid = cols < width
+        x = tl.load(z_row + cols, mask=valid, other=0.0).to(tl.float32)
+        if HAS_SOFTCAP:
+            x = softcap * _tanh(x / softcap)
+        z = tl.where(valid, x * z_scale, float("-inf"))
+        # Every block holds a real column, so m_new is finite.
+        m_new = tl.maximum(m, tl.max(z, 0))
+        shift = m - m_new
         alpha = tl.exp(shift)
-        d = z - m_new[:, None]
+        d = z - m_new
         e = tl.exp(d)
-        # First tile: l = 0 and shift = -inf; 0 * -inf would poison a with NaN.
-        a_i = (a_i + l_i * tl.where(l_i > 0, shift, 0.0)) * alpha
-        a_i += tl.sum(e * tl.where(mask_v[None, :], d, 0.0), 1)
-        l_i = l_i * alpha + tl.sum(e, 1)
+        # First block: l = 0 and shift = -inf; past the width e = 0 and d = -inf. 0 * -inf
+        # would poison a with NaN.
+        a = (a + l * tl.where(l > 0, shift, 0.0)) * alpha + tl.sum(e * tl.where(valid, d, 0.0), 0)
+        l = l * alpha + tl.sum(e, 0)
         if WANT_S2:
-            s2_i = s2_i * (alpha * alpha) + tl.sum(e * e, 1)
+            s2 = s2 * (alpha * alpha) + tl.sum(e * e, 0)
         if WANT_SUM_Z:
-            sum_z += tl.sum(tl.where(mask_v[None, :], z, 0.0), 1)
-        # targets == -1 (or in another tile) match no lane, so they add nothing to z_y.
-        hit = lanes[None, :] == _local_targets(tgt, v0, BLOCK_V)[:, None]
-        z_y += tl.sum(tl.where(hit, z, 0.0), 1)
-        m_i = m_new
-
-    # out is [6, S, N]: one plane per Partials field.
-    plane = tl.num_programs(1).to(tl.int64) * N
-    ptrs = out + split * N + row0 + rows
-    tl.store(ptrs, m_i, mask=mask_n)
-    tl.store(ptrs + plane, l_i, mask=mask_n)
-    tl.store(ptrs + 2 * plane, a_i, mask=mask_n)
-    tl.store(ptrs + 3 * plane, s2_i, mask=mask_n)
-    tl.store(ptrs + 4 * plane, sum_z, mask=mask_n)
-    tl.store(ptrs + 5 * plane, z_y, mask=mask_n)
+            sum_z += tl.sum(tl.where(valid, z, 0.0), 0)
+        z_y += tl.sum(tl.where(valid & (cols == tgt), z, 0.0), 0)
+        m_before = tl.maximum(m_before, tl.max(tl.where(cols < tgt, z, float("-inf")), 0))
+        m = m_new
+    tl.store(s, m)
+    tl.store(s + plane, l)
+    tl.store(s + 2 * plane, a)
+    tl.store(s + 3 * plane, s2)
+    tl.store(s + 4 * plane, sum_z)
+    tl.store(s + 5 * plane, z_y)
+    tl.store(s + 6 * plane, m_before)
 
 
-@triton.autotune(
-    configs=[_config(*t, pre_hook=_zero_grads) for t in _BACKWARD_TILES],
-    key=["N_BIN", "D_BIN", "V_BIN"],
-    prune_configs_by={"early_config_prune": _prune_row_blocks},
-)
-@triton.heuristics({
-    **_INPUT_FLAGS,
-    "HAS_G_LP": lambda args: args["g_lp"] is not None,
-    "HAS_G_ENTROPY": lambda args: args["g_entropy"] is not None,
-    "HAS_G_SUM_P_SQ": lambda args: args["g_sum_p_sq"] is not None,
-    "HAS_G_MEAN": lambda args: args["g_mean_logit"] is not None,
-    "NEED_HIDDEN": lambda args: args["d_hidden"] is not None,
-    "NEED_WEIGHT": lambda args: args["d_weight"] is not None,
-    "NEED_BIAS": lambda args: args["d_bias"] is not None,
-})
 @triton.jit
-def _backward_kernel(
-    hidden, weight, bias, targets, lse, entropy, sum_p_sq,
-    g_lp, g_entropy, g_sum_p_sq, g_mean_logit,
-    d_hidden, d_weight, d_bias,
-    N, D, V,
-    stride_hn, stride_hd, stride_wv, stride_wd,
-    softcap, z_scale, inv_vocab_total,
-    N_BIN, D_BIN, V_BIN,
-    GROUP_N: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, INTERPRET_BF16: tl.constexpr,
-    HAS_G_LP: tl.constexpr, HAS_G_ENTROPY: tl.constexpr,
-    HAS_G_SUM_P_SQ: tl.constexpr, HAS_G_MEAN: tl.constexpr,
-    NEED_HIDDEN: tl.constexpr, NEED_WEIGHT: tl.constexpr, NEED_BIAS: tl.constexpr,
+def _tile_grad_kernel(
+    logits, stride_row, targets, lse, entropy, sum_p_sq,
+    g_lp, g_entropy, g_sum_p_sq, g_mean_logit, g_lse,
+    n_rows, width, v0, softcap, z_scale, inv_vocab_total,
+    HAS_SOFTCAP: tl.constexpr, HAS_G_LP: tl.constexpr, HAS_G_ENTROPY: tl.constexpr,
+    HAS_G_SUM_P_SQ: tl.constexpr, HAS_G_MEAN: tl.constexpr, HAS_G_LSE: tl.constexpr,
+    INTERPRET_BF16: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
-    # Grouped tile order: GROUP_N row blocks walk the vocabulary together (L2 reuse of W tiles).
-    pid = tl.program_id(0)
-    n_row_blocks = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_N * tl.cdiv(V, BLOCK_V)
-    first_row_block = (pid // per_group) * GROUP_N
-    group_rows = tl.minimum(n_row_blocks - first_row_block, GROUP_N)
-    row0 = (first_row_block + (pid % per_group) % group_rows).to(tl.int64) * BLOCK_N
-    v0 = ((pid % per_group) // group_rows).to(tl.int64) * BLOCK_V
+    """Overwrite row ``r``'s logits (before the transform) with ``dL/dx``, in their dtype.
 
-    rows, mask_n, local_rows = _valid(row0, N, BLOCK_N)
-    lanes, mask_v, cols = _valid(v0, V, BLOCK_V)
-    h_tile = hidden + row0 * stride_hn
-    h_offsets = _tile_offsets(local_rows, stride_hn, stride_hd, BLOCK_D)
-    w_tile = weight + v0 * stride_wv
-    w_offsets = _tile_offsets(cols, stride_wv, stride_wd, BLOCK_D)
-    z = _logits_tile(
-        h_tile, h_offsets, w_tile, w_offsets, bias, v0, cols, D, stride_hd, stride_wd,
-        softcap, z_scale,
-        BLOCK_N, BLOCK_V, BLOCK_D, EVEN_D, HAS_BIAS, HAS_SOFTCAP, INTERPRET_BF16,
-    )
-
-    row_ptrs = row0 + rows
-    logp = z - tl.load(lse + row_ptrs, mask=mask_n, other=0.0)[:, None]
-    p = tl.exp(logp)
-    dz = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+    With ``p = exp(z - lse)``: ``dz = p (-g_lp + g_lse - g_H (log p + H) + 2 g_S2 (p - S2))
+    + g_lp 1[j = y] + g_mean / V``, then ``dx = dz z_scale (1 - tanh(x / c)^2)``. Rows at or
+    past ``n_rows`` (the padding of the last chunk) are written as zeros.
+    """
+    row = tl.program_id(0).to(tl.int64)
+    z_row = logits + row * stride_row
+    keep = row < n_rows
+    r = tl.minimum(row, n_rows - 1)  # padding rows load the last real row's scalars
+    lse_r = tl.load(lse + r)
+    tgt = tl.load(targets + r) - v0
+    coef = 0.0
+    g_y = 0.0
     if HAS_G_LP:
-        g = tl.load(g_lp + row_ptrs, mask=mask_n, other=0.0)[:, None]
-        tgt = tl.load(targets + row_ptrs, mask=mask_n, other=-1)
-        hit = lanes[None, :] == _local_targets(tgt, v0, BLOCK_V)[:, None]
-        dz += g * (tl.where(hit, 1.0, 0.0) - p)
+        g_y = tl.load(g_lp + r)
+        coef -= g_y
+    if HAS_G_LSE:
+        coef += tl.load(g_lse + r)
     if HAS_G_ENTROPY:
-        g = tl.load(g_entropy + row_ptrs, mask=mask_n, other=0.0)[:, None]
-        h_ent = tl.load(entropy + row_ptrs, mask=mask_n, other=0.0)[:, None]
-        dz -= g * p * (logp + h_ent)
+        g_h = tl.load(g_entropy + r)
+        coef -= g_h * tl.load(entropy + r)
     if HAS_G_SUM_P_SQ:
-        g = tl.load(g_sum_p_sq + row_ptrs, mask=mask_n, other=0.0)[:, None]
-        s2 = tl.load(sum_p_sq + row_ptrs, mask=mask_n, other=0.0)[:, None]
-        dz += 2.0 * g * p * (p - s2)
+        two_g_s2 = 2.0 * tl.load(g_sum_p_sq + r)
+        coef -= two_g_s2 * tl.load(sum_p_sq + r)
+    shift = 0.0
     if HAS_G_MEAN:
-        dz += tl.load(g_mean_logit + row_ptrs, mask=mask_n, other=0.0)[:, None] * inv_vocab_total
-    # Through the transform: dz/dx = z_scale * (1 - tanh(x/c)^2), tanh(x/c) = z / (z_scale c).
-    dx = dz * z_scale
-    if HAS_SOFTCAP:
-        t = z / (z_scale * softcap)
-        dx *= 1.0 - t * t
-    dx = tl.where(mask_n[:, None] & mask_v[None, :], dx, 0.0)
+        shift = tl.load(g_mean_logit + r) * inv_vocab_total
+    for c0 in range(0, width, BLOCK_V):
+        cols = c0 + tl.arange(0, BLOCK_V)
+        valid = cols < width
+        x = tl.load(z_row + cols, mask=valid, other=0.0).to(tl.float32)
+        if HAS_SOFTCAP:
+            t = _tanh(x / softcap)
+            z = t * (softcap * z_scale)
+        else:
+            z = x * z_scale
+        log_p = z - lse_r
+        p = tl.exp(log_p)
+        c = coef
+        if HAS_G_ENTROPY:
+            c -= g_h * log_p
+        if HAS_G_SUM_P_SQ:
+            c += two_g_s2 * p
+        dz = p * c + tl.where(cols == tgt, g_y, 0.0) + shift
+        dx = dz * z_scale
+        if HAS_SOFTCAP:
+            dx *= 1.0 - t * t
+        dx = tl.where(keep, dx, 0.0)
+        tl.store(z_row + cols, _round_to(dx, logits.dtype.element_ty, INTERPRET_BF16),
+                 mask=valid)
 
-    if NEED_BIAS:
-        tl.atomic_add(d_bias + v0 + lanes, tl.sum(dx, 0), mask=mask_v, sem="relaxed")
-    # The gradient GEMMs run in the input dtype (tensor cores) and accumulate in fp32.
-    dx_in = _round_to_input(dx, hidden.dtype.element_ty, INTERPRET_BF16)
-    for k in range(0, tl.cdiv(D, BLOCK_D)):
-        offs_d = k * BLOCK_D + tl.arange(0, BLOCK_D)
-        mask_d = offs_d < D
-        if NEED_HIDDEN:
-            w = _load_chunk(w_tile, w_offsets, D - k * BLOCK_D, BLOCK_D, EVEN_D)
-            tl.atomic_add(
-                d_hidden + row0 * D + (rows[:, None] * D + offs_d[None, :]),
-                _dot(dx_in, w, None, INTERPRET_BF16),
-                mask=mask_n[:, None] & mask_d[None, :], sem="relaxed",
-            )
-        if NEED_WEIGHT:
-            h = _load_chunk(h_tile, h_offsets, D - k * BLOCK_D, BLOCK_D, EVEN_D)
-            tl.atomic_add(
-                d_weight + v0 * D + (lanes[:, None] * D + offs_d[None, :]),
-                _dot(tl.trans(dx_in), h, None, INTERPRET_BF16),
-                mask=mask_v[:, None] & mask_d[None, :], sem="relaxed",
-            )
-        w_tile += BLOCK_D * stride_wd
-        h_tile += BLOCK_D * stride_hd
+
+def stats_meta(dtype: torch.dtype, softcap, want_s2: bool, want_sum_z: bool) -> dict:
+    """The constexprs and warps ``forward`` launches ``_tile_stats_kernel`` with."""
+    del dtype  # one program for every dtype: the tile's element type comes with its pointer
+    return dict(HAS_SOFTCAP=softcap is not None, WANT_S2=bool(want_s2),
+                WANT_SUM_Z=bool(want_sum_z), BLOCK_V=_BLOCK_V, num_warps=_WARPS)
+
+
+def grad_meta(dtype: torch.dtype, softcap, g_lp, g_entropy, g_sum_p_sq, g_mean_logit,
+              g_lse) -> dict:
+    """The constexprs and warps ``backward`` launches ``_tile_grad_kernel`` with."""
+    return dict(
+        HAS_SOFTCAP=softcap is not None, HAS_G_LP=g_lp is not None,
+        HAS_G_ENTROPY=g_entropy is not None, HAS_G_SUM_P_SQ=g_sum_p_sq is not None,
+        HAS_G_MEAN=g_mean_logit is not None, HAS_G_LSE=g_lse is not None,
+        INTERPRET_BF16=_INTERPRET and dtype == torch.bfloat16, BLOCK_V=_BLOCK_V,
+        num_warps=_WARPS,
+    )
 
 
 @functools.cache
-def _sm_count(index: int | None) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
+def _addmm_takes_out_dtype(device: torch.device) -> bool:
+    """Whether ``torch.addmm(..., out_dtype=torch.float32)`` runs on ``device`` for bf16
+    operands: torch >= 2.8, then a probe (CUDA has it; CPU builds do not)."""
+    if torch.__version__ < "2.8":
+        return False
+    one = torch.ones(1, 1, dtype=torch.bfloat16, device=device)
+    try:
+        torch.addmm(torch.zeros(1, 1, device=device), one, one, out_dtype=torch.float32)
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+    return True
 
 
-def _vocab_splits(n_rows: int, vocab: int, device: torch.device) -> tuple[int, int]:
-    """Number of vocab splits and vocabulary per split for the forward grid.
-
-    Enough splits that row blocks x splits reaches ~``_PROGRAMS_PER_SM`` programs per SM, each
-    split a whole number of ``_SPLIT_GRANULE`` columns and at least ``_MIN_TILES_PER_SPLIT``
-    of them (so a program's epilogue stays small next to its GEMM work).
-    """
-    if device.type == "cuda":
-        target = _PROGRAMS_PER_SM * _sm_count(device.index)
-    else:
-        target = _INTERPRET_PROGRAMS
-    row_blocks = triton.cdiv(max(n_rows, 1), _SPLIT_ROW_BLOCK)
-    max_splits = max(1, triton.cdiv(vocab, _SPLIT_GRANULE * _MIN_TILES_PER_SPLIT))
-    splits = max(1, min(triton.cdiv(target, row_blocks), max_splits))
-    per_split = triton.cdiv(triton.cdiv(vocab, splits), _SPLIT_GRANULE) * _SPLIT_GRANULE
-    return triton.cdiv(vocab, per_split), per_split
+def _addmm_fp32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, beta: float) -> None:
+    """``acc = beta * acc + a @ b`` with fp32 ``acc``, the product never rounded to ``a``'s
+    dtype; ``beta=0`` overwrites ``acc`` (whatever it held)."""
+    if a.dtype == acc.dtype:
+        torch.addmm(acc, a, b, beta=beta, out=acc)
+    elif _addmm_takes_out_dtype(acc.device):
+        torch.addmm(acc, a, b, beta=beta, out_dtype=acc.dtype, out=acc)
+    else:  # exact fp32 copies of bf16/fp16 operands: the same sums, fp32 accumulation
+        torch.addmm(acc, a.to(acc.dtype), b.to(acc.dtype), beta=beta, out=acc)
 
 
 def _check_inputs(hidden, weight, bias, targets):
     if hidden.dim() != 2:
         raise ValueError(f"hidden must be [N, D], got shape {tuple(hidden.shape)}")
     n, d = hidden.shape
+    if hidden.dtype not in _TORCH_DTYPES:
+        raise ValueError(f"hidden must be bf16, fp16 or fp32, got {hidden.dtype}")
     if weight.dim() != 2 or weight.shape[1] != d:
         raise ValueError(f"weight must be [V, {d}], got shape {tuple(weight.shape)}")
     if weight.dtype != hidden.dtype or (bias is not None and bias.dtype != hidden.dtype):
@@ -433,84 +268,172 @@ def _check_inputs(hidden, weight, bias, targets):
         )
 
 
-def _common_args(hidden, weight, temperature, softcap, logit_scale):
-    n, d = hidden.shape
-    v = weight.shape[0]
-    return dict(
-        N=n, D=d, V=v,
-        stride_hn=hidden.stride(0), stride_hd=hidden.stride(1),
-        stride_wv=weight.stride(0), stride_wd=weight.stride(1),
-        softcap=None if softcap is None else float(softcap),
-        z_scale=float(logit_scale) / float(temperature),
-        N_BIN=_bucket(n), D_BIN=_bucket(d), V_BIN=_bucket(v),
-    )
+class _Plan:
+    """Row chunks, row groups and vocabulary tiles of one call, with its tile buffer.
+
+    ``hidden`` is padded with zero rows to a whole number of ``ROW_CHUNK``-row chunks (a copy
+    only when N is not a multiple); a row group is a run of whole chunks whose tile fits
+    ``tile_bytes`` (at least one chunk), the groups evened out to within one chunk.
+    """
+
+    def __init__(self, hidden, weight, tile_bytes):
+        n, d = hidden.shape
+        self.n, self.v = n, weight.shape[0]
+        self.cols = min(VOCAB_TILE, self.v)
+        chunks = triton.cdiv(n, ROW_CHUNK)
+        self.n_pad = chunks * ROW_CHUNK
+        if self.n_pad == n:
+            self.hidden = hidden.contiguous()
+        else:
+            self.hidden = hidden.new_zeros(self.n_pad, d)
+            self.hidden[:n] = hidden
+        row_bytes = self.cols * hidden.element_size()
+        budget = TILE_BYTES if tile_bytes is None else int(tile_bytes)
+        per_group = max(1, budget // (row_bytes * ROW_CHUNK))
+        groups = triton.cdiv(chunks, per_group)
+        q, rem = divmod(chunks, groups)
+        self.groups, r0 = [], 0
+        for i in range(groups):
+            rows = (q + (i < rem)) * ROW_CHUNK
+            self.groups.append((r0, rows))
+            r0 += rows
+        self.tile = torch.empty(max(r for _, r in self.groups) * self.cols, dtype=hidden.dtype,
+                                device=hidden.device)
+
+    def tiles(self):
+        for v0 in range(0, self.v, self.cols):
+            yield v0, min(v0 + self.cols, self.v)
+
+    def logits(self, weight, bias, v0, v1, r0, rows) -> torch.Tensor:
+        """The untransformed logits ``[rows, v1 - v0]`` of a group, one GEMM per chunk."""
+        z = self.tile[:rows * (v1 - v0)].view(rows, v1 - v0)
+        w_t = weight[v0:v1].t()
+        for c in range(0, rows, ROW_CHUNK):
+            h = self.hidden[r0 + c:r0 + c + ROW_CHUNK]
+            out = z[c:c + ROW_CHUNK]
+            if bias is None:
+                torch.mm(h, w_t, out=out)
+            else:
+                torch.addmm(bias[v0:v1], h, w_t, out=out)
+        return z
+
+    def real_rows(self, r0, rows) -> int:
+        """Rows of the group ``(r0, rows)`` that are not padding."""
+        return max(0, min(rows, self.n - r0))
 
 
 def forward(hidden, weight, bias, targets, *, temperature: float, softcap: float | None,
-            logit_scale: float, want_s2: bool, want_sum_z: bool) -> Partials:
-    """Per-token partial softmax statistics of ``z = logit_scale * softcap(h W^T + b) / T``.
+            logit_scale: float, want_s2: bool, want_sum_z: bool,
+            tile_bytes: int | None = None) -> Partials:
+    """Per-token softmax statistics of ``z = logit_scale * softcap(h W^T + b) / T``.
 
     hidden ``[N, D]``, weight ``[V, D]`` (any strides), bias ``[V]`` or None, all one dtype
-    (fp32/bf16/fp16); targets int64 ``[N]`` in ``[-1, V)`` (-1: the target lies outside this
-    vocabulary slice, ``z_y = 0``). Returns fp32 ``[N]`` partials relative to the row max
-    ``m`` (see ``softmax_partials``); ``s2`` / ``sum_z`` are zeros unless asked for.
+    (bf16/fp16/fp32); targets int64 ``[N]``, indices into this weight's vocabulary, below 0 or
+    at least V when the target lies in a slice before or after it (``z_y = 0``; ``m_before``
+    -inf or the slice's max). ``tile_bytes`` bounds the logits tile (default
+    :data:`TILE_BYTES`; at least one ``ROW_CHUNK``-row chunk). Returns fp32 ``[N]`` partials
+    (m, l, a, s2, sum_z, z_y, m_before; ``s2`` / ``sum_z`` zeros unless asked for).
     """
     _check_inputs(hidden, weight, bias, targets)
-    n, v = hidden.shape[0], weight.shape[0]
+    n = hidden.shape[0]
+    state = torch.zeros(7, n, dtype=torch.float32, device=hidden.device)
     if n == 0:
-        empty = hidden.new_empty(0, dtype=torch.float32)
-        return Partials(*(empty,) * 6)
-    splits, per_split = _vocab_splits(n, v, hidden.device)
-    out = torch.empty(6, splits, n, dtype=torch.float32, device=hidden.device)
-    grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), splits)
-    _forward_kernel[grid](
-        hidden, weight, None if bias is None else bias.contiguous(), targets.contiguous(), out,
-        vocab_per_split=per_split, WANT_S2=want_s2, WANT_SUM_Z=want_sum_z,
-        **_common_args(hidden, weight, temperature, softcap, logit_scale),
-    )
-    parts = Partials(*out)
-    if splits == 1:
-        return Partials(*(field[0] for field in parts))
-    return merge(parts)
+        return Partials(*state)
+    state[0].fill_(float("-inf"))
+    state[6].fill_(float("-inf"))
+    plan = _Plan(hidden, weight, tile_bytes)
+    targets = targets.contiguous()
+    meta = stats_meta(hidden.dtype, softcap, want_s2, want_sum_z)
+    scalars = dict(softcap=1.0 if softcap is None else float(softcap),
+                   z_scale=float(logit_scale) / float(temperature))
+    for v0, v1 in plan.tiles():
+        for r0, rows in plan.groups:
+            real = plan.real_rows(r0, rows)
+            z = plan.logits(weight, bias, v0, v1, r0, rows)
+            _tile_stats_kernel[(real,)](
+                z, z.stride(0), targets[r0:], state[:, r0:], n, v1 - v0, v0, **scalars, **meta)
+    return Partials(*state)
 
 
 def backward(hidden, weight, bias, targets, lse, entropy, sum_p_sq,
              g_lp, g_entropy, g_sum_p_sq, g_mean_logit, *, temperature: float,
              softcap: float | None, logit_scale: float, vocab_total: int,
              need_hidden: bool, need_weight: bool, need_bias: bool,
+             tile_bytes: int | None = None, g_lse=None,
              ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """Gradients of hidden, weight and bias from per-token upstream gradients, in fp32.
+    """Gradients of hidden, weight and bias from per-token upstream gradients.
 
-    lse, entropy, sum_p_sq: fp32 ``[N]`` global statistics (entropy / sum_p_sq may be None
-    when their upstream gradient is). g_*: fp32 ``[N]`` or None (that term is skipped). With
-    ``p = exp(z - lse)`` recomputed per tile,
+    lse, entropy, sum_p_sq: fp32 ``[N]`` statistics of the whole vocabulary (entropy /
+    sum_p_sq may be None when their upstream gradient is). g_*: ``[N]`` or None (that term is
+    skipped; the entropy term costs nothing unless ``g_entropy`` is given). With ``p = exp(z -
+    lse)`` recomputed per tile,
     ``dz = g_lp (1[j=y] - p) - g_entropy p (log p + H) + 2 g_sum_p_sq p (p - S2)
-    + g_mean_logit / vocab_total``, ``dx = dz * logit_scale / T * (1 - tanh(x/c)^2)``, and
-    ``d_hidden = dx @ W [N, D]``, ``d_weight = dx^T @ hidden [V, D]``, ``d_bias = sum dx [V]``
-    (None where not needed).
+    + g_mean_logit / vocab_total + g_lse p``, ``dx = dz * logit_scale / T * (1 - tanh(x/c)^2)``.
+
+    Returns ``d_hidden = dx @ W`` (fp32 ``[N, D]``), ``d_weight = dx^T @ hidden`` (``[V, D]``
+    in the inputs' dtype, from GEMMs with fp32 accumulation) and ``d_bias = sum dx`` (fp32
+    ``[V]``), None where not needed.
     """
     _check_inputs(hidden, weight, bias, targets)
     if g_entropy is not None and entropy is None:
         raise ValueError("entropy is required when g_entropy is given")
     if g_sum_p_sq is not None and sum_p_sq is None:
         raise ValueError("sum_p_sq is required when g_sum_p_sq is given")
-    n, v = hidden.shape[0], weight.shape[0]
-    zeros = lambda *shape: torch.zeros(*shape, dtype=torch.float32, device=hidden.device)
-    d_hidden = zeros(hidden.shape) if need_hidden else None
-    d_weight = zeros(weight.shape) if need_weight else None
-    d_bias = zeros(v) if need_bias else None
     if need_bias and bias is None:
         raise ValueError("need_bias=True but bias is None")
+    n, v = hidden.shape[0], weight.shape[0]
+    dev = hidden.device
     if n == 0 or not (need_hidden or need_weight or need_bias):
-        return d_hidden, d_weight, d_bias
+        zeros = lambda need, shape, dtype: torch.zeros(shape, dtype=dtype, device=dev) \
+            if need else None
+        return (zeros(need_hidden, hidden.shape, torch.float32),
+                zeros(need_weight, weight.shape, weight.dtype), zeros(need_bias, v, torch.float32))
+    plan = _Plan(hidden, weight, tile_bytes)
+    # Every tile of d_weight and d_bias is written whole by its first row group.
+    d_weight = torch.empty(weight.shape, dtype=weight.dtype, device=dev) if need_weight else None
+    d_bias = torch.empty(v, dtype=torch.float32, device=dev) if need_bias else None
+    d_hidden = torch.empty(plan.n_pad, hidden.shape[1], dtype=torch.float32, device=dev) \
+        if need_hidden else None
+    # d_weight's tiles are summed over row groups in fp32 when there are several.
+    acc = None
+    if need_weight and len(plan.groups) > 1 and weight.dtype != torch.float32:
+        acc = torch.empty(plan.cols, weight.shape[1], dtype=torch.float32, device=dev)
     per_row = lambda t: None if t is None else t.float().contiguous()
-    grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]) * triton.cdiv(v, meta["BLOCK_V"]),)
-    _backward_kernel[grid](
-        hidden, weight, None if bias is None else bias.contiguous(), targets.contiguous(),
-        per_row(lse), per_row(entropy), per_row(sum_p_sq),
-        per_row(g_lp), per_row(g_entropy), per_row(g_sum_p_sq), per_row(g_mean_logit),
-        d_hidden, d_weight, d_bias,
-        inv_vocab_total=1.0 / vocab_total, GROUP_N=_GROUP_N,
-        **_common_args(hidden, weight, temperature, softcap, logit_scale),
-    )
-    return d_hidden, d_weight, d_bias
+    rows_args = [per_row(t) for t in (lse, entropy, sum_p_sq, g_lp, g_entropy, g_sum_p_sq,
+                                      g_mean_logit, g_lse)]
+    # Unused pointers still need a tensor: lse stands in for them (never read).
+    ptrs = [t if t is not None else rows_args[0] for t in rows_args]
+    meta = grad_meta(hidden.dtype, softcap, *rows_args[3:])
+    scalars = dict(softcap=1.0 if softcap is None else float(softcap),
+                   z_scale=float(logit_scale) / float(temperature),
+                   inv_vocab_total=1.0 / vocab_total)
+    targets = targets.contiguous()
+    for v0, v1 in plan.tiles():
+        w = weight[v0:v1]
+        for gi, (r0, rows) in enumerate(plan.groups):
+            real = plan.real_rows(r0, rows)
+            dx = plan.logits(weight, bias, v0, v1, r0, rows)
+            _tile_grad_kernel[(rows,)](
+                dx, dx.stride(0), targets[r0:], *(p[r0:] for p in ptrs), real, v1 - v0, v0,
+                **scalars, **meta)
+            if d_hidden is not None:
+                for c in range(0, rows, ROW_CHUNK):
+                    _addmm_fp32_(d_hidden[r0 + c:r0 + c + ROW_CHUNK], dx[c:c + ROW_CHUNK], w,
+                                 beta=0.0 if v0 == 0 else 1.0)
+            if d_weight is not None:
+                h = plan.hidden[r0:r0 + rows]
+                if acc is not None:
+                    _addmm_fp32_(acc[:v1 - v0], dx.t(), h, beta=0.0 if gi == 0 else 1.0)
+                elif gi == 0:
+                    torch.mm(dx.t(), h, out=d_weight[v0:v1])
+                else:  # fp32 inputs: the tile is its own fp32 accumulator
+                    torch.addmm(d_weight[v0:v1], dx.t(), h, out=d_weight[v0:v1])
+            if d_bias is not None:
+                part = dx.sum(0, dtype=torch.float32)
+                if gi == 0:
+                    d_bias[v0:v1] = part
+                else:
+                    d_bias[v0:v1] += part
+        if acc is not None:
+            d_weight[v0:v1] = acc[:v1 - v0]
+    return None if d_hidden is None else d_hidden[:n], d_weight, d_bias

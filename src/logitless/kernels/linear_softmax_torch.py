@@ -119,12 +119,16 @@ def tile_partials(z: torch.Tensor, local_targets: torch.Tensor, want_s2: bool,
     z_y = torch.where(has_y, z.gather(vocab_dim, idx).squeeze(vocab_dim), 0.0)
     sum_z = z.sum(vocab_dim) if want_sum_z else z.new_zeros(n)
     m = z.amax(vocab_dim, keepdim=True)
+    # placeholder (gpuhead): helper "head" owns m_before here
+    col = torch.arange(cols, device=z.device).unsqueeze(1 - vocab_dim)
+    before = col < local_targets.unsqueeze(vocab_dim)
+    m_before = torch.where(before, z, float("-inf")).amax(vocab_dim)
     z.sub_(m)
     e = torch.exp(z, out=scratch)
     l = e.sum(vocab_dim)
     a = z.mul_(e).sum(vocab_dim)  # sum e (z - m), over the logits (no longer needed)
     s2 = e.square_().sum(vocab_dim) if want_s2 else z.new_zeros(n)
-    return Partials(m.squeeze(vocab_dim), l, a, s2, sum_z, z_y)
+    return Partials(m.squeeze(vocab_dim), l, a, s2, sum_z, z_y, m_before)
 
 
 def add_one_hot_(dz, local_targets, values):
@@ -145,7 +149,7 @@ def forward(hidden, weight, bias, targets, *, temperature, softcap, logit_scale,
     n, v = hidden.shape[0], weight.shape[0]
     if n == 0:
         empty = hidden.new_empty(0, dtype=acc_dtype(hidden.dtype))
-        return Partials(*(empty,) * 6)
+        return Partials(*(empty,) * 7)  # placeholder (gpuhead)
     rows, cols = _tile_shape(n, v, tile_bytes, 2 if softcap is None else 3)
     tiles = _Tiles(min(rows, n), min(cols, v), hidden.dtype, hidden.device, softcap)
     out = []

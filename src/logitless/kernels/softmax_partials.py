@@ -32,6 +32,8 @@ class Partials(NamedTuple):
     s2: torch.Tensor
     sum_z: torch.Tensor
     z_y: torch.Tensor
+    # placeholder (gpuhead): helper "head" owns this field; the max logit before the target.
+    m_before: torch.Tensor
 
 
 def merge(parts: Partials, dim: int = 0) -> Partials:
@@ -43,7 +45,8 @@ def merge(parts: Partials, dim: int = 0) -> Partials:
     l = (parts.l * scale).sum(dim)
     a = ((parts.a + parts.l * shift) * scale).sum(dim)
     s2 = (parts.s2 * scale * scale).sum(dim)
-    return Partials(m.squeeze(dim), l, a, s2, parts.sum_z.sum(dim), parts.z_y.sum(dim))
+    return Partials(m.squeeze(dim), l, a, s2, parts.sum_z.sum(dim), parts.z_y.sum(dim),
+                    parts.m_before.amax(dim))  # placeholder (gpuhead)
 
 
 def stack(parts: list[Partials]) -> Partials:
@@ -62,6 +65,7 @@ def rescale_to(parts: Partials, m: torch.Tensor) -> Partials:
         parts.s2 * scale * scale,
         parts.sum_z,
         parts.z_y,
+        parts.m_before,  # placeholder (gpuhead)
     )
 
 
@@ -75,5 +79,6 @@ def finish(parts: Partials, vocab_size: int) -> dict[str, torch.Tensor]:
         "entropy": log_l - parts.a / parts.l,
         "sum_p_sq": parts.s2 / (parts.l * parts.l),
         "mean_logit": parts.sum_z / vocab_size,
-        "is_top1": parts.z_y >= parts.m,
+        # placeholder (gpuhead): the first maximum, as argmax
+        "is_top1": (parts.z_y >= parts.m) & (parts.z_y > parts.m_before),
     }
