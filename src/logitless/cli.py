@@ -7,13 +7,9 @@ import sys
 
 
 def _check(args: argparse.Namespace) -> int:
-    from logitless.checks import format_table, run_checks
+    from logitless.checks import run
 
-    rows = run_checks()
-    print(format_table(rows))
-    failed = [r for r in rows if not r.ok]
-    print(f"\n{len(rows) - len(failed)} passed, {len(failed)} failed")
-    return 1 if failed else 0
+    return run(args)
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -33,11 +29,14 @@ def _bench(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     from logitless.bench.cli import add_arguments
+    from logitless.checks import add_arguments as add_check_arguments
 
     parser = argparse.ArgumentParser(prog="logitless", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("check", help="every op against the fp64 reference on each device present")
-    sub.add_parser("demo", help="check, then logitless side by side with plain PyTorch")
+    add_check_arguments(sub.add_parser(
+        "check", help="every op against the fp64 reference on each backend present"))
+    add_check_arguments(sub.add_parser(
+        "demo", help="check (its options apply), then logitless side by side with plain PyTorch"))
     add_arguments(sub.add_parser(
         "bench", help="time, peak memory and error of an op, side by side with its peers"))
     args = parser.parse_args(argv)
