@@ -22,14 +22,14 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from logitless.bench.cli import run
+    from logitless.tools.bench.cli import run
 
     return run(args)
 
 
 def main(argv: list[str] | None = None) -> int:
-    from logitless.bench.cli import add_arguments
     from logitless.checks import add_arguments as add_check_arguments
+    from logitless.tools.bench.cli import add_arguments
 
     parser = argparse.ArgumentParser(prog="logitless", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)

@@ -7,7 +7,7 @@ fp32 on CPU: time and peak memory beyond the inputs and their gradients, each me
 
 from __future__ import annotations
 
-from logitless.bench.runner import Settings, run_sweep
+from logitless.tools.bench.runner import Settings, run_sweep
 
 SHAPE = {"tokens": 512, "hidden": 896, "vocab": 151936}
 _MB = 2**20

@@ -135,9 +135,9 @@ def run_trl_demo(steps: int = 4, vocab_size: int = 8192) -> int:
     from transformers.utils import logging as hf_logging
     from trl import GRPOTrainer as StockTrainer
 
-    from logitless.bench.runner import Settings, run_sweep
     from logitless.integrations import trl_head
     from logitless.integrations.trl import GRPOTrainer
+    from logitless.tools.bench.runner import Settings, run_sweep
 
     hf_logging.set_verbosity_error()
     device = "cuda" if torch.cuda.is_available() else "cpu"
