@@ -421,7 +421,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _interpreted_rows(args: argparse.Namespace) -> list[CheckRow]:
     """The CPU Triton rows, from a child process started with ``TRITON_INTERPRET=1`` (Triton
     reads it when the kernels are first imported)."""
-    argv = [sys.executable, "-m", "logitless.cli", "check", "--device", "cpu", "--backend",
+    argv = [sys.executable, "-m", "logitless.tools.cli", "check", "--device", "cpu", "--backend",
             "triton", "--json"]
     for name in ("dtype", "op"):
         if getattr(args, name):

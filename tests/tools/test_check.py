@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import logitless
-from logitless.checks import CASES, Shape, run_checks
-from logitless.cli import main
+from logitless.tools.check import CASES, Shape, run_checks
+from logitless.tools.cli import main
 
 SMALL = Shape(batch=2, seq_len=9, hidden=40, vocab=300, attn_seq_len=70)
 SMALL_ARGS = ["--batch", "2", "--seq-len", "9", "--hidden", "40", "--vocab", "300",
