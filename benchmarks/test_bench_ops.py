@@ -14,8 +14,8 @@ import os
 import pytest
 import torch
 
-from logitless.bench.measure import block_errors, prepare
-from logitless.bench.registry import get_op, get_providers
+from logitless.tools.bench.measure import block_errors, prepare
+from logitless.tools.bench.registry import get_op, get_providers
 
 SHAPES = {
     "logprobs": {"tokens": 256, "hidden": 256, "vocab": 32000},

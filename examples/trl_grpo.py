@@ -1,5 +1,5 @@
-"""GRPO with TRL and logitless, offline on a CPU: a tiny Qwen2 built from its config, a tokenizer
-trained in-process, an in-memory prompt set and a Python reward.
+"""GRPO with TRL and logitless, offline on a CPU: a tiny Qwen2 built from its config, a word-level
+tokenizer, an in-memory prompt set and a Python reward (``logitless.tools.tiny``).
 
     python examples/trl_grpo.py                 # TRL's own loss (dapo), computed by logitless
     python examples/trl_grpo.py --objective gmpo
@@ -18,13 +18,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from trl import GRPOConfig
 
 from logitless import PolicyLossConfig
-from logitless.demo_trl import (  # tiny offline stand-ins for a real setup
-    prompt_dataset,
-    tiny_qwen2,
-    tiny_tokenizer,
-    vowel_reward,
-)
 from logitless.integrations.trl import GRPOTrainer, config_from_grpo
+from logitless.tools import tiny  # tiny offline stand-ins for a real setup
 
 
 def main():
@@ -36,7 +31,7 @@ def main():
     parser.add_argument("--steps", type=int, default=6)
     cli = parser.parse_args()
 
-    tokenizer = tiny_tokenizer()
+    tokenizer = tiny.tokenizer()
     with tempfile.TemporaryDirectory() as out:
         args = GRPOConfig(
             output_dir=out, per_device_train_batch_size=8, num_generations=4,
@@ -50,10 +45,10 @@ def main():
             extra = dict(attn_entropy_weighting="tanh") if cli.attention_entropy else {}
             loss_config = PolicyLossConfig(objective=cli.objective or "dapo", **extra)
         trainer = GRPOTrainer(
-            model=tiny_qwen2(tokenizer),
-            reward_funcs=vowel_reward,
+            model=tiny.qwen2(tokenizer),
+            reward_funcs=tiny.vowel_reward,
             args=args,
-            train_dataset=prompt_dataset(),
+            train_dataset=tiny.prompts(),
             processing_class=tokenizer,
             loss_config=loss_config,
         )

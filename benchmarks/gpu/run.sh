@@ -94,13 +94,13 @@ TAG="$DATE-$SLUG"
 if [[ $DRY == 1 ]]; then
   echo "dry run: skipping 'logitless check' (it runs every op on every device present)"
 else
-  step check 90 "$PY" -m logitless.cli check
+  step check 90 "$PY" -m logitless.tools.cli check
 fi
 
 bench() {  # bench NAME TIMEOUT_S ARGS...
   local name=$1 limit=$2
   shift 2
-  step "$name" "$limit" "$PY" -m logitless.cli bench "${BENCH[@]}" "$@" \
+  step "$name" "$limit" "$PY" -m logitless.tools.cli bench "${BENCH[@]}" "$@" \
     --json "$OUT/$TAG-$name.json" --plot "$OUT/$TAG-$name.png"
 }
 

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from logitless import PolicyLossConfig, policy_loss
-from logitless.demo_trl import prompt_dataset, tiny_qwen2, tiny_tokenizer, vowel_reward
 from logitless.integrations import trl_head
 
 from testing import run_on_gloo
+from tiny_models import prompt_dataset, tiny_qwen2, tiny_tokenizer, vowel_reward
 
 trl = pytest.importorskip("trl", reason="TRL is installed by `make test`")
 

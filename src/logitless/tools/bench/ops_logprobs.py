@@ -15,7 +15,14 @@ import shutil
 import torch
 
 from logitless import reference
-from logitless.bench.registry import Inputs, Op, Outputs, Provider, register_op, register_provider
+from logitless.tools.bench.registry import (
+    Inputs,
+    Op,
+    Outputs,
+    Provider,
+    register_op,
+    register_provider,
+)
 
 
 class LogprobsOp(Op):

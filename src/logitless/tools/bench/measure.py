@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from logitless.bench.registry import Inputs, Op, Provider
+from logitless.tools.bench.registry import Inputs, Op, Provider
 
 
 @dataclass

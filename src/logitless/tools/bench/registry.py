@@ -107,9 +107,9 @@ MISSING_OPS: dict[str, str] = {}
 # Modules that register ops and providers, imported lazily so that `logitless check` does not
 # pay for them.
 _OP_MODULES = (
-    "logitless.bench.ops_logprobs",
-    "logitless.bench.ops_attention",
-    "logitless.bench.ops_policy",
+    "logitless.tools.bench.ops_logprobs",
+    "logitless.tools.bench.ops_attention",
+    "logitless.tools.bench.ops_policy",
 )
 
 

@@ -12,7 +12,7 @@ OPS = ("logprobs", "policy-loss", "attention-entropy")
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--op", choices=OPS, default="logprobs")
     p.add_argument("--preset", help="shape sweep (default: the op's small preset); see "
-                   "logitless.bench.shapes.PRESETS")
+                   "logitless.tools.bench.shapes.PRESETS")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                    help="default: float32 on CPU, bfloat16 on CUDA")
@@ -40,9 +40,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def settings_from(args: argparse.Namespace):
     import torch
 
-    from logitless.bench.registry import get_op
-    from logitless.bench.runner import Settings
-    from logitless.bench.shapes import DEFAULT_PRESET, explicit_shapes, preset_shapes
+    from logitless.tools.bench.registry import get_op
+    from logitless.tools.bench.runner import Settings
+    from logitless.tools.bench.shapes import DEFAULT_PRESET, explicit_shapes, preset_shapes
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     op = get_op(args.op)
@@ -62,8 +62,8 @@ def settings_from(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    from logitless.bench.report import describe, format_table, read_json, write_json
-    from logitless.bench.runner import run_sweep
+    from logitless.tools.bench.report import describe, format_table, read_json, write_json
+    from logitless.tools.bench.runner import run_sweep
 
     # `timeout` and job control send SIGTERM: exit through Python so that subprocess.run kills
     # the running child measurement instead of leaving it orphaned.
@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json and not args.from_json:
         print(f"wrote {args.json}")
     if args.plot:
-        from logitless.bench.plot import plot
+        from logitless.tools.bench.plot import plot
 
         plot(records, args.plot)
         print(f"wrote {args.plot}")

@@ -1,6 +1,6 @@
 """Child process of ``logitless bench``: one measurement, in a process of its own.
 
-Run as ``python -m logitless.bench.child '<json spec>'``; prints one line
+Run as ``python -m logitless.tools.bench.child '<json spec>'``; prints one line
 ``RESULT <json figures>``. A fresh process per provider keeps its peak resident memory, its
 thread pools and its compiled-kernel caches from leaking into another provider's figures.
 """
@@ -12,8 +12,8 @@ import sys
 
 import torch
 
-from logitless.bench.measure import measure
-from logitless.bench.registry import get_op, get_providers
+from logitless.tools.bench.measure import measure
+from logitless.tools.bench.registry import get_op, get_providers
 
 MARKER = "RESULT "
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from logitless import reference
-from logitless.bench.registry import Op, Provider, register_op, register_provider
+from logitless.tools.bench.registry import Op, Provider, register_op, register_provider
 
 
 class AttentionEntropyOp(Op):

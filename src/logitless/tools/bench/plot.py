@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from logitless.bench.registry import get_op
+from logitless.tools.bench.registry import get_op
 
 _MB = 2**20
 

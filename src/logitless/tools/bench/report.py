@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from logitless.bench.shapes import label
+from logitless.tools.bench.shapes import label
 
 _MB = 2**20
 

@@ -17,8 +17,8 @@ import importlib.util
 import torch
 
 from logitless import reference
-from logitless.bench.ops_logprobs import LogprobsOp, PlainGemms
-from logitless.bench.registry import Provider, register_op, register_provider
+from logitless.tools.bench.ops_logprobs import LogprobsOp, PlainGemms
+from logitless.tools.bench.registry import Provider, register_op, register_provider
 
 SEQ_LEN = 128
 

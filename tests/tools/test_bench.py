@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from logitless.bench.measure import Figures, measure, quantiles
-from logitless.bench.registry import Provider, get_op
-from logitless.bench.report import format_table
-from logitless.cli import main
-from logitless.demo import side_by_side
+from logitless.tools.bench.measure import Figures, measure, quantiles
+from logitless.tools.bench.registry import Provider, get_op
+from logitless.tools.bench.report import format_table
+from logitless.tools.cli import main
+from logitless.tools.demo import side_by_side
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 N, D, V = 48, 32, 3000
 
 

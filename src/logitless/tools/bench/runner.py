@@ -20,10 +20,10 @@ from importlib.metadata import PackageNotFoundError, version
 
 import torch
 
-from logitless.bench.child import MARKER
-from logitless.bench.measure import Figures, measure
-from logitless.bench.registry import Provider, get_op, get_providers
-from logitless.bench.shapes import label
+from logitless.tools.bench.child import MARKER
+from logitless.tools.bench.measure import Figures, measure
+from logitless.tools.bench.registry import Provider, get_op, get_providers
+from logitless.tools.bench.shapes import label
 
 
 @dataclass
@@ -124,7 +124,7 @@ def _one(settings: Settings, provider: Provider, shape, mode, isolate):
 
 
 def _in_child(spec: dict, env: dict[str, str], timeout_s: float) -> Figures:
-    cmd = [sys.executable, "-m", "logitless.bench.child", json.dumps(spec)]
+    cmd = [sys.executable, "-m", "logitless.tools.bench.child", json.dumps(spec)]
     try:
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:

@@ -1,68 +1,60 @@
-"""GRPO through TRL on a tiny model, stock TRL beside logitless: the LM head's time and memory.
+"""``logitless demo`` (after ``logitless check``): logitless beside plain PyTorch and stock TRL.
 
-Everything is built in-process (a Qwen2 model from its config, a byte-level BPE tokenizer
-trained on made-up words, an in-memory prompt set, a Python reward), so it runs offline on
-a CPU. The tests and ``examples/trl_grpo.py`` use the same pieces.
+1. ``linear_logprobs`` forward+backward with entropy on a Qwen2.5-0.5B-sized head (D=896,
+   V=151936) for 512 tokens, fp32 on CPU, beside the naive materialised logits: time and peak
+   memory beyond the inputs and their gradients, each measured by ``logitless bench``'s
+   machinery in a process of its own, and their ratios.
+2. A few GRPO steps through TRL on a tiny model (``logitless.tools.tiny``), stock
+   ``GRPOTrainer`` beside logitless's, then the LM head's time and memory at the shape those
+   steps sent it.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
-import random
+import tempfile
 import time
 from contextlib import contextmanager
 
 import torch
 
-SENTENCE = ("the cat sat on a mat while one dog ran to the red house and two birds sang "
-            "about blue water under a tall green tree near seven old stones")
-PROMPTS = ["the cat", "a dog ran", "two birds", "seven old", "blue water", "the red house",
-           "one tall tree", "under a mat"]
+from logitless.tools import tiny
+from logitless.tools.bench.runner import Settings, run_sweep
+
+SHAPE = {"tokens": 512, "hidden": 896, "vocab": 151936}
+_MB = 2**20
 
 
-def tiny_tokenizer(vocab_size: int = 300):
-    """A byte-level BPE tokenizer trained here on made-up words (``<pad>``, ``<eos>``)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    rng = random.Random(0)
-    letters = "abcdefghijklmnopqrstuvwxyz"
-    made_up = ["".join(rng.choice(letters) for _ in range(rng.randint(2, 9)))
-               for _ in range(4 * vocab_size)]
-    corpus = [SENTENCE] + [" ".join(made_up[i:i + 16]) for i in range(0, len(made_up), 16)]
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<pad>", "<eos>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(corpus, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
-
-
-def tiny_qwen2(tokenizer, *, hidden: int = 32, layers: int = 2, seed: int = 0):
-    """A randomly initialised fp32 Qwen2 causal LM over ``tokenizer``'s vocabulary."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    config = Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
-        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=128, tie_word_embeddings=False,
-        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=None,
-    )
-    torch.manual_seed(seed)
-    return Qwen2ForCausalLM(config)
+def side_by_side(records: list[dict]) -> str:
+    """Table of the naive and logitless rows of one shape, with logitless / naive ratios."""
+    by = {r["provider"]: r for r in records}
+    ours, naive = by["logitless"], by["naive"]
+    lines = [f"{'':<16}{'time (median)':>16}{'peak MB':>12}{'max err vs fp64':>18}"]
+    for name, r in (("naive PyTorch", naive), ("logitless", ours)):
+        if r["status"] != "ok":
+            lines.append(f"{name:<16}{r['status']}: {r['reason']}")
+            continue
+        err = max(r["errors"].values()) if r["errors"] else float("nan")
+        lines.append(f"{name:<16}{r['time_ms']['median'] / 1e3:>15.2f}s"
+                     f"{r['peak_bytes'] / _MB:>12.1f}{err:>18.1e}")
+    if ours["status"] == naive["status"] == "ok":
+        t = ours["time_ms"]["median"] / naive["time_ms"]["median"]
+        m = ours["peak_bytes"] / max(naive["peak_bytes"], 1)
+        lines.append(f"{'logitless/naive':<16}{t:>15.2f}x{m:>11.3f}x")
+    return "\n".join(lines)
 
 
-def prompt_dataset(n: int = len(PROMPTS)):
-    from datasets import Dataset
-
-    return Dataset.from_dict({"prompt": [PROMPTS[i % len(PROMPTS)] for i in range(n)]})
-
-
-def vowel_reward(completions, **kwargs) -> list[float]:
-    """Reward: the fraction of vowels in the completion's text (varies between samples)."""
-    return [sum(c in "aeiou" for c in text) / max(len(text), 1) for text in completions]
+def run_head_demo() -> int:
+    shape = ", ".join(f"{k}={v}" for k, v in SHAPE.items())
+    print(f"\nlinear_logprobs forward+backward with entropy vs naive PyTorch (materialised "
+          f"logits), fp32, CPU, {shape}\npeak MB: above the inputs and their gradients, each "
+          f"provider in its own process (about a minute)")
+    records = run_sweep(Settings(op="logprobs", shapes=[SHAPE], modes=["fwd-bwd"],
+                                 providers=["naive", "logitless"], warmup=0, repeats=2))
+    print(side_by_side(records))
+    print("more: logitless bench --op logprobs --device cpu --preset qwen-small")
+    return 0 if all(r["status"] == "ok" for r in records) else 1
 
 
 class _TimedKernel:
@@ -113,9 +105,8 @@ def _train(trainer_cls, steps, tokenizer, device, workdir):
         report_to=[], bf16=False, use_cpu=device == "cpu", seed=0, save_strategy="no",
         disable_tqdm=True, num_iterations=2, steps_per_generation=2,
     )
-    trainer = trainer_cls(model=tiny_qwen2(tokenizer, hidden=64), reward_funcs=vowel_reward,
-                          args=args, train_dataset=prompt_dataset(32),
-                          processing_class=tokenizer)
+    trainer = trainer_cls(model=tiny.qwen2(tokenizer, hidden=64), reward_funcs=tiny.vowel_reward,
+                          args=args, train_dataset=tiny.prompts(32), processing_class=tokenizer)
     trainer.remove_callback(PrinterCallback)
     trainer.train()
     return [h["loss"] for h in trainer.state.log_history if "loss" in h]
@@ -124,9 +115,6 @@ def _train(trainer_cls, steps, tokenizer, device, workdir):
 def run_trl_demo(steps: int = 4, vocab_size: int = 8192) -> int:
     """A few GRPO steps with TRL's trainer and with logitless's, then the LM head's time and
     peak memory side by side at the shape those steps sent it (``logitless bench``)."""
-    import importlib.util
-    import tempfile
-
     if importlib.util.find_spec("trl") is None:
         print("\nGRPO through TRL: skipped, TRL is not installed (pip install 'logitless[trl]')")
         return 0
@@ -135,13 +123,12 @@ def run_trl_demo(steps: int = 4, vocab_size: int = 8192) -> int:
     from transformers.utils import logging as hf_logging
     from trl import GRPOTrainer as StockTrainer
 
-    from logitless.bench.runner import Settings, run_sweep
     from logitless.integrations import trl_head
     from logitless.integrations.trl import GRPOTrainer
 
     hf_logging.set_verbosity_error()
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    tokenizer = tiny_tokenizer(vocab_size)
+    tokenizer = tiny.tokenizer(vocab_size)
     runs = (("stock TRL", StockTrainer, trl_utils, "_ChunkedLogProbFunction"),
             ("logitless", GRPOTrainer, trl_head.LogitlessChunkedLogProb, "apply"))
     print(f"\nGRPO through TRL: {steps} steps of a tiny Qwen2 (vocab {len(tokenizer)}, hidden "
@@ -168,3 +155,8 @@ def run_trl_demo(steps: int = 4, vocab_size: int = 8192) -> int:
         print(f"{r['provider']:<12}{r['time_ms']['median']:>10.2f}"
               f"{r['peak_bytes'] / 2**20:>10.2f}")
     return 0 if all(r["status"] == "ok" for r in records) else 1
+
+
+def run_demo() -> int:
+    """Both parts; 1 if any measurement failed."""
+    return max(run_head_demo(), run_trl_demo())

@@ -1,0 +1,1 @@
+"""The command-line tools: ``logitless check``, ``demo`` and ``bench``."""

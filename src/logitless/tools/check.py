@@ -1,0 +1,470 @@
+"""``logitless check``: every public op against the fp64 reference, on each backend present.
+
+Ops: ``linear_logprobs`` (every statistic and the gradients of hidden, weight and bias),
+``policy_loss`` (loss, gradients of the logprobs and entropies), ``fused_policy_loss`` (loss,
+gradients of the head) and ``attention_entropy``, each in a few cases that switch its options
+on. Backends: the torch twins (``LOGITLESS_BACKEND=torch``) and the Triton kernels
+(``LOGITLESS_BACKEND=triton``; on CPU under ``TRITON_INTERPRET=1``).
+
+Every op runs on inputs drawn in fp64 and rounded to the dtype under test; the oracle is
+``logitless.reference`` on those same rounded values in fp64. fp32 must match it to
+``FP32_TOL * (1 + max |oracle|)``; bf16/fp16 pass the three-way test
+(``|ours - fp64| <= |same-dtype reference - fp64| + REDUCED_TOL * max |oracle|``, elementwise),
+so a reduced-precision result is held to the standard of the plain PyTorch it replaces.
+Shapes are chosen to span several tiles of each implementation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, fields, replace
+
+import torch
+
+import logitless
+from logitless import PolicyLossConfig, reference
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# fp32 verdict: max |ours - fp64| <= FP32_TOL * (1 + max |fp64|), normwise over the tensor.
+FP32_TOL = 2e-5
+# Added to the same-dtype error in the three-way test, relative to the quantity's scale.
+REDUCED_TOL = 1e-2
+# Bound on the torch twin's temporary logits: tiles of 64 rows by 1024 vocabulary columns, so
+# the default shape (148 rows, V=4099) spans 3 x 5 of them (the Triton kernels' tiles are
+# smaller still).
+TILE_BYTES = 512 * 2**10
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Sizes of the checked problems: ``batch`` sequences of up to ``seq_len`` tokens through a
+    ``[vocab, hidden]`` head; attention over ``attn_seq_len`` positions, ``heads`` query and
+    ``kv_heads`` key heads of ``head_dim``."""
+
+    batch: int = 4
+    seq_len: int = 37
+    hidden: int = 96
+    vocab: int = 4099
+    attn_seq_len: int = 520
+    heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 40
+
+    def __post_init__(self):
+        for f in fields(self):
+            if getattr(self, f.name) < 1:
+                raise ValueError(f"{f.name} must be a positive size, got {getattr(self, f.name)}")
+        if self.heads % self.kv_heads:
+            raise ValueError(f"heads ({self.heads}) must be a multiple of kv_heads "
+                             f"({self.kv_heads})")
+
+
+@dataclass
+class CheckRow:
+    op: str
+    case: str
+    backend: str
+    device: str
+    dtype: str
+    shape: str
+    quantity: str
+    max_abs: float
+    max_rel: float
+    ok: bool
+
+
+def present_devices() -> list[str]:
+    return ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
+
+
+def default_backends(device: str) -> list[str]:
+    """The backends checked by default: both on CUDA; on CPU the torch twin, and the Triton
+    kernels too when the interpreter is on (``TRITON_INTERPRET=1``)."""
+    if device != "cpu" or os.environ.get("TRITON_INTERPRET") == "1":
+        return ["torch", "triton"]
+    return ["torch"]
+
+
+@contextmanager
+def use_backend(backend: str):
+    """``LOGITLESS_BACKEND=backend`` for the duration (the library reads it at each call)."""
+    previous = os.environ.get("LOGITLESS_BACKEND")
+    os.environ["LOGITLESS_BACKEND"] = backend
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("LOGITLESS_BACKEND")
+        else:
+            os.environ["LOGITLESS_BACKEND"] = previous
+
+
+def compare(ours, oracle, same, dtype) -> tuple[float, float, bool]:
+    """Errors of ``ours`` against the fp64 ``oracle``, and the verdict for ``dtype`` (``same``,
+    the same-dtype reference, is read for bf16/fp16 only)."""
+    ours, oracle = ours.detach().double().cpu(), oracle.detach().double().cpu()
+    if ours.shape != oracle.shape:
+        return float("inf"), float("inf"), False
+    err = (ours - oracle).abs()
+    if not err.numel():
+        return 0.0, 0.0, True
+    scale = float(oracle.abs().max().clamp_min(1e-30))
+    max_abs = float(err.max())
+    max_rel = float((err / oracle.abs().clamp_min(scale * 1e-3)).max())
+    if dtype == torch.float32:
+        ok = max_abs <= FP32_TOL * (1.0 + scale)
+    else:
+        bound = (same.detach().double().cpu() - oracle).abs() + REDUCED_TOL * scale
+        ok = bool((err <= bound).all())
+    return max_abs, max_rel, ok
+
+
+@dataclass
+class Case:
+    """One call of an op: fp64 ``inputs`` (the floating ones are rounded to the dtype under
+    test), ``leaves`` differentiated, ``upstream`` gradients of named outputs, and the op and
+    the reference as functions of the inputs returning named outputs."""
+
+    op: str
+    name: str
+    shape: str
+    inputs: dict[str, torch.Tensor]
+    leaves: tuple[str, ...]
+    upstream: dict[str, torch.Tensor]
+    ours: Callable[..., dict[str, torch.Tensor]]
+    plain: Callable[..., dict[str, torch.Tensor]]
+
+
+def _evaluate(fn, case: Case, device: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """``fn``'s outputs and the gradients of its leaves (``d_<leaf>``) on the case's inputs in
+    ``dtype`` on ``device``."""
+    args = {}
+    for key, value in case.inputs.items():
+        value = value.to(device=device, dtype=dtype) if value.is_floating_point() else \
+            value.to(device)
+        args[key] = value.requires_grad_(True) if key in case.leaves else value
+    outs = fn(**args)
+    result = {k: v.detach() for k, v in outs.items()}
+    if case.leaves:
+        loss = sum((outs[k].double() * u.to(device)).sum() for k, u in case.upstream.items())
+        leaves = [args[k] for k in case.leaves]
+        grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+        for key, leaf, g in zip(case.leaves, leaves, grads):
+            result[f"d_{key}"] = torch.zeros_like(leaf) if g is None else g
+    return result
+
+
+def run_case(case: Case, device: str, backend: str, dtype: torch.dtype) -> Iterator[CheckRow]:
+    rounded = {k: v.to(dtype).double() if v.is_floating_point() else v
+               for k, v in case.inputs.items()}
+    rounded_case = replace(case, inputs=rounded)
+    with use_backend(backend):
+        got = _evaluate(case.ours, rounded_case, device, dtype)
+    exact = _evaluate(case.plain, rounded_case, "cpu", torch.float64)
+    same = None if dtype == torch.float32 else _evaluate(case.plain, rounded_case, device, dtype)
+    for name, want in exact.items():
+        ours = got.get(name, torch.full((), float("nan")))
+        max_abs, max_rel, ok = compare(ours, want, None if same is None else same[name], dtype)
+        yield CheckRow(case.op, case.name, backend, device, str(dtype).replace("torch.", ""),
+                       case.shape, name, max_abs, max_rel, ok)
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _lengths_mask(shape: Shape, gen: torch.Generator) -> torch.Tensor:
+    """``[B, T]`` right-padded mask with lengths in ``[1, T]``, the first sequence full."""
+    lengths = torch.randint(1, shape.seq_len + 1, (shape.batch,), generator=gen)
+    lengths[0] = shape.seq_len
+    return torch.arange(shape.seq_len)[None] < lengths[:, None]
+
+
+def linear_logprobs_cases(shape: Shape) -> Iterator[Case]:
+    """Every statistic, with and without the bias, the logit transform and ignored rows."""
+    n, d, v = shape.batch * shape.seq_len, shape.hidden, shape.vocab
+    stats = ("sum_p_sq", "mean_logit", "is_top1", "lse")
+    for name, transform, bias, ignored in (
+        ("plain", {}, False, False),
+        ("bias, T=0.9, softcap=8, scale=1.3, ignored rows",
+         dict(temperature=0.9, softcap=8.0, logit_scale=1.3), True, True),
+    ):
+        gen = _gen(n * 1000 + v + len(name))
+        inputs = {"hidden": torch.randn(n, d, generator=gen, dtype=torch.float64),
+                  "weight": torch.randn(v, d, generator=gen, dtype=torch.float64) * 2 / d**0.5,
+                  "targets": torch.randint(0, v, (n,), generator=gen)}
+        if bias:
+            inputs["bias"] = torch.randn(v, generator=gen, dtype=torch.float64)
+        if ignored:
+            inputs["targets"][::7] = -100
+        upstream = {k: torch.randn(n, generator=gen, dtype=torch.float64)
+                    for k in ("logprobs", "entropy", "sum_p_sq", "mean_logit")}
+
+        def ours(hidden, weight, targets, bias=None, transform=transform):
+            o = logitless.linear_logprobs(hidden, weight, targets, bias=bias, return_entropy=True,
+                                          stats=stats, max_tile_bytes=TILE_BYTES, **transform)
+            return {"logprobs": o.logprobs, "entropy": o.entropy, "sum_p_sq": o.sum_p_sq,
+                    "mean_logit": o.mean_logit, "is_top1": o.is_top1, "lse": o.lse}
+
+        def plain(hidden, weight, targets, bias=None, transform=transform):
+            r = reference.linear_softmax_stats(hidden, weight, targets, bias, **transform)
+            return {k: r[k] for k in ("logprobs", "entropy", "sum_p_sq", "mean_logit",
+                                      "is_top1", "lse")}
+
+        yield Case("linear_logprobs", name, f"N={n} D={d} V={v}", inputs,
+                   tuple(k for k in ("hidden", "weight", "bias") if k in inputs), upstream,
+                   ours, plain)
+
+
+# The policy-loss cases: a token-level objective with a KL penalty and an entropy bonus, and a
+# sequence-level one (per-sequence reductions, the segment kernels).
+POLICY_CASES = {
+    "grpo, KL k3, entropy bonus": dict(objective="grpo", beta=0.1, entropy_coef=0.02),
+    "gspo (sequence ratio)": dict(objective="gspo"),
+}
+
+
+def _policy_inputs(shape: Shape, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    b, t = shape.batch, shape.seq_len
+    old = -torch.rand(b, t, generator=gen, dtype=torch.float64) * 2.5 - 0.05
+    return {"old_logprobs": old,
+            "ref_logprobs": old + 0.2 * torch.randn(b, t, generator=gen, dtype=torch.float64),
+            "advantages": torch.randn(b, generator=gen, dtype=torch.float64),
+            "mask": _lengths_mask(shape, gen)}
+
+
+def _cu_seqlens(mask: torch.Tensor) -> torch.Tensor:
+    return torch.cat([mask.new_zeros(1, dtype=torch.long), mask.sum(-1).cumsum(0)])
+
+
+def policy_loss_cases(shape: Shape) -> Iterator[Case]:
+    """Each of ``POLICY_CASES``, padded and packed (``cu_seqlens``)."""
+    b, t = shape.batch, shape.seq_len
+    for name, options in POLICY_CASES.items():
+        config = PolicyLossConfig(**options)
+        for packed in (False, True):
+            gen = _gen(b * t + len(name) + packed)
+            inputs = _policy_inputs(shape, gen)
+            inputs["logprobs"] = (inputs["old_logprobs"] + 0.3 * torch.randn(
+                b, t, generator=gen, dtype=torch.float64)).clamp(max=-1e-3)
+            inputs["entropy"] = torch.rand(b, t, generator=gen, dtype=torch.float64) * 2
+
+            def ours(logprobs, old_logprobs, ref_logprobs, advantages, mask, entropy,
+                     config=config, packed=packed):
+                tokens = dict(logprobs=logprobs, old_logprobs=old_logprobs,
+                              ref_logprobs=ref_logprobs, entropy=entropy, mask=mask)
+                extra = {}
+                if packed:
+                    tokens = {k: x[mask] for k, x in tokens.items()}
+                    extra["cu_seqlens"] = _cu_seqlens(mask)
+                loss, _ = logitless.policy_loss(
+                    tokens.pop("logprobs"), tokens.pop("old_logprobs"), advantages,
+                    tokens.pop("mask"), config, **tokens, **extra)
+                return {"loss": loss}
+
+            def plain(logprobs, old_logprobs, ref_logprobs, advantages, mask, entropy,
+                      config=config):
+                return {"loss": reference.policy_loss_reference(
+                    logprobs, old_logprobs, advantages, mask, config, ref=ref_logprobs,
+                    entropy=entropy)}
+
+            layout = "packed" if packed else "padded"
+            yield Case("policy_loss", f"{name}, {layout}", f"B={b} T={t}", inputs,
+                       ("logprobs", "entropy"), {"loss": torch.ones((), dtype=torch.float64)},
+                       ours, plain)
+
+
+def fused_policy_loss_cases(shape: Shape) -> Iterator[Case]:
+    """Each of ``POLICY_CASES`` from the head: padded and chunked (a memory budget of a few
+    dozen rows, so several chunks), packed and streaming."""
+    b, t, d, v = shape.batch, shape.seq_len, shape.hidden, shape.vocab
+    head = dict(temperature=0.9, softcap=8.0)
+    budget = 48 * v * 4
+    for (name, options), (packed, strategy) in zip(POLICY_CASES.items(),
+                                                   ((False, "chunked"), (True, "streaming"))):
+        config = PolicyLossConfig(**options)
+        gen = _gen(b * t * v + len(name))
+        inputs = _policy_inputs(shape, gen)
+        inputs.update(hidden=torch.randn(b, t, d, generator=gen, dtype=torch.float64),
+                      weight=torch.randn(v, d, generator=gen, dtype=torch.float64) * 2 / d**0.5,
+                      bias=torch.randn(v, generator=gen, dtype=torch.float64),
+                      targets=torch.randint(0, v, (b, t), generator=gen))
+        # Old and reference logprobs near the head's own, as in training: ratios near 1.
+        current = reference.linear_softmax_stats(inputs["hidden"], inputs["weight"],
+                                                 inputs["targets"], inputs["bias"],
+                                                 **head)["logprobs"]
+        for key, noise in (("old_logprobs", 0.3), ("ref_logprobs", 0.2)):
+            inputs[key] = current + noise * torch.randn(b, t, generator=gen, dtype=torch.float64)
+
+        def ours(hidden, weight, bias, targets, old_logprobs, ref_logprobs, advantages, mask,
+                 config=config, packed=packed, strategy=strategy):
+            extra = {}
+            if packed:
+                hidden, targets, old_logprobs, ref_logprobs = (
+                    x[mask] for x in (hidden, targets, old_logprobs, ref_logprobs))
+                extra["cu_seqlens"] = _cu_seqlens(mask)
+                mask = mask[mask]
+            loss, _ = logitless.fused_policy_loss(
+                hidden, weight, targets, old_logprobs, advantages, mask, config, bias=bias,
+                ref_logprobs=ref_logprobs, memory_budget=budget, strategy=strategy, **head,
+                **extra)
+            return {"loss": loss}
+
+        def plain(hidden, weight, bias, targets, old_logprobs, ref_logprobs, advantages, mask,
+                  config=config):
+            stats = reference.linear_softmax_stats(hidden, weight, targets, bias, **head)
+            return {"loss": reference.policy_loss_reference(
+                stats["logprobs"], old_logprobs, advantages, mask, config, ref=ref_logprobs,
+                entropy=stats["entropy"])}
+
+        layout = "packed" if packed else "padded"
+        yield Case("fused_policy_loss", f"{name}, {layout}, {strategy}",
+                   f"B={b} T={t} D={d} V={v}", inputs, ("hidden", "weight", "bias"),
+                   {"loss": torch.ones((), dtype=torch.float64)}, ours, plain)
+
+
+def attention_entropy_cases(shape: Shape) -> Iterator[Case]:
+    """Causal GQA over padded rows (left and right padding), and a sliding window with a
+    soft cap over packed sequences; forward only (the op has no backward)."""
+    b, t, hq, hk, hd = shape.batch, shape.attn_seq_len, shape.heads, shape.kv_heads, \
+        shape.head_dim
+    for packed in (False, True):
+        gen = _gen(b * t + packed)
+        q = torch.randn(b, hq, t, hd, generator=gen, dtype=torch.float64) * 1.5
+        k = torch.randn(b, hk, t, hd, generator=gen, dtype=torch.float64)
+        if packed:
+            lengths = torch.randint(1, t + 1, (b,), generator=gen)
+            lengths[0] = t
+            cu = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+            rows = torch.arange(t)[None] < lengths[:, None]
+            inputs = {"q": q.transpose(1, 2)[rows], "k": k.transpose(1, 2)[rows],
+                      "cu_seqlens": cu}
+            options = dict(window=t // 3, softcap=20.0)
+            name, dims = "window, softcap, packed", f"total={int(cu[-1])} (B={b} T<={t})"
+        else:
+            inputs = {"q": q, "k": k, "attention_mask": torch.ones(b, t, dtype=torch.bool)}
+            inputs["attention_mask"][0, : t // 4] = False
+            inputs["attention_mask"][-1, -(t // 5):] = False
+            options = {}
+            name, dims = "causal, padded", f"B={b} T={t}"
+
+        def ours(options=options, **tensors):
+            return {"entropy": logitless.attention_entropy(**tensors, **options)}
+
+        def plain(options=options, **tensors):
+            return {"entropy": reference.attention_entropy(**tensors, **options)}
+
+        yield Case("attention_entropy", name, f"{dims} Hq={hq} Hk={hk} d={hd}", inputs, (),
+                   {}, ours, plain)
+
+
+CASES: dict[str, Callable[[Shape], Iterator[Case]]] = {
+    "linear_logprobs": linear_logprobs_cases,
+    "policy_loss": policy_loss_cases,
+    "fused_policy_loss": fused_policy_loss_cases,
+    "attention_entropy": attention_entropy_cases,
+}
+
+
+def run_checks(
+    *,
+    devices: list[str] | None = None,
+    backends: list[str] | None = None,
+    dtypes: list[str] | None = None,
+    ops: list[str] | None = None,
+    shape: Shape | None = None,
+) -> list[CheckRow]:
+    """Rows of every case of ``ops`` (default all) on each device, backend and dtype (defaults:
+    :func:`present_devices`, :func:`default_backends`, all of ``DTYPES``)."""
+    shape = shape or Shape()
+    rows = []
+    for device in devices or present_devices():
+        for backend in backends or default_backends(device):
+            for dtype in dtypes or list(DTYPES):
+                for op in ops or list(CASES):
+                    for case in CASES[op](shape):
+                        rows.extend(run_case(case, device, backend, DTYPES[dtype]))
+    return rows
+
+
+def format_table(rows: list[CheckRow]) -> str:
+    head = ("op", "case", "backend", "device", "dtype", "shape", "quantity", "max abs err",
+            "max rel err", "verdict")
+    body = [(r.op, r.case, r.backend, r.device, r.dtype, r.shape, r.quantity,
+             f"{r.max_abs:.2e}", f"{r.max_rel:.2e}", "ok" if r.ok else "FAIL") for r in rows]
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *body)]
+    line = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()
+    return "\n".join([line(head), line(["-" * w for w in widths]), *map(line, body)])
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", nargs="+", choices=("cpu", "cuda"),
+                   help="default: cpu, and cuda when present")
+    p.add_argument("--backend", nargs="+", choices=("torch", "triton"),
+                   help="default: both on CUDA; on CPU torch (and triton when TRITON_INTERPRET=1 "
+                   "is set); triton on CPU runs under the Triton interpreter (slow: minutes)")
+    p.add_argument("--dtype", nargs="+", choices=tuple(DTYPES), help="default: all three")
+    p.add_argument("--op", nargs="+", choices=tuple(CASES), help="default: every op")
+    for f in fields(Shape):
+        p.add_argument(f"--{f.name.replace('_', '-')}", type=int, default=f.default,
+                       dest=f.name, help=f"default {f.default}")
+    p.add_argument("--json", action="store_true", help="print one JSON object per row")
+
+
+def _interpreted_rows(args: argparse.Namespace) -> list[CheckRow]:
+    """The CPU Triton rows, from a child process started with ``TRITON_INTERPRET=1`` (Triton
+    reads it when the kernels are first imported)."""
+    argv = [sys.executable, "-m", "logitless.tools.cli", "check", "--device", "cpu", "--backend",
+            "triton", "--json"]
+    for name in ("dtype", "op"):
+        if getattr(args, name):
+            argv += [f"--{name}", *getattr(args, name)]
+    for f in fields(Shape):
+        argv += [f"--{f.name.replace('_', '-')}", str(getattr(args, f.name))]
+    child = subprocess.run(argv, env={**os.environ, "TRITON_INTERPRET": "1"},
+                           capture_output=True, text=True)
+    if child.returncode not in (0, 1):
+        raise RuntimeError(f"the Triton interpreter's check failed to run:\n{child.stderr}")
+    return [CheckRow(**json.loads(line)) for line in child.stdout.splitlines()
+            if line.startswith("{")]
+
+
+def run(args: argparse.Namespace) -> int:
+    """``logitless check``: the table (or JSON rows) and the exit status, 1 on any failure."""
+    try:
+        shape = Shape(**{f.name: getattr(args, f.name) for f in fields(Shape)})
+    except ValueError as err:
+        print(f"logitless check: {err}", file=sys.stderr)
+        return 2
+    devices = args.device or present_devices()
+    if "cuda" in devices and not torch.cuda.is_available():
+        print("logitless check: --device cuda, but torch sees no CUDA device", file=sys.stderr)
+        return 2
+    rows = []
+    for device in devices:
+        for backend in args.backend or default_backends(device):
+            if backend == "triton" and importlib.util.find_spec("triton") is None:
+                print("logitless check: --backend triton, but Triton is not installed",
+                      file=sys.stderr)
+                return 2
+            if device == "cpu" and backend == "triton" and \
+                    os.environ.get("TRITON_INTERPRET") != "1":
+                rows += _interpreted_rows(args)
+                continue
+            rows += run_checks(devices=[device], backends=[backend], dtypes=args.dtype,
+                               ops=args.op, shape=shape)
+    failed = [r for r in rows if not r.ok]
+    if args.json:
+        for row in rows:
+            print(json.dumps(asdict(row)))
+    else:
+        print(format_table(rows))
+        print(f"\n{len(rows) - len(failed)} passed, {len(failed)} failed")
+    return 1 if failed else 0

@@ -1,0 +1,121 @@
+"""``logitless check``: every public op passes against the fp64 reference on the CPU backends,
+and a deliberately corrupted op is caught, in the quantity that was corrupted."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import logitless
+from logitless.tools.check import CASES, Shape, run_checks
+from logitless.tools.cli import main
+
+SMALL = Shape(batch=2, seq_len=9, hidden=40, vocab=300, attn_seq_len=70)
+SMALL_ARGS = ["--batch", "2", "--seq-len", "9", "--hidden", "40", "--vocab", "300",
+              "--attn-seq-len", "70"]
+QUANTITIES = {
+    "linear_logprobs": {"logprobs", "entropy", "sum_p_sq", "mean_logit", "is_top1", "lse",
+                        "d_hidden", "d_weight", "d_bias"},
+    "policy_loss": {"loss", "d_logprobs", "d_entropy"},
+    "fused_policy_loss": {"loss", "d_hidden", "d_weight", "d_bias"},
+    "attention_entropy": {"entropy"},
+}
+
+
+def test_every_op_passes_on_the_torch_twins(capsys):
+    assert main(["check", "--device", "cpu", "--backend", "torch", "--dtype", "float32",
+                 "bfloat16", *SMALL_ARGS]) == 0
+    out = capsys.readouterr().out
+    assert "0 failed" in out and "FAIL" not in out
+    for op in CASES:
+        assert op in out
+
+
+def test_every_op_and_quantity_is_covered():
+    rows = run_checks(devices=["cpu"], backends=["torch"], dtypes=["float32"], shape=SMALL)
+    seen: dict[str, set[str]] = {}
+    for r in rows:
+        seen.setdefault(r.op, set()).add(r.quantity)
+    assert seen == QUANTITIES
+    assert all(r.ok for r in rows)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="the Triton kernels run on CPU under TRITON_INTERPRET=1")
+def test_every_op_passes_on_the_triton_kernels():
+    rows = run_checks(devices=["cpu"], backends=["triton"], dtypes=["float32"], shape=SMALL)
+    assert {r.op for r in rows} == set(QUANTITIES)
+    assert all(r.ok for r in rows), [r for r in rows if not r.ok]
+
+
+def test_triton_on_cpu_without_the_interpreter_runs_in_a_child(monkeypatch, capsys):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert main(["check", "--device", "cpu", "--backend", "triton", "--dtype", "float32",
+                 "--op", "policy_loss", *SMALL_ARGS]) == 0
+    body = capsys.readouterr().out.splitlines()[2:-2]
+    assert body and all(line.split()[0] == "policy_loss" and " triton " in line
+                        and line.endswith("ok") for line in body)
+
+
+def _slow_gradient(x, factor=1.01):
+    """``x`` with its value unchanged and its gradient scaled by ``factor``."""
+    return x + (factor - 1) * (x - x.detach())
+
+
+def _corrupt_linear_logprobs(op):
+    def corrupted(*args, **kwargs):
+        out = op(*args, **kwargs)
+        out.logprobs = _slow_gradient(out.logprobs)
+        return out
+    return corrupted, {"d_hidden", "d_weight", "d_bias"}
+
+
+def _corrupt_policy_loss(op):
+    def corrupted(logprobs, *args, **kwargs):
+        return op(_slow_gradient(logprobs, 1.05), *args, **kwargs)
+    return corrupted, {"d_logprobs"}
+
+
+def _corrupt_fused_policy_loss(op):
+    def corrupted(hidden, *args, **kwargs):
+        return op(_slow_gradient(hidden), *args, **kwargs)
+    return corrupted, {"d_hidden"}
+
+
+def _corrupt_attention_entropy(op):
+    def corrupted(*args, **kwargs):
+        out = op(*args, **kwargs).clone()
+        out.view(-1)[-1] += 1e-3
+        return out
+    return corrupted, {"entropy"}
+
+
+CORRUPTIONS = {
+    "linear_logprobs": _corrupt_linear_logprobs,
+    "policy_loss": _corrupt_policy_loss,
+    "fused_policy_loss": _corrupt_fused_policy_loss,
+    "attention_entropy": _corrupt_attention_entropy,
+}
+
+
+@pytest.mark.parametrize("op", list(CORRUPTIONS))
+def test_a_corrupted_op_fails_where_it_was_corrupted(op, monkeypatch, capsys):
+    corrupted, wrong = CORRUPTIONS[op](getattr(logitless, op))
+    monkeypatch.setattr(logitless, op, corrupted)
+    rows = run_checks(devices=["cpu"], backends=["torch"], dtypes=["float32"], ops=[op],
+                      shape=SMALL)
+    failed = {r.quantity for r in rows if not r.ok}
+    assert failed == wrong
+    assert main(["check", "--device", "cpu", "--backend", "torch", "--dtype", "float32",
+                 "--op", op, *SMALL_ARGS]) == 1
+    assert "FAIL" in capsys.readouterr().out
+
+
+def test_bad_sizes_and_absent_devices_are_refused(capsys):
+    assert main(["check", "--vocab", "0"]) == 2
+    assert "vocab must be a positive size" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert main(["check", "--device", "cuda"]) == 2
+        assert "no CUDA device" in capsys.readouterr().err
