@@ -163,6 +163,9 @@ class PolicyBatch:
 
 @st.composite
 def policy_batches(draw, layout, *, per_token_adv=None):
+    """A batch on ``layout`` (a `Layout`, or a strategy of them)."""
+    if isinstance(layout, st.SearchStrategy):
+        layout = draw(layout)
     gen = torch.Generator().manual_seed(draw(seeds))
     shape = (len(layout.lengths), layout.width)
     rand = lambda: torch.rand(shape, generator=gen, dtype=torch.float64)

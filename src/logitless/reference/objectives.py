@@ -21,6 +21,11 @@ def quantile_loop(values, q):
     return v[lo] + (v[hi] - v[lo]) * (pos - lo)
 
 
+def _log(x):
+    """``log x``, ``-inf`` at 0 (a masked-out rollout IS weight)."""
+    return math.log(x) if x > 0 else -math.inf
+
+
 def _at(x, i, t):
     """A scalar knob or the value of a per-token ``[B, T]`` tensor at ``(i, t)``, as a float."""
     return float(x[i, t]) if isinstance(x, torch.Tensor) and x.dim() == 2 else float(x)
@@ -170,7 +175,7 @@ def token_loss_loop(
         s = torch.exp(sum((lp[i, t] - old[i, t] for t in valid), lp.new_zeros(())) / n)
         log_w = sum(float(lp[i, t].detach() - old[i, t]) for t in valid)
         if is_weight is not None:
-            log_w += sum(min(max(math.log(is_weight[i][t]), math.log(1e-8)), 20.0) for t in valid)
+            log_w += sum(min(max(_log(is_weight[i][t]), math.log(1e-8)), 20.0) for t in valid)
         for t in valid:
             a, r_t, x = float(adv[i, t]), rho[i][t], lp[i, t]
             r = torch.exp(x - old[i, t])
@@ -217,17 +222,18 @@ def token_loss_loop(
             elif objective == "dro":
                 loss = -(x * a - 0.5 * cfg.dro_beta * (x - old[i, t]) ** 2)
             elif objective in ("dppo_tv", "dppo_kl"):
+                e_lo, e_hi = _at(cfg.eps_low, i, t), _at(cfg.eps_high, i, t)
                 p, p_old = math.exp(float(x.detach())), math.exp(float(old[i, t]))
                 if objective == "dppo_tv":
-                    ok = p - p_old <= cfg.eps_high if a > 0 else p - p_old >= -cfg.eps_low
+                    ok = p - p_old <= e_hi if a > 0 else p - p_old >= -e_lo
                 else:
                     bkl = p_old * (float(old[i, t]) - float(x.detach())) + (1 - p_old) * math.log(
                         (1 - p_old + 1e-8) / (1 - p + 1e-8)
                     )
                     ok = (
-                        (bkl <= cfg.eps_high or p <= p_old)
+                        (bkl <= e_hi or p <= p_old)
                         if a > 0
-                        else (bkl <= cfg.eps_low or p >= p_old)
+                        else (bkl <= e_lo or p >= p_old)
                     )
                 loss = -a * min(float(r.detach()), cfg.dppo_ratio_cap) * x * float(ok)
             elif objective == "aspo":
@@ -242,7 +248,9 @@ def token_loss_loop(
                     if cfg.dhpo_mix == "entropy"
                     else cfg.dhpo_mix
                 )
-                s_lo, s_hi = 1 - cfg.eps_low, 1 + cfg.eps_high
+                s_eps_lo = cfg.seq_eps_low if cfg.seq_eps_low is not None else cfg.eps_low
+                s_eps_hi = cfg.seq_eps_high if cfg.seq_eps_high is not None else cfg.eps_high
+                s_lo, s_hi = 1 - _at(s_eps_lo, i, t), 1 + _at(s_eps_hi, i, t)
                 unclipped = mix * r + (1 - mix) * s
                 clipped = mix * torch.clamp(r, lo, hi) + (1 - mix) * torch.clamp(s, s_lo, s_hi)
                 loss = torch.maximum(-a * unclipped, -a * clipped)
@@ -255,21 +263,24 @@ def token_loss_loop(
     return torch.stack([torch.stack(row) for row in out])
 
 
+KL_NAMES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}  # verl's names of the estimators
+
+
 def kl_loop(lp, ref, estimator, clamp=False):
     """Per-token KL estimates by the textbook formulas (``+``: straight-through k2 gradient;
-    ``clamp``: verl's k3 guard)."""
+    ``clamp``: verl's k3 guard, before the ``+`` form like any other value)."""
     base = estimator.rstrip("+")
+    base = KL_NAMES.get(base, base)
     out = torch.zeros_like(lp)
     for i in range(lp.shape[0]):
         for t in range(lp.shape[1]):
             x = ref[i, t] - lp[i, t]
             if clamp and base == "k3":
                 xc = x.clamp(-20.0, 20.0)
-                out[i, t] = (torch.exp(xc) - xc - 1).clamp(-10.0, 10.0)
-                continue
-            value = {"k1": -x, "k2": x * x / 2, "k3": torch.exp(x) - x - 1, "abs": torch.abs(x)}[
-                base
-            ]
+                value = (torch.exp(xc) - xc - 1).clamp(-10.0, 10.0)
+            else:
+                value = {"k1": -x, "k2": x * x / 2, "k3": torch.exp(x) - x - 1,
+                         "abs": torch.abs(x)}[base]
             if estimator.endswith("+"):
                 value = x * x / 2 - (x * x / 2).detach() + value.detach()
             out[i, t] = value
@@ -379,12 +390,12 @@ def policy_loss_reference(
             p = math.exp(float(lp[i, t].detach()))
             a[i, t] = (cfg.prob_reweight_alpha * p + 1 - cfg.prob_reweight_alpha) * a[i, t]
     select = mask.clone()
-    if cfg.top_entropy_quantile < 1:
+    if cfg.top_entropy_quantile < 1 and valid:
         thr = quantile_loop([float(h[k]) for k in valid], 1 - cfg.top_entropy_quantile)
         for k in valid:
             select[k] = float(h[k]) >= thr
     entropy_select = select.clone()
-    if cfg.adv_entropy_top_fraction < 1:
+    if cfg.adv_entropy_top_fraction < 1 and valid:
         scores = {k: abs(float(adv[k])) * float(h[k]) for k in valid}
         thr = quantile_loop(list(scores.values()), 1 - cfg.adv_entropy_top_fraction)
         for k in valid:
@@ -402,10 +413,12 @@ def policy_loss_reference(
     if cfg.attn_entropy_weighting is not None:
         hv = [float(attention_entropy[k]) for k in valid]
         n = len(hv)
-        mean = sum(hv) / n
-        stats = (mean, math.sqrt(sum((v - mean) ** 2 for v in hv) / (n - 1)))
+        mean = sum(hv) / max(n, 1)
+        # unbiased spread; one token has none (z = 0, weight 1, as a sequence of one token)
+        std = math.sqrt(sum((v - mean) ** 2 for v in hv) / (n - 1)) if n > 1 else 0.0
         q = cfg.attn_entropy_quantile
-        thresholds = (quantile_loop(hv, q), quantile_loop(hv, 1 - q))
+        thresholds = (quantile_loop(hv, q), quantile_loop(hv, 1 - q)) if hv else None
+        stats = (mean, std)
         alpha = cfg.attn_entropy_alpha
         if cfg.attn_entropy_alpha_final is not None and training_progress is not None:
             alpha += (cfg.attn_entropy_alpha_final - alpha) * training_progress
