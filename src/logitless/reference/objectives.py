@@ -123,6 +123,8 @@ def aggregate_loop(loss, mask, adv, mode, *, max_len=None, length_power_alpha=0.
         return out
     if mode == "length-power":
         denom = sum(n ** (1 - length_power_alpha) for n in lens if n)
+        if not denom:  # no sequence with a token: nothing to weight
+            return loss.new_zeros(())
         return sum(s * n ** (-length_power_alpha) for s, n in zip(sums, lens) if n) / denom
     raise ValueError(mode)
 
