@@ -9,7 +9,7 @@ from logitless import reference as ref
 from logitless.fused_losses.config import KL_ESTIMATORS, LOSS_AGGS
 from logitless.fused_losses.kl import kl_estimate
 from properties.harness import close, configs, known_defect, run_library, run_reference
-from properties.strategies import layouts, policy_batches
+from properties.strategies import Layout, layouts, policy_batches
 
 
 def _compare(batch, skip_known_defects=True, **kw):
@@ -112,3 +112,13 @@ def test_vespo_with_masked_rollout_weights(batch):
     reference took log 0)."""
     _compare(batch, objective="vespo", rollout_is="token", rollout_is_mode="mask",
              rollout_is_min=0.9, rollout_is_max=1.05)
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "policy_loss reads packed per-token advantages [N] as per-sequence [B] when N == B (a "
+    "silent wrong loss); fixed by the advantages check of policy_loss / fused_policy_loss "
+    "(stages)"))
+@given(policy_batches(Layout([0, 2, 1], 2, 0.0, packed=True), per_token_adv=True))
+def test_packed_per_token_advantages_when_n_equals_b(batch):
+    """Three tokens in three sequences, one advantage per token: as the padded layout."""
+    _compare(batch, skip_known_defects=False, objective="grpo")
