@@ -1,5 +1,20 @@
+import os
+
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
+
+# Hypothesis profiles for the property tests (tests/properties/), chosen by
+# LOGITLESS_HYPOTHESIS_PROFILE: "default" (= "ci") draws a few examples from a fixed seed, so
+# the suite stays quick and a failure reproduces on every run; "nightly" draws many more from
+# fresh seeds and prints the blob that reproduces a failure.
+_QUIET = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much]
+settings.register_profile("ci", max_examples=10, derandomize=True, deadline=None, database=None,
+                          suppress_health_check=_QUIET)
+settings.register_profile("default", parent=settings.get_profile("ci"))
+settings.register_profile("nightly", max_examples=300, derandomize=False, deadline=None,
+                          print_blob=True, suppress_health_check=_QUIET)
+settings.load_profile(os.environ.get("LOGITLESS_HYPOTHESIS_PROFILE", "default"))
 
 
 @pytest.fixture(autouse=True)

@@ -30,6 +30,8 @@ def rollout_is_weight(log_ratio, m, cfg) -> torch.Tensor:
         log_w = segments.segment_mean(log_ratio, m)[:, None].expand_as(log_ratio)
     w = torch.exp(log_w.clamp(-SAFETY_BOUND, SAFETY_BOUND))
     if cfg.rollout_is_mode == "truncate":
+        if cfg.rollout_is_min is None and cfg.rollout_is_max is None:
+            return w  # no bound: the plain weight (torch.clamp needs at least one)
         return w.clamp(min=cfg.rollout_is_min, max=cfg.rollout_is_max)
     lo = -torch.inf if cfg.rollout_is_min is None else cfg.rollout_is_min
     hi = torch.inf if cfg.rollout_is_max is None else cfg.rollout_is_max

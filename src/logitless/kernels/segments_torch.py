@@ -103,6 +103,8 @@ def segment_mean(x, mask, cu_seqlens=None) -> torch.Tensor:
 def segment_max(x, mask, cu_seqlens=None, empty: float = 0.0) -> torch.Tensor:
     """``[B]``: max over valid tokens; ``empty`` for a sequence without valid tokens."""
     g, m = _grid(x, mask, cu_seqlens)
+    if g.shape[-1] == 0:  # no token at all (e.g. an empty packed batch): nothing to reduce
+        return g.new_full(g.shape[:-1], empty)
     out = torch.where(m, g, torch.full_like(g, -torch.inf)).amax(-1)
     return torch.where(m.any(-1), out, torch.full_like(out, empty))
 

@@ -25,6 +25,11 @@ def quantile_loop(values, q):
     return v[lo] + (v[hi] - v[lo]) * (pos - lo)
 
 
+def _log(x):
+    """``log x``, ``-inf`` at 0 (a masked-out rollout IS weight)."""
+    return math.log(x) if x > 0 else -math.inf
+
+
 def _at(x, i, t):
     """A scalar knob or the value of a per-token ``[B, T]`` tensor at ``(i, t)``, as a float."""
     return float(x[i, t]) if isinstance(x, torch.Tensor) and x.dim() == 2 else float(x)
@@ -122,6 +127,8 @@ def aggregate_loop(loss, mask, adv, mode, *, max_len=None, length_power_alpha=0.
         return out
     if mode == "length-power":
         denom = sum(n ** (1 - length_power_alpha) for n in lens if n)
+        if not denom:  # no sequence with a token: nothing to weight
+            return loss.new_zeros(())
         return sum(s * n ** (-length_power_alpha) for s, n in zip(sums, lens) if n) / denom
     raise ValueError(mode)
 
@@ -170,6 +177,8 @@ class _Token:
     s: torch.Tensor  # the sequence ratio exp(mean d), with gradient
     log_w: float  # vespo's sequence log-weight (rollout IS folded in)
     h_rel: float | None  # entropy over the sequence's largest entropy (DHPO's mix)
+    i: int  # where the token sits: per-token eps tensors are read there
+    t: int
 
 
 def _clipped(k: _Token, cfg):
@@ -217,7 +226,8 @@ def _dppo(k: _Token, cfg, ok: bool):
 
 def _dppo_tv(k: _Token, cfg):
     change = math.exp(float(k.x.detach())) - math.exp(k.old)
-    return _dppo(k, cfg, change <= cfg.eps_high if k.a > 0 else change >= -cfg.eps_low)
+    e_lo, e_hi = _at(cfg.eps_low, k.i, k.t), _at(cfg.eps_high, k.i, k.t)
+    return _dppo(k, cfg, change <= e_hi if k.a > 0 else change >= -e_lo)
 
 
 def _dppo_kl(k: _Token, cfg):
@@ -225,9 +235,10 @@ def _dppo_kl(k: _Token, cfg):
     bkl = p_old * (k.old - float(k.x.detach())) + (1 - p_old) * math.log(
         (1 - p_old + 1e-8) / (1 - p + 1e-8)
     )
+    e_lo, e_hi = _at(cfg.eps_low, k.i, k.t), _at(cfg.eps_high, k.i, k.t)
     if k.a > 0:
-        return _dppo(k, cfg, bkl <= cfg.eps_high or p <= p_old)
-    return _dppo(k, cfg, bkl <= cfg.eps_low or p >= p_old)
+        return _dppo(k, cfg, bkl <= e_hi or p <= p_old)
+    return _dppo(k, cfg, bkl <= e_lo or p >= p_old)
 
 
 def _aspo(k: _Token, cfg):
@@ -241,8 +252,8 @@ def _aspo(k: _Token, cfg):
 
 def _dhpo(k: _Token, cfg):
     mix = k.h_rel if cfg.dhpo_mix == "entropy" else cfg.dhpo_mix
-    s_lo = 1 - (cfg.eps_low if cfg.seq_eps_low is None else cfg.seq_eps_low)
-    s_hi = 1 + (cfg.eps_high if cfg.seq_eps_high is None else cfg.seq_eps_high)
+    s_lo = 1 - _at(cfg.eps_low if cfg.seq_eps_low is None else cfg.seq_eps_low, k.i, k.t)
+    s_hi = 1 + _at(cfg.eps_high if cfg.seq_eps_high is None else cfg.seq_eps_high, k.i, k.t)
     unclipped = mix * k.r + (1 - mix) * k.s
     clipped = mix * torch.clamp(k.r, k.lo, k.hi) + (1 - mix) * torch.clamp(k.s, s_lo, s_hi)
     return torch.maximum(-k.a * unclipped, -k.a * clipped)
@@ -284,7 +295,7 @@ def _sequence_values(lp, old, entropy, is_weight, i, valid):
     s = torch.exp(sum((lp[i, t] - old[i, t] for t in valid), lp.new_zeros(())) / n)
     log_w = sum(float(lp[i, t].detach() - old[i, t]) for t in valid)
     if is_weight is not None:
-        log_w += sum(min(max(math.log(is_weight[i][t]), math.log(1e-8)), 20.0) for t in valid)
+        log_w += sum(min(max(_log(is_weight[i][t]), math.log(1e-8)), 20.0) for t in valid)
     h_max = 1.0
     if entropy is not None:
         h_max = max((float(entropy[i, t].detach()) for t in valid), default=1.0)
@@ -314,26 +325,31 @@ def token_loss_loop(
                 s=s,
                 log_w=log_w,
                 h_rel=None if entropy is None else float(entropy[i, t].detach()) / h_max,
+                i=i,
+                t=t,
             )
             out[i][t] = formula(token, cfg)
     return torch.stack([torch.stack(row) for row in out])
 
 
+KL_NAMES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}  # verl's names of the estimators
+
+
 def kl_loop(lp, ref, estimator, clamp=False):
     """Per-token KL estimates by the textbook formulas (``+``: straight-through k2 gradient;
-    ``clamp``: verl's k3 guard)."""
+    ``clamp``: verl's k3 guard, before the ``+`` form like any other value)."""
     base = estimator.rstrip("+")
+    base = KL_NAMES.get(base, base)
     out = torch.zeros_like(lp)
     for i in range(lp.shape[0]):
         for t in range(lp.shape[1]):
             x = ref[i, t] - lp[i, t]
             if clamp and base == "k3":
                 xc = x.clamp(-20.0, 20.0)
-                out[i, t] = (torch.exp(xc) - xc - 1).clamp(-10.0, 10.0)
-                continue
-            value = {"k1": -x, "k2": x * x / 2, "k3": torch.exp(x) - x - 1, "abs": torch.abs(x)}[
-                base
-            ]
+                value = (torch.exp(xc) - xc - 1).clamp(-10.0, 10.0)
+            else:
+                value = {"k1": -x, "k2": x * x / 2, "k3": torch.exp(x) - x - 1,
+                         "abs": torch.abs(x)}[base]
             if estimator.endswith("+"):
                 value = x * x / 2 - (x * x / 2).detach() + value.detach()
             out[i, t] = value
@@ -434,12 +450,12 @@ def _selections_loop(h, adv, mask, cfg):
     """``(select, entropy_select)``: the tokens the policy term and the entropy bonus act on."""
     valid = [(i, t) for i in range(mask.shape[0]) for t in _valid(mask, i)]
     select = mask.clone()
-    if cfg.top_entropy_quantile < 1:
+    if cfg.top_entropy_quantile < 1 and valid:
         thr = quantile_loop([float(h[k]) for k in valid], 1 - cfg.top_entropy_quantile)
         for k in valid:
             select[k] = float(h[k]) >= thr
     entropy_select = select.clone()
-    if cfg.adv_entropy_top_fraction < 1:
+    if cfg.adv_entropy_top_fraction < 1 and valid:
         scores = {k: abs(float(adv[k])) * float(h[k]) for k in valid}
         thr = quantile_loop(list(scores.values()), 1 - cfg.adv_entropy_top_fraction)
         for k in valid:
@@ -463,10 +479,12 @@ def _attention_factor_loop(attention_entropy, mask, cfg, training_progress):
     valid = [(i, t) for i in range(mask.shape[0]) for t in _valid(mask, i)]
     hv = [float(attention_entropy[k]) for k in valid]
     n = len(hv)
-    mean = sum(hv) / n
-    stats = (mean, math.sqrt(sum((v - mean) ** 2 for v in hv) / (n - 1)))
+    mean = sum(hv) / max(n, 1)
+    # unbiased spread; one token has none (z = 0, weight 1, as a sequence of one token)
+    std = math.sqrt(sum((v - mean) ** 2 for v in hv) / (n - 1)) if n > 1 else 0.0
+    stats = (mean, std)
     q = cfg.attn_entropy_quantile
-    thresholds = (quantile_loop(hv, q), quantile_loop(hv, 1 - q))
+    thresholds = (quantile_loop(hv, q), quantile_loop(hv, 1 - q)) if hv else None
     alpha = cfg.attn_entropy_alpha
     if cfg.attn_entropy_alpha_final is not None and training_progress is not None:
         alpha += (cfg.attn_entropy_alpha_final - alpha) * training_progress

@@ -18,10 +18,9 @@ def valid_tokens(mask, i):
 
 def segment_sum_loop(x, mask):
     """``[B]``: ``sum_t m x`` per sequence."""
-    return torch.stack(
-        [sum((x[i, t] for t in valid_tokens(mask, i)), x.new_zeros(()))
-         for i in range(x.shape[0])]
-    )
+    sums = [sum((x[i, t] for t in valid_tokens(mask, i)), x.new_zeros(()))
+            for i in range(x.shape[0])]
+    return torch.stack(sums) if sums else x.new_zeros(0)
 
 
 def prefix_sum_loop(x, mask):
