@@ -106,3 +106,17 @@ def test_failing_provider_is_a_row():
     row = {"op": "logprobs", "provider": "broken", "mode": "fwd", "shape": shape,
            "quantities": ["logprobs"], **Figures(status="failed", reason="boom").to_dict()}
     assert "failed: boom" in format_table([row])
+
+
+def test_plot_without_matplotlib_says_which_extra(tmp_path, monkeypatch, capsys):
+    # None in sys.modules makes `import matplotlib` raise ImportError, as when it is absent.
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    argv = ["bench", "--op", "logprobs", "--device", "cpu", "--tokens", "8", "--hidden", "16",
+            "--vocab", "64", "--providers", "gemm", "--mode", "fwd", "--repeats", "1",
+            "--no-isolate", "--no-progress", "--json", str(tmp_path / "r.json"),
+            "--plot", str(tmp_path / "r.png")]
+    assert main(argv) != 0
+    err = capsys.readouterr().err.strip()
+    assert err == "logitless bench: --plot needs matplotlib: pip install 'logitless[bench]'"
+    assert json.loads((tmp_path / "r.json").read_text())[0]["status"] == "ok"
+    assert not (tmp_path / "r.png").exists()
