@@ -11,11 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from logitless import reference
 from logitless.bench.measure import Figures, measure, quantiles
+from logitless.bench.ops_logprobs import TorchLinearCrossEntropy, torch_linear_logprobs
 from logitless.bench.registry import Provider, get_op
 from logitless.bench.report import format_table
 from logitless.cli import main
 from logitless.demo import side_by_side
+
+from testing import assert_close_to_oracle
 
 ROOT = Path(__file__).resolve().parents[1]
 N, D, V = 48, 32, 3000
@@ -26,9 +30,9 @@ def bench_run(tmp_path_factory):
     """One isolated (child process per row) fwd-bwd run of three providers, JSON and plot."""
     out = tmp_path_factory.mktemp("bench")
     argv = ["bench", "--op", "logprobs", "--device", "cpu", "--tokens", str(N), "--hidden",
-            str(D), "--vocab", str(V), "--providers", "logitless,naive,gemm,verl", "--repeats",
-            "2", "--warmup", "1", "--no-progress", "--json", str(out / "r.json"), "--plot",
-            str(out / "r.png")]
+            str(D), "--vocab", str(V), "--providers", "logitless,naive,gemm,verl,torch",
+            "--repeats", "2", "--warmup", "1", "--no-progress", "--json", str(out / "r.json"),
+            "--plot", str(out / "r.png")]
     assert main(argv) == 0
     return json.loads((out / "r.json").read_text()), out
 
@@ -36,8 +40,8 @@ def bench_run(tmp_path_factory):
 def test_records(bench_run):
     records, out = bench_run
     by = {r["provider"]: r for r in records}
-    assert set(by) == {"logitless", "naive", "gemm", "verl"}
-    for name in ("logitless", "naive", "gemm"):
+    assert set(by) == {"logitless", "naive", "gemm", "verl", "torch"}
+    for name in ("logitless", "naive", "gemm", "torch"):
         r = by[name]
         assert r["status"] == "ok", r["reason"]
         assert r["op"] == "logprobs" and r["mode"] == "fwd-bwd" and r["device"] == "cpu"
@@ -55,6 +59,8 @@ def test_records(bench_run):
         errs = by[name]["errors"]
         assert set(errs) == {"logprobs", "entropy", "d_hidden", "d_weight"}
         assert max(errs.values()) < 1e-4, errs
+    assert set(by["torch"]["errors"]) == {"logprobs", "d_hidden", "d_weight"}
+    assert max(by["torch"]["errors"].values()) < 1e-4, by["torch"]["errors"]
     # A provider that cannot run is listed with its reason, not dropped.
     assert by["verl"]["status"] == "unavailable" and "CUDA" in by["verl"]["reason"]
     assert "unavailable: verl" in format_table(records)
@@ -120,3 +126,58 @@ def test_plot_without_matplotlib_says_which_extra(tmp_path, monkeypatch, capsys)
     assert err == "logitless bench: --plot needs matplotlib: pip install 'logitless[bench]'"
     assert json.loads((tmp_path / "r.json").read_text())[0]["status"] == "ok"
     assert not (tmp_path / "r.png").exists()
+
+
+def _torch_provider_case(dtype):
+    gen = torch.Generator().manual_seed(7)
+    n, d, v = 37, 96, 1007
+    hidden = torch.randn(n, d, generator=gen).to(dtype)
+    weight = (torch.randn(v, d, generator=gen) * 2 / d**0.5).to(dtype)
+    targets = torch.randint(0, v, (n,), generator=gen)
+    upstream = torch.randn(n, generator=gen)
+    return hidden, weight, targets, upstream
+
+
+def _lp_and_grads(fn, hidden, weight, targets, upstream):
+    h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    lp = fn(h, w, targets)
+    (lp * upstream.to(lp.dtype)).sum().backward()
+    return lp.detach(), h.grad, w.grad
+
+
+def test_torch_provider_matches_the_reference_with_temperature():
+    hidden, weight, targets, upstream = _torch_provider_case(torch.float32)
+
+    def ours(h, w, t):
+        return torch_linear_logprobs(h, w, t, temperature=0.7)
+
+    def oracle(h, w, t):
+        return reference.linear_softmax_stats(h, w, t, temperature=0.7)["logprobs"]
+
+    got = _lp_and_grads(ours, hidden, weight, targets, upstream)
+    want = _lp_and_grads(oracle, hidden.double(), weight.double(), targets, upstream.double())
+    assert got[0].dtype == torch.float32
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-5)
+
+
+def test_torch_provider_in_bf16_is_no_worse_than_bf16_logits():
+    # PyTorch's op returns the loss in the input dtype (bf16 here), so the same-dtype torch
+    # baseline is its documented unchunked equivalent in bf16: cross_entropy of bf16 logits.
+    hidden, weight, targets, _ = _torch_provider_case(torch.bfloat16)
+    lp = torch_linear_logprobs(hidden, weight, targets, temperature=0.7)
+    oracle = reference.linear_softmax_stats(hidden.double(), weight.double(), targets,
+                                            temperature=0.7)["logprobs"]
+    z16 = (hidden / 0.7) @ weight.t()
+    same = -torch.nn.functional.cross_entropy(z16, targets, reduction="none")
+    # Both round their result to bf16 once, possibly to neighbouring values: allow that one
+    # rounding (bf16's unit roundoff, 2^-8 relative) on top of the baseline's error.
+    assert_close_to_oracle(lp, oracle, same, oracle.abs() * 2.0**-8, "torch provider logprobs")
+
+
+def test_torch_provider_unavailable_without_the_chunked_api(monkeypatch):
+    provider = TorchLinearCrossEntropy()
+    assert provider.unavailable("cpu", torch.float32, "fwd-bwd") is None
+    monkeypatch.delattr(torch.nn, "LinearCrossEntropyOptions")
+    reason = provider.unavailable("cpu", torch.float32, "fwd-bwd")
+    assert "LinearCrossEntropyOptions" in reason and "2.13" in reason
