@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from logitless import reference
-from logitless.bench.measure import Figures, measure, quantiles
+from logitless.bench.measure import Figures, block_errors, measure, quantiles
 from logitless.bench.ops_logprobs import TorchLinearCrossEntropy, torch_linear_logprobs
-from logitless.bench.registry import Provider, get_op
+from logitless.bench.registry import Provider, get_op, get_providers
 from logitless.bench.report import format_table
 from logitless.cli import main
 from logitless.demo import side_by_side
@@ -89,6 +89,38 @@ def test_gpu_script_dry_run(tmp_path):
             # bf16 inputs: errors at bf16 rounding, far below what a wrong result gives
             assert max(r["errors"].values()) < 0.1, (r["op"], r["provider"], r["errors"])
     assert len(list(tmp_path.glob("*.png"))) == 4
+    # The GEMM floor runs first in every sweep (a sweep cut short keeps its ratios).
+    for sweep in sweeps:
+        assert next(r for r in records if r["sweep"] == sweep)["provider"] == "gemm"
+    assert "torch" in {r["provider"] for r in records if r["op"] == "logprobs"}
+    assert "== check: exit 0" in done.stdout
+    # The summary table comes last: its header, one line per record, then the closing line.
+    lines = done.stdout.rstrip().splitlines()
+    head = next(i for i, ln in enumerate(lines) if ln.startswith("== summary"))
+    assert lines[head + 1].split()[:4] == ["sweep", "shape", "mode", "provider"]
+    assert len(lines) == head + 2 + len(records) + 1 and lines[-1].startswith("done in")
+
+
+def test_wheel_plan_leaves_out_what_the_gpu_machine_has(tmp_path):
+    # --list prints the plan from this environment's metadata and fetches nothing.
+    done = subprocess.run(["bash", str(ROOT / "benchmarks/gpu/download_wheels.sh"), "--list",
+                           sys.executable], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    plan = [ln.split() for ln in done.stdout.splitlines()]
+    present = {ln.strip() for ln in (ROOT / "benchmarks/gpu/device_packages.txt").read_text()
+               .splitlines() if ln.strip() and not ln.startswith("#")}
+    assert {"torch", "triton", "transformers", "matplotlib", "pytest"} <= present
+    names = [pin.split("==")[0] for _, pin in plan]
+    assert len(names) == len(set(names)), "a package planned twice"
+    assert not set(names) & present
+    assert not {n for n in names if n.startswith(("torch", "triton", "nvidia-"))}
+    groups = list(dict.fromkeys(g for g, _ in plan))
+    order = ["base", "trl", "liger", "cce", "verl"]
+    assert groups == [g for g in order if g in groups]
+    from importlib.metadata import version
+
+    assert ["trl", f"trl=={version('trl')}"] in plan
+    assert ["liger", f"liger-kernel=={version('liger-kernel')}"] in plan
 
 
 def test_quantiles():
@@ -181,3 +213,17 @@ def test_torch_provider_unavailable_without_the_chunked_api(monkeypatch):
     monkeypatch.delattr(torch.nn, "LinearCrossEntropyOptions")
     reason = provider.unavailable("cpu", torch.float32, "fwd-bwd")
     assert "LinearCrossEntropyOptions" in reason and "2.13" in reason
+
+
+def test_reference_in_row_chunks_gives_the_same_errors():
+    # The error column at a timed shape runs the fp64 reference a chunk of rows at a time
+    # (odd chunk: the last one is short); it must give what one pass over every row gives.
+    op, provider = get_op("logprobs"), get_providers("logprobs", ["logitless"])[0]
+    shape = {"tokens": 37, "hidden": 96, "vocab": 1007}
+    inputs = op.make_inputs(shape, torch.float32, "cpu")
+    whole = block_errors(op, provider, inputs, "fwd-bwd", 37, ref_chunk_rows=37)
+    chunked = block_errors(op, provider, inputs, "fwd-bwd", 37, ref_chunk_rows=8)
+    assert set(whole) == {"logprobs", "entropy", "d_hidden", "d_weight"}
+    assert all(0 < e < 1e-4 for e in whole.values()), whole
+    for key in whole:
+        assert chunked[key] == pytest.approx(whole[key], rel=1e-6, abs=1e-12), key

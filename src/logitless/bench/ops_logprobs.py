@@ -24,6 +24,7 @@ class LogprobsOp(Op):
     dims = ("tokens", "hidden", "vocab")
     x_dims = ("tokens", "vocab", "hidden")
     grad_inputs = ("hidden", "weight")
+    row_separable = True
 
     def make_inputs(self, shape, dtype, device, seed=0):
         n, d, v = shape["tokens"], shape["hidden"], shape["vocab"]
