@@ -65,6 +65,6 @@ for group in $(echo "$PLAN" | awk '{print $1}' | uniq); do
 done
 {
   echo "$REPORT"
-  echo "total: $(( (TOTAL + 1048575) / 1048576 )) MiB in $(find "$DEST" -maxdepth 1 -name '*.whl' \
+  echo "total: $(( (TOTAL + 1048575) / 1048576 )) MiB in $(find "$DEST" -maxdepth 1 -type f -name '*.whl' \
        | wc -l) wheels"
 } | tee "$DEST/PLAN.txt"
