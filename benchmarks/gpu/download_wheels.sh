@@ -1,86 +1,70 @@
 #!/usr/bin/env bash
-# Download, where the package registry is reachable, every wheel benchmarks/gpu/run.sh installs
-# on a CUDA machine without network: manylinux x86_64, CPython 3.12, into .whl/ at the
-# repository root (git-ignored; copy it to the GPU machine with the checkout).
+# Download, where the package registry is reachable, the wheels benchmarks/gpu/run.sh installs
+# on the GPU machine (no network there): manylinux x86_64, CPython 3.12, into .whl/ at the
+# repository root (git-ignored; a device call carries it with the checkout).
 #
-#   bash benchmarks/gpu/download_wheels.sh [PYTHON]      # PYTHON: a venv with `make setup` done
+#   bash benchmarks/gpu/download_wheels.sh [--list] [PYTHON]
 #
-# The list is the dependency closure of logitless's `trl` and `bench` extras, of pytest and of
-# scripts/install_verl.sh's packages, pinned to the versions installed in PYTHON's environment
-# (the versions the test suite ran against), minus torch, triton and NVIDIA's wheels, which the
-# GPU machine's Python already has. Each wheel is fetched with --no-deps, so pip never reaches
-# for a torch of its own.
+#   --list   print the plan (group, pinned wheel) and fetch nothing
+#   PYTHON   a venv with `make setup` done (default .venv/bin/python): versions are its own
+#
+# Only what the GPU machine lacks is fetched: benchmarks/gpu/device_packages.txt lists what its
+# image already has (torch, triton, transformers, accelerate, peft, pandas, pyarrow,
+# matplotlib, tqdm, pytest, ...). wheel_plan.py groups the rest: base, then one group per peer
+# (trl, liger, cce, verl). A group is kept whole or left out whole, in that order, so that the
+# wheels total at most WHEEL_BUDGET_MIB (default 56: a device call carries 64 MiB with the
+# checkout). verl's group does not fit (ray alone is ~70 MB): it is left out and the GPU run
+# lists verl as unavailable. .whl/PLAN.txt records what was kept and what was left out.
 set -euo pipefail
 
+LIST=0
+if [[ "${1:-}" == "--list" ]]; then LIST=1; shift; fi
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 PY=${1:-$ROOT/.venv/bin/python}
 DEST=$ROOT/.whl
+BUDGET=$(( ${WHEEL_BUDGET_MIB:-56} * 1024 * 1024 ))
+
+PLAN=$("$PY" "$ROOT/benchmarks/gpu/wheel_plan.py")
+if ((LIST)); then
+  echo "$PLAN"
+  exit 0
+fi
+
 mkdir -p "$DEST"
-
-# scripts/install_verl.sh's package names (comments stripped, pins dropped).
-VERL=$(sed -n '/^PACKAGES=(/,/^)/p' "$ROOT/scripts/install_verl.sh" | sed -e '1d;$d' -e 's/#.*//' \
-       | tr -s ' \n' '\n' | sed 's/==.*//' | grep -v '^$')
-
-PINS=$("$PY" - "$ROOT/pyproject.toml" $VERL <<'PYEOF'
-import re
-import sys
-import tomllib
-from importlib.metadata import PackageNotFoundError, distribution
-
-from packaging.requirements import Requirement
-
-# scripts/install_verl.sh installs its list with --no-deps: those are taken as they are.
-pyproject, flat = sys.argv[1], sys.argv[2:]
-with open(pyproject, "rb") as f:
-    project = tomllib.load(f)["project"]
-roots = [*project["dependencies"], *project["optional-dependencies"]["trl"],
-         *project["optional-dependencies"]["bench"], "pytest", "setuptools"]
-# The GPU machine's Python (3.12, Linux x86_64) evaluates the markers.
-env = {"python_version": "3.12", "python_full_version": "3.12.0", "sys_platform": "linux",
-       "platform_system": "Linux", "platform_machine": "x86_64", "os_name": "posix",
-       "implementation_name": "cpython", "platform_python_implementation": "CPython",
-       "extra": ""}
-skip = re.compile(r"^(torch|triton|nvidia-.*|pytorch-triton.*)$")
-seen, todo = {}, [Requirement(r) for r in roots]
-for name in flat:
-    try:
-        seen[re.sub(r"[-_.]+", "-", name).lower()] = distribution(name).version
-    except PackageNotFoundError:
-        print(f"# not installed here, skipped: {name}", file=sys.stderr)
-while todo:
-    req = todo.pop()
-    name = re.sub(r"[-_.]+", "-", req.name).lower()
-    if skip.match(name) or name in seen or (req.marker and not req.marker.evaluate(env)):
-        continue
-    try:
-        dist = distribution(req.name)
-    except PackageNotFoundError:
-        print(f"# not installed here, skipped: {req}", file=sys.stderr)
-        continue
-    seen[name] = dist.version
-    for extra in req.extras:
-        env_extra = dict(env, extra=extra)
-        todo += [r for r in map(Requirement, dist.requires or [])
-                 if r.marker and r.marker.evaluate(env_extra) and not r.marker.evaluate(env)]
-    todo += [r for r in map(Requirement, dist.requires or [])
-             if not r.marker or r.marker.evaluate(env)]
-print("\n".join(f"{n}=={v}" for n, v in sorted(seen.items())))
-PYEOF
-)
-
-echo "downloading $(echo "$PINS" | wc -l) wheels into $DEST"
-FAILED=()
-for pin in $PINS; do
-  if ! "$PY" -m pip download --disable-pip-version-check -q --no-deps --only-binary=:all: \
-      --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
-      --platform manylinux_2_28_x86_64 --platform manylinux_2_34_x86_64 \
-      --python-version 3.12 --implementation cp --abi cp312 --abi abi3 --abi none \
-      -d "$DEST" "$pin"; then
-    FAILED+=("$pin")
+rm -f "$DEST"/*.whl  # one version of each: two of one package stop the whole install
+TMP=$(mktemp -d "$DEST/.group.XXXXXX")
+trap 'rm -rf "$TMP"' EXIT
+TOTAL=0
+REPORT=$(printf '%-6s %6s %5s  %s' group wheels MiB kept)
+for group in $(echo "$PLAN" | awk '{print $1}' | uniq); do
+  rm -f "$TMP"/*
+  missing=""
+  for pin in $(echo "$PLAN" | awk -v g="$group" '$1 == g {print $2}'); do
+    if ! "$PY" -m pip download --disable-pip-version-check -q --no-deps --only-binary=:all: \
+        --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
+        --platform manylinux_2_27_x86_64 --platform manylinux_2_28_x86_64 \
+        --platform manylinux_2_34_x86_64 --python-version 3.12 --implementation cp \
+        --abi cp312 --abi abi3 --abi none -d "$TMP" "$pin"; then
+      echo "no manylinux/cp312 wheel for $pin" >&2
+      missing+=" ${pin%%==*}"
+    fi
+  done
+  size=$(cat "$TMP"/*.whl 2>/dev/null | wc -c)
+  count=$(ls "$TMP" | wc -l)
+  mib=$(( (size + 1048575) / 1048576 ))
+  why=""
+  ((TOTAL + size > BUDGET)) && why="over the $((BUDGET / 1048576)) MiB budget"
+  [[ -n "$missing" ]] && why="${why:+$why; }no wheel for$missing"
+  if [[ -n "$why" ]]; then
+    REPORT+=$'\n'$(printf '%-6s %6s %5s  %s' "$group" "$count" "$mib" "no: $why")
+  else
+    mv "$TMP"/*.whl "$DEST"/
+    TOTAL=$((TOTAL + size))
+    REPORT+=$'\n'$(printf '%-6s %6s %5s  %s' "$group" "$count" "$mib" yes)
   fi
 done
-if ((${#FAILED[@]})); then
-  echo "no manylinux/cp312 wheel for: ${FAILED[*]} (run.sh carries on without them;" \
-       "the bench lists a provider whose package is missing as unavailable)" >&2
-fi
-ls "$DEST" | wc -l | xargs echo "wheels in $DEST:"
+{
+  echo "$REPORT"
+  echo "total: $(( (TOTAL + 1048575) / 1048576 )) MiB in $(find "$DEST" -maxdepth 1 -type f -name '*.whl' \
+       | wc -l) wheels"
+} | tee "$DEST/PLAN.txt"

@@ -11,11 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from logitless.tools.bench.measure import Figures, measure, quantiles
-from logitless.tools.bench.registry import Provider, get_op
+from logitless import reference
+from logitless.tools.bench.measure import Figures, block_errors, measure, quantiles
+from logitless.tools.bench.ops_logprobs import TorchLinearCrossEntropy, torch_linear_logprobs
+from logitless.tools.bench.registry import Provider, get_op, get_providers
 from logitless.tools.bench.report import format_table
 from logitless.tools.cli import main
 from logitless.tools.demo import side_by_side
+
+from testing import assert_close_to_oracle
 
 ROOT = Path(__file__).resolve().parents[2]
 N, D, V = 48, 32, 3000
@@ -26,9 +30,9 @@ def bench_run(tmp_path_factory):
     """One isolated (child process per row) fwd-bwd run of three providers, JSON and plot."""
     out = tmp_path_factory.mktemp("bench")
     argv = ["bench", "--op", "logprobs", "--device", "cpu", "--tokens", str(N), "--hidden",
-            str(D), "--vocab", str(V), "--providers", "logitless,naive,gemm,verl", "--repeats",
-            "2", "--warmup", "1", "--no-progress", "--json", str(out / "r.json"), "--plot",
-            str(out / "r.png")]
+            str(D), "--vocab", str(V), "--providers", "logitless,naive,gemm,verl,torch",
+            "--repeats", "2", "--warmup", "1", "--no-progress", "--json", str(out / "r.json"),
+            "--plot", str(out / "r.png")]
     assert main(argv) == 0
     return json.loads((out / "r.json").read_text()), out
 
@@ -36,8 +40,8 @@ def bench_run(tmp_path_factory):
 def test_records(bench_run):
     records, out = bench_run
     by = {r["provider"]: r for r in records}
-    assert set(by) == {"logitless", "naive", "gemm", "verl"}
-    for name in ("logitless", "naive", "gemm"):
+    assert set(by) == {"logitless", "naive", "gemm", "verl", "torch"}
+    for name in ("logitless", "naive", "gemm", "torch"):
         r = by[name]
         assert r["status"] == "ok", r["reason"]
         assert r["op"] == "logprobs" and r["mode"] == "fwd-bwd" and r["device"] == "cpu"
@@ -55,6 +59,8 @@ def test_records(bench_run):
         errs = by[name]["errors"]
         assert set(errs) == {"logprobs", "entropy", "d_hidden", "d_weight"}
         assert max(errs.values()) < 1e-4, errs
+    assert set(by["torch"]["errors"]) == {"logprobs", "d_hidden", "d_weight"}
+    assert max(by["torch"]["errors"].values()) < 1e-4, by["torch"]["errors"]
     # A provider that cannot run is listed with its reason, not dropped.
     assert by["verl"]["status"] == "unavailable" and "CUDA" in by["verl"]["reason"]
     assert "unavailable: verl" in format_table(records)
@@ -83,6 +89,38 @@ def test_gpu_script_dry_run(tmp_path):
             # bf16 inputs: errors at bf16 rounding, far below what a wrong result gives
             assert max(r["errors"].values()) < 0.1, (r["op"], r["provider"], r["errors"])
     assert len(list(tmp_path.glob("*.png"))) == 4
+    # The GEMM floor runs first in every sweep (a sweep cut short keeps its ratios).
+    for sweep in sweeps:
+        assert next(r for r in records if r["sweep"] == sweep)["provider"] == "gemm"
+    assert "torch" in {r["provider"] for r in records if r["op"] == "logprobs"}
+    assert "== check: exit 0" in done.stdout
+    # The summary table comes last: its header, one line per record, then the closing line.
+    lines = done.stdout.rstrip().splitlines()
+    head = next(i for i, ln in enumerate(lines) if ln.startswith("== summary"))
+    assert lines[head + 1].split()[:4] == ["sweep", "shape", "mode", "provider"]
+    assert len(lines) == head + 2 + len(records) + 1 and lines[-1].startswith("done in")
+
+
+def test_wheel_plan_leaves_out_what_the_gpu_machine_has(tmp_path):
+    # --list prints the plan from this environment's metadata and fetches nothing.
+    done = subprocess.run(["bash", str(ROOT / "benchmarks/gpu/download_wheels.sh"), "--list",
+                           sys.executable], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    plan = [ln.split() for ln in done.stdout.splitlines()]
+    present = {ln.strip() for ln in (ROOT / "benchmarks/gpu/device_packages.txt").read_text()
+               .splitlines() if ln.strip() and not ln.startswith("#")}
+    assert {"torch", "triton", "transformers", "matplotlib", "pytest"} <= present
+    names = [pin.split("==")[0] for _, pin in plan]
+    assert len(names) == len(set(names)), "a package planned twice"
+    assert not set(names) & present
+    assert not {n for n in names if n.startswith(("torch", "triton", "nvidia-"))}
+    groups = list(dict.fromkeys(g for g, _ in plan))
+    order = ["base", "trl", "liger", "cce", "verl"]
+    assert groups == [g for g in order if g in groups]
+    from importlib.metadata import version
+
+    assert ["trl", f"trl=={version('trl')}"] in plan
+    assert ["liger", f"liger-kernel=={version('liger-kernel')}"] in plan
 
 
 def test_quantiles():
@@ -106,3 +144,86 @@ def test_failing_provider_is_a_row():
     row = {"op": "logprobs", "provider": "broken", "mode": "fwd", "shape": shape,
            "quantities": ["logprobs"], **Figures(status="failed", reason="boom").to_dict()}
     assert "failed: boom" in format_table([row])
+
+
+def test_plot_without_matplotlib_says_which_extra(tmp_path, monkeypatch, capsys):
+    # None in sys.modules makes `import matplotlib` raise ImportError, as when it is absent.
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    argv = ["bench", "--op", "logprobs", "--device", "cpu", "--tokens", "8", "--hidden", "16",
+            "--vocab", "64", "--providers", "gemm", "--mode", "fwd", "--repeats", "1",
+            "--no-isolate", "--no-progress", "--json", str(tmp_path / "r.json"),
+            "--plot", str(tmp_path / "r.png")]
+    assert main(argv) != 0
+    err = capsys.readouterr().err.strip()
+    assert err == "logitless bench: --plot needs matplotlib: pip install 'logitless[bench]'"
+    assert json.loads((tmp_path / "r.json").read_text())[0]["status"] == "ok"
+    assert not (tmp_path / "r.png").exists()
+
+
+def _torch_provider_case(dtype):
+    gen = torch.Generator().manual_seed(7)
+    n, d, v = 37, 96, 1007
+    hidden = torch.randn(n, d, generator=gen).to(dtype)
+    weight = (torch.randn(v, d, generator=gen) * 2 / d**0.5).to(dtype)
+    targets = torch.randint(0, v, (n,), generator=gen)
+    upstream = torch.randn(n, generator=gen)
+    return hidden, weight, targets, upstream
+
+
+def _lp_and_grads(fn, hidden, weight, targets, upstream):
+    h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    lp = fn(h, w, targets)
+    (lp * upstream.to(lp.dtype)).sum().backward()
+    return lp.detach(), h.grad, w.grad
+
+
+def test_torch_provider_matches_the_reference_with_temperature():
+    hidden, weight, targets, upstream = _torch_provider_case(torch.float32)
+
+    def ours(h, w, t):
+        return torch_linear_logprobs(h, w, t, temperature=0.7)
+
+    def oracle(h, w, t):
+        return reference.linear_softmax_stats(h, w, t, temperature=0.7)["logprobs"]
+
+    got = _lp_and_grads(ours, hidden, weight, targets, upstream)
+    want = _lp_and_grads(oracle, hidden.double(), weight.double(), targets, upstream.double())
+    assert got[0].dtype == torch.float32
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-5)
+
+
+def test_torch_provider_in_bf16_is_no_worse_than_bf16_logits():
+    # PyTorch's op returns the loss in the input dtype (bf16 here), so the same-dtype torch
+    # baseline is its documented unchunked equivalent in bf16: cross_entropy of bf16 logits.
+    hidden, weight, targets, _ = _torch_provider_case(torch.bfloat16)
+    lp = torch_linear_logprobs(hidden, weight, targets, temperature=0.7)
+    oracle = reference.linear_softmax_stats(hidden.double(), weight.double(), targets,
+                                            temperature=0.7)["logprobs"]
+    z16 = (hidden / 0.7) @ weight.t()
+    same = -torch.nn.functional.cross_entropy(z16, targets, reduction="none")
+    # Both round their result to bf16 once, possibly to neighbouring values: allow that one
+    # rounding (bf16's unit roundoff, 2^-8 relative) on top of the baseline's error.
+    assert_close_to_oracle(lp, oracle, same, oracle.abs() * 2.0**-8, "torch provider logprobs")
+
+
+def test_torch_provider_unavailable_without_the_chunked_api(monkeypatch):
+    provider = TorchLinearCrossEntropy()
+    assert provider.unavailable("cpu", torch.float32, "fwd-bwd") is None
+    monkeypatch.delattr(torch.nn, "LinearCrossEntropyOptions")
+    reason = provider.unavailable("cpu", torch.float32, "fwd-bwd")
+    assert "LinearCrossEntropyOptions" in reason and "2.13" in reason
+
+
+def test_reference_in_row_chunks_gives_the_same_errors():
+    # The error column at a timed shape runs the fp64 reference a chunk of rows at a time
+    # (odd chunk: the last one is short); it must give what one pass over every row gives.
+    op, provider = get_op("logprobs"), get_providers("logprobs", ["logitless"])[0]
+    shape = {"tokens": 37, "hidden": 96, "vocab": 1007}
+    inputs = op.make_inputs(shape, torch.float32, "cpu")
+    whole = block_errors(op, provider, inputs, "fwd-bwd", 37, ref_chunk_rows=37)
+    chunked = block_errors(op, provider, inputs, "fwd-bwd", 37, ref_chunk_rows=8)
+    assert set(whole) == {"logprobs", "entropy", "d_hidden", "d_weight"}
+    assert all(0 < e < 1e-4 for e in whole.values()), whole
+    for key in whole:
+        assert chunked[key] == pytest.approx(whole[key], rel=1e-6, abs=1e-12), key

@@ -49,6 +49,7 @@ class _Spec:
     want_sum_z: bool
     backend: ModuleType
     group: object
+    hidden_grad: str
     tile_bytes: int | None
     gather_weight: Callable[[], AbstractContextManager] | None
 
@@ -112,8 +113,9 @@ class _LinearSoftmax(torch.autograd.Function):
                 d_hidden = torch.zeros_like(hidden) if need_hidden else None
                 d_weight = torch.zeros_like(weight) if need_weight else None
                 d_bias = torch.zeros_like(bias) if need_bias else None
-            if d_hidden is not None and spec.group is not None:
-                # Each rank saw only its vocab slice: the hidden gradient is the sum over ranks.
+            if d_hidden is not None and spec.group is not None and spec.hidden_grad == "sum":
+                # Each rank saw only its vocab slice: the hidden gradient is the sum over ranks
+                # ("partial" leaves the sum to the caller, e.g. Megatron's reduce-scatter).
                 torch.distributed.all_reduce(d_hidden, group=spec.group)
         return (
             None if d_hidden is None else d_hidden.to(hidden.dtype),
@@ -216,6 +218,7 @@ def linear_logprobs(
     vocab_parallel=None,
     max_tile_bytes: int | None = None,
     gather_weight: Callable[[], AbstractContextManager] | None = None,
+    hidden_grad: str = "sum",
 ) -> LogprobOutput:
     """Per-token logprob (and entropy, softmax statistics) of ``targets`` under the LM head.
 
@@ -239,6 +242,9 @@ def linear_logprobs(
             context manager under which ``weight`` and ``bias`` hold their full values; the
             backward, which recomputes the logits, runs inside it. The caller runs the forward
             inside the same context.
+        hidden_grad: with ``vocab_parallel``, ``"sum"`` returns the hidden gradient summed over
+            the group; ``"partial"`` returns this rank's slice's contribution only, for callers
+            whose own communication sums it (Megatron's sequence-parallel reduce-scatter).
 
     Returns:
         :class:`LogprobOutput` with fp32 tensors shaped like ``targets``. Gradients reach
@@ -247,6 +253,8 @@ def linear_logprobs(
     """
     stats = tuple(stats)
     check_head_args(hidden, weight, targets, bias, temperature, softcap, logit_scale, stats)
+    if hidden_grad not in ("sum", "partial"):
+        raise ValueError(f"hidden_grad must be 'sum' or 'partial', got {hidden_grad!r}")
     dtype = compute_dtype(hidden, weight, bias)
     hidden, weight = hidden.to(dtype), weight.to(dtype)
     bias = None if bias is None else bias.to(dtype)
@@ -281,7 +289,8 @@ def linear_logprobs(
 
     spec = _Spec(float(temperature), None if softcap is None else float(softcap),
                  float(logit_scale), v_total, "sum_p_sq" in stats, "mean_logit" in stats,
-                 _backend_for(hidden.device, dtype), group, max_tile_bytes, gather_weight)
+                 _backend_for(hidden.device, dtype), group, hidden_grad, max_tile_bytes,
+                 gather_weight)
     lp, ent, s2, mean, top1, lse = _LinearSoftmax.apply(h, weight, bias, t, spec)
 
     def expand(x):
@@ -309,6 +318,7 @@ def _rows_logprobs(hidden, weight, targets, *, bias=None, temperature=1.0, softc
                  softcap=None if softcap is None else float(softcap),
                  logit_scale=float(logit_scale), vocab_total=weight.shape[0], want_s2=False,
                  want_sum_z=False, backend=_backend_for(hidden.device, hidden.dtype), group=None,
+                 hidden_grad="sum",
                  tile_bytes=None, gather_weight=None)
     lp, ent, *_ = _LinearSoftmax.apply(hidden, weight, bias, targets, spec)
     return lp, ent

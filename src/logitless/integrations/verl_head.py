@@ -7,9 +7,10 @@ forwards in ``verl.models.mcore``) call
 expect fp32 per-token logprobs and entropies, flattened to ``[N]``. verl's own kernel needs
 CUDA, a hidden size that is a multiple of 128, and computes every position. This one runs on
 any device and hidden size, drops ``ignore_index`` rows before the head, shards the vocabulary
-over ``dist_process_group`` (the tensor-parallel group) and, because the entropy falls out of
-the logprob pass's accumulators, costs nothing for it in the forward and nothing in the
-backward when no gradient reaches it.
+over ``dist_process_group`` (the tensor-parallel group; like verl's kernel it returns each
+rank's partial hidden gradient, which Megatron's sequence-parallel gather sums) and, because
+the entropy falls out of the logprob pass's accumulators, costs nothing for it in the forward
+and nothing in the backward when no gradient reaches it.
 
 This module does not import verl until :func:`enable_fused_head` is called.
 """
@@ -55,12 +56,16 @@ def linear_cross_entropy(
         hidden: ``[..., D]`` hidden states, any D (verl's kernel needs ``D % 128 == 0``).
         weight: ``[V, D]`` head weight, or this rank's ``[V_r, D]`` slice with
             ``dist_process_group`` (contiguous slices in rank order, as Megatron shards it).
-        labels: integer ids shaped ``hidden.shape[:-1]``, global vocabulary ids; ``-100``
-            rows are skipped and read 0.
+        labels: integer ids, one per row of ``hidden`` (both are flattened, as verl does:
+            Megatron passes ``[s, 1, D]`` hidden with ``[1, s]`` labels), global vocabulary
+            ids; ``-100`` rows are skipped and read 0.
         temperature: divides the logits.
         reduction: ``"none"`` (per-token logprobs), ``"sum"`` or ``"mean"`` (a scalar over the
             logprobs); the entropy is always per token.
         dist_process_group: the tensor-parallel group the vocabulary is sharded over, or None.
+            With a group, the hidden gradient is this rank's partial one (its vocabulary
+            slice's contribution), as verl's kernel returns it: the caller sums it over the
+            group (Megatron's sequence-parallel gather does, in its backward).
         entropy_grad: False returns the entropy detached (for metrics only), so the backward
             never forms the entropy term even when the loss touches it with a zero coefficient.
 
@@ -72,10 +77,11 @@ def linear_cross_entropy(
         raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
     if not isinstance(temperature, (int, float)) or isinstance(temperature, bool):
         raise ValueError(f"temperature must be a number, got {type(temperature).__name__}")
-    if hidden.dim() < 1 or tuple(labels.shape) != tuple(hidden.shape[:-1]):
+    if hidden.dim() < 1 or labels.numel() != hidden[..., 0].numel():
+        # verl flattens both: Megatron's packed path passes hidden [s, 1, D] with labels [1, s].
         raise ValueError(
-            f"labels must have hidden's leading shape {tuple(hidden.shape[:-1])}, got "
-            f"{tuple(labels.shape)}"
+            f"labels must have one id per row of hidden ({hidden[..., 0].numel()} for hidden "
+            f"{tuple(hidden.shape)}), got shape {tuple(labels.shape)}"
         )
     out = linear_logprobs(
         hidden.reshape(-1, hidden.shape[-1]),
@@ -84,6 +90,9 @@ def linear_cross_entropy(
         temperature=float(temperature),
         return_entropy=True,
         vocab_parallel=dist_process_group,
+        # As verl's kernel: each rank's own share of the hidden gradient; Megatron's
+        # sequence-parallel gather before the head sums them in its backward reduce-scatter.
+        hidden_grad="partial",
     )
     logprobs, entropy = out.logprobs, out.entropy
     reduction = reduction.lower()

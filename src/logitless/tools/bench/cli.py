@@ -83,9 +83,13 @@ def run(args: argparse.Namespace) -> int:
     if args.json and not args.from_json:
         print(f"wrote {args.json}")
     if args.plot:
-        from logitless.tools.bench.plot import plot
+        from logitless.tools.bench.plot import PlotUnavailable, plot
 
-        plot(records, args.plot)
+        try:
+            plot(records, args.plot)
+        except PlotUnavailable as err:
+            print(f"logitless bench: {err}", file=sys.stderr)
+            return 1
         print(f"wrote {args.plot}")
     failed = [r for r in records if r["status"] == "failed" and r["provider"] == "logitless"]
     return 1 if failed else 0

@@ -87,6 +87,9 @@ class _CudaMemory:
     def start(self) -> None:
         gc.collect()
         torch.cuda.synchronize(self.device)
+        # Rows share the process on CUDA: hand back what earlier rows left cached, so that
+        # every row starts from the same allocator state.
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         self.base = torch.cuda.memory_allocated(self.device)
 
@@ -220,27 +223,61 @@ def _measure(op, provider, shape, mode, dtype, device, *, warmup, repeats, block
     return figures
 
 
-def block_errors(op: Op, provider: Provider, inputs: Inputs, mode: str,
-                 rows: int) -> dict[str, float]:
+#: rows of the fp64 reference at a time, for ops whose tokens are independent
+REF_CHUNK_ROWS = 1024
+
+
+def block_errors(op: Op, provider: Provider, inputs: Inputs, mode: str, rows: int,
+                 ref_chunk_rows: int = REF_CHUNK_ROWS) -> dict[str, float]:
     """Max abs error of each quantity (and, in fwd-bwd, each input gradient) against the fp64
-    reference, on the first ``rows`` tokens."""
+    reference, on the first ``rows`` tokens (all of them when ``rows`` covers the shape).
+
+    For ops whose tokens are independent (``op.row_separable``) the reference runs over
+    ``ref_chunk_rows`` rows at a time, summing the weight gradient over chunks, so the error
+    can be measured at a timed shape whose fp64 logits would not fit at once."""
     block = {k: v.detach() for k, v in op.first_block(inputs, rows).items()}
-    exact = {k: v.double() if v.is_floating_point() else v for k, v in block.items()}
     grads = mode == "fwd-bwd"
     got_leaves = [block[k].clone().requires_grad_(grads) for k in op.grad_inputs]
-    ref_leaves = [exact[k].clone().requires_grad_(grads) for k in op.grad_inputs]
     block.update(zip(op.grad_inputs, got_leaves))
-    exact.update(zip(op.grad_inputs, ref_leaves))
     with torch.set_grad_enabled(grads):
         got = provider.forward(block)
-        ref = op.reference(exact, tuple(got))
-    errors = {q: _max_abs(got[q], ref[q]) for q in got}
+    up = op.upstream(block, tuple(got)) if grads else {}
+    if op.row_separable:  # every input but the head is indexed by token along dim 0
+        n = next(iter(got.values())).shape[0]
+        chunks = [slice(lo, lo + ref_chunk_rows) for lo in range(0, n, ref_chunk_rows)]
+    else:
+        chunks = [None]
+
+    def rows(t, chunk, name=""):
+        return t.detach() if chunk is None or name == "weight" else t.detach()[chunk]
+
+    ref_out: dict[str, list[torch.Tensor]] = {q: [] for q in got}
+    ref_grads: dict[str, list[torch.Tensor] | torch.Tensor] = {}
+    for chunk in chunks:
+        part = {k: rows(v, chunk, k) for k, v in block.items()}
+        exact = {k: v.double() if v.is_floating_point() else v for k, v in part.items()}
+        leaves = [exact[k].requires_grad_(grads) for k in op.grad_inputs]
+        with torch.set_grad_enabled(grads):
+            ref = op.reference(exact, tuple(got))
+        for q in got:
+            ref_out[q].append(ref[q].detach())
+        if grads:
+            g = torch.autograd.grad(
+                sum((ref[q] * rows(up[q], chunk).double()).sum() for q in ref), leaves)
+            for name, gi in zip(op.grad_inputs, g):
+                if name == "weight":  # shared by every row: summed over the chunks
+                    ref_grads[name] = gi if name not in ref_grads else ref_grads[name] + gi
+                else:
+                    ref_grads.setdefault(name, []).append(gi)
+    def join(parts):  # one chunk: as it is (a scalar loss cannot be concatenated)
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    errors = {q: _max_abs(got[q], join(ref_out[q])) for q in got}
     if grads:
-        up = op.upstream(block, tuple(got))
         got_g = torch.autograd.grad(sum((got[q].float() * up[q]).sum() for q in got), got_leaves)
-        ref_g = torch.autograd.grad(sum((ref[q] * up[q].double()).sum() for q in ref), ref_leaves)
-        for name, a, b in zip(op.grad_inputs, got_g, ref_g):
-            errors[f"d_{name}"] = _max_abs(a, b)
+        for name, a in zip(op.grad_inputs, got_g):
+            b = ref_grads[name]
+            errors[f"d_{name}"] = _max_abs(a, b if name == "weight" else join(b))
     return errors
 
 

@@ -1,9 +1,10 @@
 """Op ``logprobs``: per-token logprob (and entropy) of targets under an LM head ``[V, D]``.
 
 Providers: logitless, naive torch (materialised logits), TRL's ``ChunkedLogProbFunction``,
-Liger's fused linear cross entropy, Cut Cross-Entropy, verl's ``linear_cross_entropy`` and the
-plain GEMMs floor. Cross-entropy libraries (Liger, CCE) return ``-logprob`` and no entropy;
-their rows say so (``computes`` column), and their backward carries the logprob term only.
+Liger's fused linear cross entropy, Cut Cross-Entropy, verl's ``linear_cross_entropy``,
+PyTorch's chunked ``F.linear_cross_entropy`` and the plain GEMMs floor. Cross-entropy
+libraries (Liger, CCE, PyTorch) return ``-logprob`` and no entropy; their rows say so
+(``computes`` column), and their backward carries the logprob term only.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ class LogprobsOp(Op):
     dims = ("tokens", "hidden", "vocab")
     x_dims = ("tokens", "vocab", "hidden")
     grad_inputs = ("hidden", "weight")
+    row_separable = True
 
     def make_inputs(self, shape, dtype, device, seed=0):
         n, d, v = shape["tokens"], shape["hidden"], shape["vocab"]
@@ -208,6 +210,43 @@ class Verl(Provider):
 
         lp, entropy = linear_cross_entropy(x["hidden"], x["weight"], x["targets"], 1.0, "none")
         return {"logprobs": lp, "entropy": entropy}
+
+
+def torch_linear_logprobs(hidden, weight, targets, temperature: float = 1.0):
+    """Per-token logprobs from PyTorch's own chunked ``F.linear_cross_entropy``: the loss with
+    ``reduction="none"`` is ``-logprob``; the temperature divides the hidden states, which
+    divides the logits (no bias here)."""
+    if temperature != 1.0:
+        hidden = hidden / temperature
+    loss = torch.nn.functional.linear_cross_entropy(
+        hidden, weight, targets, reduction="none",
+        options=torch.nn.LinearCrossEntropyOptions())
+    return -loss.float()
+
+
+@register_provider
+class TorchLinearCrossEntropy(Provider):
+    """What a user who never heard of logitless tries first: PyTorch's chunked
+    ``torch.nn.functional.linear_cross_entropy`` with ``LinearCrossEntropyOptions()`` (its
+    automatic chunking and accumulation policy). Logprobs only: it computes no entropy."""
+
+    op, name, package = "logprobs", "torch", "torch"
+    quantities = ("logprobs",)
+
+    def unavailable(self, device, dtype, mode):
+        # Probe the API rather than the version string (it landed in torch 2.13).
+        if not (hasattr(torch.nn.functional, "linear_cross_entropy")
+                and hasattr(torch.nn, "LinearCrossEntropyOptions")):
+            return (f"torch {torch.__version__} has no chunked "
+                    "torch.nn.functional.linear_cross_entropy (LinearCrossEntropyOptions "
+                    "needs torch >= 2.13)")
+        return None
+
+    def forward(self, x):
+        return {"logprobs": torch_linear_logprobs(x["hidden"], x["weight"], x["targets"])}
+
+    def note(self, device):
+        return "chunked, auto"
 
 
 @register_provider

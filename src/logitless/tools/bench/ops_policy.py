@@ -32,6 +32,7 @@ def _config():
 class PolicyLossOp(LogprobsOp):
     name = "policy-loss"
     grad_inputs = ("hidden", "weight")
+    row_separable = False  # one loss over the batch: the reference runs on the whole block
 
     def make_inputs(self, shape, dtype, device, seed=0):
         flat = super().make_inputs(shape, dtype, device, seed)

@@ -21,8 +21,17 @@ def swept_dim(records: list[dict], candidates: tuple[str, ...]) -> str:
     return candidates[0]
 
 
+class PlotUnavailable(RuntimeError):
+    """matplotlib is not installed (it comes with the ``logitless[bench]`` extra)."""
+
+
 def plot(records: list[dict], path: str | Path) -> Path:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError as err:
+        raise PlotUnavailable(
+            "--plot needs matplotlib: pip install 'logitless[bench]'"
+        ) from err
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -31,6 +31,9 @@ class Op(abc.ABC):
     #: inputs that receive gradients in ``fwd-bwd`` mode
     grad_inputs: tuple[str, ...] = ()
     modes: tuple[str, ...] = ("fwd", "fwd-bwd")
+    #: tokens are independent and every input but ``weight`` is indexed by token along dim 0,
+    #: so the fp64 reference can run a chunk of rows at a time (see ``measure.block_errors``)
+    row_separable: bool = False
 
     @abc.abstractmethod
     def make_inputs(self, shape: dict[str, int], dtype: torch.dtype, device: str,
