@@ -33,10 +33,21 @@ import torch
 from logitless.kernels import linear_softmax as head
 from logitless.kernels.softmax_partials import Partials, finish
 
-__all__ = ["StoredLogitsTriton"]
+__all__ = ["StoredLogitsTriton", "grad_meta", "stats_meta"]
 
 # The partials' planes that start at -inf (the running max and the max before the target).
 _NEG_INF_PLANES = (0, 6)
+
+
+def stats_meta(dtype: torch.dtype, softcap: float | None) -> dict:
+    """The constexprs and warps of the statistics pass: ``lp``, ``H`` and ``lse`` only."""
+    return head.stats_meta(dtype, softcap, want_s2=False, want_sum_z=False)
+
+
+def grad_meta(dtype: torch.dtype, softcap: float | None, g_lp, g_entropy) -> dict:
+    """The constexprs and warps of the dz pass: the terms of ``g_lp`` and ``g_entropy`` (each
+    on when given)."""
+    return head.grad_meta(dtype, softcap, g_lp, g_entropy, None, None, None)
 
 
 class StoredLogitsTriton:
@@ -77,7 +88,7 @@ class StoredLogitsTriton:
         state[list(_NEG_INF_PLANES)] = float("-inf")
         head._tile_stats_kernel[(rows,)](
             x, x.stride(0), self.targets, state, state.stride(0), self.vocab, 0,
-            **self.scalars, **head.stats_meta(self.dtype, softcap, False, False))
+            **self.scalars, **stats_meta(self.dtype, softcap))
         stats = finish(Partials(*state), self.vocab)
         return stats["logprobs"], stats["entropy"], stats["lse"]
 
@@ -92,7 +103,7 @@ class StoredLogitsTriton:
         lse = lse.float().contiguous()
         entropy, g_lp, g_entropy = (None if t is None else t.float().contiguous()
                                     for t in (entropy, g_lp, g_entropy))
-        meta = head.grad_meta(self.dtype, self.softcap, g_lp, g_entropy, None, None, None)
+        meta = grad_meta(self.dtype, self.softcap, g_lp, g_entropy)
         # A pointer whose term is off is never read: lse stands in for it.
         ptr = lambda t: lse if t is None else t
         head._tile_grad_kernel[(rows,)](
