@@ -9,8 +9,10 @@ Two strategies (docs/design.md, "Op 4"):
   the small per-token graph gives ``d loss / d lp`` and ``d loss / d H``. The logits buffer
   then becomes ``dz`` in place and two GEMMs give the group's hidden gradient and add to the
   weight gradient (fp32). The backward of the returned loss only scales the stored gradients.
-  6 N D V FLOPs, memory one group: its logits, vocab-major, in one buffer reused by every group
-  (``kernels/stored_logits.py``).
+  6 N D V FLOPs, memory one group: its logits in one buffer reused by every group
+  (``kernels/stored_logits.py``, vocab-major fp32 exponentials, on CPU;
+  ``kernels/stored_logits_triton.py``, the logits in the input dtype with Triton passes,
+  wherever Triton is selected, i.e. on CUDA).
 - **Streaming**: ``policy_loss(linear_logprobs(...))``, the vocabulary streamed forward and
   recomputed backward (8 N D V FLOPs), never the full logits. Used when asked for, for
   objectives that select tokens from statistics of the whole batch's current logprobs
@@ -225,7 +227,8 @@ def fused_policy_loss(
             entropy_coef: as in :func:`policy_loss`.
         temperature, softcap, logit_scale: the logit transform, as in :func:`linear_logprobs`.
         memory_budget: bytes of temporary logits a chunk may use (default: 512 MiB on CUDA,
-            chosen by the cost model in ``gpu_plan``; 256 MiB on CPU).
+            chosen by the cost model in ``gpu_plan``; 256 MiB on CPU). On CUDA a chunk row
+            counts its stored logits and its hidden and hidden-gradient rows.
         strategy: ``"auto"`` (chunks, streaming where needed), ``"chunked"`` or ``"streaming"``.
 
     Returns:
