@@ -9,8 +9,10 @@ Two strategies (docs/design.md, "Op 4"):
   the small per-token graph gives ``d loss / d lp`` and ``d loss / d H``. The logits buffer
   then becomes ``dz`` in place and two GEMMs give the group's hidden gradient and add to the
   weight gradient (fp32). The backward of the returned loss only scales the stored gradients.
-  6 N D V FLOPs, memory one group: its logits, vocab-major, in one buffer reused by every group
-  (``kernels/stored_logits.py``).
+  6 N D V FLOPs, memory one group: its logits in one buffer reused by every group
+  (``kernels/stored_logits.py``, vocab-major fp32 exponentials, on CPU;
+  ``kernels/stored_logits_triton.py``, the logits in the input dtype with Triton passes,
+  wherever Triton is selected, i.e. on CUDA).
 - **Streaming**: ``policy_loss(linear_logprobs(...))``, the vocabulary streamed forward and
   recomputed backward (8 N D V FLOPs), never the full logits. Used when asked for, for
   objectives that select tokens from statistics of the whole batch's current logprobs
@@ -34,6 +36,7 @@ import torch
 
 from logitless.fused_losses import gpu_plan
 from logitless.fused_losses.aggregation import check_global_counts
+from logitless.fused_losses.backend import triton_selected
 from logitless.fused_losses.config import PolicyLossConfig
 from logitless.fused_losses.logprobs import _rows_logprobs, check_head_args, compute_dtype
 from logitless.fused_losses.objectives import needs_whole_batch
@@ -224,7 +227,8 @@ def fused_policy_loss(
             entropy_coef: as in :func:`policy_loss`.
         temperature, softcap, logit_scale: the logit transform, as in :func:`linear_logprobs`.
         memory_budget: bytes of temporary logits a chunk may use (default: 512 MiB on CUDA,
-            chosen by the cost model in ``gpu_plan``; 256 MiB on CPU).
+            chosen by the cost model in ``gpu_plan``; 256 MiB on CPU). On CUDA a chunk row
+            counts its stored logits and its hidden and hidden-gradient rows.
         strategy: ``"auto"`` (chunks, streaming where needed), ``"chunked"`` or ``"streaming"``.
 
     Returns:
@@ -453,8 +457,9 @@ def _plan(call: _Call, memory_budget) -> _Plan:
     per_seq, widths = torch.stack([m.sum(1), lengths.to(m.device)]).tolist()
     device = call.head.hidden.device
     budget = memory_budget if memory_budget is not None else _default_budget(device)
-    row_bytes = _store_type(device).bytes_per_row(call.head.vocab, call.head.dtype,
-                                                  call.head.softcap)
+    head = call.head
+    row_bytes = _store_type(device, head.dtype).bytes_per_row(
+        head.vocab, head.dtype, head.softcap, hidden_size=head.weight.shape[1])
     starts = list(itertools.accumulate(per_seq, initial=0))
     chunks = [_Chunk(s0, s1, starts[s0], starts[s1], max(widths[s0:s1], default=0), streamed)
               for s0, s1, streamed in plan_chunks(per_seq, max(1, budget // row_bytes))]
@@ -468,13 +473,16 @@ def _plan(call: _Call, memory_budget) -> _Plan:
 class ChunkStore(Protocol):
     """Where a dense chunk's logits live between its forward statistics and its gradient.
 
-    `stored_logits.StoredLogits` (torch, any device) is the implementation today; another
-    (e.g. a CUDA store keeping bf16 logits with Triton epilogues) plugs in through
-    `_store_type` without touching `_ChunkRunner`."""
+    Two implementations, chosen by `_store_type`: `stored_logits.StoredLogits` (torch, any
+    device: fp32 exponentials in vocabulary blocks) and `stored_logits_triton.StoredLogitsTriton`
+    (when Triton is selected, i.e. on CUDA: the logits once in the input dtype, Triton passes
+    for the statistics and for ``dz``)."""
 
     @staticmethod
-    def bytes_per_row(vocab: int, dtype: torch.dtype, softcap: float | None) -> int:
-        """Bytes one token row of a chunk needs (sizes the chunks)."""
+    def bytes_per_row(vocab: int, dtype: torch.dtype, softcap: float | None, *,
+                      hidden_size: int) -> int:
+        """Bytes one token row of a chunk needs (sizes the chunks within the budget);
+        ``hidden_size`` is D, for a store that counts the chunk's hidden rows."""
 
     def forward(self, hidden, weight, bias, targets, *, temperature, softcap, logit_scale):
         """Keep the logits of ``hidden [rows, D]``; return per-token ``(logprobs, entropy,
@@ -487,8 +495,14 @@ class ChunkStore(Protocol):
         when ``want_hidden``."""
 
 
-def _store_type(device: torch.device) -> type[ChunkStore]:
-    """The chunk store for ``device``."""
+def _store_type(device: torch.device, dtype: torch.dtype) -> type[ChunkStore]:
+    """The chunk store for tensors of ``device`` and compute ``dtype``: the Triton one where
+    `triton_selected` picks Triton (CUDA; ``LOGITLESS_BACKEND=triton`` under the
+    interpreter), else the torch one (CPU, fp64)."""
+    if triton_selected(device, dtype):
+        from logitless.kernels import stored_logits_triton  # imports triton
+
+        return stored_logits_triton.StoredLogitsTriton
     return stored_logits.StoredLogits
 
 
@@ -496,7 +510,7 @@ def _new_store(vocab, max_rows, dtype, device, softcap) -> ChunkStore | None:
     """A store for chunks of up to ``max_rows`` rows (None when no chunk is dense)."""
     if not max_rows:
         return None
-    return _store_type(device)(vocab, max_rows, dtype, device, softcap)
+    return _store_type(device, dtype)(vocab, max_rows, dtype, device, softcap)
 
 
 # --- the chunk loop ------------------------------------------------------------------------

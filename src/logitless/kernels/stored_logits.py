@@ -46,10 +46,12 @@ def _num_blocks(vocab: int, block: int) -> int:
 
 
 def bytes_per_row(vocab: int, dtype: torch.dtype, softcap: float | None,
-                  block: int | None = None) -> int:
+                  block: int | None = None, *, hidden_size: int = 0) -> int:
     """Bytes one token row of a chunk needs: its share of the pool (a slot per vocabulary block
     and one spare), one more block when soft-capping (``tanh``, then ``1 - tanh^2``), and a
-    block in the input dtype for the GEMMs when the inputs are bf16/fp16."""
+    block in the input dtype for the GEMMs when the inputs are bf16/fp16. The CPU budget
+    counts the pool only: ``hidden_size`` (the chunk's hidden rows) is not counted."""
+    del hidden_size
     block = min(vocab, block or VOCAB_BLOCK)
     acc = torch.finfo(acc_dtype(dtype)).bits // 8
     slots = _num_blocks(vocab, block) + 1 + (1 if softcap is not None else 0)

@@ -1,0 +1,98 @@
+"""The Triton chunk store of fused_policy_loss (``kernels/stored_logits_triton.py``): its two
+passes compiled for sm_90 at the configurations it launches (rerun under triton 3.6.0 by
+``test_compile_triton36.py``), and one chunk against the fp64 reference under the interpreter.
+Its end-to-end tests are in ``tests/fused_losses/test_fused_policy_loss_triton.py``."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+from logitless.kernels import linear_softmax
+from logitless.reference.linear_softmax import linear_softmax_stats
+
+from testing import requires_triton
+
+# Argument types of the two passes (pointers to per-row fp32 values unless named here).
+_TYPES = dict(stride_row="i32", targets="*i64", plane="i32", n_rows="i32", width="i32",
+              v0="i32", softcap="fp32", z_scale="fp32", inv_vocab_total="fp32")
+
+
+def _signature(kernel, logits_type: str, constexprs: dict) -> dict:
+    """Every runtime argument of ``kernel`` in its own order, typed."""
+    fn = kernel
+    while not inspect.isfunction(fn):
+        fn = fn.fn
+    names = [n for n in inspect.signature(fn).parameters if n not in constexprs]
+    return {n: logits_type if n == "logits" else _TYPES.get(n, "*fp32") for n in names}
+
+
+@pytest.mark.compile_sm90
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32],
+                         ids=["bf16", "fp16", "fp32"])
+def test_store_kernels_compile_for_sm90(dtype):
+    """Soft-cap on and off; the dz pass with and without the entropy term."""
+    pytest.importorskip("triton.backends.nvidia")
+    from logitless.kernels import stored_logits_triton as st
+
+    from sm90 import compile_sm90
+
+    ty = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}[dtype]
+    g = torch.zeros(1)
+    launches = []
+    for cap in (3.0, None):
+        launches.append((linear_softmax._tile_stats_kernel, st.stats_meta(dtype, cap)))
+        for g_entropy in (g, None):
+            launches.append((linear_softmax._tile_grad_kernel,
+                             st.grad_meta(dtype, cap, g, g_entropy)))
+    for kernel, meta in launches:
+        meta = dict(meta)
+        warps = meta.pop("num_warps")
+        compiled = compile_sm90(kernel, _signature(kernel, ty, meta), meta, num_warps=warps)
+        assert compiled.asm["cubin"]
+
+
+@requires_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_chunk_statistics_and_logit_gradient(monkeypatch, dtype):
+    """One chunk: lp, H, lse against the fp64 reference of the stored (rounded) logits, and the
+    gradients of ``sum g_lp lp + g_H H`` into fresh buffers against fp64 autograd."""
+    from logitless.kernels.stored_logits_triton import StoredLogitsTriton
+
+    monkeypatch.setattr(linear_softmax, "_BLOCK_V", 128)
+    n, d, v, opts = 37, 64, 509, dict(temperature=0.8, softcap=4.0, logit_scale=1.2)
+    hidden = torch.randn(n, d).to(dtype)
+    weight = (0.3 * torch.randn(v, d)).to(dtype)
+    bias = torch.randn(v).to(dtype)
+    targets = torch.randint(0, v, (n,))
+    store = StoredLogitsTriton(v, n + 3, dtype, "cpu", opts["softcap"])
+    lp, ent, lse = store.forward(hidden, weight, bias, targets, **opts)
+    x = torch.addmm(bias, hidden, weight.t()).double()  # the logits as stored
+    eye = torch.eye(v, dtype=torch.float64)
+    ref = linear_softmax_stats(x, eye, targets, None, **opts)
+    for name, got in (("logprobs", lp), ("entropy", ent), ("lse", lse)):
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got.double(), ref[name], rtol=1e-5, atol=2e-5,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+
+    g_lp, g_ent = torch.randn(n), torch.randn(n)
+    d_weight = torch.full((v, d), float("nan"))  # beta=0 overwrites whatever it holds
+    d_bias = torch.zeros(v)
+    d_hidden = store.backward_(hidden, weight, lse, ent, g_lp, g_ent, d_weight, d_bias,
+                               want_hidden=True, weight_beta=0.0)
+    x64 = x.clone().requires_grad_()
+    stats = linear_softmax_stats(x64, eye, targets, None, **opts)
+    (stats["logprobs"] * g_lp.double() + stats["entropy"] * g_ent.double()).sum().backward()
+    dx = x64.grad
+    u = 1e-6 if dtype == torch.float32 else torch.finfo(dtype).eps
+    # dx rounded once to the inputs' dtype bounds each product's error by u |dx| |operand|
+    for name, got, want, bound in (
+        ("d_hidden", d_hidden, dx @ weight.double(), dx.abs() @ weight.double().abs()),
+        ("d_weight", d_weight, dx.t() @ hidden.double(), dx.abs().t() @ hidden.double().abs()),
+        ("d_bias", d_bias, dx.sum(0), dx.abs().sum(0)),
+    ):
+        err = (got.double() - want).abs()
+        assert (err <= 2 * u * bound + 1e-6).all(), f"{name}: max err {float(err.max()):.2e}"
+    assert d_hidden.dtype == dtype and d_weight.dtype == torch.float32
