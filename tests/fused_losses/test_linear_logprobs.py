@@ -10,7 +10,7 @@ import logitless
 from logitless import reference
 from logitless.fused_losses import logprobs as logprobs_module
 
-from testing import assert_close_to_oracle, requires_triton
+from testing import assert_close_to_oracle, requires_triton, tied_head_inputs
 
 FLOAT_OUTS = ("logprobs", "entropy", "sum_p_sq", "mean_logit")
 ALL_STATS = ("sum_p_sq", "mean_logit", "is_top1", "lse")
@@ -106,6 +106,25 @@ def test_bf16_three_way(backend, monkeypatch):
         assert_close_to_oracle(getattr(out, k), ref[k], same[k], tol=1e-2, name=k)
     for name, g, g64, gs in zip(("hidden", "weight", "bias"), grads, grads64, same_grads):
         assert_close_to_oracle(g, g64, gs, tol=1e-2 * float(g64.abs().max()), name=f"d_{name}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("opts", [{}, {"softcap": 30.0, "temperature": 0.7}], ids=["plain", "cap"])
+def test_is_top1_is_the_first_maximum(backend, dtype, opts, monkeypatch):
+    """Tied maxima (exact integer logits): only the lowest index counts as top-1, within a
+    tile and across vocabulary tiles, as torch.argmax (and TRL) decide."""
+    monkeypatch.setenv("LOGITLESS_BACKEND", backend)
+    hidden, weight, bias, targets = tied_head_inputs()
+    expected = reference.linear_softmax_stats(hidden, weight, targets, bias, **opts)["is_top1"]
+    logits = hidden @ weight.t() + bias
+    at_max = logits.gather(1, targets[:, None]).squeeze(1) == logits.amax(-1)
+    assert expected.any() and (at_max & ~expected).any()  # both kinds of tie occur
+    cast = [x.to(dtype) for x in (hidden, weight, bias)]
+    for tile_bytes in (None, 4 * 2 * 300):
+        out = logitless.linear_logprobs(cast[0], cast[1], targets, bias=cast[2], stats=("is_top1",),
+                                        max_tile_bytes=tile_bytes, **opts)
+        assert torch.equal(out.is_top1, expected), tile_bytes
 
 
 def test_gradcheck_fp64():

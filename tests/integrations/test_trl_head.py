@@ -5,7 +5,7 @@ import torch
 
 from logitless.integrations import trl_head
 
-from testing import assert_close_to_oracle
+from testing import assert_close_to_oracle, tied_head_inputs
 
 trl_kernels = pytest.importorskip("trl.kernels", reason="TRL is installed by `make test`")
 
@@ -59,6 +59,20 @@ def test_swap_matches_trl_contract(softcap, scale):
                                       + exact["entropy"] @ g[1].double(), leaves64)
     for name, a, c, e in zip(("hidden", "weight", "bias"), grads, trl_grads, exact_grads):
         assert_close_to_oracle(a, e, c, tol=1e-5 * float(e.abs().max()), name=f"d_{name}")
+
+
+@pytest.mark.parametrize("chunk_size", [4096, 200])
+def test_is_top1_ties_match_trl(chunk_size):
+    """Tied maxima: the patched head and TRL's own kernel agree on which target is top-1."""
+    hidden, weight, bias, targets = (x.float() if x.is_floating_point() else x
+                                     for x in tied_head_inputs())
+    args = (hidden, weight, bias, targets, 1.0, chunk_size, None, 1.0, ("is_top1",))
+    ours = trl_head.LogitlessChunkedLogProb.apply(*args)[4]
+    theirs = trl_kernels.ChunkedLogProbFunction.apply(*args)[4]
+    logits = hidden @ weight.t() + bias
+    at_max = logits.gather(1, targets[:, None]).squeeze(1) == logits.amax(-1)
+    assert theirs.any() and (at_max & ~theirs).any()  # TRL sees both kinds of tie
+    assert torch.equal(ours, theirs)
 
 
 def test_patch_and_unpatch():

@@ -17,7 +17,7 @@ import torch
 
 from logitless.fused_losses.backend import triton_selected
 from logitless.kernels import linear_softmax_torch
-from logitless.kernels.softmax_partials import Partials, finish, rescale_to
+from logitless.kernels.softmax_partials import Partials, empty, finish, rescale_to
 
 __all__ = ["STATS", "LogprobOutput", "linear_logprobs"]
 
@@ -63,7 +63,8 @@ def _backend_for(device: torch.device, dtype: torch.dtype) -> ModuleType:
 
 
 class _LinearSoftmax(torch.autograd.Function):
-    """Rows already compacted: every target is a local vocab id or -1 (in another shard)."""
+    """Rows already compacted: every target is a local vocab id, below 0 or at least the local
+    vocabulary size when it lies in an earlier or a later shard."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, spec: _Spec):
@@ -78,8 +79,7 @@ class _LinearSoftmax(torch.autograd.Function):
                 parts = spec.backend.forward(hidden, weight, bias, targets, want_s2=spec.want_s2,
                                              want_sum_z=spec.want_sum_z, **kw)
             else:
-                acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
-                parts = Partials(*(hidden.new_empty(0, dtype=acc),) * 6)
+                parts = empty(hidden.device, linear_softmax_torch.acc_dtype(hidden.dtype))
             if spec.group is not None:
                 parts = _all_reduce_partials(parts, spec.group)
             stats = finish(parts, spec.vocab_total)
@@ -129,14 +129,16 @@ def _acc(g, like):
 
 
 def _all_reduce_partials(parts: Partials, group) -> Partials:
-    """Combine per-rank partials: max of the maxima, then sums rescaled to it."""
+    """Combine per-rank partials: max of the maxima (and of the maxima before the target),
+    then sums rescaled to the common maximum."""
     dist = torch.distributed
-    m = parts.m.clone()
-    dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+    maxima = torch.stack([parts.m, parts.m_before])
+    dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group)
+    m, m_before = maxima.unbind(0)
     local = rescale_to(parts, m)
     sums = torch.stack([local.l, local.a, local.s2, local.sum_z, local.z_y])
     dist.all_reduce(sums, group=group)
-    return Partials(m, *sums.unbind(0))
+    return Partials(m, *sums.unbind(0), m_before)
 
 
 def _vocab_offset(v_local: int, group, device) -> tuple[int, int]:
@@ -274,8 +276,9 @@ def linear_logprobs(
         rows = torch.nonzero(valid).squeeze(1)
         h, t = flat_h.index_select(0, rows), flat_t.index_select(0, rows)
     if group is not None:
+        # Local ids, outside [0, v_local) when the target lies in another rank's slice: below
+        # 0 before this slice, past its end after it (is_top1 needs to know which).
         t = t - offset
-        t = torch.where((t >= 0) & (t < v_local), t, torch.full_like(t, -1))
 
     spec = _Spec(float(temperature), None if softcap is None else float(softcap),
                  float(logit_scale), v_total, "sum_p_sq" in stats, "mean_logit" in stats,

@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from logitless.kernels.softmax_partials import Partials, merge
+from logitless.kernels.softmax_partials import Partials, empty, merge
 
 __all__ = ["backward", "forward"]
 
@@ -245,6 +245,7 @@ def _forward_kernel(
     s2_i = tl.zeros((BLOCK_N,), dtype=tl.float32)
     sum_z = tl.zeros((BLOCK_N,), dtype=tl.float32)
     z_y = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    m_before = tl.full((BLOCK_N,), float("-inf"), dtype=tl.float32)
 
     v_start = split * vocab_per_split
     n_tiles = tl.cdiv(tl.minimum(v_start + vocab_per_split, V) - v_start, BLOCK_V)
@@ -275,9 +276,12 @@ def _forward_kernel(
         # targets == -1 (or in another tile) match no lane, so they add nothing to z_y.
         hit = lanes[None, :] == _local_targets(tgt, v0, BLOCK_V)[:, None]
         z_y += tl.sum(tl.where(hit, z, 0.0), 1)
+        # [head] is_top1 tie rule: the largest logit left of the target (first maximum wins).
+        before = (v0 + lanes)[None, :] < tgt[:, None]
+        m_before = tl.maximum(m_before, tl.max(tl.where(before, z, float("-inf")), 1))
         m_i = m_new
 
-    # out is [6, S, N]: one plane per Partials field.
+    # out is [7, S, N]: one plane per Partials field.
     plane = tl.num_programs(1).to(tl.int64) * N
     ptrs = out + split * N + row0 + rows
     tl.store(ptrs, m_i, mask=mask_n)
@@ -286,6 +290,7 @@ def _forward_kernel(
     tl.store(ptrs + 3 * plane, s2_i, mask=mask_n)
     tl.store(ptrs + 4 * plane, sum_z, mask=mask_n)
     tl.store(ptrs + 5 * plane, z_y, mask=mask_n)
+    tl.store(ptrs + 6 * plane, m_before, mask=mask_n)
 
 
 @triton.autotune(
@@ -451,17 +456,17 @@ def forward(hidden, weight, bias, targets, *, temperature: float, softcap: float
     """Per-token partial softmax statistics of ``z = logit_scale * softcap(h W^T + b) / T``.
 
     hidden ``[N, D]``, weight ``[V, D]`` (any strides), bias ``[V]`` or None, all one dtype
-    (fp32/bf16/fp16); targets int64 ``[N]`` in ``[-1, V)`` (-1: the target lies outside this
-    vocabulary slice, ``z_y = 0``). Returns fp32 ``[N]`` partials relative to the row max
-    ``m`` (see ``softmax_partials``); ``s2`` / ``sum_z`` are zeros unless asked for.
+    (fp32/bf16/fp16); targets int64 ``[N]`` local to this vocabulary slice (below 0 / at least
+    V: the target lies in a slice before / after it, ``z_y = 0``). Returns fp32 ``[N]``
+    partials relative to the row max ``m`` (see ``softmax_partials``); ``s2`` / ``sum_z`` are
+    zeros unless asked for.
     """
     _check_inputs(hidden, weight, bias, targets)
     n, v = hidden.shape[0], weight.shape[0]
     if n == 0:
-        empty = hidden.new_empty(0, dtype=torch.float32)
-        return Partials(*(empty,) * 6)
+        return empty(hidden.device)
     splits, per_split = _vocab_splits(n, v, hidden.device)
-    out = torch.empty(6, splits, n, dtype=torch.float32, device=hidden.device)
+    out = torch.empty(len(Partials._fields), splits, n, dtype=torch.float32, device=hidden.device)
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), splits)
     _forward_kernel[grid](
         hidden, weight, None if bias is None else bias.contiguous(), targets.contiguous(), out,

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from logitless.kernels.softmax_partials import Partials, merge, stack
+from logitless.kernels.softmax_partials import Partials, empty, merge, stack
 
 # Default bound on the temporary logits one tile may hold (bytes). The forward keeps one fp32
 # tile plus one scratch tile of the same size; the backward the same two (a third when
@@ -119,12 +119,32 @@ def tile_partials(z: torch.Tensor, local_targets: torch.Tensor, want_s2: bool,
     z_y = torch.where(has_y, z.gather(vocab_dim, idx).squeeze(vocab_dim), 0.0)
     sum_z = z.sum(vocab_dim) if want_sum_z else z.new_zeros(n)
     m = z.amax(vocab_dim, keepdim=True)
+    m_before = _max_before_target(z, local_targets, m.squeeze(vocab_dim), scratch, vocab_dim)
     z.sub_(m)
     e = torch.exp(z, out=scratch)
     l = e.sum(vocab_dim)
     a = z.mul_(e).sum(vocab_dim)  # sum e (z - m), over the logits (no longer needed)
     s2 = e.square_().sum(vocab_dim) if want_s2 else z.new_zeros(n)
-    return Partials(m.squeeze(vocab_dim), l, a, s2, sum_z, z_y)
+    return Partials(m.squeeze(vocab_dim), l, a, s2, sum_z, z_y, m_before)
+
+
+def _max_before_target(z, local_targets, m, scratch, vocab_dim):
+    """Per row, the largest logit of the tile at an index before the row's target: the tile's
+    max ``m`` when the target lies after the tile, -inf when it lies before. Only the rows
+    whose target falls inside the tile (about one tile's worth of rows over a whole
+    vocabulary) are scanned, copied into ``scratch``."""
+    cols = z.shape[vocab_dim]
+    out = torch.where(local_targets >= cols, m, float("-inf"))
+    inside = ((local_targets > 0) & (local_targets < cols)).nonzero().squeeze(1)
+    k = inside.numel()
+    if k:
+        row_dim = 1 - vocab_dim
+        shape = (k, cols) if vocab_dim == 1 else (cols, k)
+        picked = torch.index_select(z, row_dim, inside, out=scratch.view(-1)[:k * cols].view(shape))
+        col = torch.arange(cols, device=z.device).unsqueeze(row_dim)
+        at_or_after = col >= local_targets[inside].unsqueeze(vocab_dim)
+        out[inside] = picked.masked_fill_(at_or_after, float("-inf")).amax(vocab_dim)
+    return out
 
 
 def add_one_hot_(dz, local_targets, values):
@@ -139,13 +159,13 @@ def forward(hidden, weight, bias, targets, *, temperature, softcap, logit_scale,
     """Per-token partial softmax statistics of ``z = transform(hidden @ W^T + b)``.
 
     hidden ``[N, D]``, weight ``[V, D]``, bias ``[V]`` or None (same dtype), targets int64
-    ``[N]`` in ``[-1, V)`` (-1: target outside this vocabulary slice). Returns fp32 partials
-    ``[N]`` relative to each token's maximum (see ``softmax_partials``).
+    ``[N]``, local to this vocabulary slice: below 0 (or at least V) when the target lies in a
+    slice before (after) this one. Returns fp32 partials ``[N]`` relative to each token's
+    maximum (see ``softmax_partials``).
     """
     n, v = hidden.shape[0], weight.shape[0]
     if n == 0:
-        empty = hidden.new_empty(0, dtype=acc_dtype(hidden.dtype))
-        return Partials(*(empty,) * 6)
+        return empty(hidden.device, acc_dtype(hidden.dtype))
     rows, cols = _tile_shape(n, v, tile_bytes, 2 if softcap is None else 3)
     tiles = _Tiles(min(rows, n), min(cols, v), hidden.dtype, hidden.device, softcap)
     out = []
