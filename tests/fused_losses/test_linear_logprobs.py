@@ -226,6 +226,46 @@ def test_non_contiguous_inputs():
     torch.testing.assert_close(out.entropy, ref["entropy"], rtol=1e-12, atol=1e-12)
 
 
+MIXED = [(torch.bfloat16, torch.float32, torch.float32), (torch.bfloat16, torch.float32, None),
+         (torch.float16, torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16,
+                                                         torch.bfloat16)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtypes", MIXED, ids=lambda d: "-".join(str(x)[6:] for x in d))
+def test_mixed_dtypes_compute_in_hidden_dtype(backend, dtypes, monkeypatch):
+    """TRL's rule: any mix of dtypes computes in hidden's (the head cast to it inside the
+    op), and each input's gradient comes back in its own dtype, rounded once from the fp32
+    accumulator. Three calls: the mix; everything cast to hidden's dtype first; the mix with
+    the head widened to fp32 (exactly), whose head gradients are the accumulators."""
+    monkeypatch.setenv("LOGITLESS_BACKEND", backend)
+    hidden, weight, bias, targets = make_inputs(n=23, bias=dtypes[2] is not None)
+    mixed = [None if x is None else x.to(dt) for x, dt in zip((hidden, weight, bias), dtypes)]
+    calls = {
+        "mixed": mixed,
+        "same": [None if x is None else x.to(dtypes[0]) for x in mixed],
+        "wide": [mixed[0]] + [None if x is None else x.float() for x in mixed[1:]],
+    }
+    outs, grads = {}, {}
+    for name, inputs in calls.items():
+        h, w, b = leaf(*inputs)
+        out = logitless.linear_logprobs(h, w, targets, bias=b, return_entropy=True,
+                                        stats=("sum_p_sq",))
+        (out.logprobs.sum() + 0.5 * out.entropy.sum() + out.sum_p_sq.sum()).backward()
+        outs[name] = out
+        grads[name] = [None if x is None else x.grad for x in (h, w, b)]
+    for k in ("logprobs", "entropy", "sum_p_sq"):
+        assert torch.equal(getattr(outs["mixed"], k), getattr(outs["same"], k)), k
+        assert torch.equal(getattr(outs["wide"], k), getattr(outs["same"], k)), k
+    for i, x in enumerate(mixed):
+        if x is None:
+            continue
+        g, g_same, acc = grads["mixed"][i], grads["same"][i], grads["wide"][i]
+        assert g.dtype == x.dtype
+        assert torch.equal(g, acc.to(x.dtype))  # rounded once, from the accumulator
+        assert torch.equal(acc.to(dtypes[0]), g_same)  # the same accumulator
+
+
 def test_autocast_follows_compute_dtype():
     """Trainers call the head under autocast with fp32 weights: compute follows autocast."""
     hidden, weight, bias, targets = make_inputs(n=17)
@@ -267,10 +307,10 @@ BAD = [
     ("targets", lambda h, w, t, b: dict(targets=torch.where(t == t[0], w.shape[0], t))),
     ("targets", lambda h, w, t, b: dict(targets=torch.full_like(t, -5))),
     ("weight", lambda h, w, t, b: dict(weight=w[:, :-1])),
-    ("weight", lambda h, w, t, b: dict(weight=w.double())),
+    ("weight", lambda h, w, t, b: dict(weight=w.long())),
     ("weight", lambda h, w, t, b: dict(weight=w[0])),
     ("bias", lambda h, w, t, b: dict(bias=b[:-1])),
-    ("bias", lambda h, w, t, b: dict(bias=b.half())),
+    ("bias", lambda h, w, t, b: dict(bias=b.int())),
     ("temperature", lambda h, w, t, b: dict(temperature=0.0)),
     ("temperature", lambda h, w, t, b: dict(temperature=float("inf"))),
     ("softcap", lambda h, w, t, b: dict(softcap=-1.0)),

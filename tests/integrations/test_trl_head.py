@@ -96,3 +96,44 @@ def test_unsupported_trl_is_refused(monkeypatch):
     monkeypatch.setattr(trl, "__version__", "1.99.0")
     with pytest.raises(RuntimeError, match=r"supports TRL >=1\.16,<1\.17"):
         trl_head.patch_trl()
+
+
+def _fused_head_step(model, ids):
+    out = model(input_ids=ids, labels=ids, fused_lm_head=True)
+    (out.log_probs.sum() + 0.5 * out.entropy.sum()).backward()
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return out, grads
+
+
+def test_cast_lm_head_to_fp32_on_bf16_model_matches_trl():
+    """TRL's `add_fused_lm_head(model, cast_lm_head_to_fp32=True)` on a bf16 model hands the
+    head fp32 hidden states and the model's own head weight: patched, the same outputs and
+    gradients (in each parameter's dtype) as TRL's kernel."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from trl.trainer.utils import add_fused_lm_head
+
+    config = Qwen2Config(vocab_size=301, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=64, tie_word_embeddings=False)
+    model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+    add_fused_lm_head(model, cast_lm_head_to_fp32=True, outputs=("log_probs", "entropy"))
+    ids = torch.randint(0, config.vocab_size, (2, 9))
+    theirs, their_grads = _fused_head_step(model, ids)
+    trl_head.patch_trl()
+    try:
+        ours, our_grads = _fused_head_step(model, ids)
+    finally:
+        trl_head.unpatch_trl()
+    for name in ("log_probs", "entropy"):
+        a, b = getattr(ours, name), getattr(theirs, name)
+        assert a.dtype == b.dtype == torch.float32
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    for name, g in our_grads.items():
+        assert g.dtype == their_grads[name].dtype, name
+        # bf16 gradients: both sum in fp32 and round once; the order of the sums may move
+        # a value by one bf16 step.
+        step = torch.finfo(g.dtype).eps
+        torch.testing.assert_close(g.float(), their_grads[name].float(), rtol=step,
+                                   atol=step * float(their_grads[name].float().abs().max()),
+                                   msg=lambda m, name=name: f"{name}: {m}")

@@ -309,7 +309,7 @@ def fused_policy_loss(
                         ref_logprobs=ref_logprobs, rollout_logprobs=rollout_logprobs,
                         token_weights=token_weights, attention_entropy=attention_entropy,
                         selection_entropy=selection_entropy)
-    dtype = compute_dtype(hidden, weight, bias)
+    dtype = compute_dtype(hidden)
     # Detached: the chunks compute their gradients themselves, and an autograd graph over the
     # logits would keep every chunk's tiles alive until the backward.
     h_all = hidden.detach().to(dtype).reshape(-1, hidden.shape[-1])

@@ -51,6 +51,7 @@ class _Spec:
     group: object
     tile_bytes: int | None
     gather_weight: Callable[[], AbstractContextManager] | None
+    dtype: torch.dtype
 
 
 def _backend_for(device: torch.device, dtype: torch.dtype) -> ModuleType:
@@ -76,10 +77,11 @@ class _LinearSoftmax(torch.autograd.Function):
             kw["tile_bytes"] = spec.tile_bytes
         with torch.autocast(hidden.device.type, enabled=False):
             if n:
-                parts = spec.backend.forward(hidden, weight, bias, targets, want_s2=spec.want_s2,
-                                             want_sum_z=spec.want_sum_z, **kw)
+                parts = spec.backend.forward(*_operands(spec, hidden, weight, bias), targets,
+                                             want_s2=spec.want_s2, want_sum_z=spec.want_sum_z,
+                                             **kw)
             else:
-                parts = empty(hidden.device, linear_softmax_torch.acc_dtype(hidden.dtype))
+                parts = empty(hidden.device, linear_softmax_torch.acc_dtype(spec.dtype))
             if spec.group is not None:
                 parts = _all_reduce_partials(parts, spec.group)
             stats = finish(parts, spec.vocab_total)
@@ -101,7 +103,7 @@ class _LinearSoftmax(torch.autograd.Function):
         with torch.autocast(hidden.device.type, enabled=False), gather:
             if hidden.shape[0]:
                 d_hidden, d_weight, d_bias = spec.backend.backward(
-                    hidden, weight, bias, targets, lse,
+                    *_operands(spec, hidden, weight, bias), targets, lse,
                     entropy if g_entropy is not None else None,
                     sum_p_sq if g_sum_p_sq is not None else None,
                     _acc(g_lp, lse), _acc(g_entropy, lse), _acc(g_sum_p_sq, lse),
@@ -122,6 +124,16 @@ class _LinearSoftmax(torch.autograd.Function):
             None,
             None,
         )
+
+
+def _operands(spec: _Spec, hidden, weight, bias):
+    """The inputs as the kernels take them: hidden in the compute dtype, and the head too for
+    the Triton kernels (the torch twin casts it slice by slice). Cast here, inside the autograd
+    function, so each input's gradient comes back in its own dtype, from fp32 accumulators."""
+    hidden = hidden.to(spec.dtype)
+    if spec.backend is linear_softmax_torch:
+        return hidden, weight, bias
+    return hidden, weight.to(spec.dtype), None if bias is None else bias.to(spec.dtype)
 
 
 def _acc(g, like):
@@ -152,25 +164,19 @@ def _vocab_offset(v_local: int, group, device) -> tuple[int, int]:
     return sum(sizes[:rank]), sum(sizes)
 
 
-def compute_dtype(hidden, weight, bias) -> torch.dtype:
+def compute_dtype(hidden: torch.Tensor) -> torch.dtype:
+    """The dtype the head's GEMMs run in (TRL's rule): autocast's under ``torch.autocast``
+    (trainers call the head there with fp32 master weights), else hidden's, whatever the
+    weight's and bias's dtypes (they are cast to it)."""
     dev = hidden.device.type
     if torch.is_autocast_enabled(dev):
-        # Trainers call the head under autocast with fp32 master weights: follow autocast.
         return torch.get_autocast_dtype(dev)
-    for name, t in (("weight", weight), ("bias", bias)):
-        if t is not None and t.dtype != hidden.dtype:
-            raise ValueError(
-                f"{name} has dtype {t.dtype} but hidden has {hidden.dtype}; outside "
-                f"torch.autocast they must match"
-            )
     return hidden.dtype
 
 
 def check_head_args(hidden, weight, targets, bias, temperature, softcap, logit_scale, stats):
     if not isinstance(hidden, torch.Tensor) or hidden.dim() < 1:
         raise ValueError("hidden must be a tensor [..., D]")
-    if hidden.dtype not in _FLOAT_DTYPES:
-        raise ValueError(f"hidden must be floating point (fp32/bf16/fp16/fp64), got {hidden.dtype}")
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
         raise ValueError(f"weight must be a 2-D tensor [V, D], got shape "
                          f"{tuple(getattr(weight, 'shape', ()))}")
@@ -185,6 +191,10 @@ def check_head_args(hidden, weight, targets, bias, temperature, softcap, logit_s
                          f"got {tuple(targets.shape)}")
     if bias is not None and (bias.dim() != 1 or bias.shape[0] != weight.shape[0]):
         raise ValueError(f"bias must be [V] = [{weight.shape[0]}], got {tuple(bias.shape)}")
+    for name, t in (("hidden", hidden), ("weight", weight), ("bias", bias)):
+        # Any mix of float dtypes: the head is cast to the compute dtype (`compute_dtype`).
+        if t is not None and t.dtype not in _FLOAT_DTYPES:
+            raise ValueError(f"{name} must be floating point (fp32/bf16/fp16/fp64), got {t.dtype}")
     for name, t in (("weight", weight), ("targets", targets), ("bias", bias)):
         if t is not None and t.device != hidden.device:
             raise ValueError(f"{name} is on {t.device} but hidden is on {hidden.device}")
@@ -223,7 +233,9 @@ def linear_logprobs(
     (softcap ``c * tanh(x / c)``) are streamed through tiles and never stored whole.
 
     Args:
-        hidden: ``[..., D]`` fp32/bf16/fp16 hidden states (e.g. ``[B, T, D]`` or ``[N, D]``).
+        hidden: ``[..., D]`` fp32/bf16/fp16 hidden states (e.g. ``[B, T, D]`` or ``[N, D]``);
+            the head runs in their dtype (autocast's under ``torch.autocast``), ``weight`` and
+            ``bias`` of another float dtype cast to it, their gradients in their own dtype.
         weight: ``[V, D]`` head weight (``[V_r, D]``, this rank's slice, with ``vocab_parallel``).
         targets: integer token ids shaped ``hidden.shape[:-1]``, in ``[0, V)`` or
             ``ignore_index``; ignored rows are dropped before any kernel runs.
@@ -247,9 +259,7 @@ def linear_logprobs(
     """
     stats = tuple(stats)
     check_head_args(hidden, weight, targets, bias, temperature, softcap, logit_scale, stats)
-    dtype = compute_dtype(hidden, weight, bias)
-    hidden, weight = hidden.to(dtype), weight.to(dtype)
-    bias = None if bias is None else bias.to(dtype)
+    dtype = compute_dtype(hidden)
 
     group = vocab_parallel
     v_local = weight.shape[0]
@@ -282,7 +292,7 @@ def linear_logprobs(
 
     spec = _Spec(float(temperature), None if softcap is None else float(softcap),
                  float(logit_scale), v_total, "sum_p_sq" in stats, "mean_logit" in stats,
-                 _backend_for(hidden.device, dtype), group, max_tile_bytes, gather_weight)
+                 _backend_for(hidden.device, dtype), group, max_tile_bytes, gather_weight, dtype)
     lp, ent, s2, mean, top1, lse = _LinearSoftmax.apply(h, weight, bias, t, spec)
 
     def expand(x):

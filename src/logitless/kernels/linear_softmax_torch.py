@@ -147,6 +147,13 @@ def _max_before_target(z, local_targets, m, scratch, vocab_dim):
     return out
 
 
+def _head_slice(weight, bias, c0, cols, dtype):
+    """Vocabulary columns ``c0:c0+cols`` of the head in the compute dtype (views when the head
+    already has it; else a copy of the slice only, never of the whole head)."""
+    w = weight[c0:c0 + cols].to(dtype)
+    return w, None if bias is None else bias[c0:c0 + cols].to(dtype)
+
+
 def add_one_hot_(dz, local_targets, values):
     """``dz[y_j, j] += values[j]`` for the tokens whose target lies in this tile."""
     has_y = (local_targets >= 0) & (local_targets < dz.shape[0])
@@ -158,7 +165,8 @@ def forward(hidden, weight, bias, targets, *, temperature, softcap, logit_scale,
             want_sum_z, tile_bytes: int = DEFAULT_TILE_BYTES) -> Partials:
     """Per-token partial softmax statistics of ``z = transform(hidden @ W^T + b)``.
 
-    hidden ``[N, D]``, weight ``[V, D]``, bias ``[V]`` or None (same dtype), targets int64
+    hidden ``[N, D]`` in the compute dtype, weight ``[V, D]`` and bias ``[V]`` (or None) in
+    any float dtype, cast slice by slice to hidden's, targets int64
     ``[N]``, local to this vocabulary slice: below 0 (or at least V) when the target lies in a
     slice before (after) this one. Returns fp32 partials ``[N]`` relative to each token's
     maximum (see ``softmax_partials``).
@@ -174,11 +182,11 @@ def forward(hidden, weight, bias, targets, *, temperature, softcap, logit_scale,
         tgt = targets[r0:r0 + rows]
         parts = []
         for c0 in range(0, v, cols):
-            b = None if bias is None else bias[c0:c0 + cols]
+            w, b = _head_slice(weight, bias, c0, cols, hidden.dtype)
             # Token-major here: the forward's logits then round as ``h @ W^T`` does in the
             # plain-PyTorch heads this replaces (TRL's, for one); vocab-major rounding moved a
             # near-cancelling loss (VESPO's, in the TRL parity tests) by 2e-4 relative.
-            z, _ = tiles.logits(h, weight[c0:c0 + cols], b, temperature, softcap, logit_scale,
+            z, _ = tiles.logits(h, w, b, temperature, softcap, logit_scale,
                                 vocab_major=False)
             scratch = tiles.view(tiles.scratch, *z.shape)
             parts.append(tile_partials(z, tgt - c0, want_s2, want_sum_z, scratch, vocab_dim=1))
@@ -189,7 +197,8 @@ def forward(hidden, weight, bias, targets, *, temperature, softcap, logit_scale,
 def backward(hidden, weight, bias, targets, lse, entropy, sum_p_sq, g_lp, g_entropy, g_sum_p_sq,
              g_mean_logit, *, temperature, softcap, logit_scale, vocab_total, need_hidden,
              need_weight, need_bias, tile_bytes: int = DEFAULT_TILE_BYTES):
-    """Gradients of hidden, weight and bias from per-token upstream gradients (fp32 results).
+    """Gradients of hidden, weight and bias from per-token upstream gradients (fp32 results;
+    hidden in the compute dtype, the head in any float dtype, as in ``forward``).
 
     With ``p = exp(z - lse)`` recomputed per tile:
     ``dz = g_lp (1[j=y] - p) - g_entropy p (log p + H) + g_sum_p_sq 2 p (p - S2) + g_mean / V``,
@@ -215,8 +224,7 @@ def backward(hidden, weight, bias, targets, lse, entropy, sum_p_sq, g_lp, g_entr
         per_row = [None if g is None else g[sl]
                    for g in (lse, entropy, sum_p_sq, g_lp, g_entropy, g_sum_p_sq, g_mean_logit)]
         for c0 in range(0, v, cols):
-            w = weight[c0:c0 + cols]
-            b = None if bias is None else bias[c0:c0 + cols]
+            w, b = _head_slice(weight, bias, c0, cols, hidden.dtype)
             z, t = tiles.logits(h, w, b, temperature, softcap, logit_scale)
             scratch = tiles.view(tiles.scratch, *z.shape)
             dz = logit_grad_(z, targets[sl] - c0, *per_row, vocab_total, scratch)
