@@ -127,6 +127,22 @@ def test_is_top1_is_the_first_maximum(backend, dtype, opts, monkeypatch):
         assert torch.equal(out.is_top1, expected), tile_bytes
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("softcap", [None, 4.0])
+def test_zero_logit_scale_is_uniform(backend, softcap, monkeypatch):
+    """logit_scale=0: every logit is 0, so the softmax is uniform and nothing has a gradient
+    (with or without a cap), as the reference computes it."""
+    monkeypatch.setenv("LOGITLESS_BACKEND", backend)
+    hidden, weight, bias, targets = make_inputs(n=11)
+    out, ref, grads, grads64 = run_both(hidden, weight, bias, targets, backend, monkeypatch,
+                                        logit_scale=0.0, softcap=softcap)
+    for k in FLOAT_OUTS:
+        torch.testing.assert_close(getattr(out, k).double(), ref[k], rtol=1e-6, atol=1e-6)
+    assert torch.equal(out.is_top1, ref["is_top1"])
+    for g, g64 in zip(grads, grads64):
+        assert torch.equal(g64, torch.zeros_like(g64)) and torch.equal(g, torch.zeros_like(g))
+
+
 def test_gradcheck_fp64():
     hidden, weight, bias, targets = make_inputs(n=5, d=7, v=11, dtype=torch.float64, ignore=0.3)
     targets[0] = 3

@@ -137,3 +137,28 @@ def test_cast_lm_head_to_fp32_on_bf16_model_matches_trl():
         torch.testing.assert_close(g.float(), their_grads[name].float(), rtol=step,
                                    atol=step * float(their_grads[name].float().abs().max()),
                                    msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("softcap,scale", [(0.0, 1.0), (0.0, 2.5), (None, 0.0), (5.0, 0.0),
+                                           (0.0, 0.0)])
+def test_zero_softcap_and_zero_scale_as_trl(softcap, scale):
+    """TRL's kernel takes final_logit_softcapping=0.0 (it caps at 1.0) and logit_scale=0.0
+    (all logits 0: uniform, zero gradients); the patched head does what it does."""
+    n, d, v = 13, 24, 301
+    h, w, b = torch.randn(n, d), torch.randn(v, d) / d**0.5 * 4, torch.randn(v)
+    t = torch.randint(1, v, (n,))
+    t[0] = 0  # with constant logits only token 0, the first maximum, is top-1
+    results = []
+    for fn in (trl_head.LogitlessChunkedLogProb, trl_kernels.ChunkedLogProbFunction):
+        leaves = [x.clone().requires_grad_(True) for x in (h, w, b)]
+        out = fn.apply(*leaves, t, 0.8, 128, softcap, scale, OUTPUTS)
+        grads = torch.autograd.grad(out[0].sum() + out[1].sum(), leaves)
+        results.append((out, grads))
+    (ours, our_grads), (theirs, their_grads) = results
+    for name, a, c in zip(("log_probs", *OUTPUTS), ours, theirs):
+        if name == "is_top1":
+            assert torch.equal(a, c)
+        else:
+            torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-5, msg=name)
+    for a, c in zip(our_grads, their_grads):
+        torch.testing.assert_close(a, c, rtol=1e-4, atol=1e-5 * float(c.abs().max()))

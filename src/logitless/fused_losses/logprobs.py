@@ -174,7 +174,10 @@ def compute_dtype(hidden: torch.Tensor) -> torch.dtype:
     return hidden.dtype
 
 
-def check_head_args(hidden, weight, targets, bias, temperature, softcap, logit_scale, stats):
+def check_head_args(hidden, weight, targets, bias, temperature, softcap, logit_scale, stats,
+                    *, zero_scale: bool = False):
+    """Validate the head's arguments (``ValueError`` naming the argument). ``zero_scale``: a
+    ``logit_scale`` of 0 (constant logits, a uniform softmax) is accepted."""
     if not isinstance(hidden, torch.Tensor) or hidden.dim() < 1:
         raise ValueError("hidden must be a tensor [..., D]")
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
@@ -204,8 +207,9 @@ def check_head_args(hidden, weight, targets, bias, temperature, softcap, logit_s
     if softcap is not None and not (math.isfinite(softcap) and softcap > 0):
         raise ValueError(f"softcap must be None or a finite number > 0, got {softcap!r}")
     if not (isinstance(logit_scale, (int, float)) and math.isfinite(logit_scale)
-            and logit_scale != 0):
-        raise ValueError(f"logit_scale must be a finite non-zero number, got {logit_scale!r}")
+            and (zero_scale or logit_scale != 0)):
+        wanted = "finite number" if zero_scale else "finite non-zero number"
+        raise ValueError(f"logit_scale must be a {wanted}, got {logit_scale!r}")
     unknown = [s for s in stats if s not in STATS]
     if unknown:
         raise ValueError(f"stats must be drawn from {STATS}, got unknown {unknown}")
@@ -231,6 +235,7 @@ def linear_logprobs(
 
     The tempered logits ``z = logit_scale * softcap(hidden @ weight^T + bias) / temperature``
     (softcap ``c * tanh(x / c)``) are streamed through tiles and never stored whole.
+    ``logit_scale=0`` is allowed: every logit is 0, the softmax uniform, the gradients 0.
 
     Args:
         hidden: ``[..., D]`` fp32/bf16/fp16 hidden states (e.g. ``[B, T, D]`` or ``[N, D]``);
@@ -258,7 +263,10 @@ def linear_logprobs(
         and ``mean_logit``; outputs that receive no gradient cost nothing in the backward.
     """
     stats = tuple(stats)
-    check_head_args(hidden, weight, targets, bias, temperature, softcap, logit_scale, stats)
+    check_head_args(hidden, weight, targets, bias, temperature, softcap, logit_scale, stats,
+                    zero_scale=True)
+    if logit_scale == 0:
+        softcap = None  # every logit is 0 whatever the cap (and so is every gradient)
     dtype = compute_dtype(hidden)
 
     group = vocab_parallel
