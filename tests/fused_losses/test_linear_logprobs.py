@@ -330,6 +330,10 @@ BAD = [
     ("temperature", lambda h, w, t, b: dict(temperature=0.0)),
     ("temperature", lambda h, w, t, b: dict(temperature=float("inf"))),
     ("softcap", lambda h, w, t, b: dict(softcap=-1.0)),
+    ("softcap", lambda h, w, t, b: dict(softcap="30")),
+    ("temperature", lambda h, w, t, b: dict(temperature="0.7")),
+    ("logit_scale", lambda h, w, t, b: dict(logit_scale=True)),
+    ("hidden", lambda h, w, t, b: dict(hidden=h[:, :0], weight=w[:, :0])),
     ("hidden", lambda h, w, t, b: dict(hidden=h.long())),
     ("stats", lambda h, w, t, b: dict(stats=("median",))),
 ]

@@ -8,6 +8,7 @@ in ``kernels/`` (Triton and its chunked torch twin, which share one launcher con
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -174,12 +175,19 @@ def compute_dtype(hidden: torch.Tensor) -> torch.dtype:
     return hidden.dtype
 
 
+def _is_number(x) -> bool:
+    """A real number (numpy scalars included), not a bool or a string such as ``"30"``."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
 def check_head_args(hidden, weight, targets, bias, temperature, softcap, logit_scale, stats,
                     *, zero_scale: bool = False):
     """Validate the head's arguments (``ValueError`` naming the argument). ``zero_scale``: a
     ``logit_scale`` of 0 (constant logits, a uniform softmax) is accepted."""
     if not isinstance(hidden, torch.Tensor) or hidden.dim() < 1:
         raise ValueError("hidden must be a tensor [..., D]")
+    if hidden.shape[-1] == 0:
+        raise ValueError(f"hidden must have a hidden size D >= 1, got shape {tuple(hidden.shape)}")
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
         raise ValueError(f"weight must be a 2-D tensor [V, D], got shape "
                          f"{tuple(getattr(weight, 'shape', ()))}")
@@ -201,12 +209,12 @@ def check_head_args(hidden, weight, targets, bias, temperature, softcap, logit_s
     for name, t in (("weight", weight), ("targets", targets), ("bias", bias)):
         if t is not None and t.device != hidden.device:
             raise ValueError(f"{name} is on {t.device} but hidden is on {hidden.device}")
-    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature)
-            and temperature > 0):
+    if not (_is_number(temperature) and math.isfinite(temperature) and temperature > 0):
         raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
-    if softcap is not None and not (math.isfinite(softcap) and softcap > 0):
+    if softcap is not None and not (_is_number(softcap) and math.isfinite(softcap)
+                                    and softcap > 0):
         raise ValueError(f"softcap must be None or a finite number > 0, got {softcap!r}")
-    if not (isinstance(logit_scale, (int, float)) and math.isfinite(logit_scale)
+    if not (_is_number(logit_scale) and math.isfinite(logit_scale)
             and (zero_scale or logit_scale != 0)):
         wanted = "finite number" if zero_scale else "finite non-zero number"
         raise ValueError(f"logit_scale must be a {wanted}, got {logit_scale!r}")
