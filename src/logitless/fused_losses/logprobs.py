@@ -89,16 +89,16 @@ class _LinearSoftmax(torch.autograd.Function):
         ctx.spec, ctx.kw = spec, kw
         ctx.save_for_backward(hidden, weight, bias, targets, stats["lse"], stats["entropy"],
                               stats["sum_p_sq"])
-        ctx.mark_non_differentiable(stats["is_top1"], stats["lse"])
+        ctx.mark_non_differentiable(stats["is_top1"])
         return (stats["logprobs"], stats["entropy"], stats["sum_p_sq"], stats["mean_logit"],
                 stats["is_top1"], stats["lse"])
 
     @staticmethod
-    def backward(ctx, g_lp, g_entropy, g_sum_p_sq, g_mean_logit, _g_top1, _g_lse):
+    def backward(ctx, g_lp, g_entropy, g_sum_p_sq, g_mean_logit, _g_top1, g_lse):
         hidden, weight, bias, targets, lse, entropy, sum_p_sq = ctx.saved_tensors
         spec = ctx.spec
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
-        if all(g is None for g in (g_lp, g_entropy, g_sum_p_sq, g_mean_logit)):
+        if all(g is None for g in (g_lp, g_entropy, g_sum_p_sq, g_mean_logit, g_lse)):
             return None, None, None, None, None
         gather = spec.gather_weight() if spec.gather_weight is not None else nullcontext()
         with torch.autocast(hidden.device.type, enabled=False), gather:
@@ -108,7 +108,7 @@ class _LinearSoftmax(torch.autograd.Function):
                     entropy if g_entropy is not None else None,
                     sum_p_sq if g_sum_p_sq is not None else None,
                     _acc(g_lp, lse), _acc(g_entropy, lse), _acc(g_sum_p_sq, lse),
-                    _acc(g_mean_logit, lse),
+                    _acc(g_mean_logit, lse), g_lse=_acc(g_lse, lse),
                     vocab_total=spec.vocab_total, need_hidden=need_hidden,
                     need_weight=need_weight, need_bias=need_bias, **ctx.kw)
             else:
@@ -267,8 +267,8 @@ def linear_logprobs(
 
     Returns:
         :class:`LogprobOutput` with fp32 tensors shaped like ``targets``. Gradients reach
-        ``hidden``, ``weight`` and ``bias`` through ``logprobs``, ``entropy``, ``sum_p_sq``
-        and ``mean_logit``; outputs that receive no gradient cost nothing in the backward.
+        ``hidden``, ``weight`` and ``bias`` through ``logprobs``, ``entropy``, ``sum_p_sq``,
+        ``mean_logit`` and ``lse`` (a z-loss on it trains the head); outputs that receive no gradient cost nothing in the backward.
     """
     stats = tuple(stats)
     check_head_args(hidden, weight, targets, bias, temperature, softcap, logit_scale, stats,

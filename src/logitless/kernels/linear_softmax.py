@@ -304,6 +304,7 @@ def _forward_kernel(
     "HAS_G_ENTROPY": lambda args: args["g_entropy"] is not None,
     "HAS_G_SUM_P_SQ": lambda args: args["g_sum_p_sq"] is not None,
     "HAS_G_MEAN": lambda args: args["g_mean_logit"] is not None,
+    "HAS_G_LSE": lambda args: args["g_lse"] is not None,  # [head]: lse is differentiable
     "NEED_HIDDEN": lambda args: args["d_hidden"] is not None,
     "NEED_WEIGHT": lambda args: args["d_weight"] is not None,
     "NEED_BIAS": lambda args: args["d_bias"] is not None,
@@ -311,7 +312,7 @@ def _forward_kernel(
 @triton.jit
 def _backward_kernel(
     hidden, weight, bias, targets, lse, entropy, sum_p_sq,
-    g_lp, g_entropy, g_sum_p_sq, g_mean_logit,
+    g_lp, g_entropy, g_sum_p_sq, g_mean_logit, g_lse,
     d_hidden, d_weight, d_bias,
     N, D, V,
     stride_hn, stride_hd, stride_wv, stride_wd,
@@ -321,7 +322,7 @@ def _backward_kernel(
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, INTERPRET_BF16: tl.constexpr,
     HAS_G_LP: tl.constexpr, HAS_G_ENTROPY: tl.constexpr,
-    HAS_G_SUM_P_SQ: tl.constexpr, HAS_G_MEAN: tl.constexpr,
+    HAS_G_SUM_P_SQ: tl.constexpr, HAS_G_MEAN: tl.constexpr, HAS_G_LSE: tl.constexpr,
     NEED_HIDDEN: tl.constexpr, NEED_WEIGHT: tl.constexpr, NEED_BIAS: tl.constexpr,
 ):
     # Grouped tile order: GROUP_N row blocks walk the vocabulary together (L2 reuse of W tiles).
@@ -364,6 +365,8 @@ def _backward_kernel(
         dz += 2.0 * g * p * (p - s2)
     if HAS_G_MEAN:
         dz += tl.load(g_mean_logit + row_ptrs, mask=mask_n, other=0.0)[:, None] * inv_vocab_total
+    if HAS_G_LSE:  # d lse / dz_j = p_j
+        dz += tl.load(g_lse + row_ptrs, mask=mask_n, other=0.0)[:, None] * p
     # Through the transform: dz/dx = z_scale * (1 - tanh(x/c)^2), tanh(x/c) = z / (z_scale c).
     dx = dz * z_scale
     if HAS_SOFTCAP:
@@ -482,7 +485,7 @@ def forward(hidden, weight, bias, targets, *, temperature: float, softcap: float
 def backward(hidden, weight, bias, targets, lse, entropy, sum_p_sq,
              g_lp, g_entropy, g_sum_p_sq, g_mean_logit, *, temperature: float,
              softcap: float | None, logit_scale: float, vocab_total: int,
-             need_hidden: bool, need_weight: bool, need_bias: bool,
+             need_hidden: bool, need_weight: bool, need_bias: bool, g_lse=None,
              ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Gradients of hidden, weight and bias from per-token upstream gradients, in fp32.
 
@@ -490,7 +493,7 @@ def backward(hidden, weight, bias, targets, lse, entropy, sum_p_sq,
     when their upstream gradient is). g_*: fp32 ``[N]`` or None (that term is skipped). With
     ``p = exp(z - lse)`` recomputed per tile,
     ``dz = g_lp (1[j=y] - p) - g_entropy p (log p + H) + 2 g_sum_p_sq p (p - S2)
-    + g_mean_logit / vocab_total``, ``dx = dz * logit_scale / T * (1 - tanh(x/c)^2)``, and
+    + g_mean_logit / vocab_total + g_lse p``, ``dx = dz * logit_scale / T * (1 - tanh(x/c)^2)``, and
     ``d_hidden = dx @ W [N, D]``, ``d_weight = dx^T @ hidden [V, D]``, ``d_bias = sum dx [V]``
     (None where not needed).
     """
@@ -514,7 +517,7 @@ def backward(hidden, weight, bias, targets, lse, entropy, sum_p_sq,
         hidden, weight, None if bias is None else bias.contiguous(), targets.contiguous(),
         per_row(lse), per_row(entropy), per_row(sum_p_sq),
         per_row(g_lp), per_row(g_entropy), per_row(g_sum_p_sq), per_row(g_mean_logit),
-        d_hidden, d_weight, d_bias,
+        per_row(g_lse), d_hidden, d_weight, d_bias,
         inv_vocab_total=1.0 / vocab_total, GROUP_N=_GROUP_N,
         **_common_args(hidden, weight, temperature, softcap, logit_scale),
     )

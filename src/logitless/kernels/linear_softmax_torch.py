@@ -196,12 +196,13 @@ def forward(hidden, weight, bias, targets, *, temperature, softcap, logit_scale,
 
 def backward(hidden, weight, bias, targets, lse, entropy, sum_p_sq, g_lp, g_entropy, g_sum_p_sq,
              g_mean_logit, *, temperature, softcap, logit_scale, vocab_total, need_hidden,
-             need_weight, need_bias, tile_bytes: int = DEFAULT_TILE_BYTES):
+             need_weight, need_bias, g_lse=None, tile_bytes: int = DEFAULT_TILE_BYTES):
     """Gradients of hidden, weight and bias from per-token upstream gradients (fp32 results;
     hidden in the compute dtype, the head in any float dtype, as in ``forward``).
 
     With ``p = exp(z - lse)`` recomputed per tile:
-    ``dz = g_lp (1[j=y] - p) - g_entropy p (log p + H) + g_sum_p_sq 2 p (p - S2) + g_mean / V``,
+    ``dz = g_lp (1[j=y] - p) - g_entropy p (log p + H) + g_sum_p_sq 2 p (p - S2) + g_mean / V
+    + g_lse p``,
     then through the logit transform, then ``d_hidden = dx^T @ W``, ``d_weight = dx @ hidden``,
     ``d_bias = sum dx``, each accumulated in fp32 (fp64 for fp64 inputs): the first product
     into each accumulator overwrites it, so nothing is zeroed first. Upstream gradients that
@@ -222,7 +223,8 @@ def backward(hidden, weight, bias, targets, lse, entropy, sum_p_sq, g_lp, g_entr
         sl = slice(r0, r0 + rows)
         h = hidden[sl]
         per_row = [None if g is None else g[sl]
-                   for g in (lse, entropy, sum_p_sq, g_lp, g_entropy, g_sum_p_sq, g_mean_logit)]
+                   for g in (lse, entropy, sum_p_sq, g_lp, g_entropy, g_sum_p_sq, g_mean_logit,
+                             g_lse)]
         for c0 in range(0, v, cols):
             w, b = _head_slice(weight, bias, c0, cols, hidden.dtype)
             z, t = tiles.logits(h, w, b, temperature, softcap, logit_scale)
@@ -266,10 +268,10 @@ def through_transform_(dz, t, logit_scale, temperature):
 
 
 def logit_grad_(z, local_targets, lse, entropy, sum_p_sq, g_lp, g_entropy, g_sum_p_sq,
-                 g_mean_logit, vocab_total, scratch):
+                g_mean_logit, g_lse, vocab_total, scratch):
     """Overwrite the logits tile ``z [cols, rows]`` with ``d loss / d z`` and return it.
 
-    ``dz = p * (-g_lp - g_H (log p + H) + 2 g_S2 (p - S2)) + g_lp 1[j=y] + g_mean / V``: the
+    ``dz = p (g_lse - g_lp - g_H (log p + H) + 2 g_S2 (p - S2)) + g_lp 1[j=y] + g_mean / V``: the
     per-element coefficient is built in ``scratch``, then multiplied into ``p``. Per-token
     arguments are ``[rows]`` (None: zero).
     """
@@ -282,11 +284,13 @@ def logit_grad_(z, local_targets, lse, entropy, sum_p_sq, g_lp, g_entropy, g_sum
         two_g = 2.0 * g_sum_p_sq
         coef = torch.mul(p, two_g, out=scratch) if coef is None else coef.addcmul_(p, two_g)
         coef -= two_g * sum_p_sq
+    # The per-token part of the coefficient: d lse / dz_j = p_j, d z_y / dz_j = 1[j=y].
+    per_token = g_lse if g_lp is None else -g_lp if g_lse is None else g_lse - g_lp
     if coef is None:
-        dz = p.mul_(-g_lp) if g_lp is not None else p.zero_()
+        dz = p.mul_(per_token) if per_token is not None else p.zero_()
     else:
-        if g_lp is not None:
-            coef -= g_lp
+        if per_token is not None:
+            coef += per_token
         dz = p.mul_(coef)
     if g_mean_logit is not None:
         dz += g_mean_logit / vocab_total
