@@ -268,7 +268,8 @@ def linear_logprobs(
     Returns:
         :class:`LogprobOutput` with fp32 tensors shaped like ``targets``. Gradients reach
         ``hidden``, ``weight`` and ``bias`` through ``logprobs``, ``entropy``, ``sum_p_sq``,
-        ``mean_logit`` and ``lse`` (a z-loss on it trains the head); outputs that receive no gradient cost nothing in the backward.
+        ``mean_logit`` and ``lse`` (a z-loss on it trains the head); outputs that receive no
+        gradient cost nothing in the backward.
     """
     stats = tuple(stats)
     check_head_args(hidden, weight, targets, bias, temperature, softcap, logit_scale, stats,
