@@ -18,9 +18,9 @@ import torch
 
 from logitless.kernels.softmax_partials import Partials, empty, merge, stack
 
-# Default bound on the temporary logits one tile may hold (bytes). The forward keeps one fp32
-# tile plus one scratch tile of the same size; the backward the same two (a third when
-# soft-capping).
+# Default bound on the bytes of one call's tile buffers: the logits and a scratch tile in fp32
+# (fp64 for fp64 inputs), a third when soft-capping, the GEMM's output in the input dtype when
+# that is bf16/fp16, and a byte per element for the forward's top-1 mask.
 DEFAULT_TILE_BYTES = 64 * 2**20
 # Token rows per tile (the GEMMs' M), the fewest vocab columns a tile is cut to before rows are
 # given up (small tile budgets), and the most.
@@ -31,8 +31,18 @@ _MAX_COLS = 16384
 _MM_OUT_DTYPE = "out_dtype" in (torch.addmm.__doc__ or "")
 
 
-def _tile_shape(n: int, v: int, tile_bytes: int, buffers: int = 2) -> tuple[int, int]:
-    """Rows and vocab columns per tile so that the tile buffers fit in ``tile_bytes``.
+def _bytes_per_element(dtype: torch.dtype, softcap: float | None) -> int:
+    """Bytes the tile buffers (see ``_Tiles``) take per logit of a tile."""
+    acc = acc_dtype(dtype)
+    size = acc.itemsize * (3 if softcap is not None else 2) + 1  # + the top-1 mask
+    return size + (dtype.itemsize if acc != dtype else 0)
+
+
+def _tile_shape(v: int, tile_bytes: int, dtype: torch.dtype,
+                softcap: float | None) -> tuple[int, int]:
+    """Rows and vocab columns per tile so that the tile buffers fit in ``tile_bytes``; from the
+    vocabulary, the budget and the dtype only, never from the number of tokens, so that a
+    token's results do not depend on the batch it comes in (see ``forward``).
 
     Up to ``_ROW_BLOCK`` token rows per tile, the vocabulary split to fit: with whole-vocabulary
     rows instead (55 rows at V=152k in 64 MB), every row block would stream the whole head
@@ -40,20 +50,19 @@ def _tile_shape(n: int, v: int, tile_bytes: int, buffers: int = 2) -> tuple[int,
     product, N / 55 passes over ``[V, D]``; with 1024-row tiles each weight tile is read once
     per 1024 tokens and ``d_weight`` is written once per 1024 tokens (fwd+bwd at N=256, D=1024,
     V=152k on CPU: 8 s of CPU time instead of 12.5). The partials of a row's vocab tiles are
-    merged exactly as vocab-parallel shards are. At most ``_MAX_COLS`` columns: a few tokens
-    get a tile sized to them (64 x 16384 fp32 is 4 MB), not the whole budget, which at 64
-    tokens would exceed the naive full logits.
+    merged exactly as vocab-parallel shards are. At most ``_MAX_COLS`` columns.
     """
-    elems = max(1, tile_bytes // (4 * buffers))
-    rows = max(1, min(n, _ROW_BLOCK, elems // min(v, _MIN_COLS)))
+    elems = max(1, tile_bytes // _bytes_per_element(dtype, softcap))
+    rows = max(1, min(_ROW_BLOCK, elems // min(v, _MIN_COLS)))
     return rows, max(1, min(v, _MAX_COLS, elems // rows))
 
 
 class _Tiles:
-    """The buffers of one call's tiles: logits, scratch, ``1 - tanh^2`` when soft-capping, and
-    the GEMM's output in the input dtype when that is bf16/fp16."""
+    """The buffers of one call's tiles: logits, scratch, ``1 - tanh^2`` when soft-capping, the
+    GEMM's output in the input dtype when that is bf16/fp16, and (``top1``, the forward) the
+    mask of the columns at or after each target."""
 
-    def __init__(self, rows, cols, dtype, device, softcap):
+    def __init__(self, rows, cols, dtype, device, softcap, top1=False):
         self.acc = acc_dtype(dtype)
         size = rows * cols
         self.z = torch.empty(size, dtype=self.acc, device=device)
@@ -61,6 +70,7 @@ class _Tiles:
         self.cap = torch.empty(size, dtype=self.acc, device=device) if softcap is not None \
             else None
         self.low = torch.empty(size, dtype=dtype, device=device) if self.acc != dtype else None
+        self.mask = torch.empty(size, dtype=torch.bool, device=device) if top1 else None
 
     @staticmethod
     def view(buf, cols, rows):
@@ -110,16 +120,20 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def tile_partials(z: torch.Tensor, local_targets: torch.Tensor, want_s2: bool,
-                  want_sum_z: bool, scratch: torch.Tensor, vocab_dim: int = 0) -> Partials:
+                  want_sum_z: bool, scratch: torch.Tensor, vocab_dim: int = 0,
+                  mask: torch.Tensor | None = None) -> Partials:
     """Partial statistics of one logits tile whose vocabulary runs along ``vocab_dim``, using
-    ``scratch`` (same shape) for the exponentials. ``z`` and ``scratch`` are overwritten."""
+    ``scratch`` (same shape) for the exponentials and ``mask`` (a bool buffer of at least as
+    many elements, else one is allocated) for ``m_before``. ``z`` and ``scratch`` are
+    overwritten."""
     cols, n = z.shape[vocab_dim], z.shape[1 - vocab_dim]
     has_y = (local_targets >= 0) & (local_targets < cols)
     idx = local_targets.clamp(0, cols - 1).unsqueeze(vocab_dim)
     z_y = torch.where(has_y, z.gather(vocab_dim, idx).squeeze(vocab_dim), 0.0)
     sum_z = z.sum(vocab_dim) if want_sum_z else z.new_zeros(n)
     m = z.amax(vocab_dim, keepdim=True)
-    m_before = _max_before_target(z, local_targets, m.squeeze(vocab_dim), scratch, vocab_dim)
+    m_before = _max_before_target(z, local_targets, m.squeeze(vocab_dim), scratch, mask,
+                                  vocab_dim)
     z.sub_(m)
     e = torch.exp(z, out=scratch)
     l = e.sum(vocab_dim)
@@ -128,7 +142,7 @@ def tile_partials(z: torch.Tensor, local_targets: torch.Tensor, want_s2: bool,
     return Partials(m.squeeze(vocab_dim), l, a, s2, sum_z, z_y, m_before)
 
 
-def _max_before_target(z, local_targets, m, scratch, vocab_dim):
+def _max_before_target(z, local_targets, m, scratch, mask, vocab_dim):
     """Per row, the largest logit of the tile at an index before the row's target: the tile's
     max ``m`` when the target lies after the tile, -inf when it lies before. Only the rows
     whose target falls inside the tile (about one tile's worth of rows over a whole
@@ -142,7 +156,8 @@ def _max_before_target(z, local_targets, m, scratch, vocab_dim):
         shape = (k, cols) if vocab_dim == 1 else (cols, k)
         picked = torch.index_select(z, row_dim, inside, out=scratch.view(-1)[:k * cols].view(shape))
         col = torch.arange(cols, device=z.device).unsqueeze(row_dim)
-        at_or_after = col >= local_targets[inside].unsqueeze(vocab_dim)
+        at_or_after = None if mask is None else mask.view(-1)[:k * cols].view(shape)
+        at_or_after = torch.ge(col, local_targets[inside].unsqueeze(vocab_dim), out=at_or_after)
         out[inside] = picked.masked_fill_(at_or_after, float("-inf")).amax(vocab_dim)
     return out
 
@@ -174,8 +189,8 @@ def forward(hidden, weight, bias, targets, *, temperature, softcap, logit_scale,
     n, v = hidden.shape[0], weight.shape[0]
     if n == 0:
         return empty(hidden.device, acc_dtype(hidden.dtype))
-    rows, cols = _tile_shape(n, v, tile_bytes, 2 if softcap is None else 3)
-    tiles = _Tiles(min(rows, n), min(cols, v), hidden.dtype, hidden.device, softcap)
+    rows, cols = _tile_shape(v, tile_bytes, hidden.dtype, softcap)
+    tiles = _Tiles(min(rows, n), cols, hidden.dtype, hidden.device, softcap, top1=True)
     out = []
     for r0 in range(0, n, rows):
         h = hidden[r0:r0 + rows]
@@ -189,7 +204,8 @@ def forward(hidden, weight, bias, targets, *, temperature, softcap, logit_scale,
             z, _ = tiles.logits(h, w, b, temperature, softcap, logit_scale,
                                 vocab_major=False)
             scratch = tiles.view(tiles.scratch, *z.shape)
-            parts.append(tile_partials(z, tgt - c0, want_s2, want_sum_z, scratch, vocab_dim=1))
+            parts.append(tile_partials(z, tgt - c0, want_s2, want_sum_z, scratch, vocab_dim=1,
+                                       mask=tiles.mask))
         out.append(parts[0] if len(parts) == 1 else merge(stack(parts)))
     return Partials(*(torch.cat(f) for f in zip(*out)))
 
@@ -214,8 +230,8 @@ def backward(hidden, weight, bias, targets, lse, entropy, sum_p_sq, g_lp, g_entr
         return tuple(hidden.new_zeros(shape, dtype=acc) if need else None
                      for need, shape in ((need_hidden, hidden.shape),
                                          (need_weight, weight.shape), (need_bias, (v,))))
-    rows, cols = _tile_shape(n, v, tile_bytes, 2 if softcap is None else 3)
-    tiles = _Tiles(min(rows, n), min(cols, v), hidden.dtype, hidden.device, softcap)
+    rows, cols = _tile_shape(v, tile_bytes, hidden.dtype, softcap)
+    tiles = _Tiles(min(rows, n), cols, hidden.dtype, hidden.device, softcap)
     d_hidden = hidden.new_empty(hidden.shape, dtype=acc) if need_hidden else None
     d_weight = weight.new_empty(weight.shape, dtype=acc) if need_weight else None
     d_bias = weight.new_zeros(v, dtype=acc) if need_bias else None
