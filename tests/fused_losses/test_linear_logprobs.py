@@ -115,10 +115,12 @@ def test_is_top1_is_the_first_maximum(backend, dtype, opts, monkeypatch):
     tile and across vocabulary tiles, as torch.argmax (and TRL) decide."""
     monkeypatch.setenv("LOGITLESS_BACKEND", backend)
     hidden, weight, bias, targets = tied_head_inputs()
-    expected = reference.linear_softmax_stats(hidden, weight, targets, bias, **opts)["is_top1"]
-    logits = hidden @ weight.t() + bias
+    logits = hidden @ weight.t() + bias  # exact: integer logits, and the transform is monotone
+    expected = logits.argmax(-1) == targets
     at_max = logits.gather(1, targets[:, None]).squeeze(1) == logits.amax(-1)
     assert expected.any() and (at_max & ~expected).any()  # both kinds of tie occur
+    ref = reference.linear_softmax_stats(hidden, weight, targets, bias, **opts)["is_top1"]
+    assert torch.equal(ref, expected)
     cast = [x.to(dtype) for x in (hidden, weight, bias)]
     for tile_bytes in (None, 4 * 2 * 300):
         out = logitless.linear_logprobs(cast[0], cast[1], targets, bias=cast[2], stats=("is_top1",),

@@ -27,6 +27,12 @@ DEFAULT_TILE_BYTES = 64 * 2**20
 _ROW_BLOCK = 1024
 _MIN_COLS = 1024
 _MAX_COLS = 16384
+# The last row block is padded with zero rows to a multiple of this many (or to a whole block
+# when blocks are smaller), so no GEMM ever sees fewer rows: BLAS takes other paths, with
+# other reduction orders, for a handful of rows (MKL: 1 or 2 rows, 8 vocab-major), and a
+# token's results would then depend on the size of its batch. A whole 1024-row block of
+# padding instead would make a 64-token call 16 times the work.
+_ROW_GRANULE = 64
 # torch >= 2.8 can write a bf16 x bf16 GEMM straight into an fp32 output on CUDA.
 _MM_OUT_DTYPE = "out_dtype" in (torch.addmm.__doc__ or "")
 
@@ -55,6 +61,24 @@ def _tile_shape(v: int, tile_bytes: int, dtype: torch.dtype,
     elems = max(1, tile_bytes // _bytes_per_element(dtype, softcap))
     rows = max(1, min(_ROW_BLOCK, elems // min(v, _MIN_COLS)))
     return rows, max(1, min(v, _MAX_COLS, elems // rows))
+
+
+def _row_blocks(n: int, rows: int):
+    """``(first row, real rows, padded rows)`` of each row block (see ``_ROW_GRANULE``)."""
+    granule = min(_ROW_GRANULE, rows)
+    for r0 in range(0, n, rows):
+        real = min(rows, n - r0)
+        yield r0, real, min(rows, -(-real // granule) * granule)
+
+
+def _pad_rows(x, size: int, fill=0):
+    """``x`` with rows of ``fill`` appended up to ``size`` rows (``x`` itself when it has them;
+    None stays None)."""
+    if x is None or x.shape[0] == size:
+        return x
+    out = x.new_full((size, *x.shape[1:]), fill)
+    out[:x.shape[0]] = x
+    return out
 
 
 class _Tiles:
@@ -190,11 +214,12 @@ def forward(hidden, weight, bias, targets, *, temperature, softcap, logit_scale,
     if n == 0:
         return empty(hidden.device, acc_dtype(hidden.dtype))
     rows, cols = _tile_shape(v, tile_bytes, hidden.dtype, softcap)
-    tiles = _Tiles(min(rows, n), cols, hidden.dtype, hidden.device, softcap, top1=True)
+    blocks = list(_row_blocks(n, rows))
+    tiles = _Tiles(blocks[0][2], cols, hidden.dtype, hidden.device, softcap, top1=True)
     out = []
-    for r0 in range(0, n, rows):
-        h = hidden[r0:r0 + rows]
-        tgt = targets[r0:r0 + rows]
+    for r0, real, padded in blocks:
+        h = _pad_rows(hidden[r0:r0 + real], padded)
+        tgt = _pad_rows(targets[r0:r0 + real], padded, -1)
         parts = []
         for c0 in range(0, v, cols):
             w, b = _head_slice(weight, bias, c0, cols, hidden.dtype)
@@ -206,7 +231,8 @@ def forward(hidden, weight, bias, targets, *, temperature, softcap, logit_scale,
             scratch = tiles.view(tiles.scratch, *z.shape)
             parts.append(tile_partials(z, tgt - c0, want_s2, want_sum_z, scratch, vocab_dim=1,
                                        mask=tiles.mask))
-        out.append(parts[0] if len(parts) == 1 else merge(stack(parts)))
+        merged = parts[0] if len(parts) == 1 else merge(stack(parts))
+        out.append(Partials(*(f[:real] for f in merged)))
     return Partials(*(torch.cat(f) for f in zip(*out)))
 
 
@@ -231,30 +257,37 @@ def backward(hidden, weight, bias, targets, lse, entropy, sum_p_sq, g_lp, g_entr
                      for need, shape in ((need_hidden, hidden.shape),
                                          (need_weight, weight.shape), (need_bias, (v,))))
     rows, cols = _tile_shape(v, tile_bytes, hidden.dtype, softcap)
-    tiles = _Tiles(min(rows, n), cols, hidden.dtype, hidden.device, softcap)
+    blocks = list(_row_blocks(n, rows))
+    tiles = _Tiles(blocks[0][2], cols, hidden.dtype, hidden.device, softcap)
     d_hidden = hidden.new_empty(hidden.shape, dtype=acc) if need_hidden else None
     d_weight = weight.new_empty(weight.shape, dtype=acc) if need_weight else None
     d_bias = weight.new_zeros(v, dtype=acc) if need_bias else None
-    for r0 in range(0, n, rows):
-        sl = slice(r0, r0 + rows)
-        h = hidden[sl]
-        per_row = [None if g is None else g[sl]
+    for r0, real, padded in blocks:
+        sl = slice(r0, r0 + real)
+        h = _pad_rows(hidden[sl], padded)
+        tgt = _pad_rows(targets[sl], padded, -1)
+        per_row = [None if g is None else _pad_rows(g[sl], padded)
                    for g in (lse, entropy, sum_p_sq, g_lp, g_entropy, g_sum_p_sq, g_mean_logit,
                              g_lse)]
+        # The hidden gradient of a padded block goes through a padded accumulator.
+        dh = None if d_hidden is None else _pad_rows(d_hidden[sl], padded)
         for c0 in range(0, v, cols):
             w, b = _head_slice(weight, bias, c0, cols, hidden.dtype)
             z, t = tiles.logits(h, w, b, temperature, softcap, logit_scale)
             scratch = tiles.view(tiles.scratch, *z.shape)
-            dz = logit_grad_(z, targets[sl] - c0, *per_row, vocab_total, scratch)
+            dz = logit_grad_(z, tgt - c0, *per_row, vocab_total, scratch)
+            dz[:, real:] = 0.0  # padding rows: whatever their statistics, no gradient
             dx = through_transform_(dz, t, logit_scale, temperature)
             if tiles.low is not None:
                 dx = tiles.view(tiles.low, *dx.shape).copy_(dx)
-            if d_hidden is not None:
-                addmm_acc_(d_hidden[sl], dx.t(), w, beta=0.0 if c0 == 0 else 1.0)
+            if dh is not None:
+                addmm_acc_(dh, dx.t(), w, beta=0.0 if c0 == 0 else 1.0)
             if d_weight is not None:
                 addmm_acc_(d_weight[c0:c0 + cols], dx, h, beta=0.0 if r0 == 0 else 1.0)
             if d_bias is not None:
                 d_bias[c0:c0 + cols] += dz.sum(1)
+        if dh is not None and padded > real:
+            d_hidden[sl] = dh[:real]
     return d_hidden, d_weight, d_bias
 
 
