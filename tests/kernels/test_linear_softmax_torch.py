@@ -4,6 +4,7 @@ gradients against the fp64 reference, and the bounds it promises on its tile buf
 import pytest
 import torch
 
+from logitless import reference
 from logitless.kernels import linear_softmax_torch as twin
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -82,3 +83,68 @@ def test_a_rows_results_do_not_depend_on_its_batch(dtype, tile_bytes, monkeypatc
         assert torch.equal(lp, seen[0][0]), n
         assert torch.equal(ent, seen[0][1]), n
         assert torch.equal(grad, seen[0][2]), n
+
+
+def _problem(n=37, d=96, v=1007, bias=True):
+    hidden = torch.randn(n, d, dtype=torch.float64)
+    weight = torch.randn(v, d, dtype=torch.float64) / d**0.5 * 2
+    b = torch.randn(v, dtype=torch.float64) if bias else None
+    return hidden, weight, b, torch.randint(0, v, (n,))
+
+
+OPTS = [dict(temperature=1.0, softcap=None, logit_scale=1.0),
+        dict(temperature=0.7, softcap=4.0, logit_scale=1.3)]
+
+
+@pytest.mark.parametrize("opts", OPTS, ids=["plain", "capped"])
+@pytest.mark.parametrize("tile_bytes", [twin.DEFAULT_TILE_BYTES, 17 * 40 * 64])
+def test_forward_partials_finish_to_the_reference(opts, tile_bytes):
+    """fp64 partials, finished, equal the reference statistics (vocab split or not)."""
+    from logitless.kernels.softmax_partials import finish
+
+    hidden, weight, bias, targets = _problem()
+    parts = twin.forward(hidden, weight, bias, targets, want_s2=True, want_sum_z=True,
+                         tile_bytes=tile_bytes, **opts)
+    assert all(f.dtype == torch.float64 and f.shape == (37,) for f in parts)
+    stats = finish(parts, weight.shape[0])
+    ref = reference.linear_softmax_stats(hidden, weight, targets, bias, softcap=opts["softcap"],
+                                         temperature=opts["temperature"],
+                                         logit_scale=opts["logit_scale"])
+    for k in ("lse", "logprobs", "entropy", "sum_p_sq", "mean_logit"):
+        torch.testing.assert_close(stats[k], ref[k], rtol=1e-12, atol=1e-12, msg=k)
+    assert torch.equal(stats["is_top1"], ref["is_top1"])
+
+
+@pytest.mark.parametrize("opts", OPTS, ids=["plain", "capped"])
+def test_backward_equals_the_reference_gradients(opts):
+    """fp64 gradients of a mix of every statistic, against autograd through the reference."""
+    hidden, weight, bias, targets = _problem()
+    leaves = [x.clone().requires_grad_(True) for x in (hidden, weight, bias)]
+    ref = reference.linear_softmax_stats(*leaves[:2], targets, leaves[2],
+                                         softcap=opts["softcap"],
+                                         temperature=opts["temperature"],
+                                         logit_scale=opts["logit_scale"])
+    g = {k: torch.randn(37, dtype=torch.float64)
+         for k in ("logprobs", "entropy", "sum_p_sq", "mean_logit", "lse")}
+    want = torch.autograd.grad(sum((ref[k] * g[k]).sum() for k in g), leaves)
+    got = twin.backward(hidden, weight, bias, targets, ref["lse"].detach(),
+                        ref["entropy"].detach(), ref["sum_p_sq"].detach(), g["logprobs"],
+                        g["entropy"], g["sum_p_sq"], g["mean_logit"], g_lse=g["lse"],
+                        vocab_total=weight.shape[0], need_hidden=True, need_weight=True,
+                        need_bias=True, tile_bytes=17 * 40 * 64, **opts)
+    for name, a, b in zip(("hidden", "weight", "bias"), got, want):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, msg=name)
+
+
+def test_targets_outside_the_slice():
+    """A slice's local targets below 0 / past its end (another rank's vocabulary): no target
+    logit, and m_before is -inf / the slice's max."""
+    hidden, weight, _, _ = _problem(n=4, v=50, bias=False)
+    targets = torch.tensor([-3, 50, 70, 10])
+    parts = twin.forward(hidden, weight, None, targets, want_s2=False, want_sum_z=False,
+                         temperature=1.0, softcap=None, logit_scale=1.0)
+    logits = hidden @ weight.t()
+    assert torch.equal(parts.z_y[:3], torch.zeros(3, dtype=torch.float64))
+    assert parts.m_before[0] == float("-inf")
+    assert torch.equal(parts.m_before[1:3], logits[1:3].amax(-1))
+    assert parts.m_before[3] == logits[3, :10].amax()
