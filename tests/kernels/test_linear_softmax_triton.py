@@ -274,12 +274,12 @@ inputs = {"hidden": "*bf16", "weight": "*bf16", "bias": "*bf16", "targets": "*i6
 compile_for_sm90(k._forward_kernel, largest(k._FORWARD_TILES), {**inputs, "out": "*fp32"},
                  dict(WANT_S2=True, WANT_SUM_Z=True))
 per_row = ("lse", "entropy", "sum_p_sq", "g_lp", "g_entropy", "g_sum_p_sq", "g_mean_logit",
-           "d_hidden", "d_weight", "d_bias")
+           "g_lse", "d_hidden", "d_weight", "d_bias")
 compile_for_sm90(
     k._backward_kernel, largest(k._BACKWARD_TILES),
     {**inputs, **dict.fromkeys(per_row, "*fp32"), "inv_vocab_total": "fp32"},
     dict(GROUP_N=k._GROUP_N, HAS_G_LP=True, HAS_G_ENTROPY=True, HAS_G_SUM_P_SQ=True,
-         HAS_G_MEAN=True, NEED_HIDDEN=True, NEED_WEIGHT=True, NEED_BIAS=True),
+         HAS_G_MEAN=True, HAS_G_LSE=True, NEED_HIDDEN=True, NEED_WEIGHT=True, NEED_BIAS=True),
 )
 """
 
