@@ -59,3 +59,28 @@ def run_on_gloo(world: int, fn, *args) -> None:
     """Run ``fn(rank, world, *args)`` in ``world`` processes of one gloo group on loopback;
     an assertion failing in any of them fails the caller. ``fn`` must be module-level."""
     mp.spawn(_gloo_entry, args=(world, _free_port(), fn, args), nprocs=world, join=True)
+
+
+def tied_head_inputs(n=37, d=96, v=1007, seed=0):
+    """Head inputs whose logits tie exactly: entries in {-1, 0, 1} (every logit an integer of
+    magnitude <= d + 1, exact in fp32 and bf16) and every weight row repeated at another
+    index, so each token's maximum appears at least twice. Targets: the first maximum, a later
+    tied one, or a random id, by turns. Returns fp64 ``hidden, weight, bias, targets``."""
+    gen = torch.Generator().manual_seed(seed)
+    pick = lambda *shape: torch.randint(-1, 2, shape, generator=gen).double()
+    half = v // 2
+    base, bias_base = pick(v - half, d), pick(v - half)
+    order = torch.randperm(v - half, generator=gen)
+    twin = order[:half]
+    bias_base[order[half:]] = -(d + 2)  # a row without a twin is never the maximum
+    weight = torch.cat([base, base[twin]])
+    bias = torch.cat([bias_base, bias_base[twin]])
+    hidden = pick(n, d)
+    logits = hidden @ weight.t() + bias
+    first = logits.argmax(-1)
+    tied = logits == logits.amax(-1, keepdim=True)
+    last = v - 1 - tied.flip(-1).int().argmax(-1)
+    assert (last > first).all(), "every maximum has a twin"
+    targets = torch.stack([first, last, torch.randint(0, v, (n,), generator=gen)])
+    targets = targets.gather(0, (torch.arange(n) % 3).unsqueeze(0)).squeeze(0)
+    return hidden, weight, bias, targets

@@ -6,7 +6,7 @@ import torch.distributed as dist
 
 import logitless
 
-from testing import run_on_gloo
+from testing import run_on_gloo, tied_head_inputs
 
 # Uneven, contiguous slices of the vocabulary in rank order.
 SPLITS = {2: [400, 607], 3: [300, 1, 706]}
@@ -15,6 +15,18 @@ SPLITS = {2: [400, 607], 3: [300, 1, 706]}
 def _worker(rank, world):
     for softcap in (None, 5.0):
         _check_rank(rank, world, softcap)
+    _check_ties(rank, world)
+
+
+def _check_ties(rank, world):
+    """is_top1 on tied maxima split over ranks: the first maximum wins, as unsharded."""
+    hidden, weight, bias, targets = tied_head_inputs(v=sum(SPLITS[world]))
+    expected = (hidden @ weight.t() + bias).argmax(-1) == targets  # exact: integer logits
+    lo = sum(SPLITS[world][:rank])
+    hi = lo + SPLITS[world][rank]
+    out = logitless.linear_logprobs(hidden, weight[lo:hi], targets, bias=bias[lo:hi],
+                                    stats=("is_top1",), vocab_parallel=dist.group.WORLD)
+    assert torch.equal(out.is_top1, expected)
 
 
 def _check_rank(rank, world, softcap):

@@ -5,7 +5,7 @@ import torch
 
 from logitless.integrations import trl_head
 
-from testing import assert_close_to_oracle
+from testing import assert_close_to_oracle, tied_head_inputs
 
 trl_kernels = pytest.importorskip("trl.kernels", reason="TRL is installed by `make test`")
 
@@ -61,6 +61,20 @@ def test_swap_matches_trl_contract(softcap, scale):
         assert_close_to_oracle(a, e, c, tol=1e-5 * float(e.abs().max()), name=f"d_{name}")
 
 
+@pytest.mark.parametrize("chunk_size", [4096, 200])
+def test_is_top1_ties_match_trl(chunk_size):
+    """Tied maxima: the patched head and TRL's own kernel agree on which target is top-1."""
+    hidden, weight, bias, targets = (x.float() if x.is_floating_point() else x
+                                     for x in tied_head_inputs())
+    args = (hidden, weight, bias, targets, 1.0, chunk_size, None, 1.0, ("is_top1",))
+    ours = trl_head.LogitlessChunkedLogProb.apply(*args)[4]
+    theirs = trl_kernels.ChunkedLogProbFunction.apply(*args)[4]
+    logits = hidden @ weight.t() + bias
+    at_max = logits.gather(1, targets[:, None]).squeeze(1) == logits.amax(-1)
+    assert theirs.any() and (at_max & ~theirs).any()  # TRL sees both kinds of tie
+    assert torch.equal(ours, theirs)
+
+
 def test_patch_and_unpatch():
     import trl.trainer.utils as trl_utils
 
@@ -82,3 +96,69 @@ def test_unsupported_trl_is_refused(monkeypatch):
     monkeypatch.setattr(trl, "__version__", "1.99.0")
     with pytest.raises(RuntimeError, match=r"supports TRL >=1\.16,<1\.17"):
         trl_head.patch_trl()
+
+
+def _fused_head_step(model, ids):
+    out = model(input_ids=ids, labels=ids, fused_lm_head=True)
+    (out.log_probs.sum() + 0.5 * out.entropy.sum()).backward()
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return out, grads
+
+
+def test_cast_lm_head_to_fp32_on_bf16_model_matches_trl():
+    """TRL's `add_fused_lm_head(model, cast_lm_head_to_fp32=True)` on a bf16 model hands the
+    head fp32 hidden states and the model's own head weight: patched, the same outputs and
+    gradients (in each parameter's dtype) as TRL's kernel."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from trl.trainer.utils import add_fused_lm_head
+
+    config = Qwen2Config(vocab_size=301, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=64, tie_word_embeddings=False)
+    model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+    add_fused_lm_head(model, cast_lm_head_to_fp32=True, outputs=("log_probs", "entropy"))
+    ids = torch.randint(0, config.vocab_size, (2, 9))
+    theirs, their_grads = _fused_head_step(model, ids)
+    trl_head.patch_trl()
+    try:
+        ours, our_grads = _fused_head_step(model, ids)
+    finally:
+        trl_head.unpatch_trl()
+    for name in ("log_probs", "entropy"):
+        a, b = getattr(ours, name), getattr(theirs, name)
+        assert a.dtype == b.dtype == torch.float32
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    for name, g in our_grads.items():
+        assert g.dtype == their_grads[name].dtype, name
+        # bf16 gradients: both sum in fp32 and round once; the order of the sums may move
+        # a value by one bf16 step.
+        step = torch.finfo(g.dtype).eps
+        torch.testing.assert_close(g.float(), their_grads[name].float(), rtol=step,
+                                   atol=step * float(their_grads[name].float().abs().max()),
+                                   msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("softcap,scale", [(0.0, 1.0), (0.0, 2.5), (None, 0.0), (5.0, 0.0),
+                                           (0.0, 0.0)])
+def test_zero_softcap_and_zero_scale_as_trl(softcap, scale):
+    """TRL's kernel takes final_logit_softcapping=0.0 (it caps at 1.0) and logit_scale=0.0
+    (all logits 0: uniform, zero gradients); the patched head does what it does."""
+    n, d, v = 13, 24, 301
+    h, w, b = torch.randn(n, d), torch.randn(v, d) / d**0.5 * 4, torch.randn(v)
+    t = torch.randint(1, v, (n,))
+    t[0] = 0  # with constant logits only token 0, the first maximum, is top-1
+    results = []
+    for fn in (trl_head.LogitlessChunkedLogProb, trl_kernels.ChunkedLogProbFunction):
+        leaves = [x.clone().requires_grad_(True) for x in (h, w, b)]
+        out = fn.apply(*leaves, t, 0.8, 128, softcap, scale, OUTPUTS)
+        grads = torch.autograd.grad(out[0].sum() + out[1].sum(), leaves)
+        results.append((out, grads))
+    (ours, our_grads), (theirs, their_grads) = results
+    for name, a, c in zip(("log_probs", *OUTPUTS), ours, theirs):
+        if name == "is_top1":
+            assert torch.equal(a, c)
+        else:
+            torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-5, msg=name)
+    for a, c in zip(our_grads, their_grads):
+        torch.testing.assert_close(a, c, rtol=1e-4, atol=1e-5 * float(c.abs().max()))

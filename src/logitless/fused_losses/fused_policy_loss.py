@@ -294,7 +294,7 @@ class _Head:
 
     @property
     def dtype(self) -> torch.dtype:
-        return compute_dtype(self.hidden, self.weight, self.bias)
+        return compute_dtype(self.hidden)
 
     def transform(self) -> dict:
         return dict(temperature=self.temperature, softcap=self.softcap,

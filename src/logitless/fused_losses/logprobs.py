@@ -8,6 +8,7 @@ in ``kernels/`` (Triton and its chunked torch twin, which share one launcher con
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ import torch
 
 from logitless.fused_losses.backend import triton_selected
 from logitless.kernels import linear_softmax_torch
-from logitless.kernels.softmax_partials import Partials, finish, rescale_to
+from logitless.kernels.softmax_partials import Partials, empty, finish, rescale_to
 
 __all__ = ["STATS", "LogprobOutput", "linear_logprobs"]
 
@@ -52,6 +53,7 @@ class _Spec:
     hidden_grad: str
     tile_bytes: int | None
     gather_weight: Callable[[], AbstractContextManager] | None
+    dtype: torch.dtype
 
 
 def _backend_for(device: torch.device, dtype: torch.dtype) -> ModuleType:
@@ -64,7 +66,8 @@ def _backend_for(device: torch.device, dtype: torch.dtype) -> ModuleType:
 
 
 class _LinearSoftmax(torch.autograd.Function):
-    """Rows already compacted: every target is a local vocab id or -1 (in another shard)."""
+    """Rows already compacted: every target is a local vocab id, below 0 or at least the local
+    vocabulary size when it lies in an earlier or a later shard."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, spec: _Spec):
@@ -76,37 +79,37 @@ class _LinearSoftmax(torch.autograd.Function):
             kw["tile_bytes"] = spec.tile_bytes
         with torch.autocast(hidden.device.type, enabled=False):
             if n:
-                parts = spec.backend.forward(hidden, weight, bias, targets, want_s2=spec.want_s2,
-                                             want_sum_z=spec.want_sum_z, **kw)
+                parts = spec.backend.forward(*_operands(spec, hidden, weight, bias), targets,
+                                             want_s2=spec.want_s2, want_sum_z=spec.want_sum_z,
+                                             **kw)
             else:
-                acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
-                parts = Partials(*(hidden.new_empty(0, dtype=acc),) * 7)  # placeholder (gpuhead)
+                parts = empty(hidden.device, linear_softmax_torch.acc_dtype(spec.dtype))
             if spec.group is not None:
                 parts = _all_reduce_partials(parts, spec.group)
             stats = finish(parts, spec.vocab_total)
         ctx.spec, ctx.kw = spec, kw
         ctx.save_for_backward(hidden, weight, bias, targets, stats["lse"], stats["entropy"],
                               stats["sum_p_sq"])
-        ctx.mark_non_differentiable(stats["is_top1"], stats["lse"])
+        ctx.mark_non_differentiable(stats["is_top1"])
         return (stats["logprobs"], stats["entropy"], stats["sum_p_sq"], stats["mean_logit"],
                 stats["is_top1"], stats["lse"])
 
     @staticmethod
-    def backward(ctx, g_lp, g_entropy, g_sum_p_sq, g_mean_logit, _g_top1, _g_lse):
+    def backward(ctx, g_lp, g_entropy, g_sum_p_sq, g_mean_logit, _g_top1, g_lse):
         hidden, weight, bias, targets, lse, entropy, sum_p_sq = ctx.saved_tensors
         spec = ctx.spec
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
-        if all(g is None for g in (g_lp, g_entropy, g_sum_p_sq, g_mean_logit)):
+        if all(g is None for g in (g_lp, g_entropy, g_sum_p_sq, g_mean_logit, g_lse)):
             return None, None, None, None, None
         gather = spec.gather_weight() if spec.gather_weight is not None else nullcontext()
         with torch.autocast(hidden.device.type, enabled=False), gather:
             if hidden.shape[0]:
                 d_hidden, d_weight, d_bias = spec.backend.backward(
-                    hidden, weight, bias, targets, lse,
+                    *_operands(spec, hidden, weight, bias), targets, lse,
                     entropy if g_entropy is not None else None,
                     sum_p_sq if g_sum_p_sq is not None else None,
                     _acc(g_lp, lse), _acc(g_entropy, lse), _acc(g_sum_p_sq, lse),
-                    _acc(g_mean_logit, lse),
+                    _acc(g_mean_logit, lse), g_lse=_acc(g_lse, lse),
                     vocab_total=spec.vocab_total, need_hidden=need_hidden,
                     need_weight=need_weight, need_bias=need_bias, **ctx.kw)
             else:
@@ -126,14 +129,24 @@ class _LinearSoftmax(torch.autograd.Function):
         )
 
 
+def _operands(spec: _Spec, hidden, weight, bias):
+    """The inputs as the kernels take them: hidden in the compute dtype, and the head too for
+    the Triton kernels (the torch twin casts it slice by slice). Cast here, inside the autograd
+    function, so each input's gradient comes back in its own dtype, from fp32 accumulators."""
+    hidden = hidden.to(spec.dtype)
+    if spec.backend is linear_softmax_torch:
+        return hidden, weight, bias
+    return hidden, weight.to(spec.dtype), None if bias is None else bias.to(spec.dtype)
+
+
 def _acc(g, like):
     return None if g is None else g.to(like.dtype).contiguous()
 
 
 def _all_reduce_partials(parts: Partials, group) -> Partials:
-    """Combine per-rank partials: max of the maxima, then sums rescaled to it."""
+    """Combine per-rank partials: max of the maxima (and of the maxima before the target),
+    then sums rescaled to the common maximum."""
     dist = torch.distributed
-    # placeholder (gpuhead): helper "head" owns this; m_before is max-reduced with m
     maxima = torch.stack([parts.m, parts.m_before])
     dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group)
     m, m_before = maxima.unbind(0)
@@ -154,25 +167,29 @@ def _vocab_offset(v_local: int, group, device) -> tuple[int, int]:
     return sum(sizes[:rank]), sum(sizes)
 
 
-def compute_dtype(hidden, weight, bias) -> torch.dtype:
+def compute_dtype(hidden: torch.Tensor) -> torch.dtype:
+    """The dtype the head's GEMMs run in (TRL's rule): autocast's under ``torch.autocast``
+    (trainers call the head there with fp32 master weights), else hidden's, whatever the
+    weight's and bias's dtypes (they are cast to it)."""
     dev = hidden.device.type
     if torch.is_autocast_enabled(dev):
-        # Trainers call the head under autocast with fp32 master weights: follow autocast.
         return torch.get_autocast_dtype(dev)
-    for name, t in (("weight", weight), ("bias", bias)):
-        if t is not None and t.dtype != hidden.dtype:
-            raise ValueError(
-                f"{name} has dtype {t.dtype} but hidden has {hidden.dtype}; outside "
-                f"torch.autocast they must match"
-            )
     return hidden.dtype
 
 
-def check_head_args(hidden, weight, targets, bias, temperature, softcap, logit_scale, stats):
+def _is_number(x) -> bool:
+    """A real number (numpy scalars included), not a bool or a string such as ``"30"``."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def check_head_args(hidden, weight, targets, bias, temperature, softcap, logit_scale, stats,
+                    *, zero_scale: bool = False):
+    """Validate the head's arguments (``ValueError`` naming the argument). ``zero_scale``: a
+    ``logit_scale`` of 0 (constant logits, a uniform softmax) is accepted."""
     if not isinstance(hidden, torch.Tensor) or hidden.dim() < 1:
         raise ValueError("hidden must be a tensor [..., D]")
-    if hidden.dtype not in _FLOAT_DTYPES:
-        raise ValueError(f"hidden must be floating point (fp32/bf16/fp16/fp64), got {hidden.dtype}")
+    if hidden.shape[-1] == 0:
+        raise ValueError(f"hidden must have a hidden size D >= 1, got shape {tuple(hidden.shape)}")
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
         raise ValueError(f"weight must be a 2-D tensor [V, D], got shape "
                          f"{tuple(getattr(weight, 'shape', ()))}")
@@ -187,17 +204,22 @@ def check_head_args(hidden, weight, targets, bias, temperature, softcap, logit_s
                          f"got {tuple(targets.shape)}")
     if bias is not None and (bias.dim() != 1 or bias.shape[0] != weight.shape[0]):
         raise ValueError(f"bias must be [V] = [{weight.shape[0]}], got {tuple(bias.shape)}")
+    for name, t in (("hidden", hidden), ("weight", weight), ("bias", bias)):
+        # Any mix of float dtypes: the head is cast to the compute dtype (`compute_dtype`).
+        if t is not None and t.dtype not in _FLOAT_DTYPES:
+            raise ValueError(f"{name} must be floating point (fp32/bf16/fp16/fp64), got {t.dtype}")
     for name, t in (("weight", weight), ("targets", targets), ("bias", bias)):
         if t is not None and t.device != hidden.device:
             raise ValueError(f"{name} is on {t.device} but hidden is on {hidden.device}")
-    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature)
-            and temperature > 0):
+    if not (_is_number(temperature) and math.isfinite(temperature) and temperature > 0):
         raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
-    if softcap is not None and not (math.isfinite(softcap) and softcap > 0):
+    if softcap is not None and not (_is_number(softcap) and math.isfinite(softcap)
+                                    and softcap > 0):
         raise ValueError(f"softcap must be None or a finite number > 0, got {softcap!r}")
-    if not (isinstance(logit_scale, (int, float)) and math.isfinite(logit_scale)
-            and logit_scale != 0):
-        raise ValueError(f"logit_scale must be a finite non-zero number, got {logit_scale!r}")
+    if not (_is_number(logit_scale) and math.isfinite(logit_scale)
+            and (zero_scale or logit_scale != 0)):
+        wanted = "finite number" if zero_scale else "finite non-zero number"
+        raise ValueError(f"logit_scale must be a {wanted}, got {logit_scale!r}")
     unknown = [s for s in stats if s not in STATS]
     if unknown:
         raise ValueError(f"stats must be drawn from {STATS}, got unknown {unknown}")
@@ -224,9 +246,12 @@ def linear_logprobs(
 
     The tempered logits ``z = logit_scale * softcap(hidden @ weight^T + bias) / temperature``
     (softcap ``c * tanh(x / c)``) are streamed through tiles and never stored whole.
+    ``logit_scale=0`` is allowed: every logit is 0, the softmax uniform, the gradients 0.
 
     Args:
-        hidden: ``[..., D]`` fp32/bf16/fp16 hidden states (e.g. ``[B, T, D]`` or ``[N, D]``).
+        hidden: ``[..., D]`` fp32/bf16/fp16 hidden states (e.g. ``[B, T, D]`` or ``[N, D]``);
+            the head runs in their dtype (autocast's under ``torch.autocast``), ``weight`` and
+            ``bias`` of another float dtype cast to it, their gradients in their own dtype.
         weight: ``[V, D]`` head weight (``[V_r, D]``, this rank's slice, with ``vocab_parallel``).
         targets: integer token ids shaped ``hidden.shape[:-1]``, in ``[0, V)`` or
             ``ignore_index``; ignored rows are dropped before any kernel runs.
@@ -248,16 +273,18 @@ def linear_logprobs(
 
     Returns:
         :class:`LogprobOutput` with fp32 tensors shaped like ``targets``. Gradients reach
-        ``hidden``, ``weight`` and ``bias`` through ``logprobs``, ``entropy``, ``sum_p_sq``
-        and ``mean_logit``; outputs that receive no gradient cost nothing in the backward.
+        ``hidden``, ``weight`` and ``bias`` through ``logprobs``, ``entropy``, ``sum_p_sq``,
+        ``mean_logit`` and ``lse`` (a z-loss on it trains the head); outputs that receive no
+        gradient cost nothing in the backward.
     """
     stats = tuple(stats)
-    check_head_args(hidden, weight, targets, bias, temperature, softcap, logit_scale, stats)
+    check_head_args(hidden, weight, targets, bias, temperature, softcap, logit_scale, stats,
+                    zero_scale=True)
+    if logit_scale == 0:
+        softcap = None  # every logit is 0 whatever the cap (and so is every gradient)
     if hidden_grad not in ("sum", "partial"):
         raise ValueError(f"hidden_grad must be 'sum' or 'partial', got {hidden_grad!r}")
-    dtype = compute_dtype(hidden, weight, bias)
-    hidden, weight = hidden.to(dtype), weight.to(dtype)
-    bias = None if bias is None else bias.to(dtype)
+    dtype = compute_dtype(hidden)
 
     group = vocab_parallel
     v_local = weight.shape[0]
@@ -284,13 +311,14 @@ def linear_logprobs(
         rows = torch.nonzero(valid).squeeze(1)
         h, t = flat_h.index_select(0, rows), flat_t.index_select(0, rows)
     if group is not None:
+        # Local ids, outside [0, v_local) when the target lies in another rank's slice: below
+        # 0 before this slice, past its end after it (is_top1 needs to know which).
         t = t - offset
-        t = torch.where((t >= 0) & (t < v_local), t, torch.full_like(t, -1))
 
     spec = _Spec(float(temperature), None if softcap is None else float(softcap),
                  float(logit_scale), v_total, "sum_p_sq" in stats, "mean_logit" in stats,
                  _backend_for(hidden.device, dtype), group, hidden_grad, max_tile_bytes,
-                 gather_weight)
+                 gather_weight, dtype)
     lp, ent, s2, mean, top1, lse = _LinearSoftmax.apply(h, weight, bias, t, spec)
 
     def expand(x):
@@ -318,7 +346,6 @@ def _rows_logprobs(hidden, weight, targets, *, bias=None, temperature=1.0, softc
                  softcap=None if softcap is None else float(softcap),
                  logit_scale=float(logit_scale), vocab_total=weight.shape[0], want_s2=False,
                  want_sum_z=False, backend=_backend_for(hidden.device, hidden.dtype), group=None,
-                 hidden_grad="sum",
-                 tile_bytes=None, gather_weight=None)
+                 hidden_grad="sum", tile_bytes=None, gather_weight=None, dtype=hidden.dtype)
     lp, ent, *_ = _LinearSoftmax.apply(hidden, weight, bias, targets, spec)
     return lp, ent

@@ -59,10 +59,12 @@ class LogitlessChunkedLogProb:
         from trl.trainer.utils import maybe_gather_lm_head_ctx
 
         # TRL soft-caps the scaled logit, c * tanh(s x / c); logitless scales the soft-capped
-        # one. They agree with logitless's cap c / |s|.
+        # one. They agree with logitless's cap c / |s|. TRL's kernel caps at 1.0 when given
+        # 0.0 (`final_logit_softcapping or 1.0`); logit_scale=0 (all logits 0) is kept, as TRL
+        # keeps it, and makes the cap irrelevant.
         softcap = final_logit_softcapping
-        if softcap is not None and logit_scale != 0:
-            softcap = softcap / abs(logit_scale)
+        if softcap is not None:
+            softcap = (softcap or 1.0) / abs(logit_scale) if logit_scale != 0 else None
         stats = tuple(name for name, wanted in (("sum_p_sq", "log_sum_sq_probs"),
                                                 ("mean_logit", "mean_logits"),
                                                 ("is_top1", "is_top1")) if wanted in outputs)

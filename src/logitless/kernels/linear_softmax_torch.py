@@ -16,23 +16,39 @@ from __future__ import annotations
 
 import torch
 
-from logitless.kernels.softmax_partials import Partials, merge, stack
+from logitless.kernels.softmax_partials import Partials, empty, merge, stack
 
-# Default bound on the temporary logits one tile may hold (bytes). The forward keeps one fp32
-# tile plus one scratch tile of the same size; the backward the same two (a third when
-# soft-capping).
+# Default bound on the bytes of one call's tile buffers: the logits and a scratch tile in fp32
+# (fp64 for fp64 inputs), a third when soft-capping, the GEMM's output in the input dtype when
+# that is bf16/fp16, and a byte per element for the forward's top-1 mask.
 DEFAULT_TILE_BYTES = 64 * 2**20
 # Token rows per tile (the GEMMs' M), the fewest vocab columns a tile is cut to before rows are
 # given up (small tile budgets), and the most.
 _ROW_BLOCK = 1024
 _MIN_COLS = 1024
 _MAX_COLS = 16384
+# The last row block is padded with zero rows to a multiple of this many (or to a whole block
+# when blocks are smaller), so no GEMM ever sees fewer rows: BLAS takes other paths, with
+# other reduction orders, for a handful of rows (MKL: 1 or 2 rows, 8 vocab-major), and a
+# token's results would then depend on the size of its batch. A whole 1024-row block of
+# padding instead would make a 64-token call 16 times the work.
+_ROW_GRANULE = 64
 # torch >= 2.8 can write a bf16 x bf16 GEMM straight into an fp32 output on CUDA.
 _MM_OUT_DTYPE = "out_dtype" in (torch.addmm.__doc__ or "")
 
 
-def _tile_shape(n: int, v: int, tile_bytes: int, buffers: int = 2) -> tuple[int, int]:
-    """Rows and vocab columns per tile so that the tile buffers fit in ``tile_bytes``.
+def _bytes_per_element(dtype: torch.dtype, softcap: float | None) -> int:
+    """Bytes the tile buffers (see ``_Tiles``) take per logit of a tile."""
+    acc = acc_dtype(dtype)
+    size = acc.itemsize * (3 if softcap is not None else 2) + 1  # + the top-1 mask
+    return size + (dtype.itemsize if acc != dtype else 0)
+
+
+def _tile_shape(v: int, tile_bytes: int, dtype: torch.dtype,
+                softcap: float | None) -> tuple[int, int]:
+    """Rows and vocab columns per tile so that the tile buffers fit in ``tile_bytes``; from the
+    vocabulary, the budget and the dtype only, never from the number of tokens, so that a
+    token's results do not depend on the batch it comes in (see ``forward``).
 
     Up to ``_ROW_BLOCK`` token rows per tile, the vocabulary split to fit: with whole-vocabulary
     rows instead (55 rows at V=152k in 64 MB), every row block would stream the whole head
@@ -40,20 +56,37 @@ def _tile_shape(n: int, v: int, tile_bytes: int, buffers: int = 2) -> tuple[int,
     product, N / 55 passes over ``[V, D]``; with 1024-row tiles each weight tile is read once
     per 1024 tokens and ``d_weight`` is written once per 1024 tokens (fwd+bwd at N=256, D=1024,
     V=152k on CPU: 8 s of CPU time instead of 12.5). The partials of a row's vocab tiles are
-    merged exactly as vocab-parallel shards are. At most ``_MAX_COLS`` columns: a few tokens
-    get a tile sized to them (64 x 16384 fp32 is 4 MB), not the whole budget, which at 64
-    tokens would exceed the naive full logits.
+    merged exactly as vocab-parallel shards are. At most ``_MAX_COLS`` columns.
     """
-    elems = max(1, tile_bytes // (4 * buffers))
-    rows = max(1, min(n, _ROW_BLOCK, elems // min(v, _MIN_COLS)))
+    elems = max(1, tile_bytes // _bytes_per_element(dtype, softcap))
+    rows = max(1, min(_ROW_BLOCK, elems // min(v, _MIN_COLS)))
     return rows, max(1, min(v, _MAX_COLS, elems // rows))
 
 
-class _Tiles:
-    """The buffers of one call's tiles: logits, scratch, ``1 - tanh^2`` when soft-capping, and
-    the GEMM's output in the input dtype when that is bf16/fp16."""
+def _row_blocks(n: int, rows: int):
+    """``(first row, real rows, padded rows)`` of each row block (see ``_ROW_GRANULE``)."""
+    granule = min(_ROW_GRANULE, rows)
+    for r0 in range(0, n, rows):
+        real = min(rows, n - r0)
+        yield r0, real, min(rows, -(-real // granule) * granule)
 
-    def __init__(self, rows, cols, dtype, device, softcap):
+
+def _pad_rows(x, size: int, fill=0):
+    """``x`` with rows of ``fill`` appended up to ``size`` rows (``x`` itself when it has them;
+    None stays None)."""
+    if x is None or x.shape[0] == size:
+        return x
+    out = x.new_full((size, *x.shape[1:]), fill)
+    out[:x.shape[0]] = x
+    return out
+
+
+class _Tiles:
+    """The buffers of one call's tiles: logits, scratch, ``1 - tanh^2`` when soft-capping, the
+    GEMM's output in the input dtype when that is bf16/fp16, and (``top1``, the forward) the
+    mask of the columns at or after each target."""
+
+    def __init__(self, rows, cols, dtype, device, softcap, top1=False):
         self.acc = acc_dtype(dtype)
         size = rows * cols
         self.z = torch.empty(size, dtype=self.acc, device=device)
@@ -61,6 +94,7 @@ class _Tiles:
         self.cap = torch.empty(size, dtype=self.acc, device=device) if softcap is not None \
             else None
         self.low = torch.empty(size, dtype=dtype, device=device) if self.acc != dtype else None
+        self.mask = torch.empty(size, dtype=torch.bool, device=device) if top1 else None
 
     @staticmethod
     def view(buf, cols, rows):
@@ -110,25 +144,53 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def tile_partials(z: torch.Tensor, local_targets: torch.Tensor, want_s2: bool,
-                  want_sum_z: bool, scratch: torch.Tensor, vocab_dim: int = 0) -> Partials:
+                  want_sum_z: bool, scratch: torch.Tensor, vocab_dim: int = 0,
+                  mask: torch.Tensor | None = None) -> Partials:
     """Partial statistics of one logits tile whose vocabulary runs along ``vocab_dim``, using
-    ``scratch`` (same shape) for the exponentials. ``z`` and ``scratch`` are overwritten."""
+    ``scratch`` (same shape) for the exponentials and ``mask`` (a bool buffer of at least as
+    many elements, else one is allocated) for ``m_before``. ``z`` and ``scratch`` are
+    overwritten."""
     cols, n = z.shape[vocab_dim], z.shape[1 - vocab_dim]
     has_y = (local_targets >= 0) & (local_targets < cols)
     idx = local_targets.clamp(0, cols - 1).unsqueeze(vocab_dim)
     z_y = torch.where(has_y, z.gather(vocab_dim, idx).squeeze(vocab_dim), 0.0)
     sum_z = z.sum(vocab_dim) if want_sum_z else z.new_zeros(n)
     m = z.amax(vocab_dim, keepdim=True)
-    # placeholder (gpuhead): helper "head" owns m_before here
-    col = torch.arange(cols, device=z.device).unsqueeze(1 - vocab_dim)
-    before = col < local_targets.unsqueeze(vocab_dim)
-    m_before = torch.where(before, z, float("-inf")).amax(vocab_dim)
+    m_before = _max_before_target(z, local_targets, m.squeeze(vocab_dim), scratch, mask,
+                                  vocab_dim)
     z.sub_(m)
     e = torch.exp(z, out=scratch)
     l = e.sum(vocab_dim)
     a = z.mul_(e).sum(vocab_dim)  # sum e (z - m), over the logits (no longer needed)
     s2 = e.square_().sum(vocab_dim) if want_s2 else z.new_zeros(n)
     return Partials(m.squeeze(vocab_dim), l, a, s2, sum_z, z_y, m_before)
+
+
+def _max_before_target(z, local_targets, m, scratch, mask, vocab_dim):
+    """Per row, the largest logit of the tile at an index before the row's target: the tile's
+    max ``m`` when the target lies after the tile, -inf when it lies before. Only the rows
+    whose target falls inside the tile (about one tile's worth of rows over a whole
+    vocabulary) are scanned, copied into ``scratch``."""
+    cols = z.shape[vocab_dim]
+    out = torch.where(local_targets >= cols, m, float("-inf"))
+    inside = ((local_targets > 0) & (local_targets < cols)).nonzero().squeeze(1)
+    k = inside.numel()
+    if k:
+        row_dim = 1 - vocab_dim
+        shape = (k, cols) if vocab_dim == 1 else (cols, k)
+        picked = torch.index_select(z, row_dim, inside, out=scratch.view(-1)[:k * cols].view(shape))
+        col = torch.arange(cols, device=z.device).unsqueeze(row_dim)
+        at_or_after = None if mask is None else mask.view(-1)[:k * cols].view(shape)
+        at_or_after = torch.ge(col, local_targets[inside].unsqueeze(vocab_dim), out=at_or_after)
+        out[inside] = picked.masked_fill_(at_or_after, float("-inf")).amax(vocab_dim)
+    return out
+
+
+def _head_slice(weight, bias, c0, cols, dtype):
+    """Vocabulary columns ``c0:c0+cols`` of the head in the compute dtype (views when the head
+    already has it; else a copy of the slice only, never of the whole head)."""
+    w = weight[c0:c0 + cols].to(dtype)
+    return w, None if bias is None else bias[c0:c0 + cols].to(dtype)
 
 
 def add_one_hot_(dz, local_targets, values):
@@ -142,41 +204,47 @@ def forward(hidden, weight, bias, targets, *, temperature, softcap, logit_scale,
             want_sum_z, tile_bytes: int = DEFAULT_TILE_BYTES) -> Partials:
     """Per-token partial softmax statistics of ``z = transform(hidden @ W^T + b)``.
 
-    hidden ``[N, D]``, weight ``[V, D]``, bias ``[V]`` or None (same dtype), targets int64
-    ``[N]`` in ``[-1, V)`` (-1: target outside this vocabulary slice). Returns fp32 partials
-    ``[N]`` relative to each token's maximum (see ``softmax_partials``).
+    hidden ``[N, D]`` in the compute dtype, weight ``[V, D]`` and bias ``[V]`` (or None) in
+    any float dtype, cast slice by slice to hidden's, targets int64
+    ``[N]``, local to this vocabulary slice: below 0 (or at least V) when the target lies in a
+    slice before (after) this one. Returns fp32 partials ``[N]`` relative to each token's
+    maximum (see ``softmax_partials``).
     """
     n, v = hidden.shape[0], weight.shape[0]
     if n == 0:
-        empty = hidden.new_empty(0, dtype=acc_dtype(hidden.dtype))
-        return Partials(*(empty,) * 7)  # placeholder (gpuhead)
-    rows, cols = _tile_shape(n, v, tile_bytes, 2 if softcap is None else 3)
-    tiles = _Tiles(min(rows, n), min(cols, v), hidden.dtype, hidden.device, softcap)
+        return empty(hidden.device, acc_dtype(hidden.dtype))
+    rows, cols = _tile_shape(v, tile_bytes, hidden.dtype, softcap)
+    blocks = list(_row_blocks(n, rows))
+    tiles = _Tiles(blocks[0][2], cols, hidden.dtype, hidden.device, softcap, top1=True)
     out = []
-    for r0 in range(0, n, rows):
-        h = hidden[r0:r0 + rows]
-        tgt = targets[r0:r0 + rows]
+    for r0, real, padded in blocks:
+        h = _pad_rows(hidden[r0:r0 + real], padded)
+        tgt = _pad_rows(targets[r0:r0 + real], padded, -1)
         parts = []
         for c0 in range(0, v, cols):
-            b = None if bias is None else bias[c0:c0 + cols]
+            w, b = _head_slice(weight, bias, c0, cols, hidden.dtype)
             # Token-major here: the forward's logits then round as ``h @ W^T`` does in the
             # plain-PyTorch heads this replaces (TRL's, for one); vocab-major rounding moved a
             # near-cancelling loss (VESPO's, in the TRL parity tests) by 2e-4 relative.
-            z, _ = tiles.logits(h, weight[c0:c0 + cols], b, temperature, softcap, logit_scale,
+            z, _ = tiles.logits(h, w, b, temperature, softcap, logit_scale,
                                 vocab_major=False)
             scratch = tiles.view(tiles.scratch, *z.shape)
-            parts.append(tile_partials(z, tgt - c0, want_s2, want_sum_z, scratch, vocab_dim=1))
-        out.append(parts[0] if len(parts) == 1 else merge(stack(parts)))
+            parts.append(tile_partials(z, tgt - c0, want_s2, want_sum_z, scratch, vocab_dim=1,
+                                       mask=tiles.mask))
+        merged = parts[0] if len(parts) == 1 else merge(stack(parts))
+        out.append(Partials(*(f[:real] for f in merged)))
     return Partials(*(torch.cat(f) for f in zip(*out)))
 
 
 def backward(hidden, weight, bias, targets, lse, entropy, sum_p_sq, g_lp, g_entropy, g_sum_p_sq,
              g_mean_logit, *, temperature, softcap, logit_scale, vocab_total, need_hidden,
-             need_weight, need_bias, tile_bytes: int = DEFAULT_TILE_BYTES):
-    """Gradients of hidden, weight and bias from per-token upstream gradients (fp32 results).
+             need_weight, need_bias, g_lse=None, tile_bytes: int = DEFAULT_TILE_BYTES):
+    """Gradients of hidden, weight and bias from per-token upstream gradients (fp32 results;
+    hidden in the compute dtype, the head in any float dtype, as in ``forward``).
 
     With ``p = exp(z - lse)`` recomputed per tile:
-    ``dz = g_lp (1[j=y] - p) - g_entropy p (log p + H) + g_sum_p_sq 2 p (p - S2) + g_mean / V``,
+    ``dz = g_lp (1[j=y] - p) - g_entropy p (log p + H) + g_sum_p_sq 2 p (p - S2) + g_mean / V
+    + g_lse p``,
     then through the logit transform, then ``d_hidden = dx^T @ W``, ``d_weight = dx @ hidden``,
     ``d_bias = sum dx``, each accumulated in fp32 (fp64 for fp64 inputs): the first product
     into each accumulator overwrites it, so nothing is zeroed first. Upstream gradients that
@@ -188,31 +256,38 @@ def backward(hidden, weight, bias, targets, lse, entropy, sum_p_sq, g_lp, g_entr
         return tuple(hidden.new_zeros(shape, dtype=acc) if need else None
                      for need, shape in ((need_hidden, hidden.shape),
                                          (need_weight, weight.shape), (need_bias, (v,))))
-    rows, cols = _tile_shape(n, v, tile_bytes, 2 if softcap is None else 3)
-    tiles = _Tiles(min(rows, n), min(cols, v), hidden.dtype, hidden.device, softcap)
+    rows, cols = _tile_shape(v, tile_bytes, hidden.dtype, softcap)
+    blocks = list(_row_blocks(n, rows))
+    tiles = _Tiles(blocks[0][2], cols, hidden.dtype, hidden.device, softcap)
     d_hidden = hidden.new_empty(hidden.shape, dtype=acc) if need_hidden else None
     d_weight = weight.new_empty(weight.shape, dtype=acc) if need_weight else None
     d_bias = weight.new_zeros(v, dtype=acc) if need_bias else None
-    for r0 in range(0, n, rows):
-        sl = slice(r0, r0 + rows)
-        h = hidden[sl]
-        per_row = [None if g is None else g[sl]
-                   for g in (lse, entropy, sum_p_sq, g_lp, g_entropy, g_sum_p_sq, g_mean_logit)]
+    for r0, real, padded in blocks:
+        sl = slice(r0, r0 + real)
+        h = _pad_rows(hidden[sl], padded)
+        tgt = _pad_rows(targets[sl], padded, -1)
+        per_row = [None if g is None else _pad_rows(g[sl], padded)
+                   for g in (lse, entropy, sum_p_sq, g_lp, g_entropy, g_sum_p_sq, g_mean_logit,
+                             g_lse)]
+        # The hidden gradient of a padded block goes through a padded accumulator.
+        dh = None if d_hidden is None else _pad_rows(d_hidden[sl], padded)
         for c0 in range(0, v, cols):
-            w = weight[c0:c0 + cols]
-            b = None if bias is None else bias[c0:c0 + cols]
+            w, b = _head_slice(weight, bias, c0, cols, hidden.dtype)
             z, t = tiles.logits(h, w, b, temperature, softcap, logit_scale)
             scratch = tiles.view(tiles.scratch, *z.shape)
-            dz = logit_grad_(z, targets[sl] - c0, *per_row, vocab_total, scratch)
+            dz = logit_grad_(z, tgt - c0, *per_row, vocab_total, scratch)
+            dz[:, real:] = 0.0  # padding rows: whatever their statistics, no gradient
             dx = through_transform_(dz, t, logit_scale, temperature)
             if tiles.low is not None:
                 dx = tiles.view(tiles.low, *dx.shape).copy_(dx)
-            if d_hidden is not None:
-                addmm_acc_(d_hidden[sl], dx.t(), w, beta=0.0 if c0 == 0 else 1.0)
+            if dh is not None:
+                addmm_acc_(dh, dx.t(), w, beta=0.0 if c0 == 0 else 1.0)
             if d_weight is not None:
                 addmm_acc_(d_weight[c0:c0 + cols], dx, h, beta=0.0 if r0 == 0 else 1.0)
             if d_bias is not None:
                 d_bias[c0:c0 + cols] += dz.sum(1)
+        if dh is not None and padded > real:
+            d_hidden[sl] = dh[:real]
     return d_hidden, d_weight, d_bias
 
 
@@ -242,10 +317,10 @@ def through_transform_(dz, t, logit_scale, temperature):
 
 
 def logit_grad_(z, local_targets, lse, entropy, sum_p_sq, g_lp, g_entropy, g_sum_p_sq,
-                 g_mean_logit, vocab_total, scratch):
+                g_mean_logit, g_lse, vocab_total, scratch):
     """Overwrite the logits tile ``z [cols, rows]`` with ``d loss / d z`` and return it.
 
-    ``dz = p * (-g_lp - g_H (log p + H) + 2 g_S2 (p - S2)) + g_lp 1[j=y] + g_mean / V``: the
+    ``dz = p (g_lse - g_lp - g_H (log p + H) + 2 g_S2 (p - S2)) + g_lp 1[j=y] + g_mean / V``: the
     per-element coefficient is built in ``scratch``, then multiplied into ``p``. Per-token
     arguments are ``[rows]`` (None: zero).
     """
@@ -258,11 +333,13 @@ def logit_grad_(z, local_targets, lse, entropy, sum_p_sq, g_lp, g_entropy, g_sum
         two_g = 2.0 * g_sum_p_sq
         coef = torch.mul(p, two_g, out=scratch) if coef is None else coef.addcmul_(p, two_g)
         coef -= two_g * sum_p_sq
+    # The per-token part of the coefficient: d lse / dz_j = p_j, d z_y / dz_j = 1[j=y].
+    per_token = g_lse if g_lp is None else -g_lp if g_lse is None else g_lse - g_lp
     if coef is None:
-        dz = p.mul_(-g_lp) if g_lp is not None else p.zero_()
+        dz = p.mul_(per_token) if per_token is not None else p.zero_()
     else:
-        if g_lp is not None:
-            coef -= g_lp
+        if per_token is not None:
+            coef += per_token
         dz = p.mul_(coef)
     if g_mean_logit is not None:
         dz += g_mean_logit / vocab_total

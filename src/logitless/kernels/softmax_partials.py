@@ -10,10 +10,16 @@ its own running maximum ``m``:
 - ``s2 = sum_j exp(2 (z_j - m))``          (for ``sum_j p_j^2 = S2 / L^2``)
 - ``sum_z = sum_j z_j``                      (for the mean logit)
 - ``z_y``: the target's logit if the target lies in this slice, else 0 (so partials add up)
+- ``m_before``: the largest logit of this slice at an index strictly before the target's
+  (the slice's max when the whole slice lies before the target, -inf when it lies after)
 
 Merging rescales each part to the common maximum ``M``; finishing turns the merged parts into
 ``lse``, ``logprobs``, ``entropy``, ``sum_p_sq``, ``mean_logit`` and ``is_top1``.
 All tensors are fp32.
+
+``is_top1`` is ``z_y >= m and z_y > m_before``: the target counts as the top-1 prediction
+only when it is the *first* maximum (the lowest index among tied maxima), which is what
+``argmax`` returns and what TRL's fused head reports.
 """
 
 from __future__ import annotations
@@ -32,8 +38,13 @@ class Partials(NamedTuple):
     s2: torch.Tensor
     sum_z: torch.Tensor
     z_y: torch.Tensor
-    # placeholder (gpuhead): helper "head" owns this field; the max logit before the target.
     m_before: torch.Tensor
+
+
+def empty(device, dtype: torch.dtype = torch.float32) -> Partials:
+    """Partials of zero tokens."""
+    none = torch.empty(0, dtype=dtype, device=device)
+    return Partials(*(none,) * len(Partials._fields))
 
 
 def merge(parts: Partials, dim: int = 0) -> Partials:
@@ -46,7 +57,7 @@ def merge(parts: Partials, dim: int = 0) -> Partials:
     a = ((parts.a + parts.l * shift) * scale).sum(dim)
     s2 = (parts.s2 * scale * scale).sum(dim)
     return Partials(m.squeeze(dim), l, a, s2, parts.sum_z.sum(dim), parts.z_y.sum(dim),
-                    parts.m_before.amax(dim))  # placeholder (gpuhead)
+                    parts.m_before.amax(dim))
 
 
 def stack(parts: list[Partials]) -> Partials:
@@ -65,7 +76,7 @@ def rescale_to(parts: Partials, m: torch.Tensor) -> Partials:
         parts.s2 * scale * scale,
         parts.sum_z,
         parts.z_y,
-        parts.m_before,  # placeholder (gpuhead)
+        parts.m_before,
     )
 
 
@@ -79,6 +90,5 @@ def finish(parts: Partials, vocab_size: int) -> dict[str, torch.Tensor]:
         "entropy": log_l - parts.a / parts.l,
         "sum_p_sq": parts.s2 / (parts.l * parts.l),
         "mean_logit": parts.sum_z / vocab_size,
-        # placeholder (gpuhead): the first maximum, as argmax
         "is_top1": (parts.z_y >= parts.m) & (parts.z_y > parts.m_before),
     }

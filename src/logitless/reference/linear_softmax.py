@@ -54,7 +54,8 @@ def linear_softmax_stats(
     - ``entropy``: ``lse - sum_j p_j z_j``
     - ``sum_p_sq``: ``sum_j p_j^2``
     - ``mean_logit``: ``mean_j z_j``
-    - ``is_top1``: ``z_y == max_j z_j`` (bool)
+    - ``is_top1``: ``y == argmax_j z_j`` (bool), the *first* maximum: a target tied with
+      the maximum at a lower index does not count
 
     Positions whose target equals ``ignore_index`` hold 0 (``False`` for ``is_top1``).
     """
@@ -77,5 +78,5 @@ def linear_softmax_stats(
     }
     zero = torch.zeros((), dtype=z.dtype, device=z.device)
     out = {k: torch.where(valid, v, zero) for k, v in out.items()}
-    out["is_top1"] = (z_y == z.max(-1).values) & valid
+    out["is_top1"] = (z.argmax(-1) == safe) & valid
     return out
