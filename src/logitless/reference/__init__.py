@@ -6,6 +6,12 @@ Nothing here is fast; everything here is obviously the formula. One file per op.
 """
 
 from logitless.reference.attention import attention_entropy, attention_visibility
+from logitless.reference.divergence import (
+    generalized_jsd,
+    linear_divergence,
+    linear_topk_distill,
+    topk_forward_kl,
+)
 from logitless.reference.linear_softmax import linear_logits, linear_softmax_stats, softcap
 from logitless.reference.objectives import (
     aggregate_loop,
@@ -26,9 +32,12 @@ __all__ = [
     "aggregate_loop",
     "attention_entropy",
     "attention_visibility",
+    "generalized_jsd",
     "kl_loop",
+    "linear_divergence",
     "linear_logits",
     "linear_softmax_stats",
+    "linear_topk_distill",
     "policy_loss_reference",
     "prefix_min_loop",
     "prefix_sum_loop",
@@ -38,4 +47,5 @@ __all__ = [
     "segment_sum_loop",
     "softcap",
     "suffix_sum_loop",
+    "topk_forward_kl",
 ]

@@ -1,0 +1,287 @@
+"""Two-head divergences for distillation: ``linear_divergence`` and ``linear_topk_distill``.
+
+Input checks, compaction of masked rows and result shaping live here; the tiled math in
+``kernels/divergence_torch.py`` (the chunked torch path serves every device for now). The
+teacher's tensors are detached before the autograd functions see them: no graph is built for
+the teacher and it receives no gradient.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from logitless.fused_losses.logprobs import compute_dtype
+from logitless.kernels import divergence_torch
+
+__all__ = ["linear_divergence", "linear_topk_distill"]
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+@dataclass(frozen=True)
+class _Spec:
+    beta: float
+    temperature: float
+    tile_bytes: int | None
+
+    def kw(self):
+        return {} if self.tile_bytes is None else {"tile_bytes": self.tile_bytes}
+
+
+class _Divergence(torch.autograd.Function):
+    """Rows already compacted; the teacher's tensors arrive detached."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, t_hidden, t_weight, t_bias, spec: _Spec):
+        ctx.set_materialize_grads(False)
+        with torch.autocast(hidden.device.type, enabled=False):
+            div, lse_s, lse_t, aux = divergence_torch.divergence_forward(
+                hidden, weight, bias, t_hidden, t_weight, t_bias, beta=spec.beta,
+                temperature=spec.temperature, **spec.kw())
+        ctx.spec = spec
+        ctx.save_for_backward(hidden, weight, bias, t_hidden, t_weight, t_bias, lse_s, lse_t, aux)
+        return div
+
+    @staticmethod
+    def backward(ctx, grad):
+        hidden, weight, bias, t_hidden, t_weight, t_bias, lse_s, lse_t, aux = ctx.saved_tensors
+        need = ctx.needs_input_grad[:3]
+        if grad is None or not any(need):
+            return (None,) * 7
+        spec = ctx.spec
+        with torch.autocast(hidden.device.type, enabled=False):
+            grads = divergence_torch.divergence_backward(
+                hidden, weight, bias, t_hidden, t_weight, t_bias, lse_s, lse_t, aux,
+                grad.contiguous(), beta=spec.beta, temperature=spec.temperature,
+                need_hidden=need[0], need_weight=need[1], need_bias=need[2], **spec.kw())
+        return (*_cast(grads, (hidden, weight, bias)), None, None, None, None)
+
+
+class _TopkLogprobs(torch.autograd.Function):
+    """The student's tempered log-softmax at ``ids [n, k]`` (rows compacted)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, ids, spec: _Spec):
+        ctx.set_materialize_grads(False)
+        with torch.autocast(hidden.device.type, enabled=False):
+            logprobs, lse = divergence_torch.topk_forward(
+                hidden, weight, bias, ids, temperature=spec.temperature, **spec.kw())
+        ctx.spec = spec
+        ctx.save_for_backward(hidden, weight, bias, ids, lse)
+        return logprobs
+
+    @staticmethod
+    def backward(ctx, grad):
+        hidden, weight, bias, ids, lse = ctx.saved_tensors
+        need = ctx.needs_input_grad[:3]
+        if grad is None or not any(need):
+            return (None,) * 5
+        with torch.autocast(hidden.device.type, enabled=False):
+            grads = divergence_torch.topk_backward(
+                hidden, weight, bias, ids, lse, grad.contiguous(),
+                temperature=ctx.spec.temperature, need_hidden=need[0], need_weight=need[1],
+                need_bias=need[2], **ctx.spec.kw())
+        return (*_cast(grads, (hidden, weight, bias)), None, None)
+
+
+def _cast(grads, like):
+    return tuple(None if g is None else g.to(t.dtype) for g, t in zip(grads, like))
+
+
+def _check_head(prefix: str, hidden, weight, bias, lead=None):
+    """Shapes, dtypes and devices of one head's ``hidden [..., D]``, ``weight [V, D]`` and
+    ``bias [V]``; ``lead``: the token shape ``hidden`` must have."""
+    h, w, b = f"{prefix}hidden", f"{prefix}weight", f"{prefix}bias"
+    if not isinstance(hidden, torch.Tensor) or hidden.dim() < 1:
+        raise ValueError(f"{h} must be a tensor [..., D]")
+    if hidden.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"{h} must be floating point (fp32/bf16/fp16/fp64), got {hidden.dtype}")
+    if lead is not None and tuple(hidden.shape[:-1]) != tuple(lead):
+        raise ValueError(f"{h} must have the student's token shape {tuple(lead)} before its "
+                         f"hidden size, got {tuple(hidden.shape)}")
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 \
+            or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"{w} must be a 2-D tensor [V, {hidden.shape[-1]}] matching {h}'s "
+                         f"last dimension, got shape {tuple(getattr(weight, 'shape', ()))}")
+    if bias is not None and (not isinstance(bias, torch.Tensor) or bias.dim() != 1
+                             or bias.shape[0] != weight.shape[0]):
+        raise ValueError(f"{b} must be [V] = [{weight.shape[0]}], got shape "
+                         f"{tuple(getattr(bias, 'shape', ()))}")
+    try:
+        dtype = compute_dtype(hidden, weight, bias)
+    except ValueError as err:  # name the teacher's tensors as such
+        raise ValueError(f"{prefix}{err}") from None
+    return hidden.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
+
+
+def _check_common(hidden, tensors, mask, temperature):
+    for name, t in tensors:
+        if t is not None and t.device != hidden.device:
+            raise ValueError(f"{name} is on {t.device} but hidden is on {hidden.device}")
+    if not (isinstance(temperature, (int, float)) and not isinstance(temperature, bool)
+            and math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+    lead = tuple(hidden.shape[:-1])
+    if mask is not None:
+        if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool \
+                or tuple(mask.shape) != lead:
+            raise ValueError(f"mask must be None or a bool tensor of hidden's token shape "
+                             f"{lead}, got {getattr(mask, 'dtype', type(mask).__name__)} "
+                             f"{tuple(getattr(mask, 'shape', ()))}")
+        if mask.device != hidden.device:
+            raise ValueError(f"mask is on {mask.device} but hidden is on {hidden.device}")
+
+
+def _rows(mask, n):
+    """Indices of the kept rows of ``n`` flattened tokens (None: all)."""
+    if mask is None:
+        return None
+    flat = mask.reshape(-1)
+    return None if bool(flat.all()) else torch.nonzero(flat).squeeze(1)
+
+
+def _take(x, rows):
+    x = x.reshape(-1, x.shape[-1])
+    return x.contiguous() if rows is None else x.index_select(0, rows)
+
+
+def _expand(x, rows, n, shape):
+    if rows is not None:
+        x = x.new_zeros(n).index_put((rows,), x)
+    return x.reshape(shape)
+
+
+def linear_divergence(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    teacher_hidden: torch.Tensor,
+    teacher_weight: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    *,
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    bias: torch.Tensor | None = None,
+    teacher_bias: torch.Tensor | None = None,
+    max_tile_bytes: int | None = None,
+) -> torch.Tensor:
+    """Per-token generalized Jensen-Shannon divergence between a student and a teacher head.
+
+    With ``p_s = softmax((hidden @ weight^T + bias) / T)`` and ``p_t`` likewise from the
+    teacher: ``beta = 0`` gives KL(p_t || p_s) (forward KL), ``beta = 1`` KL(p_s || p_t)
+    (reverse KL), and ``0 < beta < 1`` gives ``beta KL(p_t || m) + (1 - beta) KL(p_s || m)``
+    with ``m = beta p_t + (1 - beta) p_s`` (TRL's GKD definition). Neither head's
+    ``[N, V]`` logits are stored: both are streamed through tiles of at most
+    ``max_tile_bytes`` (default 64 MB for the four tile buffers).
+
+    Args:
+        hidden: ``[..., D]`` the student's hidden states.
+        weight: ``[V, D]`` the student's head.
+        teacher_hidden: ``[..., D_t]`` with the student's token shape; ``D_t`` may differ.
+        teacher_weight: ``[V, D_t]``, the same vocabulary as the student's.
+        mask: optional bool tensor of the token shape; False rows are skipped and hold 0.
+        beta: in ``[0, 1]``.
+        temperature: finite, > 0; divides both heads' logits.
+        bias, teacher_bias: optional ``[V]`` biases.
+
+    Returns:
+        fp32 tensor (fp64 for fp64 inputs) of the token shape. Gradients reach ``hidden``,
+        ``weight`` and ``bias``; the teacher's tensors are detached (no gradient, no graph).
+    """
+    hidden, weight, bias = _check_head("", hidden, weight, bias)
+    lead = tuple(hidden.shape[:-1])
+    teacher_hidden, teacher_weight, teacher_bias = _check_head(
+        "teacher_", teacher_hidden, teacher_weight, teacher_bias, lead)
+    _check_common(hidden, (("weight", weight), ("bias", bias), ("teacher_hidden", teacher_hidden),
+                           ("teacher_weight", teacher_weight),
+                           ("teacher_bias", teacher_bias)), mask, temperature)
+    if teacher_weight.shape[0] != weight.shape[0]:
+        raise ValueError(f"teacher_weight must have the student's vocabulary size "
+                         f"{weight.shape[0]} rows, got {teacher_weight.shape[0]}")
+    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0.0 <= beta <= 1.0:
+        raise ValueError(f"beta must be a number in [0, 1], got {beta!r}")
+    n = math.prod(lead)
+    rows = _rows(mask, n)
+    spec = _Spec(float(beta), float(temperature), max_tile_bytes)
+    t_bias = None if teacher_bias is None else teacher_bias.detach()
+    out = _Divergence.apply(_take(hidden, rows), weight, bias,
+                            _take(teacher_hidden.detach(), rows), teacher_weight.detach(),
+                            t_bias, spec)
+    return _expand(out, rows, n, lead)
+
+
+def linear_topk_distill(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    teacher_ids: torch.Tensor,
+    teacher_logprobs: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    *,
+    temperature: float = 1.0,
+    bias: torch.Tensor | None = None,
+    log_prob_min_clamp: float | None = -10.0,
+    loss_max_clamp: float | None = 10.0,
+    max_tile_bytes: int | None = None,
+) -> torch.Tensor:
+    """Per-token top-k forward KL to a teacher known only by its top-k log-probabilities.
+
+    verl 0.9.1's ``forward_kl_topk`` distillation loss, from hidden states and the head:
+    with ``log q`` the student's log-softmax of ``(hidden @ weight^T + bias) / T`` at the
+    teacher's ids, ``sum_k exp(t_k) (t_k - log q_k)`` over the k ids only. The tail beyond the
+    top k is dropped, not lumped into an extra bucket, so the sum can dip below 0; as in verl
+    both log-probs are first clamped below at ``log_prob_min_clamp`` and the result is clamped
+    to ``[0, loss_max_clamp]`` (either None: no clamp). Gradients flow through the clamps as
+    in verl (zero where a clamp is active) to ``hidden``, ``weight`` and ``bias``.
+
+    Args:
+        hidden: ``[..., D]``; weight ``[V, D]``; bias optional ``[V]``.
+        teacher_ids: integer ``[..., k]`` in ``[0, V)``, the token shape then k.
+        teacher_logprobs: float ``[..., k]``, the teacher's log-probabilities at those ids
+            (no gradient).
+        mask: optional bool tensor of the token shape; False rows are skipped and hold 0.
+
+    Returns:
+        fp32 tensor (fp64 for fp64 inputs) of the token shape.
+    """
+    hidden, weight, bias = _check_head("", hidden, weight, bias)
+    lead = tuple(hidden.shape[:-1])
+    _check_common(hidden, (("weight", weight), ("bias", bias), ("teacher_ids", teacher_ids),
+                           ("teacher_logprobs", teacher_logprobs)), mask, temperature)
+    if not isinstance(teacher_ids, torch.Tensor) or teacher_ids.dtype.is_floating_point \
+            or teacher_ids.dtype.is_complex or teacher_ids.dtype == torch.bool \
+            or teacher_ids.dim() != len(lead) + 1 or tuple(teacher_ids.shape[:-1]) != lead \
+            or teacher_ids.shape[-1] < 1:
+        raise ValueError(f"teacher_ids must be an integer tensor [{', '.join(map(str, lead))}"
+                         f"{', ' if lead else ''}k] with k >= 1, got "
+                         f"{getattr(teacher_ids, 'dtype', type(teacher_ids).__name__)} "
+                         f"{tuple(getattr(teacher_ids, 'shape', ()))}")
+    if not isinstance(teacher_logprobs, torch.Tensor) \
+            or not teacher_logprobs.dtype.is_floating_point \
+            or tuple(teacher_logprobs.shape) != tuple(teacher_ids.shape):
+        raise ValueError(f"teacher_logprobs must be a float tensor shaped like teacher_ids "
+                         f"{tuple(teacher_ids.shape)}, got "
+                         f"{getattr(teacher_logprobs, 'dtype', type(teacher_logprobs).__name__)}"
+                         f" {tuple(getattr(teacher_logprobs, 'shape', ()))}")
+    for name, value in (("log_prob_min_clamp", log_prob_min_clamp),
+                        ("loss_max_clamp", loss_max_clamp)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or math.isnan(value)):
+            raise ValueError(f"{name} must be None or a number, got {value!r}")
+    n, v = math.prod(lead), weight.shape[0]
+    rows = _rows(mask, n)
+    ids = _take(teacher_ids, rows).long()
+    bad = (ids < 0) | (ids >= v)
+    if bool(bad.any()):
+        raise ValueError(f"teacher_ids must lie in [0, {v}) (the vocabulary of weight); found "
+                         f"{ids[bad][:5].tolist()}")
+    spec = _Spec(0.0, float(temperature), max_tile_bytes)
+    log_q = _TopkLogprobs.apply(_take(hidden, rows), weight, bias, ids, spec)
+    log_t = _take(teacher_logprobs.detach(), rows).to(log_q.dtype)
+    if log_prob_min_clamp is not None:
+        log_q, log_t = log_q.clamp_min(log_prob_min_clamp), log_t.clamp_min(log_prob_min_clamp)
+    loss = (log_t.exp() * (log_t - log_q)).sum(-1).clamp_min(0.0)
+    if loss_max_clamp is not None:
+        loss = loss.clamp(max=loss_max_clamp)
+    return _expand(loss, rows, n, lead)

@@ -1,0 +1,219 @@
+"""Chunked PyTorch kernels of the two-head divergences (the CPU path; no Triton twin yet).
+
+Student ``z_s = (hidden @ W^T + b) / T`` and teacher ``z_t = (teacher_hidden @ W_t^T + b_t) / T``
+are streamed through token-major tiles ``[rows, cols]`` built by the linear-softmax twin's
+tile helpers; at most four fp32 tiles of one shape exist at a time (each head's logits and a
+scratch tile), sized by ``tile_bytes``. Every pass recomputes its tiles with the same GEMM
+shapes, so a logit has the same rounding in each pass.
+
+- ``divergence_forward``: pass 1 folds both heads' online maxima and sums of exponentials (and,
+  for ``beta`` 0 or 1, the expected logit gap, which finishes the KL in the same pass); pass 2,
+  for ``0 < beta < 1`` only, sums the mixture terms with ``log m = logaddexp(log p_s +
+  log(1 - beta), log p_t + log beta)``.
+- ``divergence_backward``: one pass; the student's logit gradient per tile, then the GEMMs.
+- ``topk_forward`` / ``topk_backward``: the student's log-softmax at k given ids per token.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from logitless.kernels.linear_softmax_torch import (
+    DEFAULT_TILE_BYTES,
+    _tile_shape,
+    _Tiles,
+    acc_dtype,
+    addmm_acc_,
+)
+
+# Four tile-sized buffers live at once: both heads' logits and both heads' scratch.
+_BUFFERS = 4
+
+
+class _Heads:
+    """Tile buffers for the student (and the teacher, when given) at one tile shape."""
+
+    def __init__(self, n, v, hidden, t_hidden, tile_bytes):
+        self.rows, self.cols = _tile_shape(n, v, tile_bytes, _BUFFERS)
+        rows, cols = min(self.rows, n), min(self.cols, v)
+        self.s = _Tiles(rows, cols, hidden.dtype, hidden.device, None)
+        self.t = None if t_hidden is None else _Tiles(rows, cols, t_hidden.dtype,
+                                                      t_hidden.device, None)
+
+    def blocks(self, n, v):
+        """``(row slice, col slice)`` of every tile, vocabulary innermost."""
+        for r0 in range(0, n, self.rows):
+            for c0 in range(0, v, self.cols):
+                yield slice(r0, r0 + self.rows), slice(c0, c0 + self.cols)
+
+    @staticmethod
+    def logits(tiles, hidden, weight, bias, rows, cols, temperature):
+        """Tempered logits ``[rows, cols]`` of one tile and a scratch view of the same shape."""
+        b = None if bias is None else bias[cols]
+        z, _ = tiles.logits(hidden[rows], weight[cols], b, temperature, None, 1.0,
+                            vocab_major=False)
+        return z, tiles.view(tiles.scratch, *z.shape)
+
+
+def _fold(m, l, z, scratch):
+    """Online logsumexp update of one head with tile ``z``; returns ``exp(z - m_new)`` (in
+    ``scratch``) and the factor the running sums were rescaled by."""
+    m_new = torch.maximum(m, z.amax(1))
+    scale = torch.exp(m - m_new)
+    e = torch.sub(z, m_new.unsqueeze(1), out=scratch).exp_()
+    l.mul_(scale).add_(e.sum(1))
+    m.copy_(m_new)
+    return e, scale
+
+
+def divergence_forward(hidden, weight, bias, t_hidden, t_weight, t_bias, *, beta: float,
+                       temperature: float, tile_bytes: int = DEFAULT_TILE_BYTES):
+    """Per-token generalized JSD and what the backward needs.
+
+    hidden ``[N, D]``, weight ``[V, D]``, bias ``[V]`` or None; the teacher's the same with its
+    own ``D_t``. Returns ``(divergence, lse_s, lse_t, aux)``, each ``[N]`` fp32 (fp64 for fp64
+    inputs); ``aux`` is the per-token KL(student || m) for ``0 < beta < 1`` and the divergence
+    itself otherwise.
+    """
+    n, v = hidden.shape[0], weight.shape[0]
+    acc = acc_dtype(hidden.dtype)
+    m_s = hidden.new_full((n,), -math.inf, dtype=acc)
+    m_t, l_s, l_t, gap = m_s.clone(), *(hidden.new_zeros(n, dtype=acc) for _ in range(3))
+    heads = _Heads(n, v, hidden, t_hidden, tile_bytes)
+    for rows, cols in heads.blocks(n, v):
+        zs, scr_s = heads.logits(heads.s, hidden, weight, bias, rows, cols, temperature)
+        zt, scr_t = heads.logits(heads.t, t_hidden, t_weight, t_bias, rows, cols, temperature)
+        es, scale_s = _fold(m_s[rows], l_s[rows], zs, scr_s)
+        et, scale_t = _fold(m_t[rows], l_t[rows], zt, scr_t)
+        # The expected gap of the distribution the KL is taken under: E_t[z_t - z_s] for the
+        # forward KL, E_s[z_s - z_t] for the reverse one.
+        if beta == 0.0:
+            gap[rows] = gap[rows] * scale_t + et.mul_(zt.sub_(zs)).sum(1)
+        elif beta == 1.0:
+            gap[rows] = gap[rows] * scale_s + es.mul_(zs.sub_(zt)).sum(1)
+    lse_s, lse_t = m_s + l_s.log(), m_t + l_t.log()
+    if beta == 0.0:
+        div = gap / l_t - lse_t + lse_s
+        return div, lse_s, lse_t, div
+    if beta == 1.0:
+        div = gap / l_s - lse_s + lse_t
+        return div, lse_s, lse_t, div
+    log_b, log_1mb = math.log(beta), math.log1p(-beta)
+    div, kl_s = hidden.new_zeros(n, dtype=acc), hidden.new_zeros(n, dtype=acc)
+    for rows, cols in heads.blocks(n, v):
+        zs, scr_s = heads.logits(heads.s, hidden, weight, bias, rows, cols, temperature)
+        zt, scr_t = heads.logits(heads.t, t_hidden, t_weight, t_bias, rows, cols, temperature)
+        log_m = _log_mixture_(zs, zt, lse_s[rows], lse_t[rows], log_b, log_1mb, scr_s, scr_t)
+        # KL(t || m) terms, then KL(s || m) terms, each p (log p - log m) formed in scratch.
+        kl_t_rows = torch.exp(zt, out=scr_s).mul_(zt.sub_(log_m)).sum(1)
+        kl_s_rows = torch.exp(zs, out=scr_s).mul_(zs.sub_(log_m)).sum(1)
+        kl_s[rows] += kl_s_rows
+        div[rows] += beta * kl_t_rows + (1.0 - beta) * kl_s_rows
+    return div, lse_s, lse_t, kl_s
+
+
+def _log_mixture_(zs, zt, lse_s, lse_t, log_b, log_1mb, scr_s, scr_t):
+    """Turn the logits tiles into ``log p_s`` and ``log p_t`` in place and return
+    ``log m = logaddexp(log p_s + log(1 - beta), log p_t + log beta)`` (in ``scr_t``)."""
+    zs.sub_(lse_s.unsqueeze(1))
+    zt.sub_(lse_t.unsqueeze(1))
+    torch.add(zs, log_1mb, out=scr_s)
+    torch.add(zt, log_b, out=scr_t)
+    return torch.logaddexp(scr_s, scr_t, out=scr_t)
+
+
+def divergence_backward(hidden, weight, bias, t_hidden, t_weight, t_bias, lse_s, lse_t, aux,
+                        grad, *, beta: float, temperature: float, need_hidden: bool,
+                        need_weight: bool, need_bias: bool,
+                        tile_bytes: int = DEFAULT_TILE_BYTES):
+    """Gradients of the student's hidden, weight and bias (fp32; fp64 for fp64 inputs) from
+    the per-token upstream ``grad``. With ``p_s``, ``p_t``, ``m`` recomputed per tile, the
+    gradient of the divergence with respect to the student's tempered logits is
+    ``p_s - p_t`` (``beta = 0``), ``p_s (log p_s - log p_t - KL)`` (``beta = 1``), else
+    ``(1 - beta) p_s (log p_s - log m - KL(s || m))``; it is scaled by ``grad / T``."""
+    n, v = hidden.shape[0], weight.shape[0]
+    acc = acc_dtype(hidden.dtype)
+    d_hidden = hidden.new_empty(hidden.shape, dtype=acc) if need_hidden else None
+    d_weight = weight.new_zeros(weight.shape, dtype=acc) if need_weight else None
+    d_bias = weight.new_zeros(v, dtype=acc) if need_bias else None
+    heads = _Heads(n, v, hidden, t_hidden, tile_bytes)
+    scale = grad.to(acc) / temperature
+    log_b, log_1mb = (math.log(beta), math.log1p(-beta)) if 0.0 < beta < 1.0 else (0.0, 0.0)
+    for rows, cols in heads.blocks(n, v):
+        zs, scr_s = heads.logits(heads.s, hidden, weight, bias, rows, cols, temperature)
+        zt, scr_t = heads.logits(heads.t, t_hidden, t_weight, t_bias, rows, cols, temperature)
+        if beta == 0.0:
+            zs.sub_(lse_s[rows].unsqueeze(1)).exp_()
+            dz = zs.sub_(zt.sub_(lse_t[rows].unsqueeze(1)).exp_())
+        elif beta == 1.0:
+            zs.sub_(lse_s[rows].unsqueeze(1))
+            zt.sub_(lse_t[rows].unsqueeze(1))
+            ps = torch.exp(zs, out=scr_s)
+            dz = ps.mul_(zs.sub_(zt).sub_(aux[rows].unsqueeze(1)))
+        else:
+            log_m = _log_mixture_(zs, zt, lse_s[rows], lse_t[rows], log_b, log_1mb, scr_s,
+                                  scr_t)
+            ps = torch.exp(zs, out=scr_s)
+            dz = ps.mul_(zs.sub_(log_m).sub_(aux[rows].unsqueeze(1))).mul_(1.0 - beta)
+        dz.mul_(scale[rows].unsqueeze(1))
+        _accumulate(dz, heads.s, hidden[rows], weight[cols], d_hidden, d_weight, d_bias, rows,
+                    cols)
+    return d_hidden, d_weight, d_bias
+
+
+def _accumulate(dz, tiles, h, w, d_hidden, d_weight, d_bias, rows, cols):
+    """Add one tile's logit gradient ``dz [rows, cols]`` into the parameter gradients. The
+    GEMMs take it in the inputs' dtype (as the linear-softmax twin does)."""
+    if d_bias is not None:
+        d_bias[cols] += dz.sum(0)
+    dx = dz if tiles.low is None else tiles.view(tiles.low, *dz.shape).copy_(dz)
+    if d_hidden is not None:
+        addmm_acc_(d_hidden[rows], dx, w, beta=0.0 if cols.start == 0 else 1.0)
+    if d_weight is not None:
+        addmm_acc_(d_weight[cols], dx.t(), h)
+
+
+def topk_forward(hidden, weight, bias, ids, *, temperature: float,
+                 tile_bytes: int = DEFAULT_TILE_BYTES):
+    """The student's tempered log-softmax at ``ids [N, k]`` (int64 in ``[0, V)``) and its
+    per-token logsumexp: ``(logprobs [N, k], lse [N])``, fp32 (fp64 for fp64 inputs)."""
+    n, v = hidden.shape[0], weight.shape[0]
+    acc = acc_dtype(hidden.dtype)
+    m = hidden.new_full((n,), -math.inf, dtype=acc)
+    l = hidden.new_zeros(n, dtype=acc)
+    z_ids = hidden.new_zeros(ids.shape, dtype=acc)
+    heads = _Heads(n, v, hidden, None, tile_bytes)
+    for rows, cols in heads.blocks(n, v):
+        z, scratch = heads.logits(heads.s, hidden, weight, bias, rows, cols, temperature)
+        local = ids[rows] - cols.start
+        inside = (local >= 0) & (local < z.shape[1])
+        picked = z.gather(1, local.clamp(0, z.shape[1] - 1))
+        z_ids[rows] += torch.where(inside, picked, 0.0)
+        _fold(m[rows], l[rows], z, scratch)
+    lse = m + l.log()
+    return z_ids - lse.unsqueeze(1), lse
+
+
+def topk_backward(hidden, weight, bias, ids, lse, grad, *, temperature: float, need_hidden: bool,
+                  need_weight: bool, need_bias: bool, tile_bytes: int = DEFAULT_TILE_BYTES):
+    """Gradients from ``grad [N, k]`` on the top-k logprobs: with ``p`` the student's softmax,
+    ``d z_j = (sum_i grad_i 1[j = id_i] - p_j sum_i grad_i) / T``."""
+    n, v = hidden.shape[0], weight.shape[0]
+    acc = acc_dtype(hidden.dtype)
+    d_hidden = hidden.new_empty(hidden.shape, dtype=acc) if need_hidden else None
+    d_weight = weight.new_zeros(weight.shape, dtype=acc) if need_weight else None
+    d_bias = weight.new_zeros(v, dtype=acc) if need_bias else None
+    grad = grad.to(acc) / temperature
+    total = grad.sum(1)
+    heads = _Heads(n, v, hidden, None, tile_bytes)
+    for rows, cols in heads.blocks(n, v):
+        z, _ = heads.logits(heads.s, hidden, weight, bias, rows, cols, temperature)
+        dz = z.sub_(lse[rows].unsqueeze(1)).exp_().mul_(-total[rows].unsqueeze(1))
+        local = ids[rows] - cols.start
+        inside = (local >= 0) & (local < dz.shape[1])
+        dz.scatter_add_(1, local.clamp(0, dz.shape[1] - 1), torch.where(inside, grad[rows], 0.0))
+        _accumulate(dz, heads.s, hidden[rows], weight[cols], d_hidden, d_weight, d_bias, rows,
+                    cols)
+    return d_hidden, d_weight, d_bias

@@ -1,0 +1,68 @@
+"""Reference for the two-head divergences: both heads' full logits, then the formulas.
+
+``generalized_jsd`` follows the definition TRL 1.16 uses for on-policy distillation (GKD):
+``beta = 0`` is the forward KL(teacher || student), ``beta = 1`` the reverse KL(student ||
+teacher), anything between the mixture divergence
+``beta KL(teacher || m) + (1 - beta) KL(student || m)`` with ``m = beta p_t + (1 - beta) p_s``.
+``topk_forward_kl`` is verl 0.9.1's top-k forward KL, with its clamps.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from logitless.reference.linear_softmax import linear_logits
+
+__all__ = ["generalized_jsd", "linear_divergence", "linear_topk_distill", "topk_forward_kl"]
+
+
+def generalized_jsd(student_logits: torch.Tensor, teacher_logits: torch.Tensor, beta: float,
+                    temperature: float = 1.0) -> torch.Tensor:
+    """Per-token generalized JSD of ``softmax(student / T)`` and ``softmax(teacher / T)``.
+
+    Logits ``[..., V]`` -> ``[...]`` in their dtype; differentiable in both.
+    """
+    log_s = torch.log_softmax(student_logits / temperature, dim=-1)
+    log_t = torch.log_softmax(teacher_logits / temperature, dim=-1)
+    if beta == 0:
+        return (log_t.exp() * (log_t - log_s)).sum(-1)
+    if beta == 1:
+        return (log_s.exp() * (log_s - log_t)).sum(-1)
+    log_m = torch.logaddexp(log_s + math.log1p(-beta), log_t + math.log(beta))
+    kl_t = (log_t.exp() * (log_t - log_m)).sum(-1)
+    kl_s = (log_s.exp() * (log_s - log_m)).sum(-1)
+    return beta * kl_t + (1 - beta) * kl_s
+
+
+def linear_divergence(hidden, weight, teacher_hidden, teacher_weight, mask=None, *, beta=0.5,
+                      temperature=1.0, bias=None, teacher_bias=None) -> torch.Tensor:
+    """``generalized_jsd`` of the two heads' logits, 0 where ``mask`` is False."""
+    out = generalized_jsd(linear_logits(hidden, weight, bias),
+                          linear_logits(teacher_hidden, teacher_weight, teacher_bias),
+                          beta, temperature)
+    return out if mask is None else torch.where(mask, out, 0.0)
+
+
+def topk_forward_kl(student_topk_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor,
+                    log_prob_min_clamp: float | None = -10.0,
+                    loss_max_clamp: float | None = 10.0) -> torch.Tensor:
+    """verl's top-k forward KL per token: ``sum_k p_t,k (log p_t,k - log q_k)`` over the
+    teacher's top-k ids only (no tail term), both log-probs clamped below at
+    ``log_prob_min_clamp``, the result clamped to ``[0, loss_max_clamp]``."""
+    s, t = student_topk_logprobs, teacher_logprobs
+    if log_prob_min_clamp is not None:
+        s, t = s.clamp_min(log_prob_min_clamp), t.clamp_min(log_prob_min_clamp)
+    loss = (t.exp() * (t - s)).sum(-1).clamp_min(0.0)
+    return loss if loss_max_clamp is None else loss.clamp(max=loss_max_clamp)
+
+
+def linear_topk_distill(hidden, weight, teacher_ids, teacher_logprobs, mask=None, *,
+                        temperature=1.0, bias=None, log_prob_min_clamp=-10.0,
+                        loss_max_clamp=10.0) -> torch.Tensor:
+    """``topk_forward_kl`` of the student's tempered log-softmax at ``teacher_ids``."""
+    log_q = torch.log_softmax(linear_logits(hidden, weight, bias, temperature=temperature), -1)
+    out = topk_forward_kl(log_q.gather(-1, teacher_ids.long()), teacher_logprobs.to(log_q.dtype),
+                          log_prob_min_clamp, loss_max_clamp)
+    return out if mask is None else torch.where(mask, out, 0.0)
