@@ -132,6 +132,25 @@ def test_teacher_gets_no_graph():
     assert not only_teacher.requires_grad
 
 
+@pytest.mark.parametrize("beta", BETAS)
+def test_return_entropy(beta):
+    """``return_entropy``: the student's tempered entropy against fp64 softmax, 0 on masked
+    rows, no gradient; the divergence and its gradient are those of the plain call."""
+    x = heads(batch=2, seed=20)
+    mask = torch.rand(2, N, generator=torch.Generator().manual_seed(2)) > 0.3
+    mine, plain = ({k: leaf(t) for k, t in x.items()} for _ in range(2))
+    div, ent = ours(mine, mask, beta=beta, temperature=0.7, return_entropy=True)
+    logp = (reference.linear_logits(x["hidden"], x["weight"], x["bias"]) / 0.7).log_softmax(-1)
+    exact = torch.where(mask, -(logp.exp() * logp).sum(-1), 0.0)
+    assert ent.shape == (2, N) and not ent.requires_grad
+    torch.testing.assert_close(ent, exact, rtol=1e-10, atol=1e-12)
+    ref = ours(plain, mask, beta=beta, temperature=0.7)
+    assert torch.equal(div, ref)
+    div.sum().backward()
+    ref.sum().backward()
+    assert torch.equal(mine["weight"].grad, plain["weight"].grad)
+
+
 def test_masked_rows_are_skipped():
     """Masked rows are never computed: non-finite hidden states there leave no trace."""
     x = heads(seed=7)
@@ -327,7 +346,8 @@ def _div_args(**change):
     (dict(teacher_weight=torch.randn(10, D_T, dtype=torch.float64)), "vocabulary"),
     (dict(teacher_weight=torch.randn(9, D_T + 1, dtype=torch.float64)), "teacher_weight"),
     (dict(teacher_hidden=torch.randn(5, D_T, dtype=torch.float64)), "teacher_hidden"),
-    (dict(teacher_hidden=torch.randn(4, D_T)), "teacher_weight has dtype"),
+    (dict(teacher_weight=torch.ones(9, D_T, dtype=torch.long)), "teacher_weight must be floating"),
+    (dict(bias=torch.ones(9, dtype=torch.int32)), "bias must be floating"),
     (dict(teacher_bias=torch.randn(8, dtype=torch.float64)), "teacher_bias"),
     (dict(bias=torch.randn(8, dtype=torch.float64)), "bias"),
     (dict(weight=torch.randn(9, D + 1, dtype=torch.float64)), "weight"),
@@ -337,6 +357,18 @@ def _div_args(**change):
 def test_divergence_bad_input(change, match):
     with pytest.raises(ValueError, match=match):
         logitless.linear_divergence(**_div_args(**change))
+
+
+def test_divergence_dtype_rule():
+    """TRL's dtype rule, as the head's: each head's weight and bias are cast to its hidden's
+    dtype (the teacher's fp64 head with fp32 hidden states runs in fp32)."""
+    x = heads(n=4, v=9, seed=12)
+    mixed = logitless.linear_divergence(x["hidden"].float(), x["weight"],
+                                        x["teacher_hidden"].float(), x["teacher_weight"])
+    cast = logitless.linear_divergence(x["hidden"].float(), x["weight"].float(),
+                                       x["teacher_hidden"].float(), x["teacher_weight"].float())
+    assert mixed.dtype == torch.float32
+    assert torch.equal(mixed, cast)
 
 
 def _topk_args(**change):

@@ -26,27 +26,31 @@ class _Spec:
     beta: float
     temperature: float
     tile_bytes: int | None
+    entropy: bool = False
 
     def kw(self):
         return {} if self.tile_bytes is None else {"tile_bytes": self.tile_bytes}
 
 
 class _Divergence(torch.autograd.Function):
-    """Rows already compacted; the teacher's tensors arrive detached."""
+    """Rows already compacted; the teacher's tensors arrive detached. Returns the divergence
+    and the student's entropy (empty unless ``spec.entropy``; no gradient)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, t_hidden, t_weight, t_bias, spec: _Spec):
         ctx.set_materialize_grads(False)
         with torch.autocast(hidden.device.type, enabled=False):
-            div, lse_s, lse_t, aux = divergence_torch.divergence_forward(
+            div, lse_s, lse_t, aux, *ent = divergence_torch.divergence_forward(
                 hidden, weight, bias, t_hidden, t_weight, t_bias, beta=spec.beta,
-                temperature=spec.temperature, **spec.kw())
+                temperature=spec.temperature, entropy=spec.entropy, **spec.kw())
         ctx.spec = spec
         ctx.save_for_backward(hidden, weight, bias, t_hidden, t_weight, t_bias, lse_s, lse_t, aux)
-        return div
+        entropy = ent[0] if ent else div.new_empty(0)
+        ctx.mark_non_differentiable(entropy)
+        return div, entropy
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, grad, _):
         hidden, weight, bias, t_hidden, t_weight, t_bias, lse_s, lse_t, aux = ctx.saved_tensors
         need = ctx.needs_input_grad[:3]
         if grad is None or not any(need):
@@ -110,10 +114,12 @@ def _check_head(prefix: str, hidden, weight, bias, lead=None):
                              or bias.shape[0] != weight.shape[0]):
         raise ValueError(f"{b} must be [V] = [{weight.shape[0]}], got shape "
                          f"{tuple(getattr(bias, 'shape', ()))}")
-    try:
-        dtype = compute_dtype(hidden, weight, bias)
-    except ValueError as err:  # name the teacher's tensors as such
-        raise ValueError(f"{prefix}{err}") from None
+    for name, t in ((w, weight), (b, bias)):
+        if t is not None and t.dtype not in _FLOAT_DTYPES:
+            raise ValueError(f"{name} must be floating point (fp32/bf16/fp16/fp64), got {t.dtype}")
+    # The head's dtype rule (TRL's): autocast's dtype under autocast, else hidden's; the
+    # weight and bias are cast to it.
+    dtype = compute_dtype(hidden)
     return hidden.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
 
 
@@ -166,7 +172,8 @@ def linear_divergence(
     bias: torch.Tensor | None = None,
     teacher_bias: torch.Tensor | None = None,
     max_tile_bytes: int | None = None,
-) -> torch.Tensor:
+    return_entropy: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Per-token generalized Jensen-Shannon divergence between a student and a teacher head.
 
     With ``p_s = softmax((hidden @ weight^T + bias) / T)`` and ``p_t`` likewise from the
@@ -185,10 +192,13 @@ def linear_divergence(
         beta: in ``[0, 1]``.
         temperature: finite, > 0; divides both heads' logits.
         bias, teacher_bias: optional ``[V]`` biases.
+        return_entropy: also return the student's per-token entropy of ``p_s`` (folded into
+            the first pass; no gradient, 0 where ``mask`` is False).
 
     Returns:
         fp32 tensor (fp64 for fp64 inputs) of the token shape. Gradients reach ``hidden``,
         ``weight`` and ``bias``; the teacher's tensors are detached (no gradient, no graph).
+        With ``return_entropy``: ``(divergence, entropy)``.
     """
     hidden, weight, bias = _check_head("", hidden, weight, bias)
     lead = tuple(hidden.shape[:-1])
@@ -204,12 +214,13 @@ def linear_divergence(
         raise ValueError(f"beta must be a number in [0, 1], got {beta!r}")
     n = math.prod(lead)
     rows = _rows(mask, n)
-    spec = _Spec(float(beta), float(temperature), max_tile_bytes)
+    spec = _Spec(float(beta), float(temperature), max_tile_bytes, bool(return_entropy))
     t_bias = None if teacher_bias is None else teacher_bias.detach()
-    out = _Divergence.apply(_take(hidden, rows), weight, bias,
-                            _take(teacher_hidden.detach(), rows), teacher_weight.detach(),
-                            t_bias, spec)
-    return _expand(out, rows, n, lead)
+    out, entropy = _Divergence.apply(_take(hidden, rows), weight, bias,
+                                     _take(teacher_hidden.detach(), rows),
+                                     teacher_weight.detach(), t_bias, spec)
+    out = _expand(out, rows, n, lead)
+    return (out, _expand(entropy, rows, n, lead)) if return_entropy else out
 
 
 def linear_topk_distill(

@@ -21,8 +21,10 @@ import math
 import torch
 
 from logitless.kernels.linear_softmax_torch import (
+    _MAX_COLS,
+    _MIN_COLS,
+    _ROW_BLOCK,
     DEFAULT_TILE_BYTES,
-    _tile_shape,
     _Tiles,
     acc_dtype,
     addmm_acc_,
@@ -30,6 +32,15 @@ from logitless.kernels.linear_softmax_torch import (
 
 # Four tile-sized buffers live at once: both heads' logits and both heads' scratch.
 _BUFFERS = 4
+
+
+def _tile_shape(n: int, v: int, tile_bytes: int, buffers: int) -> tuple[int, int]:
+    """Rows and vocab columns per tile so that ``buffers`` fp32 tiles fit in ``tile_bytes``:
+    up to ``_ROW_BLOCK`` token rows (never more than ``n``), the vocabulary split to fit, at
+    most ``_MAX_COLS`` columns (the linear-softmax twin's row and column bounds)."""
+    elems = max(1, tile_bytes // (4 * buffers))
+    rows = max(1, min(n, _ROW_BLOCK, elems // min(v, _MIN_COLS)))
+    return rows, max(1, min(v, _MAX_COLS, elems // rows))
 
 
 class _Heads:
@@ -69,24 +80,29 @@ def _fold(m, l, z, scratch):
 
 
 def divergence_forward(hidden, weight, bias, t_hidden, t_weight, t_bias, *, beta: float,
-                       temperature: float, tile_bytes: int = DEFAULT_TILE_BYTES):
+                       temperature: float, tile_bytes: int = DEFAULT_TILE_BYTES,
+                       entropy: bool = False):
     """Per-token generalized JSD and what the backward needs.
 
     hidden ``[N, D]``, weight ``[V, D]``, bias ``[V]`` or None; the teacher's the same with its
     own ``D_t``. Returns ``(divergence, lse_s, lse_t, aux)``, each ``[N]`` fp32 (fp64 for fp64
     inputs); ``aux`` is the per-token KL(student || m) for ``0 < beta < 1`` and the divergence
-    itself otherwise.
+    itself otherwise. With ``entropy``, a fifth tensor: the student's entropy
+    ``lse_s - E_s[z_s]``, its expected logit folded in pass 1.
     """
     n, v = hidden.shape[0], weight.shape[0]
     acc = acc_dtype(hidden.dtype)
     m_s = hidden.new_full((n,), -math.inf, dtype=acc)
     m_t, l_s, l_t, gap = m_s.clone(), *(hidden.new_zeros(n, dtype=acc) for _ in range(3))
+    x_s = hidden.new_zeros(n, dtype=acc) if entropy else None
     heads = _Heads(n, v, hidden, t_hidden, tile_bytes)
     for rows, cols in heads.blocks(n, v):
         zs, scr_s = heads.logits(heads.s, hidden, weight, bias, rows, cols, temperature)
         zt, scr_t = heads.logits(heads.t, t_hidden, t_weight, t_bias, rows, cols, temperature)
         es, scale_s = _fold(m_s[rows], l_s[rows], zs, scr_s)
         et, scale_t = _fold(m_t[rows], l_t[rows], zt, scr_t)
+        if x_s is not None:  # before the gaps below overwrite es and zs
+            x_s[rows] = x_s[rows] * scale_s + torch.linalg.vecdot(es, zs)
         # The expected gap of the distribution the KL is taken under: E_t[z_t - z_s] for the
         # forward KL, E_s[z_s - z_t] for the reverse one.
         if beta == 0.0:
@@ -94,12 +110,13 @@ def divergence_forward(hidden, weight, bias, t_hidden, t_weight, t_bias, *, beta
         elif beta == 1.0:
             gap[rows] = gap[rows] * scale_s + es.mul_(zs.sub_(zt)).sum(1)
     lse_s, lse_t = m_s + l_s.log(), m_t + l_t.log()
+    extra = () if x_s is None else (lse_s - x_s / l_s,)
     if beta == 0.0:
         div = gap / l_t - lse_t + lse_s
-        return div, lse_s, lse_t, div
+        return div, lse_s, lse_t, div, *extra
     if beta == 1.0:
         div = gap / l_s - lse_s + lse_t
-        return div, lse_s, lse_t, div
+        return div, lse_s, lse_t, div, *extra
     log_b, log_1mb = math.log(beta), math.log1p(-beta)
     div, kl_s = hidden.new_zeros(n, dtype=acc), hidden.new_zeros(n, dtype=acc)
     for rows, cols in heads.blocks(n, v):
@@ -111,7 +128,7 @@ def divergence_forward(hidden, weight, bias, t_hidden, t_weight, t_bias, *, beta
         kl_s_rows = torch.exp(zs, out=scr_s).mul_(zs.sub_(log_m)).sum(1)
         kl_s[rows] += kl_s_rows
         div[rows] += beta * kl_t_rows + (1.0 - beta) * kl_s_rows
-    return div, lse_s, lse_t, kl_s
+    return div, lse_s, lse_t, kl_s, *extra
 
 
 def _log_mixture_(zs, zt, lse_s, lse_t, log_b, log_1mb, scr_s, scr_t):
