@@ -495,3 +495,41 @@ def test_example_script_runs(monkeypatch, capsys):
     runpy.run_path(str(script), run_name="__main__")
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
     assert [line.split(":")[0] for line in lines] == ["step 1", "step 2"]
+
+
+def _distill(tmp_path, tokenizer, beta):
+    """Three steps of TRL's on-policy ``DistillationTrainer``: a tiny student and a wider
+    teacher (hidden 48 vs 32, one vocabulary), SGD at a learning rate that moves the student."""
+    student = tiny_qwen2(tokenizer, seed=0)
+    teacher = tiny_qwen2(tokenizer, hidden=48, seed=1)
+    args = trl.DistillationConfig(
+        output_dir=str(tmp_path), per_device_train_batch_size=4, max_completion_length=8,
+        max_steps=3, learning_rate=200.0, optim="sgd", logging_steps=1, report_to=[],
+        bf16=False, use_cpu=True, seed=0, save_strategy="no", disable_tqdm=True, beta=beta,
+        temperature=0.9, gradient_checkpointing=False)
+    trainer = trl.DistillationTrainer(model=student, teacher_model=teacher, args=args,
+                                      train_dataset=prompt_dataset(), processing_class=tokenizer)
+    trainer.train()
+    return trainer
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_patch_trl_distillation_matches_unpatched(tmp_path, tokenizer, monkeypatch, beta):
+    """TRL's DistillationTrainer, stock vs with patch_trl(): its divergence kernel runs through
+    linear_divergence and the losses, entropies and parameters agree to 1e-5."""
+    calls = []
+    inner = trl_head.LogitlessChunkedDivergence.apply
+    monkeypatch.setattr(trl_head.LogitlessChunkedDivergence, "apply",
+                        staticmethod(lambda *a, **k: calls.append(a[6]) or inner(*a, **k)))
+    theirs = _distill(tmp_path / "stock", tokenizer, beta)
+    assert not calls
+    trl_head.patch_trl()
+    try:
+        ours = _distill(tmp_path / "patched", tokenizer, beta)
+    finally:
+        trl_head.unpatch_trl()
+    assert calls == [beta] * 3
+    assert_same_logs(ours.state.log_history, theirs.state.log_history)
+    assert_same_parameters(ours.model, theirs.model)
+    start = {k: p.detach() for k, p in tiny_qwen2(tokenizer, seed=0).named_parameters()}
+    assert_moved(ours.model, start, at_least=1e-3)

@@ -3,15 +3,19 @@
 TRL (1.16) gives GRPO, RLOO, DPO, KTO and SFT one fused head, ``add_fused_lm_head``, whose
 forward calls ``ChunkedLogProbFunction.apply`` from ``trl.trainer.utils``. :func:`patch_trl`
 replaces that one name with an object of the same contract backed by
-:func:`logitless.linear_logprobs`; :func:`unpatch_trl` restores it.
+:func:`logitless.linear_logprobs`, and the ``ChunkedDivergenceFunction`` that
+``DistillationTrainer``'s loss calls (``trl.trainer.distillation_trainer``) with one backed by
+:func:`logitless.linear_divergence`; :func:`unpatch_trl` restores both.
 """
 
 from __future__ import annotations
 
 import inspect
+import math
 
 import torch
 
+from logitless.fused_losses.divergence import linear_divergence
 from logitless.fused_losses.logprobs import linear_logprobs
 
 __all__ = ["SUPPORTED_TRL", "patch_trl", "trl_patched", "unpatch_trl"]
@@ -21,7 +25,13 @@ SUPPORTED_TRL = (">=1.16", "<1.17")
 _TRL_SIGNATURE = ("hidden", "weight", "bias", "targets", "temperature", "chunk_size",
                   "final_logit_softcapping", "logit_scale", "outputs")
 _TRL_OUTPUTS = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
+# TRL's `ChunkedDivergenceFunction.forward` parameters after `ctx`.
+_TRL_DIVERGENCE_SIGNATURE = (
+    "student_hidden", "student_weight", "student_bias", "teacher_hidden", "teacher_weight",
+    "teacher_bias", "beta", "temperature", "student_logit_scale",
+    "student_final_logit_softcapping", "teacher_logit_scale", "teacher_final_logit_softcapping")
 _original = None
+_original_divergence = None
 
 
 def _trl_modules():
@@ -35,17 +45,23 @@ def _trl_modules():
     return trl, trl_utils, ChunkedLogProbFunction
 
 
-def _check_contract(trl, function) -> None:
+def _distillation_module():
+    import trl.trainer.distillation_trainer as distillation
+
+    return distillation
+
+
+def _check_contract(trl, function, expected=_TRL_SIGNATURE) -> None:
     from packaging.version import Version
 
     version = Version(trl.__version__)
     params = tuple(inspect.signature(function.forward).parameters)[1:]
     supported = Version("1.16") <= version < Version("1.17")
-    if not supported or params != _TRL_SIGNATURE:
+    if not supported or params != expected:
         raise RuntimeError(
-            f"logitless.integrations.trl supports TRL {','.join(SUPPORTED_TRL)} whose fused head "
-            f"calls ChunkedLogProbFunction.apply{_TRL_SIGNATURE}; found TRL {trl.__version__} "
-            f"with {params}. Pin TRL to that range or leave TRL's own head in place."
+            f"logitless.integrations.trl supports TRL {','.join(SUPPORTED_TRL)} whose kernels "
+            f"are called as {function.__name__}.apply{expected}; found TRL {trl.__version__} "
+            f"with {params}. Pin TRL to that range or leave TRL's own kernels in place."
         )
 
 
@@ -78,26 +94,81 @@ class LogitlessChunkedLogProb:
         return out.logprobs, out.entropy, log_sum_sq, mean, out.is_top1
 
 
+class LogitlessChunkedDivergence:
+    """Stands in for TRL's ``ChunkedDivergenceFunction`` (``apply`` with the same arguments,
+    returning the per-token divergence and the student's entropy, both ``[N]`` fp32).
+
+    Supported range, refused with a ``ValueError`` outside it: no final-logit soft-capping on
+    either head, the same ``logit_scale`` > 0 on both heads (it is folded into the
+    temperature), and no DeepSpeed ZeRO-3 (its partitioned heads are gathered by TRL's kernel
+    only). Everything else is what ``linear_divergence`` checks (``beta`` in [0, 1],
+    temperature > 0, one vocabulary).
+    """
+
+    @staticmethod
+    def apply(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight,
+              teacher_bias, beta, temperature=1.0, student_logit_scale=1.0,
+              student_final_logit_softcapping=None, teacher_logit_scale=1.0,
+              teacher_final_logit_softcapping=None):
+        for name, cap in (("student_final_logit_softcapping", student_final_logit_softcapping),
+                          ("teacher_final_logit_softcapping", teacher_final_logit_softcapping)):
+            if cap is not None:
+                raise ValueError(
+                    f"{name}: logitless's divergence supports heads without final-logit "
+                    f"soft-capping (None), got {cap!r}; call logitless.integrations.trl."
+                    f"unpatch_trl() to train this model with TRL's own kernel")
+        scale = student_logit_scale
+        if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0
+                and teacher_logit_scale == scale):
+            raise ValueError(
+                f"student_logit_scale, teacher_logit_scale: logitless's divergence supports one "
+                f"finite logit_scale > 0 shared by both heads, got {student_logit_scale!r} and "
+                f"{teacher_logit_scale!r}; call logitless.integrations.trl.unpatch_trl() to "
+                f"train this pair with TRL's own kernel")
+        from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+        if is_deepspeed_zero3_enabled():
+            raise ValueError(
+                "student_weight: logitless's divergence does not gather DeepSpeed ZeRO-3 "
+                "partitioned heads (supported: unsharded heads and FSDP2, whose heads TRL "
+                "gathers itself); call logitless.integrations.trl.unpatch_trl() under ZeRO-3")
+        return linear_divergence(
+            student_hidden, student_weight, teacher_hidden, teacher_weight, beta=beta,
+            temperature=temperature / scale if scale != 1 else temperature,
+            bias=student_bias, teacher_bias=teacher_bias, return_entropy=True)
+
+
 def patch_trl() -> None:
-    """Route TRL's fused LM head (all trainers that use it) through logitless. Idempotent."""
-    global _original
+    """Route TRL's fused LM head (all trainers that use it) and ``DistillationTrainer``'s
+    divergence kernel through logitless. Idempotent."""
+    global _original, _original_divergence
     trl, trl_utils, function = _trl_modules()
-    if trl_utils._ChunkedLogProbFunction is LogitlessChunkedLogProb:
-        return
+    distillation = _distillation_module()
     _check_contract(trl, function)
-    _original = trl_utils._ChunkedLogProbFunction
-    trl_utils._ChunkedLogProbFunction = LogitlessChunkedLogProb
+    if distillation.ChunkedDivergenceFunction is not LogitlessChunkedDivergence:
+        _check_contract(trl, distillation.ChunkedDivergenceFunction, _TRL_DIVERGENCE_SIGNATURE)
+    if trl_utils._ChunkedLogProbFunction is not LogitlessChunkedLogProb:
+        _original = trl_utils._ChunkedLogProbFunction
+        trl_utils._ChunkedLogProbFunction = LogitlessChunkedLogProb
+    if distillation.ChunkedDivergenceFunction is not LogitlessChunkedDivergence:
+        _original_divergence = distillation.ChunkedDivergenceFunction
+        distillation.ChunkedDivergenceFunction = LogitlessChunkedDivergence
 
 
 def unpatch_trl() -> None:
-    """Restore TRL's own fused head. A no-op when not patched."""
-    global _original
+    """Restore TRL's own fused head and divergence kernel. A no-op when not patched."""
+    global _original, _original_divergence
     _, trl_utils, _ = _trl_modules()
     if _original is not None:
         trl_utils._ChunkedLogProbFunction = _original
         _original = None
+    if _original_divergence is not None:
+        _distillation_module().ChunkedDivergenceFunction = _original_divergence
+        _original_divergence = None
 
 
 def trl_patched() -> bool:
+    """Whether both of TRL's kernels are logitless's."""
     _, trl_utils, _ = _trl_modules()
-    return trl_utils._ChunkedLogProbFunction is LogitlessChunkedLogProb
+    return (trl_utils._ChunkedLogProbFunction is LogitlessChunkedLogProb
+            and _distillation_module().ChunkedDivergenceFunction is LogitlessChunkedDivergence)
