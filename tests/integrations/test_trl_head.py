@@ -1,4 +1,5 @@
-"""The TRL kernel swap honours ChunkedLogProbFunction's contract (values, gradients, outputs)."""
+"""The TRL kernel swaps honour ChunkedLogProbFunction's and ChunkedDivergenceFunction's
+contracts (values, gradients, outputs, refusals)."""
 
 import pytest
 import torch
@@ -76,18 +77,86 @@ def test_is_top1_ties_match_trl(chunk_size):
 
 
 def test_patch_and_unpatch():
+    import trl.trainer.distillation_trainer as distillation
     import trl.trainer.utils as trl_utils
 
     original = trl_utils._ChunkedLogProbFunction
+    original_divergence = distillation.ChunkedDivergenceFunction
     trl_head.patch_trl()
     try:
         assert trl_head.trl_patched()
         assert trl_utils._ChunkedLogProbFunction is trl_head.LogitlessChunkedLogProb
+        assert distillation.ChunkedDivergenceFunction is trl_head.LogitlessChunkedDivergence
         trl_head.patch_trl()  # idempotent
     finally:
         trl_head.unpatch_trl()
     assert trl_utils._ChunkedLogProbFunction is original
+    assert distillation.ChunkedDivergenceFunction is original_divergence
     assert not trl_head.trl_patched()
+
+
+def _divergence_inputs(seed):
+    n, d, d_t, v = 37, 48, 40, 1007
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen)
+    return [r(n, d), r(v, d) * 2 / d**0.5, r(v) * 0.5, r(n, d_t), r(v, d_t) * 2 / d_t**0.5,
+            r(v) * 0.5]
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.3, 1.0])
+@pytest.mark.parametrize("scale", [1.0, 0.5])
+def test_divergence_swap_matches_trl_contract(beta, scale):
+    """LogitlessChunkedDivergence.apply against TRL's ChunkedDivergenceFunction.apply (fp32)
+    and fp64 materialised logits: per-token divergence, student entropy, student gradients."""
+    from trl.kernels.chunked_divergence import ChunkedDivergenceFunction
+
+    x = _divergence_inputs(int(beta * 10) + int(scale * 10))
+    ours_in = [t.clone().requires_grad_(i < 3) for i, t in enumerate(x)]
+    their_in = [t.clone().requires_grad_(i < 3) for i, t in enumerate(x)]
+    exact_in = [t.double().requires_grad_(i < 3) for i, t in enumerate(x)]
+    args = (beta, 0.8, scale, None, scale, None)
+    ours = trl_head.LogitlessChunkedDivergence.apply(*ours_in, *args)
+    theirs = ChunkedDivergenceFunction.apply(*their_in, *args)
+    hs, ws, bs, ht, wt, bt = exact_in
+    log_s = ((hs @ ws.t() + bs) * scale / 0.8).log_softmax(-1)
+    log_t = ((ht @ wt.t() + bt) * scale / 0.8).log_softmax(-1)
+    kl = lambda a, b: (a.exp() * (a - b)).sum(-1)  # KL(a || b) from log-probs
+    if beta == 0.0:
+        div = kl(log_t, log_s)
+    elif beta == 1.0:
+        div = kl(log_s, log_t)
+    else:
+        log_m = torch.logaddexp(log_s + torch.log1p(torch.tensor(-beta, dtype=torch.float64)),
+                                log_t + torch.log(torch.tensor(beta, dtype=torch.float64)))
+        div = beta * kl(log_t, log_m) + (1 - beta) * kl(log_s, log_m)
+    exact = (div, -(log_s.exp() * log_s).sum(-1))
+    for name, a, c, e in zip(("divergence", "entropy"), ours, theirs, exact):
+        assert a.dtype == torch.float32 and a.shape == (37,)
+        assert_close_to_oracle(a, e, c, tol=1e-6 * float(e.abs().max()), name=name)
+    assert not ours[1].requires_grad
+    g = torch.randn(37)
+    grads = torch.autograd.grad(ours[0] @ g, ours_in[:3])
+    trl_grads = torch.autograd.grad(theirs[0] @ g, their_in[:3])
+    exact_grads = torch.autograd.grad(exact[0] @ g.double(), exact_in[:3])
+    for name, a, c, e in zip(("hidden", "weight", "bias"), grads, trl_grads, exact_grads):
+        assert_close_to_oracle(a, e, c, tol=1e-5 * float(e.abs().max()), name=f"d_{name}")
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(student_final_logit_softcapping=30.0), "student_final_logit_softcapping"),
+    (dict(teacher_final_logit_softcapping=30.0), "teacher_final_logit_softcapping"),
+    (dict(student_logit_scale=0.5), "one finite logit_scale > 0 shared by both heads"),
+    (dict(student_logit_scale=-1.0, teacher_logit_scale=-1.0), "logit_scale > 0"),
+    (dict(beta=1.5), "beta"),
+    (dict(temperature=0.0), "temperature"),
+])
+def test_divergence_swap_refuses_outside_its_range(change, match):
+    kw = dict(beta=0.5, temperature=1.0, student_logit_scale=1.0,
+              student_final_logit_softcapping=None, teacher_logit_scale=1.0,
+              teacher_final_logit_softcapping=None)
+    kw.update(change)
+    with pytest.raises(ValueError, match=match):
+        trl_head.LogitlessChunkedDivergence.apply(*_divergence_inputs(0), **kw)
 
 
 def test_unsupported_trl_is_refused(monkeypatch):
