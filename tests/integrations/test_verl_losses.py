@@ -268,7 +268,8 @@ def test_bad_configuration_raises():
 def test_entry_point_registers_in_a_fresh_interpreter_that_only_imports_verl():
     """What each Ray worker does: ``import verl`` loads the ``verl.plugins`` entry point of the
     installed logitless (``pip install -e .``), which registers the losses and, with
-    LOGITLESS_VERL_FUSED_HEAD=1, routes verl's fused head to logitless."""
+    LOGITLESS_VERL_FUSED_HEAD=1, routes verl's fused head to logitless; the top-k distillation
+    loss lands in verl's distillation-loss registry."""
     script = textwrap.dedent("""
         import sys
         import verl
@@ -279,13 +280,16 @@ def test_entry_point_registers_in_a_fresh_interpreter_that_only_imports_verl():
         print(",".join(modes))
         print(",".join(sorted(OBJECTIVES)))
         print(kernel.linear_cross_entropy.__module__)
+        from verl.trainer.distillation.losses import DISTILLATION_LOSS_REGISTRY
+        print(",".join(sorted(k for k in DISTILLATION_LOSS_REGISTRY if k.startswith("logitless_"))))
     """)
     env = {**os.environ, "LOGITLESS_VERL_FUSED_HEAD": "1", "PYTHONWARNINGS": "ignore"}
     env.pop("VERL_USE_EXTERNAL_PLUGINS", None)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                          env=env, cwd="/", timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    modes, objectives, head_module = out.stdout.strip().splitlines()[-3:]
+    modes, objectives, head_module, distillation = out.stdout.strip().splitlines()[-4:]
+    assert distillation == "logitless_forward_kl_topk"
     assert set(modes.split(",")) == {LOSS_PREFIX + name for name in objectives.split(",")}
     assert {"logitless_grpo", "logitless_gspo", "logitless_dppo_kl"} <= set(modes.split(","))
     assert head_module == "logitless.integrations.verl_head"

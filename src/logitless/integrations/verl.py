@@ -19,6 +19,9 @@ verl calls a policy loss without reference logprobs or entropies: its own ``use_
 ``entropy_coeff`` terms apply as usual, and the logitless knobs that need those inputs (KL,
 entropy selections, rollout logprobs) are not offered here.
 
+It also registers ``logitless_forward_kl_topk`` in verl's distillation-loss registry (see
+:mod:`logitless.integrations.verl_distill`).
+
 The fused head (:func:`enable_fused_head`) lives in :mod:`logitless.integrations.verl_head`;
 ``LOGITLESS_VERL_FUSED_HEAD=1`` in a worker's environment enables it when this module loads.
 """
@@ -36,6 +39,7 @@ from verl.workers.config import PolicyLossConfig as VerlPolicyLossConfig
 from logitless.fused_losses.config import PolicyLossConfig
 from logitless.fused_losses.objectives import OBJECTIVES, get_objective
 from logitless.fused_losses.policy_loss import policy_loss
+from logitless.integrations.verl_distill import register_verl_distillation_loss
 from logitless.integrations.verl_head import (
     disable_fused_head,
     enable_fused_head,
@@ -50,6 +54,7 @@ __all__ = [
     "enable_fused_head",
     "fused_head_enabled",
     "linear_cross_entropy",
+    "register_verl_distillation_loss",
     "register_verl_losses",
     "to_logitless_config",
 ]
@@ -261,6 +266,7 @@ def register_verl_losses(objectives=None) -> list[str]:
 
 
 register_verl_losses()
+register_verl_distillation_loss()
 
 if os.environ.get("LOGITLESS_VERL_FUSED_HEAD", "").strip().lower() in ("1", "true", "yes"):
     enable_fused_head(
