@@ -21,6 +21,8 @@ QUANTITIES = {
     "policy_loss": {"loss", "d_logprobs", "d_entropy"},
     "fused_policy_loss": {"loss", "d_hidden", "d_weight", "d_bias"},
     "attention_entropy": {"entropy"},
+    "linear_divergence": {"divergence", "d_hidden", "d_weight", "d_bias"},
+    "linear_topk_distill": {"loss", "d_hidden", "d_weight", "d_bias"},
 }
 
 
@@ -92,11 +94,27 @@ def _corrupt_attention_entropy(op):
     return corrupted, {"entropy"}
 
 
+def _corrupt_linear_divergence(op):
+    def corrupted(hidden, *args, **kwargs):
+        return op(_slow_gradient(hidden), *args, **kwargs)
+    return corrupted, {"d_hidden"}
+
+
+def _corrupt_linear_topk_distill(op):
+    def corrupted(*args, **kwargs):
+        out = op(*args, **kwargs).clone()
+        out.view(-1)[0] += 1e-3  # the first row is never masked
+        return out
+    return corrupted, {"loss"}
+
+
 CORRUPTIONS = {
     "linear_logprobs": _corrupt_linear_logprobs,
     "policy_loss": _corrupt_policy_loss,
     "fused_policy_loss": _corrupt_fused_policy_loss,
     "attention_entropy": _corrupt_attention_entropy,
+    "linear_divergence": _corrupt_linear_divergence,
+    "linear_topk_distill": _corrupt_linear_topk_distill,
 }
 
 

@@ -223,6 +223,72 @@ def linear_logprobs_cases(shape: Shape) -> Iterator[Case]:
                    ours, plain)
 
 
+def _two_heads(shape: Shape, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """Student and teacher heads over one vocabulary; the teacher's hidden size is 3/4 of the
+    student's (at least 1)."""
+    n, d, v = shape.batch * shape.seq_len, shape.hidden, shape.vocab
+    d_t = max(1, 3 * d // 4)
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)
+    return {"hidden": r(n, d), "weight": r(v, d) * 2 / d**0.5, "bias": r(v) * 0.5,
+            "teacher_hidden": r(n, d_t), "teacher_weight": r(v, d_t) * 2 / d_t**0.5,
+            "teacher_bias": r(v) * 0.5}
+
+
+def linear_divergence_cases(shape: Shape) -> Iterator[Case]:
+    """Forward KL, the generalized JSD and reverse KL between two heads, masked rows."""
+    n = shape.batch * shape.seq_len
+    for beta, temperature in ((0.0, 1.0), (0.5, 0.8), (1.0, 1.3)):
+        gen = _gen(n * 1000 + shape.vocab + int(beta * 10))
+        inputs = _two_heads(shape, gen)
+        inputs["mask"] = _lengths_mask(shape, gen).reshape(-1)
+        upstream = {"divergence": torch.randn(n, generator=gen, dtype=torch.float64)}
+        kw = dict(beta=beta, temperature=temperature)
+
+        def ours(hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, mask,
+                 kw=kw):
+            return {"divergence": logitless.linear_divergence(
+                hidden, weight, teacher_hidden, teacher_weight, mask, bias=bias,
+                teacher_bias=teacher_bias, max_tile_bytes=TILE_BYTES, **kw)}
+
+        def plain(hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, mask,
+                  kw=kw):
+            return {"divergence": reference.linear_divergence(
+                hidden, weight, teacher_hidden, teacher_weight, mask, bias=bias,
+                teacher_bias=teacher_bias, **kw)}
+
+        yield Case("linear_divergence", f"beta={beta}, T={temperature}, masked rows",
+                   f"N={n} D={shape.hidden} V={shape.vocab}", inputs,
+                   ("hidden", "weight", "bias"), upstream, ours, plain)
+
+
+def linear_topk_distill_cases(shape: Shape) -> Iterator[Case]:
+    """verl's top-k forward KL: k=8 teacher ids (half the student's top ids), masked rows."""
+    n, v, k = shape.batch * shape.seq_len, shape.vocab, min(8, shape.vocab)
+    gen = _gen(n * 1000 + v + 77)
+    heads = _two_heads(shape, gen)
+    inputs = {key: heads[key] for key in ("hidden", "weight", "bias")}
+    student = reference.linear_logits(inputs["hidden"], inputs["weight"], inputs["bias"])
+    ids = torch.cat([student.topk(k // 2, -1).indices,
+                     torch.randint(0, v, (n, k - k // 2), generator=gen)], -1)
+    teacher = reference.linear_logits(heads["teacher_hidden"], heads["teacher_weight"])
+    inputs.update(teacher_ids=ids, teacher_logprobs=teacher.log_softmax(-1).gather(-1, ids),
+                  mask=_lengths_mask(shape, gen).reshape(-1))
+    upstream = {"loss": torch.randn(n, generator=gen, dtype=torch.float64)}
+
+    def ours(hidden, weight, bias, teacher_ids, teacher_logprobs, mask):
+        return {"loss": logitless.linear_topk_distill(
+            hidden, weight, teacher_ids, teacher_logprobs, mask, temperature=0.9, bias=bias,
+            max_tile_bytes=TILE_BYTES)}
+
+    def plain(hidden, weight, bias, teacher_ids, teacher_logprobs, mask):
+        return {"loss": reference.linear_topk_distill(
+            hidden, weight, teacher_ids, teacher_logprobs, mask, temperature=0.9, bias=bias)}
+
+    yield Case("linear_topk_distill", f"k={k}, T=0.9, verl's clamps, masked rows",
+               f"N={n} D={shape.hidden} V={v}", inputs, ("hidden", "weight", "bias"),
+               upstream, ours, plain)
+
+
 # The policy-loss cases: a token-level objective with a KL penalty and an entropy bonus, and a
 # sequence-level one (per-sequence reductions, the segment kernels).
 POLICY_CASES = {
@@ -370,6 +436,8 @@ CASES: dict[str, Callable[[Shape], Iterator[Case]]] = {
     "policy_loss": policy_loss_cases,
     "fused_policy_loss": fused_policy_loss_cases,
     "attention_entropy": attention_entropy_cases,
+    "linear_divergence": linear_divergence_cases,
+    "linear_topk_distill": linear_topk_distill_cases,
 }
 
 
