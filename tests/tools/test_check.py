@@ -80,41 +80,30 @@ def _corrupt_policy_loss(op):
     return corrupted, {"d_logprobs"}
 
 
-def _corrupt_fused_policy_loss(op):
+def _corrupt_hidden_gradient(op):
     def corrupted(hidden, *args, **kwargs):
         return op(_slow_gradient(hidden), *args, **kwargs)
     return corrupted, {"d_hidden"}
 
 
-def _corrupt_attention_entropy(op):
-    def corrupted(*args, **kwargs):
-        out = op(*args, **kwargs).clone()
-        out.view(-1)[-1] += 1e-3
-        return out
-    return corrupted, {"entropy"}
-
-
-def _corrupt_linear_divergence(op):
-    def corrupted(hidden, *args, **kwargs):
-        return op(_slow_gradient(hidden), *args, **kwargs)
-    return corrupted, {"d_hidden"}
-
-
-def _corrupt_linear_topk_distill(op):
-    def corrupted(*args, **kwargs):
-        out = op(*args, **kwargs).clone()
-        out.view(-1)[0] += 1e-3  # the first row is never masked
-        return out
-    return corrupted, {"loss"}
+def _shift_one_value(index, quantity):
+    """A corruption adding 1e-3 to the op's output at flat ``index``."""
+    def corrupt(op):
+        def corrupted(*args, **kwargs):
+            out = op(*args, **kwargs).clone()
+            out.view(-1)[index] += 1e-3
+            return out
+        return corrupted, {quantity}
+    return corrupt
 
 
 CORRUPTIONS = {
     "linear_logprobs": _corrupt_linear_logprobs,
     "policy_loss": _corrupt_policy_loss,
-    "fused_policy_loss": _corrupt_fused_policy_loss,
-    "attention_entropy": _corrupt_attention_entropy,
-    "linear_divergence": _corrupt_linear_divergence,
-    "linear_topk_distill": _corrupt_linear_topk_distill,
+    "fused_policy_loss": _corrupt_hidden_gradient,
+    "attention_entropy": _shift_one_value(-1, "entropy"),
+    "linear_divergence": _corrupt_hidden_gradient,
+    "linear_topk_distill": _shift_one_value(0, "loss"),  # the first row is never masked
 }
 
 
