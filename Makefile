@@ -1,5 +1,6 @@
 # make demo: set-up, then `logitless check` and a side-by-side comparison with plain PyTorch.
-# make test: set-up, then the whole test suite (Triton kernels under the CPU interpreter).
+# make test: set-up, then the whole test suite (Triton kernels under the CPU interpreter), one
+# pytest worker per core (pytest-xdist).
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
@@ -41,7 +42,7 @@ demo: setup
 	$(VENV)/bin/logitless demo
 
 test: setup
-	TRITON_INTERPRET=1 $(PY) -m pytest -q $(PYTEST_ARGS)
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -n auto $(PYTEST_ARGS)
 
 bench: setup
 	$(PY) -m pytest benchmarks -q --benchmark-only
