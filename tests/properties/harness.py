@@ -27,12 +27,8 @@ def known_defect(batch: PolicyBatch, cfg) -> bool:
     """Whether the case hits a library defect pinned by an xfail test of `test_regressions`
     (the main properties skip those cases, so that they keep checking everything else):
 
-    - per-token advantages of a packed batch with as many tokens as sequences;
     - attention-quantile selection, or batch standardisation, over fewer than 2 kept tokens.
     """
-    layout = batch.layout
-    if layout.packed and batch.adv.dim() == 2 and sum(layout.lengths) == len(layout.lengths):
-        return True
     if cfg.attn_entropy_weighting is None:
         return False
     kept = policy_loss_globals(batch.mask, batch.adv, cfg, old_logprobs=batch.old,

@@ -132,7 +132,7 @@ def _policy_mutations(batch, cu):
 @given(policy_batches(layouts(min_b=1)), st.data())
 def test_policy_loss_rejects_every_invalid_input(batch, data):
     layout = batch.layout
-    if layout.packed:  # ambiguity of [N] advantages aside (issue 12): per sequence here
+    if layout.packed:  # per sequence here ([B, 1] from `pack` when N == B)
         batch.adv = batch.adv[:, 0] if batch.adv.dim() == 2 else batch.adv
     cfg, _ = configs(dict(objective="grpo"), batch)
     cu = layout.cu_seqlens if layout.packed else None

@@ -114,11 +114,15 @@ def test_vespo_with_masked_rollout_weights(batch):
              rollout_is_min=0.9, rollout_is_max=1.05)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "policy_loss reads packed per-token advantages [N] as per-sequence [B] when N == B (a "
-    "silent wrong loss); fixed by the advantages check of policy_loss / fused_policy_loss "
-    "(stages)"))
 @given(policy_batches(Layout([0, 2, 1], 2, 0.0, packed=True), per_token_adv=True))
 def test_packed_per_token_advantages_when_n_equals_b(batch):
-    """Three tokens in three sequences, one advantage per token: as the padded layout."""
+    """Three tokens in three sequences, one advantage per token: as the padded layout (an [N]
+    tensor shaped like the mask is per token, even when N == B; it was read per sequence)."""
+    _compare(batch, skip_known_defects=False, objective="grpo")
+
+
+@given(policy_batches(Layout([0, 2, 1], 2, 0.0, packed=True), per_token_adv=False))
+def test_packed_per_sequence_advantages_when_n_equals_b(batch):
+    """The same batch with one advantage per sequence, passed as [B, 1]."""
+    assert batch.pack(batch.adv).shape == (3, 1)
     _compare(batch, skip_known_defects=False, objective="grpo")
