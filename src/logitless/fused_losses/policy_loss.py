@@ -243,6 +243,11 @@ class _Masks:
     entropy: torch.Tensor
     select: torch.Tensor
 
+    def rows(self, s0: int, s1: int, width: int) -> "_Masks":
+        """Sequences ``s0:s1``, positions ``:width`` (as `_Batch.rows`)."""
+        return _Masks(*(t[s0:s1, :width] for t in (self.given, self.kept, self.entropy,
+                                                     self.select)))
+
 
 def _selection_masks(batch, cfg, kept, entropy_threshold, adv_entropy_threshold) -> _Masks:
     ent = batch["entropy"]
@@ -325,9 +330,16 @@ def _globals(batch: _Batch, cfg: PolicyLossConfig, kept) -> tuple[BatchGlobals, 
     return glob, masks
 
 
-def _batch_globals(batch: _Batch, cfg: PolicyLossConfig) -> BatchGlobals:
+def _globals_and_masks(batch: _Batch, cfg: PolicyLossConfig) -> tuple[BatchGlobals, _Masks]:
+    """`BatchGlobals` and masks of a whole batch, without a graph: a chunked caller slices the
+    masks (`_Masks.rows`), so that every chunk keeps exactly the tokens the thresholds were
+    taken over (comparing values it recomputed could differ by an ulp at a threshold)."""
     with torch.no_grad():
-        return _globals(batch, cfg, _kept_mask(batch, cfg))[0]
+        return _globals(batch, cfg, _kept_mask(batch, cfg))
+
+
+def _batch_globals(batch: _Batch, cfg: PolicyLossConfig) -> BatchGlobals:
+    return _globals_and_masks(batch, cfg)[0]
 
 
 def policy_loss_globals(
