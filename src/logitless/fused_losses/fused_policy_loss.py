@@ -38,7 +38,12 @@ from logitless.fused_losses import gpu_plan
 from logitless.fused_losses.aggregation import check_global_counts
 from logitless.fused_losses.backend import triton_selected
 from logitless.fused_losses.config import PolicyLossConfig
-from logitless.fused_losses.logprobs import _rows_logprobs, check_head_args, compute_dtype
+from logitless.fused_losses.logprobs import (
+    _rows_logprobs,
+    check_byte_budget,
+    check_head_args,
+    compute_dtype,
+)
 from logitless.fused_losses.objectives import needs_whole_batch
 from logitless.fused_losses.policy_loss import (
     _Batch,
@@ -229,9 +234,9 @@ def fused_policy_loss(
         attention_entropy, num_items_in_batch, global_batch_size, training_progress,
             entropy_coef: as in :func:`policy_loss`.
         temperature, softcap, logit_scale: the logit transform, as in :func:`linear_logprobs`.
-        memory_budget: bytes of temporary logits a chunk may use (default: 512 MiB on CUDA,
-            chosen by the cost model in ``gpu_plan``; 256 MiB on CPU). On CUDA a chunk row
-            counts its stored logits and its hidden and hidden-gradient rows.
+        memory_budget: bytes (an integer > 0) of temporary logits a chunk may use (default:
+            512 MiB on CUDA, chosen by the cost model in ``gpu_plan``; 256 MiB on CPU). On CUDA
+            a chunk row counts its stored logits and its hidden and hidden-gradient rows.
         strategy: ``"auto"`` (chunks, streaming where needed), ``"chunked"`` or ``"streaming"``.
 
     Returns:
@@ -249,7 +254,7 @@ def fused_policy_loss(
     """
     head = _Head(hidden, weight, bias, temperature, softcap, logit_scale)
     call = _checked_call(head, targets, old_logprobs, advantages, mask, config, strategy,
-                         cu_seqlens, selection_entropy, ref_logprobs=ref_logprobs,
+                         cu_seqlens, selection_entropy, memory_budget, ref_logprobs=ref_logprobs,
                          rollout_logprobs=rollout_logprobs, token_weights=token_weights,
                          attention_entropy=attention_entropy)
     loss_args = dict(num_items_in_batch=num_items_in_batch, global_batch_size=global_batch_size,
@@ -356,11 +361,12 @@ class _Call:
 
 
 def _checked_call(head, targets, old_logprobs, advantages, mask, config, strategy, cu_seqlens,
-                  selection_entropy, **tensors) -> _Call:
+                  selection_entropy, memory_budget, **tensors) -> _Call:
     """Every check of the call, once, here: arguments, head, targets (one host sync), and the
     policy inputs (`policy_loss`'s checks); the batch laid out on the grid once."""
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+    check_byte_budget("memory_budget", memory_budget)
     if not isinstance(mask, torch.Tensor) or tuple(targets.shape) != tuple(mask.shape):
         raise ValueError(f"targets must be shaped like mask {tuple(getattr(mask, 'shape', ()))},"
                          f" got {tuple(targets.shape)}")
