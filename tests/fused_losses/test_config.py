@@ -85,6 +85,21 @@ def test_nan_is_refused_naming_the_field(name):
         PolicyLossConfig(**{name: math.nan})
 
 
+# Numeric fields that take no string (dhpo_mix and rollout_rs_threshold take some).
+STRINGLESS_FIELDS = [f.name for f in dataclasses.fields(PolicyLossConfig)
+                     if f.name in NUMERIC_FIELDS and str not in typing.get_args(f.type)]
+
+
+@pytest.mark.parametrize(("name", "value"), [(n, "1") for n in STRINGLESS_FIELDS]
+                         + [(n, True) for n in NUMERIC_FIELDS])
+def test_a_string_or_bool_is_refused_where_a_number_is_expected(name, value):
+    """The type is checked before any range (a string compared with a number was a TypeError,
+    or was accepted where nothing compared it; a bool was read as 0 or 1)."""
+    want = "(a real number|an integer|a positive integer)"
+    with pytest.raises(ValueError, match=rf"PolicyLossConfig\.{name}: must be {want}"):
+        PolicyLossConfig(**{name: value})
+
+
 @pytest.mark.parametrize("name", ["eps_low", "eps_high", "beta"])
 def test_nan_in_a_per_token_tensor_is_refused(name):
     value = torch.full((B, T), 0.1, dtype=torch.float64)

@@ -4,7 +4,6 @@ objective, both strategies, packed and padded layouts, with gradients to the hea
 import pytest
 import torch
 
-import logitless
 from logitless import PolicyLossConfig, policy_loss, reference
 from logitless.fused_losses.fused_policy_loss import fused_policy_loss, plan_chunks
 from logitless.fused_losses.objectives import OBJECTIVES
@@ -236,23 +235,28 @@ def test_no_grad_returns_the_loss_only():
     torch.testing.assert_close(loss, loss_r.detach(), rtol=1e-10, atol=1e-14)
 
 
-def test_selection_entropy_from_the_old_pass():
-    """Entropy thresholds come from the entropies the caller supplies (old-policy pass)."""
+@pytest.mark.parametrize("strategy", ["chunked", "streaming"])
+def test_selection_entropy_from_the_old_pass(strategy):
+    """The top-entropy selection reads the entropies the caller supplies (old-policy pass), for
+    its threshold and for the tokens it keeps: the loss is the unselected one with the selected
+    tokens as weights (a selection zeroes a token's policy term, the normalisers unchanged).
+    The chunks compared the current entropies with that threshold instead."""
     batch = make_batch(seed=8)
     cfg = PolicyLossConfig(objective="grpo", top_entropy_quantile=0.3)
     old_entropy = torch.rand(B, T, dtype=torch.float64) * 3
     leaves = [batch[k].clone().requires_grad_(True) for k in ("hidden", "weight", "bias")]
     loss, _ = fused_policy_loss(leaves[0], leaves[1], batch["targets"], batch["old"],
                                 batch["adv"], batch["mask"], cfg, bias=leaves[2],
-                                selection_entropy=old_entropy, memory_budget=rows(8), **HEAD)
+                                selection_entropy=old_entropy, memory_budget=rows(8),
+                                strategy=strategy, **HEAD)
     ref_leaves = [batch[k].clone().requires_grad_(True) for k in ("hidden", "weight", "bias")]
     scored = torch.where(batch["mask"], batch["targets"], -100)
     stats = reference.linear_softmax_stats(ref_leaves[0], ref_leaves[1], scored, ref_leaves[2],
                                            **HEAD)
-    glob = logitless.policy_loss_globals(batch["mask"], batch["adv"], cfg,
-                                         old_logprobs=batch["old"], entropy=old_entropy)
-    loss_r, _ = policy_loss(stats["logprobs"], batch["old"], batch["adv"], batch["mask"], cfg,
-                            entropy=stats["entropy"], batch_globals=glob)
+    kept = batch["mask"] & (old_entropy >= torch.quantile(old_entropy[batch["mask"]], 0.7))
+    loss_r, _ = policy_loss(stats["logprobs"], batch["old"], batch["adv"], batch["mask"],
+                            PolicyLossConfig(objective="grpo"), entropy=stats["entropy"],
+                            token_weights=kept.double())
     torch.testing.assert_close(loss, loss_r, rtol=1e-10, atol=1e-14)
     for g, gr in zip(torch.autograd.grad(loss, leaves), torch.autograd.grad(loss_r, ref_leaves)):
         torch.testing.assert_close(g, gr, rtol=1e-10, atol=1e-14)

@@ -3,7 +3,7 @@ fp64 reference on the ``[B, T]`` grid; gradients come back on the grid for compa
 
 import torch
 
-from logitless import PolicyLossConfig, policy_loss, policy_loss_globals
+from logitless import PolicyLossConfig, policy_loss
 from logitless import reference as ref
 from properties.strategies import PolicyBatch
 
@@ -21,25 +21,6 @@ def configs(kw, batch: PolicyBatch):
                                    eps_high=batch.pack(batch.eps[1])))
     theirs = PolicyLossConfig(**dict(kw, eps_low=batch.eps[0], eps_high=batch.eps[1]))
     return ours, theirs
-
-
-def known_defect(batch: PolicyBatch, cfg) -> bool:
-    """Whether the case hits a library defect pinned by an xfail test of `test_regressions`
-    (the main properties skip those cases, so that they keep checking everything else):
-
-    - per-token advantages of a packed batch with as many tokens as sequences;
-    - attention-quantile selection, or batch standardisation, over fewer than 2 kept tokens.
-    """
-    layout = batch.layout
-    if layout.packed and batch.adv.dim() == 2 and sum(layout.lengths) == len(layout.lengths):
-        return True
-    if cfg.attn_entropy_weighting is None:
-        return False
-    kept = policy_loss_globals(batch.mask, batch.adv, cfg, old_logprobs=batch.old,
-                               rollout_logprobs=batch.rollout, entropy=batch.entropy,
-                               attention_entropy=batch.attention_entropy).loss.num_tokens
-    quantile = cfg.attn_entropy_weighting.endswith("quantile")
-    return (quantile and kept == 0) or (cfg.attn_entropy_standardize == "batch" and kept == 1)
 
 
 def run_library(batch: PolicyBatch, cfg, training_progress=None):

@@ -155,9 +155,13 @@ class PolicyBatch:
     eps: tuple[torch.Tensor, torch.Tensor] | None  # per-token clip bounds
 
     def pack(self, x):
-        """A grid tensor in the call's layout: as is (padded) or its valid tokens (packed)."""
-        if x is None or not self.layout.packed or x.dim() == 1:
+        """A grid tensor in the call's layout: as is (padded) or its valid tokens (packed).
+        Per-sequence ``[B]`` values stay ``[B]``, except in a packed batch of ``B`` tokens,
+        where ``[B]`` would read per token: there they go as ``[B, 1]`` (the documented rule)."""
+        if x is None or not self.layout.packed:
             return x
+        if x.dim() == 1:
+            return x[:, None] if x.shape[0] == sum(self.layout.lengths) else x
         return x[self.layout.mask]
 
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from hypothesis import assume, given
+from hypothesis import given
 from hypothesis import strategies as st
 
 from logitless import (
@@ -17,11 +17,10 @@ from logitless import (
     fused_policy_loss,
     linear_logprobs,
     policy_loss,
-    policy_loss_globals,
 )
 from logitless import reference as ref
 from logitless.kernels import stored_logits
-from properties.harness import configs, known_defect
+from properties.harness import configs
 from properties.strategies import (
     PolicyBatch,
     backend,
@@ -37,7 +36,7 @@ from testing import assert_close_to_oracle, requires_triton
 
 @dataclass
 class FusedCase:
-    batch: PolicyBatch  # lp / entropy: the fp64 head's (for `known_defect`)
+    batch: PolicyBatch  # lp / entropy: the fp64 head's
     hidden: torch.Tensor  # fp64 [B, T, D] grid
     weight: torch.Tensor
     bias: torch.Tensor | None
@@ -136,28 +135,8 @@ def run_same_dtype(case: FusedCase, cfg, dtype):
     return loss.detach(), _grads(loss, (h, w, b))
 
 
-def fused_known_defect(case: FusedCase, cfg) -> bool:
-    """`known_defect`, or a chunked run whose entropy-selection threshold is one token's own
-    entropy (`test_entropy_selection_keeps_the_threshold_token`): the quantile position
-    ``(n - 1) (1 - fraction)`` over the ``n`` kept tokens is a whole number."""
-    if known_defect(case.batch, cfg):
-        return True
-    if case.strategy == "streaming":
-        return False
-    batch = case.batch
-    kept = policy_loss_globals(batch.mask, batch.adv, cfg, old_logprobs=batch.old,
-                               rollout_logprobs=batch.rollout, entropy=batch.entropy,
-                               attention_entropy=batch.attention_entropy).loss.num_tokens
-    for fraction in (cfg.top_entropy_quantile, cfg.adv_entropy_top_fraction):
-        pos = (kept - 1) * (1 - fraction)
-        if fraction < 1 and abs(pos - round(pos)) < 1e-9:
-            return True
-    return False
-
-
 def _check_fp64(case):
     ours, theirs = configs(case.kw, case.batch)
-    assume(not fused_known_defect(case, theirs))
     with backend("torch"):
         loss, grads = run_fused(case, ours, torch.float64)
     want, want_grads = run_oracle(case, theirs)
@@ -169,7 +148,6 @@ def _check_fp64(case):
 
 def _check_fp32(case, backend_name):
     ours, theirs = configs(case.kw, case.batch)
-    assume(not fused_known_defect(case, theirs))
     with backend(backend_name):
         loss, grads = run_fused(case, ours, torch.float32)
     want, want_grads = run_oracle(case, theirs)
@@ -199,16 +177,13 @@ def test_fp32_triton_three_way(case):
     _check_fp32(case, "triton")
 
 
-
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "fused_policy_loss drops the token at the entropy-selection threshold: the threshold comes "
-    "from the no-grad pass's entropies, the chunk compares its own, 1 ulp lower; fixed by "
-    "fused_policy_loss / policy_loss (stages)"))
 @pytest.mark.parametrize(("seed", "dtype", "quantile"),
                          [(15, torch.float32, 0.0), (18, torch.float64, 0.5)])
 def test_entropy_selection_keeps_the_threshold_token(seed, dtype, quantile):
     """The documented equality with policy_loss on linear_logprobs' values, where the top-entropy
-    threshold is one token's entropy (q = 0: the highest; q = 0.5 of 15 tokens: the median)."""
+    threshold is one token's entropy (q = 0: the highest; q = 0.5 of 15 tokens: the median).
+    The chunk compared its own recomputed entropies with the no-grad pass's threshold and
+    dropped the token at it (1 ulp lower)."""
     gen = torch.Generator().manual_seed(seed)
     hidden = torch.randn(3, 5, 16, generator=gen).to(dtype)
     weight = (torch.randn(50, 16, generator=gen) / 2).to(dtype)

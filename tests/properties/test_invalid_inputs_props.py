@@ -2,8 +2,7 @@
 tensors and counts, linear_logprobs and fused_policy_loss arguments, attention_entropy options.
 
 A valid call is drawn, then one argument is replaced by a value from the tables below. Values
-the library does not reject yet (issue 12) sit in ``DEFECTS``, pinned by a strict xfail each;
-when one is fixed its xfail passes (and fails the run): move it into the tables."""
+the library once accepted (issue 12) are in the tables too, or in ``FIXED`` (fixed calls)."""
 
 import math
 
@@ -25,12 +24,12 @@ BAD_FIELDS = {
     "ratio_level": ["bogus"],
     "loss_agg": ["mean"],
     "entropy_agg": ["mean"],
-    "eps_low": [-0.1, NAN],
+    "eps_low": [-0.1, NAN, "0.2"],
     "eps_high": [-0.5, NAN],
-    "beta": [-1.0, NAN, INF],
+    "beta": [-1.0, NAN, INF, "0.1"],
     "kl_estimator": ["k4"],
-    "entropy_coef": [NAN, INF],
-    "top_entropy_quantile": [1.5, -0.1, NAN],
+    "entropy_coef": [NAN, INF, "0.1", True],
+    "top_entropy_quantile": [1.5, -0.1, NAN, "0.5"],
     "adv_entropy_top_fraction": [0.0, 1.5],
     "attn_entropy_quantile": [0.0, 2.0],
     "attn_entropy_weighting": ["loud"],
@@ -44,51 +43,38 @@ BAD_FIELDS = {
     "delta": [1.0, NAN],
     "rollout_is": ["bogus"],
     "rollout_is_mode": ["clip"],
-    "rollout_is_max": [0.0, -1.0],
+    "rollout_is_max": [0.0, -1.0, "2"],
     "seq_count": ["some"],
     "cispo_clip": ["lower"],
     "prefix_bound_growth": ["cubic"],
     "minpro_prefix": ["following"],
-    "dhpo_mix": [1.5, "max"],
+    "dhpo_mix": [1.5, "max", True],
     "dp_size": [0, 1.5, True],
     "grad_accum_steps": [0, 2.5],
-    "max_response_length": [0],
+    "max_response_length": [0, 2.5, True],
+    "cov_seed": [1.5, "3"],
     "length_power_alpha": [-0.1, NAN],
     "future_kl_coef": [NAN, -1.0],
     "log_ratio_clamp": [-1.0, NAN],
 }
 
-# (what, argument, value, reason): not rejected with a ValueError today; each is an xfail.
-STAGES = "fixed by config.py / fused_policy_loss.py (stages)"
-DEFECTS = [
-    ("config", "max_response_length", 2.5, f"a fractional length is accepted; {STAGES}"),
-    ("config", "max_response_length", True, f"a bool is accepted as 1; {STAGES}"),
-    ("config", "eps_low", "0.2", f"TypeError from a comparison; {STAGES}"),
-    ("config", "beta", "0.1", f"TypeError from a comparison; {STAGES}"),
-    ("config", "entropy_coef", "0.1", f"a string coefficient is accepted; {STAGES}"),
-    ("config", "top_entropy_quantile", "0.5", f"TypeError from a comparison; {STAGES}"),
-    ("config", "rollout_is_max", "2", f"TypeError from a comparison; {STAGES}"),
-    ("config", "cov_seed", 1.5, f"a fractional seed is accepted; {STAGES}"),
-    ("fused", "memory_budget", 0, f"accepted (one row per chunk); {STAGES}"),
-    ("fused", "memory_budget", -1, f"accepted (one row per chunk); {STAGES}"),
-    ("fused", "memory_budget", 0.5, f"accepted; {STAGES}"),
-    ("fused", "memory_budget", "1GB", f"TypeError from `//`; {STAGES}"),
-    ("logprobs", "max_tile_bytes", 0, "accepted; fixed by logprobs.py (head)"),
-    ("logprobs", "max_tile_bytes", -8, "accepted; fixed by logprobs.py (head)"),
-    ("logprobs", "max_tile_bytes", 1.5, "accepted; fixed by logprobs.py (head)"),
-    ("logprobs", "max_tile_bytes", "64", "TypeError from `//`; fixed by logprobs.py (head)"),
-    ("logprobs", "ignore_index", 0.5, "a float ignore_index is accepted; fixed by logprobs.py "
-     "(head)"),
-    ("logprobs", "ignore_index", "x", "AttributeError; fixed by logprobs.py (head)"),
-    ("logprobs", "softcap", "30", "TypeError from deep inside (issue 12 item 9); fixed by "
-     "logprobs.py (head)"),
-    ("logprobs", "hidden", "D=0", "RuntimeError from a reshape (issue 12 item 9); fixed by "
-     "logprobs.py (head)"),
-]
-
-# Once rejected by the defects above, now refused with a ValueError naming the argument.
+# Once accepted (or failing with another error), now refused with a ValueError naming the
+# argument: calls beyond the config (whose values are in BAD_FIELDS).
 FIXED = [
     ("attention", "scale", "1"),
+    ("fused", "memory_budget", 0),
+    ("fused", "memory_budget", -1),
+    ("fused", "memory_budget", 0.5),
+    ("fused", "memory_budget", "1GB"),
+    ("fused", "memory_budget", True),
+    ("logprobs", "max_tile_bytes", 0),
+    ("logprobs", "max_tile_bytes", -8),
+    ("logprobs", "max_tile_bytes", 1.5),
+    ("logprobs", "max_tile_bytes", "64"),
+    ("logprobs", "ignore_index", 0.5),
+    ("logprobs", "ignore_index", "x"),
+    ("logprobs", "softcap", "30"),
+    ("logprobs", "hidden", "D=0"),
 ]
 
 
@@ -132,7 +118,7 @@ def _policy_mutations(batch, cu):
 @given(policy_batches(layouts(min_b=1)), st.data())
 def test_policy_loss_rejects_every_invalid_input(batch, data):
     layout = batch.layout
-    if layout.packed:  # ambiguity of [N] advantages aside (issue 12): per sequence here
+    if layout.packed:  # per sequence here ([B, 1] from `pack` when N == B)
         batch.adv = batch.adv[:, 0] if batch.adv.dim() == 2 else batch.adv
     cfg, _ = configs(dict(objective="grpo"), batch)
     cu = layout.cu_seqlens if layout.packed else None
@@ -201,12 +187,10 @@ def test_fused_policy_loss_rejects_every_invalid_input(call, name):
         fused_policy_loss(**dict(args, **change))
 
 
-def _defect_call(what, name, value):
+def _call_with(what, name, value):
     hidden, weight = torch.randn(4, 8), torch.randn(11, 8)
     targets = torch.tensor([0, 1, 2, 3])
-    if what == "config":
-        PolicyLossConfig(**{name: value})
-    elif what == "fused":
+    if what == "fused":
         fused_policy_loss(hidden[None], weight, targets[None], -torch.ones(1, 4), torch.ones(1),
                           torch.ones(1, 4, dtype=torch.bool), PolicyLossConfig(),
                           **{name: value})
@@ -220,18 +204,8 @@ def _defect_call(what, name, value):
         logitless.attention_entropy(q, q.clone(), **{name: value})
 
 
-@pytest.mark.parametrize(
-    ("what", "name", "value"),
-    [pytest.param(w, n, v, marks=pytest.mark.xfail(strict=True, reason=r))
-     for w, n, v, r in DEFECTS],
-    ids=[f"{w}-{n}={v!r}" for w, n, v, _ in DEFECTS])
-def test_known_unvalidated_arguments(what, name, value):
-    with pytest.raises(ValueError, match=name):
-        _defect_call(what, name, value)
-
-
 @pytest.mark.parametrize(("what", "name", "value"), FIXED,
                          ids=[f"{w}-{n}={v!r}" for w, n, v in FIXED])
 def test_formerly_unvalidated_arguments_are_refused(what, name, value):
     with pytest.raises(ValueError, match=name):
-        _defect_call(what, name, value)
+        _call_with(what, name, value)

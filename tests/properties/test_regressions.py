@@ -3,19 +3,17 @@ hypothesis draws: the library against the plain-loop reference on one forced opt
 
 import pytest
 import torch
-from hypothesis import assume, given
+from hypothesis import given
 
 from logitless import reference as ref
 from logitless.fused_losses.config import KL_ESTIMATORS, LOSS_AGGS
 from logitless.fused_losses.kl import kl_estimate
-from properties.harness import close, configs, known_defect, run_library, run_reference
+from properties.harness import close, configs, run_library, run_reference
 from properties.strategies import Layout, layouts, policy_batches
 
 
-def _compare(batch, skip_known_defects=True, **kw):
+def _compare(batch, **kw):
     ours, theirs = configs(dict(kw), batch)
-    if skip_known_defects:
-        assume(not known_defect(batch, theirs))
     loss, g_lp, g_ent, _ = run_library(batch, ours)
     want, w_lp, w_ent = run_reference(batch, theirs)
     close(loss, want, "loss")
@@ -65,28 +63,24 @@ def test_aggregations_over_a_batch_without_loss_tokens(batch):
         assert _compare(batch, objective="grpo", loss_agg=agg, entropy_coef=0.01) == 0
 
 
-@pytest.mark.xfail(strict=True, raises=TypeError, reason=(
-    "attention_entropy_weights indexes thresholds=None (BatchGlobals.attn_thresholds) when no "
-    "token is valid; fixed by token_selection/policy_loss (stages)"))
 @given(policy_batches(layouts(min_b=2, packed=False)))
 def test_attention_quantile_selection_over_a_batch_without_loss_tokens(batch):
+    """No valid token: no quantile thresholds, every weight 0 (the weights indexed
+    thresholds=None, a TypeError)."""
     batch.mask[:] = False
     for mode in ("low_quantile", "high_quantile"):
-        loss = _compare(batch, skip_known_defects=False, objective="grpo",
+        loss = _compare(batch, objective="grpo",
                         attn_entropy_weighting=mode)
         assert loss == 0
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "attention_entropy_stats returns (mean 0, std 1) below two valid tokens, so one token's z is "
-    "its raw entropy instead of 0 (a sequence of one token gets z = 0); fixed by "
-    "token_selection (stages)"))
 @given(policy_batches(layouts(min_b=2, packed=False)))
 def test_attention_batch_standardisation_of_one_token(batch):
-    """One valid token has no spread: z = 0 and weight 1, as per-sequence standardisation."""
+    """One valid token has no spread: z = 0 and weight 1, as per-sequence standardisation
+    (the batch statistics were (0, 1) below two tokens, so z was the raw entropy)."""
     batch.mask[:] = False
     batch.mask[1, 0] = True
-    _compare(batch, skip_known_defects=False, objective="grpo", attn_entropy_weighting="tanh",
+    _compare(batch, objective="grpo", attn_entropy_weighting="tanh",
              attn_entropy_standardize="batch", attn_entropy_alpha=0.7)
 
 
@@ -114,11 +108,15 @@ def test_vespo_with_masked_rollout_weights(batch):
              rollout_is_min=0.9, rollout_is_max=1.05)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "policy_loss reads packed per-token advantages [N] as per-sequence [B] when N == B (a "
-    "silent wrong loss); fixed by the advantages check of policy_loss / fused_policy_loss "
-    "(stages)"))
 @given(policy_batches(Layout([0, 2, 1], 2, 0.0, packed=True), per_token_adv=True))
 def test_packed_per_token_advantages_when_n_equals_b(batch):
-    """Three tokens in three sequences, one advantage per token: as the padded layout."""
-    _compare(batch, skip_known_defects=False, objective="grpo")
+    """Three tokens in three sequences, one advantage per token: as the padded layout (an [N]
+    tensor shaped like the mask is per token, even when N == B; it was read per sequence)."""
+    _compare(batch, objective="grpo")
+
+
+@given(policy_batches(Layout([0, 2, 1], 2, 0.0, packed=True), per_token_adv=False))
+def test_packed_per_sequence_advantages_when_n_equals_b(batch):
+    """The same batch with one advantage per sequence, passed as [B, 1]."""
+    assert batch.pack(batch.adv).shape == (3, 1)
+    _compare(batch, objective="grpo")

@@ -3,6 +3,7 @@
 import dataclasses
 import math
 import numbers
+import typing
 from dataclasses import dataclass, field
 
 import torch
@@ -59,6 +60,10 @@ INF_ALLOWED = frozenset({
 })
 
 
+# Sizes and counts: integers >= 1 (max_response_length may also be None).
+POSITIVE_INT_FIELDS = ("max_response_length", "dp_size", "grad_accum_steps")
+
+
 class ConfigError(ValueError):
     """A `PolicyLossConfig` field's value is invalid; ``field`` names it, ``reason`` says why."""
 
@@ -84,6 +89,30 @@ def _check_number(name, value):
         _fail(name, f"must not be NaN, got {value}")
     if inf and name not in INF_ALLOWED:
         _fail(name, f"must be finite, got {value}")
+
+
+def _check_type(name, value, annotation):
+    """A field's value has a type its annotation names (numeric fields only): a real number
+    (not a bool, nor a string of one) where ``float`` is expected, an integer where ``int``
+    is; None, a string or a tensor only where the annotation allows them."""
+    kinds = typing.get_args(annotation) or (annotation,)
+    if float not in kinds and int not in kinds:
+        return
+    if value is None and type(None) in kinds:
+        return
+    if isinstance(value, str) and str in kinds:
+        return
+    if isinstance(value, torch.Tensor) and torch.Tensor in kinds:
+        return
+    if not isinstance(value, bool):
+        if float in kinds and isinstance(value, numbers.Real):
+            return
+        if isinstance(value, numbers.Integral):
+            return
+    if float in kinds:
+        _fail(name, f"must be a real number, got {value!r}")
+    want = "a positive integer" if name in POSITIVE_INT_FIELDS else "an integer"
+    _fail(name, f"must be {want}, got {value!r}")
 
 
 def _check_positive_int(name, value):
@@ -299,6 +328,7 @@ class PolicyLossConfig:
         for f in dataclasses.fields(self):
             if f.init:
                 _check_number(f.name, getattr(self, f.name))
+                _check_type(f.name, getattr(self, f.name), f.type)
         self._check_choices()
         self._check_ranges()
         self._check_bounds()
@@ -414,10 +444,9 @@ class PolicyLossConfig:
 
     def _check_aggregation(self):
         """Aggregation sizes."""
-        if self.max_response_length is not None and self.max_response_length < 1:
-            _fail("max_response_length", f"must be >= 1, got {self.max_response_length}")
-        for name in ("dp_size", "grad_accum_steps"):
-            _check_positive_int(name, getattr(self, name))
+        for name in POSITIVE_INT_FIELDS:
+            if getattr(self, name) is not None:
+                _check_positive_int(name, getattr(self, name))
 
     def _check_cispo_cap(self):
         if self.cispo_cap is None:

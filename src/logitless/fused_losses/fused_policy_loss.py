@@ -38,13 +38,19 @@ from logitless.fused_losses import gpu_plan
 from logitless.fused_losses.aggregation import check_global_counts
 from logitless.fused_losses.backend import triton_selected
 from logitless.fused_losses.config import PolicyLossConfig
-from logitless.fused_losses.logprobs import _rows_logprobs, check_head_args, compute_dtype
+from logitless.fused_losses.logprobs import (
+    _rows_logprobs,
+    check_byte_budget,
+    check_head_args,
+    compute_dtype,
+)
 from logitless.fused_losses.objectives import needs_whole_batch
 from logitless.fused_losses.policy_loss import (
     _Batch,
-    _batch_globals,
     _dtype,
+    _globals_and_masks,
     _loss_of_batch,
+    _Masks,
     _policy_loss,
     _to_batch,
 )
@@ -213,10 +219,12 @@ def fused_policy_loss(
     """The policy loss from hidden states and the LM head, without the full logits.
 
     Equal to ``policy_loss(linear_logprobs(hidden, weight, targets, ...).logprobs, ...,
-    entropy=<its entropy>, batch_globals=policy_loss_globals(..., entropy=E))`` where ``E`` is
-    ``selection_entropy`` when given (the old-policy pass's entropies, for entropy quantile
-    thresholds and STAPO) and otherwise the current entropies (computed by a no-grad pass only
-    when the config selects by entropy). Gradients reach ``hidden``, ``weight`` and ``bias``.
+    entropy=<its entropy>)``. The entropy selections (top-entropy quantile, ``|A| H``
+    fraction, STAPO) read one tensor ``E``, for their thresholds and for the tokens they keep:
+    ``selection_entropy`` when given (for example the old-policy pass's entropies), otherwise
+    the current entropies, computed by a no-grad pass before the chunks when the config selects
+    by entropy (each chunk uses that pass's selections, not its own recomputed entropies, which
+    may differ by an ulp at a threshold). Gradients reach ``hidden``, ``weight`` and ``bias``.
 
     Args:
         hidden: ``[B, T, D]`` right-padded, or ``[N, D]`` packed with ``cu_seqlens [B + 1]``.
@@ -226,9 +234,9 @@ def fused_policy_loss(
         attention_entropy, num_items_in_batch, global_batch_size, training_progress,
             entropy_coef: as in :func:`policy_loss`.
         temperature, softcap, logit_scale: the logit transform, as in :func:`linear_logprobs`.
-        memory_budget: bytes of temporary logits a chunk may use (default: 512 MiB on CUDA,
-            chosen by the cost model in ``gpu_plan``; 256 MiB on CPU). On CUDA a chunk row
-            counts its stored logits and its hidden and hidden-gradient rows.
+        memory_budget: bytes (an integer > 0) of temporary logits a chunk may use (default:
+            512 MiB on CUDA, chosen by the cost model in ``gpu_plan``; 256 MiB on CPU). On CUDA
+            a chunk row counts its stored logits and its hidden and hidden-gradient rows.
         strategy: ``"auto"`` (chunks, streaming where needed), ``"chunked"`` or ``"streaming"``.
 
     Returns:
@@ -246,7 +254,7 @@ def fused_policy_loss(
     """
     head = _Head(hidden, weight, bias, temperature, softcap, logit_scale)
     call = _checked_call(head, targets, old_logprobs, advantages, mask, config, strategy,
-                         cu_seqlens, selection_entropy, ref_logprobs=ref_logprobs,
+                         cu_seqlens, selection_entropy, memory_budget, ref_logprobs=ref_logprobs,
                          rollout_logprobs=rollout_logprobs, token_weights=token_weights,
                          attention_entropy=attention_entropy)
     loss_args = dict(num_items_in_batch=num_items_in_batch, global_batch_size=global_batch_size,
@@ -254,20 +262,20 @@ def fused_policy_loss(
     if call.whole:
         return _streamed_whole(call, loss_args)
 
-    glob = _batch_globals(call.globals_batch(_selection_entropy(call)), config)
+    glob, masks = _globals_and_masks(call.globals_batch(_selection_entropy(call)), config)
     check_global_counts(num_items_in_batch, global_batch_size, glob.loss)
     plan = _plan(call, memory_budget)
     need = _Need.of(hidden, weight, bias)
     grads = _Grads(need, head, call.batch.adv.dtype)
     store = _new_store(head.vocab, plan.dense_rows, head.dtype, hidden.device, softcap)
-    runner = _ChunkRunner(call, glob, loss_args, need, grads, store)
+    runner = _ChunkRunner(call, glob, masks, loss_args, need, grads, store)
     for chunk in plan.chunks:
         runner.run(chunk)
 
     # The loss value and metrics: the one copy of the objective on the collected (lp, H).
     with torch.no_grad():
         loss, metrics = _policy_loss(call.with_logprobs(runner.lp, runner.ent), config, glob,
-                                     **loss_args)
+                                     masks=masks, **loss_args)
     if not need.any:
         return loss, metrics
     return _StoredGradients.apply(loss, hidden, weight, bias, grads.result(hidden, weight, bias)
@@ -353,11 +361,12 @@ class _Call:
 
 
 def _checked_call(head, targets, old_logprobs, advantages, mask, config, strategy, cu_seqlens,
-                  selection_entropy, **tensors) -> _Call:
+                  selection_entropy, memory_budget, **tensors) -> _Call:
     """Every check of the call, once, here: arguments, head, targets (one host sync), and the
     policy inputs (`policy_loss`'s checks); the batch laid out on the grid once."""
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+    check_byte_budget("memory_budget", memory_budget)
     if not isinstance(mask, torch.Tensor) or tuple(targets.shape) != tuple(mask.shape):
         raise ValueError(f"targets must be shaped like mask {tuple(getattr(mask, 'shape', ()))},"
                          f" got {tuple(targets.shape)}")
@@ -393,17 +402,21 @@ def _checked_call(head, targets, old_logprobs, advantages, mask, config, strateg
 
 def _streamed_whole(call: _Call, loss_args) -> tuple:
     """``policy_loss`` on the streamed op's (lp, H): the vocabulary streamed forward and
-    recomputed backward, for the whole batch in one call."""
-    glob = None
-    if call.selection_entropy and not needs_whole_batch(call.config.objective):
-        glob = _batch_globals(call.globals_batch(call.full["selection_entropy"]), call.config)
+    recomputed backward, for the whole batch in one call. With ``selection_entropy`` the
+    selections (thresholds and the tokens they keep) come from it, as in the chunked path."""
     head, dtype = call.head, call.head.dtype
     hidden = head.hidden.to(dtype).reshape(-1, head.hidden.shape[-1]).index_select(0, call.rows)
     lp, ent = _rows_logprobs(hidden, head.weight.to(dtype), call.targets,
                              bias=None if head.bias is None else head.bias.to(dtype),
                              **head.transform())
-    return _loss_of_batch(call.with_logprobs(lp, ent), call.config, glob, validate=True,
-                          **loss_args)
+    batch = call.with_logprobs(lp, ent)
+    if not call.selection_entropy:
+        return _loss_of_batch(batch, call.config, None, validate=True, **loss_args)
+    glob, masks = _globals_and_masks(call.globals_batch(call.full["selection_entropy"]),
+                                     call.config)
+    check_global_counts(loss_args["num_items_in_batch"], loss_args["global_batch_size"],
+                        glob.loss)
+    return _policy_loss(batch, call.config, glob, masks=masks, **loss_args)
 
 
 # --- plan ----------------------------------------------------------------------------------
@@ -574,8 +587,9 @@ class _ChunkRunner:
     accumulators. Dense chunks keep their logits in the store (3 GEMMs); a streamed chunk goes
     through the op's private path (4 GEMMs). Nothing here checks an input."""
 
-    def __init__(self, call: _Call, glob, loss_args, need: _Need, grads: _Grads, store):
-        self.call, self.glob, self.loss_args = call, glob, loss_args
+    def __init__(self, call: _Call, glob, masks: _Masks, loss_args, need: _Need, grads: _Grads,
+                 store):
+        self.call, self.glob, self.masks, self.loss_args = call, glob, masks, loss_args
         self.need, self.grads, self.store = need, grads, store
         self.h, self.w, self.b = call.detached
         self.transform = call.head.transform()
@@ -604,8 +618,10 @@ class _ChunkRunner:
         def grid(x):
             return x.new_zeros(sub.m.shape).index_put(where, x)
 
+        # the whole batch's masks, sliced: the selections of the thresholds' own comparisons
+        masks = self.masks.rows(chunk.s0, chunk.s1, chunk.width)
         loss, _ = _policy_loss(sub.with_tensors(logprobs=grid(lp), entropy=grid(ent)),
-                               self.call.config, self.glob, compute_metrics=False,
+                               self.call.config, self.glob, masks=masks, compute_metrics=False,
                                **self.loss_args)
         return loss
 

@@ -182,6 +182,14 @@ def _is_number(x) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
+def check_byte_budget(name: str, value) -> None:
+    """A bound in bytes: None (the default) or an integer > 0 (not a bool, a float or a
+    string such as ``"1GB"``)."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)
+                              or value <= 0):
+        raise ValueError(f"{name} must be None or an integer number of bytes > 0, got {value!r}")
+
+
 def check_head_args(hidden, weight, targets, bias, temperature, softcap, logit_scale, stats,
                     *, zero_scale: bool = False):
     """Validate the head's arguments (``ValueError`` naming the argument). ``zero_scale``: a
@@ -254,7 +262,7 @@ def linear_logprobs(
             ``bias`` of another float dtype cast to it, their gradients in their own dtype.
         weight: ``[V, D]`` head weight (``[V_r, D]``, this rank's slice, with ``vocab_parallel``).
         targets: integer token ids shaped ``hidden.shape[:-1]``, in ``[0, V)`` or
-            ``ignore_index``; ignored rows are dropped before any kernel runs.
+            ``ignore_index`` (an integer); ignored rows are dropped before any kernel runs.
         bias: optional ``[V]`` head bias.
         return_entropy: also return ``H = -sum_j p_j log p_j``.
         stats: any of ``"sum_p_sq"`` (``sum_j p_j^2``), ``"mean_logit"``, ``"is_top1"``
@@ -262,7 +270,8 @@ def linear_logprobs(
         vocab_parallel: a ``torch.distributed`` process group over which the vocabulary is
             sharded in rank order (targets are global ids); every rank gets the same results
             and its slice's weight gradient; the hidden gradient is summed over the group.
-        max_tile_bytes: bound on temporary logits of the chunked torch path (default 64 MB).
+        max_tile_bytes: bound in bytes (an integer > 0) on temporary logits of the chunked
+            torch path (default 64 MB).
         gather_weight: for sharded parameters (DeepSpeed ZeRO-3), a callable returning a
             context manager under which ``weight`` and ``bias`` hold their full values; the
             backward, which recomputes the logits, runs inside it. The caller runs the forward
@@ -284,6 +293,9 @@ def linear_logprobs(
         softcap = None  # every logit is 0 whatever the cap (and so is every gradient)
     if hidden_grad not in ("sum", "partial"):
         raise ValueError(f"hidden_grad must be 'sum' or 'partial', got {hidden_grad!r}")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
+        raise ValueError(f"ignore_index must be an integer token id, got {ignore_index!r}")
+    check_byte_budget("max_tile_bytes", max_tile_bytes)
     dtype = compute_dtype(hidden)
 
     group = vocab_parallel

@@ -143,13 +143,20 @@ def _check_shapes(mask, advantages, cu_seqlens, validate, tensors) -> bool:
             raise ValueError(f"{name}: contains NaN")
     if validate and torch.isnan(advantages).any():
         raise ValueError("advantages: contains NaN")
-    if advantages.shape in ((num_seqs,), (num_seqs, 1)):
-        return True
-    if advantages.shape == shape:
+    return _advantages_per_sequence(advantages.shape, shape, num_seqs)
+
+
+def _advantages_per_sequence(adv_shape, mask_shape, num_seqs) -> bool:
+    """The one rule for reading advantages: shaped like the mask, one per token (checked first:
+    a packed ``[N]`` tensor with ``N == B`` is per token); else ``[B]`` or ``[B, 1]``, one per
+    sequence. Packed per-sequence advantages with ``N == B`` must come as ``[B, 1]``."""
+    if adv_shape == mask_shape:
         return False
+    if adv_shape in ((num_seqs,), (num_seqs, 1)):
+        return True
     raise ValueError(
-        f"advantages: expected [{num_seqs}] per sequence or {tuple(shape)} per "
-        f"token, got {tuple(advantages.shape)}"
+        f"advantages: expected [{num_seqs}] per sequence or {tuple(mask_shape)} per "
+        f"token, got {tuple(adv_shape)}"
     )
 
 
@@ -236,6 +243,11 @@ class _Masks:
     entropy: torch.Tensor
     select: torch.Tensor
 
+    def rows(self, s0: int, s1: int, width: int) -> "_Masks":
+        """Sequences ``s0:s1``, positions ``:width`` (as `_Batch.rows`)."""
+        return _Masks(*(t[s0:s1, :width] for t in (self.given, self.kept, self.entropy,
+                                                     self.select)))
+
 
 def _selection_masks(batch, cfg, kept, entropy_threshold, adv_entropy_threshold) -> _Masks:
     ent = batch["entropy"]
@@ -318,9 +330,16 @@ def _globals(batch: _Batch, cfg: PolicyLossConfig, kept) -> tuple[BatchGlobals, 
     return glob, masks
 
 
-def _batch_globals(batch: _Batch, cfg: PolicyLossConfig) -> BatchGlobals:
+def _globals_and_masks(batch: _Batch, cfg: PolicyLossConfig) -> tuple[BatchGlobals, _Masks]:
+    """`BatchGlobals` and masks of a whole batch, without a graph: a chunked caller slices the
+    masks (`_Masks.rows`), so that every chunk keeps exactly the tokens the thresholds were
+    taken over (comparing values it recomputed could differ by an ulp at a threshold)."""
     with torch.no_grad():
-        return _globals(batch, cfg, _kept_mask(batch, cfg))[0]
+        return _globals(batch, cfg, _kept_mask(batch, cfg))
+
+
+def _batch_globals(batch: _Batch, cfg: PolicyLossConfig) -> BatchGlobals:
+    return _globals_and_masks(batch, cfg)[0]
 
 
 def policy_loss_globals(
@@ -396,7 +415,9 @@ def policy_loss(
             log pi_theta of the sampled tokens, with gradient.
         old_logprobs, ref_logprobs, rollout_logprobs: like ``logprobs``, no gradient;
             ``rollout_logprobs`` may hold NaN where the engine gave no value.
-        advantages: ``[B]`` (or ``[B, 1]``) per sequence, or per token like ``logprobs``.
+        advantages: per token like ``logprobs``, or ``[B]`` (or ``[B, 1]``) per sequence; a
+            tensor shaped like ``logprobs`` is read per token, so packed per-sequence
+            advantages of a batch with as many tokens as sequences must be ``[B, 1]``.
         mask: like ``logprobs``, nonzero for tokens in the loss.
         config: `PolicyLossConfig`.
         entropy: like ``logprobs``, token entropies; the entropy bonus differentiates it.

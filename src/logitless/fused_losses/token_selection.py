@@ -39,10 +39,12 @@ def stapo_keep(adv, old_lp, entropy, m, prob_threshold, entropy_threshold):
 
 
 def attention_entropy_stats(hatt, m):
-    """Batch mean and std (unbiased) of attention entropies over valid tokens."""
+    """Batch mean and std (unbiased) of attention entropies over valid tokens. Below two tokens
+    there is no spread: std 0 (one token's ``z`` is 0 and its weight 1, as a sequence of one
+    token standardised on its own); no token: mean 0."""
     valid = hatt.detach()[m]
     if valid.numel() < 2:
-        return 0.0, 1.0
+        return (float(valid[0]) if valid.numel() else 0.0), 0.0
     return float(valid.mean()), float(valid.std())
 
 
@@ -53,13 +55,16 @@ def attention_entropy_weights(hatt, m, cfg, *, stats=None, thresholds=None, prog
     linear schedule from ``attn_entropy_alpha`` to ``attn_entropy_alpha_final`` over
     ``progress`` in [0, 1]. ``tanh``: ``w = 1 + alpha tanh(z)``; ``softmax``: ``w = L_i
     softmax_i(alpha z)`` (mean weight 1 per sequence); ``low_quantile`` / ``high_quantile``:
-    keep the tokens below / above the batch quantile (``thresholds``), weight 1.
+    keep the tokens below / above the batch quantile (``thresholds``; None when the batch has
+    no valid token: every weight 0), weight 1.
     A NaN entropy at a valid token (a corrupted attention row) gives NaN weights, never a
     weight a clean token could have: the loss shows the corruption.
     """
     h = hatt.detach()
     mode = cfg.attn_entropy_weighting
     if mode in ("low_quantile", "high_quantile"):
+        if thresholds is None:
+            return torch.zeros_like(h)
         keep = h <= thresholds[0] if mode == "low_quantile" else h >= thresholds[1]
         w = (m & keep).to(h.dtype)
         return torch.where(m & h.isnan(), h, w)
