@@ -42,7 +42,7 @@ demo: setup
 	$(VENV)/bin/logitless demo
 
 test: setup
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -n auto $(PYTEST_ARGS)
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -n auto --dist worksteal $(PYTEST_ARGS)
 
 bench: setup
 	$(PY) -m pytest benchmarks -q --benchmark-only
