@@ -231,7 +231,7 @@ def _addmm_takes_out_dtype(device: torch.device) -> bool:
     one = torch.ones(1, 1, dtype=torch.bfloat16, device=device)
     try:
         torch.addmm(torch.zeros(1, 1, device=device), one, one, out_dtype=torch.float32)
-    except (RuntimeError, TypeError, NotImplementedError):
+    except (RuntimeError, TypeError, NotImplementedError):  # the probe's "no": the build lacks it
         return False
     return True
 
