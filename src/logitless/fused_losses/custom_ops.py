@@ -1,0 +1,129 @@
+"""The public ops as ``torch.library`` custom ops, so ``torch.compile`` and ``torch.export``
+see each as one graph node.
+
+The pattern, for every public op:
+
+- the Python function (``linear_logprobs``, ...) checks its arguments *statically*: types,
+  shapes, dtypes and scalar ranges, nothing that reads a tensor's values, so dynamo traces it
+  without a graph break;
+- it then calls one op ``torch.ops.logitless.<name>`` whose implementation does everything
+  that depends on values: validation of token ids (it may raise ``ValueError`` from inside
+  the op), compaction of ignored rows, chunk plans, the choice of backend;
+- the op's fake implementation (``register_fake``, which also serves meta tensors) gives the
+  shape and dtype of every output from the inputs' shapes alone;
+- its autograd registration saves what the backward needs, and the backward is itself a
+  custom op with a fake implementation, so compiled backward graphs capture it as one node.
+
+Configuration crosses the op boundary as ``int``/``float``/``bool``/``ScalarType`` arguments.
+What cannot (a process group for ``vocab_parallel``, a ``gather_weight`` callable) keeps the
+eager path. ``torch.library.custom_op`` arrived in torch 2.4; ``AVAILABLE`` is False before it
+and every public op then runs eagerly.
+"""
+
+import torch
+
+from logitless.kernels.linear_softmax_torch import acc_dtype
+
+AVAILABLE = hasattr(torch.library, "custom_op") and hasattr(torch.library, "register_autograd")
+
+OPS: list[str] = []  # qualified names of the ops defined here (``torch.library.opcheck``)
+
+
+def _define(name: str, schema: str, impl, fake):
+    """Register ``logitless::<name>`` with its implementation and fake implementation."""
+    op = torch.library.custom_op(f"logitless::{name}", impl, mutates_args=(), schema=schema)
+    op.register_fake(fake)
+    OPS.append(f"logitless::{name}")
+    return op
+
+
+def _none_grads(n: int) -> tuple[None, ...]:
+    return (None,) * n
+
+
+# --- linear_logprobs ----------------------------------------------------------------------
+
+_LP_CONFIG = ("float temperature, float? softcap, float logit_scale, int ignore_index, "
+              "int? tile_bytes, ScalarType dtype")
+
+
+def _lp_forward(hidden, weight, bias, targets, temperature, softcap, logit_scale, ignore_index,
+                tile_bytes, dtype, want_s2, want_sum_z):
+    from logitless.fused_losses import logprobs as lp
+
+    spec = lp._local_spec(hidden, weight, temperature, softcap, logit_scale, want_s2, want_sum_z,
+                          tile_bytes, dtype)
+    return lp._logprobs_impl(hidden, weight, bias, targets, spec, ignore_index, 0,
+                             lambda h, w, b, t, s: lp._rows_forward(s, h, w, b, t))
+
+
+def _lp_forward_fake(hidden, weight, bias, targets, temperature, softcap, logit_scale,
+                     ignore_index, tile_bytes, dtype, want_s2, want_sum_z):
+    acc = acc_dtype(dtype)
+    floats = [hidden.new_empty(targets.shape, dtype=acc) for _ in range(4)]
+    top1 = hidden.new_empty(targets.shape, dtype=torch.bool)
+    return (*floats, top1, hidden.new_empty(targets.shape, dtype=acc))
+
+
+def _lp_backward_impl(hidden, weight, bias, targets, lse, entropy, sum_p_sq, g_lp, g_entropy,
+                      g_sum_p_sq, g_mean_logit, g_lse, temperature, softcap, logit_scale,
+                      ignore_index, tile_bytes, dtype, need_hidden, need_weight, need_bias):
+    from logitless.fused_losses import logprobs as lp
+
+    spec = lp._local_spec(hidden, weight, temperature, softcap, logit_scale, False, False,
+                          tile_bytes, dtype)
+    flat_t, rows = lp.compact_rows(targets, ignore_index, weight.shape[0])
+    per_row = [lp.take_rows(x, rows) for x in (flat_t, lse, entropy, sum_p_sq, g_lp, g_entropy,
+                                               g_sum_p_sq, g_mean_logit, g_lse)]
+    d_hidden, d_weight, d_bias = lp._rows_backward(
+        spec, lp.take_rows(hidden, rows, hidden.shape[-1]), weight, bias, *per_row[:4],
+        tuple(per_row[4:]), (need_hidden, need_weight, need_bias))
+    return (hidden.new_empty(0) if d_hidden is None else lp.put_rows(d_hidden, rows, hidden.shape),
+            weight.new_empty(0) if d_weight is None else d_weight,
+            weight.new_empty(0) if d_bias is None else d_bias)
+
+
+def _lp_backward_fake(hidden, weight, bias, targets, lse, entropy, sum_p_sq, g_lp, g_entropy,
+                      g_sum_p_sq, g_mean_logit, g_lse, temperature, softcap, logit_scale,
+                      ignore_index, tile_bytes, dtype, need_hidden, need_weight, need_bias):
+    return (torch.empty_like(hidden) if need_hidden else hidden.new_empty(0),
+            torch.empty_like(weight) if need_weight else weight.new_empty(0),
+            torch.empty_like(bias) if need_bias else weight.new_empty(0))
+
+
+def _lp_setup_context(ctx, inputs, output):
+    hidden, weight, bias, targets = inputs[:4]
+    ctx.config = inputs[4:10]
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(hidden, weight, bias, targets, output[5], output[1], output[2])
+
+
+def _lp_backward(ctx, g_lp, g_entropy, g_sum_p_sq, g_mean_logit, _g_top1, g_lse):
+    n_inputs = 12
+    if all(g is None for g in (g_lp, g_entropy, g_sum_p_sq, g_mean_logit, g_lse)):
+        return _none_grads(n_inputs)
+    hidden, weight, bias, targets, lse, entropy, sum_p_sq = ctx.saved_tensors
+    need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+    need_bias = need_bias and bias is not None
+    d_hidden, d_weight, d_bias = linear_logprobs_backward(
+        hidden, weight, bias, targets, lse, entropy if g_entropy is not None else None,
+        sum_p_sq if g_sum_p_sq is not None else None, g_lp, g_entropy, g_sum_p_sq, g_mean_logit,
+        g_lse, *ctx.config, need_hidden, need_weight, need_bias)
+    return (d_hidden if need_hidden else None, d_weight if need_weight else None,
+            d_bias if need_bias else None, *_none_grads(n_inputs - 3))
+
+
+if AVAILABLE:
+    linear_logprobs_backward = _define(
+        "linear_logprobs_backward",
+        "(Tensor hidden, Tensor weight, Tensor? bias, Tensor targets, Tensor lse, "
+        "Tensor? entropy, Tensor? sum_p_sq, Tensor? g_lp, Tensor? g_entropy, "
+        "Tensor? g_sum_p_sq, Tensor? g_mean_logit, Tensor? g_lse, " + _LP_CONFIG
+        + ", bool need_hidden, bool need_weight, bool need_bias) -> (Tensor, Tensor, Tensor)",
+        _lp_backward_impl, _lp_backward_fake)
+    linear_logprobs = _define(
+        "linear_logprobs",
+        "(Tensor hidden, Tensor weight, Tensor? bias, Tensor targets, " + _LP_CONFIG
+        + ", bool want_s2, bool want_sum_z) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+        _lp_forward, _lp_forward_fake)
+    linear_logprobs.register_autograd(_lp_backward, setup_context=_lp_setup_context)
