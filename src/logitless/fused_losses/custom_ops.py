@@ -26,6 +26,16 @@ from logitless.kernels.linear_softmax_torch import acc_dtype
 
 AVAILABLE = hasattr(torch.library, "custom_op") and hasattr(torch.library, "register_autograd")
 
+def is_compiling() -> bool:
+    """True while dynamo traces (``torch.compile``, ``torch.export``): code that would read a
+    tensor's value on the host (a check, a count turned into a float) takes its traceable
+    form then."""
+    compiler = getattr(torch, "compiler", None)
+    if compiler is not None and hasattr(compiler, "is_compiling"):
+        return compiler.is_compiling()
+    return False
+
+
 OPS: list[str] = []  # qualified names of the ops defined here (``torch.library.opcheck``)
 
 
