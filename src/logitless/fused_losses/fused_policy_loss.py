@@ -38,11 +38,13 @@ from logitless.fused_losses import gpu_plan
 from logitless.fused_losses.aggregation import check_global_counts
 from logitless.fused_losses.backend import triton_selected
 from logitless.fused_losses.config import PolicyLossConfig
+from logitless.fused_losses.custom_ops import is_compiling
 from logitless.fused_losses.logprobs import (
     _rows_logprobs,
     check_byte_budget,
     check_head_args,
     compute_dtype,
+    linear_logprobs,
 )
 from logitless.fused_losses.objectives import needs_whole_batch
 from logitless.fused_losses.policy_loss import (
@@ -53,6 +55,7 @@ from logitless.fused_losses.policy_loss import (
     _Masks,
     _policy_loss,
     _to_batch,
+    policy_loss,
 )
 from logitless.kernels import linear_softmax_torch as tiles
 from logitless.kernels import stored_logits
@@ -251,8 +254,20 @@ def fused_policy_loss(
     would double the weight gradient's memory. ``strategy="streaming"`` recomputes in its
     backward, so a retained graph backpropagates again there (neither strategy gives
     higher-order gradients).
+
+    Under ``torch.compile`` the call traces as the streaming strategy (``policy_loss`` on the
+    custom op ``linear_logprobs``; 8 N D V FLOPs instead of 6), without a graph break:
+    the chunk plan reads the mask on the host. ``selection_entropy`` is refused there.
     """
     head = _Head(hidden, weight, bias, temperature, softcap, logit_scale)
+    if is_compiling():
+        return _traced(head, targets, old_logprobs, advantages, mask, config, strategy,
+                       cu_seqlens, selection_entropy, memory_budget,
+                       dict(ref_logprobs=ref_logprobs, rollout_logprobs=rollout_logprobs,
+                            token_weights=token_weights, attention_entropy=attention_entropy,
+                            num_items_in_batch=num_items_in_batch,
+                            global_batch_size=global_batch_size,
+                            training_progress=training_progress, entropy_coef=entropy_coef))
     call = _checked_call(head, targets, old_logprobs, advantages, mask, config, strategy,
                          cu_seqlens, selection_entropy, memory_budget, ref_logprobs=ref_logprobs,
                          rollout_logprobs=rollout_logprobs, token_weights=token_weights,
@@ -360,10 +375,27 @@ class _Call:
         return self.full.to(self.globals_dtype).with_tensors(entropy=entropy)
 
 
-def _checked_call(head, targets, old_logprobs, advantages, mask, config, strategy, cu_seqlens,
-                  selection_entropy, memory_budget, **tensors) -> _Call:
-    """Every check of the call, once, here: arguments, head, targets (one host sync), and the
-    policy inputs (`policy_loss`'s checks); the batch laid out on the grid once."""
+def _traced(head, targets, old_logprobs, advantages, mask, config, strategy, cu_seqlens,
+            selection_entropy, memory_budget, kwargs) -> tuple:
+    """Under ``torch.compile``: the streaming strategy, ``policy_loss`` on the custom op
+    ``linear_logprobs``'s (lp, H), both of which trace without a graph break (the chunk plan
+    reads the mask on the host, so the chunked strategy stays eager)."""
+    _check_static(head, targets, mask, strategy, cu_seqlens, memory_budget)
+    if selection_entropy is not None:
+        raise ValueError("selection_entropy: not supported under torch.compile (the streaming "
+                         "strategy there selects by the current entropies)")
+    scored = torch.where(mask != 0, targets, _UNSCORED)
+    out = linear_logprobs(head.hidden, head.weight, scored, bias=head.bias,
+                          ignore_index=_UNSCORED, return_entropy=True, **head.transform())
+    return policy_loss(out.logprobs, old_logprobs, advantages, mask, config, entropy=out.entropy,
+                       cu_seqlens=cu_seqlens, **kwargs)
+
+
+_UNSCORED = -100  # the target id of positions outside the mask (never a vocabulary id)
+
+
+def _check_static(head, targets, mask, strategy, cu_seqlens, memory_budget) -> None:
+    """The checks that read no tensor's values: arguments, shapes, dtypes."""
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
     check_byte_budget("memory_budget", memory_budget)
@@ -378,6 +410,14 @@ def _checked_call(head, targets, old_logprobs, advantages, mask, config, strateg
             f"got hidden {tuple(head.hidden.shape)}, mask {tuple(mask.shape)}")
     check_head_args(head.hidden, head.weight, targets, head.bias, head.temperature, head.softcap,
                     head.logit_scale, ())
+
+
+def _checked_call(head, targets, old_logprobs, advantages, mask, config, strategy, cu_seqlens,
+                  selection_entropy, memory_budget, **tensors) -> _Call:
+    """Every check of the call, once, here: arguments, head, targets (one host sync), and the
+    policy inputs (`policy_loss`'s checks); the batch laid out on the grid once."""
+    _check_static(head, targets, mask, strategy, cu_seqlens, memory_budget)
+    packed = cu_seqlens is not None
     m_flat = mask.reshape(-1) != 0
     t_flat = targets.reshape(-1).long()
     bad = m_flat & ((t_flat < 0) | (t_flat >= head.vocab))
