@@ -137,3 +137,32 @@ if AVAILABLE:
         + ", bool want_s2, bool want_sum_z) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
         _lp_forward, _lp_forward_fake)
     linear_logprobs.register_autograd(_lp_backward, setup_context=_lp_setup_context)
+
+
+# --- attention_entropy (forward only) -------------------------------------------------------
+
+
+def _ae_forward(q, k, cu_seqlens, attention_mask, query_mask, causal, scale, window, softcap,
+                reduce_mean):
+    from logitless.fused_losses.attention_entropy import _attention_entropy_impl
+
+    return _attention_entropy_impl(q, k, cu_seqlens, attention_mask, query_mask, causal, scale,
+                                   window, softcap, reduce_mean)
+
+
+def _ae_forward_fake(q, k, cu_seqlens, attention_mask, query_mask, causal, scale, window,
+                     softcap, reduce_mean):
+    if cu_seqlens is not None:  # packed [total, Hq, d] -> [total, Hq]
+        shape = q.shape[:2]
+    else:  # padded [B, Hq, T, d] -> [B, Hq, T]
+        shape = q.shape[:3]
+    if reduce_mean:
+        shape = (shape[0], *shape[2:])
+    return q.new_empty(shape, dtype=torch.float32)
+
+
+if AVAILABLE:
+    _define("attention_entropy",
+            "(Tensor q, Tensor k, Tensor? cu_seqlens, Tensor? attention_mask, Tensor? query_mask, "
+            "bool causal, float scale, int? window, float? softcap, bool reduce_mean) -> Tensor",
+            _ae_forward, _ae_forward_fake)
