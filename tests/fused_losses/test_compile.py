@@ -18,6 +18,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from logitless.fused_losses import custom_ops
 from logitless.fused_losses.attention_entropy import attention_entropy
 from logitless.fused_losses.config import PolicyLossConfig
+from logitless.fused_losses.divergence import linear_divergence
 from logitless.fused_losses.fused_policy_loss import fused_policy_loss
 from logitless.fused_losses.logprobs import linear_logprobs
 from logitless.fused_losses.policy_loss import policy_loss
@@ -176,10 +177,44 @@ def test_attention_entropy_compiled_matches_eager():
     assert counter.frame_count == 1
 
 
-@pytest.mark.parametrize("name", ["logprobs", "composed", "fused", "attention"])
+def divergence_step(hidden, weight, bias, teacher_hidden, teacher_weight, mask):
+    div, entropy = linear_divergence(hidden, weight, teacher_hidden, teacher_weight, mask,
+                                     bias=bias, beta=0.3, temperature=0.8, return_entropy=True)
+    return div.sum() + div.square().sum(), div, entropy
+
+
+def _divergence_inputs(b):
+    hidden, _, mask, *_ = _batch(b)
+    g = torch.Generator().manual_seed(11)
+    teacher_hidden = torch.randn(b, T, 40, generator=g)
+    teacher_weight = torch.randn(V, 40, generator=g) / 40**0.5
+    return hidden, teacher_hidden, teacher_weight, mask != 0
+
+
+def test_linear_divergence_compiled_matches_eager():
+    weight, bias = _head()
+    fn, counter = _compiled(divergence_step, "aot_eager")
+    for b in (2, 3):
+        hidden, teacher_hidden, teacher_weight, mask = _divergence_inputs(b)
+        args = (hidden, weight, bias, teacher_hidden, teacher_weight, mask)
+        got, want = fn(*args), divergence_step(*args)
+        for x, y in zip(got, want):
+            torch.testing.assert_close(x, y)
+        assert (got[1][~mask] == 0).all() and not got[2].requires_grad
+        leaves = (hidden, weight, bias)
+        for x, y in zip(_grads(got[0], *leaves), _grads(want[0], *leaves)):
+            torch.testing.assert_close(x, y)
+    assert counter.frame_count == 1
+
+
+@pytest.mark.parametrize("name", ["logprobs", "composed", "fused", "attention", "divergence"])
 def test_no_graph_breaks(name):
     if name == "attention":
         step, args = attention_step, _attention_inputs()
+    elif name == "divergence":
+        weight, bias = _head()
+        hidden, teacher_hidden, teacher_weight, mask = _divergence_inputs(2)
+        step, args = divergence_step, (hidden, weight, bias, teacher_hidden, teacher_weight, mask)
     else:
         weight, bias = _head()
         hidden, targets, mask, old, adv, ref = _batch(2)
@@ -221,6 +256,15 @@ def _opcheck_args(name):
         lse, ent, s2, g_lp, g_ent = (randn(2, 3) for _ in range(5))
         return (hidden, weight, bias, targets, lse + 3, ent.abs(), s2.abs(), g_lp, g_ent, None,
                 None, None, *config, True, True, True)
+    if name.startswith("logitless::linear_divergence"):
+        t_hidden, t_weight = randn(2, 3, 5), randn(11, 5)
+        mask = torch.tensor([[True, False, True], [True, True, True]])
+        if name == "logitless::linear_divergence":
+            return (hidden.requires_grad_(), weight.requires_grad_(), bias.requires_grad_(),
+                    t_hidden, t_weight, None, mask, 0.3, 0.9, None, True)
+        lse_s, lse_t, aux, grad = (randn(2, 3) for _ in range(4))
+        return (hidden, weight, bias, t_hidden, t_weight, None, mask, lse_s + 3, lse_t + 3,
+                aux.abs(), grad, 0.3, 0.9, None, True, True, True)
     assert name == "logitless::attention_entropy"
     q, k = torch.randn(7, 4, 8, generator=g), torch.randn(7, 2, 8, generator=g)
     return (q, k, torch.tensor([0, 3, 7]), None, None, True, 0.35, None, None, False)
@@ -270,6 +314,9 @@ def test_meta_tensors_give_meta_outputs():
     (out.logprobs.sum() + out.entropy.sum()).backward()
     assert hidden.grad.shape == hidden.shape and hidden.grad.device == meta
     assert weight.grad.shape == weight.shape and weight.grad.dtype == torch.bfloat16
+    div = linear_divergence(hidden, weight, torch.empty(3, T, 40, device=meta),
+                            torch.empty(V, 40, device=meta))
+    assert div.device == meta and div.shape == (3, T) and div.dtype == torch.float32
     q = torch.empty(2, 4, 9, 8, device=meta)
     k = torch.empty(2, 2, 9, 8, device=meta)
     assert attention_entropy(q, k).shape == (2, 4, 9)

@@ -47,6 +47,17 @@ def _define(name: str, schema: str, impl, fake):
     return op
 
 
+def _distinct(outs) -> tuple[torch.Tensor, ...]:
+    """An op's outputs, each in its own storage (an op's outputs may not alias one another:
+    a kernel may return one tensor for two results, e.g. the divergence as its own ``aux``)."""
+    seen, result = set(), []
+    for x in outs:
+        ptr = x.untyped_storage().data_ptr() if x.numel() else None
+        result.append(x.clone() if ptr in seen else x)
+        seen.add(ptr)
+    return tuple(result)
+
+
 def _none_grads(n: int) -> tuple[None, ...]:
     return (None,) * n
 
@@ -63,8 +74,8 @@ def _lp_forward(hidden, weight, bias, targets, temperature, softcap, logit_scale
 
     spec = lp._local_spec(hidden, weight, temperature, softcap, logit_scale, want_s2, want_sum_z,
                           tile_bytes, dtype)
-    return lp._logprobs_impl(hidden, weight, bias, targets, spec, ignore_index, 0,
-                             lambda h, w, b, t, s: lp._rows_forward(s, h, w, b, t))
+    return _distinct(lp._logprobs_impl(hidden, weight, bias, targets, spec, ignore_index, 0,
+                                       lambda h, w, b, t, s: lp._rows_forward(s, h, w, b, t)))
 
 
 def _lp_forward_fake(hidden, weight, bias, targets, temperature, softcap, logit_scale,
@@ -166,3 +177,98 @@ if AVAILABLE:
             "(Tensor q, Tensor k, Tensor? cu_seqlens, Tensor? attention_mask, Tensor? query_mask, "
             "bool causal, float scale, int? window, float? softcap, bool reduce_mean) -> Tensor",
             _ae_forward, _ae_forward_fake)
+
+
+# --- linear_divergence ----------------------------------------------------------------------
+
+_DIV_CONFIG = "float beta, float temperature, int? tile_bytes"
+
+
+def _div_spec(beta, temperature, tile_bytes, entropy=False):
+    from logitless.fused_losses.divergence import _Spec
+
+    return _Spec(beta, temperature, tile_bytes, entropy)
+
+
+def _div_forward(hidden, weight, bias, t_hidden, t_weight, t_bias, mask, beta, temperature,
+                 tile_bytes, entropy):
+    from logitless.fused_losses import divergence as dv
+
+    return _distinct(dv._divergence_impl(
+        _div_spec(beta, temperature, tile_bytes, entropy), hidden, weight, bias, t_hidden,
+        t_weight, t_bias, mask, lambda *args: dv._divergence_rows(args[-1], *args[:-1])))
+
+
+def _div_forward_fake(hidden, weight, bias, t_hidden, t_weight, t_bias, mask, beta,
+                      temperature, tile_bytes, entropy):
+    acc = acc_dtype(hidden.dtype)
+    return tuple(hidden.new_empty(hidden.shape[:-1], dtype=acc) for _ in range(5))
+
+
+def _div_backward_impl(hidden, weight, bias, t_hidden, t_weight, t_bias, mask, lse_s, lse_t, aux,
+                       grad, beta, temperature, tile_bytes, need_hidden, need_weight, need_bias):
+    from logitless.fused_losses import divergence as dv
+    from logitless.fused_losses import logprobs as lp
+
+    rows = dv._rows(mask, grad.numel())
+    per_row = [lp.take_rows(x, rows) for x in (lse_s, lse_t, aux, grad)]
+    d_hidden, d_weight, d_bias = dv._divergence_rows_backward(
+        _div_spec(beta, temperature, tile_bytes), lp.take_rows(hidden, rows, hidden.shape[-1]),
+        weight, bias, lp.take_rows(t_hidden, rows, t_hidden.shape[-1]), t_weight, t_bias,
+        *per_row, (need_hidden, need_weight, need_bias))
+    return _grads_or_empty(hidden, weight, rows, d_hidden, d_weight, d_bias)
+
+
+def _grads_or_empty(hidden, weight, rows, d_hidden, d_weight, d_bias):
+    """A backward op's three outputs: the hidden gradient scattered back to ``hidden``'s shape,
+    and an empty tensor for each gradient not computed (an op returns no None)."""
+    from logitless.fused_losses import logprobs as lp
+
+    return (hidden.new_empty(0) if d_hidden is None else lp.put_rows(d_hidden, rows, hidden.shape),
+            weight.new_empty(0) if d_weight is None else d_weight,
+            weight.new_empty(0) if d_bias is None else d_bias)
+
+
+def _grads_fake(hidden, weight, bias, need_hidden, need_weight, need_bias):
+    return (torch.empty_like(hidden) if need_hidden else hidden.new_empty(0),
+            torch.empty_like(weight) if need_weight else weight.new_empty(0),
+            torch.empty_like(bias) if need_bias else weight.new_empty(0))
+
+
+def _div_backward_fake(hidden, weight, bias, t_hidden, t_weight, t_bias, mask, lse_s, lse_t, aux,
+                       grad, beta, temperature, tile_bytes, need_hidden, need_weight, need_bias):
+    return _grads_fake(hidden, weight, bias, need_hidden, need_weight, need_bias)
+
+
+def _div_setup_context(ctx, inputs, output):
+    ctx.config = inputs[7:10]
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(*inputs[:7], *output[2:])
+
+
+def _div_backward(ctx, grad, *_):
+    n_inputs = 11
+    need = ctx.needs_input_grad[:3]
+    if grad is None or not any(need):
+        return _none_grads(n_inputs)
+    saved = ctx.saved_tensors
+    need = (need[0], need[1], need[2] and saved[2] is not None)
+    grads = linear_divergence_backward(*saved, grad, *ctx.config, *need)
+    return (*(g if n else None for g, n in zip(grads, need)), *_none_grads(n_inputs - 3))
+
+
+if AVAILABLE:
+    linear_divergence_backward = _define(
+        "linear_divergence_backward",
+        "(Tensor hidden, Tensor weight, Tensor? bias, Tensor t_hidden, Tensor t_weight, "
+        "Tensor? t_bias, Tensor? mask, Tensor lse_s, Tensor lse_t, Tensor aux, Tensor grad, "
+        + _DIV_CONFIG + ", bool need_hidden, bool need_weight, bool need_bias) "
+        "-> (Tensor, Tensor, Tensor)",
+        _div_backward_impl, _div_backward_fake)
+    linear_divergence = _define(
+        "linear_divergence",
+        "(Tensor hidden, Tensor weight, Tensor? bias, Tensor t_hidden, Tensor t_weight, "
+        "Tensor? t_bias, Tensor? mask, " + _DIV_CONFIG + ", bool entropy) "
+        "-> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+        _div_forward, _div_forward_fake)
+    linear_divergence.register_autograd(_div_backward, setup_context=_div_setup_context)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from logitless.fused_losses import custom_ops
 from logitless.fused_losses.logprobs import compute_dtype
 from logitless.kernels import divergence_torch
 
@@ -39,29 +40,41 @@ class _Divergence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, t_hidden, t_weight, t_bias, spec: _Spec):
         ctx.set_materialize_grads(False)
-        with torch.autocast(hidden.device.type, enabled=False):
-            div, lse_s, lse_t, aux, *ent = divergence_torch.divergence_forward(
-                hidden, weight, bias, t_hidden, t_weight, t_bias, beta=spec.beta,
-                temperature=spec.temperature, entropy=spec.entropy, **spec.kw())
+        div, entropy, lse_s, lse_t, aux = _divergence_rows(spec, hidden, weight, bias, t_hidden,
+                                                           t_weight, t_bias)
         ctx.spec = spec
         ctx.save_for_backward(hidden, weight, bias, t_hidden, t_weight, t_bias, lse_s, lse_t, aux)
-        entropy = ent[0] if ent else div.new_empty(0)
         ctx.mark_non_differentiable(entropy)
         return div, entropy
 
     @staticmethod
     def backward(ctx, grad, _):
-        hidden, weight, bias, t_hidden, t_weight, t_bias, lse_s, lse_t, aux = ctx.saved_tensors
         need = ctx.needs_input_grad[:3]
         if grad is None or not any(need):
             return (None,) * 7
-        spec = ctx.spec
-        with torch.autocast(hidden.device.type, enabled=False):
-            grads = divergence_torch.divergence_backward(
-                hidden, weight, bias, t_hidden, t_weight, t_bias, lse_s, lse_t, aux,
-                grad.contiguous(), beta=spec.beta, temperature=spec.temperature,
-                need_hidden=need[0], need_weight=need[1], need_bias=need[2], **spec.kw())
-        return (*_cast(grads, (hidden, weight, bias)), None, None, None, None)
+        grads = _divergence_rows_backward(ctx.spec, *ctx.saved_tensors, grad, need)
+        return (*grads, None, None, None, None)
+
+
+def _divergence_rows(spec: _Spec, hidden, weight, bias, t_hidden, t_weight, t_bias):
+    """``(divergence, entropy, lse_s, lse_t, aux)`` of compacted rows, no autograd; the
+    entropy is empty unless ``spec.entropy``."""
+    with torch.autocast(hidden.device.type, enabled=False):
+        div, lse_s, lse_t, aux, *ent = divergence_torch.divergence_forward(
+            hidden, weight, bias, t_hidden, t_weight, t_bias, beta=spec.beta,
+            temperature=spec.temperature, entropy=spec.entropy, **spec.kw())
+    return div, ent[0] if ent else div.new_empty(0), lse_s, lse_t, aux
+
+
+def _divergence_rows_backward(spec: _Spec, hidden, weight, bias, t_hidden, t_weight, t_bias,
+                              lse_s, lse_t, aux, grad, need):
+    """Gradients of compacted rows (None where ``need`` says not wanted), in input dtypes."""
+    with torch.autocast(hidden.device.type, enabled=False):
+        grads = divergence_torch.divergence_backward(
+            hidden, weight, bias, t_hidden, t_weight, t_bias, lse_s, lse_t, aux,
+            grad.contiguous(), beta=spec.beta, temperature=spec.temperature,
+            need_hidden=need[0], need_weight=need[1], need_bias=need[2], **spec.kw())
+    return _cast(grads, (hidden, weight, bias))
 
 
 class _TopkLogprobs(torch.autograd.Function):
@@ -212,15 +225,30 @@ def linear_divergence(
                          f"{weight.shape[0]} rows, got {teacher_weight.shape[0]}")
     if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0.0 <= beta <= 1.0:
         raise ValueError(f"beta must be a number in [0, 1], got {beta!r}")
+    t_bias = None if teacher_bias is None else teacher_bias.detach()
+    teacher = (teacher_hidden.detach(), teacher_weight.detach(), t_bias)
+    if custom_ops.AVAILABLE:  # one graph node under torch.compile (custom_ops.py)
+        out, entropy, *_ = torch.ops.logitless.linear_divergence(
+            hidden, weight, bias, *teacher, mask, float(beta), float(temperature),
+            max_tile_bytes, bool(return_entropy))
+        entropy = entropy.detach()  # no gradient, as documented
+    else:
+        spec = _Spec(float(beta), float(temperature), max_tile_bytes, bool(return_entropy))
+        out, entropy = _divergence_impl(spec, hidden, weight, bias, *teacher, mask,
+                                        _Divergence.apply)[:2]
+    return (out, entropy) if return_entropy else out
+
+
+def _divergence_impl(spec: _Spec, hidden, weight, bias, t_hidden, t_weight, t_bias, mask, run):
+    """Compact the rows ``mask`` keeps, ``run(...)`` on them (``_Divergence.apply`` or
+    `_divergence_rows`) and scatter each result back to the token shape (0 at dropped rows;
+    an empty entropy, when not wanted, becomes zeros)."""
+    lead = tuple(hidden.shape[:-1])
     n = math.prod(lead)
     rows = _rows(mask, n)
-    spec = _Spec(float(beta), float(temperature), max_tile_bytes, bool(return_entropy))
-    t_bias = None if teacher_bias is None else teacher_bias.detach()
-    out, entropy = _Divergence.apply(_take(hidden, rows), weight, bias,
-                                     _take(teacher_hidden.detach(), rows),
-                                     teacher_weight.detach(), t_bias, spec)
-    out = _expand(out, rows, n, lead)
-    return (out, _expand(entropy, rows, n, lead)) if return_entropy else out
+    outs = run(_take(hidden, rows), weight, bias, _take(t_hidden, rows), t_weight, t_bias, spec)
+    return tuple(_expand(x if x.shape == outs[0].shape else x.new_zeros(outs[0].shape), rows, n,
+                         lead) for x in outs)
 
 
 def linear_topk_distill(
