@@ -18,7 +18,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from logitless.fused_losses import custom_ops
 from logitless.fused_losses.attention_entropy import attention_entropy
 from logitless.fused_losses.config import PolicyLossConfig
-from logitless.fused_losses.divergence import linear_divergence
+from logitless.fused_losses.divergence import linear_divergence, linear_topk_distill
 from logitless.fused_losses.fused_policy_loss import fused_policy_loss
 from logitless.fused_losses.logprobs import linear_logprobs
 from logitless.fused_losses.policy_loss import policy_loss
@@ -180,7 +180,11 @@ def test_attention_entropy_compiled_matches_eager():
 def divergence_step(hidden, weight, bias, teacher_hidden, teacher_weight, mask):
     div, entropy = linear_divergence(hidden, weight, teacher_hidden, teacher_weight, mask,
                                      bias=bias, beta=0.3, temperature=0.8, return_entropy=True)
-    return div.sum() + div.square().sum(), div, entropy
+    ids = teacher_weight[:, :4].argsort(0)[:T].T.reshape(1, T, 4).expand(*mask.shape, 4)
+    teacher_logprobs = torch.log_softmax(teacher_hidden[..., :4], -1)
+    topk = linear_topk_distill(hidden, weight, ids, teacher_logprobs, mask, bias=bias,
+                               temperature=0.8, log_prob_min_clamp=-8.0)
+    return div.sum() + div.square().sum() + topk.sum(), div, entropy, topk
 
 
 def _divergence_inputs(b):
@@ -200,7 +204,8 @@ def test_linear_divergence_compiled_matches_eager():
         got, want = fn(*args), divergence_step(*args)
         for x, y in zip(got, want):
             torch.testing.assert_close(x, y)
-        assert (got[1][~mask] == 0).all() and not got[2].requires_grad
+        assert (got[1][~mask] == 0).all() and (got[3][~mask] == 0).all()
+        assert not got[2].requires_grad
         leaves = (hidden, weight, bias)
         for x, y in zip(_grads(got[0], *leaves), _grads(want[0], *leaves)):
             torch.testing.assert_close(x, y)
@@ -265,6 +270,14 @@ def _opcheck_args(name):
         lse_s, lse_t, aux, grad = (randn(2, 3) for _ in range(4))
         return (hidden, weight, bias, t_hidden, t_weight, None, mask, lse_s + 3, lse_t + 3,
                 aux.abs(), grad, 0.3, 0.9, None, True, True, True)
+    if name.startswith("logitless::linear_topk_logprobs"):
+        ids = torch.tensor([[[1, 4], [0, 99], [10, 3]], [[2, 2], [5, 6], [7, 0]]])
+        mask = torch.tensor([[True, False, True], [True, True, True]])  # 99: dropped row
+        if name == "logitless::linear_topk_logprobs":
+            return (hidden.requires_grad_(), weight.requires_grad_(), bias.requires_grad_(), ids,
+                    mask, 0.9, None)
+        return (hidden, weight, bias, ids, mask, randn(2, 3) + 3, randn(2, 3, 2), 0.9, None,
+                True, True, True)
     assert name == "logitless::attention_entropy"
     q, k = torch.randn(7, 4, 8, generator=g), torch.randn(7, 2, 8, generator=g)
     return (q, k, torch.tensor([0, 3, 7]), None, None, True, 0.35, None, None, False)

@@ -272,3 +272,75 @@ if AVAILABLE:
         "-> (Tensor, Tensor, Tensor, Tensor, Tensor)",
         _div_forward, _div_forward_fake)
     linear_divergence.register_autograd(_div_backward, setup_context=_div_setup_context)
+
+
+# --- linear_topk_distill's student logprobs at the teacher's ids ----------------------------
+
+
+def _topk_forward(hidden, weight, bias, ids, mask, temperature, tile_bytes):
+    from logitless.fused_losses import divergence as dv
+    from logitless.fused_losses import logprobs as lp
+
+    rows = dv._rows(mask, ids.numel() // max(ids.shape[-1], 1))
+    logprobs, lse = dv._topk_rows(_div_spec(0.0, temperature, tile_bytes),
+                                  lp.take_rows(hidden, rows, hidden.shape[-1]), weight, bias,
+                                  dv._topk_ids(ids, rows, weight.shape[0]))
+    return lp.put_rows(logprobs, rows, ids.shape), lp.put_rows(lse, rows, ids.shape[:-1])
+
+
+def _topk_forward_fake(hidden, weight, bias, ids, mask, temperature, tile_bytes):
+    acc = acc_dtype(hidden.dtype)
+    return hidden.new_empty(ids.shape, dtype=acc), hidden.new_empty(ids.shape[:-1], dtype=acc)
+
+
+def _topk_backward_impl(hidden, weight, bias, ids, mask, lse, grad, temperature, tile_bytes,
+                        need_hidden, need_weight, need_bias):
+    from logitless.fused_losses import divergence as dv
+    from logitless.fused_losses import logprobs as lp
+
+    rows = dv._rows(mask, ids.numel() // max(ids.shape[-1], 1))
+    spec = _div_spec(0.0, temperature, tile_bytes)
+    h = lp.take_rows(hidden, rows, hidden.shape[-1])
+    t = dv._topk_ids(ids, rows, weight.shape[0])
+    grads = dv._topk_rows_backward(spec, h, weight, bias, t, lp.take_rows(lse, rows),
+                                   lp.take_rows(grad, rows, ids.shape[-1]),
+                                   (need_hidden, need_weight, need_bias))
+    return _grads_or_empty(hidden, weight, rows, *grads)
+
+
+def _topk_backward_fake(hidden, weight, bias, ids, mask, lse, grad, temperature, tile_bytes,
+                        need_hidden, need_weight, need_bias):
+    return _grads_fake(hidden, weight, bias, need_hidden, need_weight, need_bias)
+
+
+def _topk_setup_context(ctx, inputs, output):
+    ctx.config = inputs[5:7]
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(*inputs[:5], output[1])
+
+
+def _topk_backward(ctx, grad, _):
+    n_inputs = 7
+    need = ctx.needs_input_grad[:3]
+    if grad is None or not any(need):
+        return _none_grads(n_inputs)
+    saved = ctx.saved_tensors
+    need = (need[0], need[1], need[2] and saved[2] is not None)
+    grads = linear_topk_logprobs_backward(*saved, grad, *ctx.config, *need)
+    return (*(g if n else None for g, n in zip(grads, need)), *_none_grads(n_inputs - 3))
+
+
+if AVAILABLE:
+    linear_topk_logprobs_backward = _define(
+        "linear_topk_logprobs_backward",
+        "(Tensor hidden, Tensor weight, Tensor? bias, Tensor ids, Tensor? mask, Tensor lse, "
+        "Tensor grad, "
+        "float temperature, int? tile_bytes, bool need_hidden, bool need_weight, "
+        "bool need_bias) -> (Tensor, Tensor, Tensor)",
+        _topk_backward_impl, _topk_backward_fake)
+    linear_topk_logprobs = _define(
+        "linear_topk_logprobs",
+        "(Tensor hidden, Tensor weight, Tensor? bias, Tensor ids, Tensor? mask, "
+        "float temperature, int? tile_bytes) -> (Tensor, Tensor)",
+        _topk_forward, _topk_forward_fake)
+    linear_topk_logprobs.register_autograd(_topk_backward, setup_context=_topk_setup_context)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from logitless.fused_losses import custom_ops
-from logitless.fused_losses.logprobs import compute_dtype
+from logitless.fused_losses.logprobs import compute_dtype, put_rows
 from logitless.kernels import divergence_torch
 
 __all__ = ["linear_divergence", "linear_topk_distill"]
@@ -83,25 +83,43 @@ class _TopkLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, ids, spec: _Spec):
         ctx.set_materialize_grads(False)
-        with torch.autocast(hidden.device.type, enabled=False):
-            logprobs, lse = divergence_torch.topk_forward(
-                hidden, weight, bias, ids, temperature=spec.temperature, **spec.kw())
+        logprobs, lse = _topk_rows(spec, hidden, weight, bias, ids)
         ctx.spec = spec
         ctx.save_for_backward(hidden, weight, bias, ids, lse)
         return logprobs
 
     @staticmethod
     def backward(ctx, grad):
-        hidden, weight, bias, ids, lse = ctx.saved_tensors
         need = ctx.needs_input_grad[:3]
         if grad is None or not any(need):
             return (None,) * 5
-        with torch.autocast(hidden.device.type, enabled=False):
-            grads = divergence_torch.topk_backward(
-                hidden, weight, bias, ids, lse, grad.contiguous(),
-                temperature=ctx.spec.temperature, need_hidden=need[0], need_weight=need[1],
-                need_bias=need[2], **ctx.spec.kw())
-        return (*_cast(grads, (hidden, weight, bias)), None, None)
+        return (*_topk_rows_backward(ctx.spec, *ctx.saved_tensors, grad, need), None, None)
+
+
+def _topk_rows(spec: _Spec, hidden, weight, bias, ids):
+    """``(logprobs [n, k], lse [n])`` of compacted rows, no autograd."""
+    with torch.autocast(hidden.device.type, enabled=False):
+        return divergence_torch.topk_forward(hidden, weight, bias, ids,
+                                             temperature=spec.temperature, **spec.kw())
+
+
+def _topk_rows_backward(spec: _Spec, hidden, weight, bias, ids, lse, grad, need):
+    with torch.autocast(hidden.device.type, enabled=False):
+        grads = divergence_torch.topk_backward(
+            hidden, weight, bias, ids, lse, grad.contiguous(), temperature=spec.temperature,
+            need_hidden=need[0], need_weight=need[1], need_bias=need[2], **spec.kw())
+    return _cast(grads, (hidden, weight, bias))
+
+
+def _topk_ids(teacher_ids, rows, v):
+    """The kept rows' teacher ids as int64 ``[n, k]``; reads them: ``ValueError`` outside
+    ``[0, v)``."""
+    ids = _take(teacher_ids, rows).long()
+    bad = (ids < 0) | (ids >= v)
+    if bool(bad.any()):
+        raise ValueError(f"teacher_ids must lie in [0, {v}) (the vocabulary of weight); found "
+                         f"{ids[bad][:5].tolist()}")
+    return ids
 
 
 def _cast(grads, like):
@@ -308,19 +326,22 @@ def linear_topk_distill(
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                   or math.isnan(value)):
             raise ValueError(f"{name} must be None or a number, got {value!r}")
-    n, v = math.prod(lead), weight.shape[0]
-    rows = _rows(mask, n)
-    ids = _take(teacher_ids, rows).long()
-    bad = (ids < 0) | (ids >= v)
-    if bool(bad.any()):
-        raise ValueError(f"teacher_ids must lie in [0, {v}) (the vocabulary of weight); found "
-                         f"{ids[bad][:5].tolist()}")
-    spec = _Spec(0.0, float(temperature), max_tile_bytes)
-    log_q = _TopkLogprobs.apply(_take(hidden, rows), weight, bias, ids, spec)
-    log_t = _take(teacher_logprobs.detach(), rows).to(log_q.dtype)
+    if custom_ops.AVAILABLE:  # one graph node under torch.compile (custom_ops.py)
+        log_q = torch.ops.logitless.linear_topk_logprobs(hidden, weight, bias, teacher_ids, mask,
+                                                         float(temperature), max_tile_bytes)[0]
+    else:
+        rows = _rows(mask, math.prod(lead))
+        spec = _Spec(0.0, float(temperature), max_tile_bytes)
+        log_q = _TopkLogprobs.apply(_take(hidden, rows), weight, bias,
+                                    _topk_ids(teacher_ids, rows, weight.shape[0]), spec)
+        log_q = put_rows(log_q, rows, teacher_ids.shape)
+    # Dropped rows: log q = log t = 0 below, so their loss is 0 (and gets no gradient).
+    log_t = teacher_logprobs.detach().to(log_q.dtype)
+    if mask is not None:
+        log_t = torch.where(mask[..., None], log_t, 0.0)
     if log_prob_min_clamp is not None:
         log_q, log_t = log_q.clamp_min(log_prob_min_clamp), log_t.clamp_min(log_prob_min_clamp)
     loss = (log_t.exp() * (log_t - log_q)).sum(-1).clamp_min(0.0)
     if loss_max_clamp is not None:
         loss = loss.clamp(max=loss_max_clamp)
-    return _expand(loss, rows, n, lead)
+    return loss
