@@ -282,10 +282,11 @@ def _drop_outside_kept(logps, old, mask):
     of the sampler's truncated set has logprob -inf: its ratio is undefined. Such tokens leave
     the loss mask and read 0 in both logprobs (no gradient reaches them); returns the new
     tensors and the fraction of the masked tokens dropped."""
-    outside = (torch.isneginf(logps.detach()) | torch.isneginf(old)) & mask.bool()
+    infinite = torch.isneginf(logps.detach()) | torch.isneginf(old)
+    outside = infinite & mask.bool()
     zero = torch.zeros((), dtype=logps.dtype, device=logps.device)
-    logps = torch.where(outside, zero, logps)
-    old = torch.where(outside, zero.to(old.dtype), old)
+    logps = torch.where(infinite, zero, logps)
+    old = torch.where(infinite, zero.to(old.dtype), old)
     fraction = outside.sum() / mask.sum().clamp(min=1)
     return logps, old, mask * ~outside, fraction
 
@@ -363,7 +364,13 @@ class GRPOTrainer(trl.GRPOTrainer):
 
     def _check_generation_backend(self) -> None:
         """match_sampler's checks that need the built trainer: tokens TRL itself suppresses in
-        transformers' generation, and the logprobs a vLLM server returns."""
+        transformers' generation, the logprobs a vLLM server returns, DeepSpeed ZeRO-3."""
+        from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+        if self._sampler.truncates and is_deepspeed_zero3_enabled():
+            raise ValueError(
+                "GRPOConfig.deepspeed: the sampler-matched head does not re-gather a ZeRO-3 "
+                "partitioned LM head in its backward (unsharded heads and FSDP2 are supported)")
         if not self.use_vllm and "suppress_tokens" in getattr(self, "generation_kwargs", {}):
             raise ValueError(
                 "processing_class: TRL suppresses the image token when generating with "
