@@ -59,11 +59,12 @@ _sampler_calls = 0
 
 def set_head_sampler(sampler: SamplerSettings | None) -> None:
     """Truncate every later :func:`linear_cross_entropy` call of this process as the sampler
-    does (None: the full distribution again)."""
-    global _sampler
+    does (None: the full distribution again); restarts :func:`sampler_head_calls` at 0."""
+    global _sampler, _sampler_calls
     if sampler is not None and not isinstance(sampler, SamplerSettings):
         raise ValueError(f"sampler: expected a SamplerSettings or None, got {sampler!r}")
     _sampler = sampler
+    _sampler_calls = 0
 
 
 def head_sampler() -> SamplerSettings | None:
@@ -72,7 +73,8 @@ def head_sampler() -> SamplerSettings | None:
 
 
 def sampler_head_calls() -> int:
-    """How many :func:`linear_cross_entropy` calls of this process applied a sampler."""
+    """How many :func:`linear_cross_entropy` calls of this process applied the sampler since
+    :func:`set_head_sampler`."""
     return _sampler_calls
 
 
