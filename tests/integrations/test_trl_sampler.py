@@ -18,12 +18,11 @@ from tiny_models import prompt_dataset, tiny_qwen2, tiny_tokenizer, vowel_reward
 
 trl = pytest.importorskip("trl", reason="TRL is installed by `make test`")
 
-from logitless.integrations.sampler_settings import SamplerSettings  # noqa: E402
-from logitless.integrations.trl import (  # noqa: E402
-    GRPOTrainer,
-    _drop_outside_kept,
-    sampler_from_grpo,
+from logitless.integrations.sampler_settings import (  # noqa: E402
+    SamplerSettings,
+    drop_outside_kept,
 )
+from logitless.integrations.trl import GRPOTrainer, sampler_from_grpo  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -171,7 +170,7 @@ def test_tokens_outside_the_kept_set_leave_the_loss():
     logps = torch.tensor([[-1.0, -inf, -2.0], [-0.5, -0.7, -inf]], requires_grad=True)
     old = torch.tensor([[-1.1, -inf, -2.1], [-inf, -0.6, -0.1]])
     mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
-    new, new_old, kept, fraction = _drop_outside_kept(logps, old, mask)
+    new, new_old, kept, fraction = drop_outside_kept(logps, old, mask)
     assert kept.tolist() == [[1, 0, 1], [0, 1, 0]]
     assert torch.isfinite(new).all() and torch.isfinite(new_old).all()
     assert float(fraction) == pytest.approx(2 / 5)

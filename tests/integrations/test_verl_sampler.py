@@ -101,11 +101,14 @@ def test_head_computes_the_samplers_truncated_distribution():
     torch.testing.assert_close(h.grad[0], hr.grad)
 
 
-def _loss(actor):
+def _loss(actor, outside=()):
     lp = torch.full((2, 3), -1.0, dtype=torch.float64)
+    old = lp - 0.1
+    for i, j in outside:  # outside the recomputed kept set, now and at rollout time
+        lp[i, j] = old[i, j] = -torch.inf
     mask = torch.ones(2, 3, dtype=torch.bool)
     return core_algos.get_policy_loss_fn("logitless_grpo")(
-        old_log_prob=lp - 0.1, log_prob=lp, advantages=torch.ones(2, 3, dtype=torch.float64),
+        old_log_prob=old, log_prob=lp, advantages=torch.ones(2, 3, dtype=torch.float64),
         response_mask=mask, loss_agg_mode="token-mean", config=actor)
 
 
@@ -115,8 +118,11 @@ def test_loss_checks_the_logprobs_came_through_the_sampler_head():
         _loss(actor)  # no head call since the config was built: verl's own head ran
     w = torch.randn(11, 8, dtype=torch.float64)
     linear_cross_entropy(torch.randn(5, 8, dtype=torch.float64), w, torch.arange(5), 0.8)
-    loss, _ = _loss(actor)
-    assert torch.isfinite(loss)
+    loss, metrics = _loss(actor)
+    assert torch.isfinite(loss) and metrics["actor/logitless/sampler/outside_kept"] == 0
+    loss, metrics = _loss(actor, outside=[(0, 1), (1, 2)])
+    assert torch.isfinite(loss)  # not NaN from -inf - -inf: those tokens left the loss
+    assert metrics["actor/logitless/sampler/outside_kept"] == pytest.approx(2 / 6)
     with pytest.raises(ValueError, match=re.escape("actor.use_kl_loss")):
         _loss(_actor(**{"actor_rollout_ref.actor.use_kl_loss": True}))
 

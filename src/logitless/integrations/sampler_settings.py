@@ -14,7 +14,9 @@ import dataclasses
 import math
 import numbers
 
-__all__ = ["GREEDY_TEMPERATURE", "SamplerSettings", "sampler_settings"]
+import torch
+
+__all__ = ["GREEDY_TEMPERATURE", "SamplerSettings", "drop_outside_kept", "sampler_settings"]
 
 # vLLM samples greedily below this temperature (its sampling epsilon): no truncation, no
 # temperature, so there is no tempered distribution to match.
@@ -85,3 +87,18 @@ def sampler_settings(*, temperature, top_k, top_p, min_p, names: dict[str, str],
             raise ValueError(f"{names['min_p']}: expected a number in [0, 1], got {min_p!r}")
         m = None if m == 0 else m
     return SamplerSettings(top_k=k, top_p=p, min_p=m)
+
+
+def drop_outside_kept(logps, old, mask):
+    """A response token the recomputed policy (or old policy) keeps out of the sampler's
+    truncated set has logprob -inf under sampler matching: its ratio is undefined. Such
+    tokens leave the loss mask, and every -inf reads 0 in both logprobs (no gradient reaches
+    them). Returns the new ``(logprobs, old, mask)`` and the fraction of the masked tokens
+    dropped."""
+    infinite = torch.isneginf(logps.detach()) | torch.isneginf(old)
+    outside = infinite & mask.bool()
+    zero = torch.zeros((), dtype=logps.dtype, device=logps.device)
+    logps = torch.where(infinite, zero, logps)
+    old = torch.where(infinite, zero.to(old.dtype), old)
+    fraction = outside.sum() / mask.sum().clamp(min=1)
+    return logps, old, mask * ~outside, fraction

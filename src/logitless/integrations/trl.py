@@ -34,7 +34,11 @@ from logitless.fused_losses.entropy_control import AdaptiveEntropyCoef
 from logitless.fused_losses.objectives import CLIPPED_SURROGATE, OBJECTIVES, clip_flags
 from logitless.fused_losses.policy_loss import policy_loss, policy_loss_globals
 from logitless.fused_losses.ratios import compute_ratio
-from logitless.integrations.sampler_settings import SamplerSettings, sampler_settings
+from logitless.integrations.sampler_settings import (
+    SamplerSettings,
+    drop_outside_kept,
+    sampler_settings,
+)
 from logitless.integrations.trl_head import (
     SUPPORTED_TRL,
     LogitlessChunkedLogProb,
@@ -277,20 +281,6 @@ def _logitless_head(entropy: bool, sampler: SamplerSettings | None = None):
         trl_utils._ChunkedLogProbFunction = saved
 
 
-def _drop_outside_kept(logps, old, mask):
-    """Under match_sampler a completion token the recomputed policy (or old policy) keeps out
-    of the sampler's truncated set has logprob -inf: its ratio is undefined. Such tokens leave
-    the loss mask and read 0 in both logprobs (no gradient reaches them); returns the new
-    tensors and the fraction of the masked tokens dropped."""
-    infinite = torch.isneginf(logps.detach()) | torch.isneginf(old)
-    outside = infinite & mask.bool()
-    zero = torch.zeros((), dtype=logps.dtype, device=logps.device)
-    logps = torch.where(infinite, zero, logps)
-    old = torch.where(infinite, zero.to(old.dtype), old)
-    fraction = outside.sum() / mask.sum().clamp(min=1)
-    return logps, old, mask * ~outside, fraction
-
-
 def _uses_kl(cfg: PolicyLossConfig) -> bool:
     return isinstance(cfg.beta, torch.Tensor) or cfg.beta != 0 or cfg.future_kl_coef != 0
 
@@ -529,7 +519,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         outside = None
         if self._sampler is not None:
             tokens = mask.sum()
-            logps, old, mask, outside = _drop_outside_kept(logps, old, mask)
+            logps, old, mask, outside = drop_outside_kept(logps, old, mask)
         coef = cfg.entropy_coef
         if self._entropy_control is not None:
             coef = self._entropy_control.current()

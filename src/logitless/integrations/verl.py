@@ -44,7 +44,11 @@ from verl.workers.config import PolicyLossConfig as VerlPolicyLossConfig
 from logitless.fused_losses.config import PolicyLossConfig
 from logitless.fused_losses.objectives import OBJECTIVES, get_objective
 from logitless.fused_losses.policy_loss import policy_loss
-from logitless.integrations.sampler_settings import SamplerSettings, sampler_settings
+from logitless.integrations.sampler_settings import (
+    SamplerSettings,
+    drop_outside_kept,
+    sampler_settings,
+)
 from logitless.integrations.verl_distill import register_verl_distillation_loss
 from logitless.integrations.verl_head import (
     disable_fused_head,
@@ -320,8 +324,11 @@ def _verl_policy_loss(objective: str):
         if config is None:
             raise ValueError(f"config: {LOSS_PREFIX}{objective} needs verl's actor config")
         cfg, normalisers = to_logitless_config(objective, config, loss_agg_mode)
+        outside = None
         if _get(_get(config, "policy_loss"), "match_sampler") is not None:
             _check_sampler_matching(config)
+            log_prob, old_log_prob, response_mask, outside = drop_outside_kept(
+                log_prob, old_log_prob, response_mask)
         mode = _get(_get(config, "policy_loss"), "sequence_is_weight")
         if mode not in (None, "geometric"):
             raise ValueError(
@@ -331,6 +338,8 @@ def _verl_policy_loss(objective: str):
             rollout_is_weights = _geometric_sequence_weights(rollout_is_weights, response_mask)
         loss, metrics = policy_loss(log_prob, old_log_prob, advantages, response_mask, cfg,
                                     token_weights=rollout_is_weights, **normalisers)
+        if outside is not None:
+            metrics["sampler/outside_kept"] = outside
         return loss, _verl_metrics(metrics)
 
     compute_policy_loss.__name__ = f"compute_policy_loss_{LOSS_PREFIX}{objective}"
