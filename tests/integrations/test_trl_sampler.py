@@ -73,6 +73,8 @@ class Recording(GRPOTrainer):
             model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
             compute_entropy=compute_entropy, **kwargs)
         module = self.accelerator.unwrap_model(model)
+        if hasattr(module, "get_base_model"):  # PEFT: the model with its adapters injected
+            module = module.get_base_model()
         with torch.no_grad():
             hidden = module.model(input_ids=input_ids,
                                   attention_mask=attention_mask).last_hidden_state[:, :-1]
@@ -84,7 +86,8 @@ class Recording(GRPOTrainer):
                                        top_p=TOP_P)
             full = sampler_logprobs(h, w, y, temperature=TEMPERATURE)
         self.calls.append(dict(
-            reference=model is self.ref_model, grad=torch.is_grad_enabled(),
+            reference=model is self.ref_model or self._reference_pass,
+            grad=torch.is_grad_enabled(),
             logps=logps.detach(), entropy=None if entropies is None else entropies.detach(),
             mask=y != -100, matched=matched, full=full))
         return logps, entropies, aux
@@ -96,8 +99,18 @@ def _close(actual, expected, mask, name):
     torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5, msg=name)
 
 
-def test_match_sampler_logprobs_are_the_samplers_truncated_distribution(tiny, tmp_path):
-    trainer = make_trainer(Recording, tiny, grpo_args(tmp_path, beta=0.05), match_sampler=True)
+@pytest.mark.parametrize("lora", [False, True], ids=["reference-model", "lora"])
+def test_match_sampler_logprobs_are_the_samplers_truncated_distribution(tiny, tmp_path, lora):
+    """With LoRA the reference pass is the policy model with its adapter disabled, inside
+    TRL's ``use_adapter`` block."""
+    kwargs = {}
+    if lora:
+        from peft import LoraConfig
+
+        kwargs["peft_config"] = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"],
+                                           task_type="CAUSAL_LM")
+    trainer = make_trainer(Recording, tiny, grpo_args(tmp_path, beta=0.05), match_sampler=True,
+                           **kwargs)
     trainer.train()
     policy = [c for c in trainer.calls if not c["reference"] and c["grad"]]
     old = [c for c in trainer.calls if not c["reference"] and not c["grad"]]
