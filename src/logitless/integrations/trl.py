@@ -323,9 +323,9 @@ class GRPOTrainer(trl.GRPOTrainer):
                 self, *args, **kwargs).arguments.get("args")
             if given is not None:
                 sampler_from_grpo(given)
-        super().__init__(*args, **kwargs)
         self._sampler = None
         self._reference_pass = False
+        super().__init__(*args, **kwargs)
         if match_sampler:
             self._sampler = sampler_from_grpo(self.args)
             self._check_generation_backend()
