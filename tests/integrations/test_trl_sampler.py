@@ -18,8 +18,8 @@ from tiny_models import prompt_dataset, tiny_qwen2, tiny_tokenizer, vowel_reward
 
 trl = pytest.importorskip("trl", reason="TRL is installed by `make test`")
 
-from logitless.integrations.sampler_settings import (  # noqa: E402
-    SamplerSettings,
+from logitless.integrations.sampler_config import (  # noqa: E402
+    SamplerTruncation,
     drop_outside_kept,
 )
 from logitless.integrations.trl import GRPOTrainer, sampler_from_grpo  # noqa: E402
@@ -142,11 +142,11 @@ def test_without_match_sampler_the_head_is_untruncated(tiny, tmp_path):
 
 def test_sampler_from_grpo_reads_trl_conventions(tmp_path):
     read = sampler_from_grpo
-    assert read(grpo_args(tmp_path)) == SamplerSettings(top_k=TOP_K, top_p=TOP_P)
+    assert read(grpo_args(tmp_path)) == SamplerTruncation(top_k=TOP_K, top_p=TOP_P)
     # TRL's defaults, and every "off" spelling, are no truncation
     assert not read(grpo_args(tmp_path, top_k=0, top_p=1.0, min_p=None)).truncates
     assert not read(grpo_args(tmp_path, top_k=-1, top_p=1.0, min_p=0.0)).truncates
-    assert read(grpo_args(tmp_path, top_k=0, top_p=1.0, min_p=0.05)) == SamplerSettings(
+    assert read(grpo_args(tmp_path, top_k=0, top_p=1.0, min_p=0.05)) == SamplerTruncation(
         min_p=0.05)
     # vLLM applies min-p before top-k / top-p: fine there
     assert read(grpo_args(tmp_path, use_vllm=True, min_p=0.05)).min_p == 0.05

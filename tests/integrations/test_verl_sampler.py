@@ -14,7 +14,7 @@ import verl.trainer.ppo.core_algos as core_algos
 from omegaconf import OmegaConf
 from verl.utils.config import omega_conf_to_dataclass
 
-from logitless.integrations.sampler_settings import SamplerSettings
+from logitless.integrations.sampler_config import SamplerTruncation
 from logitless.integrations.verl import LogitlessPolicyLossConfig, sampler_from_rollout
 from logitless.integrations.verl_head import (
     head_sampler,
@@ -63,14 +63,14 @@ def _actor(**overrides):
 def test_rollout_config_reaches_the_head_through_verls_instantiation():
     actor = _actor()
     assert isinstance(actor.policy_loss, LogitlessPolicyLossConfig)
-    assert head_sampler() == SamplerSettings(top_k=40, top_p=0.9)
+    assert head_sampler() == SamplerTruncation(top_k=40, top_p=0.9)
     set_head_sampler(None)
     shipped = pickle.loads(pickle.dumps(actor.policy_loss))  # what a Ray worker receives
     assert shipped == actor.policy_loss
-    assert head_sampler() == SamplerSettings(top_k=40, top_p=0.9)
+    assert head_sampler() == SamplerTruncation(top_k=40, top_p=0.9)
     # a config without match_sampler (another role's, in the same process) leaves it set
     _actor(**{"actor_rollout_ref.actor.policy_loss.match_sampler": None})
-    assert head_sampler() == SamplerSettings(top_k=40, top_p=0.9)
+    assert head_sampler() == SamplerTruncation(top_k=40, top_p=0.9)
 
 
 def test_head_computes_the_samplers_truncated_distribution():
@@ -81,7 +81,7 @@ def test_head_computes_the_samplers_truncated_distribution():
     labels = torch.randint(0, v, (1, t), generator=g)
     top = (hidden[0] @ weight.T).argmax(-1)
     labels[0, ::2] = top[::2]  # half the targets inside the kept set, the others mostly not
-    set_head_sampler(SamplerSettings(top_k=40, top_p=0.9, min_p=0.01))
+    set_head_sampler(SamplerTruncation(top_k=40, top_p=0.9, min_p=0.01))
     h = hidden.clone().requires_grad_(True)
     lp, ent = linear_cross_entropy(h, weight, labels, 0.8, "none", None)
     expected = sampler_logprobs(hidden[0], weight, labels[0], temperature=0.8, top_k=40,
@@ -128,12 +128,12 @@ def test_loss_checks_the_logprobs_came_through_the_sampler_head():
 
 
 def test_sampler_from_rollout_reads_verl_conventions():
-    assert sampler_from_rollout({"top_k": -1, "top_p": 1.0}) == SamplerSettings()
-    assert sampler_from_rollout({"top_k": 0}) == SamplerSettings()
-    assert sampler_from_rollout({}) == SamplerSettings()  # verl's defaults: no truncation
+    assert sampler_from_rollout({"top_k": -1, "top_p": 1.0}) == SamplerTruncation()
+    assert sampler_from_rollout({"top_k": 0}) == SamplerTruncation()
+    assert sampler_from_rollout({}) == SamplerTruncation()  # verl's defaults: no truncation
     # SGLang without truncation samples the tempered softmax like vLLM
     assert not sampler_from_rollout({"name": "sglang", "temperature": 0.6}).truncates
-    assert sampler_from_rollout({"name": "vllm", "top_k": 5, "min_p": 0.1}) == SamplerSettings(
+    assert sampler_from_rollout({"name": "vllm", "top_k": 5, "min_p": 0.1}) == SamplerTruncation(
         top_k=5, min_p=0.1)
 
 

@@ -34,10 +34,10 @@ from logitless.fused_losses.entropy_control import AdaptiveEntropyCoef
 from logitless.fused_losses.objectives import CLIPPED_SURROGATE, OBJECTIVES, clip_flags
 from logitless.fused_losses.policy_loss import policy_loss, policy_loss_globals
 from logitless.fused_losses.ratios import compute_ratio
-from logitless.integrations.sampler_settings import (
-    SamplerSettings,
+from logitless.integrations.sampler_config import (
+    SamplerTruncation,
     drop_outside_kept,
-    sampler_settings,
+    read_sampler_config,
 )
 from logitless.integrations.trl_head import (
     SUPPORTED_TRL,
@@ -189,7 +189,7 @@ _REQUIRED_GENERATION_KWARGS = {"do_sample": True, "num_beams": 1}
 _SAMPLER_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
 
 
-def sampler_from_grpo(args) -> SamplerSettings:
+def sampler_from_grpo(args) -> SamplerTruncation:
     """The truncations TRL's generation backend samples with under ``args`` (a ``GRPOConfig``),
     for ``GRPOTrainer(match_sampler=True)``.
 
@@ -231,7 +231,7 @@ def sampler_from_grpo(args) -> SamplerSettings:
         raise ValueError(
             "GRPOConfig.vllm_structured_outputs_regex: guided decoding masks tokens at each "
             "step, which match_sampler cannot reproduce")
-    settings = sampler_settings(temperature=args.temperature, top_k=args.top_k,
+    settings = read_sampler_config(temperature=args.temperature, top_k=args.top_k,
                                 top_p=args.top_p, min_p=args.min_p, names=names,
                                 top_k_off=(0, -1))
     if not args.use_vllm and settings.truncates:
@@ -254,7 +254,7 @@ class _Head:
     (TRL's policy head always computes it, even in the old-policy pass that discards it), and
     applies the sampler's truncations when given them."""
 
-    def __init__(self, entropy: bool, sampler: SamplerSettings | None = None):
+    def __init__(self, entropy: bool, sampler: SamplerTruncation | None = None):
         self.entropy = entropy
         self.sampler = sampler
 
@@ -268,7 +268,7 @@ class _Head:
 
 
 @contextlib.contextmanager
-def _logitless_head(entropy: bool, sampler: SamplerSettings | None = None):
+def _logitless_head(entropy: bool, sampler: SamplerTruncation | None = None):
     """TRL's fused head computes through logitless inside the block (TRL looks the kernel up
     at each call; the backward belongs to the returned tensors, so it needs no patch)."""
     import trl.trainer.utils as trl_utils

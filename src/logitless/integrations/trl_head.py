@@ -72,7 +72,7 @@ class LogitlessChunkedLogProb:
     def apply(hidden, weight, bias, targets, temperature, chunk_size,
               final_logit_softcapping=None, logit_scale=1.0, outputs=_TRL_OUTPUTS, *,
               sampler=None):
-        """TRL's arguments, plus ``sampler`` (a ``SamplerSettings``, or None): the sampler's
+        """TRL's arguments, plus ``sampler`` (a ``SamplerTruncation``, or None): the sampler's
         top-k / top-p / min-p, which make the logprobs and entropy those of the truncated,
         renormalised distribution the sampler drew from (logitless's ``GRPOTrainer`` passes
         it with ``match_sampler=True``)."""

@@ -44,10 +44,10 @@ from verl.workers.config import PolicyLossConfig as VerlPolicyLossConfig
 from logitless.fused_losses.config import PolicyLossConfig
 from logitless.fused_losses.objectives import OBJECTIVES, get_objective
 from logitless.fused_losses.policy_loss import policy_loss
-from logitless.integrations.sampler_settings import (
-    SamplerSettings,
+from logitless.integrations.sampler_config import (
+    SamplerTruncation,
     drop_outside_kept,
-    sampler_settings,
+    read_sampler_config,
 )
 from logitless.integrations.verl_distill import register_verl_distillation_loss
 from logitless.integrations.verl_head import (
@@ -114,7 +114,7 @@ def _passthrough_default(name: str):
 _ROLLOUT_ENGINES = ("vllm",)
 
 
-def sampler_from_rollout(rollout) -> SamplerSettings:
+def sampler_from_rollout(rollout) -> SamplerTruncation:
     """The truncations verl's rollout samples with, from its rollout config (``RolloutConfig``,
     its ``DictConfig`` or a mapping with the same keys; absent keys take verl's defaults).
 
@@ -142,7 +142,7 @@ def sampler_from_rollout(rollout) -> SamplerSettings:
         raise ValueError(
             f"rollout.logprobs_mode: expected 'processed_logprobs' (the logprobs of the "
             f"distribution vLLM samples from), got {mode!r}")
-    settings = sampler_settings(
+    settings = read_sampler_config(
         temperature=_get(rollout, "temperature", 1.0), top_k=_get(rollout, "top_k", -1),
         top_p=_get(rollout, "top_p", 1.0), min_p=_get(rollout, "min_p"), names=names,
         top_k_off=(-1, 0))

@@ -28,7 +28,7 @@ import sys
 import torch
 
 from logitless.fused_losses.logprobs import linear_logprobs
-from logitless.integrations.sampler_settings import SamplerSettings
+from logitless.integrations.sampler_config import SamplerTruncation
 
 __all__ = [
     "disable_fused_head",
@@ -53,21 +53,21 @@ _BINDING_MODULES = (
 )
 _ATTR = "linear_cross_entropy"
 _original: object | None = None
-_sampler: SamplerSettings | None = None
+_sampler: SamplerTruncation | None = None
 _sampler_calls = 0
 
 
-def set_head_sampler(sampler: SamplerSettings | None) -> None:
+def set_head_sampler(sampler: SamplerTruncation | None) -> None:
     """Truncate every later :func:`linear_cross_entropy` call of this process as the sampler
     does (None: the full distribution again); restarts :func:`sampler_head_calls` at 0."""
     global _sampler, _sampler_calls
-    if sampler is not None and not isinstance(sampler, SamplerSettings):
-        raise ValueError(f"sampler: expected a SamplerSettings or None, got {sampler!r}")
+    if sampler is not None and not isinstance(sampler, SamplerTruncation):
+        raise ValueError(f"sampler: expected a SamplerTruncation or None, got {sampler!r}")
     _sampler = sampler
     _sampler_calls = 0
 
 
-def head_sampler() -> SamplerSettings | None:
+def head_sampler() -> SamplerTruncation | None:
     """The truncations :func:`linear_cross_entropy` applies in this process (None: none)."""
     return _sampler
 

@@ -1,8 +1,8 @@
 """The sampler's truncation settings as the trainer adapters read them from a framework config.
 
-:class:`SamplerSettings` holds the ``top_k`` / ``top_p`` / ``min_p`` a rollout engine sampled
+:class:`SamplerTruncation` holds the ``top_k`` / ``top_p`` / ``min_p`` a rollout engine sampled
 with, each None when that truncation is off, and hands the set ones to
-:func:`logitless.linear_logprobs` (:meth:`SamplerSettings.kwargs`). :func:`sampler_settings`
+:func:`logitless.linear_logprobs` (:meth:`SamplerTruncation.kwargs`). :func:`read_sampler_config`
 builds one from raw config values, reading each framework's "off" spelling (TRL's ``top_k=0``,
 verl's ``top_k=-1``, ``top_p=1``, ``min_p`` None or 0) and reporting a value no sampler accepts
 under the config field's own name.
@@ -16,7 +16,7 @@ import numbers
 
 import torch
 
-__all__ = ["GREEDY_TEMPERATURE", "SamplerSettings", "drop_outside_kept", "sampler_settings"]
+__all__ = ["GREEDY_TEMPERATURE", "SamplerTruncation", "drop_outside_kept", "read_sampler_config"]
 
 # vLLM samples greedily below this temperature (its sampling epsilon): no truncation, no
 # temperature, so there is no tempered distribution to match.
@@ -24,7 +24,7 @@ GREEDY_TEMPERATURE = 1e-5
 
 
 @dataclasses.dataclass(frozen=True)
-class SamplerSettings:
+class SamplerTruncation:
     """Truncations of the sampler's distribution (None: off)."""
 
     top_k: int | None = None
@@ -50,8 +50,8 @@ def _number(value, name: str, expected: str) -> float:
     return value
 
 
-def sampler_settings(*, temperature, top_k, top_p, min_p, names: dict[str, str],
-                     top_k_off: tuple[int, ...]) -> SamplerSettings:
+def read_sampler_config(*, temperature, top_k, top_p, min_p, names: dict[str, str],
+                     top_k_off: tuple[int, ...]) -> SamplerTruncation:
     """Validate one framework's sampler values and return the truncations that are on.
 
     Args:
@@ -86,7 +86,7 @@ def sampler_settings(*, temperature, top_k, top_p, min_p, names: dict[str, str],
         if not 0 <= m <= 1:
             raise ValueError(f"{names['min_p']}: expected a number in [0, 1], got {min_p!r}")
         m = None if m == 0 else m
-    return SamplerSettings(top_k=k, top_p=p, min_p=m)
+    return SamplerTruncation(top_k=k, top_p=p, min_p=m)
 
 
 def drop_outside_kept(logps, old, mask):
