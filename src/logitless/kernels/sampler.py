@@ -1,0 +1,498 @@
+"""The CUDA path of the sampler-matched logprobs: cuBLAS GEMMs into a chunk of fp32 logits,
+Triton passes with one program per row over it.
+
+The launcher contract is ``sampler_torch``'s (same ``forward`` / ``backward`` signatures and
+outputs, same per-row algorithm, same kept sets); see that module's docstring for the
+algorithm. Per chunk of ``R`` rows (``R`` from the byte budget, the vocabulary and the dtype,
+never from N; every chunk is padded to exactly ``R`` rows so that each GEMM has one shape
+whatever N is):
+
+1. **Logits.** For each ``_COLS``-column vocabulary slice, one ``torch.mm`` / ``torch.addmm``
+   (cuBLAS, fp32 accumulation) writes ``x = h W^T + b`` in the compute dtype (bf16/fp16
+   rounded as PyTorch's own product rounds them), then ``_transform_kernel`` writes
+   ``z = logit_scale * softcap(x) / T_row`` in fp32 into the chunk buffer ``[R, V]`` (the
+   division correctly rounded, as torch's).
+2. ``_max_kernel``: the row maximum ``m`` and ``l = sum exp(z - m)`` (online, one pass).
+3. ``_threshold_kernel``: the kept set, as the pair ``(T, C)``: every token whose ordered
+   key is above ``T``, and the first ``C`` (lowest ids) of those at ``T``. min-p gives the
+   smallest candidate key (one pass); top-k and top-p each find their threshold key by a
+   ``_FAN``-ary search over the integer keys (each pass counts, or weighs by ``exp(z - m)``,
+   the tokens at or above ``_FAN`` trial keys at once, so a 32-bit key range takes 8 passes
+   where a bisection takes 32) and need one more pass for the tokens strictly above it;
+   top-p first sums the candidates' weights (one pass, ranks of the tied tokens by a running
+   ``cumsum``). The search finds the same key as the torch path's bisection: the largest key
+   whose count (or weight, summed in this kernel's order) reaches the target.
+4. ``_stats_kernel``: one pass for the kept sums, the target's logit and membership, and the
+   number of tokens at ``T``; it writes ``log q_y``, the kept entropy, ``log_kept_mass``,
+   ``lse``, the kept ``lse`` and the stored pair (``T``, the kept count at ``T``).
+
+Backward, per chunk: the same GEMMs and transform recompute ``z``; ``_grad_kernel`` writes
+``dx`` (the module doc of ``sampler_torch`` gives ``dz``; ``dx = dz * logit_scale / T_row *
+(1 - tanh^2)``, the ``tanh`` recovered from ``z``) into a ``[R, V]`` buffer in the compute
+dtype (in place over ``z`` for fp32); then cuBLAS GEMMs per vocabulary slice give
+``d_hidden`` (an fp32 ``[R, D]`` buffer) and ``d_weight`` (the call's fp32 ``[V, D]``
+accumulator, chunk after chunk), and ``d_bias`` is the fp32 column sum of ``dx``. No atomics,
+no ``tl.dot``: each launch follows the last on one stream, the same inputs give the same bits.
+
+Under ``TRITON_INTERPRET=1`` (CPU tensors) the same code runs with torch's CPU GEMMs; tests
+shrink ``_COLS``, ``_BLOCK_V`` and ``_BLOCK_S``. The kernels use ``tl.exp`` / ``tl.log`` only
+(the interpreter has no libdevice) and bitcasts for the keys.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from logitless.kernels.linear_softmax import _addmm_fp32_, _round_to, _tanh
+from logitless.kernels.linear_softmax_torch import _head_slice, _pad_rows, acc_dtype
+from logitless.kernels.sampler_torch import RowParams
+
+__all__ = ["DEFAULT_TILE_BYTES", "backward", "chunk_stats", "forward", "row_args",
+           "rows_per_chunk"]
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+# Default budget of one chunk's buffers: 32 MiB keeps the fp32 logits of a chunk inside the
+# H200's L2 cache (50 MB) through the threshold passes; 35 rows at V=151936 in bf16.
+DEFAULT_TILE_BYTES = 32 * 2**20
+# Vocabulary columns per logits GEMM (and per transform launch).
+_COLS = 16384
+# Most rows per chunk.
+_MAX_ROWS = 1024
+# Columns per step of the one-value-per-column passes, and their warps.
+_BLOCK_V = 2048
+_WARPS = 8
+# Trial keys per search pass, and the columns per step of a search pass (a [_FAN, _BLOCK_S]
+# block of comparisons).
+_FAN = 16
+_BLOCK_S = 512
+# "Every tied token": larger than any vocabulary.
+_ALL = tl.constexpr(2**62)
+
+
+@triton.jit
+def _keys(z):
+    """Ordered int32 keys of fp32 ``z``: integer order is float order, ``-0.0`` is ``+0.0``."""
+    bits = z.to(tl.int32, bitcast=True)
+    k = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    return tl.where(z == 0.0, 0, k)
+
+
+@triton.jit
+def _from_key(key):
+    """The fp32 value of an ordered key (inverse of ``_keys``)."""
+    k = key.to(tl.int32)
+    bits = tl.where(k < 0, k ^ 0x7FFFFFFF, k)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _transform_kernel(x, stride_x, z, stride_z, temperature, width, softcap, scale,
+                      HAS_SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr):
+    """``z[r, :width] = scale * softcap(x[r, :width]) / T[r]`` in fp32."""
+    row = tl.program_id(0).to(tl.int64)
+    t = tl.load(temperature + row)
+    for c0 in range(0, width, BLOCK_V):
+        cols = c0 + tl.arange(0, BLOCK_V)
+        valid = cols < width
+        v = tl.load(x + row * stride_x + cols, mask=valid, other=0.0).to(tl.float32)
+        if HAS_SOFTCAP:
+            v = _tanh(tl.math.div_rn(v, softcap)) * (softcap * scale)
+        else:
+            v = v * scale
+        tl.store(z + row * stride_z + cols, tl.math.div_rn(v, t), mask=valid)
+
+
+@triton.jit
+def _max_kernel(z, stride_z, m_out, l_out, width, BLOCK_V: tl.constexpr):
+    """Row maximum ``m`` and ``sum exp(z - m)``, online in one pass."""
+    row = tl.program_id(0).to(tl.int64)
+    z_row = z + row * stride_z
+    m = float("-inf")
+    l = 0.0
+    for c0 in range(0, width, BLOCK_V):
+        cols = c0 + tl.arange(0, BLOCK_V)
+        x = tl.load(z_row + cols, mask=cols < width, other=float("-inf"))
+        m_new = tl.maximum(m, tl.max(x, 0))  # every block holds a real column: finite
+        l = l * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), 0)
+        m = m_new
+    tl.store(m_out + row, m)
+    tl.store(l_out + row, l)
+
+
+@triton.jit
+def _members(key, valid, t, c, seen):
+    """Which columns of a block are in the set ``(t, c)`` (keys above ``t``, and the first
+    ``c`` at ``t``), given ``seen`` tokens at ``t`` in the earlier blocks; and the new
+    ``seen``."""
+    at = valid & (key == t)
+    rank = seen + tl.cumsum(at.to(tl.int32), 0)
+    member = valid & ((key > t) | (at & (rank <= c)))
+    return member, seen + tl.sum(at.to(tl.int32), 0)
+
+
+@triton.jit
+def _search(z_row, width, m, lo, hi, target, WEIGHTED: tl.constexpr, FAN: tl.constexpr,
+            BLOCK_S: tl.constexpr):
+    """The largest key ``t`` in ``[lo, hi]`` whose tokens at or above it number (or weigh,
+    each ``exp(z - m)``) at least ``target`` (``lo`` when none does; ``lo`` itself is never
+    tested: the caller guarantees it, as the torch path's bisection assumes). Each pass tests
+    ``FAN`` evenly spaced keys; only keys above ``lo`` are tested, so every token counted is
+    in the caller's candidate set."""
+    j = tl.arange(0, FAN).to(tl.int64)
+    while lo < hi:
+        step = (hi - lo) // FAN + 1
+        trial = lo + j * step
+        if WEIGHTED:
+            f = tl.zeros([FAN], dtype=tl.float32)
+        else:
+            f = tl.zeros([FAN], dtype=tl.int32)
+        for c0 in range(0, width, BLOCK_S):
+            cols = c0 + tl.arange(0, BLOCK_S)
+            valid = cols < width
+            x = tl.load(z_row + cols, mask=valid, other=0.0)
+            ge = (_keys(x)[None, :] >= trial[:, None]) & valid[None, :]
+            if WEIGHTED:
+                f += tl.sum(tl.where(ge, tl.exp(x - m)[None, :], 0.0), 1)
+            else:
+                f += tl.sum(ge.to(tl.int32), 1)
+        ok = (j > 0) & (trial <= hi) & (f >= target)
+        best = tl.max(tl.where(ok, j, 0), 0)
+        new_lo = lo + best * step
+        hi = tl.minimum(hi, new_lo + step - 1)
+        lo = new_lo
+    return lo
+
+
+@triton.jit
+def _threshold_kernel(z, stride_z, m_in, log_min_p, top_k, top_p, t_out, c_out, width,
+                      HAS_MIN_P: tl.constexpr, HAS_TOP_K: tl.constexpr,
+                      HAS_TOP_P: tl.constexpr, FAN: tl.constexpr, BLOCK_S: tl.constexpr,
+                      BLOCK_V: tl.constexpr):
+    """The kept set of row ``r`` as ``(T, C)``: min-p, then top-k, then top-p (rows with
+    ``p = 1`` untouched). ``C`` may exceed the number of tokens at ``T`` (all of them)."""
+    row = tl.program_id(0).to(tl.int64)
+    z_row = z + row * stride_z
+    m = tl.load(m_in + row)
+    hi = _keys(m).to(tl.int64)
+    # The smallest candidate key: min-p keeps z >= m + log(min_p).
+    thr = float("-inf")
+    if HAS_MIN_P:
+        thr = m + tl.load(log_min_p + row)
+    lo = hi
+    for c0 in range(0, width, BLOCK_V):
+        cols = c0 + tl.arange(0, BLOCK_V)
+        x = tl.load(z_row + cols, mask=cols < width, other=float("-inf"))
+        cand = (cols < width) & (x >= thr)
+        lo = tl.minimum(lo, tl.min(tl.where(cand, _keys(x), 2147483647), 0).to(tl.int64))
+    t = lo
+    c = tl.full([], _ALL, tl.int64)
+    if HAS_TOP_K:
+        k = tl.load(top_k + row)
+        t = _search(z_row, width, m, t, hi, k, False, FAN, BLOCK_S)
+        above = tl.zeros([], dtype=tl.int64)
+        for c0 in range(0, width, BLOCK_V):
+            cols = c0 + tl.arange(0, BLOCK_V)
+            x = tl.load(z_row + cols, mask=cols < width, other=float("-inf"))
+            above += tl.sum(((cols < width) & (_keys(x) > t)).to(tl.int32), 0)
+        c = k - above
+    if HAS_TOP_P:
+        p = tl.load(top_p + row)
+        if p < 1.0:
+            total = 0.0
+            seen = tl.zeros([], dtype=tl.int64)
+            for c0 in range(0, width, BLOCK_V):
+                cols = c0 + tl.arange(0, BLOCK_V)
+                valid = cols < width
+                x = tl.load(z_row + cols, mask=valid, other=float("-inf"))
+                member, seen = _members(_keys(x), valid, t, c, seen)
+                total += tl.sum(tl.where(member, tl.exp(x - m), 0.0), 0)
+            target = p * total
+            t_p = _search(z_row, width, m, t, hi, target, True, FAN, BLOCK_S)
+            g = 0.0
+            for c0 in range(0, width, BLOCK_V):
+                cols = c0 + tl.arange(0, BLOCK_V)
+                valid = cols < width
+                x = tl.load(z_row + cols, mask=valid, other=float("-inf"))
+                g += tl.sum(tl.where(valid & (_keys(x) > t_p), tl.exp(x - m), 0.0), 0)
+            e_t = tl.exp(_from_key(t_p) - m)
+            # ceil((target - g) / e_t), at least 1; a tied weight underflowing to 0 (or a NaN)
+            # keeps every tie.
+            q = tl.math.div_rn(target - g, e_t)
+            ties = tl.where(q == q, q, float("inf"))
+            ties = tl.maximum(tl.ceil(ties), 1.0)
+            c_p = tl.where(ties < 4.0e18, ties, 4.0e18).to(tl.int64)
+            c = tl.where(t_p > t, c_p, tl.minimum(c, c_p))
+            t = t_p
+    tl.store(t_out + row, t)
+    tl.store(c_out + row, c)
+
+
+@triton.jit
+def _stats_kernel(z, stride_z, targets, m_in, l_in, t_io, c_io, lp, entropy, kept_mass,
+                  lse, lse_kept, width, BLOCK_V: tl.constexpr):
+    """Statistics of the kept set ``(T, C)``; ``c_io`` becomes the kept count at ``T``."""
+    row = tl.program_id(0).to(tl.int64)
+    z_row = z + row * stride_z
+    m = tl.load(m_in + row)
+    t = tl.load(t_io + row)
+    c = tl.load(c_io + row)
+    y = tl.load(targets + row)
+    seen = tl.zeros([], dtype=tl.int64)
+    l_k = 0.0
+    a_k = 0.0
+    z_y = 0.0
+    y_in = tl.zeros([], dtype=tl.int32)
+    for c0 in range(0, width, BLOCK_V):
+        cols = c0 + tl.arange(0, BLOCK_V)
+        valid = cols < width
+        x = tl.load(z_row + cols, mask=valid, other=float("-inf"))
+        member, seen = _members(_keys(x), valid, t, c, seen)
+        d = tl.where(member, x - m, 0.0)
+        e = tl.where(member, tl.exp(d), 0.0)
+        l_k += tl.sum(e, 0)
+        a_k += tl.sum(e * d, 0)
+        is_y = valid & (cols == y)
+        z_y += tl.sum(tl.where(is_y, x, 0.0), 0)
+        y_in += tl.sum((is_y & member).to(tl.int32), 0)
+    full = m + tl.log(tl.load(l_in + row))
+    kept = m + tl.log(l_k)
+    tl.store(lp + row, tl.where(y_in > 0, z_y - kept, float("-inf")))
+    tl.store(entropy + row, tl.log(l_k) - a_k / l_k)
+    tl.store(kept_mass + row, kept - full)
+    tl.store(lse + row, full)
+    tl.store(lse_kept + row, kept)
+    tl.store(c_io + row, tl.minimum(c, seen))
+
+
+@triton.jit
+def _grad_kernel(z, stride_z, dx, stride_dx, targets, temperature, key, count, lse, lse_kept,
+                 entropy, g_lp, g_entropy, g_kept, g_lse, n_rows, width, softcap, scale,
+                 HAS_SOFTCAP: tl.constexpr, HAS_G_LP: tl.constexpr,
+                 HAS_G_ENTROPY: tl.constexpr, HAS_G_KEPT: tl.constexpr,
+                 HAS_G_LSE: tl.constexpr, INTERPRET_BF16: tl.constexpr,
+                 BLOCK_V: tl.constexpr):
+    """``dx`` of row ``r`` (zeros for rows at or past ``n_rows``, the chunk's padding), in
+    ``dx``'s dtype; ``z`` holds the row's tempered fp32 logits."""
+    row = tl.program_id(0).to(tl.int64)
+    z_row = z + row * stride_z
+    dx_row = dx + row * stride_dx
+    keep = row < n_rows
+    r = tl.minimum(row, n_rows - 1)
+    temp = tl.load(temperature + r)
+    t = tl.load(key + r)
+    c = tl.load(count + r)
+    y = tl.load(targets + r)
+    lse_k = tl.load(lse_kept + r)
+    coef = 0.0
+    g_y = 0.0
+    if HAS_G_LP:
+        # The target's logprob has a gradient only when the target is kept.
+        k_y = _keys(tl.load(z_row + y)).to(tl.int64)
+        y_kept = k_y > t
+        if k_y == t:
+            ties = tl.zeros([], dtype=tl.int64)
+            for c0 in range(0, y + 1, BLOCK_V):
+                cols = c0 + tl.arange(0, BLOCK_V)
+                x = tl.load(z_row + cols, mask=cols <= y, other=float("-inf"))
+                ties += tl.sum(((cols <= y) & (_keys(x) == t)).to(tl.int32), 0)
+            y_kept = ties <= c
+        g_y = tl.where(y_kept, tl.load(g_lp + r), 0.0)
+        coef -= g_y
+    if HAS_G_KEPT:
+        coef += tl.load(g_kept + r)
+    g_p = 0.0
+    if HAS_G_KEPT:
+        g_p -= tl.load(g_kept + r)
+    if HAS_G_LSE:
+        g_p += tl.load(g_lse + r)
+    if HAS_G_ENTROPY:
+        g_h = tl.load(g_entropy + r)
+        h = tl.load(entropy + r)
+    lse_r = tl.load(lse + r)
+    factor = scale / temp
+    seen = tl.zeros([], dtype=tl.int64)
+    for c0 in range(0, width, BLOCK_V):
+        cols = c0 + tl.arange(0, BLOCK_V)
+        valid = cols < width
+        x = tl.load(z_row + cols, mask=valid, other=0.0)
+        member, seen = _members(_keys(x), valid, t, c, seen)
+        log_q = x - lse_k
+        q = tl.where(member, tl.exp(log_q), 0.0)
+        d = q * coef
+        if HAS_G_ENTROPY:
+            d -= tl.where(member, q * (log_q + h), 0.0) * g_h
+        if HAS_G_KEPT or HAS_G_LSE:
+            d += tl.exp(x - lse_r) * g_p
+        d += tl.where(cols == y, g_y, 0.0)
+        d *= factor
+        if HAS_SOFTCAP:
+            th = x * temp / (softcap * scale)  # tanh(x_raw / c), from the tempered logit
+            d *= 1.0 - th * th
+        d = tl.where(keep, d, 0.0)
+        tl.store(dx_row + cols, _round_to(d, dx.dtype.element_ty, INTERPRET_BF16), mask=valid)
+
+
+def rows_per_chunk(v: int, tile_bytes: int, dtype: torch.dtype, softcap: float | None) -> int:
+    """Rows per chunk so that a chunk's buffers fit in ``tile_bytes``: the fp32 logits, the
+    backward's ``dx`` in the compute dtype (none for fp32: it overwrites the logits) and one
+    GEMM slice in the compute dtype. From the vocabulary, the budget and the dtype only."""
+    del softcap  # recovered from the tempered logits: no buffer
+    e = dtype.itemsize
+    per_row = 4 * v + (e * v if e < 4 else 0) + e * min(v, _COLS)
+    return max(1, min(_MAX_ROWS, tile_bytes // per_row))
+
+
+def row_args(params: RowParams, n: int, device):
+    """Per-row kernel arguments for ``n`` rows: ``log(min_p)`` as the torch path forms it,
+    and a stand-in pointer for each setting that is off."""
+    log_min_p = None if params.min_p is None else torch.log(params.min_p.float())
+    top_k = params.top_k
+    top_p = None if params.top_p is None else params.top_p.float()
+    dummy = torch.zeros(1, dtype=torch.float32, device=device)
+    return dict(
+        temperature=params.temperature.float().contiguous(),
+        log_min_p=dummy if log_min_p is None else log_min_p.contiguous(),
+        top_k=torch.zeros(1, dtype=torch.int64, device=device) if top_k is None
+        else top_k.contiguous(),
+        top_p=dummy if top_p is None else top_p.contiguous(),
+        flags=dict(HAS_MIN_P=log_min_p is not None, HAS_TOP_K=top_k is not None,
+                   HAS_TOP_P=top_p is not None),
+    )
+
+
+class _Chunk:
+    """One call's buffers: the chunk's fp32 logits, one GEMM slice, the padded hidden rows."""
+
+    def __init__(self, hidden, weight, tile_bytes):
+        self.n, self.v = hidden.shape[0], weight.shape[0]
+        self.rows = rows_per_chunk(self.v, tile_bytes, hidden.dtype, None)
+        self.cols = min(self.v, _COLS)
+        dev = hidden.device
+        self.z = torch.empty(self.rows, self.v, dtype=torch.float32, device=dev)
+        self.x = torch.empty(self.rows * self.cols, dtype=hidden.dtype, device=dev)
+
+    def blocks(self):
+        """``(first row, real rows)`` of each chunk."""
+        for r0 in range(0, self.n, self.rows):
+            yield r0, min(self.rows, self.n - r0)
+
+    def logits(self, h, weight, bias, temperature, softcap, logit_scale, programs):
+        """Fill ``z`` with the tempered fp32 logits of ``h`` (``[rows, D]``, padded) for the
+        first ``programs`` rows."""
+        meta = dict(HAS_SOFTCAP=softcap is not None, BLOCK_V=_BLOCK_V, num_warps=_WARPS)
+        for c0 in range(0, self.v, self.cols):
+            w, b = _head_slice(weight, bias, c0, self.cols, h.dtype)
+            width = w.shape[0]
+            x = self.x[:self.rows * width].view(self.rows, width)
+            if b is None:
+                torch.mm(h, w.t(), out=x)
+            else:
+                torch.addmm(b, h, w.t(), out=x)
+            zc = self.z[:, c0:c0 + width]
+            _transform_kernel[(programs,)](
+                x, x.stride(0), zc, zc.stride(0), temperature, width,
+                1.0 if softcap is None else float(softcap), float(logit_scale), **meta)
+
+
+def forward(hidden, weight, bias, targets, params: RowParams, *, softcap, logit_scale,
+            tile_bytes: int = DEFAULT_TILE_BYTES):
+    """``sampler_torch.forward``'s contract: ``(logprobs, entropy, log_kept_mass, lse,
+    lse_kept, key, count)``, each ``[N]`` (fp32; key and count int64)."""
+    n = hidden.shape[0]
+    dev = hidden.device
+    outs = [torch.empty(n, dtype=torch.float32, device=dev) for _ in range(5)]
+    key = torch.empty(n, dtype=torch.int64, device=dev)
+    count = torch.empty(n, dtype=torch.int64, device=dev)
+    if n == 0:
+        return (*outs, key, count)
+    chunk = _Chunk(hidden, weight, tile_bytes)
+    args = row_args(params, n, dev)
+    targets = targets.contiguous()
+    scratch = torch.empty(2, chunk.rows, dtype=torch.float32, device=dev)
+    for r0, real in chunk.blocks():
+        h = _pad_rows(hidden[r0:r0 + real], chunk.rows)
+        chunk.logits(h, weight, bias, args["temperature"][r0:], softcap, logit_scale, real)
+        chunk_stats(chunk.z[:real], targets[r0:r0 + real], args, r0,
+                    [o[r0:r0 + real] for o in (*outs, key, count)], scratch)
+    return (*outs, key, count)
+
+
+def chunk_stats(z, targets, args, r0, outs, scratch):
+    """Steps 2-4 of the module doc on the fp32 tempered logits ``z [R, V]`` (row stride
+    free, unit column stride) of rows ``r0 ...`` of the call: writes ``outs`` (``logprobs,
+    entropy, log_kept_mass, lse, lse_kept, key, count``, each ``[R]``) from the per-row
+    settings ``args`` (:func:`row_args`), using ``scratch`` (fp32 ``[2, >= R]``)."""
+    rows, v = z.shape
+    m, l = scratch[0], scratch[1]
+    key, count = outs[5], outs[6]
+    _max_kernel[(rows,)](z, z.stride(0), m, l, v, BLOCK_V=_BLOCK_V, num_warps=_WARPS)
+    _threshold_kernel[(rows,)](
+        z, z.stride(0), m, args["log_min_p"][r0:], args["top_k"][r0:], args["top_p"][r0:],
+        key, count, v, **args["flags"], FAN=_FAN, BLOCK_S=_BLOCK_S, BLOCK_V=_BLOCK_V,
+        num_warps=_WARPS)
+    _stats_kernel[(rows,)](z, z.stride(0), targets, m, l, key, count, *outs[:5], v,
+                           BLOCK_V=_BLOCK_V, num_warps=_WARPS)
+
+
+def grad_meta(dtype, softcap, g_lp, g_entropy, g_kept, g_lse) -> dict:
+    """The constexprs and warps ``backward`` launches ``_grad_kernel`` with."""
+    return dict(HAS_SOFTCAP=softcap is not None, HAS_G_LP=g_lp is not None,
+                HAS_G_ENTROPY=g_entropy is not None, HAS_G_KEPT=g_kept is not None,
+                HAS_G_LSE=g_lse is not None,
+                INTERPRET_BF16=_INTERPRET and dtype == torch.bfloat16, BLOCK_V=_BLOCK_V,
+                num_warps=_WARPS)
+
+
+def backward(hidden, weight, bias, targets, params: RowParams, key, count, lse, lse_kept,
+             entropy, g_lp, g_entropy, g_kept, g_lse, *, softcap, logit_scale, need_hidden,
+             need_weight, need_bias, tile_bytes: int = DEFAULT_TILE_BYTES):
+    """``sampler_torch.backward``'s contract: fp32 gradients of hidden, weight and bias (None
+    where not needed) from the per-row upstream gradients (``[N]`` or None)."""
+    n, v = hidden.shape[0], weight.shape[0]
+    dev = hidden.device
+    d_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=dev) if need_hidden \
+        else None
+    d_weight = torch.zeros(weight.shape, dtype=torch.float32, device=dev) if need_weight \
+        else None
+    d_bias = torch.zeros(v, dtype=torch.float32, device=dev) if need_bias else None
+    if not (need_hidden or need_weight or need_bias) or n == 0:
+        return d_hidden, d_weight, d_bias
+    chunk = _Chunk(hidden, weight, tile_bytes)
+    args = row_args(params, n, dev)
+    z = chunk.z
+    dx = z if hidden.dtype == torch.float32 else torch.empty(
+        chunk.rows, v, dtype=hidden.dtype, device=dev)
+    dh = torch.empty(chunk.rows, hidden.shape[1], dtype=torch.float32, device=dev) \
+        if need_hidden else None
+    per_row = [None if g is None else g.float().contiguous()
+               for g in (lse, lse_kept, entropy, g_lp, g_entropy, g_kept, g_lse)]
+    ptrs = [p if p is not None else per_row[0] for p in per_row]
+    meta = grad_meta(hidden.dtype, softcap, *per_row[3:])
+    scalars = dict(softcap=1.0 if softcap is None else float(softcap),
+                   scale=float(logit_scale))
+    targets, key, count = targets.contiguous(), key.contiguous(), count.contiguous()
+    for ci, (r0, real) in enumerate(chunk.blocks()):
+        h = _pad_rows(hidden[r0:r0 + real], chunk.rows)
+        temperature = args["temperature"][r0:]
+        chunk.logits(h, weight, bias, temperature, softcap, logit_scale, real)
+        _grad_kernel[(chunk.rows,)](
+            z, z.stride(0), dx, dx.stride(0), targets[r0:], temperature, key[r0:],
+            count[r0:], *(p[r0:] for p in ptrs), real, v, **scalars, **meta)
+        if d_bias is not None:
+            d_bias += dx[:real].sum(0, dtype=torch.float32)
+        for c0 in range(0, v, chunk.cols):
+            w, _ = _head_slice(weight, None, c0, chunk.cols, hidden.dtype)
+            piece = dx[:, c0:c0 + w.shape[0]]
+            if dh is not None:
+                _addmm_fp32_(dh, piece, w, beta=0.0 if c0 == 0 else 1.0)
+            if d_weight is not None:
+                _addmm_fp32_(d_weight[c0:c0 + w.shape[0]], piece.t(), h,
+                             beta=0.0 if ci == 0 else 1.0)
+        if dh is not None:
+            d_hidden[r0:r0 + real] = dh[:real]
+    return d_hidden, d_weight, d_bias
