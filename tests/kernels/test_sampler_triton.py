@@ -3,9 +3,10 @@ chunk of fp32 logits, Triton passes one program per row) under TRITON_INTERPRET=
 tensors, against the fp64 reference (vLLM 0.34.0's order and tie rules, see
 ``logitless.reference.sampler``) and against the torch path ``kernels/sampler_torch.py``.
 
-Shapes are tiny (the interpreter is slow); ``small`` shrinks the GEMM slice to 32 columns and
-the kernels' blocks to 16 and 8 columns, and ``TILE`` gives 2-row chunks, so N=5, V=67 crosses
-every boundary (three vocabulary slices, five blocks per pass, three chunks, the last padded).
+Shapes are tiny (the interpreter is slow); ``small`` shrinks the GEMM slice to 32 columns, the
+one-value-per-column blocks to 16 columns and the search blocks to 64, and ``TILE`` gives
+2-row chunks, so N=5, V=67 crosses every boundary (three vocabulary slices, several blocks per
+pass, three chunks, the last padded).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from logitless.reference.sampler import sampler_kept_mask, sampler_logprobs
 from testing import assert_close_to_oracle, requires_triton
 
 N, D, V = 5, 24, 67
-COLS, BLOCK_V, BLOCK_S = 32, 16, 8
+COLS, BLOCK_V, BLOCK_S = 32, 16, 64
 TILE = 950  # bytes: 2 rows per chunk in fp32 (396 a row) and in bf16 (466 a row)
 OUTS = ("logprobs", "entropy", "log_kept_mass")
 
@@ -68,10 +69,9 @@ def _per_token(seed=1):
 
 CASES = {
     "top_k": dict(top_k=5),
-    "top_p": dict(top_p=0.8),
-    "min_p-cap-scale": dict(min_p=0.05, softcap=4.0, logit_scale=1.3),
-    "combined": dict(temperature=0.7, top_k=20, top_p=0.9, min_p=0.02),
-    "per_token": _per_token(),
+    "top_p-cap-scale": dict(top_p=0.8, softcap=4.0, logit_scale=1.3),
+    "min_p": dict(min_p=0.05),
+    "combined-per-token": _per_token(),
 }
 
 
@@ -134,15 +134,15 @@ def _tied_rows(n, v, seed):
 
 
 @requires_triton
-@pytest.mark.parametrize("which", ["top_k", "top_p", "min_p", "all"])
-def test_kept_sets_equal_the_torch_paths_on_tied_logits(small, which):
+def test_kept_sets_equal_the_torch_paths_on_tied_logits(small, monkeypatch):
     """The Triton passes and the torch path on the same fp32 logits: identical kept sets
     (the lowest ids kept among ties at the k-th value and at the top-p boundary), identical
     stored (key, count), the same statistics; and both equal to the fp64 reference's set."""
-    n, v = 20, 41
+    # 256 trial keys a pass: 4 passes instead of 8 (the interpreter's time goes there); the
+    # search's result does not depend on the fan-out
+    monkeypatch.setattr(kernel, "_FAN", 256)
+    n, v = 16, 41
     z, params = _tied_rows(n, v, seed=3)
-    if which != "all":
-        params = RowParams(params.temperature, **{which: getattr(params, which)})
     targets = torch.randint(0, v, (n,))
     outs = [torch.empty(n) for _ in range(5)] + [torch.empty(n, dtype=torch.int64)
                                                  for _ in range(2)]
@@ -159,9 +159,9 @@ def test_kept_sets_equal_the_torch_paths_on_tied_logits(small, which):
     t_min = torch.where(want, keys, torch.iinfo(keys.dtype).max).amin(1)
     assert torch.equal(outs[5], t_min)
     assert torch.equal(outs[6], (want & (keys == t_min.unsqueeze(1))).sum(1))
-    if which in ("top_k", "top_p", "all"):  # boundary ties really are split in some rows
-        at = z == torch.where(want, z, float("inf")).amin(1, keepdim=True)
-        assert int(((at & ~want).any(1) & (at & want).any(1)).sum()) >= 3
+    # boundary ties really are split in some rows
+    at = z == torch.where(want, z, float("inf")).amin(1, keepdim=True)
+    assert int(((at & ~want).any(1) & (at & want).any(1)).sum()) >= 3
     for got, exp in zip(outs[:5], sampler_torch._stats(z, targets, want)):
         torch.testing.assert_close(got, exp, rtol=0, atol=1e-5)
 
@@ -190,10 +190,20 @@ def test_bf16_three_way(small):
                                name)
     up = [torch.randn(N, dtype=torch.float64) * stable for _ in OUTS]
     got = torch.autograd.grad(_finite_sum([getattr(out, k) for k in OUTS], up), leaves)
-    want = torch.autograd.grad(_finite_sum([ref[k] for k in OUTS], up), ref_leaves)
     bf16 = torch.autograd.grad(_finite_sum([same[k] for k in OUTS], up), same_leaves)
-    for name, g, r, s in zip(("d_hidden", "d_weight"), got, want, bf16):
-        assert_close_to_oracle(g, r, s, 1e-3 * (1 + float(r.abs().max())), name)
+    # The gradients' oracle: fp64 from the logits the kernel starts from, the bf16 GEMM's
+    # output (a bf16 computation rounds them too). Like autograd in bf16, the kernel then
+    # rounds dx (the logits' gradient) to bf16 once, for the GEMMs: an elementwise error up
+    # to u |dx| @ |W| (u |dx|^T @ |h|).
+    x = (h16 @ w16.t()).double().requires_grad_()
+    ref_x = sampler_logprobs(x, torch.eye(V, dtype=torch.float64), t, temperature=temperature,
+                             **kw)
+    dx = torch.autograd.grad(_finite_sum([ref_x[k] for k in OUTS], up), x)[0]
+    want = (dx @ w16.double(), dx.t() @ h16.double())
+    u = torch.finfo(torch.bfloat16).eps
+    tols = (u * dx.abs() @ w16.double().abs(), u * dx.abs().t() @ h16.double().abs())
+    for name, g, r, s, tol in zip(("d_hidden", "d_weight"), got, want, bf16, tols):
+        assert_close_to_oracle(g, r, s, tol, name)
 
 
 @requires_triton
@@ -211,7 +221,7 @@ def test_rows_do_not_depend_on_the_batch(small):
         return out, g
 
     full, g_full = run(slice(0, N))
-    for rows in (slice(4, 5), slice(2, 5)):
+    for rows in (slice(4, 5),):  # the last row alone: a padded chunk, another position
         part, g_part = run(rows)
         for name in OUTS:
             assert torch.equal(getattr(part, name), getattr(full, name)[rows])
@@ -219,7 +229,8 @@ def test_rows_do_not_depend_on_the_batch(small):
 
 
 # Compiles every kernel for sm_90 with the constexprs and warps the launchers use, for each
-# dtype and every flag on and off. A subprocess: TRITON_INTERPRET=1 replaces the JIT.
+# flag on and off (bf16 with every flag on, fp32 with every flag off; the threshold pass with
+# all three truncations, and with top-p alone). A subprocess: TRITON_INTERPRET=1 replaces the JIT.
 _COMPILE_SCRIPT = """
 import sys
 sys.path.insert(0, {tests!r})
@@ -235,25 +246,22 @@ def build(name, sig, consts):
     assert compiled.asm["cubin"]
     report[name] = ptxas_report(compiled)
 
-for ty in ("bf16", "fp16", "fp32"):
-    for on in (True, False):
-        build("_transform_kernel", dict(x="*" + ty, stride_x="i32", z="*fp32", stride_z="i32",
-              temperature="*fp32", width="i32", softcap="fp32", scale="fp32"),
-              dict(HAS_SOFTCAP=on, BLOCK_V=k._BLOCK_V))
-        g = torch.zeros(1) if on else None
-        meta = k.grad_meta(getattr(torch, dict(bf16="bfloat16", fp16="float16",
-                                              fp32="float32")[ty]), 3.0 if on else None,
-                           g, g, g, g)
-        meta.pop("num_warps")
-        build("_grad_kernel", dict(z="*fp32", stride_z="i32", dx="*" + ty, stride_dx="i32",
-              targets="*i64", temperature="*fp32", key="*i64", count="*i64",
-              **dict.fromkeys(("lse", "lse_kept", "entropy", "g_lp", "g_entropy", "g_kept",
-                               "g_lse"), "*fp32"),
-              n_rows="i32", width="i32", softcap="fp32", scale="fp32"), meta)
+for ty, on in (("bf16", True), ("fp32", False)):
+    build("_transform_kernel", dict(x="*" + ty, stride_x="i32", z="*fp32", stride_z="i32",
+          temperature="*fp32", width="i32", softcap="fp32", scale="fp32"),
+          dict(HAS_SOFTCAP=on, BLOCK_V=k._BLOCK_V))
+    g = torch.zeros(1) if on else None
+    meta = k.grad_meta(dict(bf16=torch.bfloat16, fp32=torch.float32)[ty],
+                       3.0 if on else None, g, g, g, g)
+    meta.pop("num_warps")
+    build("_grad_kernel", dict(z="*fp32", stride_z="i32", dx="*" + ty, stride_dx="i32",
+          targets="*i64", temperature="*fp32", key="*i64", count="*i64",
+          **dict.fromkeys(("lse", "lse_kept", "entropy", "g_lp", "g_entropy", "g_kept",
+                           "g_lse"), "*fp32"),
+          n_rows="i32", width="i32", softcap="fp32", scale="fp32"), meta)
 build("_max_kernel", dict(z="*fp32", stride_z="i32", m_out="*fp32", l_out="*fp32",
       width="i32"), dict(BLOCK_V=k._BLOCK_V))
-for flags in ((True, True, True), (False, True, False), (False, False, True),
-              (True, False, False)):
+for flags in ((True, True, True), (False, False, True)):
     build("_threshold_kernel", dict(z="*fp32", stride_z="i32", m_in="*fp32",
           log_min_p="*fp32", top_k="*i64", top_p="*fp32", t_out="*i64", c_out="*i64",
           width="i32"), dict(zip(("HAS_MIN_P", "HAS_TOP_K", "HAS_TOP_P"), flags),
@@ -262,7 +270,8 @@ build("_stats_kernel", dict(z="*fp32", stride_z="i32", targets="*i64", m_in="*fp
       l_in="*fp32", t_io="*i64", c_io="*i64", lp="*fp32", entropy="*fp32",
       kept_mass="*fp32", lse="*fp32", lse_kept="*fp32", width="i32"),
       dict(BLOCK_V=k._BLOCK_V))
-print(report)
+for name, r in report.items():
+    print(name, r)
 """
 
 
@@ -274,3 +283,4 @@ def test_kernels_compile_for_sm90():
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
+    print(done.stdout)  # registers and spills, for -s
