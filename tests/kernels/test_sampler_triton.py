@@ -12,9 +12,6 @@ pass, three chunks, the last padded).
 from __future__ import annotations
 
 import os
-import pathlib
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -25,6 +22,7 @@ from logitless.kernels import sampler_torch
 from logitless.kernels.sampler_torch import RowParams
 from logitless.reference.sampler import sampler_kept_mask, sampler_logprobs
 
+from sm90 import run_compile_script
 from testing import assert_close_to_oracle, requires_triton
 
 N, D, V = 5, 24, 67
@@ -278,9 +276,6 @@ for name, r in report.items():
 @pytest.mark.compile_sm90
 def test_kernels_compile_for_sm90():
     pytest.importorskip("triton.backends.nvidia")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    script = _COMPILE_SCRIPT.format(tests=str(pathlib.Path(__file__).parents[1]))
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                          text=True, timeout=600)
+    done = run_compile_script(_COMPILE_SCRIPT)
     assert done.returncode == 0, done.stderr[-4000:]
     print(done.stdout)  # registers and spills, for -s

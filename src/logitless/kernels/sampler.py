@@ -48,7 +48,7 @@ import triton
 import triton.language as tl
 
 from logitless.kernels.linear_softmax import _addmm_fp32_, _round_to, _tanh
-from logitless.kernels.linear_softmax_torch import _head_slice, _pad_rows, acc_dtype
+from logitless.kernels.linear_softmax_torch import _head_slice, _pad_rows
 from logitless.kernels.sampler_torch import RowParams
 
 __all__ = ["DEFAULT_TILE_BYTES", "backward", "chunk_stats", "forward", "row_args",
