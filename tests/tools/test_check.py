@@ -18,6 +18,8 @@ SMALL_ARGS = ["--batch", "2", "--seq-len", "9", "--hidden", "40", "--vocab", "30
 QUANTITIES = {
     "linear_logprobs": {"logprobs", "entropy", "sum_p_sq", "mean_logit", "is_top1", "lse",
                         "d_hidden", "d_weight", "d_bias"},
+    "sampled_logprobs": {"logprobs", "entropy", "log_kept_mass", "d_hidden", "d_weight",
+                         "d_bias"},
     "policy_loss": {"loss", "d_logprobs", "d_entropy"},
     "fused_policy_loss": {"loss", "d_hidden", "d_weight", "d_bias"},
     "attention_entropy": {"entropy"},
@@ -118,6 +120,25 @@ def test_a_corrupted_op_fails_where_it_was_corrupted(op, monkeypatch, capsys):
     assert main(["check", "--device", "cpu", "--backend", "torch", "--dtype", "float32",
                  "--op", op, *SMALL_ARGS]) == 1
     assert "FAIL" in capsys.readouterr().out
+
+
+def test_a_corrupted_sampler_path_fails_where_it_was_corrupted(monkeypatch):
+    """The sampled_logprobs rows see the truncated path: shifting its log_kept_mass when
+    top-p is set fails exactly those rows."""
+    real = logitless.linear_logprobs
+
+    def corrupted(*args, **kwargs):
+        out = real(*args, **kwargs)
+        if kwargs.get("top_p") is not None:
+            out.log_kept_mass = out.log_kept_mass + 1e-2
+        return out
+
+    monkeypatch.setattr(logitless, "linear_logprobs", corrupted)
+    rows = run_checks(devices=["cpu"], backends=["torch"], dtypes=["float32"],
+                      ops=["sampled_logprobs"], shape=SMALL)
+    failed = {(r.case, r.quantity) for r in rows if not r.ok}
+    assert {q for _, q in failed} == {"log_kept_mass"}
+    assert {c for c, _ in failed} == {r.case for r in rows if "top_p" in r.case}
 
 
 def test_bad_sizes_and_absent_devices_are_refused(capsys):

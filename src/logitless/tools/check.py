@@ -1,6 +1,7 @@
 """``logitless check``: every public op against the fp64 reference, on each backend present.
 
 Ops: ``linear_logprobs`` (every statistic and the gradients of hidden, weight and bias),
+``sampled_logprobs`` (``linear_logprobs`` with vLLM's top-k, top-p, min-p truncations),
 ``policy_loss`` (loss, gradients of the logprobs and entropies), ``fused_policy_loss`` (loss,
 gradients of the head) and ``attention_entropy``, each in a few cases that switch its options
 on. Backends: the torch twins (``LOGITLESS_BACKEND=torch``) and the Triton kernels
@@ -140,6 +141,8 @@ class Case:
     upstream: dict[str, torch.Tensor]
     ours: Callable[..., dict[str, torch.Tensor]]
     plain: Callable[..., dict[str, torch.Tensor]]
+    # The dtypes the case is checked in (None: all).
+    dtypes: tuple[str, ...] | None = None
 
 
 def _evaluate(fn, case: Case, device: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -221,6 +224,55 @@ def linear_logprobs_cases(shape: Shape) -> Iterator[Case]:
         yield Case("linear_logprobs", name, f"N={n} D={d} V={v}", inputs,
                    tuple(k for k in ("hidden", "weight", "bias") if k in inputs), upstream,
                    ours, plain)
+
+
+def sampled_logprobs_cases(shape: Shape) -> Iterator[Case]:
+    """Sampler-matched logprobs (vLLM's truncations, see ``docs/sampler.md``): each
+    truncation, then all of them with a per-token temperature and the bias. Targets are drawn
+    near the top so most lie in the kept set; a target outside it (``-inf``) is reported as 0
+    by both sides, so a kept set that differs shows as an error. fp32 only: the kept set is
+    discontinuous in the logits, and rounding them to bf16/fp16 moves tokens across its
+    boundary, a difference no tolerance covers (the tests check bf16 on the rows where the set
+    is stable)."""
+    n, d, v = shape.batch * shape.seq_len, shape.hidden, shape.vocab
+    outs = ("logprobs", "entropy", "log_kept_mass")
+    for name, settings, bias in (
+        ("top_k=50", dict(top_k=50), False),
+        ("top_p=0.9", dict(top_p=0.9), False),
+        ("min_p=0.05", dict(min_p=0.05), False),
+        ("top_k=200 top_p=0.95 min_p=0.01, per-token T, bias",
+         dict(top_k=200, top_p=0.95, min_p=0.01), True),
+    ):
+        gen = _gen(n * 1000 + v + len(name))
+        inputs = {"hidden": torch.randn(n, d, generator=gen, dtype=torch.float64),
+                  "weight": torch.randn(v, d, generator=gen, dtype=torch.float64) * 2 / d**0.5}
+        if bias:
+            inputs["bias"] = torch.randn(v, generator=gen, dtype=torch.float64)
+            inputs["temperature"] = 0.6 + torch.rand(n, generator=gen, dtype=torch.float64)
+        logits = inputs["hidden"] @ inputs["weight"].t()
+        top = logits.topk(8, dim=-1).indices
+        inputs["targets"] = top.gather(1, torch.randint(0, 8, (n, 1), generator=gen)).squeeze(1)
+        upstream = {k: torch.randn(n, generator=gen, dtype=torch.float64) for k in outs}
+
+        def finite(x):
+            return torch.where(torch.isfinite(x), x, 0.0)
+
+        def ours(hidden, weight, targets, bias=None, temperature=1.0, settings=settings):
+            o = logitless.linear_logprobs(hidden, weight, targets, bias=bias, return_entropy=True,
+                                          stats=("log_kept_mass",), temperature=temperature,
+                                          max_tile_bytes=TILE_BYTES, **settings)
+            return {"logprobs": finite(o.logprobs), "entropy": o.entropy,
+                    "log_kept_mass": o.log_kept_mass}
+
+        def plain(hidden, weight, targets, bias=None, temperature=1.0, settings=settings):
+            r = reference.sampler_logprobs(hidden, weight, targets, bias,
+                                           temperature=temperature, **settings)
+            return {"logprobs": finite(r["logprobs"]), "entropy": r["entropy"],
+                    "log_kept_mass": r["log_kept_mass"]}
+
+        yield Case("sampled_logprobs", name, f"N={n} D={d} V={v}", inputs,
+                   tuple(k for k in ("hidden", "weight", "bias") if k in inputs), upstream,
+                   ours, plain, dtypes=("float32",))
 
 
 def _two_heads(shape: Shape, gen: torch.Generator) -> dict[str, torch.Tensor]:
@@ -433,6 +485,7 @@ def attention_entropy_cases(shape: Shape) -> Iterator[Case]:
 
 CASES: dict[str, Callable[[Shape], Iterator[Case]]] = {
     "linear_logprobs": linear_logprobs_cases,
+    "sampled_logprobs": sampled_logprobs_cases,
     "policy_loss": policy_loss_cases,
     "fused_policy_loss": fused_policy_loss_cases,
     "attention_entropy": attention_entropy_cases,
@@ -458,6 +511,8 @@ def run_checks(
             for dtype in dtypes or list(DTYPES):
                 for op in ops or list(CASES):
                     for case in CASES[op](shape):
+                        if case.dtypes is not None and dtype not in case.dtypes:
+                            continue
                         rows.extend(run_case(case, device, backend, DTYPES[dtype]))
     return rows
 
