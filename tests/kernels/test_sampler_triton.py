@@ -66,7 +66,8 @@ def _per_token(seed=1):
 
 
 CASES = {
-    "top_k": dict(top_k=5),
+    # 1-row chunks: five chunks, the backward's tile takes three of them, so two groups
+    "top_k-1row-chunks": dict(top_k=5, max_tile_bytes=400),
     "top_p-cap-scale": dict(top_p=0.8, softcap=4.0, logit_scale=1.3),
     "min_p": dict(min_p=0.05),
     "combined-per-token": _per_token(),
@@ -78,9 +79,10 @@ def _cast(kw, dtype):
             for k, v in kw.items()}
 
 
-def _run(h, w, b, t, **kw):
+def _run(h, w, b, t, max_tile_bytes=TILE, **kw):
     return logitless.linear_logprobs(h, w, t, bias=b, return_entropy=True,
-                                     stats=("log_kept_mass",), max_tile_bytes=TILE, **kw)
+                                     stats=("log_kept_mass",), max_tile_bytes=max_tile_bytes,
+                                     **kw)
 
 
 def _finite_sum(outs, upstream):
@@ -91,10 +93,11 @@ def _finite_sum(outs, upstream):
 @requires_triton
 @pytest.mark.parametrize("case", list(CASES))
 def test_matches_reference_and_torch_path(small, case):
-    kw = CASES[case]
+    kw = dict(CASES[case])
+    tile = kw.pop("max_tile_bytes", TILE)
     h, w, b, t = _inputs()
     leaves = [x.float().requires_grad_() for x in (h, w, b)]
-    out = _run(*leaves, t, **_cast(kw, torch.float32))
+    out = _run(*leaves, t, max_tile_bytes=tile, **_cast(kw, torch.float32))
     ref_leaves = [x.clone().requires_grad_() for x in (h, w, b)]
     ref = sampler_logprobs(*ref_leaves[:2], t, ref_leaves[2], **kw)
     finite = torch.isfinite(ref["logprobs"])
@@ -104,15 +107,18 @@ def test_matches_reference_and_torch_path(small, case):
         got, want = getattr(out, name).double(), ref[name].detach()
         sel = finite if name == "logprobs" else slice(None)
         torch.testing.assert_close(got[sel], want[sel], rtol=0, atol=2e-5)
+    # upstream gradients on every row, the -inf logprobs' too (they must not propagate)
     up = [torch.randn(N, dtype=torch.float64) for _ in OUTS]
-    grads = torch.autograd.grad(_finite_sum([getattr(out, k) for k in OUTS], up), leaves)
-    ref_grads = torch.autograd.grad(_finite_sum([ref[k] for k in OUTS], up), ref_leaves)
+    grads = torch.autograd.grad([getattr(out, k) for k in OUTS], leaves,
+                                [u.float() for u in up])
+    ref_grads = torch.autograd.grad([ref[k] for k in OUTS], ref_leaves, up)
     for g, r in zip(grads, ref_grads):
         torch.testing.assert_close(g.double(), r, rtol=0, atol=2e-5 * (1 + float(r.abs().max())))
     assert small.count("forward") == 1 and small.count("backward") == 1
     # the torch path on the same inputs: the same kept sets, the same numbers to fp32 rounding
     os.environ["LOGITLESS_BACKEND"] = "torch"
-    twin = _run(*(x.detach() for x in leaves), t, **_cast(kw, torch.float32))
+    twin = _run(*(x.detach() for x in leaves), t, max_tile_bytes=tile,
+                **_cast(kw, torch.float32))
     assert small.count("forward") == 1
     for name in OUTS:
         torch.testing.assert_close(getattr(out, name), getattr(twin, name), rtol=0, atol=1e-5)
@@ -252,11 +258,11 @@ for ty, on in (("bf16", True), ("fp32", False)):
     meta = k.grad_meta(dict(bf16=torch.bfloat16, fp32=torch.float32)[ty],
                        3.0 if on else None, g, g, g, g)
     meta.pop("num_warps")
-    build("_grad_kernel", dict(z="*fp32", stride_z="i32", dx="*" + ty, stride_dx="i32",
-          targets="*i64", temperature="*fp32", key="*i64", count="*i64",
+    build("_grad_kernel", dict(x="*" + ty, stride_x="i32", targets="*i64",
+          temperature="*fp32", key="*i64", count="*i64", seen="*i64",
           **dict.fromkeys(("lse", "lse_kept", "entropy", "g_lp", "g_entropy", "g_kept",
                            "g_lse"), "*fp32"),
-          n_rows="i32", width="i32", softcap="fp32", scale="fp32"), meta)
+          n_rows="i32", width="i32", v0="i32", softcap="fp32", scale="fp32"), meta)
 build("_max_kernel", dict(z="*fp32", stride_z="i32", m_out="*fp32", l_out="*fp32",
       width="i32"), dict(BLOCK_V=k._BLOCK_V))
 for flags in ((True, True, True), (False, False, True)):

@@ -139,17 +139,20 @@ class _Sampled(torch.autograd.Function):
             lp, ent, kept_mass, lse, lse_kept, key, count = backend.forward(
                 h, weight, bias, targets, params, **kw)
         ctx.params, ctx.kw, ctx.dtype, ctx.backend = params, kw, dtype, backend
-        ctx.save_for_backward(hidden, weight, bias, targets, key, count, lse, lse_kept, ent)
+        ctx.save_for_backward(hidden, weight, bias, targets, key, count, lse, lse_kept, ent,
+                              lp)
         return lp, ent, kept_mass, lse
 
     @staticmethod
     def backward(ctx, g_lp, g_ent, g_kept, g_lse):
-        hidden, weight, bias, targets, key, count, lse, lse_kept, ent = ctx.saved_tensors
+        hidden, weight, bias, targets, key, count, lse, lse_kept, ent, lp = ctx.saved_tensors
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         nothing = (None,) * 6
         if all(g is None for g in (g_lp, g_ent, g_kept, g_lse)):
             return None, None, None, *nothing
         acc = lse.dtype
+        if g_lp is not None:  # a target outside the kept set has logprob -inf: no gradient
+            g_lp = torch.where(torch.isfinite(lp), g_lp, 0.0)
         with torch.autocast(hidden.device.type, enabled=False):
             d_h, d_w, d_b = ctx.backend.backward(
                 hidden.to(ctx.dtype), weight, bias, targets, ctx.params, key, count, lse,

@@ -91,6 +91,19 @@ def _from_key(key):
 
 
 @triton.jit
+def _tempered(x, t, softcap, scale, HAS_SOFTCAP: tl.constexpr):
+    """``scale * softcap(x) / t`` in fp32, the division correctly rounded (torch's ``/``).
+    The forward's logits and the backward's recomputed ones both come from here: the same
+    bits, so the same kept set."""
+    v = x.to(tl.float32)
+    if HAS_SOFTCAP:
+        v = _tanh(tl.math.div_rn(v, softcap)) * (softcap * scale)
+    else:
+        v = v * scale
+    return tl.math.div_rn(v, t)
+
+
+@triton.jit
 def _transform_kernel(x, stride_x, z, stride_z, temperature, width, softcap, scale,
                       HAS_SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr):
     """``z[r, :width] = scale * softcap(x[r, :width]) / T[r]`` in fp32."""
@@ -99,12 +112,9 @@ def _transform_kernel(x, stride_x, z, stride_z, temperature, width, softcap, sca
     for c0 in range(0, width, BLOCK_V):
         cols = c0 + tl.arange(0, BLOCK_V)
         valid = cols < width
-        v = tl.load(x + row * stride_x + cols, mask=valid, other=0.0).to(tl.float32)
-        if HAS_SOFTCAP:
-            v = _tanh(tl.math.div_rn(v, softcap)) * (softcap * scale)
-        else:
-            v = v * scale
-        tl.store(z + row * stride_z + cols, tl.math.div_rn(v, t), mask=valid)
+        v = tl.load(x + row * stride_x + cols, mask=valid, other=0.0)
+        tl.store(z + row * stride_z + cols, _tempered(v, t, softcap, scale, HAS_SOFTCAP),
+                 mask=valid)
 
 
 @triton.jit
@@ -270,44 +280,35 @@ def _stats_kernel(z, stride_z, targets, m_in, l_in, t_io, c_io, lp, entropy, kep
 
 
 @triton.jit
-def _grad_kernel(z, stride_z, dx, stride_dx, targets, temperature, key, count, lse, lse_kept,
-                 entropy, g_lp, g_entropy, g_kept, g_lse, n_rows, width, softcap, scale,
+def _grad_kernel(x, stride_x, targets, temperature, key, count, seen, lse, lse_kept, entropy,
+                 g_lp, g_entropy, g_kept, g_lse, n_rows, width, v0, softcap, scale,
                  HAS_SOFTCAP: tl.constexpr, HAS_G_LP: tl.constexpr,
                  HAS_G_ENTROPY: tl.constexpr, HAS_G_KEPT: tl.constexpr,
                  HAS_G_LSE: tl.constexpr, INTERPRET_BF16: tl.constexpr,
                  BLOCK_V: tl.constexpr):
-    """``dx`` of row ``r`` (zeros for rows at or past ``n_rows``, the chunk's padding), in
-    ``dx``'s dtype; ``z`` holds the row's tempered fp32 logits."""
+    """Overwrite row ``r``'s logits before the transform (vocabulary columns ``v0 ...``, in
+    their dtype) with ``dx``; zeros for rows at or past ``n_rows`` (padding). ``seen[r]``
+    counts the row's tokens at its kept key in the earlier tiles (the tie ranks) and is
+    advanced. ``g_lp`` must be 0 where the target is outside the kept set."""
     row = tl.program_id(0).to(tl.int64)
-    z_row = z + row * stride_z
-    dx_row = dx + row * stride_dx
+    x_row = x + row * stride_x
     keep = row < n_rows
     r = tl.minimum(row, n_rows - 1)
     temp = tl.load(temperature + r)
     t = tl.load(key + r)
     c = tl.load(count + r)
-    y = tl.load(targets + r)
+    y = tl.load(targets + r) - v0
     lse_k = tl.load(lse_kept + r)
     coef = 0.0
     g_y = 0.0
     if HAS_G_LP:
-        # The target's logprob has a gradient only when the target is kept.
-        k_y = _keys(tl.load(z_row + y)).to(tl.int64)
-        y_kept = k_y > t
-        if k_y == t:
-            ties = tl.zeros([], dtype=tl.int64)
-            for c0 in range(0, y + 1, BLOCK_V):
-                cols = c0 + tl.arange(0, BLOCK_V)
-                x = tl.load(z_row + cols, mask=cols <= y, other=float("-inf"))
-                ties += tl.sum(((cols <= y) & (_keys(x) == t)).to(tl.int32), 0)
-            y_kept = ties <= c
-        g_y = tl.where(y_kept, tl.load(g_lp + r), 0.0)
+        g_y = tl.load(g_lp + r)
         coef -= g_y
-    if HAS_G_KEPT:
-        coef += tl.load(g_kept + r)
     g_p = 0.0
     if HAS_G_KEPT:
-        g_p -= tl.load(g_kept + r)
+        g_k = tl.load(g_kept + r)
+        coef += g_k
+        g_p -= g_k
     if HAS_G_LSE:
         g_p += tl.load(g_lse + r)
     if HAS_G_ENTROPY:
@@ -315,26 +316,28 @@ def _grad_kernel(z, stride_z, dx, stride_dx, targets, temperature, key, count, l
         h = tl.load(entropy + r)
     lse_r = tl.load(lse + r)
     factor = scale / temp
-    seen = tl.zeros([], dtype=tl.int64)
+    s = tl.load(seen + r)
     for c0 in range(0, width, BLOCK_V):
         cols = c0 + tl.arange(0, BLOCK_V)
         valid = cols < width
-        x = tl.load(z_row + cols, mask=valid, other=0.0)
-        member, seen = _members(_keys(x), valid, t, c, seen)
-        log_q = x - lse_k
+        raw = tl.load(x_row + cols, mask=valid, other=0.0)
+        z = _tempered(raw, temp, softcap, scale, HAS_SOFTCAP)
+        member, s = _members(_keys(z), valid, t, c, s)
+        log_q = z - lse_k
         q = tl.where(member, tl.exp(log_q), 0.0)
         d = q * coef
         if HAS_G_ENTROPY:
             d -= tl.where(member, q * (log_q + h), 0.0) * g_h
         if HAS_G_KEPT or HAS_G_LSE:
-            d += tl.exp(x - lse_r) * g_p
+            d += tl.exp(z - lse_r) * g_p
         d += tl.where(cols == y, g_y, 0.0)
         d *= factor
         if HAS_SOFTCAP:
-            th = x * temp / (softcap * scale)  # tanh(x_raw / c), from the tempered logit
+            th = _tanh(tl.math.div_rn(raw.to(tl.float32), softcap))
             d *= 1.0 - th * th
         d = tl.where(keep, d, 0.0)
-        tl.store(dx_row + cols, _round_to(d, dx.dtype.element_ty, INTERPRET_BF16), mask=valid)
+        tl.store(x_row + cols, _round_to(d, x.dtype.element_ty, INTERPRET_BF16), mask=valid)
+    tl.store(seen + r, s, mask=keep)
 
 
 def rows_per_chunk(v: int, tile_bytes: int, dtype: torch.dtype, softcap: float | None) -> int:
@@ -415,7 +418,7 @@ def forward(hidden, weight, bias, targets, params: RowParams, *, softcap, logit_
     targets = targets.contiguous()
     scratch = torch.empty(2, chunk.rows, dtype=torch.float32, device=dev)
     for r0, real in chunk.blocks():
-        h = _pad_rows(hidden[r0:r0 + real], chunk.rows)
+        h = _pad_rows(hidden[r0:r0 + real], chunk.rows).contiguous()  # the backward's layout
         chunk.logits(h, weight, bias, args["temperature"][r0:], softcap, logit_scale, real)
         chunk_stats(chunk.z[:real], targets[r0:r0 + real], args, r0,
                     [o[r0:r0 + real] for o in (*outs, key, count)], scratch)
@@ -452,23 +455,37 @@ def backward(hidden, weight, bias, targets, params: RowParams, key, count, lse, 
              entropy, g_lp, g_entropy, g_kept, g_lse, *, softcap, logit_scale, need_hidden,
              need_weight, need_bias, tile_bytes: int = DEFAULT_TILE_BYTES):
     """``sampler_torch.backward``'s contract: fp32 gradients of hidden, weight and bias (None
-    where not needed) from the per-row upstream gradients (``[N]`` or None)."""
+    where not needed) from the per-row upstream gradients (``[N]`` or None), except that
+    ``g_lp`` must already be 0 on rows whose target is outside the kept set (``sampled.py``
+    passes it so to both paths).
+
+    Vocabulary-outer: per ``_COLS``-column slice, per group of whole chunks (as many as fit
+    ``tile_bytes``), the forward's GEMMs (one per ``R``-row chunk, the same shapes, so the
+    same bits) fill a ``[rows, cols]`` tile, ``_grad_kernel`` turns it into ``dx`` in place
+    (the tie ranks carried from slice to slice in a per-row count), then ``d_hidden[chunk]
+    += dx @ W_slice`` per chunk and ``d_weight[slice] (+)= dx^T @ h`` once per group."""
     n, v = hidden.shape[0], weight.shape[0]
     dev = hidden.device
-    d_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=dev) if need_hidden \
-        else None
-    d_weight = torch.zeros(weight.shape, dtype=torch.float32, device=dev) if need_weight \
-        else None
-    d_bias = torch.zeros(v, dtype=torch.float32, device=dev) if need_bias else None
-    if not (need_hidden or need_weight or need_bias) or n == 0:
-        return d_hidden, d_weight, d_bias
-    chunk = _Chunk(hidden, weight, tile_bytes)
-    args = row_args(params, n, dev)
-    z = chunk.z
-    dx = z if hidden.dtype == torch.float32 else torch.empty(
-        chunk.rows, v, dtype=hidden.dtype, device=dev)
-    dh = torch.empty(chunk.rows, hidden.shape[1], dtype=torch.float32, device=dev) \
+    nothing = not (need_hidden or need_weight or need_bias) or n == 0
+    if nothing:
+        def zeros(need, shape):
+            return torch.zeros(shape, dtype=torch.float32, device=dev) if need else None
+        return zeros(need_hidden, hidden.shape), zeros(need_weight, weight.shape), \
+            zeros(need_bias, v)
+    rows = rows_per_chunk(v, tile_bytes, hidden.dtype, softcap)
+    cols = min(v, _COLS)
+    chunks = -(-n // rows)
+    n_pad = chunks * rows
+    per_group = max(1, min(chunks, tile_bytes // (rows * cols * hidden.element_size())))
+    h_pad = _pad_rows(hidden, n_pad).contiguous()
+    tile = torch.empty(per_group * rows * cols, dtype=hidden.dtype, device=dev)
+    d_hidden = torch.empty(n_pad, hidden.shape[1], dtype=torch.float32, device=dev) \
         if need_hidden else None
+    d_weight = torch.empty(weight.shape, dtype=torch.float32, device=dev) if need_weight \
+        else None
+    d_bias = torch.empty(v, dtype=torch.float32, device=dev) if need_bias else None
+    args = row_args(params, n, dev)
+    seen = torch.zeros(n, dtype=torch.int64, device=dev)
     per_row = [None if g is None else g.float().contiguous()
                for g in (lse, lse_kept, entropy, g_lp, g_entropy, g_kept, g_lse)]
     ptrs = [p if p is not None else per_row[0] for p in per_row]
@@ -476,23 +493,33 @@ def backward(hidden, weight, bias, targets, params: RowParams, key, count, lse, 
     scalars = dict(softcap=1.0 if softcap is None else float(softcap),
                    scale=float(logit_scale))
     targets, key, count = targets.contiguous(), key.contiguous(), count.contiguous()
-    for ci, (r0, real) in enumerate(chunk.blocks()):
-        h = _pad_rows(hidden[r0:r0 + real], chunk.rows)
-        temperature = args["temperature"][r0:]
-        chunk.logits(h, weight, bias, temperature, softcap, logit_scale, real)
-        _grad_kernel[(chunk.rows,)](
-            z, z.stride(0), dx, dx.stride(0), targets[r0:], temperature, key[r0:],
-            count[r0:], *(p[r0:] for p in ptrs), real, v, **scalars, **meta)
-        if d_bias is not None:
-            d_bias += dx[:real].sum(0, dtype=torch.float32)
-        for c0 in range(0, v, chunk.cols):
-            w, _ = _head_slice(weight, None, c0, chunk.cols, hidden.dtype)
-            piece = dx[:, c0:c0 + w.shape[0]]
-            if dh is not None:
-                _addmm_fp32_(dh, piece, w, beta=0.0 if c0 == 0 else 1.0)
+    for c0 in range(0, v, cols):
+        w, b = _head_slice(weight, bias, c0, cols, hidden.dtype)
+        width = w.shape[0]
+        for g0 in range(0, chunks, per_group):
+            r0, g_rows = g0 * rows, min(per_group, chunks - g0) * rows
+            real = max(0, min(g_rows, n - r0))
+            x = tile[:g_rows * width].view(g_rows, width)
+            for c in range(0, g_rows, rows):
+                h = h_pad[r0 + c:r0 + c + rows]
+                if b is None:
+                    torch.mm(h, w.t(), out=x[c:c + rows])
+                else:
+                    torch.addmm(b, h, w.t(), out=x[c:c + rows])
+            _grad_kernel[(g_rows,)](
+                x, x.stride(0), targets[r0:], args["temperature"][r0:], key[r0:], count[r0:],
+                seen[r0:], *(p[r0:] for p in ptrs), real, width, c0, **scalars, **meta)
+            if d_hidden is not None:
+                for c in range(0, g_rows, rows):
+                    _addmm_fp32_(d_hidden[r0 + c:r0 + c + rows], x[c:c + rows], w,
+                                 beta=0.0 if c0 == 0 else 1.0)
             if d_weight is not None:
-                _addmm_fp32_(d_weight[c0:c0 + w.shape[0]], piece.t(), h,
-                             beta=0.0 if ci == 0 else 1.0)
-        if dh is not None:
-            d_hidden[r0:r0 + real] = dh[:real]
-    return d_hidden, d_weight, d_bias
+                _addmm_fp32_(d_weight[c0:c0 + width], x.t(), h_pad[r0:r0 + g_rows],
+                             beta=0.0 if g0 == 0 else 1.0)
+            if d_bias is not None:
+                part = x.sum(0, dtype=torch.float32)
+                if g0 == 0:
+                    d_bias[c0:c0 + width] = part
+                else:
+                    d_bias[c0:c0 + width] += part
+    return None if d_hidden is None else d_hidden[:n], d_weight, d_bias
