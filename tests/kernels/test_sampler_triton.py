@@ -27,7 +27,7 @@ from testing import assert_close_to_oracle, requires_triton
 
 N, D, V = 5, 24, 67
 COLS, BLOCK_V, BLOCK_S = 32, 16, 64
-TILE = 950  # bytes: 2 rows per chunk in fp32 (396 a row) and in bf16 (466 a row)
+TILE = 950  # bytes: 2 rows per chunk in fp32 (396 a row), 4 in bf16 (198 a row)
 OUTS = ("logprobs", "entropy", "log_kept_mass")
 
 
@@ -151,7 +151,7 @@ def test_kept_sets_equal_the_torch_paths_on_tied_logits(small, monkeypatch):
     outs = [torch.empty(n) for _ in range(5)] + [torch.empty(n, dtype=torch.int64)
                                                  for _ in range(2)]
     kernel.chunk_stats(z, targets, kernel.row_args(params, n, z.device), 0, outs,
-                       torch.empty(2, n))
+                       torch.empty(2, n), None, 1.0)
     keys = sampler_torch._ordered_keys(z)
     kept = sampler_torch._prefix(keys, outs[5], outs[6])
     want = sampler_torch._kept_set(z, z.amax(1), keys, params)
@@ -232,9 +232,9 @@ def test_rows_do_not_depend_on_the_batch(small):
         assert torch.equal(g_part, g_full[rows])
 
 
-# Compiles every kernel for sm_90 with the constexprs and warps the launchers use, for each
-# flag on and off (bf16 with every flag on, fp32 with every flag off; the threshold pass with
-# all three truncations, and with top-p alone). A subprocess: TRITON_INTERPRET=1 replaces the JIT.
+# Compiles every kernel for sm_90 with the constexprs and warps the launchers use: bf16 with
+# every flag on (the threshold pass with all three truncations), fp32 with every flag off
+# (the threshold pass with top-p alone). A subprocess: TRITON_INTERPRET=1 replaces the JIT.
 _COMPILE_SCRIPT = """
 import sys
 sys.path.insert(0, {tests!r})
@@ -251,9 +251,6 @@ def build(name, sig, consts):
     report[name] = ptxas_report(compiled)
 
 for ty, on in (("bf16", True), ("fp32", False)):
-    build("_transform_kernel", dict(x="*" + ty, stride_x="i32", z="*fp32", stride_z="i32",
-          temperature="*fp32", width="i32", softcap="fp32", scale="fp32"),
-          dict(HAS_SOFTCAP=on, BLOCK_V=k._BLOCK_V))
     g = torch.zeros(1) if on else None
     meta = k.grad_meta(dict(bf16=torch.bfloat16, fp32=torch.float32)[ty],
                        3.0 if on else None, g, g, g, g)
@@ -263,17 +260,19 @@ for ty, on in (("bf16", True), ("fp32", False)):
           **dict.fromkeys(("lse", "lse_kept", "entropy", "g_lp", "g_entropy", "g_kept",
                            "g_lse"), "*fp32"),
           n_rows="i32", width="i32", v0="i32", softcap="fp32", scale="fp32"), meta)
-build("_max_kernel", dict(z="*fp32", stride_z="i32", m_out="*fp32", l_out="*fp32",
-      width="i32"), dict(BLOCK_V=k._BLOCK_V))
-for flags in ((True, True, True), (False, False, True)):
-    build("_threshold_kernel", dict(z="*fp32", stride_z="i32", m_in="*fp32",
-          log_min_p="*fp32", top_k="*i64", top_p="*fp32", t_out="*i64", c_out="*i64",
-          width="i32"), dict(zip(("HAS_MIN_P", "HAS_TOP_K", "HAS_TOP_P"), flags),
-          FAN=k._FAN, BLOCK_S=k._BLOCK_S, BLOCK_V=k._BLOCK_V))
-build("_stats_kernel", dict(z="*fp32", stride_z="i32", targets="*i64", m_in="*fp32",
-      l_in="*fp32", t_io="*i64", c_io="*i64", lp="*fp32", entropy="*fp32",
-      kept_mass="*fp32", lse="*fp32", lse_kept="*fp32", width="i32"),
-      dict(BLOCK_V=k._BLOCK_V))
+    common = dict(x="*" + ty, stride_x="i32", temperature="*fp32")
+    scal = dict(softcap="fp32", scale="fp32")
+    build("_max_kernel", dict(**common, m_out="*fp32", l_out="*fp32", width="i32", **scal),
+          dict(HAS_SOFTCAP=on, BLOCK_V=k._BLOCK_V))
+    flags = (True, True, True) if on else (False, False, True)
+    build("_threshold_kernel", dict(**common, m_in="*fp32", log_min_p="*fp32", top_k="*i64",
+          top_p="*fp32", t_out="*i64", c_out="*i64", width="i32", **scal),
+          dict(zip(("HAS_MIN_P", "HAS_TOP_K", "HAS_TOP_P"), flags), HAS_SOFTCAP=on,
+               FAN=k._FAN, BLOCK_S=k._BLOCK_S, BLOCK_V=k._BLOCK_V))
+    build("_stats_kernel", dict(**common, targets="*i64", m_in="*fp32", l_in="*fp32",
+          t_io="*i64", c_io="*i64", lp="*fp32", entropy="*fp32", kept_mass="*fp32",
+          lse="*fp32", lse_kept="*fp32", width="i32", **scal),
+          dict(HAS_SOFTCAP=on, BLOCK_V=k._BLOCK_V))
 for name, r in report.items():
     print(name, r)
 """

@@ -1,5 +1,5 @@
-"""The CUDA path of the sampler-matched logprobs: cuBLAS GEMMs into a chunk of fp32 logits,
-Triton passes with one program per row over it.
+"""The CUDA path of the sampler-matched logprobs: cuBLAS GEMMs into a chunk of logits in the
+compute dtype, Triton passes with one program per row over it.
 
 The launcher contract is ``sampler_torch``'s (same ``forward`` / ``backward`` signatures and
 outputs, same per-row algorithm, same kept sets); see that module's docstring for the
@@ -9,9 +9,11 @@ whatever N is):
 
 1. **Logits.** For each ``_COLS``-column vocabulary slice, one ``torch.mm`` / ``torch.addmm``
    (cuBLAS, fp32 accumulation) writes ``x = h W^T + b`` in the compute dtype (bf16/fp16
-   rounded as PyTorch's own product rounds them), then ``_transform_kernel`` writes
-   ``z = logit_scale * softcap(x) / T_row`` in fp32 into the chunk buffer ``[R, V]`` (the
-   division correctly rounded, as torch's).
+   rounded as PyTorch's own product rounds them) into a slice buffer, copied into the chunk
+   buffer ``[R, V]`` (compute dtype). Every pass below reads ``x`` and forms
+   ``z = logit_scale * softcap(x) / T_row`` in fp32 as it reads (``_tempered``, the division
+   correctly rounded as torch's): half the bytes of an fp32 chunk for bf16, and the same bits
+   in every pass and in the backward.
 2. ``_max_kernel``: the row maximum ``m`` and ``l = sum exp(z - m)`` (online, one pass).
 3. ``_threshold_kernel``: the kept set, as the pair ``(T, C)``: every token whose ordered
    key is above ``T``, and the first ``C`` (lowest ids) of those at ``T``. min-p gives the
@@ -26,13 +28,13 @@ whatever N is):
    number of tokens at ``T``; it writes ``log q_y``, the kept entropy, ``log_kept_mass``,
    ``lse``, the kept ``lse`` and the stored pair (``T``, the kept count at ``T``).
 
-Backward, per chunk: the same GEMMs and transform recompute ``z``; ``_grad_kernel`` writes
-``dx`` (the module doc of ``sampler_torch`` gives ``dz``; ``dx = dz * logit_scale / T_row *
-(1 - tanh^2)``, the ``tanh`` recovered from ``z``) into a ``[R, V]`` buffer in the compute
-dtype (in place over ``z`` for fp32); then cuBLAS GEMMs per vocabulary slice give
-``d_hidden`` (an fp32 ``[R, D]`` buffer) and ``d_weight`` (the call's fp32 ``[V, D]``
-accumulator, chunk after chunk), and ``d_bias`` is the fp32 column sum of ``dx``. No atomics,
-no ``tl.dot``: each launch follows the last on one stream, the same inputs give the same bits.
+Backward (:func:`backward`), vocabulary-outer: per slice, per group of whole chunks, the
+forward's GEMMs (same shapes, same bits) fill a ``[rows, cols]`` tile; ``_grad_kernel``
+overwrites it with ``dx`` in the compute dtype (``dz`` as in ``sampler_torch``'s module doc,
+times ``logit_scale / T_row * (1 - tanh^2)``; the tie ranks carried from slice to slice in a
+per-row count); then cuBLAS GEMMs give ``d_hidden`` per chunk (fp32) and ``d_weight[slice]``
+once per group (fp32), and ``d_bias`` is the fp32 column sum of ``dx``. No atomics, no
+``tl.dot``: each launch follows the last on one stream, the same inputs give the same bits.
 
 Under ``TRITON_INTERPRET=1`` (CPU tensors) the same code runs with torch's CPU GEMMs; tests
 shrink ``_COLS``, ``_BLOCK_V`` and ``_BLOCK_S``. The kernels use ``tl.exp`` / ``tl.log`` only
@@ -56,8 +58,9 @@ __all__ = ["DEFAULT_TILE_BYTES", "backward", "chunk_stats", "forward", "row_args
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
-# Default budget of one chunk's buffers: 32 MiB keeps the fp32 logits of a chunk inside the
-# H200's L2 cache (50 MB) through the threshold passes; 35 rows at V=151936 in bf16.
+# Default budget of one chunk's buffers (and of the backward's tile): 32 MiB keeps a chunk's
+# logits inside the H200's L2 cache (50 MB) through the threshold passes; 99 rows at
+# V=151936 in bf16.
 DEFAULT_TILE_BYTES = 32 * 2**20
 # Vocabulary columns per logits GEMM (and per transform launch).
 _COLS = 16384
@@ -104,31 +107,28 @@ def _tempered(x, t, softcap, scale, HAS_SOFTCAP: tl.constexpr):
 
 
 @triton.jit
-def _transform_kernel(x, stride_x, z, stride_z, temperature, width, softcap, scale,
-                      HAS_SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr):
-    """``z[r, :width] = scale * softcap(x[r, :width]) / T[r]`` in fp32."""
-    row = tl.program_id(0).to(tl.int64)
-    t = tl.load(temperature + row)
-    for c0 in range(0, width, BLOCK_V):
-        cols = c0 + tl.arange(0, BLOCK_V)
-        valid = cols < width
-        v = tl.load(x + row * stride_x + cols, mask=valid, other=0.0)
-        tl.store(z + row * stride_z + cols, _tempered(v, t, softcap, scale, HAS_SOFTCAP),
-                 mask=valid)
+def _load_z(x_row, cols, width, t, softcap, scale, HAS_SOFTCAP: tl.constexpr):
+    """The tempered fp32 logits of columns ``cols`` of a row of the chunk (``-inf`` past
+    ``width``) and which columns are real."""
+    valid = cols < width
+    raw = tl.load(x_row + cols, mask=valid, other=0.0)
+    return tl.where(valid, _tempered(raw, t, softcap, scale, HAS_SOFTCAP), float("-inf")), valid
 
 
 @triton.jit
-def _max_kernel(z, stride_z, m_out, l_out, width, BLOCK_V: tl.constexpr):
+def _max_kernel(x, stride_x, temperature, m_out, l_out, width, softcap, scale,
+                HAS_SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr):
     """Row maximum ``m`` and ``sum exp(z - m)``, online in one pass."""
     row = tl.program_id(0).to(tl.int64)
-    z_row = z + row * stride_z
+    x_row = x + row * stride_x
+    temp = tl.load(temperature + row)
     m = float("-inf")
     l = 0.0
     for c0 in range(0, width, BLOCK_V):
-        cols = c0 + tl.arange(0, BLOCK_V)
-        x = tl.load(z_row + cols, mask=cols < width, other=float("-inf"))
-        m_new = tl.maximum(m, tl.max(x, 0))  # every block holds a real column: finite
-        l = l * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), 0)
+        z, _ = _load_z(x_row, c0 + tl.arange(0, BLOCK_V), width, temp, softcap, scale,
+                       HAS_SOFTCAP)
+        m_new = tl.maximum(m, tl.max(z, 0))  # every block holds a real column: finite
+        l = l * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), 0)
         m = m_new
     tl.store(m_out + row, m)
     tl.store(l_out + row, l)
@@ -146,8 +146,8 @@ def _members(key, valid, t, c, seen):
 
 
 @triton.jit
-def _search(z_row, width, m, lo, hi, target, WEIGHTED: tl.constexpr, FAN: tl.constexpr,
-            BLOCK_S: tl.constexpr):
+def _search(x_row, width, temp, softcap, scale, m, lo, hi, target, HAS_SOFTCAP: tl.constexpr,
+            WEIGHTED: tl.constexpr, FAN: tl.constexpr, BLOCK_S: tl.constexpr):
     """The largest key ``t`` in ``[lo, hi]`` whose tokens at or above it number (or weigh,
     each ``exp(z - m)``) at least ``target`` (``lo`` when none does; ``lo`` itself is never
     tested: the caller guarantees it, as the torch path's bisection assumes). Each pass tests
@@ -162,12 +162,11 @@ def _search(z_row, width, m, lo, hi, target, WEIGHTED: tl.constexpr, FAN: tl.con
         else:
             f = tl.zeros([FAN], dtype=tl.int32)
         for c0 in range(0, width, BLOCK_S):
-            cols = c0 + tl.arange(0, BLOCK_S)
-            valid = cols < width
-            x = tl.load(z_row + cols, mask=valid, other=0.0)
-            ge = (_keys(x)[None, :] >= trial[:, None]) & valid[None, :]
+            z, valid = _load_z(x_row, c0 + tl.arange(0, BLOCK_S), width, temp, softcap, scale,
+                               HAS_SOFTCAP)
+            ge = (_keys(z)[None, :] >= trial[:, None]) & valid[None, :]
             if WEIGHTED:
-                f += tl.sum(tl.where(ge, tl.exp(x - m)[None, :], 0.0), 1)
+                f += tl.sum(tl.where(ge, tl.exp(z - m)[None, :], 0.0), 1)
             else:
                 f += tl.sum(ge.to(tl.int32), 1)
         ok = (j > 0) & (trial <= hi) & (f >= target)
@@ -179,14 +178,16 @@ def _search(z_row, width, m, lo, hi, target, WEIGHTED: tl.constexpr, FAN: tl.con
 
 
 @triton.jit
-def _threshold_kernel(z, stride_z, m_in, log_min_p, top_k, top_p, t_out, c_out, width,
+def _threshold_kernel(x, stride_x, temperature, m_in, log_min_p, top_k, top_p, t_out, c_out,
+                      width, softcap, scale, HAS_SOFTCAP: tl.constexpr,
                       HAS_MIN_P: tl.constexpr, HAS_TOP_K: tl.constexpr,
                       HAS_TOP_P: tl.constexpr, FAN: tl.constexpr, BLOCK_S: tl.constexpr,
                       BLOCK_V: tl.constexpr):
     """The kept set of row ``r`` as ``(T, C)``: min-p, then top-k, then top-p (rows with
     ``p = 1`` untouched). ``C`` may exceed the number of tokens at ``T`` (all of them)."""
     row = tl.program_id(0).to(tl.int64)
-    z_row = z + row * stride_z
+    x_row = x + row * stride_x
+    temp = tl.load(temperature + row)
     m = tl.load(m_in + row)
     hi = _keys(m).to(tl.int64)
     # The smallest candidate key: min-p keeps z >= m + log(min_p).
@@ -195,20 +196,21 @@ def _threshold_kernel(z, stride_z, m_in, log_min_p, top_k, top_p, t_out, c_out, 
         thr = m + tl.load(log_min_p + row)
     lo = hi
     for c0 in range(0, width, BLOCK_V):
-        cols = c0 + tl.arange(0, BLOCK_V)
-        x = tl.load(z_row + cols, mask=cols < width, other=float("-inf"))
-        cand = (cols < width) & (x >= thr)
-        lo = tl.minimum(lo, tl.min(tl.where(cand, _keys(x), 2147483647), 0).to(tl.int64))
+        z, valid = _load_z(x_row, c0 + tl.arange(0, BLOCK_V), width, temp, softcap, scale,
+                           HAS_SOFTCAP)
+        cand = valid & (z >= thr)
+        lo = tl.minimum(lo, tl.min(tl.where(cand, _keys(z), 2147483647), 0).to(tl.int64))
     t = lo
     c = tl.full([], _ALL, tl.int64)
     if HAS_TOP_K:
         k = tl.load(top_k + row)
-        t = _search(z_row, width, m, t, hi, k, False, FAN, BLOCK_S)
+        t = _search(x_row, width, temp, softcap, scale, m, t, hi, k, HAS_SOFTCAP, False, FAN,
+                    BLOCK_S)
         above = tl.zeros([], dtype=tl.int64)
         for c0 in range(0, width, BLOCK_V):
-            cols = c0 + tl.arange(0, BLOCK_V)
-            x = tl.load(z_row + cols, mask=cols < width, other=float("-inf"))
-            above += tl.sum(((cols < width) & (_keys(x) > t)).to(tl.int32), 0)
+            z, valid = _load_z(x_row, c0 + tl.arange(0, BLOCK_V), width, temp, softcap, scale,
+                               HAS_SOFTCAP)
+            above += tl.sum((valid & (_keys(z) > t)).to(tl.int32), 0)
         c = k - above
     if HAS_TOP_P:
         p = tl.load(top_p + row)
@@ -216,19 +218,18 @@ def _threshold_kernel(z, stride_z, m_in, log_min_p, top_k, top_p, t_out, c_out, 
             total = 0.0
             seen = tl.zeros([], dtype=tl.int64)
             for c0 in range(0, width, BLOCK_V):
-                cols = c0 + tl.arange(0, BLOCK_V)
-                valid = cols < width
-                x = tl.load(z_row + cols, mask=valid, other=float("-inf"))
-                member, seen = _members(_keys(x), valid, t, c, seen)
-                total += tl.sum(tl.where(member, tl.exp(x - m), 0.0), 0)
+                z, valid = _load_z(x_row, c0 + tl.arange(0, BLOCK_V), width, temp, softcap,
+                                   scale, HAS_SOFTCAP)
+                member, seen = _members(_keys(z), valid, t, c, seen)
+                total += tl.sum(tl.where(member, tl.exp(z - m), 0.0), 0)
             target = p * total
-            t_p = _search(z_row, width, m, t, hi, target, True, FAN, BLOCK_S)
+            t_p = _search(x_row, width, temp, softcap, scale, m, t, hi, target, HAS_SOFTCAP,
+                          True, FAN, BLOCK_S)
             g = 0.0
             for c0 in range(0, width, BLOCK_V):
-                cols = c0 + tl.arange(0, BLOCK_V)
-                valid = cols < width
-                x = tl.load(z_row + cols, mask=valid, other=float("-inf"))
-                g += tl.sum(tl.where(valid & (_keys(x) > t_p), tl.exp(x - m), 0.0), 0)
+                z, valid = _load_z(x_row, c0 + tl.arange(0, BLOCK_V), width, temp, softcap,
+                                   scale, HAS_SOFTCAP)
+                g += tl.sum(tl.where(valid & (_keys(z) > t_p), tl.exp(z - m), 0.0), 0)
             e_t = tl.exp(_from_key(t_p) - m)
             # ceil((target - g) / e_t), at least 1; a tied weight underflowing to 0 (or a NaN)
             # keeps every tie.
@@ -243,11 +244,13 @@ def _threshold_kernel(z, stride_z, m_in, log_min_p, top_k, top_p, t_out, c_out, 
 
 
 @triton.jit
-def _stats_kernel(z, stride_z, targets, m_in, l_in, t_io, c_io, lp, entropy, kept_mass,
-                  lse, lse_kept, width, BLOCK_V: tl.constexpr):
+def _stats_kernel(x, stride_x, temperature, targets, m_in, l_in, t_io, c_io, lp, entropy,
+                  kept_mass, lse, lse_kept, width, softcap, scale, HAS_SOFTCAP: tl.constexpr,
+                  BLOCK_V: tl.constexpr):
     """Statistics of the kept set ``(T, C)``; ``c_io`` becomes the kept count at ``T``."""
     row = tl.program_id(0).to(tl.int64)
-    z_row = z + row * stride_z
+    x_row = x + row * stride_x
+    temp = tl.load(temperature + row)
     m = tl.load(m_in + row)
     t = tl.load(t_io + row)
     c = tl.load(c_io + row)
@@ -259,15 +262,14 @@ def _stats_kernel(z, stride_z, targets, m_in, l_in, t_io, c_io, lp, entropy, kep
     y_in = tl.zeros([], dtype=tl.int32)
     for c0 in range(0, width, BLOCK_V):
         cols = c0 + tl.arange(0, BLOCK_V)
-        valid = cols < width
-        x = tl.load(z_row + cols, mask=valid, other=float("-inf"))
-        member, seen = _members(_keys(x), valid, t, c, seen)
-        d = tl.where(member, x - m, 0.0)
+        z, valid = _load_z(x_row, cols, width, temp, softcap, scale, HAS_SOFTCAP)
+        member, seen = _members(_keys(z), valid, t, c, seen)
+        d = tl.where(member, z - m, 0.0)
         e = tl.where(member, tl.exp(d), 0.0)
         l_k += tl.sum(e, 0)
         a_k += tl.sum(e * d, 0)
         is_y = valid & (cols == y)
-        z_y += tl.sum(tl.where(is_y, x, 0.0), 0)
+        z_y += tl.sum(tl.where(is_y, z, 0.0), 0)
         y_in += tl.sum((is_y & member).to(tl.int32), 0)
     full = m + tl.log(tl.load(l_in + row))
     kept = m + tl.log(l_k)
@@ -341,12 +343,11 @@ def _grad_kernel(x, stride_x, targets, temperature, key, count, seen, lse, lse_k
 
 
 def rows_per_chunk(v: int, tile_bytes: int, dtype: torch.dtype, softcap: float | None) -> int:
-    """Rows per chunk so that a chunk's buffers fit in ``tile_bytes``: the fp32 logits, the
-    backward's ``dx`` in the compute dtype (none for fp32: it overwrites the logits) and one
-    GEMM slice in the compute dtype. From the vocabulary, the budget and the dtype only."""
-    del softcap  # recovered from the tempered logits: no buffer
-    e = dtype.itemsize
-    per_row = 4 * v + (e * v if e < 4 else 0) + e * min(v, _COLS)
+    """Rows per chunk so that the forward's buffers fit in ``tile_bytes``: the chunk's logits
+    and one GEMM slice, both in the compute dtype. From the vocabulary, the budget and the
+    dtype only."""
+    del softcap  # applied as the logits are read: no buffer
+    per_row = dtype.itemsize * (v + min(v, _COLS))
     return max(1, min(_MAX_ROWS, tile_bytes // per_row))
 
 
@@ -368,78 +369,63 @@ def row_args(params: RowParams, n: int, device):
     )
 
 
-class _Chunk:
-    """One call's buffers: the chunk's fp32 logits, one GEMM slice, the padded hidden rows."""
-
-    def __init__(self, hidden, weight, tile_bytes):
-        self.n, self.v = hidden.shape[0], weight.shape[0]
-        self.rows = rows_per_chunk(self.v, tile_bytes, hidden.dtype, None)
-        self.cols = min(self.v, _COLS)
-        dev = hidden.device
-        self.z = torch.empty(self.rows, self.v, dtype=torch.float32, device=dev)
-        self.x = torch.empty(self.rows * self.cols, dtype=hidden.dtype, device=dev)
-
-    def blocks(self):
-        """``(first row, real rows)`` of each chunk."""
-        for r0 in range(0, self.n, self.rows):
-            yield r0, min(self.rows, self.n - r0)
-
-    def logits(self, h, weight, bias, temperature, softcap, logit_scale, programs):
-        """Fill ``z`` with the tempered fp32 logits of ``h`` (``[rows, D]``, padded) for the
-        first ``programs`` rows."""
-        meta = dict(HAS_SOFTCAP=softcap is not None, BLOCK_V=_BLOCK_V, num_warps=_WARPS)
-        for c0 in range(0, self.v, self.cols):
-            w, b = _head_slice(weight, bias, c0, self.cols, h.dtype)
-            width = w.shape[0]
-            x = self.x[:self.rows * width].view(self.rows, width)
-            if b is None:
-                torch.mm(h, w.t(), out=x)
-            else:
-                torch.addmm(b, h, w.t(), out=x)
-            zc = self.z[:, c0:c0 + width]
-            _transform_kernel[(programs,)](
-                x, x.stride(0), zc, zc.stride(0), temperature, width,
-                1.0 if softcap is None else float(softcap), float(logit_scale), **meta)
+def _gemm_(out, h, w, b):
+    """``out = h @ w^T (+ b)``: one cuBLAS GEMM, written in ``out``'s dtype (the compute
+    dtype). The forward and the backward call it with the same shapes, so the same bits."""
+    if b is None:
+        torch.mm(h, w.t(), out=out)
+    else:
+        torch.addmm(b, h, w.t(), out=out)
 
 
 def forward(hidden, weight, bias, targets, params: RowParams, *, softcap, logit_scale,
             tile_bytes: int = DEFAULT_TILE_BYTES):
     """``sampler_torch.forward``'s contract: ``(logprobs, entropy, log_kept_mass, lse,
     lse_kept, key, count)``, each ``[N]`` (fp32; key and count int64)."""
-    n = hidden.shape[0]
+    n, v = hidden.shape[0], weight.shape[0]
     dev = hidden.device
     outs = [torch.empty(n, dtype=torch.float32, device=dev) for _ in range(5)]
-    key = torch.empty(n, dtype=torch.int64, device=dev)
-    count = torch.empty(n, dtype=torch.int64, device=dev)
+    outs += [torch.empty(n, dtype=torch.int64, device=dev) for _ in range(2)]
     if n == 0:
-        return (*outs, key, count)
-    chunk = _Chunk(hidden, weight, tile_bytes)
+        return tuple(outs)
+    rows = rows_per_chunk(v, tile_bytes, hidden.dtype, softcap)
+    cols = min(v, _COLS)
+    chunk = torch.empty(rows, v, dtype=hidden.dtype, device=dev)
+    part = torch.empty(rows * cols, dtype=hidden.dtype, device=dev)
     args = row_args(params, n, dev)
     targets = targets.contiguous()
-    scratch = torch.empty(2, chunk.rows, dtype=torch.float32, device=dev)
-    for r0, real in chunk.blocks():
-        h = _pad_rows(hidden[r0:r0 + real], chunk.rows).contiguous()  # the backward's layout
-        chunk.logits(h, weight, bias, args["temperature"][r0:], softcap, logit_scale, real)
-        chunk_stats(chunk.z[:real], targets[r0:r0 + real], args, r0,
-                    [o[r0:r0 + real] for o in (*outs, key, count)], scratch)
-    return (*outs, key, count)
+    scratch = torch.empty(2, rows, dtype=torch.float32, device=dev)
+    for r0 in range(0, n, rows):
+        real = min(rows, n - r0)
+        h = _pad_rows(hidden[r0:r0 + real], rows).contiguous()  # the backward's layout
+        for c0 in range(0, v, cols):
+            w, b = _head_slice(weight, bias, c0, cols, hidden.dtype)
+            x = part[:rows * w.shape[0]].view(rows, w.shape[0])
+            _gemm_(x, h, w, b)
+            chunk[:, c0:c0 + w.shape[0]] = x
+        chunk_stats(chunk[:real], targets[r0:r0 + real], args, r0,
+                    [o[r0:r0 + real] for o in outs], scratch, softcap, logit_scale)
+    return tuple(outs)
 
 
-def chunk_stats(z, targets, args, r0, outs, scratch):
-    """Steps 2-4 of the module doc on the fp32 tempered logits ``z [R, V]`` (row stride
-    free, unit column stride) of rows ``r0 ...`` of the call: writes ``outs`` (``logprobs,
-    entropy, log_kept_mass, lse, lse_kept, key, count``, each ``[R]``) from the per-row
-    settings ``args`` (:func:`row_args`), using ``scratch`` (fp32 ``[2, >= R]``)."""
-    rows, v = z.shape
+def chunk_stats(x, targets, args, r0, outs, scratch, softcap, logit_scale):
+    """Steps 2-4 of the module doc on the logits ``x [R, V]`` before the transform (row
+    stride free, unit column stride) of rows ``r0 ...`` of the call: writes ``outs``
+    (``logprobs, entropy, log_kept_mass, lse, lse_kept, key, count``, each ``[R]``) from the
+    per-row settings ``args`` (:func:`row_args`), using ``scratch`` (fp32 ``[2, >= R]``)."""
+    rows, v = x.shape
     m, l = scratch[0], scratch[1]
     key, count = outs[5], outs[6]
-    _max_kernel[(rows,)](z, z.stride(0), m, l, v, BLOCK_V=_BLOCK_V, num_warps=_WARPS)
+    t = args["temperature"][r0:]
+    common = dict(softcap=1.0 if softcap is None else float(softcap),
+                  scale=float(logit_scale), HAS_SOFTCAP=softcap is not None, num_warps=_WARPS)
+    _max_kernel[(rows,)](x, x.stride(0), t, m, l, v, BLOCK_V=_BLOCK_V, **common)
     _threshold_kernel[(rows,)](
-        z, z.stride(0), m, args["log_min_p"][r0:], args["top_k"][r0:], args["top_p"][r0:],
+        x, x.stride(0), t, m, args["log_min_p"][r0:], args["top_k"][r0:], args["top_p"][r0:],
         key, count, v, **args["flags"], FAN=_FAN, BLOCK_S=_BLOCK_S, BLOCK_V=_BLOCK_V,
-        num_warps=_WARPS)
-    _stats_kernel[(rows,)](z, z.stride(0), targets, m, l, key, count, *outs[:5], v,
-                           BLOCK_V=_BLOCK_V, num_warps=_WARPS)
+        **common)
+    _stats_kernel[(rows,)](x, x.stride(0), t, targets, m, l, key, count, *outs[:5], v,
+                           BLOCK_V=_BLOCK_V, **common)
 
 
 def grad_meta(dtype, softcap, g_lp, g_entropy, g_kept, g_lse) -> dict:
@@ -501,11 +487,7 @@ def backward(hidden, weight, bias, targets, params: RowParams, key, count, lse, 
             real = max(0, min(g_rows, n - r0))
             x = tile[:g_rows * width].view(g_rows, width)
             for c in range(0, g_rows, rows):
-                h = h_pad[r0 + c:r0 + c + rows]
-                if b is None:
-                    torch.mm(h, w.t(), out=x[c:c + rows])
-                else:
-                    torch.addmm(b, h, w.t(), out=x[c:c + rows])
+                _gemm_(x[c:c + rows], h_pad[r0 + c:r0 + c + rows], w, b)
             _grad_kernel[(g_rows,)](
                 x, x.stride(0), targets[r0:], args["temperature"][r0:], key[r0:], count[r0:],
                 seen[r0:], *(p[r0:] for p in ptrs), real, width, c0, **scalars, **meta)
