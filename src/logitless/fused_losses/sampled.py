@@ -47,7 +47,7 @@ class SamplerSettings:
         if temperature is None:
             temperature = torch.ones(n, dtype=dtype, device=device)
         return RowParams(temperature, per_row(self.top_k, torch.int64),
-                         per_row(self.top_p, dtype), per_row(self.min_p, dtype))
+                         per_row(self.top_p, torch.float64), per_row(self.min_p, dtype))
 
 
 def _is_number(x) -> bool:
