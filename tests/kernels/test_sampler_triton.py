@@ -134,7 +134,7 @@ def _tied_rows(n, v, seed):
     p = torch.rand(n, generator=gen) * 0.98 + 0.01
     p[::5] = 1.0
     min_p = torch.where(torch.rand(n, generator=gen) < 0.5, 0.0, torch.rand(n, generator=gen) * 0.3)
-    return z, RowParams(torch.ones(n), k, p, min_p)
+    return z, RowParams(torch.ones(n), k, p.double(), min_p)
 
 
 @requires_triton
@@ -266,7 +266,7 @@ for ty, on in (("bf16", True), ("fp32", False)):
           dict(HAS_SOFTCAP=on, BLOCK_V=k._BLOCK_V))
     flags = (True, True, True) if on else (False, False, True)
     build("_threshold_kernel", dict(**common, m_in="*fp32", log_min_p="*fp32", top_k="*i64",
-          top_p="*fp32", t_out="*i64", c_out="*i64", width="i32", **scal),
+          top_p="*fp64", t_out="*i64", c_out="*i64", width="i32", **scal),
           dict(zip(("HAS_MIN_P", "HAS_TOP_K", "HAS_TOP_P"), flags), HAS_SOFTCAP=on,
                FAN=k._FAN, BLOCK_S=k._BLOCK_S, BLOCK_V=k._BLOCK_V))
     build("_stats_kernel", dict(**common, targets="*i64", m_in="*fp32", l_in="*fp32",

@@ -22,8 +22,9 @@ whatever N is):
    the tokens at or above ``_FAN`` trial keys at once, so a 32-bit key range takes 8 passes
    where a bisection takes 32) and need one more pass for the tokens strictly above it;
    top-p first sums the candidates' weights (one pass, ranks of the tied tokens by a running
-   ``cumsum``). The search finds the same key as the torch path's bisection: the largest key
-   whose count (or weight, summed in this kernel's order) reaches the target.
+   ``cumsum``; top-p's mass in fp64, as the torch path sums it). The search finds the same
+   key as the torch path's radix select: the largest key whose count (or weight) reaches the
+   target.
 4. ``_stats_kernel``: one pass for the kept sums, the target's logit and membership, and the
    number of tokens at ``T``; it writes ``log q_y``, the kept entropy, ``log_kept_mass``,
    ``lse``, the kept ``lse`` and the stored pair (``T``, the kept count at ``T``).
@@ -158,7 +159,7 @@ def _search(x_row, width, temp, softcap, scale, m, lo, hi, target, HAS_SOFTCAP: 
         step = (hi - lo) // FAN + 1
         trial = lo + j * step
         if WEIGHTED:
-            f = tl.zeros([FAN], dtype=tl.float32)
+            f = tl.zeros([FAN], dtype=tl.float64)
         else:
             f = tl.zeros([FAN], dtype=tl.int32)
         for c0 in range(0, width, BLOCK_S):
@@ -166,7 +167,8 @@ def _search(x_row, width, temp, softcap, scale, m, lo, hi, target, HAS_SOFTCAP: 
                                HAS_SOFTCAP)
             ge = (_keys(z)[None, :] >= trial[:, None]) & valid[None, :]
             if WEIGHTED:
-                f += tl.sum(tl.where(ge, tl.exp(z - m)[None, :], 0.0), 1)
+                w = tl.exp(z - m).to(tl.float64)
+                f += tl.sum(tl.where(ge, w[None, :], 0.0), 1)
             else:
                 f += tl.sum(ge.to(tl.int32), 1)
         ok = (j > 0) & (trial <= hi) & (f >= target)
@@ -215,25 +217,28 @@ def _threshold_kernel(x, stride_x, temperature, m_in, log_min_p, top_k, top_p, t
     if HAS_TOP_P:
         p = tl.load(top_p + row)
         if p < 1.0:
-            total = 0.0
+            # The mass in fp64, as the torch path sums it: a row whose boundary token sits
+            # within fp32 rounding of p keeps the set the exact sums give.
+            total = tl.zeros([], dtype=tl.float64)
             seen = tl.zeros([], dtype=tl.int64)
             for c0 in range(0, width, BLOCK_V):
                 z, valid = _load_z(x_row, c0 + tl.arange(0, BLOCK_V), width, temp, softcap,
                                    scale, HAS_SOFTCAP)
                 member, seen = _members(_keys(z), valid, t, c, seen)
-                total += tl.sum(tl.where(member, tl.exp(z - m), 0.0), 0)
+                total += tl.sum(tl.where(member, tl.exp(z - m).to(tl.float64), 0.0), 0)
             target = p * total
             t_p = _search(x_row, width, temp, softcap, scale, m, t, hi, target, HAS_SOFTCAP,
                           True, FAN, BLOCK_S)
-            g = 0.0
+            g = tl.zeros([], dtype=tl.float64)
             for c0 in range(0, width, BLOCK_V):
                 z, valid = _load_z(x_row, c0 + tl.arange(0, BLOCK_V), width, temp, softcap,
                                    scale, HAS_SOFTCAP)
-                g += tl.sum(tl.where(valid & (_keys(z) > t_p), tl.exp(z - m), 0.0), 0)
-            e_t = tl.exp(_from_key(t_p) - m)
+                g += tl.sum(tl.where(valid & (_keys(z) > t_p), tl.exp(z - m).to(tl.float64),
+                                     0.0), 0)
+            e_t = tl.exp(_from_key(t_p) - m).to(tl.float64)
             # ceil((target - g) / e_t), at least 1; a tied weight underflowing to 0 (or a NaN)
             # keeps every tie.
-            q = tl.math.div_rn(target - g, e_t)
+            q = (target - g) / e_t
             ties = tl.where(q == q, q, float("inf"))
             ties = tl.maximum(tl.ceil(ties), 1.0)
             c_p = tl.where(ties < 4.0e18, ties, 4.0e18).to(tl.int64)
@@ -356,7 +361,7 @@ def row_args(params: RowParams, n: int, device):
     and a stand-in pointer for each setting that is off."""
     log_min_p = None if params.min_p is None else torch.log(params.min_p.float())
     top_k = params.top_k
-    top_p = None if params.top_p is None else params.top_p.float()
+    top_p = None if params.top_p is None else params.top_p.double()
     dummy = torch.zeros(1, dtype=torch.float32, device=device)
     return dict(
         temperature=params.temperature.float().contiguous(),
