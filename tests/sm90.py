@@ -156,3 +156,12 @@ def ptxas_report(compiled) -> dict[str, int]:
         "spill_stores": number(r"(\d+) bytes spill stores"),
         "spill_loads": number(r"(\d+) bytes spill loads"),
     }
+
+
+def run_compile_script(script: str) -> subprocess.CompletedProcess:
+    """Run ``script`` (Python source whose ``{tests}`` is replaced by this folder) in a fresh
+    interpreter without ``TRITON_INTERPRET``, so that its ``compile_sm90`` calls compile in
+    that process; returns the finished process (output captured as text)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    return subprocess.run([sys.executable, "-c", script.format(tests=str(Path(__file__).parent))],
+                          env=env, capture_output=True, text=True, timeout=600)

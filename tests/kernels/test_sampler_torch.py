@@ -62,3 +62,16 @@ def test_results_do_not_depend_on_the_batch():
     part = sampler_torch.forward(h[:5], w, None, t[:5], params.rows(slice(0, 5), 5), **kw)
     for a, b in zip(full, part):
         assert torch.equal(a[:5], b)
+
+
+def test_top_p_boundary_within_fp32_rounding_matches_the_exact_sums():
+    """A row whose cumulative mass passes p = 0.9 within fp32 rounding of it (fp32 sums, in
+    the radix select's order, keep one token fewer): the kept set is the one the exact (fp64)
+    sums give."""
+    z = torch.randn(256, 4099, generator=torch.Generator().manual_seed(0))[216:217] * 2
+    probs = torch.softmax(z.double(), 1).sort(1, descending=True).values.cumsum(1)
+    margin = torch.where(probs < 0.9, 0.9 - probs, probs - 0.9).min()
+    assert margin < 2e-7
+    params = RowParams(torch.ones(1), None, torch.full((1,), 0.9, dtype=torch.float64), None)
+    got = sampler_torch._kept_set(z, z.amax(1), sampler_torch._ordered_keys(z), params)
+    assert torch.equal(got, sampler_kept_mask(z.double(), top_p=0.9))

@@ -11,11 +11,13 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 
+from logitless.fused_losses.backend import triton_selected
 from logitless.kernels import sampler_torch
-from logitless.kernels.linear_softmax_torch import DEFAULT_TILE_BYTES, acc_dtype
+from logitless.kernels.linear_softmax_torch import acc_dtype
 from logitless.kernels.sampler_torch import RowParams
 
 __all__ = ["SamplerSettings", "sampled_logprobs", "sampler_settings"]
@@ -45,7 +47,7 @@ class SamplerSettings:
         if temperature is None:
             temperature = torch.ones(n, dtype=dtype, device=device)
         return RowParams(temperature, per_row(self.top_k, torch.int64),
-                         per_row(self.top_p, dtype), per_row(self.min_p, dtype))
+                         per_row(self.top_p, torch.float64), per_row(self.min_p, dtype))
 
 
 def _is_number(x) -> bool:
@@ -111,6 +113,17 @@ def sampler_settings(targets, vocab: int, temperature, top_k, top_p, min_p,
     return SamplerSettings(temperature if tensor_t else None, top_k, top_p, min_p)
 
 
+def _backend_for(device: torch.device, dtype: torch.dtype) -> ModuleType:
+    """The kernel module for this call (see :func:`triton_selected`): ``kernels.sampler``
+    (cuBLAS GEMMs and Triton passes) or its torch twin ``kernels.sampler_torch``; both take
+    the same arguments and give the same kept sets."""
+    if not triton_selected(device, dtype):
+        return sampler_torch
+    from logitless.kernels import sampler
+
+    return sampler
+
+
 class _Sampled(torch.autograd.Function):
     """Rows compacted, targets in ``[0, V)``; the kept set is a constant of the forward."""
 
@@ -119,24 +132,29 @@ class _Sampled(torch.autograd.Function):
                 dtype):
         ctx.set_materialize_grads(False)
         h = hidden.to(dtype)
-        kw = dict(softcap=softcap, logit_scale=logit_scale, tile_bytes=tile_bytes)
+        backend = _backend_for(hidden.device, dtype)
+        kw = dict(softcap=softcap, logit_scale=logit_scale,
+                  tile_bytes=tile_bytes or backend.DEFAULT_TILE_BYTES)
         with torch.autocast(hidden.device.type, enabled=False):
-            lp, ent, kept_mass, lse, lse_kept, key, count = sampler_torch.forward(
+            lp, ent, kept_mass, lse, lse_kept, key, count = backend.forward(
                 h, weight, bias, targets, params, **kw)
-        ctx.params, ctx.kw, ctx.dtype = params, kw, dtype
-        ctx.save_for_backward(hidden, weight, bias, targets, key, count, lse, lse_kept, ent)
+        ctx.params, ctx.kw, ctx.dtype, ctx.backend = params, kw, dtype, backend
+        ctx.save_for_backward(hidden, weight, bias, targets, key, count, lse, lse_kept, ent,
+                              lp)
         return lp, ent, kept_mass, lse
 
     @staticmethod
     def backward(ctx, g_lp, g_ent, g_kept, g_lse):
-        hidden, weight, bias, targets, key, count, lse, lse_kept, ent = ctx.saved_tensors
+        hidden, weight, bias, targets, key, count, lse, lse_kept, ent, lp = ctx.saved_tensors
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         nothing = (None,) * 6
         if all(g is None for g in (g_lp, g_ent, g_kept, g_lse)):
             return None, None, None, *nothing
         acc = lse.dtype
+        if g_lp is not None:  # a target outside the kept set has logprob -inf: no gradient
+            g_lp = torch.where(torch.isfinite(lp), g_lp, 0.0)
         with torch.autocast(hidden.device.type, enabled=False):
-            d_h, d_w, d_b = sampler_torch.backward(
+            d_h, d_w, d_b = ctx.backend.backward(
                 hidden.to(ctx.dtype), weight, bias, targets, ctx.params, key, count, lse,
                 lse_kept, ent, *(None if g is None else g.to(acc) for g in
                                  (g_lp, g_ent, g_kept, g_lse)),
@@ -156,4 +174,4 @@ def sampled_logprobs(hidden, weight, bias, targets, settings: SamplerSettings, r
     params = settings.rows(rows, hidden.shape[0], acc_dtype(dtype), hidden.device)
     params.temperature *= temperature
     return _Sampled.apply(hidden, weight, bias, targets, params, softcap, logit_scale,
-                          tile_bytes or DEFAULT_TILE_BYTES, dtype)
+                          tile_bytes, dtype)

@@ -9,11 +9,13 @@ algorithm per chunk, which a one-program-per-row kernel can follow tile by tile:
 1. logits ``z`` (GEMMs over vocabulary slices), the row maximum ``m`` and the full
    normaliser ``lse``;
 2. min-p: candidates ``z >= m + log(min_p)`` (``min_p = 0``: ``log 0 = -inf``, all);
-3. top-k: the ``k``-th largest candidate by a bisection over the **ordered integer keys** of
-   the logits (the float's bit pattern, negatives flipped, so integer order is float order):
-   the largest key ``t`` with ``#{key >= t} >= k``, at most 32 counting passes for fp32; then
-   the ``k - #{key > t}`` tokens tied at ``t`` with the lowest vocabulary ids are kept;
-4. top-p: the same bisection with each candidate weighted by ``exp(z - m)``: the largest key
+3. top-k: the ``k``-th largest candidate by a radix select over the **ordered integer keys**
+   of the logits (the float's bit pattern, negatives flipped, so integer order is float
+   order): the largest key ``t`` with ``#{key >= t} >= k``, found a byte at a time from the
+   top with a per-row 256-bin histogram of the keys sharing the bytes chosen so far (4 passes
+   for fp32 keys; a kernel can equally bisect, 32 counting passes); then the
+   ``k - #{key > t}`` tokens tied at ``t`` with the lowest vocabulary ids are kept;
+4. top-p: the same select with each candidate weighted by ``exp(z - m)``: the largest key
    ``t`` whose candidates at or above it hold at least ``p`` of the candidates' mass; the
    ``ceil((p L - G) / e_t)`` tokens tied at ``t`` with the lowest ids are kept (``G``: the
    mass strictly above ``t``, ``e_t``: a tied token's weight). Rows with ``p = 1`` are left
@@ -59,8 +61,8 @@ _MAX_ROWS = 1024
 
 @dataclass
 class RowParams:
-    """Per-row sampler settings, each ``[N]`` (None: off). ``temperature`` in the accumulation
-    dtype; ``top_k`` int64 (values above ``V`` mean all); ``top_p``, ``min_p`` likewise."""
+    """Per-row sampler settings, each ``[N]`` (None: off). ``temperature`` and ``min_p`` in the
+    accumulation dtype, ``top_p`` fp64, ``top_k`` int64 (values above ``V`` mean all)."""
 
     temperature: torch.Tensor
     top_k: torch.Tensor | None = None
@@ -76,11 +78,12 @@ class RowParams:
 
 
 def rows_per_chunk(v: int, tile_bytes: int, dtype: torch.dtype, softcap: float | None) -> int:
-    """Rows per chunk so that a chunk's buffers fit in ``tile_bytes``: the logits, keys and
-    three same-shaped temporaries in the accumulation dtype, two masks, and ``tanh`` when
-    soft-capping. From the vocabulary, the budget and the dtype only."""
+    """Rows per chunk so that a chunk's buffers fit in ``tile_bytes``: the logits and two
+    temporaries in the accumulation dtype, ``tanh`` when soft-capping, the keys, the radix
+    select's digits and fp64 weights, and masks. From the vocabulary, the budget and the dtype
+    only."""
     acc = acc_dtype(dtype).itemsize
-    per_elem = acc * (6 if softcap is not None else 5) + 2
+    per_elem = acc * (4 if softcap is not None else 3) + 36
     return max(1, min(_MAX_ROWS, tile_bytes // (v * per_elem)))
 
 
@@ -118,28 +121,49 @@ def _ordered_keys(z: torch.Tensor) -> torch.Tensor:
     return torch.where(bits < 0, bits ^ flip, bits)
 
 
-def _key_bounds(keys, cand):
-    """Per row, the smallest candidate key and the largest key, int64."""
-    big = torch.iinfo(keys.dtype).max
-    return (torch.where(cand, keys, big).amin(1).long(), keys.amax(1).long())
+def _candidate_keys(keys, cand):
+    """``keys`` with the non-candidates at the dtype's minimum (below every candidate, with
+    weight 0, so they never count)."""
+    return torch.where(cand, keys, torch.iinfo(keys.dtype).min)
 
 
-def _largest_key(keys, weight, target, lo, hi):
-    """Per row, the largest integer ``t`` in ``[lo, hi]`` with ``sum(weight[keys >= t]) >=
-    target``, by bisection (``lo`` must satisfy it). ``weight``: a bool mask (a count) or
-    non-negative floats, 0 off the candidates."""
-    steps = 64 if keys.dtype == torch.int64 else int((hi - lo).max()).bit_length()
-    for _ in range(steps):
-        mid = (lo >> 1) + (hi >> 1) + ((lo | hi) & 1)  # ceil((lo + hi) / 2), no overflow
-        above = keys >= mid.unsqueeze(1)
-        if weight.dtype == torch.bool:
-            f = (above & weight).sum(1)
+def _largest_key(kk, weight, target):
+    """Per row, the largest key ``t`` with ``sum(weight[kk >= t]) >= target`` (``weight``
+    None: a count), by radix select: 8 bits at a time from the top, a per-row 256-bin
+    histogram (weighted for top-p) of the next byte of the keys that share the bytes chosen so
+    far; the chosen byte is the largest whose bins from it upward, plus the weight already
+    known to lie above, reach the target. 4 passes for fp32 keys (8 for fp64)."""
+    bits = torch.iinfo(kk.dtype).bits
+    sign = torch.iinfo(kk.dtype).min
+    ukey = kk ^ sign  # unsigned order as a bit pattern: the byte digits compare as 0..255
+    rows = kk.shape[0]
+    prefix = torch.zeros(rows, dtype=kk.dtype, device=kk.device)
+    above = torch.zeros_like(target) if weight is not None else \
+        torch.zeros(rows, dtype=torch.int64, device=kk.device)
+    ones = None
+    for shift in range(bits - 8, -1, -8):
+        digit = ((ukey >> shift) & 255).long()
+        if shift + 8 < bits:
+            match = (ukey >> (shift + 8)) == (prefix >> (shift + 8)).unsqueeze(1)
         else:
-            f = torch.where(above, weight, 0.0).sum(1)
-        ok = f >= target
-        lo = torch.where(ok, mid, lo)
-        hi = torch.where(ok, hi, mid - 1)
-    return lo
+            match = None
+        if weight is None:
+            if ones is None:
+                ones = torch.ones(1, dtype=torch.int64, device=kk.device).expand_as(digit)
+            w = ones if match is None else match.long()
+        else:
+            w = weight if match is None else torch.where(match, weight, 0.0)
+        hist = torch.zeros(rows, 256, dtype=w.dtype, device=kk.device).scatter_add_(1, digit, w)
+        # mass at or above each byte value: suffix sums, plus what lies above the prefix
+        upward = hist.flip(1).cumsum(1).flip(1) + above.unsqueeze(1)
+        reach = upward >= target.unsqueeze(1)
+        # the largest byte that reaches (byte 0 when none does: only when lo is the answer)
+        chosen = torch.where(reach, torch.arange(256, device=kk.device), 0).amax(1)
+        nxt = (chosen + 1).clamp(max=255)
+        above = torch.where(chosen < 255, upward.gather(1, nxt.unsqueeze(1)).squeeze(1),
+                            above)
+        prefix = prefix | (chosen.to(kk.dtype) << shift)
+    return prefix ^ sign
 
 
 def _prefix(keys, t, c):
@@ -155,18 +179,19 @@ def _kept_set(z, m, keys, params: RowParams):
     if params.min_p is not None:
         cand = z >= (m + torch.log(params.min_p)).unsqueeze(1)
     if params.top_k is not None:
-        lo, hi = _key_bounds(keys, cand)
-        t = _largest_key(keys, cand, params.top_k, lo, hi)
-        c = params.top_k - ((keys > t.unsqueeze(1)) & cand).sum(1)
+        kk = _candidate_keys(keys, cand)
+        t = _largest_key(kk, None, params.top_k)
+        c = params.top_k - (kk > t.unsqueeze(1)).sum(1)
         cand = cand & _prefix(keys, t, c)
     if params.top_p is not None:
-        e = torch.where(cand, torch.exp(z - m.unsqueeze(1)), 0.0)
-        target = params.top_p * e.sum(1)
-        lo, hi = _key_bounds(keys, cand)
-        t = _largest_key(keys, e, target, lo, hi)
-        above = keys > t.unsqueeze(1)
-        g = torch.where(above, e, 0.0).sum(1)
-        e_t = torch.where(keys == t.unsqueeze(1), e, 0.0).amax(1)
+        # The mass is summed in fp64: a row whose boundary token sits within fp32 rounding of
+        # p then keeps the set the exact sums give, whatever the order of summation.
+        e = torch.where(cand, torch.exp(z - m.unsqueeze(1)), 0.0).double()
+        target = params.top_p.double() * e.sum(1)
+        kk = _candidate_keys(keys, cand)
+        t = _largest_key(kk, e, target)
+        g = torch.where(kk > t.unsqueeze(1), e, 0.0).sum(1)
+        e_t = torch.where(kk == t.unsqueeze(1), e, 0.0).amax(1)
         big = float(2**62)  # a tied weight underflowing to 0: keep every tie
         c = torch.ceil((target - g) / e_t).clamp(min=1).nan_to_num(nan=big, posinf=big).long()
         cut = cand & _prefix(keys, t, c)

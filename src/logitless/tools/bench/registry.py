@@ -78,6 +78,8 @@ class Provider:
     is_floor: bool = False
     #: the distribution whose version the records carry
     package: str | None = None
+    #: computes with the op's options (``Settings.options``); others are unavailable then
+    takes_options: bool = False
 
     def unavailable(self, device: str, dtype: torch.dtype, mode: str) -> str | None:
         """Why this provider cannot run here, or None when it can."""
