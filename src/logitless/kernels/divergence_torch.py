@@ -111,11 +111,8 @@ def divergence_forward(hidden, weight, bias, t_hidden, t_weight, t_bias, *, beta
             gap[rows] = gap[rows] * scale_s + es.mul_(zs.sub_(zt)).sum(1)
     lse_s, lse_t = m_s + l_s.log(), m_t + l_t.log()
     extra = () if x_s is None else (lse_s - x_s / l_s,)
-    if beta == 0.0:
-        div = gap / l_t - lse_t + lse_s
-        return div, lse_s, lse_t, div, *extra
-    if beta == 1.0:
-        div = gap / l_s - lse_s + lse_t
+    if beta in (0.0, 1.0):
+        div = finish_kl(beta, gap, l_s, l_t, lse_s, lse_t)
         return div, lse_s, lse_t, div, *extra
     log_b, log_1mb = math.log(beta), math.log1p(-beta)
     div, kl_s = hidden.new_zeros(n, dtype=acc), hidden.new_zeros(n, dtype=acc)
@@ -129,6 +126,15 @@ def divergence_forward(hidden, weight, bias, t_hidden, t_weight, t_bias, *, beta
         kl_s[rows] += kl_s_rows
         div[rows] += beta * kl_t_rows + (1.0 - beta) * kl_s_rows
     return div, lse_s, lse_t, kl_s, *extra
+
+
+def finish_kl(beta: float, gap, l_s, l_t, lse_s, lse_t):
+    """The KL of ``beta`` 0 or 1 from pass 1: the expected gap ``gap / l`` (``l`` the sum of
+    exponentials it was folded with) is ``E_t[z_t - z_s]`` for the forward KL, which is then
+    ``E_t[z_t - z_s] - lse_t + lse_s``, or ``E_s[z_s - z_t]`` for the reverse one."""
+    if beta == 0.0:
+        return gap / l_t - lse_t + lse_s
+    return gap / l_s - lse_s + lse_t
 
 
 def _log_mixture_(zs, zt, lse_s, lse_t, log_b, log_1mb, scr_s, scr_t):
