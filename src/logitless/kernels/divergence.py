@@ -139,19 +139,17 @@ def _pair_jsd_kernel(
 
 @triton.jit
 def _pair_grad_kernel(
-    zs_ptr, stride_s, zt_ptr, stride_t, lse_s, lse_t, aux, grad, n_rows, width, z_scale,
+    zs_ptr, stride_s, zt_ptr, stride_t, lse_s, lse_t, aux, grad, width, z_scale,
     log_b, log_1mb, one_minus_beta,
     MODE: tl.constexpr, INTERPRET_BF16: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     """Overwrite row ``r`` of the student's tile with ``dL/dx`` (``x`` its logits before the
     temperature), in its dtype: ``dz = p_s - p_t`` (``MODE`` 0), ``p_s (log p_s - log p_t -
-    aux)`` (1), ``(1 - beta) p_s (log p_s - log m - aux)`` (2), times ``grad[r] / T``. Rows at
-    or past ``n_rows`` (the last chunk's padding) are written as zeros."""
-    row = tl.program_id(0).to(tl.int64)
-    zs_row = zs_ptr + row * stride_s
-    zt_row = zt_ptr + row * stride_t
-    keep = row < n_rows
-    r = tl.minimum(row, n_rows - 1)  # padding rows load the last real row's scalars
+    aux)`` (1), ``(1 - beta) p_s (log p_s - log m - aux)`` (2), times ``grad[r] / T``. One
+    program per real row: the launcher zeroes the last chunk's padding rows."""
+    r = tl.program_id(0).to(tl.int64)
+    zs_row = zs_ptr + r * stride_s
+    zt_row = zt_ptr + r * stride_t
     lse_s_r = tl.load(lse_s + r)
     lse_t_r = tl.load(lse_t + r)
     aux_r = tl.load(aux + r)
@@ -170,23 +168,20 @@ def _pair_grad_kernel(
             dz = p_s * (ls - lt - aux_r)
         else:
             dz = p_s * (ls - _log_mixture(ls, lt, log_b, log_1mb) - aux_r)
-        dx = tl.where(keep, dz * coef, 0.0)
-        tl.store(zs_row + cols, _round_to(dx, zs_ptr.dtype.element_ty, INTERPRET_BF16),
+        tl.store(zs_row + cols, _round_to(dz * coef, zs_ptr.dtype.element_ty, INTERPRET_BF16),
                  mask=valid)
 
 
 @triton.jit
 def _topk_grad_kernel(
-    z_ptr, stride_row, ids, grad, k, lse, n_rows, width, v0, z_scale,
+    z_ptr, stride_row, ids, grad, k, lse, width, v0, z_scale,
     INTERPRET_BF16: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     """Overwrite row ``r``'s logits (before the temperature) with ``dL/dx = (sum_i g_i 1[j =
     id_i] - p_j sum_i g_i) / T`` from the upstream ``grad [n, k]`` on the log-probs at ``ids
-    [n, k]``; a repeated id collects each of its gradients. Padding rows: zeros."""
-    row = tl.program_id(0).to(tl.int64)
-    z_row = z_ptr + row * stride_row
-    keep = row < n_rows
-    r = tl.minimum(row, n_rows - 1)
+    [n, k]``; a repeated id collects each of its gradients. One program per real row."""
+    r = tl.program_id(0).to(tl.int64)
+    z_row = z_ptr + r * stride_row
     lse_r = tl.load(lse + r)
     total = 0.0
     for i in range(0, k):
@@ -199,8 +194,7 @@ def _topk_grad_kernel(
         for i in range(0, k):
             at = tl.load(ids + r * k + i) - v0
             dz += tl.where(cols == at, tl.load(grad + r * k + i), 0.0)
-        dx = tl.where(keep, dz * z_scale, 0.0)
-        tl.store(z_row + cols, _round_to(dx, z_ptr.dtype.element_ty, INTERPRET_BF16),
+        tl.store(z_row + cols, _round_to(dz * z_scale, z_ptr.dtype.element_ty, INTERPRET_BF16),
                  mask=valid)
 
 
@@ -314,9 +308,11 @@ def divergence_backward(hidden, weight, bias, t_hidden, t_weight, t_bias, lse_s,
     per_row = [t.float().contiguous() for t in (lse_s, lse_t, aux, grad)]
     meta = grad_meta(beta, hidden.dtype)
     for v0, v1, gi, r0, rows, zs, zt in _pair_tiles(plans, (weight, t_weight), (bias, t_bias)):
-        _pair_grad_kernel[(rows,)](
-            zs, zs.stride(0), zt, zt.stride(0), *(t[r0:] for t in per_row),
-            plans[0].real_rows(r0, rows), v1 - v0, **scalars, **meta)
+        real = plans[0].real_rows(r0, rows)
+        _pair_grad_kernel[(real,)](
+            zs, zs.stride(0), zt, zt.stride(0), *(t[r0:] for t in per_row), v1 - v0, **scalars,
+            **meta)
+        zs[real:].zero_()  # the last chunk's padding rows: no gradient
         grads.add(zs, weight[v0:v1], v0, v1, gi, r0, rows)
         if gi == len(plans[0].groups) - 1:
             grads.end_tile(v0, v1)
@@ -363,9 +359,11 @@ def topk_backward(hidden, weight, bias, ids, lse, grad, *, temperature: float, n
     for v0, v1 in plan.tiles():
         for gi, (r0, rows) in enumerate(plan.groups):
             dx = plan.logits(weight, bias, v0, v1, r0, rows)
-            _topk_grad_kernel[(rows,)](
-                dx, dx.stride(0), ids[r0:], grad[r0:], k, lse[r0:], plan.real_rows(r0, rows),
-                v1 - v0, v0, 1.0 / float(temperature), **meta)
+            real = plan.real_rows(r0, rows)
+            _topk_grad_kernel[(real,)](
+                dx, dx.stride(0), ids[r0:], grad[r0:], k, lse[r0:], v1 - v0, v0,
+                1.0 / float(temperature), **meta)
+            dx[real:].zero_()
             grads.add(dx, weight[v0:v1], v0, v1, gi, r0, rows)
         grads.end_tile(v0, v1)
     return grads.result()
