@@ -195,7 +195,8 @@ def linear_divergence(
     (reverse KL), and ``0 < beta < 1`` gives ``beta KL(p_t || m) + (1 - beta) KL(p_s || m)``
     with ``m = beta p_t + (1 - beta) p_s`` (TRL's GKD definition). Neither head's
     ``[N, V]`` logits are stored: both are streamed through tiles of at most
-    ``max_tile_bytes`` (default 64 MB for the four tile buffers).
+    ``max_tile_bytes`` (default 64 MB for the torch path's tile buffers; on CUDA the head's
+    256 MiB for both heads' tiles together).
 
     Args:
         hidden: ``[..., D]`` the student's hidden states.
