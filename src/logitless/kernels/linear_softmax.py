@@ -462,9 +462,12 @@ def backward(hidden, weight, bias, targets, lse, entropy, sum_p_sq,
         for gi, (r0, rows) in enumerate(plan.groups):
             real = plan.real_rows(r0, rows)
             dx = plan.logits(weight, bias, v0, v1, r0, rows)
-            _tile_grad_kernel[(rows,)](
+            # One program per real row; the last chunk's padding rows are zeroed by one fill
+            # (under the interpreter, a program per padding row cost most of a small call).
+            _tile_grad_kernel[(real,)](
                 dx, dx.stride(0), targets[r0:], *(p[r0:] for p in ptrs), real, v1 - v0, v0,
                 **scalars, **meta)
+            dx[real:].zero_()
             grads.add(dx, w, v0, v1, gi, r0, rows)
         grads.end_tile(v0, v1)
     return grads.result()
