@@ -9,10 +9,7 @@ chunk in its own row group, so the weight gradient is summed over groups.
 
 from __future__ import annotations
 
-import os
 import pathlib
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -21,6 +18,7 @@ from logitless.kernels import linear_softmax as kernel
 from logitless.kernels.softmax_partials import finish
 from logitless.reference.linear_softmax import linear_logits, linear_softmax_stats
 
+from sm90 import run_compile_script
 from testing import assert_close_to_oracle, requires_triton
 
 N, D, V = 37, 96, 1007
@@ -415,8 +413,6 @@ def test_fp32_products_go_through_torch_matmul():
 # Compiles both kernels for sm_90 with the constexprs and warps the launcher uses, for each
 # dtype, every feature flag on and off. A subprocess: TRITON_INTERPRET=1 replaces the JIT.
 _COMPILE_SCRIPT = """
-import sys
-sys.path.insert(0, {tests!r})
 import torch
 from sm90 import compile_sm90
 from logitless.kernels import linear_softmax as k
@@ -445,9 +441,4 @@ for dtype, ty in (("bfloat16", "bf16"), ("float16", "fp16"), ("float32", "fp32")
 
 @pytest.mark.compile_sm90
 def test_kernels_compile_for_sm90():
-    pytest.importorskip("triton.backends.nvidia")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    script = _COMPILE_SCRIPT.format(tests=str(pathlib.Path(__file__).parents[1]))
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-4000:]
+    run_compile_script(_COMPILE_SCRIPT)

@@ -1,19 +1,22 @@
 """Two-head divergences for distillation: ``linear_divergence`` and ``linear_topk_distill``.
 
 Input checks, compaction of masked rows and result shaping live here; the tiled math in
-``kernels/divergence_torch.py`` (the chunked torch path serves every device for now). The
-teacher's tensors are detached before the autograd functions see them: no graph is built for
-the teacher and it receives no gradient.
+``kernels/divergence.py`` (cuBLAS tiles and Triton epilogues, where ``triton_selected``) or its
+chunked torch twin ``kernels/divergence_torch.py`` (CPU, fp64). The teacher's tensors are
+detached before the autograd functions see them: no graph is built for the teacher and it
+receives no gradient.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 
-from logitless.fused_losses.logprobs import compute_dtype
+from logitless.fused_losses.backend import triton_selected
+from logitless.fused_losses.logprobs import check_byte_budget, compute_dtype
 from logitless.kernels import divergence_torch
 
 __all__ = ["linear_divergence", "linear_topk_distill"]
@@ -26,10 +29,21 @@ class _Spec:
     beta: float
     temperature: float
     tile_bytes: int | None
+    backend: ModuleType
     entropy: bool = False
 
     def kw(self):
         return {} if self.tile_bytes is None else {"tile_bytes": self.tile_bytes}
+
+
+def _backend_for(device: torch.device, *dtypes: torch.dtype) -> ModuleType:
+    """The kernel module for tensors of this device and these dtypes: the Triton path when
+    :func:`triton_selected` picks it for every one of them, else the torch twin."""
+    if not all(triton_selected(device, dtype) for dtype in dtypes):
+        return divergence_torch
+    from logitless.kernels import divergence
+
+    return divergence
 
 
 class _Divergence(torch.autograd.Function):
@@ -40,7 +54,7 @@ class _Divergence(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, t_hidden, t_weight, t_bias, spec: _Spec):
         ctx.set_materialize_grads(False)
         with torch.autocast(hidden.device.type, enabled=False):
-            div, lse_s, lse_t, aux, *ent = divergence_torch.divergence_forward(
+            div, lse_s, lse_t, aux, *ent = spec.backend.divergence_forward(
                 hidden, weight, bias, t_hidden, t_weight, t_bias, beta=spec.beta,
                 temperature=spec.temperature, entropy=spec.entropy, **spec.kw())
         ctx.spec = spec
@@ -57,7 +71,7 @@ class _Divergence(torch.autograd.Function):
             return (None,) * 7
         spec = ctx.spec
         with torch.autocast(hidden.device.type, enabled=False):
-            grads = divergence_torch.divergence_backward(
+            grads = spec.backend.divergence_backward(
                 hidden, weight, bias, t_hidden, t_weight, t_bias, lse_s, lse_t, aux,
                 grad.contiguous(), beta=spec.beta, temperature=spec.temperature,
                 need_hidden=need[0], need_weight=need[1], need_bias=need[2], **spec.kw())
@@ -71,7 +85,7 @@ class _TopkLogprobs(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, ids, spec: _Spec):
         ctx.set_materialize_grads(False)
         with torch.autocast(hidden.device.type, enabled=False):
-            logprobs, lse = divergence_torch.topk_forward(
+            logprobs, lse = spec.backend.topk_forward(
                 hidden, weight, bias, ids, temperature=spec.temperature, **spec.kw())
         ctx.spec = spec
         ctx.save_for_backward(hidden, weight, bias, ids, lse)
@@ -84,7 +98,7 @@ class _TopkLogprobs(torch.autograd.Function):
         if grad is None or not any(need):
             return (None,) * 5
         with torch.autocast(hidden.device.type, enabled=False):
-            grads = divergence_torch.topk_backward(
+            grads = ctx.spec.backend.topk_backward(
                 hidden, weight, bias, ids, lse, grad.contiguous(),
                 temperature=ctx.spec.temperature, need_hidden=need[0], need_weight=need[1],
                 need_bias=need[2], **ctx.spec.kw())
@@ -181,7 +195,8 @@ def linear_divergence(
     (reverse KL), and ``0 < beta < 1`` gives ``beta KL(p_t || m) + (1 - beta) KL(p_s || m)``
     with ``m = beta p_t + (1 - beta) p_s`` (TRL's GKD definition). Neither head's
     ``[N, V]`` logits are stored: both are streamed through tiles of at most
-    ``max_tile_bytes`` (default 64 MB for the four tile buffers).
+    ``max_tile_bytes`` (default 64 MB for the torch path's tile buffers; on CUDA the head's
+    256 MiB for both heads' tiles together).
 
     Args:
         hidden: ``[..., D]`` the student's hidden states.
@@ -212,9 +227,12 @@ def linear_divergence(
                          f"{weight.shape[0]} rows, got {teacher_weight.shape[0]}")
     if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0.0 <= beta <= 1.0:
         raise ValueError(f"beta must be a number in [0, 1], got {beta!r}")
+    check_byte_budget("max_tile_bytes", max_tile_bytes)
     n = math.prod(lead)
     rows = _rows(mask, n)
-    spec = _Spec(float(beta), float(temperature), max_tile_bytes, bool(return_entropy))
+    spec = _Spec(float(beta), float(temperature), max_tile_bytes,
+                 _backend_for(hidden.device, hidden.dtype, teacher_hidden.dtype),
+                 bool(return_entropy))
     t_bias = None if teacher_bias is None else teacher_bias.detach()
     out, entropy = _Divergence.apply(_take(hidden, rows), weight, bias,
                                      _take(teacher_hidden.detach(), rows),
@@ -280,6 +298,7 @@ def linear_topk_distill(
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                   or math.isnan(value)):
             raise ValueError(f"{name} must be None or a number, got {value!r}")
+    check_byte_budget("max_tile_bytes", max_tile_bytes)
     n, v = math.prod(lead), weight.shape[0]
     rows = _rows(mask, n)
     ids = _take(teacher_ids, rows).long()
@@ -287,7 +306,8 @@ def linear_topk_distill(
     if bool(bad.any()):
         raise ValueError(f"teacher_ids must lie in [0, {v}) (the vocabulary of weight); found "
                          f"{ids[bad][:5].tolist()}")
-    spec = _Spec(0.0, float(temperature), max_tile_bytes)
+    spec = _Spec(0.0, float(temperature), max_tile_bytes,
+                 _backend_for(hidden.device, hidden.dtype))
     log_q = _TopkLogprobs.apply(_take(hidden, rows), weight, bias, ids, spec)
     log_t = _take(teacher_logprobs.detach(), rows).to(log_q.dtype)
     if log_prob_min_clamp is not None:
