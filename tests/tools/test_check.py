@@ -126,3 +126,21 @@ def test_bad_sizes_and_absent_devices_are_refused(capsys):
     if not torch.cuda.is_available():
         assert main(["check", "--device", "cuda"]) == 2
         assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_the_exact_kl_row_checks_the_kl(monkeypatch):
+    """The fused policy loss's exact-KL case passes, and fails (loss and every gradient, in
+    that case only) when the per-token KL is 1% off."""
+    from logitless.fused_losses import fused_policy_loss as fused
+
+    def rows():
+        return run_checks(devices=["cpu"], backends=["torch"], dtypes=["float32"],
+                          ops=["fused_policy_loss"], shape=SMALL)
+
+    exact = [r for r in rows() if "exact KL" in r.case]
+    assert {r.quantity for r in exact} == QUANTITIES["fused_policy_loss"]
+    assert all(r.ok for r in exact)
+    kl_rows = fused.exact_kl_rows
+    monkeypatch.setattr(fused, "exact_kl_rows", lambda *a, **k: 1.01 * kl_rows(*a, **k))
+    failed = {(r.case, r.quantity) for r in rows() if not r.ok}
+    assert failed == {(exact[0].case, q) for q in QUANTITIES["fused_policy_loss"]}
