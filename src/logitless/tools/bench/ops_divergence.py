@@ -18,7 +18,8 @@ import warnings
 import torch
 
 from logitless import reference
-from logitless.tools.bench.ops_logprobs import _installed, _needs_interpreter
+from logitless.tools.bench import ops_logprobs
+from logitless.tools.bench.ops_logprobs import _installed
 from logitless.tools.bench.registry import Op, Provider, register_op, register_provider
 
 BETA = 0.5
@@ -126,13 +127,8 @@ class TRLChunked(Provider):
     quantities = ("divergence",)
 
     def unavailable(self, device, dtype, mode):
-        if not _installed("trl"):
-            return "trl is not installed (pip install 'logitless[trl]')"
-        try:
-            from trl.kernels.chunked_divergence import ChunkedDivergenceFunction  # noqa: F401
-        except ImportError as err:
-            return f"trl has no ChunkedDivergenceFunction: {err}"
-        return None
+        return ops_logprobs.trl_missing("trl.kernels.chunked_divergence",
+                                        "ChunkedDivergenceFunction")
 
     def forward(self, x):
         from trl.kernels.chunked_divergence import ChunkedDivergenceFunction
@@ -147,18 +143,13 @@ class TRLChunked(Provider):
 
 
 @register_provider
-class Liger(Provider):
+class Liger(ops_logprobs.Liger):
     """``liger_kernel.transformers.LigerFusedLinearJSD``: the mean divergence over the tokens
-    (its only output), fp32 accumulation of the weight gradient."""
+    (its only output), fp32 accumulation of the weight gradient. Available where Liger's
+    cross entropy is (Triton only)."""
 
-    op, name, package = "divergence", "liger", "liger-kernel"
+    op = "divergence"
     quantities = ("loss",)
-    interpreted_on_cpu = True
-
-    def unavailable(self, device, dtype, mode):
-        if not _installed("liger_kernel"):
-            return "liger-kernel is not installed (pip install liger-kernel)"
-        return _needs_interpreter(device)
 
     def forward(self, x):
         from liger_kernel.transformers import LigerFusedLinearJSD
@@ -170,19 +161,14 @@ class Liger(Provider):
 
 
 @register_provider
-class DivergenceGemms(Provider):
-    """The floor: both heads' logits ``Z = H W^T``, ``Z_t = H_t W_t^T``; forward+backward adds
-    the student's ``dH = dZ W`` and ``dW = dZ^T H`` (``dZ`` stood in for by ``Z``)."""
+class DivergenceGemms(ops_logprobs.PlainGemms):
+    """The floor: the teacher's logits ``Z_t = H_t W_t^T``, then the student's GEMMs as the
+    logprobs floor (``Z = H W^T``; with the backward ``dH = dZ W``, ``dW = dZ^T H``)."""
 
-    op, name, package = "divergence", "gemm", "torch"
-    is_floor = True
+    op = "divergence"
 
     def step(self, inputs, mode, upstream):
         with torch.no_grad():
-            h, w = inputs["hidden"], inputs["weight"]
-            z = h @ w.t()
             z_t = inputs["teacher_hidden"] @ inputs["teacher_weight"].t()
             del z_t
-            if mode == "fwd-bwd":
-                d_hidden, d_weight = z @ w, z.t() @ h
-                del d_hidden, d_weight
+        super().step(inputs, mode, upstream)
