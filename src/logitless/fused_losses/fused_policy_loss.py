@@ -56,8 +56,8 @@ from logitless.fused_losses.policy_loss import (
     _to_batch,
     check_exact_kl,
 )
+from logitless.kernels import divergence_torch, stored_logits
 from logitless.kernels import linear_softmax_torch as tiles
-from logitless.kernels import stored_logits
 
 __all__ = ["CPU_MEMORY_BUDGET", "ChunkStore", "fused_policy_loss", "plan_chunks"]
 
@@ -425,6 +425,29 @@ class _RefHead:
     bias: torch.Tensor | None
     temperature: float
 
+    def kl_forward(self, rows, hidden, weight, bias):
+        """The KL of the loss rows ``rows`` without a graph, and what `kl_backward` needs."""
+        ref = self.hidden.index_select(0, rows)
+        kl, lse_s, lse_t, aux = divergence_torch.divergence_forward(
+            hidden, weight, bias, ref, self.weight, self.bias, beta=1.0,
+            temperature=self.temperature)
+        return kl, (ref, lse_s, lse_t, aux)
+
+    def kl_backward(self, saved, grad, hidden, weight, bias, grads: _Grads, need: _Need):
+        """The KL's gradients from the per-row upstream ``grad``: the weight's and the bias's
+        added to the call's fp32 accumulators in place (no ``[V, D]`` temporary), the hidden
+        rows returned (or None)."""
+        ref, lse_s, lse_t, aux = saved
+        d_weight = grads.weight.t if need.weight else None
+        if need.weight and grads.weight.fresh:  # nothing written yet: the GEMMs add
+            d_weight.zero_()
+            grads.weight.fresh = False
+        d_hidden, _, _ = divergence_torch.divergence_backward(
+            hidden, weight, bias, ref, self.weight, self.bias, lse_s, lse_t, aux,
+            grad.contiguous(), beta=1.0, temperature=self.temperature, need_hidden=need.hidden,
+            need_weight=need.weight, need_bias=need.bias, d_weight=d_weight, d_bias=grads.bias)
+        return d_hidden
+
     def kl(self, rows, hidden, weight, bias):
         """KL(policy || reference) of the loss rows ``rows`` (indices into the flattened tokens)
         from the policy's ``hidden [len(rows), D]``, ``weight`` and ``bias``, differentiable in
@@ -691,47 +714,37 @@ class _ChunkRunner:
     def _dense(self, chunk, h, t):
         """One chunk at the 3-GEMM floor; returns its hidden-gradient rows (or None)."""
         lp, ent, lse = self.store.forward(h, self.w, self.b, t, **self.transform)  # GEMM 1
-        # the exact KL's own passes (both heads' tiles), differentiable in its leaves
-        kl_leaves = self._leaves(h)
-        with torch.enable_grad() if self.need.any else torch.no_grad():
-            kl = self._kl(chunk, kl_leaves)
+        ref = self.call.ref
+        kl = saved = None
+        if ref is not None:  # the exact KL's own passes over both heads' tiles
+            kl, saved = ref.kl_forward(self.call.rows[chunk.a:chunk.b], h, self.w, self.b)
         self._record(chunk, lp, ent, kl)
         if not self.need.any:
             return None
-        lp_leaf = lp.detach().requires_grad_(True)
-        ent_leaf = ent.detach().requires_grad_(True)
+        leaves = [x.detach().requires_grad_(True) for x in (lp, ent)]
+        leaves += [] if kl is None else [kl.detach().requires_grad_(True)]
         with torch.enable_grad():
-            loss = self._loss(chunk, lp_leaf, ent_leaf, kl)
-            g_lp, g_ent = torch.autograd.grad(loss, (lp_leaf, ent_leaf), allow_unused=True,
-                                              retain_graph=kl is not None)
-        gh_kl = None if kl is None else self._leaf_grads(loss, kl_leaves)
-        if g_lp is None and g_ent is None:
-            return gh_kl  # the policy term does not depend on the head (e.g. advantages 0)
-        # The stored logits become dz in place, each vocabulary block feeding GEMMs 2 and 3.
-        d_weight, beta = self.grads.weight_buffer()
-        gh = self.store.backward_(h, self.w, lse, ent, g_lp, g_ent, d_weight, self.grads.bias,
-                                  want_hidden=self.need.hidden, weight_beta=beta)
-        return gh if gh_kl is None else gh + gh_kl
-
-    def _leaves(self, h):
-        """The policy's hidden rows, weight and bias as leaves requiring the needed grads."""
-        return [None if x is None else x.detach().requires_grad_(flag)
-                for x, flag in zip((h, self.w, self.b), self.need)]
-
-    def _leaf_grads(self, loss, leaves):
-        """The gradients of ``loss`` reaching the ``leaves`` (on a dense chunk: the exact KL's
-        share, by its divergence backward pass): the weight and bias gradients added, the
-        hidden rows returned (or None)."""
-        wanted = [x for x in leaves if x is not None and x.requires_grad]
-        got = iter(torch.autograd.grad(loss, wanted, allow_unused=True) if wanted else ())
-        gh, gw, gb = (next(got) if x is not None and x.requires_grad else None for x in leaves)
-        self.grads.add(gw, gb)
+            loss = self._loss(chunk, *leaves)
+            g_lp, g_ent, *g_kl = torch.autograd.grad(loss, leaves, allow_unused=True)
+        gh = None
+        if g_lp is not None or g_ent is not None:
+            # The stored logits become dz in place, each vocabulary block feeding GEMMs 2, 3.
+            d_weight, beta = self.grads.weight_buffer()
+            gh = self.store.backward_(h, self.w, lse, ent, g_lp, g_ent, d_weight,
+                                      self.grads.bias, want_hidden=self.need.hidden,
+                                      weight_beta=beta)
+        if g_kl and g_kl[0] is not None:  # the KL's backward pass, into the same accumulators
+            gh_kl = ref.kl_backward(saved, g_kl[0], h, self.w, self.b, self.grads, self.need)
+            gh = gh_kl if gh is None else gh + gh_kl
         return gh
+
+
 
     def _streamed(self, chunk, h, t):
         """A sequence longer than the budget: its vocabulary streamed (4 GEMMs), never the
         logits; returns its hidden-gradient rows (or None)."""
-        leaves = self._leaves(h)
+        leaves = [None if x is None else x.detach().requires_grad_(flag)
+                  for x, flag in zip((h, self.w, self.b), self.need)]
         with torch.enable_grad() if self.need.any else torch.no_grad():
             lp, ent = _rows_logprobs(leaves[0], leaves[1], t, bias=leaves[2], **self.transform)
             kl = self._kl(chunk, leaves)
@@ -739,4 +752,10 @@ class _ChunkRunner:
             if not self.need.any:
                 return None
             loss = self._loss(chunk, lp, ent, kl)
-            return self._leaf_grads(loss, leaves) if loss.requires_grad else None
+            wanted = [x for x in leaves if x is not None and x.requires_grad]
+            if not loss.requires_grad:
+                return None
+            got = iter(torch.autograd.grad(loss, wanted, allow_unused=True))
+        gh, gw, gb = (next(got) if x is not None and x.requires_grad else None for x in leaves)
+        self.grads.add(gw, gb)
+        return gh
