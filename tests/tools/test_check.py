@@ -147,3 +147,38 @@ def test_bad_sizes_and_absent_devices_are_refused(capsys):
     if not torch.cuda.is_available():
         assert main(["check", "--device", "cuda"]) == 2
         assert "no CUDA device" in capsys.readouterr().err
+
+
+def _scaled_kl_value(forward):
+    def corrupted(*args, **kwargs):
+        kl, *rest = forward(*args, **kwargs)
+        return 1.01 * kl, *rest
+    return corrupted
+
+
+def _scaled_kl_gradient(backward):
+    def corrupted(*args, **kwargs):
+        *head, grad = args
+        return backward(*head, 1.05 * grad, **kwargs)
+    return corrupted
+
+
+@pytest.mark.parametrize("name,corrupt,wrong", [
+    ("divergence_forward", _scaled_kl_value, {"loss"}),
+    ("divergence_backward", _scaled_kl_gradient, {"d_hidden", "d_weight", "d_bias"}),
+])
+def test_the_exact_kl_row_checks_the_kl(name, corrupt, wrong, monkeypatch):
+    """The fused policy loss's exact-KL case passes, and fails where the per-token KL's value
+    (1% off) or its gradient (5% off) is corrupted, in that case only."""
+    from logitless.kernels import divergence_torch
+
+    def rows():
+        return run_checks(devices=["cpu"], backends=["torch"], dtypes=["float32"],
+                          ops=["fused_policy_loss"], shape=SMALL)
+
+    exact = [r for r in rows() if "exact KL" in r.case]
+    assert {r.quantity for r in exact} == QUANTITIES["fused_policy_loss"]
+    assert all(r.ok for r in exact)
+    monkeypatch.setattr(divergence_torch, name, corrupt(getattr(divergence_torch, name)))
+    failed = {(r.case, r.quantity) for r in rows() if not r.ok}
+    assert failed == {(exact[0].case, q) for q in wrong}

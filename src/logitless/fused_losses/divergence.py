@@ -19,7 +19,7 @@ from logitless.fused_losses.backend import triton_selected
 from logitless.fused_losses.logprobs import check_byte_budget, compute_dtype
 from logitless.kernels import divergence_torch
 
-__all__ = ["linear_divergence", "linear_topk_distill"]
+__all__ = ["exact_kl_rows", "linear_divergence", "linear_topk_distill", "reference_head"]
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -118,7 +118,7 @@ def _check_head(prefix: str, hidden, weight, bias, lead=None):
     if hidden.dtype not in _FLOAT_DTYPES:
         raise ValueError(f"{h} must be floating point (fp32/bf16/fp16/fp64), got {hidden.dtype}")
     if lead is not None and tuple(hidden.shape[:-1]) != tuple(lead):
-        raise ValueError(f"{h} must have the student's token shape {tuple(lead)} before its "
+        raise ValueError(f"{h} must have hidden's token shape {tuple(lead)} before its "
                          f"hidden size, got {tuple(hidden.shape)}")
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2 \
             or weight.shape[1] != hidden.shape[-1]:
@@ -239,6 +239,36 @@ def linear_divergence(
                                      teacher_weight.detach(), t_bias, spec)
     out = _expand(out, rows, n, lead)
     return (out, _expand(entropy, rows, n, lead)) if return_entropy else out
+
+
+def reference_head(hidden, weight, ref_hidden, ref_weight, ref_bias):
+    """The reference head of the policy loss's exact KL checked against the policy head
+    (``hidden [..., D]``, ``weight [V, D]``): both of ``ref_hidden`` and ``ref_weight`` given,
+    ``ref_hidden [..., D_ref]`` of hidden's token shape, ``ref_weight [V, D_ref]`` of the same
+    vocabulary, ``ref_bias`` None or ``[V]``, all on hidden's device. Returns them in their
+    compute dtype."""
+    for name, t in (("ref_hidden", ref_hidden), ("ref_weight", ref_weight)):
+        if t is None:
+            raise ValueError(f"{name}: the exact KL needs both ref_hidden and ref_weight "
+                             "(the reference model's hidden states and head)")
+    h, w, b = _check_head("ref_", ref_hidden, ref_weight, ref_bias, tuple(hidden.shape[:-1]))
+    for name, t in (("ref_hidden", h), ("ref_weight", w), ("ref_bias", b)):
+        if t is not None and t.device != hidden.device:
+            raise ValueError(f"{name} is on {t.device} but hidden is on {hidden.device}")
+    if w.shape[0] != weight.shape[0]:
+        raise ValueError(f"ref_weight must have the policy's vocabulary size {weight.shape[0]} "
+                         f"rows, got {w.shape[0]}")
+    return h, w, b
+
+
+def exact_kl_rows(hidden, weight, bias, ref_hidden, ref_weight, ref_bias, temperature):
+    """KL(policy || reference) per row of ``hidden [n, D]`` against ``ref_hidden [n, D_ref]``
+    (rows already compacted, inputs checked): `linear_divergence`'s ``beta = 1`` passes, the
+    gradient reaching the policy's tensors that require it, the reference's detached."""
+    spec = _Spec(1.0, float(temperature), None)
+    kl, _ = _Divergence.apply(hidden, weight, bias, ref_hidden.detach(), ref_weight.detach(),
+                              None if ref_bias is None else ref_bias.detach(), spec)
+    return kl
 
 
 def linear_topk_distill(

@@ -198,17 +198,23 @@ def _log_mixture_(zs, zt, lse_s, lse_t, log_b, log_1mb, scr_s, scr_t):
 def divergence_backward(hidden, weight, bias, t_hidden, t_weight, t_bias, lse_s, lse_t, aux,
                         grad, *, beta: float, temperature: float, need_hidden: bool,
                         need_weight: bool, need_bias: bool,
-                        tile_bytes: int = DEFAULT_TILE_BYTES):
+                        tile_bytes: int = DEFAULT_TILE_BYTES, d_weight=None, d_bias=None):
     """Gradients of the student's hidden, weight and bias (fp32; fp64 for fp64 inputs) from
     the per-token upstream ``grad``. With ``p_s``, ``p_t``, ``m`` recomputed per tile, the
     gradient of the divergence with respect to the student's tempered logits is
     ``p_s - p_t`` (``beta = 0``), ``p_s (log p_s - log p_t - KL)`` (``beta = 1``), else
-    ``(1 - beta) p_s (log p_s - log m - KL(s || m))``; it is scaled by ``grad / T``."""
+    ``(1 - beta) p_s (log p_s - log m - KL(s || m))``; it is scaled by ``grad / T``.
+
+    ``d_weight`` / ``d_bias``: accumulators (in the accumulation dtype) to add the weight and
+    bias gradients to, instead of fresh zeroed ones (a caller summing over chunks)."""
     n, v = hidden.shape[0], weight.shape[0]
     acc = acc_dtype(hidden.dtype)
     d_hidden = hidden.new_empty(hidden.shape, dtype=acc) if need_hidden else None
-    d_weight = weight.new_zeros(weight.shape, dtype=acc) if need_weight else None
-    d_bias = weight.new_zeros(v, dtype=acc) if need_bias else None
+    if need_weight and d_weight is None:
+        d_weight = weight.new_zeros(weight.shape, dtype=acc)
+    if need_bias and d_bias is None:
+        d_bias = weight.new_zeros(v, dtype=acc)
+    d_weight, d_bias = (d_weight if need_weight else None), (d_bias if need_bias else None)
     heads = _Heads(n, v, hidden, t_hidden, tile_bytes)
     scale = grad.to(acc) / temperature
     log_b, log_1mb = (math.log(beta), math.log1p(-beta)) if 0.0 < beta < 1.0 else (0.0, 0.0)

@@ -446,6 +446,54 @@ def fused_policy_loss_cases(shape: Shape) -> Iterator[Case]:
         yield Case("fused_policy_loss", f"{name}, {layout}, {strategy}",
                    f"B={b} T={t} D={d} V={v}", inputs, ("hidden", "weight", "bias"),
                    {"loss": torch.ones((), dtype=torch.float64)}, ours, plain)
+    yield exact_kl_case(shape)
+
+
+def exact_kl_case(shape: Shape) -> Case:
+    """``kl_estimator="exact"``: the full-vocabulary KL to a reference head in the chunked loss,
+    several chunks, against both heads' fp64 logits. As in training the reference is near the
+    policy: the policy's head seen through a random rotation of the hidden space (the
+    reference's hidden size 3/4 of the policy's) and perturbed (a KL of a few tenths)."""
+    b, t, d, v = shape.batch, shape.seq_len, shape.hidden, shape.vocab
+    config = PolicyLossConfig(objective="grpo", beta=0.2, kl_estimator="exact")
+    gen = _gen(b * t * v + 5)
+    d_ref = max(1, 3 * d // 4)
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)
+    inputs = {"hidden": r(b, t, d), "weight": r(v, d) * 2 / d**0.5, "bias": r(v) * 0.5}
+    proj = torch.linalg.qr(r(d, d))[0][:, :d_ref]  # orthonormal columns: norms kept
+    inputs.update(teacher_hidden=inputs["hidden"] @ proj + 0.2 * r(b, t, d_ref),
+                  teacher_weight=inputs["weight"] @ proj + 0.2 * r(v, d_ref) / d_ref**0.5,
+                  teacher_bias=inputs["bias"] + 0.2 * r(v))
+    inputs.update(_policy_inputs(shape, gen), targets=torch.randint(0, v, (b, t), generator=gen))
+    inputs.pop("ref_logprobs")
+    current = reference.linear_softmax_stats(inputs["hidden"], inputs["weight"],
+                                             inputs["targets"], inputs["bias"],
+                                             temperature=0.9)["logprobs"]
+    # Ratios within [0.9, 1.1], inside the clip range: a reduced-precision logprob then cannot
+    # move a token across a clip bound (a jump in the gradient, not an error of the KL).
+    inputs["old_logprobs"] = current + (0.05 * r(b, t)).clamp(-0.1, 0.1)
+
+    def ours(hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, targets,
+             old_logprobs, advantages, mask):
+        loss, _ = logitless.fused_policy_loss(
+            hidden, weight, targets, old_logprobs, advantages, mask, config, bias=bias,
+            ref_hidden=teacher_hidden, ref_weight=teacher_weight, ref_bias=teacher_bias,
+            temperature=0.9, memory_budget=48 * v * 4)
+        return {"loss": loss}
+
+    def plain(hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, targets,
+              old_logprobs, advantages, mask):
+        lp = reference.linear_softmax_stats(hidden, weight, targets, bias,
+                                            temperature=0.9)["logprobs"]
+        kl = reference.linear_divergence(hidden, weight, teacher_hidden, teacher_weight, mask,
+                                         beta=1.0, temperature=0.9, bias=bias,
+                                         teacher_bias=teacher_bias)
+        return {"loss": reference.policy_loss_reference(lp, old_logprobs, advantages, mask,
+                                                        config, kl=kl)}
+
+    return Case("fused_policy_loss", "grpo, exact KL to a reference head, padded, chunked",
+                f"B={b} T={t} D={shape.hidden} V={v}", inputs, ("hidden", "weight", "bias"),
+                {"loss": torch.ones((), dtype=torch.float64)}, ours, plain)
 
 
 def attention_entropy_cases(shape: Shape) -> Iterator[Case]:

@@ -6,7 +6,7 @@ import argparse
 import signal
 import sys
 
-OPS = ("logprobs", "policy-loss", "attention-entropy")
+OPS = ("logprobs", "policy-loss", "attention-entropy", "divergence")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -13,6 +13,7 @@ libraries (Liger, CCE, PyTorch) return ``-logprob`` and no entropy; their rows s
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import os
 import shutil
@@ -107,6 +108,17 @@ def _installed(module: str) -> bool:
     return importlib.util.find_spec(module.split(".")[0]) is not None
 
 
+def trl_missing(module: str, name: str) -> str | None:
+    """Why TRL's ``module.name`` cannot be used here, or None when it can."""
+    if not _installed("trl"):
+        return "trl is not installed (pip install 'logitless[trl]')"
+    try:
+        getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as err:
+        return f"trl has no {name}: {err}"
+    return None
+
+
 def _needs_interpreter(device: str) -> str | None:
     if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         return ("Triton kernels only: on CPU they need TRITON_INTERPRET=1 set before the "
@@ -164,13 +176,7 @@ class TRLChunked(Provider):
     quantities = ("logprobs", "entropy")
 
     def unavailable(self, device, dtype, mode):
-        if not _installed("trl"):
-            return "trl is not installed (pip install 'logitless[trl]')"
-        try:
-            from trl.kernels.chunked_logprob import ChunkedLogProbFunction  # noqa: F401
-        except ImportError as err:
-            return f"trl has no ChunkedLogProbFunction: {err}"
-        return None
+        return trl_missing("trl.kernels.chunked_logprob", "ChunkedLogProbFunction")
 
     def forward(self, x):
         from trl.kernels.chunked_logprob import ChunkedLogProbFunction

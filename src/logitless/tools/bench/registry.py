@@ -115,6 +115,7 @@ _OP_MODULES = (
     "logitless.tools.bench.ops_logprobs",
     "logitless.tools.bench.ops_attention",
     "logitless.tools.bench.ops_policy",
+    "logitless.tools.bench.ops_divergence",
 )
 
 
