@@ -265,7 +265,8 @@ def exact_kl_rows(hidden, weight, bias, ref_hidden, ref_weight, ref_bias, temper
     """KL(policy || reference) per row of ``hidden [n, D]`` against ``ref_hidden [n, D_ref]``
     (rows already compacted, inputs checked): `linear_divergence`'s ``beta = 1`` passes, the
     gradient reaching the policy's tensors that require it, the reference's detached."""
-    spec = _Spec(1.0, float(temperature), None)
+    spec = _Spec(1.0, float(temperature), None,
+                 _backend_for(hidden.device, hidden.dtype, ref_hidden.dtype))
     kl, _ = _Divergence.apply(hidden, weight, bias, ref_hidden.detach(), ref_weight.detach(),
                               None if ref_bias is None else ref_bias.detach(), spec)
     return kl
