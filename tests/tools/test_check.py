@@ -48,7 +48,12 @@ def test_every_op_and_quantity_is_covered():
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                     reason="the Triton kernels run on CPU under TRITON_INTERPRET=1")
-def test_every_op_passes_on_the_triton_kernels():
+def test_every_op_passes_on_the_triton_kernels(monkeypatch):
+    # The launcher's row chunk shrunk from 1024 to 16: its backward runs one interpreted
+    # program per padded row (1024 for these 18 rows; now 32, the last chunk still padded).
+    from logitless.kernels import linear_softmax
+
+    monkeypatch.setattr(linear_softmax, "ROW_CHUNK", 16)
     rows = run_checks(devices=["cpu"], backends=["triton"], dtypes=["float32"], shape=SMALL)
     assert {r.op for r in rows} == set(QUANTITIES)
     assert all(r.ok for r in rows), [r for r in rows if not r.ok]
