@@ -156,3 +156,19 @@ def ptxas_report(compiled) -> dict[str, int]:
         "spill_stores": number(r"(\d+) bytes spill stores"),
         "spill_loads": number(r"(\d+) bytes spill loads"),
     }
+
+
+def run_compile_script(script: str) -> subprocess.CompletedProcess:
+    """Run ``script`` (Python that imports :mod:`sm90` and compiles kernels) in a subprocess
+    without ``TRITON_INTERPRET`` (which replaces the JIT), with this folder importable; fail
+    with its stderr if it fails, else return the finished process (output captured as text).
+    Skipped where Triton has no NVIDIA backend."""
+    import pytest
+
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    prelude = f"import sys\nsys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+    done = subprocess.run([sys.executable, "-c", prelude + script], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return done

@@ -2,7 +2,8 @@
 
 ``make setup`` installs triton 3.6.0 into ``.venv/triton-3.6.0`` (``pip --target``); this test
 reruns ``pytest -m compile_sm90`` on the kernel tests in a subprocess with that folder first on
-``PYTHONPATH`` and without ``TRITON_INTERPRET`` (so the kernels compile in-process there).
+``PYTHONPATH`` and without ``TRITON_INTERPRET`` (so the kernels compile in-process there): every
+kernel file's compile test, the sampler's five kernels (``test_sampler_triton.py``) included.
 Skipped when the folder is missing on a developer's machine; under CI (``CI`` set) a missing
 folder fails, so the check cannot silently vanish.
 """

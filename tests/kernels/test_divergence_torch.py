@@ -54,8 +54,60 @@ def test_topk_logprobs(tile_bytes):
                                atol=1e-12)
 
 
-def test_tiles_fit_the_budget():
-    """The four tile buffers of one call fit the budget, split into several tiles."""
-    heads = divergence_torch._Heads(N, V, torch.empty(N, D), torch.empty(N, D_T), 96 * 1024)
-    assert 4 * heads.rows * heads.cols * 4 <= 96 * 1024
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+def test_tiles_fit_the_budget(dtype):
+    """Every tile buffer of one call (both heads' logits and scratch, their bf16 GEMM outputs)
+    fits the budget, split into several tiles."""
+    budget = 96 * 1024
+    heads = divergence_torch._Heads(N, V, torch.empty(N, D, dtype=dtype),
+                                    torch.empty(N, D_T, dtype=dtype), budget)
+    used = sum(b.numel() * b.element_size() for tiles in (heads.s, heads.t)
+               for b in (tiles.z, tiles.scratch, tiles.low) if b is not None)
+    assert used <= budget, used
     assert math.ceil(N / heads.rows) * math.ceil(V / heads.cols) > 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("tile_bytes", [None, 2**18], ids=["default", "split-vocab"])
+def test_a_rows_results_do_not_depend_on_its_batch(dtype, tile_bytes, monkeypatch):
+    """Batch invariance: one token's divergence (JSD, so both passes), entropy, top-k log-probs
+    and hidden-gradient rows are bitwise the same alone and among 37 or 300 tokens."""
+    import logitless
+
+    monkeypatch.setenv("LOGITLESS_BACKEND", "torch")
+    h, w, b, th, tw, tb = (t.to(dtype) for t in inputs(3))
+    probe, t_probe, ids = h[0], th[0], torch.tensor([[5, 700, 5]])
+    seen = []
+    for n, at in ((1, 0), (37, 17), (300, 250)):
+        gen = torch.Generator().manual_seed(n)
+        hidden = torch.randn(n, D, generator=gen).to(dtype)
+        t_hidden = torch.randn(n, D_T, generator=gen).to(dtype)
+        hidden[at], t_hidden[at] = probe, t_probe
+        top = torch.randint(0, V, (n, 3), generator=gen)
+        top[at] = ids
+        hid = hidden.clone().requires_grad_(True)
+        div, ent = logitless.linear_divergence(
+            hid, w, t_hidden, tw, beta=0.5, bias=b, teacher_bias=tb, max_tile_bytes=tile_bytes,
+            return_entropy=True)
+        div.sum().backward()
+        hk = hidden.clone().requires_grad_(True)
+        kl = logitless.linear_topk_distill(hk, w, top, torch.full((n, 3), -1.5), bias=b,
+                                           max_tile_bytes=tile_bytes)
+        kl.sum().backward()
+        seen.append((div[at], ent[at], hid.grad[at], kl[at], hk.grad[at]))
+    for n, got in zip((37, 300), seen[1:]):
+        for name, a, e in zip(("divergence", "entropy", "grad", "topk", "topk grad"), got,
+                              seen[0]):
+            assert torch.equal(a, e), (n, name)
+
+
+@pytest.mark.parametrize("bad", ["1GB", 0, 2.5e6, True])
+def test_tile_budget_is_checked(bad):
+    import logitless
+
+    h, w, _, th, tw, _ = (t.float() for t in inputs())
+    with pytest.raises(ValueError, match="max_tile_bytes"):
+        logitless.linear_divergence(h, w, th, tw, max_tile_bytes=bad)
+    with pytest.raises(ValueError, match="max_tile_bytes"):
+        logitless.linear_topk_distill(h, w, torch.zeros(N, 2, dtype=torch.long),
+                                      torch.zeros(N, 2), max_tile_bytes=bad)

@@ -227,3 +227,61 @@ def test_reference_in_row_chunks_gives_the_same_errors():
     assert all(0 < e < 1e-4 for e in whole.values()), whole
     for key in whole:
         assert chunked[key] == pytest.approx(whole[key], rel=1e-6, abs=1e-12), key
+
+
+def test_sampler_options_measure_the_truncated_logprobs():
+    """``--top-k/--top-p``: logitless and the materialising provider compute the sampler's
+    logprobs (errors against the fp64 sampler reference, every target kept), the peers that
+    cannot are unavailable, the GEMM floor still runs."""
+    op = get_op("logprobs")
+    shape = {"tokens": 17, "hidden": 24, "vocab": 301}
+    options = {"top_k": 40, "top_p": 0.9}
+    inputs = op.make_inputs(shape, torch.float32, "cpu", **options)
+    kept = reference.sampler_logprobs(inputs["hidden"].double(), inputs["weight"].double(),
+                                      inputs["targets"], top_k=inputs["top_k"],
+                                      top_p=inputs["top_p"].double())["logprobs"]
+    assert torch.isfinite(kept).all()
+    for name in ("logitless", "naive"):
+        (provider,) = get_providers("logprobs", [name])
+        errors = block_errors(op, provider, inputs, "fwd-bwd", 17)
+        assert all(e < 1e-4 for e in errors.values()), (name, errors)
+    for name, status in (("torch", "unavailable"), ("gemm", "ok")):
+        (provider,) = get_providers("logprobs", [name])
+        figures = measure(op, provider, shape, "fwd", torch.float32, "cpu", warmup=0,
+                          repeats=1, block_rows=8, options=options)
+        assert figures.status == status, figures.reason
+
+
+def test_sampler_options_belong_to_logprobs(capsys):
+    assert main(["bench", "--op", "policy-loss", "--top-p", "0.9"]) == 2
+    assert "--op logprobs only" in capsys.readouterr().err
+
+
+def test_divergence_op(tmp_path):
+    """``--op divergence``: logitless, naive torch (TRL's generalized_jsd_loss), TRL's chunked
+    kernel and the floor run; each provider's outputs and student gradients match fp64."""
+    n, d, v = 24, 20, 700
+    argv = ["bench", "--op", "divergence", "--device", "cpu", "--tokens", str(n), "--hidden",
+            str(d), "--vocab", str(v), "--providers", "logitless,naive,trl,gemm", "--repeats",
+            "1", "--no-isolate", "--no-progress", "--json", str(tmp_path / "r.json")]
+    assert main(argv) == 0
+    by = {r["provider"]: r for r in json.loads((tmp_path / "r.json").read_text())}
+    assert all(r["status"] == "ok" and r["op"] == "divergence" for r in by.values()), by
+    assert by["gemm"]["floor_ratio"] == pytest.approx(1.0)
+    for name in ("logitless", "naive", "trl"):
+        errs = by[name]["errors"]
+        assert set(errs) == {"divergence", "d_hidden", "d_weight"}
+        assert max(errs.values()) < 1e-5, (name, errs)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="Liger's JSD is Triton only: on CPU under TRITON_INTERPRET=1")
+def test_divergence_liger_is_its_mean():
+    op = get_op("divergence")
+    liger, = get_providers("divergence", ["liger"])
+    if liger.unavailable("cpu", torch.float32, "fwd-bwd"):
+        pytest.skip(liger.unavailable("cpu", torch.float32, "fwd-bwd"))
+    inputs = op.make_inputs({"tokens": 6, "hidden": 16, "vocab": 300}, torch.float32, "cpu")
+    errs = block_errors(op, liger, inputs, "fwd-bwd", rows=6)
+    assert set(errs) == {"loss", "d_hidden", "d_weight"}
+    assert max(errs.values()) < 1e-5, errs

@@ -18,6 +18,8 @@ SMALL_ARGS = ["--batch", "2", "--seq-len", "9", "--hidden", "40", "--vocab", "30
 QUANTITIES = {
     "linear_logprobs": {"logprobs", "entropy", "sum_p_sq", "mean_logit", "is_top1", "lse",
                         "d_hidden", "d_weight", "d_bias"},
+    "sampled_logprobs": {"logprobs", "entropy", "log_kept_mass", "d_hidden", "d_weight",
+                         "d_bias"},
     "policy_loss": {"loss", "d_logprobs", "d_entropy"},
     "fused_policy_loss": {"loss", "d_hidden", "d_weight", "d_bias"},
     "attention_entropy": {"entropy"},
@@ -46,7 +48,12 @@ def test_every_op_and_quantity_is_covered():
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                     reason="the Triton kernels run on CPU under TRITON_INTERPRET=1")
-def test_every_op_passes_on_the_triton_kernels():
+def test_every_op_passes_on_the_triton_kernels(monkeypatch):
+    # The launcher's row chunk shrunk from 1024 to 16: its backward runs one interpreted
+    # program per padded row (1024 for these 18 rows; now 32, the last chunk still padded).
+    from logitless.kernels import linear_softmax
+
+    monkeypatch.setattr(linear_softmax, "ROW_CHUNK", 16)
     rows = run_checks(devices=["cpu"], backends=["triton"], dtypes=["float32"], shape=SMALL)
     assert {r.op for r in rows} == set(QUANTITIES)
     assert all(r.ok for r in rows), [r for r in rows if not r.ok]
@@ -120,9 +127,63 @@ def test_a_corrupted_op_fails_where_it_was_corrupted(op, monkeypatch, capsys):
     assert "FAIL" in capsys.readouterr().out
 
 
+def test_a_corrupted_sampler_path_fails_where_it_was_corrupted(monkeypatch):
+    """The sampled_logprobs rows see the truncated path: shifting its log_kept_mass when
+    top-p is set fails exactly those rows."""
+    real = logitless.linear_logprobs
+
+    def corrupted(*args, **kwargs):
+        out = real(*args, **kwargs)
+        if kwargs.get("top_p") is not None:
+            out.log_kept_mass = out.log_kept_mass + 1e-2
+        return out
+
+    monkeypatch.setattr(logitless, "linear_logprobs", corrupted)
+    rows = run_checks(devices=["cpu"], backends=["torch"], dtypes=["float32"],
+                      ops=["sampled_logprobs"], shape=SMALL)
+    failed = {(r.case, r.quantity) for r in rows if not r.ok}
+    assert {q for _, q in failed} == {"log_kept_mass"}
+    assert {c for c, _ in failed} == {r.case for r in rows if "top_p" in r.case}
+
+
 def test_bad_sizes_and_absent_devices_are_refused(capsys):
     assert main(["check", "--vocab", "0"]) == 2
     assert "vocab must be a positive size" in capsys.readouterr().err
     if not torch.cuda.is_available():
         assert main(["check", "--device", "cuda"]) == 2
         assert "no CUDA device" in capsys.readouterr().err
+
+
+def _scaled_kl_value(forward):
+    def corrupted(*args, **kwargs):
+        kl, *rest = forward(*args, **kwargs)
+        return 1.01 * kl, *rest
+    return corrupted
+
+
+def _scaled_kl_gradient(backward):
+    def corrupted(*args, **kwargs):
+        *head, grad = args
+        return backward(*head, 1.05 * grad, **kwargs)
+    return corrupted
+
+
+@pytest.mark.parametrize("name,corrupt,wrong", [
+    ("divergence_forward", _scaled_kl_value, {"loss"}),
+    ("divergence_backward", _scaled_kl_gradient, {"d_hidden", "d_weight", "d_bias"}),
+])
+def test_the_exact_kl_row_checks_the_kl(name, corrupt, wrong, monkeypatch):
+    """The fused policy loss's exact-KL case passes, and fails where the per-token KL's value
+    (1% off) or its gradient (5% off) is corrupted, in that case only."""
+    from logitless.kernels import divergence_torch
+
+    def rows():
+        return run_checks(devices=["cpu"], backends=["torch"], dtypes=["float32"],
+                          ops=["fused_policy_loss"], shape=SMALL)
+
+    exact = [r for r in rows() if "exact KL" in r.case]
+    assert {r.quantity for r in exact} == QUANTITIES["fused_policy_loss"]
+    assert all(r.ok for r in exact)
+    monkeypatch.setattr(divergence_torch, name, corrupt(getattr(divergence_torch, name)))
+    failed = {(r.case, r.quantity) for r in rows() if not r.ok}
+    assert failed == {(exact[0].case, q) for q in wrong}

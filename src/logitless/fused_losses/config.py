@@ -40,6 +40,10 @@ KL_ESTIMATORS = (
     "low_var_kl",
     "low_var_kl+",
 )
+# Not an estimator from the sampled token: the full-vocabulary KL(policy || reference) per
+# token, given as a tensor (`policy_loss`'s ``kl=``) or computed from the reference head
+# (`fused_policy_loss`'s ``ref_hidden=`` / ``ref_weight=``).
+KL_EXACT = "exact"
 ROLLOUT_IS_LEVELS = ("token", "sequence", "sequence_geometric")
 ROLLOUT_RS_OPTIONS = tuple(
     [f"token_k{k}" for k in (1, 2, 3)]
@@ -225,10 +229,11 @@ class PolicyLossConfig:
             minpro_prefix (``inclusive``: min over j <= t; ``preceding``: r_t * min over j < t).
     KL to the reference:
         beta (scalar or per-token tensor), kl_estimator (``k1 k2 k3 abs``, ``+`` variants:
-        straight-through k2 gradient; verl aliases ``kl mse low_var_kl``), kl_bias_correction
-        (multiply by ``sg(r)``, TRL's ``use_bias_correction_kl``; ``kl_bias_correction_grad``:
-        by ``r`` with its gradient, as TRL's code does), kl_clamp (verl's clamp of
-        k3: x to [-20, 20], result to [-10, 10]), future_kl_coef (FRPO).
+        straight-through k2 gradient; verl aliases ``kl mse low_var_kl``; ``exact``: the
+        full-vocabulary KL(policy || reference) per token, see docs/objectives.md),
+        kl_bias_correction (multiply by ``sg(r)``, TRL's ``use_bias_correction_kl``;
+        ``kl_bias_correction_grad``: by ``r`` with its gradient, as TRL's code does), kl_clamp
+        (verl's clamp of k3: x to [-20, 20], result to [-10, 10]), future_kl_coef (FRPO).
     Entropy:
         entropy_coef, entropy_agg (``None``: the loss aggregation, as verl; TRL: ``bnpo``),
         top_entropy_quantile (in [0, 1]: keep the tokens at or above the ``1 - q`` quantile of
@@ -363,7 +368,7 @@ class PolicyLossConfig:
         _check_choice("loss_agg", self.loss_agg, LOSS_AGGS)
         if self.entropy_agg is not None:
             _check_choice("entropy_agg", self.entropy_agg, LOSS_AGGS)
-        _check_choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
+        _check_choice("kl_estimator", self.kl_estimator, (*KL_ESTIMATORS, KL_EXACT))
         _check_choice("cispo_clip", self.cispo_clip, ("two_sided", "upper"))
         _check_choice(
             "prefix_bound_growth", self.prefix_bound_growth, ("sqrt", "linear", "constant")

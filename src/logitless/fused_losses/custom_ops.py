@@ -184,19 +184,20 @@ if AVAILABLE:
 _DIV_CONFIG = "float beta, float temperature, int? tile_bytes"
 
 
-def _div_spec(beta, temperature, tile_bytes, entropy=False):
-    from logitless.fused_losses.divergence import _Spec
+def _div_spec(beta, temperature, tile_bytes, hidden, t_hidden=None, entropy=False):
+    from logitless.fused_losses.divergence import spec_for
 
-    return _Spec(beta, temperature, tile_bytes, entropy)
+    return spec_for(beta, temperature, tile_bytes, hidden, t_hidden, entropy)
 
 
 def _div_forward(hidden, weight, bias, t_hidden, t_weight, t_bias, mask, beta, temperature,
                  tile_bytes, entropy):
     from logitless.fused_losses import divergence as dv
 
+    spec = _div_spec(beta, temperature, tile_bytes, hidden, t_hidden, entropy)
     return _distinct(dv._divergence_impl(
-        _div_spec(beta, temperature, tile_bytes, entropy), hidden, weight, bias, t_hidden,
-        t_weight, t_bias, mask, lambda *args: dv._divergence_rows(args[-1], *args[:-1])))
+        spec, hidden, weight, bias, t_hidden, t_weight, t_bias, mask,
+        lambda *args: dv._divergence_rows(args[-1], *args[:-1])))
 
 
 def _div_forward_fake(hidden, weight, bias, t_hidden, t_weight, t_bias, mask, beta,
@@ -213,7 +214,8 @@ def _div_backward_impl(hidden, weight, bias, t_hidden, t_weight, t_bias, mask, l
     rows = dv._rows(mask, grad.numel())
     per_row = [lp.take_rows(x, rows) for x in (lse_s, lse_t, aux, grad)]
     d_hidden, d_weight, d_bias = dv._divergence_rows_backward(
-        _div_spec(beta, temperature, tile_bytes), lp.take_rows(hidden, rows, hidden.shape[-1]),
+        _div_spec(beta, temperature, tile_bytes, hidden, t_hidden),
+        lp.take_rows(hidden, rows, hidden.shape[-1]),
         weight, bias, lp.take_rows(t_hidden, rows, t_hidden.shape[-1]), t_weight, t_bias,
         *per_row, (need_hidden, need_weight, need_bias))
     return _grads_or_empty(hidden, weight, rows, d_hidden, d_weight, d_bias)
@@ -282,7 +284,7 @@ def _topk_forward(hidden, weight, bias, ids, mask, temperature, tile_bytes):
     from logitless.fused_losses import logprobs as lp
 
     rows = dv._rows(mask, ids.numel() // max(ids.shape[-1], 1))
-    logprobs, lse = dv._topk_rows(_div_spec(0.0, temperature, tile_bytes),
+    logprobs, lse = dv._topk_rows(_div_spec(0.0, temperature, tile_bytes, hidden),
                                   lp.take_rows(hidden, rows, hidden.shape[-1]), weight, bias,
                                   dv._topk_ids(ids, rows, weight.shape[0]))
     return lp.put_rows(logprobs, rows, ids.shape), lp.put_rows(lse, rows, ids.shape[:-1])
@@ -299,7 +301,7 @@ def _topk_backward_impl(hidden, weight, bias, ids, mask, lse, grad, temperature,
     from logitless.fused_losses import logprobs as lp
 
     rows = dv._rows(mask, ids.numel() // max(ids.shape[-1], 1))
-    spec = _div_spec(0.0, temperature, tile_bytes)
+    spec = _div_spec(0.0, temperature, tile_bytes, hidden)
     h = lp.take_rows(hidden, rows, hidden.shape[-1])
     t = dv._topk_ids(ids, rows, weight.shape[0])
     grads = dv._topk_rows_backward(spec, h, weight, bias, t, lp.take_rows(lse, rows),

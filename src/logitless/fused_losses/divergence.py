@@ -1,23 +1,26 @@
 """Two-head divergences for distillation: ``linear_divergence`` and ``linear_topk_distill``.
 
 Input checks, compaction of masked rows and result shaping live here; the tiled math in
-``kernels/divergence_torch.py`` (the chunked torch path serves every device for now). The
-teacher's tensors are detached before the autograd functions see them: no graph is built for
-the teacher and it receives no gradient.
+``kernels/divergence.py`` (cuBLAS tiles and Triton epilogues, where ``triton_selected``) or its
+chunked torch twin ``kernels/divergence_torch.py`` (CPU, fp64). The teacher's tensors are
+detached before the autograd functions see them: no graph is built for the teacher and it
+receives no gradient.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 
 from logitless.fused_losses import custom_ops
-from logitless.fused_losses.logprobs import compute_dtype, put_rows
+from logitless.fused_losses.backend import triton_selected
+from logitless.fused_losses.logprobs import check_byte_budget, compute_dtype, put_rows
 from logitless.kernels import divergence_torch
 
-__all__ = ["linear_divergence", "linear_topk_distill"]
+__all__ = ["exact_kl_rows", "linear_divergence", "linear_topk_distill", "reference_head"]
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -27,10 +30,28 @@ class _Spec:
     beta: float
     temperature: float
     tile_bytes: int | None
+    backend: ModuleType
     entropy: bool = False
 
     def kw(self):
         return {} if self.tile_bytes is None else {"tile_bytes": self.tile_bytes}
+
+
+def _backend_for(device: torch.device, *dtypes: torch.dtype) -> ModuleType:
+    """The kernel module for tensors of this device and these dtypes: the Triton path when
+    :func:`triton_selected` picks it for every one of them, else the torch twin."""
+    if not all(triton_selected(device, dtype) for dtype in dtypes):
+        return divergence_torch
+    from logitless.kernels import divergence
+
+    return divergence
+
+
+def spec_for(beta, temperature, tile_bytes, hidden, t_hidden=None, entropy=False) -> _Spec:
+    """The spec of a call on these tensors (the backend from their device and dtypes)."""
+    dtypes = (hidden.dtype,) if t_hidden is None else (hidden.dtype, t_hidden.dtype)
+    return _Spec(float(beta), float(temperature), tile_bytes,
+                 _backend_for(hidden.device, *dtypes), bool(entropy))
 
 
 class _Divergence(torch.autograd.Function):
@@ -60,7 +81,7 @@ def _divergence_rows(spec: _Spec, hidden, weight, bias, t_hidden, t_weight, t_bi
     """``(divergence, entropy, lse_s, lse_t, aux)`` of compacted rows, no autograd; the
     entropy is empty unless ``spec.entropy``."""
     with torch.autocast(hidden.device.type, enabled=False):
-        div, lse_s, lse_t, aux, *ent = divergence_torch.divergence_forward(
+        div, lse_s, lse_t, aux, *ent = spec.backend.divergence_forward(
             hidden, weight, bias, t_hidden, t_weight, t_bias, beta=spec.beta,
             temperature=spec.temperature, entropy=spec.entropy, **spec.kw())
     return div, ent[0] if ent else div.new_empty(0), lse_s, lse_t, aux
@@ -70,7 +91,7 @@ def _divergence_rows_backward(spec: _Spec, hidden, weight, bias, t_hidden, t_wei
                               lse_s, lse_t, aux, grad, need):
     """Gradients of compacted rows (None where ``need`` says not wanted), in input dtypes."""
     with torch.autocast(hidden.device.type, enabled=False):
-        grads = divergence_torch.divergence_backward(
+        grads = spec.backend.divergence_backward(
             hidden, weight, bias, t_hidden, t_weight, t_bias, lse_s, lse_t, aux,
             grad.contiguous(), beta=spec.beta, temperature=spec.temperature,
             need_hidden=need[0], need_weight=need[1], need_bias=need[2], **spec.kw())
@@ -99,13 +120,13 @@ class _TopkLogprobs(torch.autograd.Function):
 def _topk_rows(spec: _Spec, hidden, weight, bias, ids):
     """``(logprobs [n, k], lse [n])`` of compacted rows, no autograd."""
     with torch.autocast(hidden.device.type, enabled=False):
-        return divergence_torch.topk_forward(hidden, weight, bias, ids,
-                                             temperature=spec.temperature, **spec.kw())
+        return spec.backend.topk_forward(hidden, weight, bias, ids,
+                                         temperature=spec.temperature, **spec.kw())
 
 
 def _topk_rows_backward(spec: _Spec, hidden, weight, bias, ids, lse, grad, need):
     with torch.autocast(hidden.device.type, enabled=False):
-        grads = divergence_torch.topk_backward(
+        grads = spec.backend.topk_backward(
             hidden, weight, bias, ids, lse, grad.contiguous(), temperature=spec.temperature,
             need_hidden=need[0], need_weight=need[1], need_bias=need[2], **spec.kw())
     return _cast(grads, (hidden, weight, bias))
@@ -135,7 +156,7 @@ def _check_head(prefix: str, hidden, weight, bias, lead=None):
     if hidden.dtype not in _FLOAT_DTYPES:
         raise ValueError(f"{h} must be floating point (fp32/bf16/fp16/fp64), got {hidden.dtype}")
     if lead is not None and tuple(hidden.shape[:-1]) != tuple(lead):
-        raise ValueError(f"{h} must have the student's token shape {tuple(lead)} before its "
+        raise ValueError(f"{h} must have hidden's token shape {tuple(lead)} before its "
                          f"hidden size, got {tuple(hidden.shape)}")
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2 \
             or weight.shape[1] != hidden.shape[-1]:
@@ -212,7 +233,8 @@ def linear_divergence(
     (reverse KL), and ``0 < beta < 1`` gives ``beta KL(p_t || m) + (1 - beta) KL(p_s || m)``
     with ``m = beta p_t + (1 - beta) p_s`` (TRL's GKD definition). Neither head's
     ``[N, V]`` logits are stored: both are streamed through tiles of at most
-    ``max_tile_bytes`` (default 64 MB for the four tile buffers).
+    ``max_tile_bytes`` (default 64 MB for the torch path's tile buffers; on CUDA the head's
+    256 MiB for both heads' tiles together).
 
     Args:
         hidden: ``[..., D]`` the student's hidden states.
@@ -243,6 +265,7 @@ def linear_divergence(
                          f"{weight.shape[0]} rows, got {teacher_weight.shape[0]}")
     if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0.0 <= beta <= 1.0:
         raise ValueError(f"beta must be a number in [0, 1], got {beta!r}")
+    check_byte_budget("max_tile_bytes", max_tile_bytes)
     t_bias = None if teacher_bias is None else teacher_bias.detach()
     teacher = (teacher_hidden.detach(), teacher_weight.detach(), t_bias)
     if custom_ops.AVAILABLE:  # one graph node under torch.compile (custom_ops.py)
@@ -251,7 +274,8 @@ def linear_divergence(
             max_tile_bytes, bool(return_entropy))
         entropy = entropy.detach()  # no gradient, as documented
     else:
-        spec = _Spec(float(beta), float(temperature), max_tile_bytes, bool(return_entropy))
+        spec = spec_for(beta, temperature, max_tile_bytes, hidden, teacher_hidden,
+                        return_entropy)
         out, entropy = _divergence_impl(spec, hidden, weight, bias, *teacher, mask,
                                         _Divergence.apply)[:2]
     return (out, entropy) if return_entropy else out
@@ -267,6 +291,36 @@ def _divergence_impl(spec: _Spec, hidden, weight, bias, t_hidden, t_weight, t_bi
     outs = run(_take(hidden, rows), weight, bias, _take(t_hidden, rows), t_weight, t_bias, spec)
     return tuple(_expand(x if x.shape == outs[0].shape else x.new_zeros(outs[0].shape), rows, n,
                          lead) for x in outs)
+
+
+def reference_head(hidden, weight, ref_hidden, ref_weight, ref_bias):
+    """The reference head of the policy loss's exact KL checked against the policy head
+    (``hidden [..., D]``, ``weight [V, D]``): both of ``ref_hidden`` and ``ref_weight`` given,
+    ``ref_hidden [..., D_ref]`` of hidden's token shape, ``ref_weight [V, D_ref]`` of the same
+    vocabulary, ``ref_bias`` None or ``[V]``, all on hidden's device. Returns them in their
+    compute dtype."""
+    for name, t in (("ref_hidden", ref_hidden), ("ref_weight", ref_weight)):
+        if t is None:
+            raise ValueError(f"{name}: the exact KL needs both ref_hidden and ref_weight "
+                             "(the reference model's hidden states and head)")
+    h, w, b = _check_head("ref_", ref_hidden, ref_weight, ref_bias, tuple(hidden.shape[:-1]))
+    for name, t in (("ref_hidden", h), ("ref_weight", w), ("ref_bias", b)):
+        if t is not None and t.device != hidden.device:
+            raise ValueError(f"{name} is on {t.device} but hidden is on {hidden.device}")
+    if w.shape[0] != weight.shape[0]:
+        raise ValueError(f"ref_weight must have the policy's vocabulary size {weight.shape[0]} "
+                         f"rows, got {w.shape[0]}")
+    return h, w, b
+
+
+def exact_kl_rows(hidden, weight, bias, ref_hidden, ref_weight, ref_bias, temperature):
+    """KL(policy || reference) per row of ``hidden [n, D]`` against ``ref_hidden [n, D_ref]``
+    (rows already compacted, inputs checked): `linear_divergence`'s ``beta = 1`` passes, the
+    gradient reaching the policy's tensors that require it, the reference's detached."""
+    spec = spec_for(1.0, temperature, None, hidden, ref_hidden)
+    kl, _ = _Divergence.apply(hidden, weight, bias, ref_hidden.detach(), ref_weight.detach(),
+                              None if ref_bias is None else ref_bias.detach(), spec)
+    return kl
 
 
 def linear_topk_distill(
@@ -326,12 +380,13 @@ def linear_topk_distill(
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                   or math.isnan(value)):
             raise ValueError(f"{name} must be None or a number, got {value!r}")
+    check_byte_budget("max_tile_bytes", max_tile_bytes)
     if custom_ops.AVAILABLE:  # one graph node under torch.compile (custom_ops.py)
         log_q = torch.ops.logitless.linear_topk_logprobs(hidden, weight, bias, teacher_ids, mask,
                                                          float(temperature), max_tile_bytes)[0]
     else:
         rows = _rows(mask, math.prod(lead))
-        spec = _Spec(0.0, float(temperature), max_tile_bytes)
+        spec = spec_for(0.0, temperature, max_tile_bytes, hidden)
         log_q = _TopkLogprobs.apply(_take(hidden, rows), weight, bias,
                                     _topk_ids(teacher_ids, rows, weight.shape[0]), spec)
         log_q = put_rows(log_q, rows, teacher_ids.shape)

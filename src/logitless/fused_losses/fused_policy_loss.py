@@ -39,6 +39,7 @@ from logitless.fused_losses.aggregation import check_global_counts
 from logitless.fused_losses.backend import triton_selected
 from logitless.fused_losses.config import PolicyLossConfig
 from logitless.fused_losses.custom_ops import is_compiling
+from logitless.fused_losses.divergence import exact_kl_rows, reference_head
 from logitless.fused_losses.logprobs import (
     _rows_logprobs,
     check_byte_budget,
@@ -55,10 +56,11 @@ from logitless.fused_losses.policy_loss import (
     _Masks,
     _policy_loss,
     _to_batch,
+    check_exact_kl,
     policy_loss,
 )
+from logitless.kernels import divergence_torch, stored_logits
 from logitless.kernels import linear_softmax_torch as tiles
-from logitless.kernels import stored_logits
 
 __all__ = ["CPU_MEMORY_BUDGET", "ChunkStore", "fused_policy_loss", "plan_chunks"]
 
@@ -218,6 +220,9 @@ def fused_policy_loss(
     selection_entropy=None,
     memory_budget: int | None = None,
     strategy: str = "auto",
+    ref_hidden=None,
+    ref_weight=None,
+    ref_bias=None,
 ):
     """The policy loss from hidden states and the LM head, without the full logits.
 
@@ -241,6 +246,15 @@ def fused_policy_loss(
             512 MiB on CUDA, chosen by the cost model in ``gpu_plan``; 256 MiB on CPU). On CUDA
             a chunk row counts its stored logits and its hidden and hidden-gradient rows.
         strategy: ``"auto"`` (chunks, streaming where needed), ``"chunked"`` or ``"streaming"``.
+        ref_hidden, ref_weight, ref_bias: the reference model's hidden states (``hidden``'s
+            token shape, its own hidden size) and head (``[V, D_ref]``, ``[V]``), for
+            ``kl_estimator="exact"`` only (needed there when ``beta != 0``): each chunk computes
+            the full-vocabulary KL(policy || reference) of its rows by the two-head divergence
+            passes (`linear_divergence` with ``beta=1``, temperature and logit scale of the
+            policy head applied to both; no softcap), and its gradient
+            ``p (log p - log q - KL)`` reaches ``hidden``, ``weight`` and ``bias``; the
+            reference gets none. Same loss and gradients as ``policy_loss(..., kl=
+            linear_divergence(hidden, weight, ref_hidden, ref_weight, mask, beta=1))``.
 
     Returns:
         ``(loss, metrics)`` as :func:`policy_loss`.
@@ -272,6 +286,7 @@ def fused_policy_loss(
                          cu_seqlens, selection_entropy, memory_budget, ref_logprobs=ref_logprobs,
                          rollout_logprobs=rollout_logprobs, token_weights=token_weights,
                          attention_entropy=attention_entropy)
+    call.ref = _checked_ref(head, config, ref_hidden, ref_weight, ref_bias)
     loss_args = dict(num_items_in_batch=num_items_in_batch, global_batch_size=global_batch_size,
                      training_progress=training_progress, entropy_coef=entropy_coef)
     if call.whole:
@@ -289,8 +304,8 @@ def fused_policy_loss(
 
     # The loss value and metrics: the one copy of the objective on the collected (lp, H).
     with torch.no_grad():
-        loss, metrics = _policy_loss(call.with_logprobs(runner.lp, runner.ent), config, glob,
-                                     masks=masks, **loss_args)
+        loss, metrics = _policy_loss(call.with_logprobs(runner.lp, runner.ent, runner.kl),
+                                     config, glob, masks=masks, **loss_args)
     if not need.any:
         return loss, metrics
     return _StoredGradients.apply(loss, hidden, weight, bias, grads.result(hidden, weight, bias)
@@ -348,6 +363,7 @@ class _Call:
     cu_seqlens: torch.Tensor | None
     strategy: str
     selection_entropy: bool
+    ref: _RefHead | None = None  # the reference head of the exact KL
 
     @functools.cached_property
     def detached(self):
@@ -365,8 +381,10 @@ class _Call:
         """Values of the loss rows on the batch grid (zero elsewhere; differentiable)."""
         return per_row.new_zeros(self.batch.m.shape).index_put(self.where, per_row)
 
-    def with_logprobs(self, lp_rows, ent_rows) -> _Batch:
-        return self.batch.with_tensors(logprobs=self.grid(lp_rows), entropy=self.grid(ent_rows))
+    def with_logprobs(self, lp_rows, ent_rows, kl_rows=None) -> _Batch:
+        kl = {} if kl_rows is None else {"kl": self.grid(kl_rows)}
+        return self.batch.with_tensors(logprobs=self.grid(lp_rows), entropy=self.grid(ent_rows),
+                                       **kl)
 
     def globals_batch(self, entropy) -> _Batch:
         """The batch `BatchGlobals` are computed from (old logprobs' dtype, as
@@ -437,6 +455,63 @@ def _checked_call(head, targets, old_logprobs, advantages, mask, config, strateg
                  strategy, selection_entropy is not None)
 
 
+@dataclasses.dataclass(frozen=True)
+class _RefHead:
+    """The reference head of the exact KL: hidden rows ``[rows, D_ref]``, weight and bias,
+    detached in their compute dtype, and the temperature both heads' logits are divided by."""
+
+    hidden: torch.Tensor
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    temperature: float
+
+    def kl_forward(self, rows, hidden, weight, bias):
+        """The KL of the loss rows ``rows`` without a graph, and what `kl_backward` needs."""
+        ref = self.hidden.index_select(0, rows)
+        kl, lse_s, lse_t, aux = divergence_torch.divergence_forward(
+            hidden, weight, bias, ref, self.weight, self.bias, beta=1.0,
+            temperature=self.temperature)
+        return kl, (ref, lse_s, lse_t, aux)
+
+    def kl_backward(self, saved, grad, hidden, weight, bias, grads: _Grads, need: _Need):
+        """The KL's gradients from the per-row upstream ``grad``: the weight's and the bias's
+        added to the call's fp32 accumulators in place (no ``[V, D]`` temporary), the hidden
+        rows returned (or None)."""
+        ref, lse_s, lse_t, aux = saved
+        d_weight = grads.weight.t if need.weight else None
+        if need.weight and grads.weight.fresh:  # nothing written yet: the GEMMs add
+            d_weight.zero_()
+            grads.weight.fresh = False
+        d_hidden, _, _ = divergence_torch.divergence_backward(
+            hidden, weight, bias, ref, self.weight, self.bias, lse_s, lse_t, aux,
+            grad.contiguous(), beta=1.0, temperature=self.temperature, need_hidden=need.hidden,
+            need_weight=need.weight, need_bias=need.bias, d_weight=d_weight, d_bias=grads.bias)
+        return d_hidden
+
+    def kl(self, rows, hidden, weight, bias):
+        """KL(policy || reference) of the loss rows ``rows`` (indices into the flattened tokens)
+        from the policy's ``hidden [len(rows), D]``, ``weight`` and ``bias``, differentiable in
+        those where they require grad (fp32; fp64 for fp64 inputs)."""
+        return exact_kl_rows(hidden, weight, bias, self.hidden.index_select(0, rows),
+                             self.weight, self.bias, self.temperature)
+
+
+def _checked_ref(head: _Head, config, ref_hidden, ref_weight, ref_bias) -> _RefHead | None:
+    """The exact KL's reference head checked (`check_exact_kl`, `reference_head`): None
+    without ``kl_estimator="exact"``."""
+    given = any(x is not None for x in (ref_hidden, ref_weight, ref_bias))
+    check_exact_kl(config, given, "ref_hidden/ref_weight", "ref_hidden and ref_weight (the "
+                   "reference model's hidden states and head)")
+    if not given:
+        return None
+    if head.softcap is not None:
+        raise ValueError("softcap: the exact KL (ref_hidden/ref_weight) supports temperature "
+                         "and logit_scale, not a soft-capped head")
+    h, w, b = reference_head(head.hidden, head.weight, ref_hidden, ref_weight, ref_bias)
+    return _RefHead(h.detach().reshape(-1, h.shape[-1]), w.detach(),
+                    None if b is None else b.detach(), head.temperature / head.logit_scale)
+
+
 # --- the whole batch streamed --------------------------------------------------------------
 
 
@@ -446,10 +521,10 @@ def _streamed_whole(call: _Call, loss_args) -> tuple:
     selections (thresholds and the tokens they keep) come from it, as in the chunked path."""
     head, dtype = call.head, call.head.dtype
     hidden = head.hidden.to(dtype).reshape(-1, head.hidden.shape[-1]).index_select(0, call.rows)
-    lp, ent = _rows_logprobs(hidden, head.weight.to(dtype), call.targets,
-                             bias=None if head.bias is None else head.bias.to(dtype),
-                             **head.transform())
-    batch = call.with_logprobs(lp, ent)
+    weight, bias = head.weight.to(dtype), None if head.bias is None else head.bias.to(dtype)
+    lp, ent = _rows_logprobs(hidden, weight, call.targets, bias=bias, **head.transform())
+    kl = None if call.ref is None else call.ref.kl(call.rows, hidden, weight, bias)
+    batch = call.with_logprobs(lp, ent, kl)
     if not call.selection_entropy:
         return _loss_of_batch(batch, call.config, None, validate=True, **loss_args)
     glob, masks = _globals_and_masks(call.globals_batch(call.full["selection_entropy"]),
@@ -636,6 +711,7 @@ class _ChunkRunner:
         acc = call.batch.adv.dtype
         self.lp = torch.zeros(call.rows.shape, dtype=acc, device=self.h.device)
         self.ent = torch.zeros_like(self.lp)
+        self.kl = None if call.ref is None else torch.zeros_like(self.lp)
 
     def run(self, chunk: _Chunk) -> None:
         if chunk.a == chunk.b:
@@ -645,11 +721,20 @@ class _ChunkRunner:
         gh = (self._streamed if chunk.streamed else self._dense)(chunk, h, t)
         self.grads.set_hidden(rows, gh)
 
-    def _record(self, chunk, lp, ent) -> None:
+    def _record(self, chunk, lp, ent, kl=None) -> None:
         self.lp[chunk.a:chunk.b] = lp.detach()
         self.ent[chunk.a:chunk.b] = ent.detach()
+        if kl is not None:
+            self.kl[chunk.a:chunk.b] = kl.detach()
 
-    def _loss(self, chunk: _Chunk, lp, ent):
+    def _kl(self, chunk: _Chunk, leaves):
+        """The chunk's exact KL from the policy ``leaves`` (hidden rows, weight, bias), or
+        None without a reference head."""
+        if self.call.ref is None:
+            return None
+        return self.call.ref.kl(self.call.rows[chunk.a:chunk.b], *leaves)
+
+    def _loss(self, chunk: _Chunk, lp, ent, kl=None):
         """The chunk's share of the loss, from its loss rows' ``lp`` and ``H``."""
         sub = self.call.batch.rows(chunk.s0, chunk.s1, chunk.width)
         row, col = (x[chunk.a:chunk.b] for x in self.call.where)
@@ -660,7 +745,8 @@ class _ChunkRunner:
 
         # the whole batch's masks, sliced: the selections of the thresholds' own comparisons
         masks = self.masks.rows(chunk.s0, chunk.s1, chunk.width)
-        loss, _ = _policy_loss(sub.with_tensors(logprobs=grid(lp), entropy=grid(ent)),
+        exact = {} if kl is None else {"kl": grid(kl)}
+        loss, _ = _policy_loss(sub.with_tensors(logprobs=grid(lp), entropy=grid(ent), **exact),
                                self.call.config, self.glob, masks=masks, compute_metrics=False,
                                **self.loss_args)
         return loss
@@ -668,20 +754,31 @@ class _ChunkRunner:
     def _dense(self, chunk, h, t):
         """One chunk at the 3-GEMM floor; returns its hidden-gradient rows (or None)."""
         lp, ent, lse = self.store.forward(h, self.w, self.b, t, **self.transform)  # GEMM 1
-        self._record(chunk, lp, ent)
+        ref = self.call.ref
+        kl = saved = None
+        if ref is not None:  # the exact KL's own passes over both heads' tiles
+            kl, saved = ref.kl_forward(self.call.rows[chunk.a:chunk.b], h, self.w, self.b)
+        self._record(chunk, lp, ent, kl)
         if not self.need.any:
             return None
-        lp_leaf = lp.detach().requires_grad_(True)
-        ent_leaf = ent.detach().requires_grad_(True)
+        leaves = [x.detach().requires_grad_(True) for x in (lp, ent)]
+        leaves += [] if kl is None else [kl.detach().requires_grad_(True)]
         with torch.enable_grad():
-            loss = self._loss(chunk, lp_leaf, ent_leaf)
-            g_lp, g_ent = torch.autograd.grad(loss, (lp_leaf, ent_leaf), allow_unused=True)
-        if g_lp is None and g_ent is None:
-            return None  # the chunk's loss does not depend on the head (e.g. all advantages 0)
-        # The stored logits become dz in place, each vocabulary block feeding GEMMs 2 and 3.
-        d_weight, beta = self.grads.weight_buffer()
-        return self.store.backward_(h, self.w, lse, ent, g_lp, g_ent, d_weight, self.grads.bias,
-                                    want_hidden=self.need.hidden, weight_beta=beta)
+            loss = self._loss(chunk, *leaves)
+            g_lp, g_ent, *g_kl = torch.autograd.grad(loss, leaves, allow_unused=True)
+        gh = None
+        if g_lp is not None or g_ent is not None:
+            # The stored logits become dz in place, each vocabulary block feeding GEMMs 2, 3.
+            d_weight, beta = self.grads.weight_buffer()
+            gh = self.store.backward_(h, self.w, lse, ent, g_lp, g_ent, d_weight,
+                                      self.grads.bias, want_hidden=self.need.hidden,
+                                      weight_beta=beta)
+        if g_kl and g_kl[0] is not None:  # the KL's backward pass, into the same accumulators
+            gh_kl = ref.kl_backward(saved, g_kl[0], h, self.w, self.b, self.grads, self.need)
+            gh = gh_kl if gh is None else gh + gh_kl
+        return gh
+
+
 
     def _streamed(self, chunk, h, t):
         """A sequence longer than the budget: its vocabulary streamed (4 GEMMs), never the
@@ -690,10 +787,11 @@ class _ChunkRunner:
                   for x, flag in zip((h, self.w, self.b), self.need)]
         with torch.enable_grad() if self.need.any else torch.no_grad():
             lp, ent = _rows_logprobs(leaves[0], leaves[1], t, bias=leaves[2], **self.transform)
-            self._record(chunk, lp, ent)
+            kl = self._kl(chunk, leaves)
+            self._record(chunk, lp, ent, kl)
             if not self.need.any:
                 return None
-            loss = self._loss(chunk, lp, ent)
+            loss = self._loss(chunk, lp, ent, kl)
             wanted = [x for x in leaves if x is not None and x.requires_grad]
             if not loss.requires_grad:
                 return None

@@ -16,14 +16,14 @@ from types import ModuleType
 
 import torch
 
-from logitless.fused_losses import custom_ops
+from logitless.fused_losses import custom_ops, sampled
 from logitless.fused_losses.backend import triton_selected
 from logitless.kernels import linear_softmax_torch
 from logitless.kernels.softmax_partials import Partials, empty, finish, rescale_to
 
 __all__ = ["STATS", "LogprobOutput", "linear_logprobs"]
 
-STATS = ("sum_p_sq", "mean_logit", "is_top1", "lse")
+STATS = ("sum_p_sq", "mean_logit", "is_top1", "lse", "log_kept_mass")
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
@@ -39,6 +39,7 @@ class LogprobOutput:
     mean_logit: torch.Tensor | None = None
     is_top1: torch.Tensor | None = None
     lse: torch.Tensor | None = None
+    log_kept_mass: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -263,7 +264,10 @@ def linear_logprobs(
     targets: torch.Tensor,
     *,
     bias: torch.Tensor | None = None,
-    temperature: float = 1.0,
+    temperature: float | torch.Tensor = 1.0,
+    top_k: int | torch.Tensor | None = None,
+    top_p: float | torch.Tensor | None = None,
+    min_p: float | torch.Tensor | None = None,
     softcap: float | None = None,
     logit_scale: float = 1.0,
     ignore_index: int = -100,
@@ -288,9 +292,18 @@ def linear_logprobs(
         targets: integer token ids shaped ``hidden.shape[:-1]``, in ``[0, V)`` or
             ``ignore_index`` (an integer); ignored rows are dropped before any kernel runs.
         bias: optional ``[V]`` head bias.
+        temperature: a number > 0 or a tensor of ``targets``' shape (one per token).
+        top_k, top_p, min_p: vLLM's truncations (a number or a tensor of ``targets``' shape;
+            None: off; ``top_k >= V``, ``top_p == 1``, ``min_p == 0`` are no-ops): the
+            results are then those of the distribution vLLM samples from, the tempered logits
+            truncated and renormalised (``logprobs`` ``-inf`` for targets outside the kept set,
+            ``entropy`` the kept distribution's); see ``docs/sampler.md``. Not with
+            ``vocab_parallel`` nor the stats ``sum_p_sq``, ``mean_logit``, ``is_top1``.
         return_entropy: also return ``H = -sum_j p_j log p_j``.
         stats: any of ``"sum_p_sq"`` (``sum_j p_j^2``), ``"mean_logit"``, ``"is_top1"``
-            (target is an argmax), ``"lse"`` (``log sum_j exp z_j``).
+            (target is an argmax), ``"lse"`` (``log sum_j exp z_j``), ``"log_kept_mass"``
+            (log of the kept set's probability under the tempered untruncated softmax; 0 with
+            no truncation).
         vocab_parallel: a ``torch.distributed`` process group over which the vocabulary is
             sharded in rank order (targets are global ids); every rank gets the same results
             and its slice's weight gradient; the hidden gradient is summed over the group.
@@ -311,8 +324,17 @@ def linear_logprobs(
         gradient cost nothing in the backward.
     """
     stats = tuple(stats)
-    check_head_args(hidden, weight, targets, bias, temperature, softcap, logit_scale, stats,
-                    zero_scale=True)
+    check_head_args(hidden, weight, targets, bias,
+                    1.0 if isinstance(temperature, torch.Tensor) else temperature, softcap,
+                    logit_scale, stats, zero_scale=True)
+    sampler = sampled.sampler_settings(targets, weight.shape[0], temperature, top_k, top_p,
+                                       min_p, vocab_parallel)
+    if sampler is not None:
+        temperature = 1.0 if sampler.temperature is not None else temperature
+        plain_only = [s for s in stats if s in ("sum_p_sq", "mean_logit", "is_top1")]
+        if plain_only:
+            raise ValueError(f"stats {plain_only} are unsupported with top_k/top_p/min_p or a "
+                             f"per-token temperature")
     if logit_scale == 0:
         softcap = None  # every logit is 0 whatever the cap (and so is every gradient)
     if hidden_grad not in ("sum", "partial"):
@@ -322,7 +344,17 @@ def linear_logprobs(
     check_byte_budget("max_tile_bytes", max_tile_bytes)
     dtype = compute_dtype(hidden)
     want_s2, want_sum_z = "sum_p_sq" in stats, "mean_logit" in stats
-    if vocab_parallel is None and gather_weight is None and custom_ops.AVAILABLE:
+    kept_mass = None
+    if sampler is not None:
+        flat_t, rows = compact_rows(targets, ignore_index, weight.shape[0])
+        lp, ent, kept_mass, lse = sampled.sampled_logprobs(
+            take_rows(hidden, rows, hidden.shape[-1]), weight, bias, take_rows(flat_t, rows),
+            sampler, rows, temperature=temperature, softcap=softcap, logit_scale=logit_scale,
+            tile_bytes=max_tile_bytes, dtype=dtype)
+        lp, ent, kept_mass, lse = (put_rows(x, rows, targets.shape)
+                                   for x in (lp, ent, kept_mass, lse))
+        outs = (lp, ent, None, None, None, lse)
+    elif vocab_parallel is None and gather_weight is None and custom_ops.AVAILABLE:
         # One graph node under torch.compile: the op compacts, validates and plans inside.
         outs = torch.ops.logitless.linear_logprobs(
             hidden, weight, bias, targets, float(temperature),
@@ -342,6 +374,8 @@ def linear_logprobs(
         outs = _logprobs_impl(hidden, weight, bias, targets, spec, ignore_index, offset,
                               _LinearSoftmax.apply)
     lp, ent, s2, mean, top1, lse = outs
+    if kept_mass is None and "log_kept_mass" in stats:
+        kept_mass = torch.zeros_like(lp)
     return LogprobOutput(
         logprobs=lp,
         entropy=ent if return_entropy else None,
@@ -349,6 +383,7 @@ def linear_logprobs(
         mean_logit=mean if want_sum_z else None,
         is_top1=top1 if "is_top1" in stats else None,
         lse=lse if "lse" in stats else None,
+        log_kept_mass=kept_mass if "log_kept_mass" in stats else None,
     )
 
 

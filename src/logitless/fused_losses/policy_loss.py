@@ -26,7 +26,7 @@ from logitless.fused_losses.aggregation import (
     aggregate,
     check_global_counts,
 )
-from logitless.fused_losses.config import PolicyLossConfig
+from logitless.fused_losses.config import KL_EXACT, PolicyLossConfig
 from logitless.fused_losses.custom_ops import is_compiling
 from logitless.fused_losses.kl import kl_estimate
 from logitless.fused_losses.objectives import ObjectiveInputs, ObjectiveOutput, get_objective
@@ -50,7 +50,7 @@ from logitless.fused_losses.token_selection import (
 from logitless.kernels.segments_torch import PackedIndex, packed_index
 
 _POLICY_TENSORS = ("logprobs", "old_logprobs", "ref_logprobs", "rollout_logprobs", "entropy",
-                   "token_weights", "attention_entropy")
+                   "token_weights", "attention_entropy", "kl")
 _KNOBS = ("beta", "eps_low", "eps_high")  # config fields that may be per-token tensors
 
 
@@ -411,6 +411,7 @@ def policy_loss(
     entropy_coef: float | None = None,
     validate: bool = True,
     compute_metrics: bool = True,
+    kl=None,
 ):
     """Policy loss and metrics from per-token logprobs.
 
@@ -438,6 +439,11 @@ def policy_loss(
             Under ``torch.compile`` they are skipped whatever ``validate`` says (run
             `check_policy_inputs` eagerly on the batch instead).
         compute_metrics: ``False`` returns an empty metrics dict (no metric work).
+        kl: like ``logprobs``, the exact per-token KL(policy || reference) with its graph, for
+            ``kl_estimator="exact"`` only (e.g. ``linear_divergence(hidden, weight, ref_hidden,
+            ref_weight, mask, beta=1, temperature=T)``); needed there when ``beta != 0``. It
+            takes the place of the estimate; ``beta``, ``kl_bias_correction`` and the
+            aggregation apply to it as to an estimate, ``kl_clamp`` (a guard of k3) does not.
 
     Returns:
         ``(loss, metrics)``: a scalar (dtype of the logprobs, at least fp32) and a dict of
@@ -451,11 +457,13 @@ def policy_loss(
         raise ValueError("cu_seqlens: a packed [N] batch needs cu_seqlens")
     if old_logprobs is None:
         raise ValueError("old_logprobs: required (pass logprobs.detach() when on-policy)")
+    check_exact_kl(cfg, kl is not None, "kl", "kl (the per-token exact KL, e.g. from "
+                   "linear_divergence(..., beta=1))")
     batch = _to_batch(
         mask, advantages, cu_seqlens, _dtype(logprobs), validate, cfg,
         logprobs=logprobs, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
         rollout_logprobs=rollout_logprobs, entropy=entropy, token_weights=token_weights,
-        attention_entropy=attention_entropy,
+        attention_entropy=attention_entropy, kl=kl,
     )
     return _loss_of_batch(
         batch, cfg, batch_globals, validate=validate,
@@ -527,11 +535,24 @@ def _uses_kl(cfg) -> bool:
     return isinstance(cfg.beta, torch.Tensor) or cfg.beta != 0
 
 
+def check_exact_kl(cfg: PolicyLossConfig, given: bool, names: str, wanted: str) -> None:
+    """The exact KL's inputs (``names``) are given exactly when they can be used: refused
+    without ``kl_estimator="exact"``, required with it when ``beta != 0``."""
+    exact = cfg.kl_estimator == KL_EXACT
+    if given and not exact:
+        raise ValueError(f"{names}: given, but kl_estimator is {cfg.kl_estimator!r}; the exact "
+                         "KL is used with kl_estimator='exact' only")
+    if exact and not given and _uses_kl(cfg):
+        raise ValueError(f"{names}: kl_estimator='exact' with beta != 0 needs {wanted}")
+
+
 def _advantages(batch: _Batch, cfg: PolicyLossConfig, kept) -> torch.Tensor:
     """FRPO's future-KL correction, then probability reweighting."""
     adv, lp, ref_lp = batch.adv, batch["logprobs"], batch["ref_logprobs"]
-    if (_uses_kl(cfg) or cfg.future_kl_coef) and ref_lp is None:
-        raise ValueError("ref_logprobs: beta != 0 and future_kl_coef need ref_logprobs")
+    estimated = _uses_kl(cfg) and cfg.kl_estimator != KL_EXACT
+    if (estimated or cfg.future_kl_coef) and ref_lp is None:
+        raise ValueError("ref_logprobs: beta != 0 (with an estimator) and future_kl_coef need "
+                         "ref_logprobs")
     if cfg.future_kl_coef:
         adv = future_kl_advantages(adv, lp, ref_lp.detach(), kept, cfg.future_kl_coef)
     if cfg.prob_reweight_alpha:
@@ -611,11 +632,19 @@ def _policy_term(batch, cfg, spec, adv, masks: _Masks, factor, is_weight) -> _Po
 
 
 def _kl(batch: _Batch, cfg: PolicyLossConfig, ratio) -> torch.Tensor | None:
-    """Per-token KL to the reference (for the loss when beta != 0, for the metric always)."""
+    """Per-token KL to the reference (for the loss when beta != 0, for the metric always): the
+    estimate from the sampled token's logprobs, or the exact KL given (``kl_estimator="exact"``,
+    batch tensor ``kl``)."""
     ref_lp = batch["ref_logprobs"]
-    if ref_lp is None:
+    if cfg.kl_estimator == KL_EXACT:
+        kl = batch["kl"]
+    elif ref_lp is None:
         return None
-    kl = kl_estimate(batch["logprobs"], ref_lp.detach(), cfg.kl_estimator, clamp=cfg.kl_clamp)
+    else:
+        kl = kl_estimate(batch["logprobs"], ref_lp.detach(), cfg.kl_estimator,
+                         clamp=cfg.kl_clamp)
+    if kl is None:
+        return None
     if cfg.kl_bias_correction:
         kl = kl * (ratio.value if cfg.kl_bias_correction_grad else ratio.value.detach())
     return kl

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import math
 from collections.abc import Sequence
 
@@ -33,6 +34,11 @@ from logitless.fused_losses.entropy_control import AdaptiveEntropyCoef
 from logitless.fused_losses.objectives import CLIPPED_SURROGATE, OBJECTIVES, clip_flags
 from logitless.fused_losses.policy_loss import policy_loss, policy_loss_globals
 from logitless.fused_losses.ratios import compute_ratio
+from logitless.integrations.sampler_config import (
+    SamplerTruncation,
+    drop_outside_kept,
+    read_sampler_config,
+)
 from logitless.integrations.trl_head import (
     SUPPORTED_TRL,
     LogitlessChunkedLogProb,
@@ -49,6 +55,7 @@ __all__ = [
     "LogitlessChunkedLogProb",
     "config_from_grpo",
     "patch_trl",
+    "sampler_from_grpo",
     "trl_patched",
     "unpatch_trl",
 ]
@@ -168,12 +175,88 @@ def config_from_grpo(args, **overrides) -> PolicyLossConfig:
                          ) from e
 
 
+# generation_kwargs keys that leave the per-token sampling distribution alone (lengths, stop
+# rules, ids, seeds, caching, detokenisation); any other key is refused under match_sampler.
+_NEUTRAL_GENERATION_KWARGS = frozenset({
+    "max_tokens", "max_new_tokens", "max_length", "n", "num_return_sequences", "stop",
+    "stop_token_ids", "stop_strings", "include_stop_str_in_output", "ignore_eos",
+    "skip_special_tokens", "spaces_between_special_tokens", "detokenize", "seed",
+    "pad_token_id", "bos_token_id", "eos_token_id", "cache_implementation", "use_cache",
+    "disable_compile", "output_kind",
+})
+# ... and those whose value must be the one that keeps plain multinomial sampling.
+_REQUIRED_GENERATION_KWARGS = {"do_sample": True, "num_beams": 1}
+_SAMPLER_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
+
+
+def sampler_from_grpo(args) -> SamplerTruncation:
+    """The truncations TRL's generation backend samples with under ``args`` (a ``GRPOConfig``),
+    for ``GRPOTrainer(match_sampler=True)``.
+
+    Reads ``temperature``, ``top_k`` (0 or -1: off), ``top_p`` (1: off) and ``min_p`` (None or
+    0: off), the values TRL passes to vLLM's ``SamplingParams`` and to transformers'
+    ``GenerationConfig``. Raises ``ValueError`` naming the ``GRPOConfig`` argument for what the
+    fused head cannot reproduce: ``repetition_penalty`` != 1 (it depends on the tokens already
+    generated); a ``generation_kwargs`` key that overrides one of those settings or changes the
+    distribution in another way (anything but lengths, stop rules, token ids, seeds and
+    caching; ``do_sample`` must stay True and ``num_beams`` 1); ``vllm_structured_outputs_regex``
+    (guided decoding masks tokens per step); a temperature below 1e-5 (vLLM samples greedily);
+    with transformers' generation (``use_vllm=False``), ``min_p`` together with ``top_k`` or
+    ``top_p`` (transformers applies min-p after them, vLLM before) and any truncation under
+    ``use_transformers_continuous_batching`` (not checked against vLLM's semantics).
+    """
+    names = {k: f"GRPOConfig.{k}" for k in ("temperature", "top_k", "top_p", "min_p")}
+    if args.repetition_penalty != 1:
+        raise ValueError(
+            f"GRPOConfig.repetition_penalty: sampler matching reproduces temperature, top-k, "
+            f"top-p and min-p only; a repetition penalty depends on the tokens generated so far "
+            f"(expected 1.0, got {args.repetition_penalty!r})")
+    extra = args.generation_kwargs or {}
+    for key, value in extra.items():
+        if key in _SAMPLER_FIELDS:
+            raise ValueError(
+                f"GRPOConfig.generation_kwargs[{key!r}]: overrides GRPOConfig.{key}, which "
+                f"match_sampler reads; set GRPOConfig.{key} instead")
+        if key in _REQUIRED_GENERATION_KWARGS:
+            if value != _REQUIRED_GENERATION_KWARGS[key]:
+                raise ValueError(
+                    f"GRPOConfig.generation_kwargs[{key!r}]: match_sampler needs plain sampling "
+                    f"({key}={_REQUIRED_GENERATION_KWARGS[key]!r}), got {value!r}")
+        elif key not in _NEUTRAL_GENERATION_KWARGS:
+            raise ValueError(
+                f"GRPOConfig.generation_kwargs[{key!r}]: may change the sampling distribution, "
+                f"which match_sampler cannot reproduce (accepted keys: "
+                f"{sorted(_NEUTRAL_GENERATION_KWARGS | set(_REQUIRED_GENERATION_KWARGS))})")
+    if args.use_vllm and args.vllm_structured_outputs_regex is not None:
+        raise ValueError(
+            "GRPOConfig.vllm_structured_outputs_regex: guided decoding masks tokens at each "
+            "step, which match_sampler cannot reproduce")
+    settings = read_sampler_config(temperature=args.temperature, top_k=args.top_k,
+                                top_p=args.top_p, min_p=args.min_p, names=names,
+                                top_k_off=(0, -1))
+    if not args.use_vllm and settings.truncates:
+        if args.use_transformers_continuous_batching:
+            raise ValueError(
+                "GRPOConfig.use_transformers_continuous_batching: match_sampler with top_k, "
+                "top_p or min_p supports vLLM and transformers' generate, not continuous "
+                "batching")
+        if settings.min_p is not None and (settings.top_k is not None
+                                          or settings.top_p is not None):
+            raise ValueError(
+                "GRPOConfig.min_p: transformers' generate (use_vllm=False) applies min-p after "
+                "top-k / top-p, vLLM before them, and match_sampler follows vLLM; use min_p "
+                "alone or generate with vLLM")
+    return settings
+
+
 class _Head:
     """TRL's kernel contract for one forward helper call; drops the entropy when not wanted
-    (TRL's policy head always computes it, even in the old-policy pass that discards it)."""
+    (TRL's policy head always computes it, even in the old-policy pass that discards it), and
+    applies the sampler's truncations when given them."""
 
-    def __init__(self, entropy: bool):
+    def __init__(self, entropy: bool, sampler: SamplerTruncation | None = None):
         self.entropy = entropy
+        self.sampler = sampler
 
     def apply(self, hidden, weight, bias, targets, temperature, chunk_size,
               final_logit_softcapping=None, logit_scale=1.0, outputs=()):
@@ -181,17 +264,17 @@ class _Head:
             outputs = tuple(o for o in outputs if o != "entropy")
         return LogitlessChunkedLogProb.apply(hidden, weight, bias, targets, temperature,
                                              chunk_size, final_logit_softcapping, logit_scale,
-                                             outputs)
+                                             outputs, sampler=self.sampler)
 
 
 @contextlib.contextmanager
-def _logitless_head(entropy: bool):
+def _logitless_head(entropy: bool, sampler: SamplerTruncation | None = None):
     """TRL's fused head computes through logitless inside the block (TRL looks the kernel up
     at each call; the backward belongs to the returned tensors, so it needs no patch)."""
     import trl.trainer.utils as trl_utils
 
     saved = trl_utils._ChunkedLogProbFunction
-    trl_utils._ChunkedLogProbFunction = _Head(entropy)
+    trl_utils._ChunkedLogProbFunction = _Head(entropy, sampler)
     try:
         yield
     finally:
@@ -210,6 +293,14 @@ class GRPOTrainer(trl.GRPOTrainer):
             Its ``grad_accum_steps`` and ``dp_size`` are set per call from the trainer.
         attention_entropy_layers, attention_entropy_heads: layers and query heads whose mean
             attention entropy feeds ``attn_entropy_weighting`` (default: all).
+        match_sampler: compute the policy's and the old policy's logprobs and entropies under
+            the distribution the generation backend samples from: the tempered logits
+            truncated by the ``GRPOConfig``'s ``top_k`` / ``top_p`` / ``min_p`` as vLLM does,
+            renormalised (see :func:`sampler_from_grpo` for what is read and refused, at
+            construction). The reference model's logprobs stay untruncated. A completion token
+            outside the kept set of the recomputed policy or old policy (the two engines
+            disagreeing at the boundary) is left out of the loss and counted in
+            ``logitless/sampler/outside_kept``. Off by default: TRL's own numbers.
 
     Logs TRL's metric names (``kl``, ``entropy``, ``clip_ratio/*``, ``cispo_clip_ratio``,
     ``vespo/phi_seq_mean``, ``policy_loss``, ``entropy_coef``, ``aux_loss``) with TRL's values,
@@ -223,10 +314,21 @@ class GRPOTrainer(trl.GRPOTrainer):
 
     def __init__(self, *args, loss_config: PolicyLossConfig | None = None,
                  attention_entropy_layers: Sequence[int] | None = None,
-                 attention_entropy_heads: Sequence[int] | None = None, **kwargs):
+                 attention_entropy_heads: Sequence[int] | None = None,
+                 match_sampler: bool = False, **kwargs):
         trl_module, _, function = _trl_modules()
         _check_contract(trl_module, function)
+        if match_sampler:  # refuse before TRL loads models and starts vLLM
+            given = inspect.signature(trl.GRPOTrainer.__init__).bind_partial(
+                self, *args, **kwargs).arguments.get("args")
+            if given is not None:
+                sampler_from_grpo(given)
+        self._sampler = None
+        self._reference_pass = False
         super().__init__(*args, **kwargs)
+        if match_sampler:
+            self._sampler = sampler_from_grpo(self.args)
+            self._check_generation_backend()
         cfg = config_from_grpo(self.args) if loss_config is None else loss_config
         if _uses_kl(cfg) and self.beta == 0.0:
             raise ValueError(
@@ -250,6 +352,30 @@ class GRPOTrainer(trl.GRPOTrainer):
         self._attention_pending = False
         self._attention_entropy = None
 
+    def _check_generation_backend(self) -> None:
+        """match_sampler's checks that need the built trainer: tokens TRL itself suppresses in
+        transformers' generation, the logprobs a vLLM server returns, DeepSpeed ZeRO-3."""
+        from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+        if self._sampler.truncates and is_deepspeed_zero3_enabled():
+            raise ValueError(
+                "GRPOConfig.deepspeed: the sampler-matched head does not re-gather a ZeRO-3 "
+                "partitioned LM head in its backward (unsharded heads and FSDP2 are supported)")
+        if not self.use_vllm and "suppress_tokens" in getattr(self, "generation_kwargs", {}):
+            raise ValueError(
+                "processing_class: TRL suppresses the image token when generating with "
+                "transformers for a vision-language model, which match_sampler cannot "
+                "reproduce; generate with vLLM (use_vllm=True)")
+        server = self.use_vllm and self.vllm_mode == "server"
+        if server and self.vllm_importance_sampling_correction and self.accelerator.is_main_process:
+            info = self.vllm_generation.vllm_client.get_server_info()
+            mode = info["model_config"]["logprobs_mode"]
+            if mode != "processed_logprobs":
+                raise ValueError(
+                    f"vllm_importance_sampling_correction: the vLLM server returns "
+                    f"{mode!r} logprobs, not those of the truncated distribution it samples "
+                    f"from; restart it with `--logprobs-mode processed_logprobs`")
+
     # -- forward passes ----------------------------------------------------------------------
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask,
@@ -258,7 +384,10 @@ class GRPOTrainer(trl.GRPOTrainer):
         record = self._attention_pending and model is self.model
         recording = (self._recording_attention(model, logits_to_keep) if record
                      else contextlib.nullcontext())
-        with _logitless_head(compute_entropy), recording:
+        # the sampler drew from the policy: the reference model's logprobs stay untruncated
+        reference = model is self.ref_model or self._reference_pass
+        sampler = None if reference else self._sampler
+        with _logitless_head(compute_entropy, sampler), recording:
             return super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
                 compute_entropy=compute_entropy, **kwargs)
@@ -286,7 +415,37 @@ class GRPOTrainer(trl.GRPOTrainer):
         return self.args.gradient_accumulation_steps % generate_every != 0 or (
             self.use_vllm and self.vllm_importance_sampling_correction)
 
+    @contextlib.contextmanager
+    def _marking_reference_passes(self):
+        """TRL computes a PEFT model's reference logprobs on the policy model inside its
+        ``use_adapter`` block (adapter disabled or "ref"): mark those passes for the duration."""
+        import trl.trainer.grpo_trainer as grpo_module
+
+        if self._sampler is None:
+            yield
+            return
+        inner = grpo_module.use_adapter
+
+        @contextlib.contextmanager
+        def marked(*args, **kwargs):
+            with inner(*args, **kwargs):
+                self._reference_pass = True
+                try:
+                    yield
+                finally:
+                    self._reference_pass = False
+
+        grpo_module.use_adapter = marked
+        try:
+            yield
+        finally:
+            grpo_module.use_adapter = inner
+
     def _generate_and_score_completions(self, inputs):
+        with self._marking_reference_passes():
+            return self._generate_and_score(inputs)
+
+    def _generate_and_score(self, inputs):
         if self.loss_config.attn_entropy_weighting is None:
             return super()._generate_and_score_completions(inputs)
         self._attention_entropy = None
@@ -357,6 +516,10 @@ class GRPOTrainer(trl.GRPOTrainer):
             num_items = num_items * grad_accum / self.args.steps_per_generation
         old = inputs.get("old_per_token_logps")
         old = logps.detach() if old is None else old
+        outside = None
+        if self._sampler is not None:
+            tokens = mask.sum()
+            logps, old, mask, outside = drop_outside_kept(logps, old, mask)
         coef = cfg.entropy_coef
         if self._entropy_control is not None:
             coef = self._entropy_control.current()
@@ -384,6 +547,9 @@ class GRPOTrainer(trl.GRPOTrainer):
             self._metrics[mode]["aux_loss"].append(
                 self.accelerator.gather_for_metrics(aux_loss).mean().item())
         self._log_metrics(mode, metrics, cfg, logps, old, inputs, mask)
+        if outside is not None:
+            self._metrics[mode]["logitless/sampler/outside_kept"].append(
+                self._global_mean(outside, tokens))
         return loss
 
     def _world_entropy_globals(self, cfg, mask, advantages, entropies, batch):

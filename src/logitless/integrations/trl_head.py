@@ -70,7 +70,12 @@ class LogitlessChunkedLogProb:
 
     @staticmethod
     def apply(hidden, weight, bias, targets, temperature, chunk_size,
-              final_logit_softcapping=None, logit_scale=1.0, outputs=_TRL_OUTPUTS):
+              final_logit_softcapping=None, logit_scale=1.0, outputs=_TRL_OUTPUTS, *,
+              sampler=None):
+        """TRL's arguments, plus ``sampler`` (a ``SamplerTruncation``, or None): the sampler's
+        top-k / top-p / min-p, which make the logprobs and entropy those of the truncated,
+        renormalised distribution the sampler drew from (logitless's ``GRPOTrainer`` passes
+        it with ``match_sampler=True``)."""
         del chunk_size  # logitless sizes its own tiles
         from trl.trainer.utils import maybe_gather_lm_head_ctx
 
@@ -88,6 +93,7 @@ class LogitlessChunkedLogProb:
             hidden, weight, targets, bias=bias, temperature=temperature, softcap=softcap,
             logit_scale=logit_scale, return_entropy="entropy" in outputs, stats=stats,
             gather_weight=lambda: maybe_gather_lm_head_ctx(weight, bias),
+            **({} if sampler is None else sampler.kwargs()),
         )
         log_sum_sq = None if out.sum_p_sq is None else torch.log(out.sum_p_sq.detach())
         mean = None if out.mean_logit is None else out.mean_logit.detach()

@@ -24,6 +24,11 @@ It also registers ``logitless_forward_kl_topk`` in verl's distillation-loss regi
 
 The fused head (:func:`enable_fused_head`) lives in :mod:`logitless.integrations.verl_head`;
 ``LOGITLESS_VERL_FUSED_HEAD=1`` in a worker's environment enables it when this module loads.
+
+Sampler matching: ``policy_loss.match_sampler`` set to the rollout config
+(``+actor_rollout_ref.actor.policy_loss.match_sampler='${actor_rollout_ref.rollout}'``) makes
+the fused head compute the logprobs of the distribution vLLM samples from (see
+:func:`sampler_from_rollout` for what is read and refused).
 """
 
 from __future__ import annotations
@@ -39,12 +44,20 @@ from verl.workers.config import PolicyLossConfig as VerlPolicyLossConfig
 from logitless.fused_losses.config import PolicyLossConfig
 from logitless.fused_losses.objectives import OBJECTIVES, get_objective
 from logitless.fused_losses.policy_loss import policy_loss
+from logitless.integrations.sampler_config import (
+    SamplerTruncation,
+    drop_outside_kept,
+    read_sampler_config,
+)
 from logitless.integrations.verl_distill import register_verl_distillation_loss
 from logitless.integrations.verl_head import (
     disable_fused_head,
     enable_fused_head,
     fused_head_enabled,
+    head_sampler,
     linear_cross_entropy,
+    sampler_head_calls,
+    set_head_sampler,
 )
 
 __all__ = [
@@ -56,6 +69,7 @@ __all__ = [
     "linear_cross_entropy",
     "register_verl_distillation_loss",
     "register_verl_losses",
+    "sampler_from_rollout",
     "to_logitless_config",
 ]
 
@@ -97,9 +111,79 @@ def _passthrough_default(name: str):
     return next(f.default for f in dataclasses.fields(PolicyLossConfig) if f.name == name)
 
 
+_ROLLOUT_ENGINES = ("vllm",)
+
+
+def sampler_from_rollout(rollout) -> SamplerTruncation:
+    """The truncations verl's rollout samples with, from its rollout config (``RolloutConfig``,
+    its ``DictConfig`` or a mapping with the same keys; absent keys take verl's defaults).
+
+    Reads ``temperature``, ``top_k`` (-1 or 0: off), ``top_p`` (1: off) and ``min_p`` (None or
+    0: off; verl's rollout config has no such field, a mapping may carry one). Raises
+    ``ValueError`` naming the ``rollout.<field>`` the head cannot reproduce:
+    ``repetition_penalty`` != 1; ``name`` other than ``vllm`` when a truncation is on (SGLang
+    orders min-p and breaks ties at the top-p boundary differently); ``logprobs_mode`` other
+    than ``processed_logprobs`` (the rollout logprobs the correction terms compare with would
+    be those of another distribution); ``do_sample`` False or a temperature below 1e-5 (greedy
+    decoding); a value no sampler accepts (``top_k`` < -1, ``top_p`` outside (0, 1], ``min_p``
+    outside [0, 1]).
+    """
+    names = {k: f"rollout.{k}" for k in ("temperature", "top_k", "top_p", "min_p")}
+    penalty = _get(rollout, "repetition_penalty", 1.0)
+    if penalty != 1:
+        raise ValueError(
+            f"rollout.repetition_penalty: sampler matching reproduces temperature, top-k, top-p "
+            f"and min-p only; a repetition penalty depends on the tokens generated so far "
+            f"(expected 1.0, got {penalty!r})")
+    if not _get(rollout, "do_sample", True):
+        raise ValueError("rollout.do_sample: sampler matching needs sampling, got False")
+    mode = _get(rollout, "logprobs_mode", "processed_logprobs")
+    if mode != "processed_logprobs":
+        raise ValueError(
+            f"rollout.logprobs_mode: expected 'processed_logprobs' (the logprobs of the "
+            f"distribution vLLM samples from), got {mode!r}")
+    settings = read_sampler_config(
+        temperature=_get(rollout, "temperature", 1.0), top_k=_get(rollout, "top_k", -1),
+        top_p=_get(rollout, "top_p", 1.0), min_p=_get(rollout, "min_p"), names=names,
+        top_k_off=(-1, 0))
+    engine = _get(rollout, "name")
+    if settings.truncates and engine not in _ROLLOUT_ENGINES:
+        raise ValueError(
+            f"rollout.name: sampler matching follows vLLM's top-k / top-p / min-p, expected "
+            f"one of {list(_ROLLOUT_ENGINES)}, got {engine!r}")
+    return settings
+
+
+def _post_init(self):
+    parent = getattr(VerlPolicyLossConfig, "__post_init__", None)
+    if parent is not None:
+        parent(self)
+    _apply_match_sampler(self)
+
+
+def _setstate(self, state):
+    # Ray ships a built config to its workers by pickling it: the worker's head is set too.
+    self.__dict__.update(state)
+    _apply_match_sampler(self)
+
+
+def _apply_match_sampler(self):
+    source = self.match_sampler
+    if source is None or source is False:
+        return
+    if not hasattr(source, "get") and not hasattr(source, "top_k"):
+        raise ValueError(
+            f"policy_loss.match_sampler: expected the rollout config (a mapping, e.g. "
+            f"'${{actor_rollout_ref.rollout}}') or None, got {source!r}")
+    # The head runs in the model forward, before any loss call: every process that builds
+    # this config (the actor worker among them) truncates its fused head from now on.
+    set_head_sampler(sampler_from_rollout(source))
+
+
 LogitlessPolicyLossConfig = dataclasses.make_dataclass(
     "LogitlessPolicyLossConfig",
     [
+        ("match_sampler", Any, dataclasses.field(default=None)),
         ("loss_agg", Any, dataclasses.field(default=None)),
         ("dual_clip", Any, dataclasses.field(default=None)),
         ("use_global_batch_info", bool, dataclasses.field(default=True)),
@@ -108,6 +192,7 @@ LogitlessPolicyLossConfig = dataclasses.make_dataclass(
           for name in PASSTHROUGH_FIELDS),
     ],
     bases=(VerlPolicyLossConfig,),
+    namespace={"__post_init__": _post_init, "__setstate__": _setstate},
 )
 # Ray pickles configs to its workers and hydra resolves ``_target_`` by module path.
 LogitlessPolicyLossConfig.__module__ = __name__
@@ -116,6 +201,12 @@ LogitlessPolicyLossConfig.__doc__ = f"""verl's ``PolicyLossConfig`` plus the log
 Select it with ``policy_loss._target_=logitless.integrations.verl.LogitlessPolicyLossConfig``
 and ``policy_loss.loss_mode=logitless_<objective>``. Its own fields:
 
+- ``match_sampler``: the rollout config (``'${{actor_rollout_ref.rollout}}'``) to compute the
+  fused head's logprobs and entropies under the distribution vLLM samples from (its
+  temperature, top-k, top-p, min-p; see ``sampler_from_rollout``), or None (off). Needs
+  logitless's fused head (``use_fused_kernels`` with the ``triton`` backend and
+  ``LOGITLESS_VERL_FUSED_HEAD=1``) and no reference KL (``use_kl_loss``): the reference
+  model's head in the same process would be truncated too. Checked at the first loss call.
 - ``loss_agg``: overrides the actor's ``loss_agg_mode`` for this loss (any logitless
   aggregation, e.g. ``balanced`` or ``length-power``); None keeps verl's.
 - ``dual_clip``: apply ``clip_ratio_c`` as a dual clip; None does what verl's matching loss
@@ -233,6 +324,11 @@ def _verl_policy_loss(objective: str):
         if config is None:
             raise ValueError(f"config: {LOSS_PREFIX}{objective} needs verl's actor config")
         cfg, normalisers = to_logitless_config(objective, config, loss_agg_mode)
+        outside = None
+        if _get(_get(config, "policy_loss"), "match_sampler") is not None:
+            _check_sampler_matching(config)
+            log_prob, old_log_prob, response_mask, outside = drop_outside_kept(
+                log_prob, old_log_prob, response_mask)
         mode = _get(_get(config, "policy_loss"), "sequence_is_weight")
         if mode not in (None, "geometric"):
             raise ValueError(
@@ -242,6 +338,8 @@ def _verl_policy_loss(objective: str):
             rollout_is_weights = _geometric_sequence_weights(rollout_is_weights, response_mask)
         loss, metrics = policy_loss(log_prob, old_log_prob, advantages, response_mask, cfg,
                                     token_weights=rollout_is_weights, **normalisers)
+        if outside is not None:
+            metrics["sampler/outside_kept"] = outside
         return loss, _verl_metrics(metrics)
 
     compute_policy_loss.__name__ = f"compute_policy_loss_{LOSS_PREFIX}{objective}"
@@ -251,6 +349,21 @@ def _verl_policy_loss(objective: str):
         "(see logitless.integrations.verl)."
     )
     return compute_policy_loss
+
+
+def _check_sampler_matching(actor_config) -> None:
+    """``match_sampler``'s conditions that only the loss call can see."""
+    if _get(actor_config, "use_kl_loss", False):
+        raise ValueError(
+            "actor.use_kl_loss: with policy_loss.match_sampler the reference model's fused head "
+            "in this process is truncated too, so its KL term is not the reference's; turn "
+            "one of them off")
+    if head_sampler() is None or sampler_head_calls() == 0:
+        raise ValueError(
+            "policy_loss.match_sampler: the logprobs did not come through logitless's "
+            "sampler-matched head in this process; set actor_rollout_ref.model."
+            "use_fused_kernels=True with fused_kernel_options.impl_backend=triton and "
+            "LOGITLESS_VERL_FUSED_HEAD=1 in the workers' environment")
 
 
 def register_verl_losses(objectives=None) -> list[str]:

@@ -12,6 +12,12 @@ rank's partial hidden gradient, which Megatron's sequence-parallel gather sums) 
 the entropy falls out of the logprob pass's accumulators, costs nothing for it in the forward
 and nothing in the backward when no gradient reaches it.
 
+Sampler matching: after :func:`set_head_sampler` (which ``LogitlessPolicyLossConfig``'s
+``match_sampler`` calls in each process that builds the actor config), every call computes the
+logprobs and entropies of the distribution the rollout engine samples from (the tempered logits
+truncated by top-k / top-p / min-p as vLLM does, renormalised); :func:`sampler_head_calls`
+counts those calls, so the loss can check that its logprobs came through this head.
+
 This module does not import verl until :func:`enable_fused_head` is called.
 """
 
@@ -22,8 +28,17 @@ import sys
 import torch
 
 from logitless.fused_losses.logprobs import linear_logprobs
+from logitless.integrations.sampler_config import SamplerTruncation
 
-__all__ = ["disable_fused_head", "enable_fused_head", "fused_head_enabled", "linear_cross_entropy"]
+__all__ = [
+    "disable_fused_head",
+    "enable_fused_head",
+    "fused_head_enabled",
+    "head_sampler",
+    "linear_cross_entropy",
+    "sampler_head_calls",
+    "set_head_sampler",
+]
 
 _REDUCTIONS = ("none", "sum", "mean")
 
@@ -38,6 +53,29 @@ _BINDING_MODULES = (
 )
 _ATTR = "linear_cross_entropy"
 _original: object | None = None
+_sampler: SamplerTruncation | None = None
+_sampler_calls = 0
+
+
+def set_head_sampler(sampler: SamplerTruncation | None) -> None:
+    """Truncate every later :func:`linear_cross_entropy` call of this process as the sampler
+    does (None: the full distribution again); restarts :func:`sampler_head_calls` at 0."""
+    global _sampler, _sampler_calls
+    if sampler is not None and not isinstance(sampler, SamplerTruncation):
+        raise ValueError(f"sampler: expected a SamplerTruncation or None, got {sampler!r}")
+    _sampler = sampler
+    _sampler_calls = 0
+
+
+def head_sampler() -> SamplerTruncation | None:
+    """The truncations :func:`linear_cross_entropy` applies in this process (None: none)."""
+    return _sampler
+
+
+def sampler_head_calls() -> int:
+    """How many :func:`linear_cross_entropy` calls of this process applied the sampler since
+    :func:`set_head_sampler`."""
+    return _sampler_calls
 
 
 def linear_cross_entropy(
@@ -71,8 +109,11 @@ def linear_cross_entropy(
 
     Returns:
         ``(logprobs, entropy)``: fp32 (fp64 for fp64 inputs), ``[N]`` with
-        ``N = labels.numel()`` (``logprobs`` a scalar for ``"sum"``/``"mean"``).
+        ``N = labels.numel()`` (``logprobs`` a scalar for ``"sum"``/``"mean"``). After
+        :func:`set_head_sampler`, those of the sampler's truncated distribution (a logprob is
+        ``-inf`` where the label lies outside the kept set).
     """
+    global _sampler_calls
     if not isinstance(reduction, str) or reduction.lower() not in _REDUCTIONS:
         raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
     if not isinstance(temperature, (int, float)) or isinstance(temperature, bool):
@@ -93,7 +134,10 @@ def linear_cross_entropy(
         # As verl's kernel: each rank's own share of the hidden gradient; Megatron's
         # sequence-parallel gather before the head sums them in its backward reduce-scatter.
         hidden_grad="partial",
+        **({} if _sampler is None else _sampler.kwargs()),
     )
+    if _sampler is not None:
+        _sampler_calls += 1
     logprobs, entropy = out.logprobs, out.entropy
     reduction = reduction.lower()
     if reduction == "sum":

@@ -1,10 +1,13 @@
-"""Chunked PyTorch kernels of the two-head divergences (the CPU path; no Triton twin yet).
+"""Chunked PyTorch kernels of the two-head divergences (the CPU and fp64 path; the CUDA path is
+``kernels/divergence.py``).
 
 Student ``z_s = (hidden @ W^T + b) / T`` and teacher ``z_t = (teacher_hidden @ W_t^T + b_t) / T``
 are streamed through token-major tiles ``[rows, cols]`` built by the linear-softmax twin's
 tile helpers; at most four fp32 tiles of one shape exist at a time (each head's logits and a
-scratch tile), sized by ``tile_bytes``. Every pass recomputes its tiles with the same GEMM
-shapes, so a logit has the same rounding in each pass.
+scratch tile), plus each head's GEMM output in bf16/fp16 for such inputs, all within
+``tile_bytes``. The tile shape depends on the vocabulary and the budget only, and the last row
+block is padded as the linear-softmax twin pads it, so every pass recomputes its tiles with the
+same GEMM shapes whatever N is: a logit has the same rounding in each pass and in every batch.
 
 - ``divergence_forward``: pass 1 folds both heads' online maxima and sums of exponentials (and,
   for ``beta`` 0 or 1, the expected logit gap, which finishes the KL in the same pass); pass 2,
@@ -25,47 +28,92 @@ from logitless.kernels.linear_softmax_torch import (
     _MIN_COLS,
     _ROW_BLOCK,
     DEFAULT_TILE_BYTES,
+    _pad_rows,
+    _row_blocks,
     _Tiles,
     acc_dtype,
     addmm_acc_,
 )
 
-# Four tile-sized buffers live at once: both heads' logits and both heads' scratch.
-_BUFFERS = 4
+
+def _bytes_per_element(dtype: torch.dtype) -> int:
+    """Bytes one head's tile buffers take per logit: the logits and a scratch tile in fp32
+    (fp64 for fp64 inputs), and the GEMM's output in the input dtype when that is bf16/fp16."""
+    acc = acc_dtype(dtype)
+    return 2 * acc.itemsize + (dtype.itemsize if acc != dtype else 0)
 
 
-def _tile_shape(n: int, v: int, tile_bytes: int, buffers: int) -> tuple[int, int]:
-    """Rows and vocab columns per tile so that ``buffers`` fp32 tiles fit in ``tile_bytes``:
-    up to ``_ROW_BLOCK`` token rows (never more than ``n``), the vocabulary split to fit, at
-    most ``_MAX_COLS`` columns (the linear-softmax twin's row and column bounds)."""
-    elems = max(1, tile_bytes // (4 * buffers))
-    rows = max(1, min(n, _ROW_BLOCK, elems // min(v, _MIN_COLS)))
+def _tile_shape(v: int, tile_bytes: int, bytes_per_element: int) -> tuple[int, int]:
+    """Rows and vocab columns per tile so that the heads' buffers (``bytes_per_element`` per
+    logit together) fit in ``tile_bytes``: up to ``_ROW_BLOCK`` token rows, the vocabulary split
+    to fit, at most ``_MAX_COLS`` columns (the linear-softmax twin's bounds). From the
+    vocabulary and the budget only, never from the number of tokens: a token's results must not
+    depend on the batch it comes in."""
+    elems = max(1, tile_bytes // bytes_per_element)
+    rows = max(1, min(_ROW_BLOCK, elems // min(v, _MIN_COLS)))
     return rows, max(1, min(v, _MAX_COLS, elems // rows))
 
 
 class _Heads:
-    """Tile buffers for the student (and the teacher, when given) at one tile shape."""
+    """Tile buffers for the student (and the teacher, when given) at one tile shape. The last
+    row block is padded with zero rows as the linear-softmax twin pads it (``_row_blocks``), so
+    every GEMM that makes a row's logits has a shape that does not depend on N."""
 
     def __init__(self, n, v, hidden, t_hidden, tile_bytes):
-        self.rows, self.cols = _tile_shape(n, v, tile_bytes, _BUFFERS)
-        rows, cols = min(self.rows, n), min(self.cols, v)
+        per = _bytes_per_element(hidden.dtype)
+        if t_hidden is not None:
+            per += _bytes_per_element(t_hidden.dtype)
+        self.rows, self.cols = _tile_shape(v, tile_bytes, per)
+        self.row_blocks = list(_row_blocks(n, self.rows))
+        rows, cols = self.row_blocks[0][2] if n else 1, min(self.cols, v)
         self.s = _Tiles(rows, cols, hidden.dtype, hidden.device, None)
         self.t = None if t_hidden is None else _Tiles(rows, cols, t_hidden.dtype,
                                                       t_hidden.device, None)
+        self.padded, self.v = rows, v
 
     def blocks(self, n, v):
-        """``(row slice, col slice)`` of every tile, vocabulary innermost."""
-        for r0 in range(0, n, self.rows):
+        """``(row slice, col slice)`` of every tile, vocabulary innermost; the row slice holds
+        the block's real rows only."""
+        for r0, real, padded in self.row_blocks:
+            self.padded = padded
             for c0 in range(0, v, self.cols):
-                yield slice(r0, r0 + self.rows), slice(c0, c0 + self.cols)
+                yield slice(r0, r0 + real), slice(c0, c0 + self.cols)
 
-    @staticmethod
-    def logits(tiles, hidden, weight, bias, rows, cols, temperature):
-        """Tempered logits ``[rows, cols]`` of one tile and a scratch view of the same shape."""
+    def logits(self, tiles, hidden, weight, bias, rows, cols, temperature):
+        """Tempered logits ``[real rows, cols]`` of one tile (a view of the padded block's
+        tile) and a scratch view of the same shape."""
         b = None if bias is None else bias[cols]
-        z, _ = tiles.logits(hidden[rows], weight[cols], b, temperature, None, 1.0,
-                            vocab_major=False)
-        return z, tiles.view(tiles.scratch, *z.shape)
+        h = _pad_rows(hidden[rows], self.padded)
+        z, _ = tiles.logits(h, weight[cols], b, temperature, None, 1.0, vocab_major=False)
+        real = rows.stop - rows.start
+        return z[:real], tiles.view(tiles.scratch, real, z.shape[1])
+
+    def accumulate(self, dz, hidden, weight, d_hidden, d_weight, d_bias, rows, cols):
+        """Add one tile's logit gradient ``dz [real rows, cols]`` into the parameter gradients.
+        The GEMMs take the whole padded tile (padding rows zeroed), in the inputs' dtype (as the
+        linear-softmax twin does); a padded block's hidden gradient goes through a padded
+        accumulator."""
+        if d_bias is not None:
+            d_bias[cols] += dz.sum(0)
+        real, width = dz.shape
+        # dz views the first rows of a tile buffer (offset 0): the whole padded tile.
+        full = dz.as_strided((self.padded, width), (width, 1))
+        full[real:].zero_()
+        low = self.s.low
+        dx = full if low is None else self.s.view(low, self.padded, width).copy_(full)
+        if d_hidden is not None:
+            first, last = cols.start == 0, cols.start + width >= self.v
+            if real == self.padded:
+                dh = d_hidden[rows]
+            else:
+                if first:
+                    self.dh = d_hidden.new_empty(self.padded, d_hidden.shape[1])
+                dh = self.dh
+            addmm_acc_(dh, dx, weight[cols], beta=0.0 if first else 1.0)
+            if last and real != self.padded:
+                d_hidden[rows] = dh[:real]
+        if d_weight is not None:
+            addmm_acc_(d_weight[cols], dx.t(), _pad_rows(hidden[rows], self.padded))
 
 
 def _fold(m, l, z, scratch):
@@ -111,11 +159,8 @@ def divergence_forward(hidden, weight, bias, t_hidden, t_weight, t_bias, *, beta
             gap[rows] = gap[rows] * scale_s + es.mul_(zs.sub_(zt)).sum(1)
     lse_s, lse_t = m_s + l_s.log(), m_t + l_t.log()
     extra = () if x_s is None else (lse_s - x_s / l_s,)
-    if beta == 0.0:
-        div = gap / l_t - lse_t + lse_s
-        return div, lse_s, lse_t, div, *extra
-    if beta == 1.0:
-        div = gap / l_s - lse_s + lse_t
+    if beta in (0.0, 1.0):
+        div = finish_kl(beta, gap, l_s, l_t, lse_s, lse_t)
         return div, lse_s, lse_t, div, *extra
     log_b, log_1mb = math.log(beta), math.log1p(-beta)
     div, kl_s = hidden.new_zeros(n, dtype=acc), hidden.new_zeros(n, dtype=acc)
@@ -131,6 +176,15 @@ def divergence_forward(hidden, weight, bias, t_hidden, t_weight, t_bias, *, beta
     return div, lse_s, lse_t, kl_s, *extra
 
 
+def finish_kl(beta: float, gap, l_s, l_t, lse_s, lse_t):
+    """The KL of ``beta`` 0 or 1 from pass 1: the expected gap ``gap / l`` (``l`` the sum of
+    exponentials it was folded with) is ``E_t[z_t - z_s]`` for the forward KL, which is then
+    ``E_t[z_t - z_s] - lse_t + lse_s``, or ``E_s[z_s - z_t]`` for the reverse one."""
+    if beta == 0.0:
+        return gap / l_t - lse_t + lse_s
+    return gap / l_s - lse_s + lse_t
+
+
 def _log_mixture_(zs, zt, lse_s, lse_t, log_b, log_1mb, scr_s, scr_t):
     """Turn the logits tiles into ``log p_s`` and ``log p_t`` in place and return
     ``log m = logaddexp(log p_s + log(1 - beta), log p_t + log beta)`` (in ``scr_t``)."""
@@ -144,17 +198,23 @@ def _log_mixture_(zs, zt, lse_s, lse_t, log_b, log_1mb, scr_s, scr_t):
 def divergence_backward(hidden, weight, bias, t_hidden, t_weight, t_bias, lse_s, lse_t, aux,
                         grad, *, beta: float, temperature: float, need_hidden: bool,
                         need_weight: bool, need_bias: bool,
-                        tile_bytes: int = DEFAULT_TILE_BYTES):
+                        tile_bytes: int = DEFAULT_TILE_BYTES, d_weight=None, d_bias=None):
     """Gradients of the student's hidden, weight and bias (fp32; fp64 for fp64 inputs) from
     the per-token upstream ``grad``. With ``p_s``, ``p_t``, ``m`` recomputed per tile, the
     gradient of the divergence with respect to the student's tempered logits is
     ``p_s - p_t`` (``beta = 0``), ``p_s (log p_s - log p_t - KL)`` (``beta = 1``), else
-    ``(1 - beta) p_s (log p_s - log m - KL(s || m))``; it is scaled by ``grad / T``."""
+    ``(1 - beta) p_s (log p_s - log m - KL(s || m))``; it is scaled by ``grad / T``.
+
+    ``d_weight`` / ``d_bias``: accumulators (in the accumulation dtype) to add the weight and
+    bias gradients to, instead of fresh zeroed ones (a caller summing over chunks)."""
     n, v = hidden.shape[0], weight.shape[0]
     acc = acc_dtype(hidden.dtype)
     d_hidden = hidden.new_empty(hidden.shape, dtype=acc) if need_hidden else None
-    d_weight = weight.new_zeros(weight.shape, dtype=acc) if need_weight else None
-    d_bias = weight.new_zeros(v, dtype=acc) if need_bias else None
+    if need_weight and d_weight is None:
+        d_weight = weight.new_zeros(weight.shape, dtype=acc)
+    if need_bias and d_bias is None:
+        d_bias = weight.new_zeros(v, dtype=acc)
+    d_weight, d_bias = (d_weight if need_weight else None), (d_bias if need_bias else None)
     heads = _Heads(n, v, hidden, t_hidden, tile_bytes)
     scale = grad.to(acc) / temperature
     log_b, log_1mb = (math.log(beta), math.log1p(-beta)) if 0.0 < beta < 1.0 else (0.0, 0.0)
@@ -175,21 +235,8 @@ def divergence_backward(hidden, weight, bias, t_hidden, t_weight, t_bias, lse_s,
             ps = torch.exp(zs, out=scr_s)
             dz = ps.mul_(zs.sub_(log_m).sub_(aux[rows].unsqueeze(1))).mul_(1.0 - beta)
         dz.mul_(scale[rows].unsqueeze(1))
-        _accumulate(dz, heads.s, hidden[rows], weight[cols], d_hidden, d_weight, d_bias, rows,
-                    cols)
+        heads.accumulate(dz, hidden, weight, d_hidden, d_weight, d_bias, rows, cols)
     return d_hidden, d_weight, d_bias
-
-
-def _accumulate(dz, tiles, h, w, d_hidden, d_weight, d_bias, rows, cols):
-    """Add one tile's logit gradient ``dz [rows, cols]`` into the parameter gradients. The
-    GEMMs take it in the inputs' dtype (as the linear-softmax twin does)."""
-    if d_bias is not None:
-        d_bias[cols] += dz.sum(0)
-    dx = dz if tiles.low is None else tiles.view(tiles.low, *dz.shape).copy_(dz)
-    if d_hidden is not None:
-        addmm_acc_(d_hidden[rows], dx, w, beta=0.0 if cols.start == 0 else 1.0)
-    if d_weight is not None:
-        addmm_acc_(d_weight[cols], dx.t(), h)
 
 
 def topk_forward(hidden, weight, bias, ids, *, temperature: float,
@@ -231,6 +278,5 @@ def topk_backward(hidden, weight, bias, ids, lse, grad, *, temperature: float, n
         local = ids[rows] - cols.start
         inside = (local >= 0) & (local < dz.shape[1])
         dz.scatter_add_(1, local.clamp(0, dz.shape[1] - 1), torch.where(inside, grad[rows], 0.0))
-        _accumulate(dz, heads.s, hidden[rows], weight[cols], d_hidden, d_weight, d_bias, rows,
-                    cols)
+        heads.accumulate(dz, hidden, weight, d_hidden, d_weight, d_bias, rows, cols)
     return d_hidden, d_weight, d_bias

@@ -322,6 +322,63 @@ class _Plan:
         return max(0, min(rows, self.n - r0))
 
 
+class TileGrads:
+    """The hidden, weight and bias gradients of one backward, taken tile by tile from the
+    logit gradient ``dx`` of each (vocabulary tile, row group) of a :class:`_Plan`: a fixed
+    order of GEMMs on one stream, no atomics. Shared by every CUDA head backward
+    (``linear_logprobs`` here, the divergences in ``kernels/divergence.py``)."""
+
+    def __init__(self, plan: _Plan, weight, need_hidden: bool, need_weight: bool,
+                 need_bias: bool):
+        dev = weight.device
+        self.plan = plan
+        # Every tile of d_weight and d_bias is written whole by its first row group.
+        self.d_weight = torch.empty(weight.shape, dtype=weight.dtype, device=dev) \
+            if need_weight else None
+        self.d_bias = torch.empty(plan.v, dtype=torch.float32, device=dev) if need_bias \
+            else None
+        self.d_hidden = torch.empty(plan.n_pad, plan.hidden.shape[1], dtype=torch.float32,
+                                    device=dev) if need_hidden else None
+        # d_weight's tiles are summed over row groups in fp32 when there are several.
+        self.acc = None
+        if need_weight and len(plan.groups) > 1 and weight.dtype != torch.float32:
+            self.acc = torch.empty(plan.cols, weight.shape[1], dtype=torch.float32, device=dev)
+
+    def add(self, dx, w, v0, v1, gi, r0, rows) -> None:
+        """Add the logit gradient ``dx [rows, v1 - v0]`` of row group ``gi`` (first row ``r0``)
+        against the weight tile ``w = weight[v0:v1]``."""
+        if self.d_hidden is not None:
+            for c in range(0, rows, ROW_CHUNK):
+                _addmm_fp32_(self.d_hidden[r0 + c:r0 + c + ROW_CHUNK], dx[c:c + ROW_CHUNK], w,
+                             beta=0.0 if v0 == 0 else 1.0)
+        d_weight = self.d_weight
+        if d_weight is not None:
+            h = self.plan.hidden[r0:r0 + rows]
+            if self.acc is not None:
+                _addmm_fp32_(self.acc[:v1 - v0], dx.t(), h, beta=0.0 if gi == 0 else 1.0)
+            elif gi == 0:
+                torch.mm(dx.t(), h, out=d_weight[v0:v1])
+            else:  # fp32 inputs: the tile is its own fp32 accumulator
+                torch.addmm(d_weight[v0:v1], dx.t(), h, out=d_weight[v0:v1])
+        if self.d_bias is not None:
+            part = dx.sum(0, dtype=torch.float32)
+            if gi == 0:
+                self.d_bias[v0:v1] = part
+            else:
+                self.d_bias[v0:v1] += part
+
+    def end_tile(self, v0, v1) -> None:
+        """After the last row group of the tile ``v0:v1``."""
+        if self.acc is not None:
+            self.d_weight[v0:v1] = self.acc[:v1 - v0]
+
+    def result(self):
+        """``(d_hidden [N, D] fp32, d_weight in the weight's dtype, d_bias [V] fp32)``, None
+        where not asked for."""
+        d_hidden = None if self.d_hidden is None else self.d_hidden[:self.plan.n]
+        return d_hidden, self.d_weight, self.d_bias
+
+
 def forward(hidden, weight, bias, targets, *, temperature: float, softcap: float | None,
             logit_scale: float, want_s2: bool, want_sum_z: bool,
             tile_bytes: int | None = None) -> Partials:
@@ -389,15 +446,7 @@ def backward(hidden, weight, bias, targets, lse, entropy, sum_p_sq,
         return (zeros(need_hidden, hidden.shape, torch.float32),
                 zeros(need_weight, weight.shape, weight.dtype), zeros(need_bias, v, torch.float32))
     plan = _Plan(hidden, weight, tile_bytes)
-    # Every tile of d_weight and d_bias is written whole by its first row group.
-    d_weight = torch.empty(weight.shape, dtype=weight.dtype, device=dev) if need_weight else None
-    d_bias = torch.empty(v, dtype=torch.float32, device=dev) if need_bias else None
-    d_hidden = torch.empty(plan.n_pad, hidden.shape[1], dtype=torch.float32, device=dev) \
-        if need_hidden else None
-    # d_weight's tiles are summed over row groups in fp32 when there are several.
-    acc = None
-    if need_weight and len(plan.groups) > 1 and weight.dtype != torch.float32:
-        acc = torch.empty(plan.cols, weight.shape[1], dtype=torch.float32, device=dev)
+    grads = TileGrads(plan, weight, need_hidden, need_weight, need_bias)
     per_row = lambda t: None if t is None else t.float().contiguous()
     rows_args = [per_row(t) for t in (lse, entropy, sum_p_sq, g_lp, g_entropy, g_sum_p_sq,
                                       g_mean_logit, g_lse)]
@@ -413,27 +462,12 @@ def backward(hidden, weight, bias, targets, lse, entropy, sum_p_sq,
         for gi, (r0, rows) in enumerate(plan.groups):
             real = plan.real_rows(r0, rows)
             dx = plan.logits(weight, bias, v0, v1, r0, rows)
-            _tile_grad_kernel[(rows,)](
+            # One program per real row; the last chunk's padding rows are zeroed by one fill
+            # (under the interpreter, a program per padding row cost most of a small call).
+            _tile_grad_kernel[(real,)](
                 dx, dx.stride(0), targets[r0:], *(p[r0:] for p in ptrs), real, v1 - v0, v0,
                 **scalars, **meta)
-            if d_hidden is not None:
-                for c in range(0, rows, ROW_CHUNK):
-                    _addmm_fp32_(d_hidden[r0 + c:r0 + c + ROW_CHUNK], dx[c:c + ROW_CHUNK], w,
-                                 beta=0.0 if v0 == 0 else 1.0)
-            if d_weight is not None:
-                h = plan.hidden[r0:r0 + rows]
-                if acc is not None:
-                    _addmm_fp32_(acc[:v1 - v0], dx.t(), h, beta=0.0 if gi == 0 else 1.0)
-                elif gi == 0:
-                    torch.mm(dx.t(), h, out=d_weight[v0:v1])
-                else:  # fp32 inputs: the tile is its own fp32 accumulator
-                    torch.addmm(d_weight[v0:v1], dx.t(), h, out=d_weight[v0:v1])
-            if d_bias is not None:
-                part = dx.sum(0, dtype=torch.float32)
-                if gi == 0:
-                    d_bias[v0:v1] = part
-                else:
-                    d_bias[v0:v1] += part
-        if acc is not None:
-            d_weight[v0:v1] = acc[:v1 - v0]
-    return None if d_hidden is None else d_hidden[:n], d_weight, d_bias
+            dx[real:].zero_()
+            grads.add(dx, w, v0, v1, gi, r0, rows)
+        grads.end_tile(v0, v1)
+    return grads.result()

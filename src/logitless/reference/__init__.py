@@ -21,6 +21,7 @@ from logitless.reference.objectives import (
     ratio_loop,
     rollout_rejection_keep_loop,
 )
+from logitless.reference.sampler import sampler_kept_mask, sampler_logprobs
 from logitless.reference.segments import (
     prefix_min_loop,
     prefix_sum_loop,
@@ -44,6 +45,8 @@ __all__ = [
     "quantile_loop",
     "ratio_loop",
     "rollout_rejection_keep_loop",
+    "sampler_kept_mask",
+    "sampler_logprobs",
     "segment_sum_loop",
     "softcap",
     "suffix_sum_loop",

@@ -531,8 +531,12 @@ def _policy_term_loop(lp, old, a, mask, select, factor, is_weight, cfg, entropy)
     return loss, torch.stack([torch.stack(row) for row in rho])
 
 
-def _kl_term_loop(lp, ref, ratio, cfg):
-    kl = kl_loop(lp, ref, cfg.kl_estimator, clamp=cfg.kl_clamp)
+def _kl_term_loop(lp, ref, ratio, cfg, exact_kl=None):
+    """``beta`` times the per-token KL: the estimate, or the exact KL given (``"exact"``)."""
+    if cfg.kl_estimator == "exact":
+        kl = exact_kl
+    else:
+        kl = kl_loop(lp, ref, cfg.kl_estimator, clamp=cfg.kl_clamp)
     if cfg.kl_bias_correction:
         kl = kl * (ratio if cfg.kl_bias_correction_grad else ratio.detach())
     return cfg.beta * kl
@@ -551,8 +555,10 @@ def policy_loss_reference(
     token_weights=None,
     attention_entropy=None,
     training_progress=None,
+    kl=None,
 ):
-    """The whole loss of one resolved `PolicyLossConfig`, token by token: rollout rejection and
+    """The whole loss of one resolved `PolicyLossConfig`, token by token (``kl``: the exact
+    per-token KL for ``kl_estimator="exact"``): rollout rejection and
     STAPO narrow the mask; FRPO and probability reweighting adjust A; entropy / |A| H top
     fractions select tokens; OPSM, attention weights, token weights and rollout IS weights scale
     the policy term; KL is added; local normalisers; the entropy bonus is subtracted."""
@@ -578,8 +584,8 @@ def policy_loss_reference(
             cfg.rollout_is_max,
         )
     loss, ratio = _policy_term_loop(lp, old, a, mask, select, factor, is_weight, cfg, entropy)
-    if ref is not None and (isinstance(cfg.beta, torch.Tensor) or cfg.beta):
-        loss = loss + _kl_term_loop(lp, ref, ratio, cfg)
+    if (ref is not None or kl is not None) and (isinstance(cfg.beta, torch.Tensor) or cfg.beta):
+        loss = loss + _kl_term_loop(lp, ref, ratio, cfg, kl)
     max_len = cfg.max_response_length or T
     total = aggregate_loop(
         loss, mask, adv, cfg.loss_agg, max_len=max_len, length_power_alpha=cfg.length_power_alpha

@@ -1,6 +1,7 @@
 """``logitless check``: every public op against the fp64 reference, on each backend present.
 
 Ops: ``linear_logprobs`` (every statistic and the gradients of hidden, weight and bias),
+``sampled_logprobs`` (``linear_logprobs`` with vLLM's top-k, top-p, min-p truncations),
 ``policy_loss`` (loss, gradients of the logprobs and entropies), ``fused_policy_loss`` (loss,
 gradients of the head) and ``attention_entropy``, each in a few cases that switch its options
 on. Backends: the torch twins (``LOGITLESS_BACKEND=torch``) and the Triton kernels
@@ -140,6 +141,8 @@ class Case:
     upstream: dict[str, torch.Tensor]
     ours: Callable[..., dict[str, torch.Tensor]]
     plain: Callable[..., dict[str, torch.Tensor]]
+    # The dtypes the case is checked in (None: all).
+    dtypes: tuple[str, ...] | None = None
 
 
 def _evaluate(fn, case: Case, device: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -221,6 +224,55 @@ def linear_logprobs_cases(shape: Shape) -> Iterator[Case]:
         yield Case("linear_logprobs", name, f"N={n} D={d} V={v}", inputs,
                    tuple(k for k in ("hidden", "weight", "bias") if k in inputs), upstream,
                    ours, plain)
+
+
+def sampled_logprobs_cases(shape: Shape) -> Iterator[Case]:
+    """Sampler-matched logprobs (vLLM's truncations, see ``docs/sampler.md``): each
+    truncation, then all of them with a per-token temperature and the bias. Targets are drawn
+    near the top so most lie in the kept set; a target outside it (``-inf``) is reported as 0
+    by both sides, so a kept set that differs shows as an error. fp32 only: the kept set is
+    discontinuous in the logits, and rounding them to bf16/fp16 moves tokens across its
+    boundary, a difference no tolerance covers (the tests check bf16 on the rows where the set
+    is stable)."""
+    n, d, v = shape.batch * shape.seq_len, shape.hidden, shape.vocab
+    outs = ("logprobs", "entropy", "log_kept_mass")
+    for name, settings, bias in (
+        ("top_k=50", dict(top_k=50), False),
+        ("top_p=0.9", dict(top_p=0.9), False),
+        ("min_p=0.05", dict(min_p=0.05), False),
+        ("top_k=200 top_p=0.95 min_p=0.01, per-token T, bias",
+         dict(top_k=200, top_p=0.95, min_p=0.01), True),
+    ):
+        gen = _gen(n * 1000 + v + len(name))
+        inputs = {"hidden": torch.randn(n, d, generator=gen, dtype=torch.float64),
+                  "weight": torch.randn(v, d, generator=gen, dtype=torch.float64) * 2 / d**0.5}
+        if bias:
+            inputs["bias"] = torch.randn(v, generator=gen, dtype=torch.float64)
+            inputs["temperature"] = 0.6 + torch.rand(n, generator=gen, dtype=torch.float64)
+        logits = inputs["hidden"] @ inputs["weight"].t()
+        top = logits.topk(8, dim=-1).indices
+        inputs["targets"] = top.gather(1, torch.randint(0, 8, (n, 1), generator=gen)).squeeze(1)
+        upstream = {k: torch.randn(n, generator=gen, dtype=torch.float64) for k in outs}
+
+        def finite(x):
+            return torch.where(torch.isfinite(x), x, 0.0)
+
+        def ours(hidden, weight, targets, bias=None, temperature=1.0, settings=settings):
+            o = logitless.linear_logprobs(hidden, weight, targets, bias=bias, return_entropy=True,
+                                          stats=("log_kept_mass",), temperature=temperature,
+                                          max_tile_bytes=TILE_BYTES, **settings)
+            return {"logprobs": finite(o.logprobs), "entropy": o.entropy,
+                    "log_kept_mass": o.log_kept_mass}
+
+        def plain(hidden, weight, targets, bias=None, temperature=1.0, settings=settings):
+            r = reference.sampler_logprobs(hidden, weight, targets, bias,
+                                           temperature=temperature, **settings)
+            return {"logprobs": finite(r["logprobs"]), "entropy": r["entropy"],
+                    "log_kept_mass": r["log_kept_mass"]}
+
+        yield Case("sampled_logprobs", name, f"N={n} D={d} V={v}", inputs,
+                   tuple(k for k in ("hidden", "weight", "bias") if k in inputs), upstream,
+                   ours, plain, dtypes=("float32",))
 
 
 def _two_heads(shape: Shape, gen: torch.Generator) -> dict[str, torch.Tensor]:
@@ -394,6 +446,54 @@ def fused_policy_loss_cases(shape: Shape) -> Iterator[Case]:
         yield Case("fused_policy_loss", f"{name}, {layout}, {strategy}",
                    f"B={b} T={t} D={d} V={v}", inputs, ("hidden", "weight", "bias"),
                    {"loss": torch.ones((), dtype=torch.float64)}, ours, plain)
+    yield exact_kl_case(shape)
+
+
+def exact_kl_case(shape: Shape) -> Case:
+    """``kl_estimator="exact"``: the full-vocabulary KL to a reference head in the chunked loss,
+    several chunks, against both heads' fp64 logits. As in training the reference is near the
+    policy: the policy's head seen through a random rotation of the hidden space (the
+    reference's hidden size 3/4 of the policy's) and perturbed (a KL of a few tenths)."""
+    b, t, d, v = shape.batch, shape.seq_len, shape.hidden, shape.vocab
+    config = PolicyLossConfig(objective="grpo", beta=0.2, kl_estimator="exact")
+    gen = _gen(b * t * v + 5)
+    d_ref = max(1, 3 * d // 4)
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)
+    inputs = {"hidden": r(b, t, d), "weight": r(v, d) * 2 / d**0.5, "bias": r(v) * 0.5}
+    proj = torch.linalg.qr(r(d, d))[0][:, :d_ref]  # orthonormal columns: norms kept
+    inputs.update(teacher_hidden=inputs["hidden"] @ proj + 0.2 * r(b, t, d_ref),
+                  teacher_weight=inputs["weight"] @ proj + 0.2 * r(v, d_ref) / d_ref**0.5,
+                  teacher_bias=inputs["bias"] + 0.2 * r(v))
+    inputs.update(_policy_inputs(shape, gen), targets=torch.randint(0, v, (b, t), generator=gen))
+    inputs.pop("ref_logprobs")
+    current = reference.linear_softmax_stats(inputs["hidden"], inputs["weight"],
+                                             inputs["targets"], inputs["bias"],
+                                             temperature=0.9)["logprobs"]
+    # Ratios within [0.9, 1.1], inside the clip range: a reduced-precision logprob then cannot
+    # move a token across a clip bound (a jump in the gradient, not an error of the KL).
+    inputs["old_logprobs"] = current + (0.05 * r(b, t)).clamp(-0.1, 0.1)
+
+    def ours(hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, targets,
+             old_logprobs, advantages, mask):
+        loss, _ = logitless.fused_policy_loss(
+            hidden, weight, targets, old_logprobs, advantages, mask, config, bias=bias,
+            ref_hidden=teacher_hidden, ref_weight=teacher_weight, ref_bias=teacher_bias,
+            temperature=0.9, memory_budget=48 * v * 4)
+        return {"loss": loss}
+
+    def plain(hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, targets,
+              old_logprobs, advantages, mask):
+        lp = reference.linear_softmax_stats(hidden, weight, targets, bias,
+                                            temperature=0.9)["logprobs"]
+        kl = reference.linear_divergence(hidden, weight, teacher_hidden, teacher_weight, mask,
+                                         beta=1.0, temperature=0.9, bias=bias,
+                                         teacher_bias=teacher_bias)
+        return {"loss": reference.policy_loss_reference(lp, old_logprobs, advantages, mask,
+                                                        config, kl=kl)}
+
+    return Case("fused_policy_loss", "grpo, exact KL to a reference head, padded, chunked",
+                f"B={b} T={t} D={shape.hidden} V={v}", inputs, ("hidden", "weight", "bias"),
+                {"loss": torch.ones((), dtype=torch.float64)}, ours, plain)
 
 
 def attention_entropy_cases(shape: Shape) -> Iterator[Case]:
@@ -433,6 +533,7 @@ def attention_entropy_cases(shape: Shape) -> Iterator[Case]:
 
 CASES: dict[str, Callable[[Shape], Iterator[Case]]] = {
     "linear_logprobs": linear_logprobs_cases,
+    "sampled_logprobs": sampled_logprobs_cases,
     "policy_loss": policy_loss_cases,
     "fused_policy_loss": fused_policy_loss_cases,
     "attention_entropy": attention_entropy_cases,
@@ -458,6 +559,8 @@ def run_checks(
             for dtype in dtypes or list(DTYPES):
                 for op in ops or list(CASES):
                     for case in CASES[op](shape):
+                        if case.dtypes is not None and dtype not in case.dtypes:
+                            continue
                         rows.extend(run_case(case, device, backend, DTYPES[dtype]))
     return rows
 

@@ -24,7 +24,8 @@ def main(argv: list[str]) -> int:
     (provider,) = get_providers(spec["op"], [spec["provider"]])
     figures = measure(op, provider, spec["shape"], spec["mode"], getattr(torch, spec["dtype"]),
                       spec["device"], warmup=spec["warmup"], repeats=spec["repeats"],
-                      block_rows=spec["block_rows"], seed=spec.get("seed", 0))
+                      block_rows=spec["block_rows"], seed=spec.get("seed", 0),
+                      options=spec.get("options") or {})
     print(MARKER + json.dumps(figures.to_dict()), flush=True)
     return 0
 

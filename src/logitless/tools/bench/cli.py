@@ -6,7 +6,7 @@ import argparse
 import signal
 import sys
 
-OPS = ("logprobs", "policy-loss", "attention-entropy")
+OPS = ("logprobs", "policy-loss", "attention-entropy", "divergence")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -18,6 +18,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="default: float32 on CPU, bfloat16 on CUDA")
     p.add_argument("--mode", default="fwd-bwd", choices=("fwd", "fwd-bwd", "both"))
     p.add_argument("--providers", help="comma-separated subset (default: all of the op's)")
+    p.add_argument("--top-k", type=int, dest="top_k",
+                   help="logprobs: vLLM's top-k truncation (sampler-matched logprobs; only the "
+                   "providers that compute them run: logitless, naive)")
+    p.add_argument("--top-p", type=float, dest="top_p", help="logprobs: vLLM's top-p")
+    p.add_argument("--min-p", type=float, dest="min_p", help="logprobs: vLLM's min-p")
     for dim in ("tokens", "hidden", "vocab", "seq", "heads", "head_dim"):
         p.add_argument(f"--{dim.replace('_', '-')}", type=int, nargs="+", dest=dim,
                        help=f"{dim} sizes, replacing the preset's")
@@ -49,6 +54,10 @@ def settings_from(args: argparse.Namespace):
     preset = preset_shapes(args.preset or DEFAULT_PRESET[args.op], args.op, device)
     shapes = explicit_shapes(op.dims, {d: getattr(args, d, None) for d in op.dims}, preset)
     cpu = device == "cpu"
+    options = {k: getattr(args, k, None) for k in ("top_k", "top_p", "min_p")}
+    options = {k: v for k, v in options.items() if v is not None}
+    if options and args.op != "logprobs":
+        raise ValueError("--top-k/--top-p/--min-p apply to --op logprobs only")
     return Settings(
         op=args.op, shapes=shapes,
         modes=list(op.modes) if args.mode == "both" else [args.mode],
@@ -58,7 +67,7 @@ def settings_from(args: argparse.Namespace):
         repeats=args.repeats if args.repeats is not None else (3 if cpu else 20),
         block_rows=args.block_rows, isolate=False if args.no_isolate else None,
         interpret_max_tokens=args.interpret_max_tokens, timeout_s=args.timeout,
-        progress=not args.no_progress)
+        progress=not args.no_progress, options=options)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -169,9 +169,12 @@ def _time_cuda(run, repeats: int, leaves) -> tuple[dict[str, float], str]:
 
 def measure(op: Op, provider: Provider, shape: dict[str, int], mode: str, dtype: torch.dtype,
             device: str, *, warmup: int, repeats: int, block_rows: int,
-            seed: int = 0) -> Figures:
-    """Time, memory and error of ``provider`` on ``shape``; never raises for provider errors."""
+            seed: int = 0, options: dict | None = None) -> Figures:
+    """Time, memory and error of ``provider`` on ``shape``; never raises for provider errors.
+    ``options``: the op's options (``make_inputs`` keywords), which a provider must support."""
     why = provider.unavailable(device, dtype, mode)
+    if why is None and options and not (provider.is_floor or provider.takes_options):
+        why = f"does not compute with the options {options}"
     if why is None and provider.interpreted_on_cpu and device == "cpu" \
             and os.environ.get("TRITON_INTERPRET") != "1":
         why = ("Triton kernels only: on CPU they need TRITON_INTERPRET=1 set before the process "
@@ -182,14 +185,16 @@ def measure(op: Op, provider: Provider, shape: dict[str, int], mode: str, dtype:
         return Figures(status="unavailable", reason=why)
     try:
         return _measure(op, provider, shape, mode, dtype, device, warmup=warmup,
-                        repeats=repeats, block_rows=block_rows, seed=seed)
+                        repeats=repeats, block_rows=block_rows, seed=seed,
+                        options=options or {})
     except Exception as err:  # a peer failing on this device is a result, not a crash
         msg = " ".join(str(err).split())
         return Figures(status="failed", reason=f"{type(err).__name__}: {msg[:300]}")
 
 
-def _measure(op, provider, shape, mode, dtype, device, *, warmup, repeats, block_rows, seed):
-    inputs = op.make_inputs(shape, dtype, device, seed)
+def _measure(op, provider, shape, mode, dtype, device, *, warmup, repeats, block_rows, seed,
+             options):
+    inputs = op.make_inputs(shape, dtype, device, seed, **options)
     leaves, upstream = prepare(op, provider, inputs, mode)
 
     def run():

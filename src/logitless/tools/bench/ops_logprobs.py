@@ -1,5 +1,9 @@
 """Op ``logprobs``: per-token logprob (and entropy) of targets under an LM head ``[V, D]``.
 
+With ``--top-k/--top-p/--min-p`` (the op's options) the logprobs are sampler-matched (vLLM's
+truncations, ``docs/sampler.md``): targets are drawn from the truncated distribution, and only
+logitless and the naive provider (full logits, vLLM's sort) compute them.
+
 Providers: logitless, naive torch (materialised logits), TRL's ``ChunkedLogProbFunction``,
 Liger's fused linear cross entropy, Cut Cross-Entropy, verl's ``linear_cross_entropy``,
 PyTorch's chunked ``F.linear_cross_entropy`` and the plain GEMMs floor. Cross-entropy
@@ -9,6 +13,7 @@ libraries (Liger, CCE, PyTorch) return ``-logprob`` and no entropy; their rows s
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import os
 import shutil
@@ -33,7 +38,9 @@ class LogprobsOp(Op):
     grad_inputs = ("hidden", "weight")
     row_separable = True
 
-    def make_inputs(self, shape, dtype, device, seed=0):
+    def make_inputs(self, shape, dtype, device, seed=0, **sampler):
+        """``sampler``: any of ``top_k``, ``top_p``, ``min_p``, given to the providers as
+        per-token tensors, the targets then drawn from the truncated distribution."""
         n, d, v = shape["tokens"], shape["hidden"], shape["vocab"]
         gen = torch.Generator(device=device).manual_seed(seed)
         # Unit hidden states and a head scaled to logits of std ~2: entropies of a few nats,
@@ -42,15 +49,23 @@ class LogprobsOp(Op):
         weight = torch.randn(v, d, generator=gen, device=device, dtype=dtype)
         weight.mul_(2.0 / d**0.5)
         targets = torch.randint(0, v, (n,), generator=gen, device=device)
-        return {"hidden": hidden, "weight": weight, "targets": targets}
+        inputs = {"hidden": hidden, "weight": weight, "targets": targets}
+        if sampler:
+            inputs.update(_per_token_settings(sampler, n, device))
+            inputs["targets"] = _draw_targets(inputs, gen)
+        return inputs
 
     def first_block(self, inputs, rows):
-        return {"hidden": inputs["hidden"][:rows], "weight": inputs["weight"],
-                "targets": inputs["targets"][:rows]}
+        return {k: v if k == "weight" else v[:rows] for k, v in inputs.items()}
 
     def reference(self, inputs, quantities):
-        stats = reference.linear_softmax_stats(inputs["hidden"], inputs["weight"],
-                                               inputs["targets"])
+        settings = _settings(inputs)
+        if settings:
+            stats = reference.sampler_logprobs(inputs["hidden"], inputs["weight"],
+                                               inputs["targets"], **settings)
+        else:
+            stats = reference.linear_softmax_stats(inputs["hidden"], inputs["weight"],
+                                                   inputs["targets"])
         return {q: stats[q] for q in quantities}
 
     def floor_flops(self, shape, mode):
@@ -60,9 +75,48 @@ class LogprobsOp(Op):
 
 register_op(LogprobsOp())
 
+_SAMPLER = ("top_k", "top_p", "min_p")
+
+
+def _per_token_settings(sampler: dict, n: int, device) -> dict[str, torch.Tensor]:
+    unknown = set(sampler) - set(_SAMPLER)
+    if unknown:
+        raise ValueError(f"logprobs options must be drawn from {_SAMPLER}, got {sorted(unknown)}")
+    return {k: torch.full((n,), v, device=device,
+                          dtype=torch.int64 if k == "top_k" else torch.float32)
+            for k, v in sampler.items()}
+
+
+def _settings(inputs) -> dict[str, torch.Tensor]:
+    return {k: inputs[k] for k in _SAMPLER if k in inputs}
+
+
+def _draw_targets(inputs, gen, rows: int = 64) -> torch.Tensor:
+    """Tokens drawn (Gumbel-max) from the sampler's truncated distribution, ``rows`` at a time
+    so the fp32 logits never exist whole."""
+    h, w, settings = inputs["hidden"], inputs["weight"], _settings(inputs)
+    out = []
+    for r0 in range(0, h.shape[0], rows):
+        z = (h[r0:r0 + rows] @ w.t()).float()
+        kept = reference.sampler_kept_mask(z, **{k: t[r0:r0 + rows] for k, t in settings.items()})
+        u = torch.rand(z.shape, generator=gen, device=z.device).clamp_min(1e-20)
+        out.append(torch.where(kept, z - torch.log(-torch.log(u)), -torch.inf).argmax(1))
+    return torch.cat(out)
+
 
 def _installed(module: str) -> bool:
     return importlib.util.find_spec(module.split(".")[0]) is not None
+
+
+def trl_missing(module: str, name: str) -> str | None:
+    """Why TRL's ``module.name`` cannot be used here, or None when it can."""
+    if not _installed("trl"):
+        return "trl is not installed (pip install 'logitless[trl]')"
+    try:
+        getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as err:
+        return f"trl has no {name}: {err}"
+    return None
 
 
 def _needs_interpreter(device: str) -> str | None:
@@ -76,11 +130,13 @@ def _needs_interpreter(device: str) -> str | None:
 class Logitless(Provider):
     op, name, package = "logprobs", "logitless", "logitless"
     quantities = ("logprobs", "entropy")
+    takes_options = True
 
     def forward(self, x: Inputs) -> Outputs:
         from logitless import linear_logprobs
 
-        out = linear_logprobs(x["hidden"], x["weight"], x["targets"], return_entropy=True)
+        out = linear_logprobs(x["hidden"], x["weight"], x["targets"], return_entropy=True,
+                              **_settings(x))
         return {"logprobs": out.logprobs, "entropy": out.entropy}
 
     def note(self, device):
@@ -89,16 +145,23 @@ class Logitless(Provider):
 
 @register_provider
 class Naive(Provider):
-    """What a trainer does without a fused head: full logits, fp32 log-softmax, entropy."""
+    """What a trainer does without a fused head: full logits, fp32 log-softmax, entropy; with
+    the sampler's settings, vLLM's way on the full logits: a sort of every row for the kept set
+    (``reference.sampler_kept_mask``), the rest masked to -inf."""
 
     op, name, package = "logprobs", "naive", "torch"
     quantities = ("logprobs", "entropy")
+    takes_options = True
 
     def forward(self, x):
-        logits = x["hidden"] @ x["weight"].t()
-        logp = torch.log_softmax(logits.float(), dim=-1)
+        logits = (x["hidden"] @ x["weight"].t()).float()
+        settings = _settings(x)
+        if settings:
+            kept = reference.sampler_kept_mask(logits.detach(), **settings)
+            logits = logits.masked_fill(~kept, -torch.inf)
+        logp = torch.log_softmax(logits, dim=-1)
         lp = logp.gather(1, x["targets"].unsqueeze(1)).squeeze(1)
-        entropy = -(logp.exp() * logp).sum(-1)
+        entropy = -(logp.exp() * logp.masked_fill(logp == -torch.inf, 0.0)).sum(-1)
         return {"logprobs": lp, "entropy": entropy}
 
 
@@ -113,13 +176,7 @@ class TRLChunked(Provider):
     quantities = ("logprobs", "entropy")
 
     def unavailable(self, device, dtype, mode):
-        if not _installed("trl"):
-            return "trl is not installed (pip install 'logitless[trl]')"
-        try:
-            from trl.kernels.chunked_logprob import ChunkedLogProbFunction  # noqa: F401
-        except ImportError as err:
-            return f"trl has no ChunkedLogProbFunction: {err}"
-        return None
+        return trl_missing("trl.kernels.chunked_logprob", "ChunkedLogProbFunction")
 
     def forward(self, x):
         from trl.kernels.chunked_logprob import ChunkedLogProbFunction

@@ -78,6 +78,8 @@ class Provider:
     is_floor: bool = False
     #: the distribution whose version the records carry
     package: str | None = None
+    #: computes with the op's options (``Settings.options``); others are unavailable then
+    takes_options: bool = False
 
     def unavailable(self, device: str, dtype: torch.dtype, mode: str) -> str | None:
         """Why this provider cannot run here, or None when it can."""
@@ -113,6 +115,7 @@ _OP_MODULES = (
     "logitless.tools.bench.ops_logprobs",
     "logitless.tools.bench.ops_attention",
     "logitless.tools.bench.ops_policy",
+    "logitless.tools.bench.ops_divergence",
 )
 
 

@@ -15,7 +15,7 @@ import platform
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 
 import torch
@@ -41,6 +41,8 @@ class Settings:
     interpret_max_tokens: int = 64
     timeout_s: float = 1800.0
     progress: bool = True
+    #: op options passed to ``make_inputs`` (logprobs: the sampler's top_k/top_p/min_p)
+    options: dict = field(default_factory=dict)
 
 
 def versions(packages: list[str]) -> dict[str, str]:
@@ -78,6 +80,8 @@ def run_sweep(settings: Settings, on_record=None) -> list[dict]:
         "device_name": device_name(settings.device), "host": platform.node(),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
+    if settings.options:
+        common["options"] = dict(settings.options)
     pkgs = sorted({p.package for p in providers if p.package})
     common["versions"] = versions([p for p in pkgs if p not in ("torch", "logitless")])
     rows = [(shape, mode, p) for shape in settings.shapes for mode in settings.modes
@@ -111,12 +115,12 @@ def _one(settings: Settings, provider: Provider, shape, mode, isolate):
         warmup, repeats = 0, 1
     spec = {"op": settings.op, "provider": provider.name, "shape": shape, "mode": mode,
             "dtype": settings.dtype, "device": settings.device, "warmup": warmup,
-            "repeats": repeats, "block_rows": settings.block_rows}
+            "repeats": repeats, "block_rows": settings.block_rows, "options": settings.options}
     if not isolate:
         op = get_op(settings.op)
         return measure(op, provider, shape, mode, getattr(torch, settings.dtype),
                        settings.device, warmup=warmup, repeats=repeats,
-                       block_rows=settings.block_rows), warmup, repeats
+                       block_rows=settings.block_rows, options=settings.options), warmup, repeats
     env = dict(os.environ)
     if interpreted:
         env["TRITON_INTERPRET"] = "1"

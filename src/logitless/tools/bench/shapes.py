@@ -56,7 +56,9 @@ PRESETS: dict[str, dict[str, dict[str, dict[str, list[int]]]]] = {
 }
 
 DEFAULT_PRESET = {"logprobs": "qwen-small", "attention-entropy": "attn-small",
-                  "policy-loss": "qwen-small"}
+                  "policy-loss": "qwen-small", "divergence": "qwen-small"}
+# Ops that run on the head's shapes (the presets' "logprobs" sizes).
+HEAD_OPS = ("policy-loss", "divergence")
 
 
 def device_kind(device: str) -> str:
@@ -67,8 +69,7 @@ def preset_shapes(preset: str, op: str, device: str) -> list[dict[str, int]]:
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
     by_op = PRESETS[preset]
-    # The policy loss runs on the head's shapes.
-    key = "logprobs" if op == "policy-loss" else op
+    key = "logprobs" if op in HEAD_OPS else op
     if key not in by_op:
         have = sorted(p for p, v in PRESETS.items() if key in v)
         raise ValueError(f"preset {preset!r} has no shapes for op {op!r}; use one of {have}")

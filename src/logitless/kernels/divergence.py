@@ -1,0 +1,369 @@
+"""The CUDA path of ``linear_divergence`` and ``linear_topk_distill``: cuBLAS GEMMs on fixed-width
+vocabulary tiles, one-pass Triton epilogues, the launcher contract of ``divergence_torch``.
+
+Both heads' tempered logits ``z = (hidden @ W^T + b) / T`` are made tile by tile exactly as the
+head's CUDA path makes them (``linear_softmax._Plan``): ``VOCAB_TILE`` columns by a row group of
+whole ``ROW_CHUNK``-row chunks, one GEMM per chunk in the input dtype, hidden padded with zero
+rows, so every GEMM has the same shape whatever N is. The student and the teacher get one plan
+each, with the same row groups (the tile budget is split between them in proportion to their
+element sizes) and the same vocabulary tiles. An epilogue program takes one row and reads both
+heads' tiles of that row once, ``_BLOCK_V`` columns at a time, left to right; every per-row
+accumulator is fp32 and folded in that fixed order, so results are the same bits run to run and
+for every N (up to cuBLAS's choice of kernel for a chunk, see docs/gpu.md).
+
+- ``divergence_forward``: ``_pair_stats_kernel`` folds both heads' running maxima and sums of
+  exponentials, the student's ``sum e (z - m)`` (its entropy) and, for ``beta`` 0 or 1, the
+  expected logit gap that finishes the KL in one pass; for ``0 < beta < 1``,
+  ``_pair_jsd_kernel`` then sums ``p (log p - log m)`` for both heads over the tiles again.
+- ``divergence_backward``: per tile the GEMMs recompute both heads' logits (the same bits),
+  ``_pair_grad_kernel`` overwrites the student's tile with ``dL/dz`` and the head's
+  ``TileGrads`` turns it into the hidden, weight and bias gradients.
+- ``topk_forward``: the student's logsumexp from the head's own forward (``linear_softmax``,
+  no target), the k logits by a gather of k weight rows per token.
+- ``topk_backward``: ``_topk_grad_kernel`` writes ``sum_i g_i 1[j = id_i] - p_j sum_i g_i``
+  into the recomputed tile, then ``TileGrads``.
+
+No atomics, no ``tl.dot``: fp32 products follow ``torch.get_float32_matmul_precision()``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from logitless.kernels import linear_softmax as head
+from logitless.kernels.divergence_torch import finish_kl
+from logitless.kernels.linear_softmax import _INTERPRET, TileGrads, _Plan, _round_to
+
+__all__ = ["divergence_backward", "divergence_forward", "topk_backward", "topk_forward"]
+
+# Columns an epilogue program handles per step, and its warps (as the head's epilogues).
+_BLOCK_V = 2048
+_WARPS = 8
+# Bytes of the gathered weight rows ``[rows, k, D]`` the top-k forward holds at once.
+_GATHER_BYTES = 64 * 2**20
+# Which expected gap pass 1 folds: none (0 < beta < 1), E_t[z_t - z_s] (beta = 0), or
+# E_s[z_s - z_t] (beta = 1). Also the gradient kernel's mode (2: the mixture).
+_FORWARD_KL, _REVERSE_KL, _MIXTURE = 0, 1, 2
+
+
+@triton.jit
+def _log_mixture(ls, lt, log_b, log_1mb):
+    """``log m = logaddexp(log p_s + log(1 - beta), log p_t + log beta)``, elementwise."""
+    a = ls + log_1mb
+    b = lt + log_b
+    hi = tl.maximum(a, b)
+    return hi + tl.log(1.0 + tl.exp(tl.minimum(a, b) - hi))
+
+
+@triton.jit
+def _pair_stats_kernel(
+    zs_ptr, stride_s, zt_ptr, stride_t, state, plane, width, z_scale,
+    GAP: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """Fold row ``r``'s ``width`` columns of both heads' logits into its fp32 state ``[6,
+    plane]``: ``m_s, l_s, m_t, l_t`` (running max, sum of ``exp(z - m)``), ``gap`` (``sum
+    e_t (z_t - z_s)`` for ``GAP`` 0, ``sum e_s (z_s - z_t)`` for ``GAP`` 1, relative to that
+    head's max) and ``a_s = sum e_s (z_s - m_s)``."""
+    row = tl.program_id(0).to(tl.int64)
+    zs_row = zs_ptr + row * stride_s
+    zt_row = zt_ptr + row * stride_t
+    s = state + row
+    m_s = tl.load(s)
+    l_s = tl.load(s + plane)
+    m_t = tl.load(s + 2 * plane)
+    l_t = tl.load(s + 3 * plane)
+    gap = tl.load(s + 4 * plane)
+    a_s = tl.load(s + 5 * plane)
+    for c0 in range(0, width, BLOCK_V):
+        cols = c0 + tl.arange(0, BLOCK_V)
+        valid = cols < width
+        xs = tl.load(zs_row + cols, mask=valid, other=0.0).to(tl.float32) * z_scale
+        xt = tl.load(zt_row + cols, mask=valid, other=0.0).to(tl.float32) * z_scale
+        zs = tl.where(valid, xs, float("-inf"))
+        zt = tl.where(valid, xt, float("-inf"))
+        ms_new = tl.maximum(m_s, tl.max(zs, 0))
+        mt_new = tl.maximum(m_t, tl.max(zt, 0))
+        shift_s = m_s - ms_new
+        alpha_s = tl.exp(shift_s)
+        alpha_t = tl.exp(m_t - mt_new)
+        ds = tl.where(valid, zs - ms_new, 0.0)
+        es = tl.where(valid, tl.exp(ds), 0.0)
+        et = tl.where(valid, tl.exp(zt - mt_new), 0.0)
+        # First block: l_s = 0 and shift_s = -inf; 0 * -inf would poison a_s with NaN.
+        a_s = (a_s + l_s * tl.where(l_s > 0, shift_s, 0.0)) * alpha_s + tl.sum(es * ds, 0)
+        if GAP == 0:
+            gap = gap * alpha_t + tl.sum(et * (xt - xs), 0)
+        if GAP == 1:
+            gap = gap * alpha_s + tl.sum(es * (xs - xt), 0)
+        l_s = l_s * alpha_s + tl.sum(es, 0)
+        l_t = l_t * alpha_t + tl.sum(et, 0)
+        m_s = ms_new
+        m_t = mt_new
+    tl.store(s, m_s)
+    tl.store(s + plane, l_s)
+    tl.store(s + 2 * plane, m_t)
+    tl.store(s + 3 * plane, l_t)
+    tl.store(s + 4 * plane, gap)
+    tl.store(s + 5 * plane, a_s)
+
+
+@triton.jit
+def _pair_jsd_kernel(
+    zs_ptr, stride_s, zt_ptr, stride_t, lse_s, lse_t, acc, plane, width, z_scale, log_b,
+    log_1mb, BLOCK_V: tl.constexpr,
+):
+    """Add row ``r``'s ``sum p_t (log p_t - log m)`` and ``sum p_s (log p_s - log m)`` over
+    ``width`` columns into ``acc[0, r]`` and ``acc[1, r]`` (fp32, ``plane`` apart)."""
+    row = tl.program_id(0).to(tl.int64)
+    zs_row = zs_ptr + row * stride_s
+    zt_row = zt_ptr + row * stride_t
+    lse_s_r = tl.load(lse_s + row)
+    lse_t_r = tl.load(lse_t + row)
+    kl_t = tl.load(acc + row)
+    kl_s = tl.load(acc + plane + row)
+    for c0 in range(0, width, BLOCK_V):
+        cols = c0 + tl.arange(0, BLOCK_V)
+        valid = cols < width
+        ls = tl.load(zs_row + cols, mask=valid, other=0.0).to(tl.float32) * z_scale - lse_s_r
+        lt = tl.load(zt_row + cols, mask=valid, other=0.0).to(tl.float32) * z_scale - lse_t_r
+        log_m = _log_mixture(ls, lt, log_b, log_1mb)
+        kl_t += tl.sum(tl.where(valid, tl.exp(lt) * (lt - log_m), 0.0), 0)
+        kl_s += tl.sum(tl.where(valid, tl.exp(ls) * (ls - log_m), 0.0), 0)
+    tl.store(acc + row, kl_t)
+    tl.store(acc + plane + row, kl_s)
+
+
+@triton.jit
+def _pair_grad_kernel(
+    zs_ptr, stride_s, zt_ptr, stride_t, lse_s, lse_t, aux, grad, width, z_scale,
+    log_b, log_1mb, one_minus_beta,
+    MODE: tl.constexpr, INTERPRET_BF16: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """Overwrite row ``r`` of the student's tile with ``dL/dx`` (``x`` its logits before the
+    temperature), in its dtype: ``dz = p_s - p_t`` (``MODE`` 0), ``p_s (log p_s - log p_t -
+    aux)`` (1), ``(1 - beta) p_s (log p_s - log m - aux)`` (2), times ``grad[r] / T``. One
+    program per real row: the launcher zeroes the last chunk's padding rows."""
+    r = tl.program_id(0).to(tl.int64)
+    zs_row = zs_ptr + r * stride_s
+    zt_row = zt_ptr + r * stride_t
+    lse_s_r = tl.load(lse_s + r)
+    lse_t_r = tl.load(lse_t + r)
+    aux_r = tl.load(aux + r)
+    coef = tl.load(grad + r) * z_scale
+    if MODE == 2:
+        coef *= one_minus_beta
+    for c0 in range(0, width, BLOCK_V):
+        cols = c0 + tl.arange(0, BLOCK_V)
+        valid = cols < width
+        ls = tl.load(zs_row + cols, mask=valid, other=0.0).to(tl.float32) * z_scale - lse_s_r
+        lt = tl.load(zt_row + cols, mask=valid, other=0.0).to(tl.float32) * z_scale - lse_t_r
+        p_s = tl.exp(ls)
+        if MODE == 0:
+            dz = p_s - tl.exp(lt)
+        elif MODE == 1:
+            dz = p_s * (ls - lt - aux_r)
+        else:
+            dz = p_s * (ls - _log_mixture(ls, lt, log_b, log_1mb) - aux_r)
+        tl.store(zs_row + cols, _round_to(dz * coef, zs_ptr.dtype.element_ty, INTERPRET_BF16),
+                 mask=valid)
+
+
+@triton.jit
+def _topk_grad_kernel(
+    z_ptr, stride_row, ids, grad, k, lse, width, v0, z_scale,
+    INTERPRET_BF16: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """Overwrite row ``r``'s logits (before the temperature) with ``dL/dx = (sum_i g_i 1[j =
+    id_i] - p_j sum_i g_i) / T`` from the upstream ``grad [n, k]`` on the log-probs at ``ids
+    [n, k]``; a repeated id collects each of its gradients. One program per real row."""
+    r = tl.program_id(0).to(tl.int64)
+    z_row = z_ptr + r * stride_row
+    lse_r = tl.load(lse + r)
+    total = 0.0
+    for i in range(0, k):
+        total += tl.load(grad + r * k + i)
+    for c0 in range(0, width, BLOCK_V):
+        cols = c0 + tl.arange(0, BLOCK_V)
+        valid = cols < width
+        z = tl.load(z_row + cols, mask=valid, other=0.0).to(tl.float32) * z_scale
+        dz = -total * tl.exp(z - lse_r)
+        for i in range(0, k):
+            at = tl.load(ids + r * k + i) - v0
+            dz += tl.where(cols == at, tl.load(grad + r * k + i), 0.0)
+        tl.store(z_row + cols, _round_to(dz * z_scale, z_ptr.dtype.element_ty, INTERPRET_BF16),
+                 mask=valid)
+
+
+def stats_meta(beta: float) -> dict:
+    """The constexprs and warps ``divergence_forward`` launches ``_pair_stats_kernel`` with."""
+    gap = _FORWARD_KL if beta == 0.0 else _REVERSE_KL if beta == 1.0 else _MIXTURE
+    return dict(GAP=gap, BLOCK_V=_BLOCK_V, num_warps=_WARPS)
+
+
+def jsd_meta() -> dict:
+    """The constexprs and warps of ``_pair_jsd_kernel``."""
+    return dict(BLOCK_V=_BLOCK_V, num_warps=_WARPS)
+
+
+def grad_meta(beta: float, dtype: torch.dtype) -> dict:
+    """The constexprs and warps of ``_pair_grad_kernel`` (``dtype``: the student's)."""
+    return dict(MODE=stats_meta(beta)["GAP"], INTERPRET_BF16=_bf16_interpreted(dtype),
+                BLOCK_V=_BLOCK_V, num_warps=_WARPS)
+
+
+def topk_grad_meta(dtype: torch.dtype) -> dict:
+    """The constexprs and warps of ``_topk_grad_kernel``."""
+    return dict(INTERPRET_BF16=_bf16_interpreted(dtype), BLOCK_V=_BLOCK_V, num_warps=_WARPS)
+
+
+def _bf16_interpreted(dtype):
+    return _INTERPRET and dtype == torch.bfloat16
+
+
+def _plans(hidden, weight, t_hidden, t_weight, tile_bytes):
+    """The student's and the teacher's plans, with the same row groups: ``tile_bytes`` (default
+    the head's ``TILE_BYTES``) bounds both tiles together, at least one chunk each."""
+    budget = head.TILE_BYTES if tile_bytes is None else int(tile_bytes)
+    cols = min(head.VOCAB_TILE, weight.shape[0])
+    sizes = (hidden.element_size(), t_hidden.element_size())
+    chunks = max(1, budget // (sum(sizes) * cols * head.ROW_CHUNK))
+    # Each plan's own budget is exactly ``chunks`` of its chunk tiles: the same groups.
+    return tuple(_Plan(h, w, chunks * e * cols * head.ROW_CHUNK)
+                 for h, w, e in ((hidden, weight, sizes[0]), (t_hidden, t_weight, sizes[1])))
+
+
+def _pair_tiles(plans, weights, biases):
+    """Per vocabulary tile and row group: ``(v0, v1, gi, r0, rows, z_s, z_t)``, both heads'
+    untransformed logits ``[rows, v1 - v0]`` in their tiles."""
+    ps, pt = plans
+    for v0, v1 in ps.tiles():
+        for gi, (r0, rows) in enumerate(ps.groups):
+            yield (v0, v1, gi, r0, rows, ps.logits(weights[0], biases[0], v0, v1, r0, rows),
+                   pt.logits(weights[1], biases[1], v0, v1, r0, rows))
+
+
+def divergence_forward(hidden, weight, bias, t_hidden, t_weight, t_bias, *, beta: float,
+                       temperature: float, tile_bytes: int | None = None,
+                       entropy: bool = False):
+    """Per-token generalized JSD, as ``divergence_torch.divergence_forward`` (fp32 results):
+    ``(divergence, lse_s, lse_t, aux)`` and, with ``entropy``, the student's entropy.
+    ``tile_bytes`` bounds both heads' logits tiles together (default the head's
+    ``TILE_BYTES``)."""
+    n = hidden.shape[0]
+    state = torch.zeros(6, n, dtype=torch.float32, device=hidden.device)
+    state[0].fill_(-math.inf)
+    state[2].fill_(-math.inf)
+    z_scale = 1.0 / float(temperature)
+    if n:
+        plans = _plans(hidden, weight, t_hidden, t_weight, tile_bytes)
+        meta = stats_meta(beta)
+        for v0, v1, _, r0, rows, zs, zt in _pair_tiles(plans, (weight, t_weight),
+                                                        (bias, t_bias)):
+            _pair_stats_kernel[(plans[0].real_rows(r0, rows),)](
+                zs, zs.stride(0), zt, zt.stride(0), state[:, r0:], n, v1 - v0, z_scale, **meta)
+    m_s, l_s, m_t, l_t, gap, a_s = state
+    lse_s, lse_t = m_s + l_s.log(), m_t + l_t.log()
+    extra = (l_s.log() - a_s / l_s,) if entropy else ()
+    if beta in (0.0, 1.0):
+        div = finish_kl(beta, gap, l_s, l_t, lse_s, lse_t)
+        return div, lse_s, lse_t, div, *extra
+    acc = torch.zeros(2, n, dtype=torch.float32, device=hidden.device)
+    if n:
+        for v0, v1, _, r0, rows, zs, zt in _pair_tiles(plans, (weight, t_weight),
+                                                        (bias, t_bias)):
+            _pair_jsd_kernel[(plans[0].real_rows(r0, rows),)](
+                zs, zs.stride(0), zt, zt.stride(0), lse_s[r0:], lse_t[r0:], acc[:, r0:], n,
+                v1 - v0, z_scale, math.log(beta), math.log1p(-beta), **jsd_meta())
+    kl_t, kl_s = acc
+    return beta * kl_t + (1.0 - beta) * kl_s, lse_s, lse_t, kl_s, *extra
+
+
+def _no_rows(hidden, weight, need_hidden, need_weight, need_bias):
+    """The gradients of an empty batch (or of a call that needs none)."""
+    make = lambda need, shape, dtype: torch.zeros(shape, dtype=dtype, device=hidden.device) \
+        if need else None
+    return (make(need_hidden, hidden.shape, torch.float32),
+            make(need_weight, weight.shape, weight.dtype),
+            make(need_bias, weight.shape[0], torch.float32))
+
+
+def divergence_backward(hidden, weight, bias, t_hidden, t_weight, t_bias, lse_s, lse_t, aux,
+                        grad, *, beta: float, temperature: float, need_hidden: bool,
+                        need_weight: bool, need_bias: bool, tile_bytes: int | None = None):
+    """Gradients of the student's hidden (fp32), weight (its dtype) and bias (fp32) from the
+    per-token upstream ``grad``, as ``divergence_torch.divergence_backward``."""
+    n = hidden.shape[0]
+    if n == 0 or not (need_hidden or need_weight or need_bias):
+        return _no_rows(hidden, weight, need_hidden, need_weight, need_bias)
+    plans = _plans(hidden, weight, t_hidden, t_weight, tile_bytes)
+    grads = TileGrads(plans[0], weight, need_hidden, need_weight, need_bias)
+    mixed = 0.0 < beta < 1.0
+    scalars = dict(z_scale=1.0 / float(temperature),
+                   log_b=math.log(beta) if mixed else 0.0,
+                   log_1mb=math.log1p(-beta) if mixed else 0.0, one_minus_beta=1.0 - beta)
+    per_row = [t.float().contiguous() for t in (lse_s, lse_t, aux, grad)]
+    meta = grad_meta(beta, hidden.dtype)
+    for v0, v1, gi, r0, rows, zs, zt in _pair_tiles(plans, (weight, t_weight), (bias, t_bias)):
+        real = plans[0].real_rows(r0, rows)
+        _pair_grad_kernel[(real,)](
+            zs, zs.stride(0), zt, zt.stride(0), *(t[r0:] for t in per_row), v1 - v0, **scalars,
+            **meta)
+        zs[real:].zero_()  # the last chunk's padding rows: no gradient
+        grads.add(zs, weight[v0:v1], v0, v1, gi, r0, rows)
+        if gi == len(plans[0].groups) - 1:
+            grads.end_tile(v0, v1)
+    return grads.result()
+
+
+def topk_forward(hidden, weight, bias, ids, *, temperature: float,
+                 tile_bytes: int | None = None):
+    """The student's tempered log-softmax at ``ids [N, k]`` (int64 in ``[0, V)``) and its
+    logsumexp, fp32: ``(logprobs [N, k], lse [N])``. The logsumexp is the head's own forward
+    pass (no target); the k logits are gathered, ``h . W[id] + b[id]`` rounded to the input
+    dtype as the head's GEMM rounds them."""
+    n, d = hidden.shape
+    no_target = torch.full((n,), -1, dtype=torch.int64, device=hidden.device)
+    parts = head.forward(hidden, weight, bias, no_target, temperature=temperature,
+                         softcap=None, logit_scale=1.0, want_s2=False, want_sum_z=False,
+                         tile_bytes=tile_bytes)
+    lse = parts.m + parts.l.log()
+    k = ids.shape[1]
+    z = torch.empty(n, k, dtype=torch.float32, device=hidden.device)
+    step = max(1, _GATHER_BYTES // (k * d * hidden.element_size()))
+    for r0 in range(0, n, step):
+        sel = ids[r0:r0 + step]
+        h = hidden[r0:r0 + step].unsqueeze(2)
+        if bias is None:
+            picked = torch.bmm(weight[sel], h)
+        else:
+            picked = torch.baddbmm(bias[sel].unsqueeze(2), weight[sel], h)
+        z[r0:r0 + step] = picked.squeeze(2)
+    return z.div_(float(temperature)).sub_(lse.unsqueeze(1)), lse
+
+
+def topk_backward(hidden, weight, bias, ids, lse, grad, *, temperature: float, need_hidden: bool,
+                  need_weight: bool, need_bias: bool, tile_bytes: int | None = None):
+    """Gradients from ``grad [N, k]`` on the top-k log-probs, as
+    ``divergence_torch.topk_backward``: ``d z_j = sum_i g_i 1[j = id_i] - p_j sum_i g_i``."""
+    n, k = ids.shape
+    if n == 0 or not (need_hidden or need_weight or need_bias):
+        return _no_rows(hidden, weight, need_hidden, need_weight, need_bias)
+    plan = _Plan(hidden, weight, tile_bytes)
+    grads = TileGrads(plan, weight, need_hidden, need_weight, need_bias)
+    ids, grad, lse = ids.contiguous(), grad.float().contiguous(), lse.float().contiguous()
+    meta = topk_grad_meta(hidden.dtype)
+    for v0, v1 in plan.tiles():
+        for gi, (r0, rows) in enumerate(plan.groups):
+            dx = plan.logits(weight, bias, v0, v1, r0, rows)
+            real = plan.real_rows(r0, rows)
+            _topk_grad_kernel[(real,)](
+                dx, dx.stride(0), ids[r0:], grad[r0:], k, lse[r0:], v1 - v0, v0,
+                1.0 / float(temperature), **meta)
+            dx[real:].zero_()
+            grads.add(dx, weight[v0:v1], v0, v1, gi, r0, rows)
+        grads.end_tile(v0, v1)
+    return grads.result()

@@ -1,0 +1,191 @@
+"""``GRPOTrainer(match_sampler=True)``: the policy and old-policy logprobs (and entropies) are
+those of the distribution the generation backend samples from, checked against the fp64
+sampler oracle (``logitless.reference.sampler``, which follows vLLM's V1 sampler) on the same
+model's hidden states; the reference model's stay untruncated; what cannot be honoured is
+refused at construction.
+"""
+
+import math
+import os
+import re
+
+import pytest
+import torch
+
+from logitless.reference.sampler import sampler_logprobs
+
+from tiny_models import prompt_dataset, tiny_qwen2, tiny_tokenizer, vowel_reward
+
+trl = pytest.importorskip("trl", reason="TRL is installed by `make test`")
+
+from logitless.integrations.sampler_config import (  # noqa: E402
+    SamplerTruncation,
+    drop_outside_kept,
+)
+from logitless.integrations.trl import GRPOTrainer, sampler_from_grpo  # noqa: E402
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+TEMPERATURE, TOP_K, TOP_P = 0.7, 8, 0.9
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(model directory, tokenizer): a path, as TRL builds the reference model from it."""
+    tokenizer = tiny_tokenizer()
+    path = tmp_path_factory.mktemp("tiny-qwen2-sampler")
+    tiny_qwen2(tokenizer).save_pretrained(path)
+    return str(path), tokenizer
+
+
+# gradient_accumulation_steps=2 with num_iterations=2: TRL makes an old-policy pass.
+BASE_ARGS = dict(
+    per_device_train_batch_size=4, num_generations=4, max_completion_length=6, max_steps=1,
+    gradient_accumulation_steps=2, num_iterations=2, learning_rate=0.5, optim="sgd",
+    logging_steps=1, report_to=[], bf16=False, use_cpu=True, seed=0, save_strategy="no",
+    disable_tqdm=True, temperature=TEMPERATURE, top_k=TOP_K, top_p=TOP_P,
+)
+
+
+def grpo_args(tmp_path, **overrides):
+    return trl.GRPOConfig(output_dir=str(tmp_path), **{**BASE_ARGS, **overrides})
+
+
+def make_trainer(cls, tiny, args, **kwargs):
+    model_dir, tokenizer = tiny
+    return cls(model=model_dir, reward_funcs=vowel_reward, args=args,
+               train_dataset=prompt_dataset(4), processing_class=tokenizer, **kwargs)
+
+
+class Recording(GRPOTrainer):
+    """Keeps, for every forward-helper call, what the head returned and the oracle of the
+    same call: the fp64 sampler-matched and full-distribution logprobs and entropies computed
+    from the model's own final hidden states and LM head at that moment."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.calls = []
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask,
+                                           logits_to_keep, batch_size=None,
+                                           compute_entropy=False, **kwargs):
+        logps, entropies, aux = super()._get_per_token_logps_and_entropies(
+            model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
+            compute_entropy=compute_entropy, **kwargs)
+        module = self.accelerator.unwrap_model(model)
+        if hasattr(module, "get_base_model"):  # PEFT: the model with its adapters injected
+            module = module.get_base_model()
+        with torch.no_grad():
+            hidden = module.model(input_ids=input_ids,
+                                  attention_mask=attention_mask).last_hidden_state[:, :-1]
+            labels = input_ids[:, 1:].masked_fill(attention_mask[:, 1:] == 0, -100)
+            keep = (slice(None), slice(-logits_to_keep, None))
+            h, y = hidden[keep].double(), labels[keep]
+            w = module.lm_head.weight.double()
+            matched = sampler_logprobs(h, w, y, temperature=TEMPERATURE, top_k=TOP_K,
+                                       top_p=TOP_P)
+            full = sampler_logprobs(h, w, y, temperature=TEMPERATURE)
+        self.calls.append(dict(
+            reference=model is self.ref_model or self._reference_pass,
+            grad=torch.is_grad_enabled(),
+            logps=logps.detach(), entropy=None if entropies is None else entropies.detach(),
+            mask=y != -100, matched=matched, full=full))
+        return logps, entropies, aux
+
+
+def _close(actual, expected, mask, name):
+    a, e = actual[mask].double(), expected[mask]
+    assert torch.isfinite(e).all(), f"{name}: a sampled token outside the oracle's kept set"
+    torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["reference-model", "lora"])
+def test_match_sampler_logprobs_are_the_samplers_truncated_distribution(tiny, tmp_path, lora):
+    """With LoRA the reference pass is the policy model with its adapter disabled, inside
+    TRL's ``use_adapter`` block."""
+    kwargs = {}
+    if lora:
+        from peft import LoraConfig
+
+        kwargs["peft_config"] = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"],
+                                           task_type="CAUSAL_LM")
+    trainer = make_trainer(Recording, tiny, grpo_args(tmp_path, beta=0.05), match_sampler=True,
+                           **kwargs)
+    trainer.train()
+    policy = [c for c in trainer.calls if not c["reference"] and c["grad"]]
+    old = [c for c in trainer.calls if not c["reference"] and not c["grad"]]
+    ref = [c for c in trainer.calls if c["reference"]]
+    assert policy and old and ref
+    for c in policy + old:
+        _close(c["logps"], c["matched"]["logprobs"], c["mask"], "logprobs")
+    for c in policy:
+        _close(c["entropy"], c["matched"]["entropy"], c["mask"], "entropy")
+    for c in ref:  # the KL's reference is the reference model's full tempered distribution
+        _close(c["logps"], c["full"]["logprobs"], c["mask"], "reference logprobs")
+    # the truncation changed the numbers: the kept mass is well below 1
+    c = policy[0]
+    assert float(c["matched"]["log_kept_mass"][c["mask"]].max()) < -0.05
+    logged = trainer.state.log_history[0]
+    assert logged["logitless/sampler/outside_kept"] == 0.0
+    assert math.isfinite(logged["loss"])
+
+
+def test_without_match_sampler_the_head_is_untruncated(tiny, tmp_path):
+    args = grpo_args(tmp_path, num_iterations=1, gradient_accumulation_steps=1)
+    trainer = make_trainer(Recording, tiny, args)
+    trainer.train()
+    assert trainer.calls
+    for c in trainer.calls:
+        _close(c["logps"], c["full"]["logprobs"], c["mask"], "logprobs")
+    assert "logitless/sampler/outside_kept" not in trainer.state.log_history[0]
+
+
+def test_sampler_from_grpo_reads_trl_conventions(tmp_path):
+    read = sampler_from_grpo
+    assert read(grpo_args(tmp_path)) == SamplerTruncation(top_k=TOP_K, top_p=TOP_P)
+    # TRL's defaults, and every "off" spelling, are no truncation
+    assert not read(grpo_args(tmp_path, top_k=0, top_p=1.0, min_p=None)).truncates
+    assert not read(grpo_args(tmp_path, top_k=-1, top_p=1.0, min_p=0.0)).truncates
+    assert read(grpo_args(tmp_path, top_k=0, top_p=1.0, min_p=0.05)) == SamplerTruncation(
+        min_p=0.05)
+    # vLLM applies min-p before top-k / top-p: fine there
+    assert read(grpo_args(tmp_path, use_vllm=True, min_p=0.05)).min_p == 0.05
+    # keys that leave the distribution alone pass
+    read(grpo_args(tmp_path, generation_kwargs={"max_new_tokens": 4, "do_sample": True}))
+
+
+@pytest.mark.parametrize(("overrides", "named"), [
+    (dict(repetition_penalty=1.1), "GRPOConfig.repetition_penalty"),
+    (dict(generation_kwargs={"top_p": 0.5}), "GRPOConfig.generation_kwargs['top_p']"),
+    (dict(generation_kwargs={"typical_p": 0.5}), "GRPOConfig.generation_kwargs['typical_p']"),
+    (dict(generation_kwargs={"do_sample": False}), "GRPOConfig.generation_kwargs['do_sample']"),
+    (dict(use_vllm=True, vllm_structured_outputs_regex="a+"),
+     "GRPOConfig.vllm_structured_outputs_regex"),
+    (dict(min_p=0.1), "GRPOConfig.min_p"),  # transformers' order differs from vLLM's
+    (dict(use_transformers_continuous_batching=True),
+     "GRPOConfig.use_transformers_continuous_batching"),
+    (dict(top_k=-3), "GRPOConfig.top_k"),
+    (dict(temperature=1e-6), "GRPOConfig.temperature"),
+])
+def test_sampler_from_grpo_refuses_what_the_head_cannot_reproduce(tmp_path, overrides, named):
+    with pytest.raises(ValueError, match=re.escape(named)):
+        sampler_from_grpo(grpo_args(tmp_path, **overrides))
+
+
+def test_refusal_happens_at_construction(tiny, tmp_path):
+    args = grpo_args(tmp_path, repetition_penalty=1.2)
+    with pytest.raises(ValueError, match=re.escape("GRPOConfig.repetition_penalty")):
+        make_trainer(GRPOTrainer, tiny, args, match_sampler=True)
+
+
+def test_tokens_outside_the_kept_set_leave_the_loss():
+    inf = math.inf
+    logps = torch.tensor([[-1.0, -inf, -2.0], [-0.5, -0.7, -inf]], requires_grad=True)
+    old = torch.tensor([[-1.1, -inf, -2.1], [-inf, -0.6, -0.1]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    new, new_old, kept, fraction = drop_outside_kept(logps, old, mask)
+    assert kept.tolist() == [[1, 0, 1], [0, 1, 0]]
+    assert torch.isfinite(new).all() and torch.isfinite(new_old).all()
+    assert float(fraction) == pytest.approx(2 / 5)
+    (new * kept).sum().backward()
+    assert logps.grad.tolist() == [[1.0, 0.0, 1.0], [0.0, 1.0, 0.0]]

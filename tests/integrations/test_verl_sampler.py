@@ -1,0 +1,157 @@
+"""verl with ``policy_loss.match_sampler``: the rollout config reaches the fused head through
+verl's own config instantiation (and through pickling, as Ray ships configs), the drop-in then
+returns the logprobs and entropies of vLLM's truncated distribution (fp64 sampler oracle,
+``logitless.reference.sampler``), and what cannot be honoured is refused naming it.
+"""
+
+import pickle
+import re
+import textwrap
+
+import pytest
+import torch
+import verl.trainer.ppo.core_algos as core_algos
+from omegaconf import OmegaConf
+from verl.utils.config import omega_conf_to_dataclass
+
+from logitless.integrations.sampler_config import SamplerTruncation
+from logitless.integrations.verl import LogitlessPolicyLossConfig, sampler_from_rollout
+from logitless.integrations.verl_head import (
+    head_sampler,
+    linear_cross_entropy,
+    sampler_head_calls,
+    set_head_sampler,
+)
+from logitless.reference.sampler import sampler_logprobs
+
+# verl's trainer config, trimmed to what the actor and the rollout read here.
+CONFIG = textwrap.dedent("""
+    actor_rollout_ref:
+      rollout:
+        name: vllm
+        temperature: 0.8
+        top_k: 40
+        top_p: 0.9
+        repetition_penalty: 1.0
+        logprobs_mode: processed_logprobs
+      actor:
+        _target_: verl.workers.config.ActorConfig
+        strategy: fsdp
+        rollout_n: 1
+        ppo_micro_batch_size_per_gpu: 1
+        use_kl_loss: false
+        policy_loss:
+          _target_: logitless.integrations.verl.LogitlessPolicyLossConfig
+          loss_mode: logitless_grpo
+          match_sampler: ${actor_rollout_ref.rollout}
+""")
+
+
+@pytest.fixture(autouse=True)
+def untruncated_head_after():
+    yield
+    set_head_sampler(None)  # the setting is per process: leave none behind
+
+
+def _actor(**overrides):
+    root = OmegaConf.create(CONFIG)
+    for key, value in overrides.items():
+        OmegaConf.update(root, key, value)
+    return omega_conf_to_dataclass(root.actor_rollout_ref.actor)
+
+
+def test_rollout_config_reaches_the_head_through_verls_instantiation():
+    actor = _actor()
+    assert isinstance(actor.policy_loss, LogitlessPolicyLossConfig)
+    assert head_sampler() == SamplerTruncation(top_k=40, top_p=0.9)
+    set_head_sampler(None)
+    shipped = pickle.loads(pickle.dumps(actor.policy_loss))  # what a Ray worker receives
+    assert shipped == actor.policy_loss
+    assert head_sampler() == SamplerTruncation(top_k=40, top_p=0.9)
+    # a config without match_sampler (another role's, in the same process) leaves it set
+    _actor(**{"actor_rollout_ref.actor.policy_loss.match_sampler": None})
+    assert head_sampler() == SamplerTruncation(top_k=40, top_p=0.9)
+
+
+def test_head_computes_the_samplers_truncated_distribution():
+    g = torch.Generator().manual_seed(3)
+    t, d, v = 37, 96, 1007
+    hidden = torch.randn(1, t, d, generator=g, dtype=torch.float64)
+    weight = 0.3 * torch.randn(v, d, generator=g, dtype=torch.float64)
+    labels = torch.randint(0, v, (1, t), generator=g)
+    top = (hidden[0] @ weight.T).argmax(-1)
+    labels[0, ::2] = top[::2]  # half the targets inside the kept set, the others mostly not
+    set_head_sampler(SamplerTruncation(top_k=40, top_p=0.9, min_p=0.01))
+    h = hidden.clone().requires_grad_(True)
+    lp, ent = linear_cross_entropy(h, weight, labels, 0.8, "none", None)
+    expected = sampler_logprobs(hidden[0], weight, labels[0], temperature=0.8, top_k=40,
+                                top_p=0.9, min_p=0.01)
+    assert sampler_head_calls() == 1
+    inside = torch.isfinite(expected["logprobs"])
+    assert 0 < int(inside.sum()) < t
+    assert torch.equal(torch.isfinite(lp), inside)
+    torch.testing.assert_close(lp[inside], expected["logprobs"][inside])
+    torch.testing.assert_close(ent, expected["entropy"])
+    # gradients through the kept logits, the kept set held fixed
+    hr = hidden[0].clone().requires_grad_(True)
+    ref = sampler_logprobs(hr, weight, labels[0], temperature=0.8, top_k=40, top_p=0.9,
+                           min_p=0.01)
+    (ref["logprobs"][inside].sum() + ref["entropy"].sum()).backward()
+    (lp[inside].sum() + ent.sum()).backward()
+    torch.testing.assert_close(h.grad[0], hr.grad)
+
+
+def _loss(actor, outside=()):
+    lp = torch.full((2, 3), -1.0, dtype=torch.float64)
+    old = lp - 0.1
+    for i, j in outside:  # outside the recomputed kept set, now and at rollout time
+        lp[i, j] = old[i, j] = -torch.inf
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    return core_algos.get_policy_loss_fn("logitless_grpo")(
+        old_log_prob=old, log_prob=lp, advantages=torch.ones(2, 3, dtype=torch.float64),
+        response_mask=mask, loss_agg_mode="token-mean", config=actor)
+
+
+def test_loss_checks_the_logprobs_came_through_the_sampler_head():
+    actor = _actor()
+    with pytest.raises(ValueError, match=re.escape("policy_loss.match_sampler")):
+        _loss(actor)  # no head call since the config was built: verl's own head ran
+    w = torch.randn(11, 8, dtype=torch.float64)
+    linear_cross_entropy(torch.randn(5, 8, dtype=torch.float64), w, torch.arange(5), 0.8)
+    loss, metrics = _loss(actor)
+    assert torch.isfinite(loss) and metrics["actor/logitless/sampler/outside_kept"] == 0
+    loss, metrics = _loss(actor, outside=[(0, 1), (1, 2)])
+    assert torch.isfinite(loss)  # not NaN from -inf - -inf: those tokens left the loss
+    assert metrics["actor/logitless/sampler/outside_kept"] == pytest.approx(2 / 6)
+    with pytest.raises(ValueError, match=re.escape("actor.use_kl_loss")):
+        _loss(_actor(**{"actor_rollout_ref.actor.use_kl_loss": True}))
+
+
+def test_sampler_from_rollout_reads_verl_conventions():
+    assert sampler_from_rollout({"top_k": -1, "top_p": 1.0}) == SamplerTruncation()
+    assert sampler_from_rollout({"top_k": 0}) == SamplerTruncation()
+    assert sampler_from_rollout({}) == SamplerTruncation()  # verl's defaults: no truncation
+    # SGLang without truncation samples the tempered softmax like vLLM
+    assert not sampler_from_rollout({"name": "sglang", "temperature": 0.6}).truncates
+    assert sampler_from_rollout({"name": "vllm", "top_k": 5, "min_p": 0.1}) == SamplerTruncation(
+        top_k=5, min_p=0.1)
+
+
+@pytest.mark.parametrize(("rollout", "named"), [
+    ({"name": "vllm", "repetition_penalty": 1.05}, "rollout.repetition_penalty"),
+    ({"name": "sglang", "top_p": 0.9}, "rollout.name"),
+    ({"name": "vllm", "logprobs_mode": "raw_logprobs"}, "rollout.logprobs_mode"),
+    ({"name": "vllm", "do_sample": False}, "rollout.do_sample"),
+    ({"name": "vllm", "top_k": -2}, "rollout.top_k"),
+    ({"name": "vllm", "top_p": 0.0}, "rollout.top_p"),
+    ({"name": "vllm", "min_p": 1.5}, "rollout.min_p"),
+    ({"name": "vllm", "temperature": 0.0}, "rollout.temperature"),
+])
+def test_sampler_from_rollout_refuses_what_the_head_cannot_reproduce(rollout, named):
+    with pytest.raises(ValueError, match=re.escape(named)):
+        sampler_from_rollout(rollout)
+
+
+def test_match_sampler_must_be_the_rollout_config():
+    with pytest.raises(ValueError, match=re.escape("policy_loss.match_sampler")):
+        LogitlessPolicyLossConfig(loss_mode="logitless_grpo", match_sampler=0.9)

@@ -1,0 +1,77 @@
+"""The sampler path's chunked torch kernels: the ordered keys, the kept set against the fp64
+reference on tie-heavy integer logits, and batch invariance."""
+
+import pytest
+import torch
+
+from logitless.kernels import sampler_torch
+from logitless.kernels.sampler_torch import RowParams
+from logitless.reference.sampler import sampler_kept_mask
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_ordered_keys_sort_like_the_floats(dtype):
+    special = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), 1e-45, -1e-45, 3.0, -3.0],
+                           dtype=dtype)
+    z = torch.cat([special, torch.randn(300, dtype=dtype) * 50]).unsqueeze(0)
+    keys = sampler_torch._ordered_keys(z)[0]
+    zz = z[0]
+    # key order is float order, and equal floats (0.0 and -0.0 included) get equal keys
+    assert torch.equal(zz.unsqueeze(0) < zz.unsqueeze(1), keys.unsqueeze(0) < keys.unsqueeze(1))
+    assert torch.equal(zz.unsqueeze(0) == zz.unsqueeze(1),
+                       keys.unsqueeze(0) == keys.unsqueeze(1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_kept_set_matches_reference_on_tied_integer_logits(dtype):
+    """Integer logits in [-3, 3] over 41 ids: every row has ties at the k-th value and at the
+    top-p boundary; the kept set must be the reference's (lowest ids kept first)."""
+    gen = torch.Generator().manual_seed(3)
+    n, v = 300, 41
+    z = torch.randint(-3, 4, (n, v), generator=gen).to(dtype)
+    k = torch.randint(1, v + 3, (n,), generator=gen)
+    p = torch.rand(n, generator=gen, dtype=torch.float64) * 0.98 + 0.01
+    min_p = torch.where(torch.rand(n, generator=gen) < 0.5, 0.0,
+                        torch.rand(n, generator=gen, dtype=torch.float64) * 0.3)
+    params = RowParams(torch.ones(n, dtype=dtype), k, p.to(dtype), min_p.to(dtype))
+    keys = sampler_torch._ordered_keys(z)
+    got = sampler_torch._kept_set(z, z.amax(1), keys, params)
+    want = sampler_kept_mask(z.double(), k, p, min_p)
+    assert torch.equal(got, want)
+    # the boundary ties really are split in some rows (lowest ids kept)
+    t = torch.where(want, z, float("inf")).amin(1, keepdim=True)
+    split = ((z == t) & ~want).any(1) & ((z == t) & want).any(1)
+    assert int(split.sum()) > 20
+    # and the stored (key, count) pair rebuilds the same set (what the backward uses)
+    kmin = torch.where(got, keys, torch.iinfo(keys.dtype).max).amin(1)
+    count = (got & (keys == kmin.unsqueeze(1))).sum(1)
+    assert torch.equal(sampler_torch._prefix(keys, kmin, count), got)
+
+
+def test_results_do_not_depend_on_the_batch():
+    gen = torch.Generator().manual_seed(4)
+    n, d, v = 70, 24, 301
+    h = torch.randn(n, d, generator=gen)
+    w = torch.randn(v, d, generator=gen) / d**0.5 * 3
+    t = torch.randint(0, v, (n,), generator=gen)
+    params = RowParams(torch.rand(n, generator=gen) + 0.5, torch.randint(1, 40, (n,)),
+                       torch.rand(n, generator=gen) * 0.9 + 0.1, None)
+    kw = dict(softcap=None, logit_scale=1.0, tile_bytes=8 * 2**10 * 30)
+    assert sampler_torch.rows_per_chunk(v, kw["tile_bytes"], h.dtype, None) < n
+    full = sampler_torch.forward(h, w, None, t, params, **kw)
+    part = sampler_torch.forward(h[:5], w, None, t[:5], params.rows(slice(0, 5), 5), **kw)
+    for a, b in zip(full, part):
+        assert torch.equal(a[:5], b)
+
+
+def test_top_p_boundary_within_fp32_rounding_matches_the_exact_sums():
+    """A row whose cumulative mass passes p = 0.9 within fp32 rounding of it (fp32 sums, in
+    the radix select's order, keep one token fewer): the kept set is the one the exact (fp64)
+    sums give."""
+    z = torch.randn(256, 4099, generator=torch.Generator().manual_seed(0))[216:217] * 2
+    probs = torch.softmax(z.double(), 1).sort(1, descending=True).values.cumsum(1)
+    margin = torch.where(probs < 0.9, 0.9 - probs, probs - 0.9).min()
+    assert margin < 2e-7
+    params = RowParams(torch.ones(1), None, torch.full((1,), 0.9, dtype=torch.float64), None)
+    got = sampler_torch._kept_set(z, z.amax(1), sampler_torch._ordered_keys(z), params)
+    assert torch.equal(got, sampler_kept_mask(z.double(), top_p=0.9))

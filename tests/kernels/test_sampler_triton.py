@@ -1,0 +1,282 @@
+"""The CUDA path of the sampler-matched logprobs (``kernels/sampler.py``: cuBLAS GEMMs into a
+chunk of fp32 logits, Triton passes one program per row) under TRITON_INTERPRET=1 on CPU
+tensors, against the fp64 reference (vLLM 0.34.0's order and tie rules, see
+``logitless.reference.sampler``) and against the torch path ``kernels/sampler_torch.py``.
+
+Shapes are tiny (the interpreter is slow); ``small`` shrinks the GEMM slice to 32 columns, the
+one-value-per-column blocks to 16 columns and the search blocks to 64, and ``TILE`` gives
+2-row chunks, so N=5, V=67 crosses every boundary (three vocabulary slices, several blocks per
+pass, three chunks, the last padded).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import logitless
+from logitless.kernels import sampler as kernel
+from logitless.kernels import sampler_torch
+from logitless.kernels.sampler_torch import RowParams
+from logitless.reference.sampler import sampler_kept_mask, sampler_logprobs
+
+from sm90 import run_compile_script
+from testing import assert_close_to_oracle, requires_triton
+
+N, D, V = 5, 24, 67
+COLS, BLOCK_V, BLOCK_S = 32, 16, 64
+TILE = 950  # bytes: 2 rows per chunk in fp32 (396 a row), 4 in bf16 (198 a row)
+OUTS = ("logprobs", "entropy", "log_kept_mass")
+
+
+@pytest.fixture
+def small(monkeypatch):
+    monkeypatch.setattr(kernel, "_COLS", COLS)
+    monkeypatch.setattr(kernel, "_BLOCK_V", BLOCK_V)
+    monkeypatch.setattr(kernel, "_BLOCK_S", BLOCK_S)
+    monkeypatch.setenv("LOGITLESS_BACKEND", "triton")
+    calls = []
+    for name in ("forward", "backward"):
+        fn = getattr(kernel, name)
+        monkeypatch.setattr(kernel, name,
+                            lambda *a, _fn=fn, _name=name, **k: calls.append(_name) or _fn(*a, **k))
+    return calls
+
+
+def _inputs(dtype=torch.float64, seed=0, scale=3.0):
+    gen = torch.Generator().manual_seed(seed)
+    h = torch.randn(N, D, generator=gen, dtype=torch.float64)
+    w = torch.randn(V, D, generator=gen, dtype=torch.float64) / D**0.5 * scale
+    b = torch.randn(V, generator=gen, dtype=torch.float64)
+    z = h @ w.t() + b
+    # the argmax, the second and third largest, and two random ids (mostly outside)
+    t = torch.cat([z.topk(3, dim=-1).indices[torch.arange(3), torch.arange(3)],
+                   torch.randint(0, V, (2,), generator=gen)])
+    return h.to(dtype), w.to(dtype), b.to(dtype), t
+
+
+def _per_token(seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    return dict(temperature=torch.rand(N, generator=gen, dtype=torch.float64) + 0.5,
+                top_k=torch.randint(1, 30, (N,), generator=gen),
+                top_p=torch.rand(N, generator=gen, dtype=torch.float64) * 0.9 + 0.1,
+                min_p=torch.rand(N, generator=gen, dtype=torch.float64) * 0.2)
+
+
+CASES = {
+    # 1-row chunks: five chunks, the backward's tile takes three of them, so two groups
+    "top_k-1row-chunks": dict(top_k=5, max_tile_bytes=400),
+    "top_p-cap-scale": dict(top_p=0.8, softcap=4.0, logit_scale=1.3),
+    "min_p": dict(min_p=0.05),
+    "combined-per-token": _per_token(),
+}
+
+
+def _cast(kw, dtype):
+    return {k: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+            for k, v in kw.items()}
+
+
+def _run(h, w, b, t, max_tile_bytes=TILE, **kw):
+    return logitless.linear_logprobs(h, w, t, bias=b, return_entropy=True,
+                                     stats=("log_kept_mass",), max_tile_bytes=max_tile_bytes,
+                                     **kw)
+
+
+def _finite_sum(outs, upstream):
+    return sum((torch.where(torch.isfinite(o), o, 0.0).double() * g).sum()
+               for o, g in zip(outs, upstream))
+
+
+@requires_triton
+@pytest.mark.parametrize("case", list(CASES))
+def test_matches_reference_and_torch_path(small, case):
+    kw = dict(CASES[case])
+    tile = kw.pop("max_tile_bytes", TILE)
+    h, w, b, t = _inputs()
+    leaves = [x.float().requires_grad_() for x in (h, w, b)]
+    out = _run(*leaves, t, max_tile_bytes=tile, **_cast(kw, torch.float32))
+    ref_leaves = [x.clone().requires_grad_() for x in (h, w, b)]
+    ref = sampler_logprobs(*ref_leaves[:2], t, ref_leaves[2], **kw)
+    finite = torch.isfinite(ref["logprobs"])
+    assert finite.any() and (~finite).any()
+    assert torch.equal(torch.isfinite(out.logprobs), finite)
+    for name in OUTS:
+        got, want = getattr(out, name).double(), ref[name].detach()
+        sel = finite if name == "logprobs" else slice(None)
+        torch.testing.assert_close(got[sel], want[sel], rtol=0, atol=2e-5)
+    # upstream gradients on every row, the -inf logprobs' too (they must not propagate)
+    up = [torch.randn(N, dtype=torch.float64) for _ in OUTS]
+    grads = torch.autograd.grad([getattr(out, k) for k in OUTS], leaves,
+                                [u.float() for u in up])
+    ref_grads = torch.autograd.grad([ref[k] for k in OUTS], ref_leaves, up)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g.double(), r, rtol=0, atol=2e-5 * (1 + float(r.abs().max())))
+    assert small.count("forward") == 1 and small.count("backward") == 1
+    # the torch path on the same inputs: the same kept sets, the same numbers to fp32 rounding
+    os.environ["LOGITLESS_BACKEND"] = "torch"
+    twin = _run(*(x.detach() for x in leaves), t, max_tile_bytes=tile,
+                **_cast(kw, torch.float32))
+    assert small.count("forward") == 1
+    for name in OUTS:
+        torch.testing.assert_close(getattr(out, name), getattr(twin, name), rtol=0, atol=1e-5)
+
+
+def _tied_rows(n, v, seed):
+    """Integer logits in [-3, 3]: ties at the k-th value and at the top-p boundary in most
+    rows; per-row settings with each truncation on in some rows and off (k >= V, p = 1,
+    min_p = 0) in others."""
+    gen = torch.Generator().manual_seed(seed)
+    z = torch.randint(-3, 4, (n, v), generator=gen).float()
+    k = torch.randint(1, v + 3, (n,), generator=gen)
+    p = torch.rand(n, generator=gen) * 0.98 + 0.01
+    p[::5] = 1.0
+    min_p = torch.where(torch.rand(n, generator=gen) < 0.5, 0.0, torch.rand(n, generator=gen) * 0.3)
+    return z, RowParams(torch.ones(n), k, p.double(), min_p)
+
+
+@requires_triton
+def test_kept_sets_equal_the_torch_paths_on_tied_logits(small, monkeypatch):
+    """The Triton passes and the torch path on the same fp32 logits: identical kept sets
+    (the lowest ids kept among ties at the k-th value and at the top-p boundary), identical
+    stored (key, count), the same statistics; and both equal to the fp64 reference's set."""
+    # 256 trial keys a pass: 4 passes instead of 8 (the interpreter's time goes there); the
+    # search's result does not depend on the fan-out
+    monkeypatch.setattr(kernel, "_FAN", 256)
+    n, v = 16, 41
+    z, params = _tied_rows(n, v, seed=3)
+    targets = torch.randint(0, v, (n,))
+    outs = [torch.empty(n) for _ in range(5)] + [torch.empty(n, dtype=torch.int64)
+                                                 for _ in range(2)]
+    kernel.chunk_stats(z, targets, kernel.row_args(params, n, z.device), 0, outs,
+                       torch.empty(2, n), None, 1.0)
+    keys = sampler_torch._ordered_keys(z)
+    kept = sampler_torch._prefix(keys, outs[5], outs[6])
+    want = sampler_torch._kept_set(z, z.amax(1), keys, params)
+    assert torch.equal(kept, want)
+    ref = sampler_kept_mask(z.double(), params.top_k, None if params.top_p is None
+                            else params.top_p.double(),
+                            None if params.min_p is None else params.min_p.double())
+    assert torch.equal(kept, ref)
+    t_min = torch.where(want, keys, torch.iinfo(keys.dtype).max).amin(1)
+    assert torch.equal(outs[5], t_min)
+    assert torch.equal(outs[6], (want & (keys == t_min.unsqueeze(1))).sum(1))
+    # boundary ties really are split in some rows
+    at = z == torch.where(want, z, float("inf")).amin(1, keepdim=True)
+    assert int(((at & ~want).any(1) & (at & want).any(1)).sum()) >= 3
+    for got, exp in zip(outs[:5], sampler_torch._stats(z, targets, want)):
+        torch.testing.assert_close(got, exp, rtol=0, atol=1e-5)
+
+
+@requires_triton
+def test_bf16_three_way(small):
+    """bf16 inputs, no bias (the reference's ``x + b`` would round twice): outputs and
+    gradients within the bf16 computation's own error of the fp64 oracle. Rows whose kept set
+    moves when the logits are rounded to bf16 get no upstream gradient and are not compared."""
+    kw = dict(top_k=20, top_p=0.9, min_p=0.02)
+    temperature = _per_token()["temperature"]
+    h, w, _, t = _inputs(scale=1.5, seed=4)
+    h16, w16 = h.bfloat16(), w.bfloat16()
+    leaves = [h16.clone().requires_grad_(), w16.clone().requires_grad_()]
+    out = _run(*leaves, None, t, temperature=temperature.float(), **kw)
+    ref_leaves = [h16.double().requires_grad_(), w16.double().requires_grad_()]
+    ref = sampler_logprobs(*ref_leaves, t, temperature=temperature, **kw)
+    same_leaves = [h16.clone().requires_grad_(), w16.clone().requires_grad_()]
+    same = sampler_logprobs(*same_leaves, t, temperature=temperature.bfloat16(), **kw)
+    z16 = (h16 @ w16.t()).double() / temperature.unsqueeze(1)
+    stable = (sampler_kept_mask(z16, **kw) == ref["kept"]).all(1)
+    assert stable.sum() >= 3
+    for name in OUTS:
+        sel = stable & torch.isfinite(ref["logprobs"]) if name == "logprobs" else stable
+        assert_close_to_oracle(getattr(out, name)[sel], ref[name][sel], same[name][sel], 1e-2,
+                               name)
+    up = [torch.randn(N, dtype=torch.float64) * stable for _ in OUTS]
+    got = torch.autograd.grad(_finite_sum([getattr(out, k) for k in OUTS], up), leaves)
+    bf16 = torch.autograd.grad(_finite_sum([same[k] for k in OUTS], up), same_leaves)
+    # The gradients' oracle: fp64 from the logits the kernel starts from, the bf16 GEMM's
+    # output (a bf16 computation rounds them too). Like autograd in bf16, the kernel then
+    # rounds dx (the logits' gradient) to bf16 once, for the GEMMs: an elementwise error up
+    # to u |dx| @ |W| (u |dx|^T @ |h|).
+    x = (h16 @ w16.t()).double().requires_grad_()
+    ref_x = sampler_logprobs(x, torch.eye(V, dtype=torch.float64), t, temperature=temperature,
+                             **kw)
+    dx = torch.autograd.grad(_finite_sum([ref_x[k] for k in OUTS], up), x)[0]
+    want = (dx @ w16.double(), dx.t() @ h16.double())
+    u = torch.finfo(torch.bfloat16).eps
+    tols = (u * dx.abs() @ w16.double().abs(), u * dx.abs().t() @ h16.double().abs())
+    for name, g, r, s, tol in zip(("d_hidden", "d_weight"), got, want, bf16, tols):
+        assert_close_to_oracle(g, r, s, tol, name)
+
+
+@requires_triton
+def test_rows_do_not_depend_on_the_batch(small):
+    """Every chunk is padded to the same rows: a row's results and its hidden gradient are
+    the same bits alone, in a partial chunk, and in a full batch."""
+    h, w, b, t = (x.float() if x.is_floating_point() else x for x in _inputs(seed=6))
+    kw = _cast(_per_token(seed=7), torch.float32)
+
+    def run(rows):
+        hh = h[rows].clone().requires_grad_()
+        out = _run(hh, w, b, t[rows], **{k: v[rows] for k, v in kw.items()})
+        g, = torch.autograd.grad(torch.where(torch.isfinite(out.logprobs), out.logprobs,
+                                             0.0).sum() + out.entropy.sum(), hh)
+        return out, g
+
+    full, g_full = run(slice(0, N))
+    for rows in (slice(4, 5),):  # the last row alone: a padded chunk, another position
+        part, g_part = run(rows)
+        for name in OUTS:
+            assert torch.equal(getattr(part, name), getattr(full, name)[rows])
+        assert torch.equal(g_part, g_full[rows])
+
+
+# Compiles every kernel for sm_90 with the constexprs and warps the launchers use: bf16 with
+# every flag on (the threshold pass with all three truncations), fp32 with every flag off
+# (the threshold pass with top-p alone). A subprocess: TRITON_INTERPRET=1 replaces the JIT.
+_COMPILE_SCRIPT = """
+import torch
+from sm90 import compile_sm90, ptxas_report
+from logitless.kernels import sampler as k
+
+W = k._WARPS
+report = {}
+
+def build(name, sig, consts):
+    compiled = compile_sm90(getattr(k, name), sig, consts, num_warps=W)
+    assert compiled.asm["cubin"]
+    report[name] = ptxas_report(compiled)
+
+for ty, on in (("bf16", True), ("fp32", False)):
+    g = torch.zeros(1) if on else None
+    meta = k.grad_meta(dict(bf16=torch.bfloat16, fp32=torch.float32)[ty],
+                       3.0 if on else None, g, g, g, g)
+    meta.pop("num_warps")
+    build("_grad_kernel", dict(x="*" + ty, stride_x="i32", targets="*i64",
+          temperature="*fp32", key="*i64", count="*i64", seen="*i64",
+          **dict.fromkeys(("lse", "lse_kept", "entropy", "g_lp", "g_entropy", "g_kept",
+                           "g_lse"), "*fp32"),
+          n_rows="i32", width="i32", v0="i32", softcap="fp32", scale="fp32"), meta)
+    common = dict(x="*" + ty, stride_x="i32", temperature="*fp32")
+    scal = dict(softcap="fp32", scale="fp32")
+    build("_max_kernel", dict(**common, m_out="*fp32", l_out="*fp32", width="i32", **scal),
+          dict(HAS_SOFTCAP=on, BLOCK_V=k._BLOCK_V))
+    flags = (True, True, True) if on else (False, False, True)
+    build("_threshold_kernel", dict(**common, m_in="*fp32", log_min_p="*fp32", top_k="*i64",
+          top_p="*fp64", t_out="*i64", c_out="*i64", width="i32", **scal),
+          dict(zip(("HAS_MIN_P", "HAS_TOP_K", "HAS_TOP_P"), flags), HAS_SOFTCAP=on,
+               FAN=k._FAN, BLOCK_S=k._BLOCK_S, BLOCK_V=k._BLOCK_V))
+    build("_stats_kernel", dict(**common, targets="*i64", m_in="*fp32", l_in="*fp32",
+          t_io="*i64", c_io="*i64", lp="*fp32", entropy="*fp32", kept_mass="*fp32",
+          lse="*fp32", lse_kept="*fp32", width="i32", **scal),
+          dict(HAS_SOFTCAP=on, BLOCK_V=k._BLOCK_V))
+for name, r in report.items():
+    print(name, r)
+"""
+
+
+@pytest.mark.compile_sm90
+def test_kernels_compile_for_sm90():
+    done = run_compile_script(_COMPILE_SCRIPT)
+    print(done.stdout)  # registers and spills, for -s
