@@ -79,6 +79,18 @@ def fused_step(hidden, weight, bias, targets, mask, old, adv, ref):
                              ref_logprobs=ref)
 
 
+EXACT = PolicyLossConfig(objective="grpo", beta=0.04, kl_estimator="exact")
+REF_WEIGHT = torch.randn(V, 40, generator=torch.Generator().manual_seed(13)) / 40**0.5
+
+
+def exact_kl_step(hidden, weight, bias, targets, mask, old, adv, ref):
+    """The fused loss with the exact KL to a reference head of another hidden size."""
+    ref_hidden = hidden.detach()[..., :40].flip(-1)
+    return fused_policy_loss(hidden, weight, targets, old, adv, mask, EXACT, bias=bias,
+                             temperature=0.9, ref_hidden=ref_hidden,
+                             ref_weight=REF_WEIGHT.to(hidden.dtype))
+
+
 @functools.cache
 def _compiled(step, backend):
     """One compiled function per (step, backend), shared by the tests, and its frame counter.
@@ -140,6 +152,11 @@ def test_composed_training_step_compiled_matches_eager():
 def test_fused_training_step_compiled_matches_eager():
     # Compiled, the fused loss streams; eager it runs in chunks: fp64 makes them agree tightly.
     _check_training_step(fused_step, "aot_eager", torch.float64)
+
+
+def test_fused_exact_kl_step_compiled_matches_eager():
+    # Compiled: policy_loss(kl=linear_divergence op); eager: the chunks' own KL passes.
+    _check_training_step(exact_kl_step, "aot_eager", torch.float64)
 
 
 @INDUCTOR
