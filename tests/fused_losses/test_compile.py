@@ -68,6 +68,20 @@ def logprobs_step(hidden, weight, bias, targets):
     return loss, out.logprobs, out.entropy, out.is_top1
 
 
+def sampled_step(hidden, weight, bias, targets):
+    """vLLM's truncations: per-token temperature and top_p (tensors), scalar top_k, min_p."""
+    h = hidden.detach()
+    out = linear_logprobs(hidden, weight, targets, bias=bias,
+                          temperature=0.8 + 0.4 * h[..., 0].sigmoid(), top_k=40,
+                          top_p=0.6 + 0.3 * h[..., 1].sigmoid(), min_p=0.01,
+                          ignore_index=IGNORE, return_entropy=True,
+                          stats=("lse", "log_kept_mass"))
+    kept = torch.isfinite(out.logprobs)
+    loss = (torch.where(kept, out.logprobs, 0.0).sum() + 0.3 * out.entropy.sum()
+            + 0.2 * out.log_kept_mass.sum() + 0.01 * out.lse.square().sum())
+    return loss, out.logprobs, out.entropy, out.log_kept_mass
+
+
 def composed_step(hidden, weight, bias, targets, mask, old, adv, ref):
     out = linear_logprobs(hidden, weight, targets, bias=bias, ignore_index=IGNORE,
                           return_entropy=True)
@@ -110,12 +124,12 @@ def _grads(loss, *tensors):
     return torch.autograd.grad(loss, tensors)
 
 
-def _check_logprobs(backend):
+def _check_logprobs(backend, step=logprobs_step):
     weight, bias = _head()
-    fn, counter = _compiled(logprobs_step, backend)
+    fn, counter = _compiled(step, backend)
     for b in (2, 3):
         hidden, targets, *_ = _batch(b)
-        got, want = fn(hidden, weight, bias, targets), logprobs_step(hidden, weight, bias, targets)
+        got, want = fn(hidden, weight, bias, targets), step(hidden, weight, bias, targets)
         for x, y in zip(got, want):
             torch.testing.assert_close(x, y)
         assert (got[1][targets == IGNORE] == 0).all()
@@ -143,6 +157,16 @@ def _check_training_step(step, backend, dtype):
 
 def test_linear_logprobs_compiled_matches_eager():
     _check_logprobs("aot_eager")
+
+
+def test_sampled_logprobs_compiled_matches_eager():
+    _check_logprobs("aot_eager", sampled_step)
+    weight, bias = _head()
+    hidden, targets, *_ = _batch(2)
+    fn, _ = _compiled(sampled_step, "aot_eager")
+    got, want = fn(hidden, weight, bias, targets)[0], sampled_step(hidden, weight, bias, targets)[0]
+    for x, y in zip(_grads(got, hidden, weight, bias), _grads(want, hidden, weight, bias)):
+        torch.testing.assert_close(x, y)
 
 
 def test_composed_training_step_compiled_matches_eager():
@@ -229,7 +253,8 @@ def test_linear_divergence_compiled_matches_eager():
     assert counter.frame_count == 1
 
 
-@pytest.mark.parametrize("name", ["logprobs", "composed", "fused", "attention", "divergence"])
+@pytest.mark.parametrize("name", ["logprobs", "sampled", "composed", "fused", "attention",
+                                  "divergence"])
 def test_no_graph_breaks(name):
     if name == "attention":
         step, args = attention_step, _attention_inputs()
@@ -240,9 +265,10 @@ def test_no_graph_breaks(name):
     else:
         weight, bias = _head()
         hidden, targets, mask, old, adv, ref = _batch(2)
-        step = {"logprobs": logprobs_step, "composed": composed_step, "fused": fused_step}[name]
+        step = {"logprobs": logprobs_step, "sampled": sampled_step, "composed": composed_step,
+                "fused": fused_step}[name]
         args = (hidden, weight, bias, targets)
-        if name != "logprobs":
+        if name not in ("logprobs", "sampled"):
             args += (mask, old, adv, ref)
     explained = torch._dynamo.explain(step)(*args)
     assert explained.graph_break_count == 0, explained.break_reasons
@@ -295,6 +321,18 @@ def _opcheck_args(name):
                     mask, 0.9, None)
         return (hidden, weight, bias, ids, mask, randn(2, 3) + 3, randn(2, 3, 2), 0.9, None,
                 True, True, True)
+    if name.startswith("logitless::sampled_logprobs"):
+        settings = (0.5 + randn(2, 3).abs(), torch.tensor([[3, 11, 1], [20, 2, 5]]),
+                    randn(2, 3).sigmoid(), torch.full((2, 3), 0.05, dtype=torch.float64))
+        config = (20.0, 1.1, IGNORE, None, torch.float64)
+        if name == "logitless::sampled_logprobs":
+            return (hidden.requires_grad_(), weight.requires_grad_(), bias.requires_grad_(),
+                    targets, *settings, *config)
+        outs = torch.ops.logitless.sampled_logprobs(hidden, weight, bias, targets, *settings,
+                                                    *config)
+        lp, ent, _, lse, lse_kept, key, count = outs
+        return (hidden, weight, bias, targets, *settings, key, count, lse, lse_kept, ent, lp,
+                randn(2, 3), randn(2, 3), None, randn(2, 3), *config, True, True, True)
     assert name == "logitless::attention_entropy"
     q, k = torch.randn(7, 4, 8, generator=g), torch.randn(7, 2, 8, generator=g)
     return (q, k, torch.tensor([0, 3, 7]), None, None, True, 0.35, None, None, False)

@@ -150,6 +150,101 @@ if AVAILABLE:
     linear_logprobs.register_autograd(_lp_backward, setup_context=_lp_setup_context)
 
 
+# --- linear_logprobs with the sampler's settings (sampled.py) --------------------------------
+
+_SP_CONFIG = ("float? softcap, float logit_scale, int ignore_index, int? tile_bytes, "
+              "ScalarType dtype")
+
+
+def _sp_rows(targets, temperature, top_k, top_p, min_p, weight, ignore_index):
+    """``(flat targets, rows, RowParams of the rows)``: ids validated, the settings' rows."""
+    from logitless.fused_losses import logprobs as lp
+    from logitless.kernels.sampler_torch import RowParams
+
+    flat_t, rows = lp.compact_rows(targets, ignore_index, weight.shape[0])
+    params = RowParams(*(lp.take_rows(x, rows) for x in (temperature, top_k, top_p, min_p)))
+    return lp.take_rows(flat_t, rows), rows, params
+
+
+def _sp_forward(hidden, weight, bias, targets, temperature, top_k, top_p, min_p, softcap,
+                logit_scale, ignore_index, tile_bytes, dtype):
+    from logitless.fused_losses import logprobs as lp
+    from logitless.fused_losses import sampled
+
+    sampled.check_values(temperature, top_k, top_p, min_p)
+    t, rows, params = _sp_rows(targets, temperature, top_k, top_p, min_p, weight, ignore_index)
+    outs = sampled.rows_forward(lp.take_rows(hidden, rows, hidden.shape[-1]), weight, bias, t,
+                                params, softcap, logit_scale, tile_bytes, dtype)
+    return _distinct(lp.put_rows(x, rows, targets.shape) for x in outs)
+
+
+def _sp_forward_fake(hidden, weight, bias, targets, temperature, top_k, top_p, min_p, softcap,
+                     logit_scale, ignore_index, tile_bytes, dtype):
+    acc = acc_dtype(dtype)
+    floats = [hidden.new_empty(targets.shape, dtype=acc) for _ in range(5)]
+    return (*floats, *(hidden.new_empty(targets.shape, dtype=torch.int64) for _ in range(2)))
+
+
+def _sp_backward_impl(hidden, weight, bias, targets, temperature, top_k, top_p, min_p, key,
+                      count, lse, lse_kept, entropy, logprobs, g_lp, g_entropy, g_kept, g_lse,
+                      softcap, logit_scale, ignore_index, tile_bytes, dtype, need_hidden,
+                      need_weight, need_bias):
+    from logitless.fused_losses import logprobs as lp
+    from logitless.fused_losses import sampled
+
+    t, rows, params = _sp_rows(targets, temperature, top_k, top_p, min_p, weight, ignore_index)
+    saved = [lp.take_rows(x, rows) for x in (key, count, lse, lse_kept, entropy, logprobs)]
+    grads = tuple(lp.take_rows(g, rows) for g in (g_lp, g_entropy, g_kept, g_lse))
+    d_hidden, d_weight, d_bias = sampled.rows_backward(
+        lp.take_rows(hidden, rows, hidden.shape[-1]), weight, bias, t, params, *saved, grads,
+        (need_hidden, need_weight, need_bias), softcap, logit_scale, tile_bytes, dtype)
+    return _grads_or_empty(hidden, weight, rows, d_hidden, d_weight, d_bias)
+
+
+def _sp_backward_fake(hidden, weight, bias, targets, temperature, top_k, top_p, min_p, key,
+                      count, lse, lse_kept, entropy, logprobs, g_lp, g_entropy, g_kept, g_lse,
+                      softcap, logit_scale, ignore_index, tile_bytes, dtype, need_hidden,
+                      need_weight, need_bias):
+    return _grads_fake(hidden, weight, bias, need_hidden, need_weight, need_bias)
+
+
+def _sp_setup_context(ctx, inputs, output):
+    ctx.config = inputs[8:13]
+    ctx.set_materialize_grads(False)
+    lp_, ent, _, lse, lse_kept, key, count = output
+    ctx.save_for_backward(*inputs[:8], key, count, lse, lse_kept, ent, lp_)
+
+
+def _sp_backward(ctx, g_lp, g_entropy, g_kept, g_lse, *_):
+    n_inputs = 13
+    if all(g is None for g in (g_lp, g_entropy, g_kept, g_lse)):
+        return _none_grads(n_inputs)
+    saved = ctx.saved_tensors
+    need = ctx.needs_input_grad[:3]
+    need = (need[0], need[1], need[2] and saved[2] is not None)
+    grads = sampled_logprobs_backward(*saved, g_lp, g_entropy, g_kept, g_lse, *ctx.config,
+                                      *need)
+    return (*(g if n else None for g, n in zip(grads, need)), *_none_grads(n_inputs - 3))
+
+
+if AVAILABLE:
+    _SP_INPUTS = ("Tensor hidden, Tensor weight, Tensor? bias, Tensor targets, "
+                  "Tensor temperature, Tensor? top_k, Tensor? top_p, Tensor? min_p, ")
+    sampled_logprobs_backward = _define(
+        "sampled_logprobs_backward",
+        "(" + _SP_INPUTS + "Tensor key, Tensor count, Tensor lse, Tensor lse_kept, "
+        "Tensor entropy, Tensor logprobs, Tensor? g_lp, Tensor? g_entropy, Tensor? g_kept, "
+        "Tensor? g_lse, " + _SP_CONFIG + ", bool need_hidden, bool need_weight, "
+        "bool need_bias) -> (Tensor, Tensor, Tensor)",
+        _sp_backward_impl, _sp_backward_fake)
+    sampled_logprobs = _define(
+        "sampled_logprobs",
+        "(" + _SP_INPUTS + _SP_CONFIG + ") -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, "
+        "Tensor)",
+        _sp_forward, _sp_forward_fake)
+    sampled_logprobs.register_autograd(_sp_backward, setup_context=_sp_setup_context)
+
+
 # --- attention_entropy (forward only) -------------------------------------------------------
 
 

@@ -346,13 +346,13 @@ def linear_logprobs(
     want_s2, want_sum_z = "sum_p_sq" in stats, "mean_logit" in stats
     kept_mass = None
     if sampler is not None:
-        flat_t, rows = compact_rows(targets, ignore_index, weight.shape[0])
-        lp, ent, kept_mass, lse = sampled.sampled_logprobs(
-            take_rows(hidden, rows, hidden.shape[-1]), weight, bias, take_rows(flat_t, rows),
-            sampler, rows, temperature=temperature, softcap=softcap, logit_scale=logit_scale,
-            tile_bytes=max_tile_bytes, dtype=dtype)
-        lp, ent, kept_mass, lse = (put_rows(x, rows, targets.shape)
-                                   for x in (lp, ent, kept_mass, lse))
+        # One graph node too: the settings' values are checked inside the op (requires
+        # torch >= 2.4, as the package does).
+        lp, ent, kept_mass, lse, *_ = torch.ops.logitless.sampled_logprobs(
+            hidden, weight, bias, targets,
+            *sampled.per_token(sampler, targets, float(temperature), dtype),
+            None if softcap is None else float(softcap), float(logit_scale), int(ignore_index),
+            max_tile_bytes, dtype)
         outs = (lp, ent, None, None, None, lse)
     elif vocab_parallel is None and gather_weight is None and custom_ops.AVAILABLE:
         # One graph node under torch.compile: the op compacts, validates and plans inside.
