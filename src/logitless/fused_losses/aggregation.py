@@ -14,11 +14,13 @@ from dataclasses import dataclass
 import torch
 
 from logitless.fused_losses import segments
+from logitless.fused_losses.custom_ops import is_compiling
 
 
 @dataclass(frozen=True)
 class AggCounts:
-    """Counts one aggregation needs, over the tokens it aggregates."""
+    """Counts one aggregation needs, over the tokens it aggregates: floats, or 0-d tensors
+    under ``torch.compile`` (reading them on the host would break the graph)."""
 
     num_tokens: float
     num_sequences: float
@@ -54,18 +56,28 @@ def agg_counts(m, adv, seq_count: str, length_power_alpha: float) -> AggCounts:
     seq_adv = segments.segment_mean(adv.detach(), m)
     lf = lengths.to(torch.float64)
     denominator = torch.where(nonempty, lf.clamp(min=1) ** (1 - length_power_alpha), 0.0).sum()
+    count = _count_of(adv.dtype)
     return AggCounts(
-        num_tokens=float(lengths.sum()),
-        num_sequences=float(m.shape[0] if seq_count == "all" else nonempty.sum()),
-        num_pos_sequences=float((nonempty & (seq_adv > 0)).sum()),
-        num_neg_sequences=float((nonempty & (seq_adv < 0)).sum()),
-        num_pos_tokens=float((m & (adv > 0)).sum()),
-        num_neg_tokens=float((m & (adv < 0)).sum()),
-        length_power_denominator=float(denominator),
+        num_tokens=count(lengths.sum()),
+        num_sequences=float(m.shape[0]) if seq_count == "all" else count(nonempty.sum()),
+        num_pos_sequences=count((nonempty & (seq_adv > 0)).sum()),
+        num_neg_sequences=count((nonempty & (seq_adv < 0)).sum()),
+        num_pos_tokens=count((m & (adv > 0)).sum()),
+        num_neg_tokens=count((m & (adv < 0)).sum()),
+        length_power_denominator=count(denominator),
     )
 
 
+def _count_of(dtype):
+    """How a count leaves its tensor: a float in eager mode, a 0-d ``dtype`` tensor under
+    ``torch.compile``."""
+    return (lambda t: t.to(dtype)) if is_compiling() else float
+
+
 def _div(x, n):
+    if isinstance(n, torch.Tensor):  # a count under torch.compile: no host read
+        positive = n > 0
+        return torch.where(positive, x / torch.where(positive, n, 1), x * 0.0)
     return x / n if n > 0 else x * 0.0
 
 
@@ -81,12 +93,23 @@ def check_global_counts(num_items_in_batch, global_batch_size, counts: AggCounts
             if value.numel() != 1:
                 raise ValueError(f"{name}: expected a number, got a tensor of shape "
                                  f"{tuple(value.shape)}")
+            if is_compiling():
+                continue  # its value is not read under torch.compile (README, torch.compile)
             value = value.item()
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ValueError(f"{name}: expected a number, got {value!r}")
-        if not math.isfinite(value) or value < 0 or (value == 0 and counts.num_tokens > 0):
+        # Under torch.compile the loss tokens are a tensor, and a count of 0 is not checked.
+        empty = isinstance(counts.num_tokens, torch.Tensor) or counts.num_tokens == 0
+        if not math.isfinite(value) or value < 0 or (value == 0 and not empty):
             raise ValueError(f"{name}: must be > 0 (a count over the whole optimizer step), "
                              f"got {value}")
+
+
+def _global_count(value):
+    """A global count as a float; a tensor stays a 0-d tensor under ``torch.compile``."""
+    if isinstance(value, torch.Tensor) and is_compiling():
+        return value.reshape(())
+    return float(value)
 
 
 def aggregate(
@@ -115,7 +138,7 @@ def aggregate(
     dp, ga = cfg.dp_size, cfg.grad_accum_steps
     if mode == "token-mean":
         if num_items_in_batch is not None:
-            return _div(seq_sum.sum() * dp, float(num_items_in_batch))
+            return _div(seq_sum.sum() * dp, _global_count(num_items_in_batch))
         return _div(seq_sum.sum(), counts.num_tokens) / ga
     if mode == "token-sum":
         return seq_sum.sum() * dp
@@ -129,7 +152,7 @@ def aggregate(
         else:
             per_seq = seq_sum / max_response_length
         if global_batch_size is not None:
-            return _div(per_seq.sum() * dp, float(global_batch_size))
+            return _div(per_seq.sum() * dp, _global_count(global_batch_size))
         return _div(per_seq.sum(), counts.num_sequences) / ga
     if mode == "balanced":
         # (n+/n) mean over tokens of A > 0 + (n-/n) mean over tokens of A < 0, n counting

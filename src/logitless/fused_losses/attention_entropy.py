@@ -13,6 +13,7 @@ import numbers
 
 import torch
 
+from logitless.fused_losses import custom_ops
 from logitless.fused_losses.backend import triton_selected
 from logitless.kernels.attention_entropy_torch import attention_entropy_chunked
 
@@ -140,6 +141,21 @@ def attention_entropy(
     chunked torch path on CPU; both use O(T) memory beyond the inputs.
     """
     _check_inputs(q, k, scale=scale, window=window, softcap=softcap, reduce_heads=reduce_heads)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    softcap = None if softcap is None else float(softcap)
+    if custom_ops.AVAILABLE:  # one graph node under torch.compile (custom_ops.py)
+        return torch.ops.logitless.attention_entropy(
+            q, k, cu_seqlens, attention_mask, query_mask, bool(causal), scale, window, softcap,
+            reduce_heads == "mean")
+    return _attention_entropy_impl(q, k, cu_seqlens, attention_mask, query_mask, bool(causal),
+                                   scale, window, softcap, reduce_heads == "mean")
+
+
+def _attention_entropy_impl(q, k, cu_seqlens, attention_mask, query_mask, causal: bool,
+                            scale: float, window: int | None, softcap: float | None,
+                            reduce_mean: bool) -> torch.Tensor:
+    """`attention_entropy` after its argument checks: the layout checks, the segments of
+    ``cu_seqlens`` (read on the host) and the kernel."""
     seg_start = seg_end = None
     if cu_seqlens is not None:
         if q.dim() != 3:
@@ -183,13 +199,12 @@ def attention_entropy(
     hk = k4.shape[1]
     if hk == 0 or hq % hk != 0:
         raise ValueError(f"q's heads ({hq}) must be a positive multiple of k's heads ({hk})")
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
 
     kwargs = dict(
         scale=scale,
-        causal=bool(causal),
+        causal=causal,
         window=window,
-        softcap=None if softcap is None else float(softcap),
+        softcap=softcap,
         seg_start=seg_start,
         seg_end=seg_end,
     )
@@ -209,5 +224,5 @@ def attention_entropy(
         )
     if cu_seqlens is not None:
         out = out[0].transpose(0, 1)  # [total, Hq]
-        return out.mean(1) if reduce_heads == "mean" else out.contiguous()
-    return out.mean(1) if reduce_heads == "mean" else out
+        return out.mean(1) if reduce_mean else out.contiguous()
+    return out.mean(1) if reduce_mean else out

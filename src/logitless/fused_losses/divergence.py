@@ -15,8 +15,9 @@ from types import ModuleType
 
 import torch
 
+from logitless.fused_losses import custom_ops
 from logitless.fused_losses.backend import triton_selected
-from logitless.fused_losses.logprobs import check_byte_budget, compute_dtype
+from logitless.fused_losses.logprobs import check_byte_budget, compute_dtype, put_rows
 from logitless.kernels import divergence_torch
 
 __all__ = ["exact_kl_rows", "linear_divergence", "linear_topk_distill", "reference_head"]
@@ -46,6 +47,13 @@ def _backend_for(device: torch.device, *dtypes: torch.dtype) -> ModuleType:
     return divergence
 
 
+def spec_for(beta, temperature, tile_bytes, hidden, t_hidden=None, entropy=False) -> _Spec:
+    """The spec of a call on these tensors (the backend from their device and dtypes)."""
+    dtypes = (hidden.dtype,) if t_hidden is None else (hidden.dtype, t_hidden.dtype)
+    return _Spec(float(beta), float(temperature), tile_bytes,
+                 _backend_for(hidden.device, *dtypes), bool(entropy))
+
+
 class _Divergence(torch.autograd.Function):
     """Rows already compacted; the teacher's tensors arrive detached. Returns the divergence
     and the student's entropy (empty unless ``spec.entropy``; no gradient)."""
@@ -53,29 +61,41 @@ class _Divergence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, t_hidden, t_weight, t_bias, spec: _Spec):
         ctx.set_materialize_grads(False)
-        with torch.autocast(hidden.device.type, enabled=False):
-            div, lse_s, lse_t, aux, *ent = spec.backend.divergence_forward(
-                hidden, weight, bias, t_hidden, t_weight, t_bias, beta=spec.beta,
-                temperature=spec.temperature, entropy=spec.entropy, **spec.kw())
+        div, entropy, lse_s, lse_t, aux = _divergence_rows(spec, hidden, weight, bias, t_hidden,
+                                                           t_weight, t_bias)
         ctx.spec = spec
         ctx.save_for_backward(hidden, weight, bias, t_hidden, t_weight, t_bias, lse_s, lse_t, aux)
-        entropy = ent[0] if ent else div.new_empty(0)
         ctx.mark_non_differentiable(entropy)
         return div, entropy
 
     @staticmethod
     def backward(ctx, grad, _):
-        hidden, weight, bias, t_hidden, t_weight, t_bias, lse_s, lse_t, aux = ctx.saved_tensors
         need = ctx.needs_input_grad[:3]
         if grad is None or not any(need):
             return (None,) * 7
-        spec = ctx.spec
-        with torch.autocast(hidden.device.type, enabled=False):
-            grads = spec.backend.divergence_backward(
-                hidden, weight, bias, t_hidden, t_weight, t_bias, lse_s, lse_t, aux,
-                grad.contiguous(), beta=spec.beta, temperature=spec.temperature,
-                need_hidden=need[0], need_weight=need[1], need_bias=need[2], **spec.kw())
-        return (*_cast(grads, (hidden, weight, bias)), None, None, None, None)
+        grads = _divergence_rows_backward(ctx.spec, *ctx.saved_tensors, grad, need)
+        return (*grads, None, None, None, None)
+
+
+def _divergence_rows(spec: _Spec, hidden, weight, bias, t_hidden, t_weight, t_bias):
+    """``(divergence, entropy, lse_s, lse_t, aux)`` of compacted rows, no autograd; the
+    entropy is empty unless ``spec.entropy``."""
+    with torch.autocast(hidden.device.type, enabled=False):
+        div, lse_s, lse_t, aux, *ent = spec.backend.divergence_forward(
+            hidden, weight, bias, t_hidden, t_weight, t_bias, beta=spec.beta,
+            temperature=spec.temperature, entropy=spec.entropy, **spec.kw())
+    return div, ent[0] if ent else div.new_empty(0), lse_s, lse_t, aux
+
+
+def _divergence_rows_backward(spec: _Spec, hidden, weight, bias, t_hidden, t_weight, t_bias,
+                              lse_s, lse_t, aux, grad, need):
+    """Gradients of compacted rows (None where ``need`` says not wanted), in input dtypes."""
+    with torch.autocast(hidden.device.type, enabled=False):
+        grads = spec.backend.divergence_backward(
+            hidden, weight, bias, t_hidden, t_weight, t_bias, lse_s, lse_t, aux,
+            grad.contiguous(), beta=spec.beta, temperature=spec.temperature,
+            need_hidden=need[0], need_weight=need[1], need_bias=need[2], **spec.kw())
+    return _cast(grads, (hidden, weight, bias))
 
 
 class _TopkLogprobs(torch.autograd.Function):
@@ -84,25 +104,43 @@ class _TopkLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, ids, spec: _Spec):
         ctx.set_materialize_grads(False)
-        with torch.autocast(hidden.device.type, enabled=False):
-            logprobs, lse = spec.backend.topk_forward(
-                hidden, weight, bias, ids, temperature=spec.temperature, **spec.kw())
+        logprobs, lse = _topk_rows(spec, hidden, weight, bias, ids)
         ctx.spec = spec
         ctx.save_for_backward(hidden, weight, bias, ids, lse)
         return logprobs
 
     @staticmethod
     def backward(ctx, grad):
-        hidden, weight, bias, ids, lse = ctx.saved_tensors
         need = ctx.needs_input_grad[:3]
         if grad is None or not any(need):
             return (None,) * 5
-        with torch.autocast(hidden.device.type, enabled=False):
-            grads = ctx.spec.backend.topk_backward(
-                hidden, weight, bias, ids, lse, grad.contiguous(),
-                temperature=ctx.spec.temperature, need_hidden=need[0], need_weight=need[1],
-                need_bias=need[2], **ctx.spec.kw())
-        return (*_cast(grads, (hidden, weight, bias)), None, None)
+        return (*_topk_rows_backward(ctx.spec, *ctx.saved_tensors, grad, need), None, None)
+
+
+def _topk_rows(spec: _Spec, hidden, weight, bias, ids):
+    """``(logprobs [n, k], lse [n])`` of compacted rows, no autograd."""
+    with torch.autocast(hidden.device.type, enabled=False):
+        return spec.backend.topk_forward(hidden, weight, bias, ids,
+                                         temperature=spec.temperature, **spec.kw())
+
+
+def _topk_rows_backward(spec: _Spec, hidden, weight, bias, ids, lse, grad, need):
+    with torch.autocast(hidden.device.type, enabled=False):
+        grads = spec.backend.topk_backward(
+            hidden, weight, bias, ids, lse, grad.contiguous(), temperature=spec.temperature,
+            need_hidden=need[0], need_weight=need[1], need_bias=need[2], **spec.kw())
+    return _cast(grads, (hidden, weight, bias))
+
+
+def _topk_ids(teacher_ids, rows, v):
+    """The kept rows' teacher ids as int64 ``[n, k]``; reads them: ``ValueError`` outside
+    ``[0, v)``."""
+    ids = _take(teacher_ids, rows).long()
+    bad = (ids < 0) | (ids >= v)
+    if bool(bad.any()):
+        raise ValueError(f"teacher_ids must lie in [0, {v}) (the vocabulary of weight); found "
+                         f"{ids[bad][:5].tolist()}")
+    return ids
 
 
 def _cast(grads, like):
@@ -228,17 +266,31 @@ def linear_divergence(
     if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0.0 <= beta <= 1.0:
         raise ValueError(f"beta must be a number in [0, 1], got {beta!r}")
     check_byte_budget("max_tile_bytes", max_tile_bytes)
+    t_bias = None if teacher_bias is None else teacher_bias.detach()
+    teacher = (teacher_hidden.detach(), teacher_weight.detach(), t_bias)
+    if custom_ops.AVAILABLE:  # one graph node under torch.compile (custom_ops.py)
+        out, entropy, *_ = torch.ops.logitless.linear_divergence(
+            hidden, weight, bias, *teacher, mask, float(beta), float(temperature),
+            max_tile_bytes, bool(return_entropy))
+        entropy = entropy.detach()  # no gradient, as documented
+    else:
+        spec = spec_for(beta, temperature, max_tile_bytes, hidden, teacher_hidden,
+                        return_entropy)
+        out, entropy = _divergence_impl(spec, hidden, weight, bias, *teacher, mask,
+                                        _Divergence.apply)[:2]
+    return (out, entropy) if return_entropy else out
+
+
+def _divergence_impl(spec: _Spec, hidden, weight, bias, t_hidden, t_weight, t_bias, mask, run):
+    """Compact the rows ``mask`` keeps, ``run(...)`` on them (``_Divergence.apply`` or
+    `_divergence_rows`) and scatter each result back to the token shape (0 at dropped rows;
+    an empty entropy, when not wanted, becomes zeros)."""
+    lead = tuple(hidden.shape[:-1])
     n = math.prod(lead)
     rows = _rows(mask, n)
-    spec = _Spec(float(beta), float(temperature), max_tile_bytes,
-                 _backend_for(hidden.device, hidden.dtype, teacher_hidden.dtype),
-                 bool(return_entropy))
-    t_bias = None if teacher_bias is None else teacher_bias.detach()
-    out, entropy = _Divergence.apply(_take(hidden, rows), weight, bias,
-                                     _take(teacher_hidden.detach(), rows),
-                                     teacher_weight.detach(), t_bias, spec)
-    out = _expand(out, rows, n, lead)
-    return (out, _expand(entropy, rows, n, lead)) if return_entropy else out
+    outs = run(_take(hidden, rows), weight, bias, _take(t_hidden, rows), t_weight, t_bias, spec)
+    return tuple(_expand(x if x.shape == outs[0].shape else x.new_zeros(outs[0].shape), rows, n,
+                         lead) for x in outs)
 
 
 def reference_head(hidden, weight, ref_hidden, ref_weight, ref_bias):
@@ -265,8 +317,7 @@ def exact_kl_rows(hidden, weight, bias, ref_hidden, ref_weight, ref_bias, temper
     """KL(policy || reference) per row of ``hidden [n, D]`` against ``ref_hidden [n, D_ref]``
     (rows already compacted, inputs checked): `linear_divergence`'s ``beta = 1`` passes, the
     gradient reaching the policy's tensors that require it, the reference's detached."""
-    spec = _Spec(1.0, float(temperature), None,
-                 _backend_for(hidden.device, hidden.dtype, ref_hidden.dtype))
+    spec = spec_for(1.0, temperature, None, hidden, ref_hidden)
     kl, _ = _Divergence.apply(hidden, weight, bias, ref_hidden.detach(), ref_weight.detach(),
                               None if ref_bias is None else ref_bias.detach(), spec)
     return kl
@@ -330,20 +381,22 @@ def linear_topk_distill(
                                   or math.isnan(value)):
             raise ValueError(f"{name} must be None or a number, got {value!r}")
     check_byte_budget("max_tile_bytes", max_tile_bytes)
-    n, v = math.prod(lead), weight.shape[0]
-    rows = _rows(mask, n)
-    ids = _take(teacher_ids, rows).long()
-    bad = (ids < 0) | (ids >= v)
-    if bool(bad.any()):
-        raise ValueError(f"teacher_ids must lie in [0, {v}) (the vocabulary of weight); found "
-                         f"{ids[bad][:5].tolist()}")
-    spec = _Spec(0.0, float(temperature), max_tile_bytes,
-                 _backend_for(hidden.device, hidden.dtype))
-    log_q = _TopkLogprobs.apply(_take(hidden, rows), weight, bias, ids, spec)
-    log_t = _take(teacher_logprobs.detach(), rows).to(log_q.dtype)
+    if custom_ops.AVAILABLE:  # one graph node under torch.compile (custom_ops.py)
+        log_q = torch.ops.logitless.linear_topk_logprobs(hidden, weight, bias, teacher_ids, mask,
+                                                         float(temperature), max_tile_bytes)[0]
+    else:
+        rows = _rows(mask, math.prod(lead))
+        spec = spec_for(0.0, temperature, max_tile_bytes, hidden)
+        log_q = _TopkLogprobs.apply(_take(hidden, rows), weight, bias,
+                                    _topk_ids(teacher_ids, rows, weight.shape[0]), spec)
+        log_q = put_rows(log_q, rows, teacher_ids.shape)
+    # Dropped rows: log q = log t = 0 below, so their loss is 0 (and gets no gradient).
+    log_t = teacher_logprobs.detach().to(log_q.dtype)
+    if mask is not None:
+        log_t = torch.where(mask[..., None], log_t, 0.0)
     if log_prob_min_clamp is not None:
         log_q, log_t = log_q.clamp_min(log_prob_min_clamp), log_t.clamp_min(log_prob_min_clamp)
     loss = (log_t.exp() * (log_t - log_q)).sum(-1).clamp_min(0.0)
     if loss_max_clamp is not None:
         loss = loss.clamp(max=loss_max_clamp)
-    return _expand(loss, rows, n, lead)
+    return loss

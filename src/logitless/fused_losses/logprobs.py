@@ -16,7 +16,7 @@ from types import ModuleType
 
 import torch
 
-from logitless.fused_losses import sampled
+from logitless.fused_losses import custom_ops, sampled
 from logitless.fused_losses.backend import triton_selected
 from logitless.kernels import linear_softmax_torch
 from logitless.kernels.softmax_partials import Partials, empty, finish, rescale_to
@@ -74,61 +74,78 @@ class _LinearSoftmax(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, spec: _Spec):
         ctx.set_materialize_grads(False)
-        n = hidden.shape[0]
-        kw = dict(temperature=spec.temperature, softcap=spec.softcap,
-                  logit_scale=spec.logit_scale)
-        if spec.tile_bytes is not None and spec.backend is linear_softmax_torch:
-            kw["tile_bytes"] = spec.tile_bytes
-        with torch.autocast(hidden.device.type, enabled=False):
-            if n:
-                parts = spec.backend.forward(*_operands(spec, hidden, weight, bias), targets,
-                                             want_s2=spec.want_s2, want_sum_z=spec.want_sum_z,
-                                             **kw)
-            else:
-                parts = empty(hidden.device, linear_softmax_torch.acc_dtype(spec.dtype))
-            if spec.group is not None:
-                parts = _all_reduce_partials(parts, spec.group)
-            stats = finish(parts, spec.vocab_total)
-        ctx.spec, ctx.kw = spec, kw
-        ctx.save_for_backward(hidden, weight, bias, targets, stats["lse"], stats["entropy"],
-                              stats["sum_p_sq"])
-        ctx.mark_non_differentiable(stats["is_top1"])
-        return (stats["logprobs"], stats["entropy"], stats["sum_p_sq"], stats["mean_logit"],
-                stats["is_top1"], stats["lse"])
+        stats = _rows_forward(spec, hidden, weight, bias, targets)
+        ctx.spec = spec
+        ctx.save_for_backward(hidden, weight, bias, targets, stats[5], stats[1], stats[2])
+        ctx.mark_non_differentiable(stats[4])
+        return stats
 
     @staticmethod
     def backward(ctx, g_lp, g_entropy, g_sum_p_sq, g_mean_logit, _g_top1, g_lse):
-        hidden, weight, bias, targets, lse, entropy, sum_p_sq = ctx.saved_tensors
-        spec = ctx.spec
-        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         if all(g is None for g in (g_lp, g_entropy, g_sum_p_sq, g_mean_logit, g_lse)):
             return None, None, None, None, None
-        gather = spec.gather_weight() if spec.gather_weight is not None else nullcontext()
-        with torch.autocast(hidden.device.type, enabled=False), gather:
-            if hidden.shape[0]:
-                d_hidden, d_weight, d_bias = spec.backend.backward(
-                    *_operands(spec, hidden, weight, bias), targets, lse,
-                    entropy if g_entropy is not None else None,
-                    sum_p_sq if g_sum_p_sq is not None else None,
-                    _acc(g_lp, lse), _acc(g_entropy, lse), _acc(g_sum_p_sq, lse),
-                    _acc(g_mean_logit, lse), g_lse=_acc(g_lse, lse),
-                    vocab_total=spec.vocab_total, need_hidden=need_hidden,
-                    need_weight=need_weight, need_bias=need_bias, **ctx.kw)
-            else:
-                d_hidden = torch.zeros_like(hidden) if need_hidden else None
-                d_weight = torch.zeros_like(weight) if need_weight else None
-                d_bias = torch.zeros_like(bias) if need_bias else None
-            if d_hidden is not None and spec.group is not None and spec.hidden_grad == "sum":
-                # Each rank saw only its vocab slice: the hidden gradient is the sum over ranks
-                # ("partial" leaves the sum to the caller, e.g. Megatron's reduce-scatter).
-                torch.distributed.all_reduce(d_hidden, group=spec.group)
-        return (
-            None if d_hidden is None else d_hidden.to(hidden.dtype),
-            None if d_weight is None else d_weight.to(weight.dtype),
-            None if d_bias is None else d_bias.to(bias.dtype),
-            None,
-            None,
-        )
+        hidden, weight, bias, targets, lse, entropy, sum_p_sq = ctx.saved_tensors
+        grads = _rows_backward(ctx.spec, hidden, weight, bias, targets, lse, entropy, sum_p_sq,
+                               (g_lp, g_entropy, g_sum_p_sq, g_mean_logit, g_lse),
+                               ctx.needs_input_grad[:3])
+        return (*grads, None, None)
+
+
+def _kernel_kw(spec: _Spec) -> dict:
+    kw = dict(temperature=spec.temperature, softcap=spec.softcap, logit_scale=spec.logit_scale)
+    if spec.tile_bytes is not None and spec.backend is linear_softmax_torch:
+        kw["tile_bytes"] = spec.tile_bytes
+    return kw
+
+
+def _rows_forward(spec: _Spec, hidden, weight, bias, targets) -> tuple[torch.Tensor, ...]:
+    """The statistics of compacted rows (no autograd): ``(logprobs, entropy, sum_p_sq,
+    mean_logit, is_top1, lse)``, each ``[N]``."""
+    with torch.autocast(hidden.device.type, enabled=False):
+        if hidden.shape[0]:
+            parts = spec.backend.forward(*_operands(spec, hidden, weight, bias), targets,
+                                         want_s2=spec.want_s2, want_sum_z=spec.want_sum_z,
+                                         **_kernel_kw(spec))
+        else:
+            parts = empty(hidden.device, linear_softmax_torch.acc_dtype(spec.dtype))
+        if spec.group is not None:
+            parts = _all_reduce_partials(parts, spec.group)
+        stats = finish(parts, spec.vocab_total)
+    return (stats["logprobs"], stats["entropy"], stats["sum_p_sq"], stats["mean_logit"],
+            stats["is_top1"], stats["lse"])
+
+
+def _rows_backward(spec: _Spec, hidden, weight, bias, targets, lse, entropy, sum_p_sq, grads,
+                   needs) -> tuple[torch.Tensor | None, ...]:
+    """Gradients ``(d_hidden, d_weight, d_bias)`` of compacted rows, each in its input's dtype
+    (None where ``needs`` says it is not wanted). ``grads``: the gradients of ``(logprobs,
+    entropy, sum_p_sq, mean_logit, lse)``, None for outputs that received none."""
+    g_lp, g_entropy, g_sum_p_sq, g_mean_logit, g_lse = grads
+    need_hidden, need_weight, need_bias = needs
+    gather = spec.gather_weight() if spec.gather_weight is not None else nullcontext()
+    with torch.autocast(hidden.device.type, enabled=False), gather:
+        if hidden.shape[0]:
+            d_hidden, d_weight, d_bias = spec.backend.backward(
+                *_operands(spec, hidden, weight, bias), targets, lse,
+                entropy if g_entropy is not None else None,
+                sum_p_sq if g_sum_p_sq is not None else None,
+                _acc(g_lp, lse), _acc(g_entropy, lse), _acc(g_sum_p_sq, lse),
+                _acc(g_mean_logit, lse), g_lse=_acc(g_lse, lse),
+                vocab_total=spec.vocab_total, need_hidden=need_hidden,
+                need_weight=need_weight, need_bias=need_bias, **_kernel_kw(spec))
+        else:
+            d_hidden = torch.zeros_like(hidden) if need_hidden else None
+            d_weight = torch.zeros_like(weight) if need_weight else None
+            d_bias = torch.zeros_like(bias) if need_bias else None
+        if d_hidden is not None and spec.group is not None and spec.hidden_grad == "sum":
+            # Each rank saw only its vocab slice: the hidden gradient is the sum over ranks
+            # ("partial" leaves the sum to the caller, e.g. Megatron's reduce-scatter).
+            torch.distributed.all_reduce(d_hidden, group=spec.group)
+    return (
+        None if d_hidden is None else d_hidden.to(hidden.dtype),
+        None if d_weight is None else d_weight.to(weight.dtype),
+        None if d_bias is None else d_bias.to(bias.dtype),
+    )
 
 
 def _operands(spec: _Spec, hidden, weight, bias):
@@ -174,7 +191,8 @@ def compute_dtype(hidden: torch.Tensor) -> torch.dtype:
     (trainers call the head there with fp32 master weights), else hidden's, whatever the
     weight's and bias's dtypes (they are cast to it)."""
     dev = hidden.device.type
-    if torch.is_autocast_enabled(dev):
+    available = getattr(torch.amp, "is_autocast_available", lambda d: d != "meta")
+    if available(dev) and torch.is_autocast_enabled(dev):
         return torch.get_autocast_dtype(dev)
     return hidden.dtype
 
@@ -182,6 +200,11 @@ def compute_dtype(hidden: torch.Tensor) -> torch.dtype:
 def _is_number(x) -> bool:
     """A real number (numpy scalars included), not a bool or a string such as ``"30"``."""
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def _finite(x) -> bool:
+    """``math.isfinite`` by comparisons, which dynamo can trace on symbolic floats."""
+    return -math.inf < x < math.inf
 
 
 def check_byte_budget(name: str, value) -> None:
@@ -221,12 +244,12 @@ def check_head_args(hidden, weight, targets, bias, temperature, softcap, logit_s
     for name, t in (("weight", weight), ("targets", targets), ("bias", bias)):
         if t is not None and t.device != hidden.device:
             raise ValueError(f"{name} is on {t.device} but hidden is on {hidden.device}")
-    if not (_is_number(temperature) and math.isfinite(temperature) and temperature > 0):
+    if not (_is_number(temperature) and _finite(temperature) and temperature > 0):
         raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
-    if softcap is not None and not (_is_number(softcap) and math.isfinite(softcap)
+    if softcap is not None and not (_is_number(softcap) and _finite(softcap)
                                     and softcap > 0):
         raise ValueError(f"softcap must be None or a finite number > 0, got {softcap!r}")
-    if not (_is_number(logit_scale) and math.isfinite(logit_scale)
+    if not (_is_number(logit_scale) and _finite(logit_scale)
             and (zero_scale or logit_scale != 0)):
         wanted = "finite number" if zero_scale else "finite non-zero number"
         raise ValueError(f"logit_scale must be a {wanted}, got {logit_scale!r}")
@@ -320,15 +343,63 @@ def linear_logprobs(
         raise ValueError(f"ignore_index must be an integer token id, got {ignore_index!r}")
     check_byte_budget("max_tile_bytes", max_tile_bytes)
     dtype = compute_dtype(hidden)
-
-    group = vocab_parallel
-    v_local = weight.shape[0]
-    if group is not None:
-        offset, v_total = _vocab_offset(v_local, group, hidden.device)
+    want_s2, want_sum_z = "sum_p_sq" in stats, "mean_logit" in stats
+    kept_mass = None
+    if sampler is not None:
+        flat_t, rows = compact_rows(targets, ignore_index, weight.shape[0])
+        lp, ent, kept_mass, lse = sampled.sampled_logprobs(
+            take_rows(hidden, rows, hidden.shape[-1]), weight, bias, take_rows(flat_t, rows),
+            sampler, rows, temperature=temperature, softcap=softcap, logit_scale=logit_scale,
+            tile_bytes=max_tile_bytes, dtype=dtype)
+        lp, ent, kept_mass, lse = (put_rows(x, rows, targets.shape)
+                                   for x in (lp, ent, kept_mass, lse))
+        outs = (lp, ent, None, None, None, lse)
+    elif vocab_parallel is None and gather_weight is None and custom_ops.AVAILABLE:
+        # One graph node under torch.compile: the op compacts, validates and plans inside.
+        outs = torch.ops.logitless.linear_logprobs(
+            hidden, weight, bias, targets, float(temperature),
+            None if softcap is None else float(softcap), float(logit_scale), int(ignore_index),
+            max_tile_bytes, dtype, want_s2, want_sum_z)
     else:
-        offset, v_total = 0, v_local
+        # Process groups and gather callables do not fit an op's schema: eager only.
+        group = vocab_parallel
+        if group is not None:
+            offset, v_total = _vocab_offset(weight.shape[0], group, hidden.device)
+        else:
+            offset, v_total = 0, weight.shape[0]
+        spec = _Spec(float(temperature), None if softcap is None else float(softcap),
+                     float(logit_scale), v_total, want_s2, want_sum_z,
+                     _backend_for(hidden.device, dtype), group, hidden_grad, max_tile_bytes,
+                     gather_weight, dtype)
+        outs = _logprobs_impl(hidden, weight, bias, targets, spec, ignore_index, offset,
+                              _LinearSoftmax.apply)
+    lp, ent, s2, mean, top1, lse = outs
+    if kept_mass is None and "log_kept_mass" in stats:
+        kept_mass = torch.zeros_like(lp)
+    return LogprobOutput(
+        logprobs=lp,
+        entropy=ent if return_entropy else None,
+        sum_p_sq=s2 if want_s2 else None,
+        mean_logit=mean if want_sum_z else None,
+        is_top1=top1 if "is_top1" in stats else None,
+        lse=lse if "lse" in stats else None,
+        log_kept_mass=kept_mass if "log_kept_mass" in stats else None,
+    )
 
-    shape = targets.shape
+
+def _local_spec(hidden, weight, temperature, softcap, logit_scale, want_s2=False,
+                want_sum_z=False, tile_bytes=None, dtype=None) -> _Spec:
+    """The spec of a call without vocab parallelism or a gather callable."""
+    dtype = hidden.dtype if dtype is None else dtype
+    return _Spec(float(temperature), None if softcap is None else float(softcap),
+                 float(logit_scale), weight.shape[0], want_s2, want_sum_z,
+                 _backend_for(hidden.device, dtype), None, "sum", tile_bytes, None, dtype)
+
+
+def compact_rows(targets: torch.Tensor, ignore_index: int, v_total: int):
+    """``(flat targets as int64, rows)``: the positions whose target is not ``ignore_index``
+    (None when every one is kept). Reads values: a target outside ``[0, v_total)`` that is not
+    ``ignore_index`` raises ``ValueError``."""
     flat_t = targets.reshape(-1).long()
     valid = flat_t != ignore_index
     bad = valid & ((flat_t < 0) | (flat_t >= v_total))
@@ -337,48 +408,35 @@ def linear_logprobs(
             f"targets must lie in [0, {v_total}) or equal ignore_index={ignore_index}; found "
             f"{flat_t[bad][:5].tolist()}"
         )
-    flat_h = hidden.reshape(-1, hidden.shape[-1])
-    all_valid = bool(valid.all())
-    if all_valid:
-        rows = None
-        h, t = flat_h.contiguous(), flat_t
-    else:
-        rows = torch.nonzero(valid).squeeze(1)
-        h, t = flat_h.index_select(0, rows), flat_t.index_select(0, rows)
-    if group is not None:
-        # Local ids, outside [0, v_local) when the target lies in another rank's slice: below
-        # 0 before this slice, past its end after it (is_top1 needs to know which).
-        t = t - offset
+    return flat_t, None if bool(valid.all()) else torch.nonzero(valid).squeeze(1)
 
-    kept_mass = None
-    if sampler is not None:
-        lp, ent, kept_mass, lse = sampled.sampled_logprobs(
-            h, weight, bias, t, sampler, rows, temperature=temperature, softcap=softcap,
-            logit_scale=logit_scale, tile_bytes=max_tile_bytes, dtype=dtype)
-        s2 = mean = top1 = None
-    else:
-        spec = _Spec(float(temperature), None if softcap is None else float(softcap),
-                     float(logit_scale), v_total, "sum_p_sq" in stats, "mean_logit" in stats,
-                     _backend_for(hidden.device, dtype), group, hidden_grad, max_tile_bytes,
-                     gather_weight, dtype)
-        lp, ent, s2, mean, top1, lse = _LinearSoftmax.apply(h, weight, bias, t, spec)
-        if "log_kept_mass" in stats:
-            kept_mass = torch.zeros_like(lp)
 
-    def expand(x):
-        if rows is not None:
-            x = x.new_zeros(flat_t.shape).index_put((rows,), x)
-        return x.reshape(shape)
+def take_rows(x: torch.Tensor | None, rows: torch.Tensor | None, width: int | None = None):
+    """``x`` flattened to ``[N]`` (``[N, width]``), restricted to ``rows`` when given."""
+    if x is None:
+        return None
+    x = x.reshape(-1) if width is None else x.reshape(-1, width)
+    return x.contiguous() if rows is None else x.index_select(0, rows)
 
-    return LogprobOutput(
-        logprobs=expand(lp),
-        entropy=expand(ent) if return_entropy else None,
-        sum_p_sq=expand(s2) if "sum_p_sq" in stats else None,
-        mean_logit=expand(mean) if "mean_logit" in stats else None,
-        is_top1=expand(top1) if "is_top1" in stats else None,
-        lse=expand(lse) if "lse" in stats else None,
-        log_kept_mass=expand(kept_mass) if "log_kept_mass" in stats else None,
-    )
+
+def put_rows(x: torch.Tensor, rows: torch.Tensor | None, shape) -> torch.Tensor:
+    """Inverse of :func:`take_rows`: ``x`` scattered back to ``shape``, 0 at dropped rows."""
+    if rows is not None:
+        lead = math.prod(shape) // math.prod(x.shape[1:])
+        x = x.new_zeros((lead, *x.shape[1:])).index_copy_(0, rows, x)
+    return x.reshape(shape)
+
+
+def _logprobs_impl(hidden, weight, bias, targets, spec: _Spec, ignore_index: int, offset: int,
+                   run) -> tuple[torch.Tensor, ...]:
+    """Validate and compact the rows, ``run(h, weight, bias, t, spec)`` on them and scatter the
+    six statistics back to ``targets``' shape (0 at ignored positions)."""
+    flat_t, rows = compact_rows(targets, ignore_index, spec.vocab_total)
+    h = take_rows(hidden, rows, hidden.shape[-1])
+    # With vocab_parallel, local ids lie outside [0, v_local) when the target is in another
+    # rank's slice: below 0 before this slice, past its end after it (is_top1 needs which).
+    t = take_rows(flat_t, rows) - offset if offset else take_rows(flat_t, rows)
+    return tuple(put_rows(x, rows, targets.shape) for x in run(h, weight, bias, t, spec))
 
 
 def _rows_logprobs(hidden, weight, targets, *, bias=None, temperature=1.0, softcap=None,
@@ -387,10 +445,6 @@ def _rows_logprobs(hidden, weight, targets, *, bias=None, temperature=1.0, softc
     ``fused_policy_loss``): ``hidden [N, D]``, ``weight`` and ``bias`` in one compute dtype,
     every target in ``[0, V)``. No checks, no host synchronisation, no vocab parallelism.
     Returns ``(logprobs, entropy)``, each ``[N]``, with gradient."""
-    spec = _Spec(temperature=float(temperature),
-                 softcap=None if softcap is None else float(softcap),
-                 logit_scale=float(logit_scale), vocab_total=weight.shape[0], want_s2=False,
-                 want_sum_z=False, backend=_backend_for(hidden.device, hidden.dtype), group=None,
-                 hidden_grad="sum", tile_bytes=None, gather_weight=None, dtype=hidden.dtype)
+    spec = _local_spec(hidden, weight, temperature, softcap, logit_scale)
     lp, ent, *_ = _LinearSoftmax.apply(hidden, weight, bias, targets, spec)
     return lp, ent

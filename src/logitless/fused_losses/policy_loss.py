@@ -27,6 +27,7 @@ from logitless.fused_losses.aggregation import (
     check_global_counts,
 )
 from logitless.fused_losses.config import KL_EXACT, PolicyLossConfig
+from logitless.fused_losses.custom_ops import is_compiling
 from logitless.fused_losses.kl import kl_estimate
 from logitless.fused_losses.objectives import ObjectiveInputs, ObjectiveOutput, get_objective
 from logitless.fused_losses.ratios import Ratio, compute_ratio
@@ -120,7 +121,9 @@ def _check_cu_seqlens(cu_seqlens, n):
 
 def _check_shapes(mask, advantages, cu_seqlens, validate, tensors) -> bool:
     """Shapes (free) and, with ``validate``, NaN and ``cu_seqlens`` (they synchronise with the
-    device). Returns whether the advantages are per sequence."""
+    device; under ``torch.compile`` they are skipped: README, torch.compile). Returns whether the
+    advantages are per sequence."""
+    validate = validate and not is_compiling()
     shape = mask.shape
     if cu_seqlens is None:
         if mask.dim() != 2:
@@ -380,11 +383,12 @@ def _masked_mean(x, m):
 
 
 def _masked_min_max(x, m):
-    if not m.any():
-        zero = x.new_zeros(())
-        return zero, zero
-    v = x[m]
-    return v.min(), v.max()
+    """Min and max of ``x`` over ``m`` (0 and 0 when ``m`` is empty), without a host read."""
+    some = m.any()
+    pad = x.new_full((1,), torch.inf)  # a sentinel: amin/amax refuse an empty tensor
+    lo = torch.cat([torch.where(m, x, torch.inf).reshape(-1), pad]).amin()
+    hi = torch.cat([torch.where(m, x, -torch.inf).reshape(-1), -pad]).amax()
+    return torch.where(some, lo, 0.0), torch.where(some, hi, 0.0)
 
 
 def policy_loss(
@@ -432,6 +436,8 @@ def policy_loss(
         entropy_coef: overrides ``config.entropy_coef`` (for `AdaptiveEntropyCoef`).
         validate: ``False`` skips the NaN, ``cu_seqlens`` and global-count checks, which
             synchronise with the device: for callers that validated the whole batch once.
+            Under ``torch.compile`` they are skipped whatever ``validate`` says (run
+            `check_policy_inputs` eagerly on the batch instead).
         compute_metrics: ``False`` returns an empty metrics dict (no metric work).
         kl: like ``logprobs``, the exact per-token KL(policy || reference) with its graph, for
             ``kl_estimator="exact"`` only (e.g. ``linear_divergence(hidden, weight, ref_hidden,

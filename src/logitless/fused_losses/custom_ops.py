@@ -1,0 +1,348 @@
+"""The public ops as ``torch.library`` custom ops, so ``torch.compile`` and ``torch.export``
+see each as one graph node.
+
+The pattern, for every public op:
+
+- the Python function (``linear_logprobs``, ...) checks its arguments *statically*: types,
+  shapes, dtypes and scalar ranges, nothing that reads a tensor's values, so dynamo traces it
+  without a graph break;
+- it then calls one op ``torch.ops.logitless.<name>`` whose implementation does everything
+  that depends on values: validation of token ids (it may raise ``ValueError`` from inside
+  the op), compaction of ignored rows, chunk plans, the choice of backend;
+- the op's fake implementation (``register_fake``, which also serves meta tensors) gives the
+  shape and dtype of every output from the inputs' shapes alone;
+- its autograd registration saves what the backward needs, and the backward is itself a
+  custom op with a fake implementation, so compiled backward graphs capture it as one node.
+
+Configuration crosses the op boundary as ``int``/``float``/``bool``/``ScalarType`` arguments.
+What cannot (a process group for ``vocab_parallel``, a ``gather_weight`` callable) keeps the
+eager path. ``torch.library.custom_op`` arrived in torch 2.4; ``AVAILABLE`` is False before it
+and every public op then runs eagerly.
+"""
+
+import torch
+
+from logitless.kernels.linear_softmax_torch import acc_dtype
+
+AVAILABLE = hasattr(torch.library, "custom_op") and hasattr(torch.library, "register_autograd")
+
+def is_compiling() -> bool:
+    """True while dynamo traces (``torch.compile``, ``torch.export``): code that would read a
+    tensor's value on the host (a check, a count turned into a float) takes its traceable
+    form then."""
+    compiler = getattr(torch, "compiler", None)
+    if compiler is not None and hasattr(compiler, "is_compiling"):
+        return compiler.is_compiling()
+    return False
+
+
+OPS: list[str] = []  # qualified names of the ops defined here (``torch.library.opcheck``)
+
+
+def _define(name: str, schema: str, impl, fake):
+    """Register ``logitless::<name>`` with its implementation and fake implementation."""
+    op = torch.library.custom_op(f"logitless::{name}", impl, mutates_args=(), schema=schema)
+    op.register_fake(fake)
+    OPS.append(f"logitless::{name}")
+    return op
+
+
+def _distinct(outs) -> tuple[torch.Tensor, ...]:
+    """An op's outputs, each in its own storage (an op's outputs may not alias one another:
+    a kernel may return one tensor for two results, e.g. the divergence as its own ``aux``)."""
+    seen, result = set(), []
+    for x in outs:
+        ptr = x.untyped_storage().data_ptr() if x.numel() else None
+        result.append(x.clone() if ptr in seen else x)
+        seen.add(ptr)
+    return tuple(result)
+
+
+def _none_grads(n: int) -> tuple[None, ...]:
+    return (None,) * n
+
+
+# --- linear_logprobs ----------------------------------------------------------------------
+
+_LP_CONFIG = ("float temperature, float? softcap, float logit_scale, int ignore_index, "
+              "int? tile_bytes, ScalarType dtype")
+
+
+def _lp_forward(hidden, weight, bias, targets, temperature, softcap, logit_scale, ignore_index,
+                tile_bytes, dtype, want_s2, want_sum_z):
+    from logitless.fused_losses import logprobs as lp
+
+    spec = lp._local_spec(hidden, weight, temperature, softcap, logit_scale, want_s2, want_sum_z,
+                          tile_bytes, dtype)
+    return _distinct(lp._logprobs_impl(hidden, weight, bias, targets, spec, ignore_index, 0,
+                                       lambda h, w, b, t, s: lp._rows_forward(s, h, w, b, t)))
+
+
+def _lp_forward_fake(hidden, weight, bias, targets, temperature, softcap, logit_scale,
+                     ignore_index, tile_bytes, dtype, want_s2, want_sum_z):
+    acc = acc_dtype(dtype)
+    floats = [hidden.new_empty(targets.shape, dtype=acc) for _ in range(4)]
+    top1 = hidden.new_empty(targets.shape, dtype=torch.bool)
+    return (*floats, top1, hidden.new_empty(targets.shape, dtype=acc))
+
+
+def _lp_backward_impl(hidden, weight, bias, targets, lse, entropy, sum_p_sq, g_lp, g_entropy,
+                      g_sum_p_sq, g_mean_logit, g_lse, temperature, softcap, logit_scale,
+                      ignore_index, tile_bytes, dtype, need_hidden, need_weight, need_bias):
+    from logitless.fused_losses import logprobs as lp
+
+    spec = lp._local_spec(hidden, weight, temperature, softcap, logit_scale, False, False,
+                          tile_bytes, dtype)
+    flat_t, rows = lp.compact_rows(targets, ignore_index, weight.shape[0])
+    per_row = [lp.take_rows(x, rows) for x in (flat_t, lse, entropy, sum_p_sq, g_lp, g_entropy,
+                                               g_sum_p_sq, g_mean_logit, g_lse)]
+    d_hidden, d_weight, d_bias = lp._rows_backward(
+        spec, lp.take_rows(hidden, rows, hidden.shape[-1]), weight, bias, *per_row[:4],
+        tuple(per_row[4:]), (need_hidden, need_weight, need_bias))
+    return (hidden.new_empty(0) if d_hidden is None else lp.put_rows(d_hidden, rows, hidden.shape),
+            weight.new_empty(0) if d_weight is None else d_weight,
+            weight.new_empty(0) if d_bias is None else d_bias)
+
+
+def _lp_backward_fake(hidden, weight, bias, targets, lse, entropy, sum_p_sq, g_lp, g_entropy,
+                      g_sum_p_sq, g_mean_logit, g_lse, temperature, softcap, logit_scale,
+                      ignore_index, tile_bytes, dtype, need_hidden, need_weight, need_bias):
+    return (torch.empty_like(hidden) if need_hidden else hidden.new_empty(0),
+            torch.empty_like(weight) if need_weight else weight.new_empty(0),
+            torch.empty_like(bias) if need_bias else weight.new_empty(0))
+
+
+def _lp_setup_context(ctx, inputs, output):
+    hidden, weight, bias, targets = inputs[:4]
+    ctx.config = inputs[4:10]
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(hidden, weight, bias, targets, output[5], output[1], output[2])
+
+
+def _lp_backward(ctx, g_lp, g_entropy, g_sum_p_sq, g_mean_logit, _g_top1, g_lse):
+    n_inputs = 12
+    if all(g is None for g in (g_lp, g_entropy, g_sum_p_sq, g_mean_logit, g_lse)):
+        return _none_grads(n_inputs)
+    hidden, weight, bias, targets, lse, entropy, sum_p_sq = ctx.saved_tensors
+    need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+    need_bias = need_bias and bias is not None
+    d_hidden, d_weight, d_bias = linear_logprobs_backward(
+        hidden, weight, bias, targets, lse, entropy if g_entropy is not None else None,
+        sum_p_sq if g_sum_p_sq is not None else None, g_lp, g_entropy, g_sum_p_sq, g_mean_logit,
+        g_lse, *ctx.config, need_hidden, need_weight, need_bias)
+    return (d_hidden if need_hidden else None, d_weight if need_weight else None,
+            d_bias if need_bias else None, *_none_grads(n_inputs - 3))
+
+
+if AVAILABLE:
+    linear_logprobs_backward = _define(
+        "linear_logprobs_backward",
+        "(Tensor hidden, Tensor weight, Tensor? bias, Tensor targets, Tensor lse, "
+        "Tensor? entropy, Tensor? sum_p_sq, Tensor? g_lp, Tensor? g_entropy, "
+        "Tensor? g_sum_p_sq, Tensor? g_mean_logit, Tensor? g_lse, " + _LP_CONFIG
+        + ", bool need_hidden, bool need_weight, bool need_bias) -> (Tensor, Tensor, Tensor)",
+        _lp_backward_impl, _lp_backward_fake)
+    linear_logprobs = _define(
+        "linear_logprobs",
+        "(Tensor hidden, Tensor weight, Tensor? bias, Tensor targets, " + _LP_CONFIG
+        + ", bool want_s2, bool want_sum_z) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+        _lp_forward, _lp_forward_fake)
+    linear_logprobs.register_autograd(_lp_backward, setup_context=_lp_setup_context)
+
+
+# --- attention_entropy (forward only) -------------------------------------------------------
+
+
+def _ae_forward(q, k, cu_seqlens, attention_mask, query_mask, causal, scale, window, softcap,
+                reduce_mean):
+    from logitless.fused_losses.attention_entropy import _attention_entropy_impl
+
+    return _attention_entropy_impl(q, k, cu_seqlens, attention_mask, query_mask, causal, scale,
+                                   window, softcap, reduce_mean)
+
+
+def _ae_forward_fake(q, k, cu_seqlens, attention_mask, query_mask, causal, scale, window,
+                     softcap, reduce_mean):
+    if cu_seqlens is not None:  # packed [total, Hq, d] -> [total, Hq]
+        shape = q.shape[:2]
+    else:  # padded [B, Hq, T, d] -> [B, Hq, T]
+        shape = q.shape[:3]
+    if reduce_mean:
+        shape = (shape[0], *shape[2:])
+    return q.new_empty(shape, dtype=torch.float32)
+
+
+if AVAILABLE:
+    _define("attention_entropy",
+            "(Tensor q, Tensor k, Tensor? cu_seqlens, Tensor? attention_mask, Tensor? query_mask, "
+            "bool causal, float scale, int? window, float? softcap, bool reduce_mean) -> Tensor",
+            _ae_forward, _ae_forward_fake)
+
+
+# --- linear_divergence ----------------------------------------------------------------------
+
+_DIV_CONFIG = "float beta, float temperature, int? tile_bytes"
+
+
+def _div_spec(beta, temperature, tile_bytes, hidden, t_hidden=None, entropy=False):
+    from logitless.fused_losses.divergence import spec_for
+
+    return spec_for(beta, temperature, tile_bytes, hidden, t_hidden, entropy)
+
+
+def _div_forward(hidden, weight, bias, t_hidden, t_weight, t_bias, mask, beta, temperature,
+                 tile_bytes, entropy):
+    from logitless.fused_losses import divergence as dv
+
+    spec = _div_spec(beta, temperature, tile_bytes, hidden, t_hidden, entropy)
+    return _distinct(dv._divergence_impl(
+        spec, hidden, weight, bias, t_hidden, t_weight, t_bias, mask,
+        lambda *args: dv._divergence_rows(args[-1], *args[:-1])))
+
+
+def _div_forward_fake(hidden, weight, bias, t_hidden, t_weight, t_bias, mask, beta,
+                      temperature, tile_bytes, entropy):
+    acc = acc_dtype(hidden.dtype)
+    return tuple(hidden.new_empty(hidden.shape[:-1], dtype=acc) for _ in range(5))
+
+
+def _div_backward_impl(hidden, weight, bias, t_hidden, t_weight, t_bias, mask, lse_s, lse_t, aux,
+                       grad, beta, temperature, tile_bytes, need_hidden, need_weight, need_bias):
+    from logitless.fused_losses import divergence as dv
+    from logitless.fused_losses import logprobs as lp
+
+    rows = dv._rows(mask, grad.numel())
+    per_row = [lp.take_rows(x, rows) for x in (lse_s, lse_t, aux, grad)]
+    d_hidden, d_weight, d_bias = dv._divergence_rows_backward(
+        _div_spec(beta, temperature, tile_bytes, hidden, t_hidden),
+        lp.take_rows(hidden, rows, hidden.shape[-1]),
+        weight, bias, lp.take_rows(t_hidden, rows, t_hidden.shape[-1]), t_weight, t_bias,
+        *per_row, (need_hidden, need_weight, need_bias))
+    return _grads_or_empty(hidden, weight, rows, d_hidden, d_weight, d_bias)
+
+
+def _grads_or_empty(hidden, weight, rows, d_hidden, d_weight, d_bias):
+    """A backward op's three outputs: the hidden gradient scattered back to ``hidden``'s shape,
+    and an empty tensor for each gradient not computed (an op returns no None)."""
+    from logitless.fused_losses import logprobs as lp
+
+    return (hidden.new_empty(0) if d_hidden is None else lp.put_rows(d_hidden, rows, hidden.shape),
+            weight.new_empty(0) if d_weight is None else d_weight,
+            weight.new_empty(0) if d_bias is None else d_bias)
+
+
+def _grads_fake(hidden, weight, bias, need_hidden, need_weight, need_bias):
+    return (torch.empty_like(hidden) if need_hidden else hidden.new_empty(0),
+            torch.empty_like(weight) if need_weight else weight.new_empty(0),
+            torch.empty_like(bias) if need_bias else weight.new_empty(0))
+
+
+def _div_backward_fake(hidden, weight, bias, t_hidden, t_weight, t_bias, mask, lse_s, lse_t, aux,
+                       grad, beta, temperature, tile_bytes, need_hidden, need_weight, need_bias):
+    return _grads_fake(hidden, weight, bias, need_hidden, need_weight, need_bias)
+
+
+def _div_setup_context(ctx, inputs, output):
+    ctx.config = inputs[7:10]
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(*inputs[:7], *output[2:])
+
+
+def _div_backward(ctx, grad, *_):
+    n_inputs = 11
+    need = ctx.needs_input_grad[:3]
+    if grad is None or not any(need):
+        return _none_grads(n_inputs)
+    saved = ctx.saved_tensors
+    need = (need[0], need[1], need[2] and saved[2] is not None)
+    grads = linear_divergence_backward(*saved, grad, *ctx.config, *need)
+    return (*(g if n else None for g, n in zip(grads, need)), *_none_grads(n_inputs - 3))
+
+
+if AVAILABLE:
+    linear_divergence_backward = _define(
+        "linear_divergence_backward",
+        "(Tensor hidden, Tensor weight, Tensor? bias, Tensor t_hidden, Tensor t_weight, "
+        "Tensor? t_bias, Tensor? mask, Tensor lse_s, Tensor lse_t, Tensor aux, Tensor grad, "
+        + _DIV_CONFIG + ", bool need_hidden, bool need_weight, bool need_bias) "
+        "-> (Tensor, Tensor, Tensor)",
+        _div_backward_impl, _div_backward_fake)
+    linear_divergence = _define(
+        "linear_divergence",
+        "(Tensor hidden, Tensor weight, Tensor? bias, Tensor t_hidden, Tensor t_weight, "
+        "Tensor? t_bias, Tensor? mask, " + _DIV_CONFIG + ", bool entropy) "
+        "-> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+        _div_forward, _div_forward_fake)
+    linear_divergence.register_autograd(_div_backward, setup_context=_div_setup_context)
+
+
+# --- linear_topk_distill's student logprobs at the teacher's ids ----------------------------
+
+
+def _topk_forward(hidden, weight, bias, ids, mask, temperature, tile_bytes):
+    from logitless.fused_losses import divergence as dv
+    from logitless.fused_losses import logprobs as lp
+
+    rows = dv._rows(mask, ids.numel() // max(ids.shape[-1], 1))
+    logprobs, lse = dv._topk_rows(_div_spec(0.0, temperature, tile_bytes, hidden),
+                                  lp.take_rows(hidden, rows, hidden.shape[-1]), weight, bias,
+                                  dv._topk_ids(ids, rows, weight.shape[0]))
+    return lp.put_rows(logprobs, rows, ids.shape), lp.put_rows(lse, rows, ids.shape[:-1])
+
+
+def _topk_forward_fake(hidden, weight, bias, ids, mask, temperature, tile_bytes):
+    acc = acc_dtype(hidden.dtype)
+    return hidden.new_empty(ids.shape, dtype=acc), hidden.new_empty(ids.shape[:-1], dtype=acc)
+
+
+def _topk_backward_impl(hidden, weight, bias, ids, mask, lse, grad, temperature, tile_bytes,
+                        need_hidden, need_weight, need_bias):
+    from logitless.fused_losses import divergence as dv
+    from logitless.fused_losses import logprobs as lp
+
+    rows = dv._rows(mask, ids.numel() // max(ids.shape[-1], 1))
+    spec = _div_spec(0.0, temperature, tile_bytes, hidden)
+    h = lp.take_rows(hidden, rows, hidden.shape[-1])
+    t = dv._topk_ids(ids, rows, weight.shape[0])
+    grads = dv._topk_rows_backward(spec, h, weight, bias, t, lp.take_rows(lse, rows),
+                                   lp.take_rows(grad, rows, ids.shape[-1]),
+                                   (need_hidden, need_weight, need_bias))
+    return _grads_or_empty(hidden, weight, rows, *grads)
+
+
+def _topk_backward_fake(hidden, weight, bias, ids, mask, lse, grad, temperature, tile_bytes,
+                        need_hidden, need_weight, need_bias):
+    return _grads_fake(hidden, weight, bias, need_hidden, need_weight, need_bias)
+
+
+def _topk_setup_context(ctx, inputs, output):
+    ctx.config = inputs[5:7]
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(*inputs[:5], output[1])
+
+
+def _topk_backward(ctx, grad, _):
+    n_inputs = 7
+    need = ctx.needs_input_grad[:3]
+    if grad is None or not any(need):
+        return _none_grads(n_inputs)
+    saved = ctx.saved_tensors
+    need = (need[0], need[1], need[2] and saved[2] is not None)
+    grads = linear_topk_logprobs_backward(*saved, grad, *ctx.config, *need)
+    return (*(g if n else None for g, n in zip(grads, need)), *_none_grads(n_inputs - 3))
+
+
+if AVAILABLE:
+    linear_topk_logprobs_backward = _define(
+        "linear_topk_logprobs_backward",
+        "(Tensor hidden, Tensor weight, Tensor? bias, Tensor ids, Tensor? mask, Tensor lse, "
+        "Tensor grad, "
+        "float temperature, int? tile_bytes, bool need_hidden, bool need_weight, "
+        "bool need_bias) -> (Tensor, Tensor, Tensor)",
+        _topk_backward_impl, _topk_backward_fake)
+    linear_topk_logprobs = _define(
+        "linear_topk_logprobs",
+        "(Tensor hidden, Tensor weight, Tensor? bias, Tensor ids, Tensor? mask, "
+        "float temperature, int? tile_bytes) -> (Tensor, Tensor)",
+        _topk_forward, _topk_forward_fake)
+    linear_topk_logprobs.register_autograd(_topk_backward, setup_context=_topk_setup_context)

@@ -1,0 +1,353 @@
+"""torch.compile, torch.export and meta tensors over the public ops (issue 17).
+
+Each op is one ``torch.library`` custom op (``fused_losses/custom_ops.py``): compiled with
+``fullgraph=True`` and ``dynamic=True`` it must trace without a graph break, compile once for
+two batch sizes, and give eager's forward and backward. The ``aot_eager`` backend runs in the
+default suite; ``inductor`` (a C++ compile of every graph: minutes on a loaded CPU) runs when
+``LOGITLESS_TEST_INDUCTOR=1`` is set and a C++ compiler is on PATH.
+"""
+
+import functools
+import os
+import shutil
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+
+from logitless.fused_losses import custom_ops
+from logitless.fused_losses.attention_entropy import attention_entropy
+from logitless.fused_losses.config import PolicyLossConfig
+from logitless.fused_losses.divergence import linear_divergence, linear_topk_distill
+from logitless.fused_losses.fused_policy_loss import fused_policy_loss
+from logitless.fused_losses.logprobs import linear_logprobs
+from logitless.fused_losses.policy_loss import policy_loss
+
+pytestmark = pytest.mark.skipif(not custom_ops.AVAILABLE, reason="torch.library.custom_op")
+
+D, V, T = 96, 1007, 37
+IGNORE = -100
+CFG = PolicyLossConfig(objective="grpo", beta=0.04, entropy_coef=0.01)
+INDUCTOR = pytest.mark.skipif(
+    os.environ.get("LOGITLESS_TEST_INDUCTOR") != "1" or shutil.which("g++") is None,
+    reason="inductor tests: set LOGITLESS_TEST_INDUCTOR=1 (needs a C++ compiler; slow)")
+
+
+def _batch(b, dtype=torch.float32, seed=0):
+    """A right-padded batch: hidden [b, T, D] with gradient, targets with ignored tails."""
+    g = torch.Generator().manual_seed(seed + b)
+    hidden = torch.randn(b, T, D, generator=g, dtype=dtype).requires_grad_()
+    targets = torch.randint(0, V, (b, T), generator=g)
+    mask = torch.ones(b, T)
+    for i in range(b):
+        mask[i, T - 3 - 5 * i:] = 0  # every row ends with padding of its own length
+    targets = torch.where(mask != 0, targets, IGNORE)
+    old = (torch.randn(b, T, generator=g, dtype=dtype) - 3) * mask
+    ref = (torch.randn(b, T, generator=g, dtype=dtype) - 3) * mask
+    adv = torch.randn(b, generator=g, dtype=dtype)
+    return hidden, targets, mask, old, adv, ref
+
+
+def _head(dtype=torch.float32):
+    g = torch.Generator().manual_seed(7)
+    weight = (torch.randn(V, D, generator=g, dtype=dtype) / D**0.5).requires_grad_()
+    bias = (torch.randn(V, generator=g, dtype=dtype) * 0.1).requires_grad_()
+    return weight, bias
+
+
+# --- the steps compiled ---------------------------------------------------------------------
+
+
+def logprobs_step(hidden, weight, bias, targets):
+    out = linear_logprobs(hidden, weight, targets, bias=bias, temperature=0.9, softcap=20.0,
+                          logit_scale=1.1, ignore_index=IGNORE, return_entropy=True,
+                          stats=("sum_p_sq", "mean_logit", "is_top1", "lse"),
+                          max_tile_bytes=1 << 16)
+    loss = (out.logprobs.sum() + 0.3 * out.entropy.sum() + 0.2 * out.sum_p_sq.sum()
+            + 0.1 * out.mean_logit.sum() + 0.01 * out.lse.square().sum())
+    return loss, out.logprobs, out.entropy, out.is_top1
+
+
+def composed_step(hidden, weight, bias, targets, mask, old, adv, ref):
+    out = linear_logprobs(hidden, weight, targets, bias=bias, ignore_index=IGNORE,
+                          return_entropy=True)
+    return policy_loss(out.logprobs, old, adv, mask, CFG, ref_logprobs=ref, entropy=out.entropy)
+
+
+def fused_step(hidden, weight, bias, targets, mask, old, adv, ref):
+    return fused_policy_loss(hidden, weight, targets, old, adv, mask, CFG, bias=bias,
+                             ref_logprobs=ref)
+
+
+EXACT = PolicyLossConfig(objective="grpo", beta=0.04, kl_estimator="exact")
+REF_WEIGHT = torch.randn(V, 40, generator=torch.Generator().manual_seed(13)) / 40**0.5
+
+
+def exact_kl_step(hidden, weight, bias, targets, mask, old, adv, ref):
+    """The fused loss with the exact KL to a reference head of another hidden size."""
+    ref_hidden = hidden.detach()[..., :40].flip(-1)
+    return fused_policy_loss(hidden, weight, targets, old, adv, mask, EXACT, bias=bias,
+                             temperature=0.9, ref_hidden=ref_hidden,
+                             ref_weight=REF_WEIGHT.to(hidden.dtype))
+
+
+@functools.cache
+def _compiled(step, backend):
+    """One compiled function per (step, backend), shared by the tests, and its frame counter.
+    Python floats (the config's knobs) are specialised, as README advises: left symbolic,
+    dynamo traces every step twice (it restarts to specialise them)."""
+    counter = CompileCounterWithBackend(backend)
+    compiled = torch.compile(step, backend=counter, fullgraph=True, dynamic=True)
+
+    @torch._dynamo.config.patch(specialize_float=True)
+    def run(*args):
+        return compiled(*args)
+
+    return run, counter
+
+
+def _grads(loss, *tensors):
+    return torch.autograd.grad(loss, tensors)
+
+
+def _check_logprobs(backend):
+    weight, bias = _head()
+    fn, counter = _compiled(logprobs_step, backend)
+    for b in (2, 3):
+        hidden, targets, *_ = _batch(b)
+        got, want = fn(hidden, weight, bias, targets), logprobs_step(hidden, weight, bias, targets)
+        for x, y in zip(got, want):
+            torch.testing.assert_close(x, y)
+        assert (got[1][targets == IGNORE] == 0).all()
+        leaves = (hidden, weight, bias)
+        for x, y in zip(_grads(got[0], *leaves), _grads(want[0], *leaves)):
+            torch.testing.assert_close(x, y)
+    assert counter.frame_count == 1  # dynamic=True: the second batch size did not recompile
+
+
+def _check_training_step(step, backend, dtype):
+    weight, bias = _head(dtype)
+    fn, counter = _compiled(step, backend)
+    for b in (2, 3):
+        hidden, targets, mask, old, adv, ref = _batch(b, dtype)
+        args = (hidden, weight, bias, targets, mask, old, adv, ref)
+        (loss, metrics), (loss_e, metrics_e) = fn(*args), step(*args)
+        torch.testing.assert_close(loss, loss_e)
+        assert metrics.keys() == metrics_e.keys()
+        for k in metrics:
+            torch.testing.assert_close(metrics[k], metrics_e[k], msg=k)
+        for x, y in zip(_grads(loss, hidden, weight, bias), _grads(loss_e, hidden, weight, bias)):
+            torch.testing.assert_close(x, y)
+    assert counter.frame_count == 1
+
+
+def test_linear_logprobs_compiled_matches_eager():
+    _check_logprobs("aot_eager")
+
+
+def test_composed_training_step_compiled_matches_eager():
+    _check_training_step(composed_step, "aot_eager", torch.float32)
+
+
+def test_fused_training_step_compiled_matches_eager():
+    # Compiled, the fused loss streams; eager it runs in chunks: fp64 makes them agree tightly.
+    _check_training_step(fused_step, "aot_eager", torch.float64)
+
+
+def test_fused_exact_kl_step_compiled_matches_eager():
+    # Compiled: policy_loss(kl=linear_divergence op); eager: the chunks' own KL passes.
+    _check_training_step(exact_kl_step, "aot_eager", torch.float64)
+
+
+@INDUCTOR
+@pytest.mark.parametrize("step", [composed_step, fused_step])
+def test_training_steps_inductor(step):
+    _check_training_step(step, "inductor", torch.float64)
+
+
+@INDUCTOR
+def test_linear_logprobs_inductor():
+    _check_logprobs("inductor")
+
+
+def _attention_inputs():
+    g = torch.Generator().manual_seed(3)
+    q, k = torch.randn(2, 4, 9, 8, generator=g), torch.randn(2, 2, 9, 8, generator=g)
+    attention_mask = torch.ones(2, 9, dtype=torch.long)
+    attention_mask[1, :3] = 0  # left padding
+    cu = torch.tensor([0, 4, 9, 18], dtype=torch.int32)
+    packed_q, packed_k = q.permute(0, 2, 1, 3).reshape(18, 4, 8), k.permute(0, 2, 1, 3).reshape(
+        18, 2, 8)
+    return q, k, attention_mask, packed_q, packed_k, cu
+
+
+def attention_step(q, k, attention_mask, packed_q, packed_k, cu):
+    return (attention_entropy(q, k, attention_mask=attention_mask, window=5, softcap=30.0),
+            attention_entropy(packed_q, packed_k, cu_seqlens=cu, reduce_heads="mean"))
+
+
+def test_attention_entropy_compiled_matches_eager():
+    fn, counter = _compiled(attention_step, "aot_eager")
+    args = _attention_inputs()
+    for x, y in zip(fn(*args), attention_step(*args)):
+        torch.testing.assert_close(x, y)
+    assert counter.frame_count == 1
+
+
+def divergence_step(hidden, weight, bias, teacher_hidden, teacher_weight, mask):
+    div, entropy = linear_divergence(hidden, weight, teacher_hidden, teacher_weight, mask,
+                                     bias=bias, beta=0.3, temperature=0.8, return_entropy=True)
+    ids = teacher_weight[:, :4].argsort(0)[:T].T.reshape(1, T, 4).expand(*mask.shape, 4)
+    teacher_logprobs = torch.log_softmax(teacher_hidden[..., :4], -1)
+    topk = linear_topk_distill(hidden, weight, ids, teacher_logprobs, mask, bias=bias,
+                               temperature=0.8, log_prob_min_clamp=-8.0)
+    return div.sum() + div.square().sum() + topk.sum(), div, entropy, topk
+
+
+def _divergence_inputs(b):
+    hidden, _, mask, *_ = _batch(b)
+    g = torch.Generator().manual_seed(11)
+    teacher_hidden = torch.randn(b, T, 40, generator=g)
+    teacher_weight = torch.randn(V, 40, generator=g) / 40**0.5
+    return hidden, teacher_hidden, teacher_weight, mask != 0
+
+
+def test_linear_divergence_compiled_matches_eager():
+    weight, bias = _head()
+    fn, counter = _compiled(divergence_step, "aot_eager")
+    for b in (2, 3):
+        hidden, teacher_hidden, teacher_weight, mask = _divergence_inputs(b)
+        args = (hidden, weight, bias, teacher_hidden, teacher_weight, mask)
+        got, want = fn(*args), divergence_step(*args)
+        for x, y in zip(got, want):
+            torch.testing.assert_close(x, y)
+        assert (got[1][~mask] == 0).all() and (got[3][~mask] == 0).all()
+        assert not got[2].requires_grad
+        leaves = (hidden, weight, bias)
+        for x, y in zip(_grads(got[0], *leaves), _grads(want[0], *leaves)):
+            torch.testing.assert_close(x, y)
+    assert counter.frame_count == 1
+
+
+@pytest.mark.parametrize("name", ["logprobs", "composed", "fused", "attention", "divergence"])
+def test_no_graph_breaks(name):
+    if name == "attention":
+        step, args = attention_step, _attention_inputs()
+    elif name == "divergence":
+        weight, bias = _head()
+        hidden, teacher_hidden, teacher_weight, mask = _divergence_inputs(2)
+        step, args = divergence_step, (hidden, weight, bias, teacher_hidden, teacher_weight, mask)
+    else:
+        weight, bias = _head()
+        hidden, targets, mask, old, adv, ref = _batch(2)
+        step = {"logprobs": logprobs_step, "composed": composed_step, "fused": fused_step}[name]
+        args = (hidden, weight, bias, targets)
+        if name != "logprobs":
+            args += (mask, old, adv, ref)
+    explained = torch._dynamo.explain(step)(*args)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    assert explained.graph_count == 1
+
+
+def test_target_out_of_range_raises_inside_the_compiled_op():
+    weight, bias = _head()
+    hidden, targets, *_ = _batch(2)
+    targets = targets.clone()
+    targets[1, 2] = V  # read inside the op: the check survives compilation
+    fn, _ = _compiled(logprobs_step, "aot_eager")
+    with pytest.raises(ValueError, match="targets must lie in"):
+        fn(hidden, weight, bias, targets)
+
+
+# --- opcheck, export, meta ------------------------------------------------------------------
+
+
+def _opcheck_args(name):
+    g = torch.Generator().manual_seed(1)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64)
+
+    hidden, weight, bias = randn(2, 3, 8), randn(11, 8), randn(11)
+    targets = torch.tensor([[1, IGNORE, 10], [0, 5, 5]])
+    config = (0.9, 20.0, 1.1, IGNORE, None, torch.float64)
+    if name == "logitless::linear_logprobs":
+        return (hidden.requires_grad_(), weight.requires_grad_(), bias.requires_grad_(), targets,
+                *config, True, True)
+    if name == "logitless::linear_logprobs_backward":
+        lse, ent, s2, g_lp, g_ent = (randn(2, 3) for _ in range(5))
+        return (hidden, weight, bias, targets, lse + 3, ent.abs(), s2.abs(), g_lp, g_ent, None,
+                None, None, *config, True, True, True)
+    if name.startswith("logitless::linear_divergence"):
+        t_hidden, t_weight = randn(2, 3, 5), randn(11, 5)
+        mask = torch.tensor([[True, False, True], [True, True, True]])
+        if name == "logitless::linear_divergence":
+            return (hidden.requires_grad_(), weight.requires_grad_(), bias.requires_grad_(),
+                    t_hidden, t_weight, None, mask, 0.3, 0.9, None, True)
+        lse_s, lse_t, aux, grad = (randn(2, 3) for _ in range(4))
+        return (hidden, weight, bias, t_hidden, t_weight, None, mask, lse_s + 3, lse_t + 3,
+                aux.abs(), grad, 0.3, 0.9, None, True, True, True)
+    if name.startswith("logitless::linear_topk_logprobs"):
+        ids = torch.tensor([[[1, 4], [0, 99], [10, 3]], [[2, 2], [5, 6], [7, 0]]])
+        mask = torch.tensor([[True, False, True], [True, True, True]])  # 99: dropped row
+        if name == "logitless::linear_topk_logprobs":
+            return (hidden.requires_grad_(), weight.requires_grad_(), bias.requires_grad_(), ids,
+                    mask, 0.9, None)
+        return (hidden, weight, bias, ids, mask, randn(2, 3) + 3, randn(2, 3, 2), 0.9, None,
+                True, True, True)
+    assert name == "logitless::attention_entropy"
+    q, k = torch.randn(7, 4, 8, generator=g), torch.randn(7, 2, 8, generator=g)
+    return (q, k, torch.tensor([0, 3, 7]), None, None, True, 0.35, None, None, False)
+
+
+@pytest.mark.parametrize("name", custom_ops.OPS)
+def test_opcheck(name):
+    op = torch.ops.logitless
+    for part in name.split("::")[1].split("."):
+        op = getattr(op, part)
+    torch.library.opcheck(op.default, _opcheck_args(name))
+
+
+def test_export_module_calling_linear_logprobs():
+    weight, _ = _head()
+
+    class Head(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(weight.detach().clone())
+
+        def forward(self, hidden, targets):
+            out = linear_logprobs(hidden, self.weight, targets, return_entropy=True)
+            return out.logprobs, out.entropy
+
+    module = Head()
+    hidden, targets, *_ = _batch(2)
+    hidden = hidden.detach()
+    exported = torch.export.export(module, (hidden, targets))
+    ops = {node.target for node in exported.graph.nodes if node.op == "call_function"}
+    assert torch.ops.logitless.linear_logprobs.default in ops
+    for x, y in zip(exported.module()(hidden, targets), module(hidden, targets)):
+        torch.testing.assert_close(x, y)
+
+
+def test_meta_tensors_give_meta_outputs():
+    meta = torch.device("meta")
+    hidden = torch.empty(3, T, D, device=meta, requires_grad=True)
+    weight = torch.empty(V, D, device=meta, dtype=torch.bfloat16, requires_grad=True)
+    targets = torch.empty(3, T, device=meta, dtype=torch.long)
+    out = linear_logprobs(hidden, weight, targets, return_entropy=True,
+                          stats=("is_top1", "lse", "sum_p_sq", "mean_logit"))
+    for name in ("logprobs", "entropy", "lse", "sum_p_sq", "mean_logit", "is_top1"):
+        x = getattr(out, name)
+        assert x.device == meta and x.shape == (3, T), name
+        assert x.dtype == (torch.bool if name == "is_top1" else torch.float32), name
+    (out.logprobs.sum() + out.entropy.sum()).backward()
+    assert hidden.grad.shape == hidden.shape and hidden.grad.device == meta
+    assert weight.grad.shape == weight.shape and weight.grad.dtype == torch.bfloat16
+    div = linear_divergence(hidden, weight, torch.empty(3, T, 40, device=meta),
+                            torch.empty(V, 40, device=meta))
+    assert div.device == meta and div.shape == (3, T) and div.dtype == torch.float32
+    q = torch.empty(2, 4, 9, 8, device=meta)
+    k = torch.empty(2, 2, 9, 8, device=meta)
+    assert attention_entropy(q, k).shape == (2, 4, 9)
+    assert attention_entropy(q, k, reduce_heads="mean").shape == (2, 9)
