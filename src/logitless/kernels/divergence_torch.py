@@ -136,7 +136,7 @@ def _logits_fp32_into(z, hidden, weight, bias, temperature):
     >= 2.8 the GEMM writes fp32 directly; elsewhere the tile's operands are upcast (the row
     block and the weight columns, ``D`` wide, never a tile of logits)."""
     if z.is_cuda and _MM_OUT_DTYPE:
-        torch.mm(hidden, weight.t(), out_dtype=torch.float32, out=z)
+        torch.addmm(z, hidden, weight.t(), beta=0.0, out_dtype=torch.float32, out=z)
         if bias is not None:
             z.add_(bias)
     else:
