@@ -84,6 +84,8 @@ if [[ $DRY == 1 ]]; then
   ATTN=(--seq 32 --heads 2 --head-dim 16)
   PROVIDERS=(--providers gemm,logitless,naive,torch)
   POLICY_PROVIDERS=(--providers gemm,logitless-fused,logitless,naive)
+  MID=(--tokens 48 --hidden 32 --vocab 500)
+  DIV_PROVIDERS=(--providers gemm,logitless,naive,trl)
   CHECK=(--device cpu --backend torch --dtype float32)
 else
   SLUG=$("$PY" -c "import torch; print(torch.cuda.get_device_name().lower())" 2>/dev/null \
@@ -100,6 +102,8 @@ torch.cuda.get_device_name())"
   ATTN=(--preset attn-small)
   PROVIDERS=(--providers gemm,logitless,naive,torch,trl,liger,cce,verl)
   POLICY_PROVIDERS=(--providers gemm,logitless-fused,logitless,naive,liger)
+  MID=(--tokens 4096 --hidden 4096 --vocab 151936)
+  DIV_PROVIDERS=(--providers gemm,logitless,naive,trl,liger)
   # The CUDA paths users run (Triton epilogues over cuBLAS tiles), in the dtypes they train in.
   CHECK=(--device cuda --backend triton --dtype bfloat16 float32)
 fi
@@ -118,6 +122,12 @@ bench policy-loss-16k 80 --op policy-loss --dtype bfloat16 --mode fwd-bwd "${BIG
   "${POLICY_PROVIDERS[@]}"
 bench logprobs-sweep 70 --op logprobs --dtype bfloat16 --mode both "${SMALL[@]}" \
   "${PROVIDERS[@]}"
+# The two-head divergence (generalized JSD, beta 0.5) and the sampler-matched logprobs at top-p
+# 0.9, at 4096 tokens: the materialising providers hold two (one) [N, V] fp32 tensors.
+bench divergence-4k 60 --op divergence --dtype bfloat16 --mode fwd-bwd "${MID[@]}" \
+  "${DIV_PROVIDERS[@]}"
+bench logprobs-topp-4k 50 --op logprobs --dtype bfloat16 --mode fwd-bwd "${MID[@]}" \
+  --top-p 0.9 --providers gemm,logitless,naive
 bench attention-entropy 30 --op attention-entropy --dtype bfloat16 --mode fwd "${ATTN[@]}" \
   --providers gemm,logitless,naive
 # Every op against the fp64 reference on every device present (CUDA included), as the CLI

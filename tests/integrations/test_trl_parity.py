@@ -351,7 +351,8 @@ def our_trainer_loss(trainer, batch, num_items):
     ours.args.gradient_accumulation_steps = GA
     ours.__dict__.update(
         loss_config=our_config(trainer.loss_type, epsilon_high=trainer.epsilon_high),
-        _configs={}, _entropy_control=None, state=SimpleNamespace(max_steps=1, global_step=0))
+        _configs={}, _entropy_control=None, _sampler=None,
+        state=SimpleNamespace(max_steps=1, global_step=0))
     lp = batch.lp.clone().requires_grad_()
     ours._get_per_token_logps_and_entropies = lambda *a, **k: (lp, batch.entropy, None)
     inputs = loss_inputs(batch, num_items)

@@ -89,11 +89,12 @@ def test_divergence_fp32_matches_reference(triton_path, beta, tile_bytes):
 
 
 @requires_triton
-@pytest.mark.parametrize("beta", [0.0, 0.5])
-def test_divergence_bf16_three_way(triton_path, beta):
+@pytest.mark.parametrize(("beta", "seed"), [(0.0, 1), (0.5, 1), (1.0, 0)])
+def test_divergence_bf16_three_way(triton_path, beta, seed):
     """bf16 heads: |kernel - fp64| <= |bf16 torch reference - fp64| + tol, values and
-    gradients (which come back in bf16)."""
-    x = _heads(torch.bfloat16, seed=1)
+    gradients (which come back in bf16). The reverse KL (seed 0) failed with bf16 logits
+    tiles: its logit gradient is a difference of the two heads' rounded logits."""
+    x = _heads(torch.bfloat16, seed=seed)
     same = {k: t.detach().clone().requires_grad_(t.requires_grad) for k, t in x.items()}
     x64 = {k: t.detach().double().requires_grad_(t.requires_grad) for k, t in x.items()}
     out = _divergence(logitless.linear_divergence, x, beta, 0.8)
@@ -191,11 +192,12 @@ CASES = [("bfloat16", "bf16", beta) for beta in (0.0, 0.5, 1.0)]
 CASES += [("float16", "fp16", 0.5), ("float32", "fp32", 0.5)]
 for dtype, ty, beta in CASES:
     dt = getattr(torch, dtype)
-    pair = dict(zs_ptr="*" + ty, stride_s="i32", zt_ptr="*" + ty, stride_t="i32")
+    # The pair kernels read and write fp32 logits tiles whatever the heads' dtype.
+    pair = dict(zs_ptr="*fp32", stride_s="i32", zt_ptr="*fp32", stride_t="i32")
     warps, consts = split(k.stats_meta(beta))
     sig = dict(pair, state="*fp32", plane="i32", width="i32", z_scale="fp32")
     assert compile_sm90(k._pair_stats_kernel, sig, consts, num_warps=warps).asm["cubin"]
-    warps, consts = split(k.grad_meta(beta, dt))
+    warps, consts = split(k.grad_meta(beta, torch.float32))
     sig = dict(pair, **dict.fromkeys(("lse_s", "lse_t", "aux", "grad"), "*fp32"),
                width="i32", z_scale="fp32", log_b="fp32", log_1mb="fp32",
                one_minus_beta="fp32")

@@ -81,14 +81,16 @@ def test_gpu_script_dry_run(tmp_path):
     (merged,) = [p for p in tmp_path.glob("*-dry-run.json")]
     records = json.loads(merged.read_text())
     sweeps = {r["sweep"] for r in records}
-    assert sweeps == {"logprobs-16k", "policy-loss-16k", "logprobs-sweep", "attention-entropy"}
-    assert {r["op"] for r in records} == {"logprobs", "policy-loss", "attention-entropy"}
+    assert sweeps == {"logprobs-16k", "policy-loss-16k", "logprobs-sweep", "divergence-4k",
+                      "logprobs-topp-4k", "attention-entropy"}
+    assert {r["op"] for r in records} == {"logprobs", "policy-loss", "divergence",
+                                          "attention-entropy"}
     for r in records:
         assert r["status"] == "ok", (r["provider"], r["reason"])
         if r["provider"] != "gemm":
             # bf16 inputs: errors at bf16 rounding, far below what a wrong result gives
             assert max(r["errors"].values()) < 0.1, (r["op"], r["provider"], r["errors"])
-    assert len(list(tmp_path.glob("*.png"))) == 4
+    assert len(list(tmp_path.glob("*.png"))) == 6
     # The GEMM floor runs first in every sweep (a sweep cut short keeps its ratios).
     for sweep in sweeps:
         assert next(r for r in records if r["sweep"] == sweep)["provider"] == "gemm"

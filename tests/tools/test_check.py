@@ -51,9 +51,12 @@ def test_every_op_and_quantity_is_covered():
 def test_every_op_passes_on_the_triton_kernels(monkeypatch):
     # The launcher's row chunk shrunk from 1024 to 16: its backward runs one interpreted
     # program per padded row (1024 for these 18 rows; now 32, the last chunk still padded).
-    from logitless.kernels import linear_softmax
+    # Likewise the sampler kernels' chunk (every chunk padded to _MAX_ROWS rows at this
+    # vocabulary): 16 rows, so the 18 rows still span a full and a padded chunk.
+    from logitless.kernels import linear_softmax, sampler
 
     monkeypatch.setattr(linear_softmax, "ROW_CHUNK", 16)
+    monkeypatch.setattr(sampler, "_MAX_ROWS", 16)
     rows = run_checks(devices=["cpu"], backends=["triton"], dtypes=["float32"], shape=SMALL)
     assert {r.op for r in rows} == set(QUANTITIES)
     assert all(r.ok for r in rows), [r for r in rows if not r.ok]

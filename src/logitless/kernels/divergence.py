@@ -36,7 +36,13 @@ import triton.language as tl
 
 from logitless.kernels import linear_softmax as head
 from logitless.kernels.divergence_torch import finish_kl
-from logitless.kernels.linear_softmax import _INTERPRET, TileGrads, _Plan, _round_to
+from logitless.kernels.linear_softmax import (
+    _INTERPRET,
+    TileGrads,
+    _addmm_takes_out_dtype,
+    _Plan,
+    _round_to,
+)
 
 __all__ = ["divergence_backward", "divergence_forward", "topk_backward", "topk_forward"]
 
@@ -224,16 +230,62 @@ def _bf16_interpreted(dtype):
     return _INTERPRET and dtype == torch.bfloat16
 
 
+class _Fp32Plan(_Plan):
+    """A head's plan whose logits tile is fp32 whatever the inputs' dtype: a divergence's
+    logit gradient is a difference of two heads' logits (``log p_s - log p_t`` for the reverse
+    KL), which takes their rounding whole, so bf16 logits put the gradient outside the bf16
+    reference's error (TRL's divergence kernels keep their logits in fp32 too). The GEMM writes
+    fp32 directly where torch can (CUDA, torch >= 2.8); elsewhere each chunk's operands are
+    upcast. For bf16/fp16 inputs ``low`` holds the student's logit gradient in their dtype,
+    the operand of the backward's GEMMs (``TileGrads``)."""
+
+    def __init__(self, hidden, weight, tile_bytes, low: bool):
+        super().__init__(hidden, weight, tile_bytes)
+        size, dev = self.tile.numel(), hidden.device
+        self.low = torch.empty(size, dtype=hidden.dtype, device=dev) \
+            if low and hidden.dtype != torch.float32 else None
+        if self.tile.dtype != torch.float32:
+            self.tile = torch.empty(size, dtype=torch.float32, device=dev)
+        self.direct = self.low is not None and _addmm_takes_out_dtype(dev)
+
+    def logits(self, weight, bias, v0, v1, r0, rows) -> torch.Tensor:
+        """The untransformed fp32 logits ``[rows, v1 - v0]`` of a group, one GEMM per
+        chunk."""
+        z = self.tile[:rows * (v1 - v0)].view(rows, v1 - v0)
+        w_t, b = weight[v0:v1].t(), None if bias is None else bias[v0:v1].float()
+        if weight.dtype != torch.float32 and not self.direct:
+            w_t = w_t.float()
+        for c in range(0, rows, head.ROW_CHUNK):
+            h = self.hidden[r0 + c:r0 + c + head.ROW_CHUNK]
+            out = z[c:c + head.ROW_CHUNK]
+            if self.direct:
+                torch.addmm(out, h, w_t, beta=0.0, out_dtype=torch.float32, out=out)
+                if b is not None:
+                    out.add_(b)
+            elif b is None:
+                torch.mm(h.float(), w_t, out=out)
+            else:
+                torch.addmm(b, h.float(), w_t, out=out)
+        return z
+
+    def dx(self, z):
+        """The logit gradient written over ``z`` in the inputs' dtype (``z`` itself for fp32
+        inputs)."""
+        return z if self.low is None else self.low[:z.numel()].view(z.shape).copy_(z)
+
+
 def _plans(hidden, weight, t_hidden, t_weight, tile_bytes):
     """The student's and the teacher's plans, with the same row groups: ``tile_bytes`` (default
-    the head's ``TILE_BYTES``) bounds both tiles together, at least one chunk each."""
+    the head's ``TILE_BYTES``) bounds both fp32 tiles and the student's low-precision gradient
+    tile together, at least one chunk each."""
     budget = head.TILE_BYTES if tile_bytes is None else int(tile_bytes)
     cols = min(head.VOCAB_TILE, weight.shape[0])
-    sizes = (hidden.element_size(), t_hidden.element_size())
-    chunks = max(1, budget // (sum(sizes) * cols * head.ROW_CHUNK))
-    # Each plan's own budget is exactly ``chunks`` of its chunk tiles: the same groups.
-    return tuple(_Plan(h, w, chunks * e * cols * head.ROW_CHUNK)
-                 for h, w, e in ((hidden, weight, sizes[0]), (t_hidden, t_weight, sizes[1])))
+    low = hidden.element_size() if hidden.dtype != torch.float32 else 0
+    chunks = max(1, budget // ((8 + low) * cols * head.ROW_CHUNK))
+    # ``_Plan`` sizes its groups by its inputs' element size: each plan's budget is exactly
+    # ``chunks`` of its chunk tiles in that size, so both get the same groups.
+    return tuple(_Fp32Plan(h, w, chunks * h.element_size() * cols * head.ROW_CHUNK, student)
+                 for h, w, student in ((hidden, weight, True), (t_hidden, t_weight, False)))
 
 
 def _pair_tiles(plans, weights, biases):
@@ -306,14 +358,14 @@ def divergence_backward(hidden, weight, bias, t_hidden, t_weight, t_bias, lse_s,
                    log_b=math.log(beta) if mixed else 0.0,
                    log_1mb=math.log1p(-beta) if mixed else 0.0, one_minus_beta=1.0 - beta)
     per_row = [t.float().contiguous() for t in (lse_s, lse_t, aux, grad)]
-    meta = grad_meta(beta, hidden.dtype)
+    meta = grad_meta(beta, plans[0].tile.dtype)  # fp32: the gradient is rounded by plans[0].dx
     for v0, v1, gi, r0, rows, zs, zt in _pair_tiles(plans, (weight, t_weight), (bias, t_bias)):
         real = plans[0].real_rows(r0, rows)
         _pair_grad_kernel[(real,)](
             zs, zs.stride(0), zt, zt.stride(0), *(t[r0:] for t in per_row), v1 - v0, **scalars,
             **meta)
         zs[real:].zero_()  # the last chunk's padding rows: no gradient
-        grads.add(zs, weight[v0:v1], v0, v1, gi, r0, rows)
+        grads.add(plans[0].dx(zs), weight[v0:v1], v0, v1, gi, r0, rows)
         if gi == len(plans[0].groups) - 1:
             grads.end_tile(v0, v1)
     return grads.result()

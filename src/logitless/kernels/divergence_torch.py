@@ -4,10 +4,12 @@
 Student ``z_s = (hidden @ W^T + b) / T`` and teacher ``z_t = (teacher_hidden @ W_t^T + b_t) / T``
 are streamed through token-major tiles ``[rows, cols]`` built by the linear-softmax twin's
 tile helpers; at most four fp32 tiles of one shape exist at a time (each head's logits and a
-scratch tile), plus each head's GEMM output in bf16/fp16 for such inputs, all within
-``tile_bytes``. The tile shape depends on the vocabulary and the budget only, and the last row
-block is padded as the linear-softmax twin pads it, so every pass recomputes its tiles with the
-same GEMM shapes whatever N is: a logit has the same rounding in each pass and in every batch.
+scratch tile), plus, for bf16/fp16 inputs, the student's logit gradient in that dtype for the
+backward's GEMMs, all within ``tile_bytes``. The logits themselves are fp32 whatever the
+inputs' dtype (see ``_logits_fp32_into``). The tile shape depends on the vocabulary and the
+budget only, and the last row block is padded as the linear-softmax twin pads it, so every pass
+recomputes its tiles with the same GEMM shapes whatever N is: a logit has the same rounding in
+each pass and in every batch.
 
 - ``divergence_forward``: pass 1 folds both heads' online maxima and sums of exponentials (and,
   for ``beta`` 0 or 1, the expected logit gap, which finishes the KL in the same pass); pass 2,
@@ -26,6 +28,7 @@ import torch
 from logitless.kernels.linear_softmax_torch import (
     _MAX_COLS,
     _MIN_COLS,
+    _MM_OUT_DTYPE,
     _ROW_BLOCK,
     DEFAULT_TILE_BYTES,
     _pad_rows,
@@ -33,14 +36,16 @@ from logitless.kernels.linear_softmax_torch import (
     _Tiles,
     acc_dtype,
     addmm_acc_,
+    logits_into,
 )
 
 
-def _bytes_per_element(dtype: torch.dtype) -> int:
+def _bytes_per_element(dtype: torch.dtype, student: bool = True) -> int:
     """Bytes one head's tile buffers take per logit: the logits and a scratch tile in fp32
-    (fp64 for fp64 inputs), and the GEMM's output in the input dtype when that is bf16/fp16."""
+    (fp64 for fp64 inputs), and for the student with bf16/fp16 inputs its logit gradient in
+    that dtype (the backward's GEMM operand)."""
     acc = acc_dtype(dtype)
-    return 2 * acc.itemsize + (dtype.itemsize if acc != dtype else 0)
+    return 2 * acc.itemsize + (dtype.itemsize if acc != dtype and student else 0)
 
 
 def _tile_shape(v: int, tile_bytes: int, bytes_per_element: int) -> tuple[int, int]:
@@ -62,12 +67,14 @@ class _Heads:
     def __init__(self, n, v, hidden, t_hidden, tile_bytes):
         per = _bytes_per_element(hidden.dtype)
         if t_hidden is not None:
-            per += _bytes_per_element(t_hidden.dtype)
+            per += _bytes_per_element(t_hidden.dtype, student=False)
         self.rows, self.cols = _tile_shape(v, tile_bytes, per)
         self.row_blocks = list(_row_blocks(n, self.rows))
         rows, cols = self.row_blocks[0][2] if n else 1, min(self.cols, v)
         self.s = _Tiles(rows, cols, hidden.dtype, hidden.device, None)
-        self.t = None if t_hidden is None else _Tiles(rows, cols, t_hidden.dtype,
+        # The teacher's tiles need no low-precision buffer: its logits are fp32 and it has no
+        # gradient.
+        self.t = None if t_hidden is None else _Tiles(rows, cols, acc_dtype(t_hidden.dtype),
                                                       t_hidden.device, None)
         self.padded, self.v = rows, v
 
@@ -83,8 +90,12 @@ class _Heads:
         """Tempered logits ``[real rows, cols]`` of one tile (a view of the padded block's
         tile) and a scratch view of the same shape."""
         b = None if bias is None else bias[cols]
-        h = _pad_rows(hidden[rows], self.padded)
-        z, _ = tiles.logits(h, weight[cols], b, temperature, None, 1.0, vocab_major=False)
+        h, w = _pad_rows(hidden[rows], self.padded), weight[cols]
+        if hidden.dtype == tiles.acc:
+            z, _ = tiles.logits(h, w, b, temperature, None, 1.0, vocab_major=False)
+        else:
+            z = tiles.view(tiles.z, h.shape[0], w.shape[0])
+            _logits_fp32_into(z, h, w, b, temperature)
         real = rows.stop - rows.start
         return z[:real], tiles.view(tiles.scratch, real, z.shape[1])
 
@@ -114,6 +125,26 @@ class _Heads:
                 d_hidden[rows] = dh[:real]
         if d_weight is not None:
             addmm_acc_(d_weight[cols], dx.t(), _pad_rows(hidden[rows], self.padded))
+
+
+def _logits_fp32_into(z, hidden, weight, bias, temperature):
+    """Tempered logits ``[rows, cols]`` of bf16/fp16 operands written into the fp32 tile ``z``
+    without rounding them to the inputs' dtype first (TRL's divergence kernels keep their
+    logits in fp32 too). A divergence's logit gradient is a difference of two heads' logits
+    (``log p_s - log p_t`` for the reverse KL), which takes their rounding whole: bf16 logits
+    put the weight gradient outside the bf16 reference's error at V=1007. On CUDA with torch
+    >= 2.8 the GEMM writes fp32 directly; elsewhere the tile's operands are upcast (the row
+    block and the weight columns, ``D`` wide, never a tile of logits)."""
+    if z.is_cuda and _MM_OUT_DTYPE:
+        torch.addmm(z, hidden, weight.t(), beta=0.0, out_dtype=torch.float32, out=z)
+        if bias is not None:
+            z.add_(bias)
+    else:
+        b = None if bias is None else bias.float()
+        logits_into(z, None, None, hidden.float(), weight.float(), b, 1.0, None, 1.0,
+                    vocab_major=False)
+    if temperature != 1.0:
+        z.mul_(1.0 / temperature)
 
 
 def _fold(m, l, z, scratch):
