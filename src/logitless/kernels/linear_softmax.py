@@ -229,9 +229,10 @@ def _addmm_takes_out_dtype(device: torch.device) -> bool:
     if torch.__version__ < "2.8":
         return False
     one = torch.ones(1, 1, dtype=torch.bfloat16, device=device)
+    # A build without the fp32-output GEMM raises one of these for the keyword or the kernel.
     try:
         torch.addmm(torch.zeros(1, 1, device=device), one, one, out_dtype=torch.float32)
-    except (RuntimeError, TypeError, NotImplementedError):  # the probe's "no": the build lacks it
+    except (RuntimeError, TypeError, NotImplementedError):
         return False
     return True
 
