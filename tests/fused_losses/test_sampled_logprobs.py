@@ -12,12 +12,22 @@ import pytest
 import torch
 
 import logitless
+from logitless.kernels import sampler_torch
 from logitless.reference.sampler import sampler_kept_mask, sampler_logprobs
 
 from testing import assert_close_to_oracle
 
 N, D, V = 37, 96, 1007
 OUTS = ("logprobs", "entropy", "log_kept_mass")
+
+
+@pytest.fixture(autouse=True, params=[None, 5], ids=["one-slice", "slices-of-5"])
+def _slices(request, monkeypatch):
+    """Every test twice: with the torch path's passes taking these vocabularies in one slice
+    (they are narrower than its default slice), and in slices of 5 ids, where histograms, tie
+    ranks, the kept set's (key, count) and the target's place carry from slice to slice."""
+    if request.param is not None:
+        monkeypatch.setattr(sampler_torch, "_COLS", request.param)
 
 
 def make_inputs(n=N, d=D, v=V, seed=0, scale=3.0):
@@ -158,6 +168,30 @@ def test_ties_keep_the_lowest_ids():
     kept_p = torch.isfinite(_all_targets(z[1:], top_p=0.5))
     assert kept_p[0].nonzero().flatten().tolist() == [1, 2, 3]
     assert torch.equal(kept_p, sampler_kept_mask(z[1:], top_p=0.5))
+
+
+def test_gradients_with_ties_split_at_the_boundary():
+    """Integer logits whose top-k and top-p boundaries fall inside runs of tied tokens: the
+    gradients (which see the kept set through q) equal the reference's, so the backward
+    rebuilds the forward's set, lowest tied ids first, slice after slice."""
+    gen = torch.Generator().manual_seed(7)
+    r, v = 6, 23
+    z = torch.randint(-2, 3, (r, v), generator=gen).double()
+    kw = dict(top_k=torch.randint(3, 12, (r,), generator=gen), top_p=0.6)
+    kept = sampler_kept_mask(z, **kw)
+    edge = torch.where(kept, z, float("inf")).amin(1, keepdim=True)
+    assert int(((z == edge) & ~kept).any(1).sum()) >= 3  # ties split at the boundary
+    hidden = torch.eye(r, dtype=torch.float64)
+    targets = torch.where(kept, z, -float("inf")).argmax(1)
+    leaves = [hidden.clone().requires_grad_(), z.t().contiguous().requires_grad_()]
+    out = _run(leaves[0], leaves[1], None, targets, **kw)
+    ref_leaves = [x.detach().clone().requires_grad_() for x in leaves]
+    ref = sampler_logprobs(ref_leaves[0], ref_leaves[1], targets, None, **kw)
+    up = [torch.randn(r, generator=gen, dtype=torch.float64) for _ in OUTS]
+    grads = torch.autograd.grad(_finite_sum([getattr(out, k) for k in OUTS], up), leaves)
+    ref_grads = torch.autograd.grad(_finite_sum([ref[k] for k in OUTS], up), ref_leaves)
+    for g, want in zip(grads, ref_grads):
+        torch.testing.assert_close(g, want, rtol=0, atol=1e-12)
 
 
 def test_sampler_draws_follow_the_logprobs():

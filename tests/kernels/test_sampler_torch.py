@@ -22,10 +22,21 @@ def test_ordered_keys_sort_like_the_floats(dtype):
                        keys.unsqueeze(0) == keys.unsqueeze(1))
 
 
+def _rebuild(keys, key, count):
+    """The kept set ``[R, V]`` the backward rebuilds from the stored (key, count) pairs."""
+    kd = keys.dtype
+    seen = torch.zeros(keys.shape[0], dtype=torch.int32)
+    return sampler_torch._prefix_slice(keys.t().contiguous(), key.to(kd), count.int(),
+                                       seen)[0].t()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_kept_set_matches_reference_on_tied_integer_logits(dtype):
+@pytest.mark.parametrize("cols", [4096, 5])
+def test_kept_set_matches_reference_on_tied_integer_logits(dtype, cols, monkeypatch):
     """Integer logits in [-3, 3] over 41 ids: every row has ties at the k-th value and at the
-    top-p boundary; the kept set must be the reference's (lowest ids kept first)."""
+    top-p boundary; the kept set must be the reference's (lowest ids kept first), whether the
+    passes take the vocabulary in one slice or in slices of 5 (tie ranks carried across)."""
+    monkeypatch.setattr(sampler_torch, "_COLS", cols)
     gen = torch.Generator().manual_seed(3)
     n, v = 300, 41
     z = torch.randint(-3, 4, (n, v), generator=gen).to(dtype)
@@ -35,17 +46,23 @@ def test_kept_set_matches_reference_on_tied_integer_logits(dtype):
                         torch.rand(n, generator=gen, dtype=torch.float64) * 0.3)
     params = RowParams(torch.ones(n, dtype=dtype), k, p.to(dtype), min_p.to(dtype))
     keys = sampler_torch._ordered_keys(z)
-    got = sampler_torch._kept_set(z, z.amax(1), keys, params)
+    targets = torch.randint(0, v, (n,), generator=gen)
+    got, outs = sampler_torch.select(z, targets, params)
     want = sampler_kept_mask(z.double(), k, p, min_p)
     assert torch.equal(got, want)
     # the boundary ties really are split in some rows (lowest ids kept)
     t = torch.where(want, z, float("inf")).amin(1, keepdim=True)
     split = ((z == t) & ~want).any(1) & ((z == t) & want).any(1)
     assert int(split.sum()) > 20
-    # and the stored (key, count) pair rebuilds the same set (what the backward uses)
+    # the stored (key, count) pair is the set's smallest key and its kept ties, and it
+    # rebuilds the same set (what the backward does)
     kmin = torch.where(got, keys, torch.iinfo(keys.dtype).max).amin(1)
-    count = (got & (keys == kmin.unsqueeze(1))).sum(1)
-    assert torch.equal(sampler_torch._prefix(keys, kmin, count), got)
+    assert torch.equal(outs[5], kmin.long())
+    assert torch.equal(outs[6], (got & (keys == kmin.unsqueeze(1))).sum(1))
+    assert torch.equal(_rebuild(keys, outs[5], outs[6]), got)
+    # the target's logprob: -inf exactly where the reference drops it
+    y_kept = want.gather(1, targets.unsqueeze(1)).squeeze(1)
+    assert torch.equal(torch.isfinite(outs[0]), y_kept)
 
 
 def test_results_do_not_depend_on_the_batch():
@@ -73,5 +90,5 @@ def test_top_p_boundary_within_fp32_rounding_matches_the_exact_sums():
     margin = torch.where(probs < 0.9, 0.9 - probs, probs - 0.9).min()
     assert margin < 2e-7
     params = RowParams(torch.ones(1), None, torch.full((1,), 0.9, dtype=torch.float64), None)
-    got = sampler_torch._kept_set(z, z.amax(1), sampler_torch._ordered_keys(z), params)
+    got, _ = sampler_torch.select(z, torch.zeros(1, dtype=torch.int64), params)
     assert torch.equal(got, sampler_kept_mask(z.double(), top_p=0.9))

@@ -153,8 +153,10 @@ def test_kept_sets_equal_the_torch_paths_on_tied_logits(small, monkeypatch):
     kernel.chunk_stats(z, targets, kernel.row_args(params, n, z.device), 0, outs,
                        torch.empty(2, n), None, 1.0)
     keys = sampler_torch._ordered_keys(z)
-    kept = sampler_torch._prefix(keys, outs[5], outs[6])
-    want = sampler_torch._kept_set(z, z.amax(1), keys, params)
+    want, torch_outs = sampler_torch.select(z, targets, params)
+    seen = torch.zeros(n, dtype=torch.int32)
+    kept = sampler_torch._prefix_slice(keys.t().contiguous(), outs[5].int(), outs[6].int(),
+                                       seen)[0].t()
     assert torch.equal(kept, want)
     ref = sampler_kept_mask(z.double(), params.top_k, None if params.top_p is None
                             else params.top_p.double(),
@@ -166,7 +168,7 @@ def test_kept_sets_equal_the_torch_paths_on_tied_logits(small, monkeypatch):
     # boundary ties really are split in some rows
     at = z == torch.where(want, z, float("inf")).amin(1, keepdim=True)
     assert int(((at & ~want).any(1) & (at & want).any(1)).sum()) >= 3
-    for got, exp in zip(outs[:5], sampler_torch._stats(z, targets, want)):
+    for got, exp in zip(outs[:5], torch_outs[:5]):
         torch.testing.assert_close(got, exp, rtol=0, atol=1e-5)
 
 

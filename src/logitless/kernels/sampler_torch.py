@@ -1,36 +1,45 @@
 """Chunked PyTorch path of the sampler-matched logprobs (top-k, top-p, min-p, per-token
 temperature as vLLM applies them; the semantics are in ``logitless.reference.sampler``).
 
-Rows go through in chunks of ``R`` whole-vocabulary rows, ``R`` from the byte budget and the
-vocabulary only (never from the number of tokens, so a token's results do not depend on its
-batch); only one chunk's ``[R, V]`` logits and a few same-shaped temporaries ever exist. The
-algorithm per chunk, which a one-program-per-row kernel can follow tile by tile:
+**Forward.** Rows go through in chunks of ``R`` whole-vocabulary rows, ``R`` from the byte
+budget and the vocabulary only (never from the number of tokens, so a token's results do not
+depend on its batch). A chunk's logits ``z`` are held vocabulary-major, ``[V, R]`` in the
+accumulation dtype, written slice by slice by ``[cols, D] x [D, R]`` GEMMs; every pass over
+them then walks the same ``cols``-row slices, so its temporaries (keys, masks, weights, tie
+ranks) are ``[cols, R]``, never ``[V, R]``. Peak extra memory: ``R V`` logits plus one slice's
+temporaries, within ``tile_bytes``. Per chunk, each step a pass or a few over the slices:
 
-1. logits ``z`` (GEMMs over vocabulary slices), the row maximum ``m`` and the full
-   normaliser ``lse``;
+1. the row maximum ``m``;
 2. min-p: candidates ``z >= m + log(min_p)`` (``min_p = 0``: ``log 0 = -inf``, all);
 3. top-k: the ``k``-th largest candidate by a radix select over the **ordered integer keys**
    of the logits (the float's bit pattern, negatives flipped, so integer order is float
-   order): the largest key ``t`` with ``#{key >= t} >= k``, found a byte at a time from the
-   top with a per-row 256-bin histogram of the keys sharing the bytes chosen so far (4 passes
-   for fp32 keys; a kernel can equally bisect, 32 counting passes); then the
-   ``k - #{key > t}`` tokens tied at ``t`` with the lowest vocabulary ids are kept;
-4. top-p: the same select with each candidate weighted by ``exp(z - m)``: the largest key
-   ``t`` whose candidates at or above it hold at least ``p`` of the candidates' mass; the
-   ``ceil((p L - G) / e_t)`` tokens tied at ``t`` with the lowest ids are kept (``G``: the
-   mass strictly above ``t``, ``e_t``: a tied token's weight). Rows with ``p = 1`` are left
+   order): the largest key ``t`` with ``#{key >= t} >= k``, found 11 bits at a time from the
+   top with a per-row 2048-bin histogram of the keys sharing the digits chosen so far (3
+   passes for fp32 keys, 6 for fp64); the count strictly above ``t`` falls out of the last
+   pass; the ``k - #{key > t}`` tokens tied at ``t`` with the lowest vocabulary ids are kept
+   (their ranks are running counts carried from slice to slice, slices in id order);
+4. top-p: the same select with each candidate weighted by ``exp(z - m)`` in fp64, the target
+   ``p L`` from the first pass's total ``L``: the largest key ``t`` whose candidates at or
+   above it hold at least ``p`` of the candidates' mass; the ``ceil((p L - G) / e_t)`` tokens
+   tied at ``t`` with the lowest ids are kept (``G``: the mass strictly above ``t``, from the
+   last pass; ``e_t``: a tied token's weight, from ``t``). Rows with ``p = 1`` are left
    alone;
 5. the kept set is now a prefix of the vocabulary ordered by (logit descending, id
    ascending): it is stored as two numbers per row, the key ``t`` of its smallest logit and how
    many of the tokens at ``t`` it holds (lowest ids first); the backward rebuilds it from them;
-6. ``log q_y``, the kept distribution's entropy and ``log_kept_mass``.
+6. ``log q_y``, the kept distribution's entropy and ``log_kept_mass`` (one pass, with 5).
 
-The backward recomputes the chunk's logits and the kept set, and forms with ``q`` (the kept
-distribution, 0 outside it) and ``p`` (the full softmax)
-``dz = g_lp (1[j=y] - q) - g_H q (log q + H) + g_kept (q - p) + g_lse p``
-(``g_lp`` taken as 0 on rows whose target is outside the kept set: their logprob is ``-inf``
-and carries no gradient), then the transform's derivative and the GEMMs, accumulating in fp32
-(fp64 for fp64 inputs).
+**Backward**, vocabulary-outer as the Triton path's: per ``cols``-column slice of the head,
+per ``R``-row block, the forward's GEMM (the same shapes and operands, so the same bits, so
+the same kept set) gives the slice's logits; with ``q`` (the kept distribution, 0 outside it)
+and ``p`` (the full softmax)
+``dz = g_lp (1[j=y] - q) - g_H q (log q + H) + g_kept (q - p) + g_lse p``,
+then the transform's derivative, ``d_hidden[block] += dz^T W_slice`` and ``d_weight[slice]
++= dz h_block``, accumulating in fp32 (fp64 for fp64 inputs). A weight slice and its
+gradient stay in cache while every row block uses them, where a row-outer loop would stream
+the whole head and its gradient once per chunk. ``g_lp`` must already be 0 on rows whose target is outside the kept set (their
+logprob is ``-inf`` and carries no gradient; ``fused_losses/sampled.py`` passes it so to
+both paths).
 """
 
 from __future__ import annotations
@@ -51,12 +60,15 @@ from logitless.kernels.linear_softmax_torch import (
     through_transform_,
 )
 
-__all__ = ["RowParams", "backward", "forward", "rows_per_chunk"]
+__all__ = ["RowParams", "backward", "forward", "rows_per_chunk", "select"]
 
-# Vocabulary columns per GEMM of a chunk's logits.
-_COLS = 16384
+# Vocabulary columns per slice: per GEMM of a chunk's logits and per step of every pass.
+_COLS = 1024
 # Most rows per chunk.
 _MAX_ROWS = 1024
+# Bits of the key the radix select settles per pass: 3 passes for fp32 keys (6 for fp64),
+# with a 2048-bin histogram per row.
+_DIGIT_BITS = 11
 
 
 @dataclass
@@ -77,144 +89,217 @@ class RowParams:
                          cut(self.top_p, 1.0), cut(self.min_p, 0.0))
 
 
-def rows_per_chunk(v: int, tile_bytes: int, dtype: torch.dtype, softcap: float | None) -> int:
-    """Rows per chunk so that a chunk's buffers fit in ``tile_bytes``: the logits and two
-    temporaries in the accumulation dtype, ``tanh`` when soft-capping, the keys, the radix
-    select's digits and fp64 weights, and masks. From the vocabulary, the budget and the dtype
-    only."""
+def _slice_bytes(dtype: torch.dtype, softcap: float | None) -> int:
+    """Bytes per element of one slice's temporaries at their peak: the keys and their shifted
+    copies, fp64 weights, histogram indices (int64), masks and tie ranks, the GEMM's output in
+    the input dtype, and ``tanh`` when soft-capping."""
     acc = acc_dtype(dtype).itemsize
-    per_elem = acc * (4 if softcap is not None else 3) + 36
-    return max(1, min(_MAX_ROWS, tile_bytes // (v * per_elem)))
+    return 4 * acc + 40 + dtype.itemsize + (acc if softcap is not None else 0)
 
 
-def _chunk_logits(h, weight, bias, params: RowParams, softcap, logit_scale):
-    """Tempered logits ``[R, V]`` of one chunk in the accumulation dtype and ``tanh(x / c)``
-    when soft-capping (else None)."""
-    r, v = h.shape[0], weight.shape[0]
-    acc = acc_dtype(h.dtype)
-    z = torch.empty(r, v, dtype=acc, device=h.device)
-    cap = torch.empty_like(z) if softcap is not None else None
-    cols = min(v, _COLS)
-    buf = torch.empty(r * cols, dtype=acc, device=h.device)
-    low = torch.empty(r * cols, dtype=h.dtype, device=h.device) if acc != h.dtype else None
-    tbuf = torch.empty(r * cols, dtype=acc, device=h.device) if softcap is not None else None
-    for c0 in range(0, v, cols):
-        w, b = _head_slice(weight, bias, c0, cols, h.dtype)
-        n = w.shape[0]
-        x = buf[:r * n].view(r, n)
-        t = logits_into(x, None if low is None else low[:r * n].view(r, n),
-                        None if tbuf is None else tbuf[:r * n].view(r, n), h, w, b, 1.0,
-                        softcap, logit_scale, vocab_major=False)
-        z[:, c0:c0 + n] = x
-        if t is not None:
-            cap[:, c0:c0 + n] = t
-    z /= params.temperature.unsqueeze(1)
-    return z, cap
+def rows_per_chunk(v: int, tile_bytes: int, dtype: torch.dtype, softcap: float | None) -> int:
+    """Rows per chunk so that a chunk's ``[V, R]`` logits in the accumulation dtype and one
+    slice's temporaries fit in ``tile_bytes``. From the vocabulary, the budget and the dtype
+    only."""
+    per_row = v * acc_dtype(dtype).itemsize + min(v, _COLS) * _slice_bytes(dtype, softcap)
+    return max(1, min(_MAX_ROWS, tile_bytes // per_row))
+
+
+class _Buffers:
+    """One slice's GEMM scratch: the output in the input dtype when that is not the
+    accumulation dtype, and ``tanh`` when soft-capping (flat, viewed per slice)."""
+
+    def __init__(self, rows, cols, dtype, device, softcap):
+        acc = acc_dtype(dtype)
+        self.low = torch.empty(rows * cols, dtype=dtype, device=device) if acc != dtype \
+            else None
+        self.cap = torch.empty(rows * cols, dtype=acc, device=device) if softcap is not None \
+            else None
+
+    def logits(self, x, h, w, b, softcap, logit_scale):
+        """Write the slice's logits ``[cols, R]`` into ``x``; ``tanh`` (a view) or None."""
+        def view(buf):
+            return None if buf is None else buf[:x.numel()].view(x.shape)
+        return logits_into(x, view(self.low), view(self.cap), h, w, b, 1.0, softcap,
+                           logit_scale, vocab_major=True)
 
 
 def _ordered_keys(z: torch.Tensor) -> torch.Tensor:
-    """Integers ordered as the floats ``z`` are (``-0.0`` taken as ``+0.0``)."""
-    if z.dtype == torch.float64:
-        bits, flip = (z + 0.0).view(torch.int64), 0x7FFFFFFFFFFFFFFF
-    else:
-        bits, flip = (z + 0.0).view(torch.int32), 0x7FFFFFFF
-    return torch.where(bits < 0, bits ^ flip, bits)
+    """Integers ordered as the floats ``z`` are (``-0.0`` taken as ``+0.0``): the bit
+    pattern, with every bit but the sign flipped on negatives (shift, mask and xor: on CPU a
+    ``torch.where`` costs several times as much)."""
+    kd = _key_dtype(z.dtype)
+    bits = (z + 0.0).view(kd)
+    last = torch.iinfo(kd).bits - 1
+    return bits ^ ((bits >> last) & ((1 << last) - 1))
 
 
-def _candidate_keys(keys, cand):
-    """``keys`` with the non-candidates at the dtype's minimum (below every candidate, with
-    weight 0, so they never count)."""
-    return torch.where(cand, keys, torch.iinfo(keys.dtype).min)
+def _key_floats(keys: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The floats of ``dtype`` whose ordered keys are ``keys`` (``_ordered_keys``' inverse)."""
+    last = torch.iinfo(keys.dtype).bits - 1
+    return (keys ^ ((keys >> last) & ((1 << last) - 1))).view(dtype)
 
 
-def _largest_key(kk, weight, target):
-    """Per row, the largest key ``t`` with ``sum(weight[kk >= t]) >= target`` (``weight``
-    None: a count), by radix select: 8 bits at a time from the top, a per-row 256-bin
-    histogram (weighted for top-p) of the next byte of the keys that share the bytes chosen so
-    far; the chosen byte is the largest whose bins from it upward, plus the weight already
-    known to lie above, reach the target. 4 passes for fp32 keys (8 for fp64)."""
-    bits = torch.iinfo(kk.dtype).bits
-    sign = torch.iinfo(kk.dtype).min
-    ukey = kk ^ sign  # unsigned order as a bit pattern: the byte digits compare as 0..255
-    rows = kk.shape[0]
-    prefix = torch.zeros(rows, dtype=kk.dtype, device=kk.device)
-    above = torch.zeros_like(target) if weight is not None else \
-        torch.zeros(rows, dtype=torch.int64, device=kk.device)
-    ones = None
-    for shift in range(bits - 8, -1, -8):
-        digit = ((ukey >> shift) & 255).long()
-        if shift + 8 < bits:
-            match = (ukey >> (shift + 8)) == (prefix >> (shift + 8)).unsqueeze(1)
+def _prefix_slice(keys, t, c, seen):
+    """Of one vocab-major slice ``[cols, R]``: the tokens with key above ``t`` and those with
+    key ``t`` among the first ``c`` (lowest ids) of the row, ``seen`` of which came in earlier
+    slices. Returns the mask and the new ``seen``."""
+    at = keys == t
+    rank = at.cumsum(0, dtype=torch.int32).add_(seen)
+    kept = (keys > t) | (at & (rank <= c))
+    return kept, rank[-1] if rank.shape[0] else seen
+
+
+class _Selection:
+    """The kept set of one chunk's tempered logits ``z`` (``[V, R]``, vocab-major), found by
+    passes over ``cols``-row slices (module doc, steps 1-4)."""
+
+    def __init__(self, z: torch.Tensor, params: RowParams, cols: int):
+        self.z, self.cols = z, cols
+        self.m = z.amax(0)
+        self.floor = None if params.min_p is None else self.m + torch.log(params.min_p)
+        v = z.shape[0]
+        self.cuts = []  # (t, c) of top-k then top-p, each [R] (c int32, at most V + 1)
+        if params.top_k is not None:
+            t, above = self._largest_key(params.top_k, weighted=False)
+            c = (params.top_k - above).clamp(0, v + 1).int()
+            self.cuts.append((t, c))
+        if params.top_p is not None:
+            p = params.top_p.double()
+            t, g, target = self._largest_key(p, weighted=True)
+            e_t = self._weight(_key_floats(t, z.dtype))
+            big = float(v + 1)  # a tied weight underflowing to 0: keep every tie
+            c = torch.ceil((target - g) / e_t).clamp(1, big).nan_to_num(nan=big).int()
+            # rows with p = 1 keep every candidate: a cut no token reaches
+            t = torch.where(p < 1, t, torch.iinfo(t.dtype).min)
+            c = torch.where(p < 1, c, v + 1)
+            self.cuts.append((t, c))
+
+    def _weight(self, zs):
+        return torch.exp(zs - self.m).double()
+
+    def slices(self):
+        """``(c0, z slice, keys, candidates)`` of every slice in id order, with min-p and the
+        cuts found so far applied (candidates None: all)."""
+        seen = [torch.zeros(self.z.shape[1], dtype=torch.int32, device=self.z.device)
+                for _ in self.cuts]
+        for c0 in range(0, self.z.shape[0], self.cols):
+            zs = self.z[c0:c0 + self.cols]
+            keys = _ordered_keys(zs)
+            cand = None if self.floor is None else zs >= self.floor
+            for i, (t, c) in enumerate(self.cuts):
+                cut, seen[i] = _prefix_slice(keys, t, c, seen[i])
+                cand = cut if cand is None else cand & cut
+            yield c0, zs, keys, cand
+
+    def _largest_key(self, target, weighted: bool):
+        """Per row, the largest key ``t`` with ``sum(w[candidates, key >= t]) >= target``
+        (``w``: ``exp(z - m)`` in fp64 when ``weighted``, else 1); ``target`` is a count, or
+        for ``weighted`` the fraction of the candidates' total. Radix select, ``_DIGIT_BITS``
+        bits a pass from the top: a per-row histogram of the next digit of the candidates
+        whose higher digits are those chosen so far; the chosen digit is the largest whose bins
+        from it upward, plus what already lies above, reach the target. Returns ``t``, the
+        weight strictly above ``t``, and the target (``weighted``: the absolute one)."""
+        z = self.z
+        rows, dev = z.shape[1], z.device
+        kd = _key_dtype(z.dtype)
+        bits, sign = torch.iinfo(kd).bits, torch.iinfo(kd).min
+        wd = torch.float64 if weighted else torch.int64
+        prefix = torch.zeros(rows, dtype=kd, device=dev)
+        above = torch.zeros(rows, dtype=wd, device=dev)
+        nbins = 1 << _DIGIT_BITS
+        offset = torch.arange(rows, device=dev) * nbins
+        for shift in range(bits - _DIGIT_BITS, -_DIGIT_BITS, -_DIGIT_BITS):
+            width = _DIGIT_BITS + min(shift, 0)  # the last digit may be narrower
+            shift = max(shift, 0)
+            high = shift + width  # bits above this digit: chosen already
+            hist = torch.zeros(rows * nbins, dtype=wd, device=dev)
+            # the chosen digits as a signed key's high bits (as ``keys >> high`` has them)
+            chosen_high = (prefix ^ sign) >> high if high < bits else None
+            for _, zs, keys, cand in self.slices():
+                # the digit of the unsigned order (sign bit flipped): below the top digit the
+                # signed key's bits are the same
+                digit = (keys >> shift) & ((1 << width) - 1)
+                if high == bits:
+                    digit ^= 1 << (width - 1)
+                idx = digit.long() + offset
+                ok = cand
+                if chosen_high is not None:
+                    match = (keys >> high) == chosen_high
+                    ok = match if ok is None else ok & match
+                # weights, 0 off the candidates (products: cheaper than torch.where on CPU)
+                if weighted:
+                    w = self._weight(zs)
+                    if ok is not None:
+                        w *= ok
+                else:
+                    w = torch.ones_like(idx) if ok is None else ok.long()
+                hist.scatter_add_(0, idx.reshape(-1), w.reshape(-1))
+            hist = hist.view(rows, nbins)[:, :1 << width]
+            if weighted and high == bits:
+                target = target * hist.sum(1)  # the candidates' total mass
+            # weight at or above each digit: suffix sums, plus what lies above the prefix
+            upward = hist.flip(1).cumsum(1).flip(1) + above.unsqueeze(1)
+            reach = upward >= target.unsqueeze(1)
+            # the largest digit that reaches (0 when none does: only when it is the answer)
+            top = (1 << width) - 1
+            chosen = torch.where(reach, torch.arange(top + 1, device=dev), 0).amax(1)
+            nxt = (chosen + 1).clamp(max=top)
+            above = torch.where(chosen < top, upward.gather(1, nxt.unsqueeze(1)).squeeze(1),
+                                above)
+            prefix = prefix | (chosen.to(kd) << shift)
+        t = prefix ^ sign
+        return (t, above, target) if weighted else (t, above)
+
+
+def _chunk_stats(sel: _Selection, targets):
+    """Steps 5 and 6 in one pass: per row ``(logprobs, entropy, log_kept_mass, lse, lse_kept,
+    key, count)``."""
+    z, m = sel.z, sel.m
+    rows = z.shape[1]
+    cols = torch.arange(rows, device=z.device)
+    l_full = torch.zeros_like(m)
+    l_kept = torch.zeros_like(m)
+    s_kept = torch.zeros_like(m)
+    y_kept = torch.zeros(rows, dtype=torch.bool, device=z.device)
+    kd = _key_dtype(z.dtype)
+    top = torch.iinfo(kd).max
+    key = torch.full((rows,), top, dtype=kd, device=z.device)
+    count = torch.zeros(rows, dtype=torch.int64, device=z.device)
+    for c0, zs, keys, kept in sel.slices():
+        zm = zs - m
+        e = torch.exp(zm)
+        l_full += e.sum(0)
+        if kept is not None:
+            e *= kept
+        l_kept += e.sum(0)
+        s_kept += (e * zm).sum(0)
+        local = targets - c0
+        here = (local >= 0) & (local < zs.shape[0])
+        if kept is None:
+            y_kept |= here
         else:
-            match = None
-        if weight is None:
-            if ones is None:
-                ones = torch.ones(1, dtype=torch.int64, device=kk.device).expand_as(digit)
-            w = ones if match is None else match.long()
-        else:
-            w = weight if match is None else torch.where(match, weight, 0.0)
-        hist = torch.zeros(rows, 256, dtype=w.dtype, device=kk.device).scatter_add_(1, digit, w)
-        # mass at or above each byte value: suffix sums, plus what lies above the prefix
-        upward = hist.flip(1).cumsum(1).flip(1) + above.unsqueeze(1)
-        reach = upward >= target.unsqueeze(1)
-        # the largest byte that reaches (byte 0 when none does: only when lo is the answer)
-        chosen = torch.where(reach, torch.arange(256, device=kk.device), 0).amax(1)
-        nxt = (chosen + 1).clamp(max=255)
-        above = torch.where(chosen < 255, upward.gather(1, nxt.unsqueeze(1)).squeeze(1),
-                            above)
-        prefix = prefix | (chosen.to(kk.dtype) << shift)
-    return prefix ^ sign
-
-
-def _prefix(keys, t, c):
-    """The tokens with key above ``t`` and the first ``c`` (lowest ids) with key ``t``."""
-    at = keys == t.unsqueeze(1)
-    rank = at.cumsum(1)
-    return (keys > t.unsqueeze(1)) | (at & (rank <= c.unsqueeze(1)))
-
-
-def _kept_set(z, m, keys, params: RowParams):
-    """The kept set of a chunk (bool ``[R, V]``), following steps 2-4 of the module doc."""
-    cand = torch.ones_like(z, dtype=torch.bool)
-    if params.min_p is not None:
-        cand = z >= (m + torch.log(params.min_p)).unsqueeze(1)
-    if params.top_k is not None:
-        kk = _candidate_keys(keys, cand)
-        t = _largest_key(kk, None, params.top_k)
-        c = params.top_k - (kk > t.unsqueeze(1)).sum(1)
-        cand = cand & _prefix(keys, t, c)
-    if params.top_p is not None:
-        # The mass is summed in fp64: a row whose boundary token sits within fp32 rounding of
-        # p then keeps the set the exact sums give, whatever the order of summation.
-        e = torch.where(cand, torch.exp(z - m.unsqueeze(1)), 0.0).double()
-        target = params.top_p.double() * e.sum(1)
-        kk = _candidate_keys(keys, cand)
-        t = _largest_key(kk, e, target)
-        g = torch.where(kk > t.unsqueeze(1), e, 0.0).sum(1)
-        e_t = torch.where(kk == t.unsqueeze(1), e, 0.0).amax(1)
-        big = float(2**62)  # a tied weight underflowing to 0: keep every tie
-        c = torch.ceil((target - g) / e_t).clamp(min=1).nan_to_num(nan=big, posinf=big).long()
-        cut = cand & _prefix(keys, t, c)
-        cand = torch.where((params.top_p < 1).unsqueeze(1), cut, cand)
-    return cand
-
-
-def _stats(z, targets, kept):
-    """Per row: max, full lse, kept lse, entropy of the kept distribution, logprob of the
-    target (-inf outside the kept set), log_kept_mass."""
-    m = z.amax(1)
-    zm = z - m.unsqueeze(1)
-    e = torch.exp(zm)
-    l_full = e.sum(1)
-    e = torch.where(kept, e, 0.0)
-    l_kept = e.sum(1)
-    entropy = torch.log(l_kept) - torch.where(kept, e * zm, 0.0).sum(1) / l_kept
+            y_kept |= here & kept[local.clamp(0, zs.shape[0] - 1), cols]
+        smallest = keys if kept is None else torch.where(kept, keys, top)
+        k_s = smallest.amin(0)
+        n_s = torch.where(k_s < top, (smallest == k_s).sum(0), 0)
+        count = torch.where(k_s < key, n_s, torch.where(k_s == key, count + n_s, count))
+        key = torch.minimum(key, k_s)
+    entropy = torch.log(l_kept) - s_kept / l_kept
     lse_full = m + torch.log(l_full)
     lse_kept = m + torch.log(l_kept)
-    idx = targets.unsqueeze(1)
-    y_kept = kept.gather(1, idx).squeeze(1)
-    lp = torch.where(y_kept, z.gather(1, idx).squeeze(1) - lse_kept, -math.inf)
-    return lp, entropy, lse_kept - lse_full, lse_full, lse_kept
+    lp = torch.where(y_kept, z[targets, cols] - lse_kept, -math.inf)
+    return lp, entropy, lse_kept - lse_full, lse_full, lse_kept, key.long(), count
+
+
+def select(z: torch.Tensor, targets: torch.Tensor, params: RowParams):
+    """The kept set (bool ``[R, V]``) and the per-row results ``(logprobs, entropy,
+    log_kept_mass, lse, lse_kept, key, count)`` of tempered logits ``z`` ``[R, V]`` (row-major,
+    as a reference would hold them), by the chunk algorithm above."""
+    sel = _Selection(z.t().contiguous(), params, min(z.shape[1], _COLS))
+    kept = torch.cat([torch.ones_like(zs, dtype=torch.bool) if c is None else c
+                      for _, zs, _, c in sel.slices()]).t()
+    return kept, _chunk_stats(sel, targets)
 
 
 def forward(hidden, weight, bias, targets, params: RowParams, *, softcap, logit_scale,
@@ -226,93 +311,115 @@ def forward(hidden, weight, bias, targets, params: RowParams, *, softcap, logit_
     lse_kept, key, count)``, each ``[N]``: the last two describe the kept set (step 5)."""
     n, v = hidden.shape[0], weight.shape[0]
     acc = acc_dtype(hidden.dtype)
-    key_dtype = torch.int64
-    outs = [torch.empty(n, dtype=acc, device=hidden.device) for _ in range(5)]
-    key = torch.empty(n, dtype=key_dtype, device=hidden.device)
-    count = torch.empty(n, dtype=torch.int64, device=hidden.device)
+    dev = hidden.device
+    outs = [torch.empty(n, dtype=acc, device=dev) for _ in range(5)]
+    outs += [torch.empty(n, dtype=torch.int64, device=dev) for _ in range(2)]
+    if n == 0:
+        return tuple(outs)
     rows = rows_per_chunk(v, tile_bytes, hidden.dtype, softcap)
+    cols = min(v, _COLS)
+    zbuf = torch.empty(v * rows, dtype=acc, device=dev)
+    bufs = _Buffers(rows, cols, hidden.dtype, dev, softcap)
     for r0, real, padded in _row_blocks(n, rows):
         sl = slice(r0, r0 + real)
-        h = _pad_rows(hidden[sl], padded)
-        tgt = _pad_rows(targets[sl], padded, 0)
+        h = _pad_rows(hidden[sl], padded).contiguous()
         p = params.rows(sl, padded)
-        z, _ = _chunk_logits(h, weight, bias, p, softcap, logit_scale)
-        keys = _ordered_keys(z)
-        kept = _kept_set(z, z.amax(1), keys, p)
-        for out, x in zip(outs, _stats(z, tgt, kept)):
+        z = zbuf[:v * padded].view(v, padded)
+        for c0 in range(0, v, cols):
+            w, b = _head_slice(weight, bias, c0, cols, hidden.dtype)
+            bufs.logits(z[c0:c0 + w.shape[0]], h, w, b, softcap, logit_scale)
+        z /= p.temperature
+        stats = _chunk_stats(_Selection(z, p, cols), _pad_rows(targets[sl], padded, 0))
+        for out, x in zip(outs, stats):
             out[sl] = x[:real]
-        t = torch.where(kept, keys, torch.iinfo(keys.dtype).max).amin(1)
-        key[sl] = t[:real]
-        count[sl] = (kept & (keys == t.unsqueeze(1))).sum(1)[:real]
-    return (*outs, key, count)
+    return tuple(outs)
 
 
 def backward(hidden, weight, bias, targets, params: RowParams, key, count, lse, lse_kept,
              entropy, g_lp, g_entropy, g_kept, g_lse, *, softcap, logit_scale, need_hidden,
              need_weight, need_bias, tile_bytes: int = DEFAULT_TILE_BYTES):
     """Gradients of hidden, weight and bias (fp32; fp64 for fp64 inputs) from the per-row
-    upstream gradients (``[N]`` or None); see the module doc for ``dz``."""
+    upstream gradients (``[N]`` or None; ``g_lp`` 0 where the target is outside the kept
+    set); see the module doc."""
     n, v = hidden.shape[0], weight.shape[0]
     acc = acc_dtype(hidden.dtype)
-    d_hidden = hidden.new_empty(hidden.shape, dtype=acc) if need_hidden else None
+    dev = hidden.device
+    d_hidden = hidden.new_zeros(hidden.shape, dtype=acc) if need_hidden else None
     d_weight = weight.new_zeros(weight.shape, dtype=acc) if need_weight else None
     d_bias = weight.new_zeros(v, dtype=acc) if need_bias else None
     if not (need_hidden or need_weight or need_bias) or n == 0:
-        return (None if d_hidden is None else d_hidden.zero_()), d_weight, d_bias
+        return d_hidden, d_weight, d_bias
     rows = rows_per_chunk(v, tile_bytes, hidden.dtype, softcap)
     cols = min(v, _COLS)
+    blocks = []
     for r0, real, padded in _row_blocks(n, rows):
         sl = slice(r0, r0 + real)
-        h = _pad_rows(hidden[sl], padded)
-        tgt = _pad_rows(targets[sl], padded, 0)
-        p = params.rows(sl, padded)
         per_row = [None if g is None else _pad_rows(g[sl], padded)
-                   for g in (key, count, lse, lse_kept, entropy, g_lp, g_entropy, g_kept, g_lse)]
-        t, c, lse_r, lse_k, ent, glp, gh, gk, gl = per_row
-        z, cap = _chunk_logits(h, weight, bias, p, softcap, logit_scale)
-        keys = _ordered_keys(z)
-        kept = _prefix(keys, t, c)
-        dz = _logit_grad(z, tgt, kept, lse_r, lse_k, ent, glp, gh, gk, gl)
-        dz[real:] = 0.0  # padding rows
-        dx = through_transform_(dz, cap, logit_scale, 1.0)
-        dx /= p.temperature.unsqueeze(1)
-        if d_bias is not None:
-            d_bias += dx[:real].sum(0)
-        if acc != hidden.dtype:
-            dx = dx.to(hidden.dtype)
-        for c0 in range(0, v, cols):
-            w, _ = _head_slice(weight, None, c0, cols, hidden.dtype)
-            piece = dx[:, c0:c0 + w.shape[0]]
+                   for g in (targets, key.to(_key_dtype(acc)), lse, lse_kept, entropy, g_lp,
+                             g_entropy, g_kept, g_lse)]
+        c = _pad_rows(count[sl].clamp(max=v + 1).int(), padded)
+        blocks.append((sl, real, _pad_rows(hidden[sl], padded).contiguous(),
+                       params.rows(sl, padded).temperature, c, per_row))
+    seen = [torch.zeros(b[2].shape[0], dtype=torch.int32, device=dev) for b in blocks]
+    x_buf = torch.empty(cols * rows, dtype=acc, device=dev)
+    bufs = _Buffers(rows, cols, hidden.dtype, dev, softcap)
+    for c0 in range(0, v, cols):
+        w, b = _head_slice(weight, bias, c0, cols, hidden.dtype)
+        width = w.shape[0]
+        for i, (sl, real, h, temperature, c, per_row) in enumerate(blocks):
+            x = x_buf[:width * h.shape[0]].view(width, h.shape[0])
+            cap = bufs.logits(x, h, w, b, softcap, logit_scale)
+            x /= temperature
+            tgt, t, *rest = per_row
+            kept, seen[i] = _prefix_slice(_ordered_keys(x), t, c, seen[i])
+            dx = _logit_grad_(x, tgt - c0, kept, *rest)
+            dx[:, real:] = 0.0  # padding rows
+            through_transform_(dx, cap, logit_scale, 1.0)
+            dx /= temperature
+            if d_bias is not None:
+                d_bias[c0:c0 + width] += dx[:, :real].sum(1)
+            if acc != hidden.dtype:
+                dx = dx.to(hidden.dtype)
             if d_hidden is not None:
-                dh = d_hidden[sl]
-                addmm_acc_(dh, piece[:real], w, beta=0.0 if c0 == 0 else 1.0)
+                addmm_acc_(d_hidden[sl], dx[:, :real].t(), w)
             if d_weight is not None:
-                addmm_acc_(d_weight[c0:c0 + w.shape[0]], piece[:real].t(), h[:real])
+                addmm_acc_(d_weight[c0:c0 + width], dx[:, :real], h[:real])
     return d_hidden, d_weight, d_bias
 
 
-def _logit_grad(z, targets, kept, lse, lse_kept, entropy, g_lp, g_entropy, g_kept, g_lse):
-    """``d loss / d z`` of one chunk, ``[R, V]`` (``z`` is overwritten)."""
-    log_q = z - lse_kept.unsqueeze(1)
-    q = torch.where(kept, torch.exp(log_q), 0.0)
-    coef = torch.zeros_like(lse)
-    y_kept = kept.gather(1, targets.unsqueeze(1)).squeeze(1)
+def _key_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The ordered keys' integer dtype for logits of ``dtype``."""
+    return torch.int64 if dtype == torch.float64 else torch.int32
+
+
+def _logit_grad_(z, local_targets, kept, lse, lse_kept, entropy, g_lp, g_entropy, g_kept,
+                 g_lse):
+    """``d loss / d z`` of one slice ``[cols, R]`` (vocab-major; ``z`` is overwritten);
+    ``local_targets``: the targets' positions in the slice (outside ``[0, cols)``: not in it)."""
+    log_q = z - lse_kept
+    q = torch.exp(log_q).mul_(kept)  # at most 1: the kept set holds the largest logits
+    coef = None  # of q: -g_lp + g_kept
     if g_lp is not None:
-        g_lp = torch.where(y_kept, g_lp, 0.0)
-        coef = coef - g_lp
+        coef = -g_lp
     if g_kept is not None:
-        coef = coef + g_kept
-    dz = q * coef.unsqueeze(1)
-    if g_entropy is not None:
-        dz -= torch.where(kept, q * (log_q + entropy.unsqueeze(1)), 0.0) \
-            * g_entropy.unsqueeze(1)
-    g_p = None
+        coef = g_kept if coef is None else coef + g_kept
+    g_p = None  # of the full softmax p: -g_kept + g_lse
     if g_kept is not None:
         g_p = -g_kept
     if g_lse is not None:
         g_p = g_lse if g_p is None else g_p + g_lse
+    dz = z
     if g_p is not None:
-        dz += torch.exp(z - lse.unsqueeze(1)) * g_p.unsqueeze(1)
-    if g_lp is not None:
-        dz.scatter_add_(1, targets.unsqueeze(1), g_lp.unsqueeze(1))
+        dz.sub_(lse).exp_().mul_(g_p)
+    else:
+        dz.zero_()
+    if coef is not None:
+        dz.addcmul_(q, coef.expand_as(q))
+    if g_entropy is not None:
+        dz.sub_(q * log_q.add_(entropy).mul_(g_entropy))  # q is 0 off the kept set
+    if g_lp is not None:  # the one-hot term, where a row's target lies in this slice
+        here = (local_targets >= 0) & (local_targets < z.shape[0])
+        at = local_targets.clamp(0, z.shape[0] - 1)
+        rows = torch.arange(z.shape[1], device=z.device)
+        dz.index_put_((at, rows), torch.where(here, g_lp, 0.0), accumulate=True)
     return dz
