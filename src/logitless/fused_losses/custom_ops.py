@@ -24,15 +24,12 @@ the eager chunked strategy does, so that its backward is two or three multiplica
 the loss's incoming gradient rather than an op of its own. Every argument of
 ``fused_policy_loss`` crosses. What cannot (``linear_logprobs``'s process group for
 ``vocab_parallel`` and its ``gather_weight`` callable) keeps the eager path.
-``torch.library.custom_op`` arrived in torch 2.4; ``AVAILABLE`` is False before it and every
-public op then runs eagerly.
 """
 
 import torch
 
 from logitless.kernels.linear_softmax_torch import acc_dtype
 
-AVAILABLE = hasattr(torch.library, "custom_op") and hasattr(torch.library, "register_autograd")
 
 def is_compiling() -> bool:
     """True while dynamo traces (``torch.compile``, ``torch.export``): code that would read a
@@ -142,20 +139,19 @@ def _lp_backward(ctx, g_lp, g_entropy, g_sum_p_sq, g_mean_logit, _g_top1, g_lse)
             d_bias if need_bias else None, *_none_grads(n_inputs - 3))
 
 
-if AVAILABLE:
-    linear_logprobs_backward = _define(
-        "linear_logprobs_backward",
-        "(Tensor hidden, Tensor weight, Tensor? bias, Tensor targets, Tensor lse, "
-        "Tensor? entropy, Tensor? sum_p_sq, Tensor? g_lp, Tensor? g_entropy, "
-        "Tensor? g_sum_p_sq, Tensor? g_mean_logit, Tensor? g_lse, " + _LP_CONFIG
-        + ", bool need_hidden, bool need_weight, bool need_bias) -> (Tensor, Tensor, Tensor)",
-        _lp_backward_impl, _lp_backward_fake)
-    linear_logprobs = _define(
-        "linear_logprobs",
-        "(Tensor hidden, Tensor weight, Tensor? bias, Tensor targets, " + _LP_CONFIG
-        + ", bool want_s2, bool want_sum_z) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
-        _lp_forward, _lp_forward_fake)
-    linear_logprobs.register_autograd(_lp_backward, setup_context=_lp_setup_context)
+linear_logprobs_backward = _define(
+    "linear_logprobs_backward",
+    "(Tensor hidden, Tensor weight, Tensor? bias, Tensor targets, Tensor lse, "
+    "Tensor? entropy, Tensor? sum_p_sq, Tensor? g_lp, Tensor? g_entropy, "
+    "Tensor? g_sum_p_sq, Tensor? g_mean_logit, Tensor? g_lse, " + _LP_CONFIG
+    + ", bool need_hidden, bool need_weight, bool need_bias) -> (Tensor, Tensor, Tensor)",
+    _lp_backward_impl, _lp_backward_fake)
+linear_logprobs = _define(
+    "linear_logprobs",
+    "(Tensor hidden, Tensor weight, Tensor? bias, Tensor targets, " + _LP_CONFIG
+    + ", bool want_s2, bool want_sum_z) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+    _lp_forward, _lp_forward_fake)
+linear_logprobs.register_autograd(_lp_backward, setup_context=_lp_setup_context)
 
 
 # --- linear_logprobs with the sampler's settings (sampled.py) --------------------------------
@@ -235,22 +231,21 @@ def _sp_backward(ctx, g_lp, g_entropy, g_kept, g_lse, *_):
     return (*(g if n else None for g, n in zip(grads, need)), *_none_grads(n_inputs - 3))
 
 
-if AVAILABLE:
-    _SP_INPUTS = ("Tensor hidden, Tensor weight, Tensor? bias, Tensor targets, "
-                  "Tensor temperature, Tensor? top_k, Tensor? top_p, Tensor? min_p, ")
-    sampled_logprobs_backward = _define(
-        "sampled_logprobs_backward",
-        "(" + _SP_INPUTS + "Tensor key, Tensor count, Tensor lse, Tensor lse_kept, "
-        "Tensor entropy, Tensor logprobs, Tensor? g_lp, Tensor? g_entropy, Tensor? g_kept, "
-        "Tensor? g_lse, " + _SP_CONFIG + ", bool need_hidden, bool need_weight, "
-        "bool need_bias) -> (Tensor, Tensor, Tensor)",
-        _sp_backward_impl, _sp_backward_fake)
-    sampled_logprobs = _define(
-        "sampled_logprobs",
-        "(" + _SP_INPUTS + _SP_CONFIG + ") -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, "
-        "Tensor)",
-        _sp_forward, _sp_forward_fake)
-    sampled_logprobs.register_autograd(_sp_backward, setup_context=_sp_setup_context)
+_SP_INPUTS = ("Tensor hidden, Tensor weight, Tensor? bias, Tensor targets, "
+              "Tensor temperature, Tensor? top_k, Tensor? top_p, Tensor? min_p, ")
+sampled_logprobs_backward = _define(
+    "sampled_logprobs_backward",
+    "(" + _SP_INPUTS + "Tensor key, Tensor count, Tensor lse, Tensor lse_kept, "
+    "Tensor entropy, Tensor logprobs, Tensor? g_lp, Tensor? g_entropy, Tensor? g_kept, "
+    "Tensor? g_lse, " + _SP_CONFIG + ", bool need_hidden, bool need_weight, "
+    "bool need_bias) -> (Tensor, Tensor, Tensor)",
+    _sp_backward_impl, _sp_backward_fake)
+sampled_logprobs = _define(
+    "sampled_logprobs",
+    "(" + _SP_INPUTS + _SP_CONFIG + ") -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, "
+    "Tensor)",
+    _sp_forward, _sp_forward_fake)
+sampled_logprobs.register_autograd(_sp_backward, setup_context=_sp_setup_context)
 
 
 # --- attention_entropy (forward only) -------------------------------------------------------
@@ -275,11 +270,10 @@ def _ae_forward_fake(q, k, cu_seqlens, attention_mask, query_mask, causal, scale
     return q.new_empty(shape, dtype=torch.float32)
 
 
-if AVAILABLE:
-    _define("attention_entropy",
-            "(Tensor q, Tensor k, Tensor? cu_seqlens, Tensor? attention_mask, Tensor? query_mask, "
-            "bool causal, float scale, int? window, float? softcap, bool reduce_mean) -> Tensor",
-            _ae_forward, _ae_forward_fake)
+_define("attention_entropy",
+        "(Tensor q, Tensor k, Tensor? cu_seqlens, Tensor? attention_mask, Tensor? query_mask, "
+        "bool causal, float scale, int? window, float? softcap, bool reduce_mean) -> Tensor",
+        _ae_forward, _ae_forward_fake)
 
 
 # --- linear_divergence ----------------------------------------------------------------------
@@ -298,9 +292,8 @@ def _div_forward(hidden, weight, bias, t_hidden, t_weight, t_bias, mask, beta, t
     from logitless.fused_losses import divergence as dv
 
     spec = _div_spec(beta, temperature, tile_bytes, hidden, t_hidden, entropy)
-    return _distinct(dv._divergence_impl(
-        spec, hidden, weight, bias, t_hidden, t_weight, t_bias, mask,
-        lambda *args: dv._divergence_rows(args[-1], *args[:-1])))
+    return _distinct(dv._divergence_impl(spec, hidden, weight, bias, t_hidden, t_weight, t_bias,
+                                         mask))
 
 
 def _div_forward_fake(hidden, weight, bias, t_hidden, t_weight, t_bias, mask, beta,
@@ -362,21 +355,20 @@ def _div_backward(ctx, grad, *_):
     return (*(g if n else None for g, n in zip(grads, need)), *_none_grads(n_inputs - 3))
 
 
-if AVAILABLE:
-    linear_divergence_backward = _define(
-        "linear_divergence_backward",
-        "(Tensor hidden, Tensor weight, Tensor? bias, Tensor t_hidden, Tensor t_weight, "
-        "Tensor? t_bias, Tensor? mask, Tensor lse_s, Tensor lse_t, Tensor aux, Tensor grad, "
-        + _DIV_CONFIG + ", bool need_hidden, bool need_weight, bool need_bias) "
-        "-> (Tensor, Tensor, Tensor)",
-        _div_backward_impl, _div_backward_fake)
-    linear_divergence = _define(
-        "linear_divergence",
-        "(Tensor hidden, Tensor weight, Tensor? bias, Tensor t_hidden, Tensor t_weight, "
-        "Tensor? t_bias, Tensor? mask, " + _DIV_CONFIG + ", bool entropy) "
-        "-> (Tensor, Tensor, Tensor, Tensor, Tensor)",
-        _div_forward, _div_forward_fake)
-    linear_divergence.register_autograd(_div_backward, setup_context=_div_setup_context)
+linear_divergence_backward = _define(
+    "linear_divergence_backward",
+    "(Tensor hidden, Tensor weight, Tensor? bias, Tensor t_hidden, Tensor t_weight, "
+    "Tensor? t_bias, Tensor? mask, Tensor lse_s, Tensor lse_t, Tensor aux, Tensor grad, "
+    + _DIV_CONFIG + ", bool need_hidden, bool need_weight, bool need_bias) "
+    "-> (Tensor, Tensor, Tensor)",
+    _div_backward_impl, _div_backward_fake)
+linear_divergence = _define(
+    "linear_divergence",
+    "(Tensor hidden, Tensor weight, Tensor? bias, Tensor t_hidden, Tensor t_weight, "
+    "Tensor? t_bias, Tensor? mask, " + _DIV_CONFIG + ", bool entropy) "
+    "-> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+    _div_forward, _div_forward_fake)
+linear_divergence.register_autograd(_div_backward, setup_context=_div_setup_context)
 
 
 # --- linear_topk_distill's student logprobs at the teacher's ids ----------------------------
@@ -435,20 +427,19 @@ def _topk_backward(ctx, grad, _):
     return (*(g if n else None for g, n in zip(grads, need)), *_none_grads(n_inputs - 3))
 
 
-if AVAILABLE:
-    linear_topk_logprobs_backward = _define(
-        "linear_topk_logprobs_backward",
-        "(Tensor hidden, Tensor weight, Tensor? bias, Tensor ids, Tensor? mask, Tensor lse, "
-        "Tensor grad, "
-        "float temperature, int? tile_bytes, bool need_hidden, bool need_weight, "
-        "bool need_bias) -> (Tensor, Tensor, Tensor)",
-        _topk_backward_impl, _topk_backward_fake)
-    linear_topk_logprobs = _define(
-        "linear_topk_logprobs",
-        "(Tensor hidden, Tensor weight, Tensor? bias, Tensor ids, Tensor? mask, "
-        "float temperature, int? tile_bytes) -> (Tensor, Tensor)",
-        _topk_forward, _topk_forward_fake)
-    linear_topk_logprobs.register_autograd(_topk_backward, setup_context=_topk_setup_context)
+linear_topk_logprobs_backward = _define(
+    "linear_topk_logprobs_backward",
+    "(Tensor hidden, Tensor weight, Tensor? bias, Tensor ids, Tensor? mask, Tensor lse, "
+    "Tensor grad, "
+    "float temperature, int? tile_bytes, bool need_hidden, bool need_weight, "
+    "bool need_bias) -> (Tensor, Tensor, Tensor)",
+    _topk_backward_impl, _topk_backward_fake)
+linear_topk_logprobs = _define(
+    "linear_topk_logprobs",
+    "(Tensor hidden, Tensor weight, Tensor? bias, Tensor ids, Tensor? mask, "
+    "float temperature, int? tile_bytes) -> (Tensor, Tensor)",
+    _topk_forward, _topk_forward_fake)
+linear_topk_logprobs.register_autograd(_topk_backward, setup_context=_topk_setup_context)
 
 
 # --- fused_policy_loss ----------------------------------------------------------------------
@@ -568,11 +559,10 @@ def _fpl_backward(ctx, g_loss, *_):
     return (*grads, *_none_grads(_N_FPL_INPUTS - 3))
 
 
-if AVAILABLE:
-    fused_policy_loss = _define(
-        "fused_policy_loss",
-        "(" + ", ".join(f"Tensor{'' if t in _FPL_REQUIRED else '?'} {t}" for t in _FPL_TENSORS)
-        + ", " + _FPL_SCALARS + ", " + _FPL_CONFIG
-        + ") -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
-        _fpl_forward, _fpl_forward_fake)
-    fused_policy_loss.register_autograd(_fpl_backward, setup_context=_fpl_setup_context)
+fused_policy_loss = _define(
+    "fused_policy_loss",
+    "(" + ", ".join(f"Tensor{'' if t in _FPL_REQUIRED else '?'} {t}" for t in _FPL_TENSORS)
+    + ", " + _FPL_SCALARS + ", " + _FPL_CONFIG
+    + ") -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+    _fpl_forward, _fpl_forward_fake)
+fused_policy_loss.register_autograd(_fpl_backward, setup_context=_fpl_setup_context)
