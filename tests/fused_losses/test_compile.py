@@ -3,8 +3,10 @@
 Each op is one ``torch.library`` custom op (``fused_losses/custom_ops.py``): compiled with
 ``fullgraph=True`` and ``dynamic=True`` it must trace without a graph break, compile once for
 two batch sizes, and give eager's forward and backward. The ``aot_eager`` backend runs in the
-default suite; ``inductor`` (a C++ compile of every graph: minutes on a loaded CPU) runs when
-``LOGITLESS_TEST_INDUCTOR=1`` is set and a C++ compiler is on PATH.
+default suite, and so does ``inductor`` for two training steps (composed and fused), each
+compiled once with static shapes; the other ``inductor`` cases (a C++ compile of every graph:
+minutes on a loaded CPU) run when ``LOGITLESS_TEST_INDUCTOR=1`` is set. Every ``inductor``
+case needs a C++ compiler on PATH.
 """
 
 import dataclasses
@@ -28,6 +30,8 @@ from logitless.fused_losses.policy_loss import policy_loss
 D, V, T = 96, 1007, 37
 IGNORE = -100
 CFG = PolicyLossConfig(objective="grpo", beta=0.04, entropy_coef=0.01)
+CXX = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None,
+                         reason="inductor needs a C++ compiler")
 INDUCTOR = pytest.mark.skipif(
     os.environ.get("LOGITLESS_TEST_INDUCTOR") != "1" or shutil.which("g++") is None,
     reason="inductor tests: set LOGITLESS_TEST_INDUCTOR=1 (needs a C++ compiler; slow)")
@@ -182,6 +186,32 @@ def test_fused_exact_kl_step_compiled_matches_eager():
     _check_training_step(exact_kl_step, "aot_eager", torch.float64)
 
 
+@CXX
+def test_training_steps_inductor_once():
+    """The default suite's inductor case: a composed and a fused step, each compiled once,
+    static shapes, one batch; forward and backward as eager. One test for both, so that one
+    xdist worker pays inductor's start-up (most of the 20 s they take with a cold cache on a
+    2-core CPU)."""
+    weight, bias = _head()
+    hidden, targets, mask, old, adv, ref = _batch(2)
+    args = (hidden, weight, bias, targets, mask, old, adv, ref)
+    for step in (composed_step, fused_step):
+        name = step.__name__
+        counter = CompileCounterWithBackend("inductor")
+        compiled = torch.compile(step, backend=counter, fullgraph=True, dynamic=False)
+        with torch._dynamo.config.patch(specialize_float=True):
+            loss, metrics = compiled(*args)
+        loss_e, metrics_e = step(*args)
+        torch.testing.assert_close(loss, loss_e, msg=name)
+        assert list(metrics) == list(metrics_e), name
+        for k in metrics:
+            torch.testing.assert_close(metrics[k], metrics_e[k], msg=f"{name}: {k}")
+        grads = _grads(loss, hidden, weight, bias)
+        for x, y in zip(grads, _grads(loss_e, hidden, weight, bias)):
+            torch.testing.assert_close(x, y, msg=name)
+        assert counter.frame_count == 1, name
+
+
 @INDUCTOR
 @pytest.mark.parametrize("step", [composed_step, fused_step])
 def test_training_steps_inductor(step):
@@ -196,8 +226,8 @@ def _forward(hidden, weight, bias, targets):
 
 @INDUCTOR
 def test_linear_logprobs_forward_inductor():
-    # The smallest inductor case (forward only, static shapes, one batch): 32 s with a cold
-    # inductor cache on the 2-core CPU (4 s warm), over the default suite's budget: opt-in.
+    # Forward only, static shapes, one batch: opt-in, as test_training_steps_inductor_once
+    # covers the op forward and backward in the default suite.
     weight, bias = _head()
     hidden, targets, *_ = _batch(2)
     compiled = torch.compile(_forward, backend="inductor", fullgraph=True, dynamic=False)
