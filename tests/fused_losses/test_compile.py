@@ -372,6 +372,7 @@ def _opcheck_args(name):
         cfg = PolicyLossConfig(objective="grpo", beta=0.04, entropy_coef=0.01,
                                eps_low=0.1 + 0.1 * randn(2, 3).abs())  # a tensor knob too
         mask = targets != IGNORE
+        hidden = randn(3, 2, 8).transpose(0, 1)  # dense but not contiguous: gradient strides
         return (hidden.requires_grad_(), weight.requires_grad_(), bias.requires_grad_(), targets,
                 randn(2, 3) - 3, randn(2), mask, randn(2, 3) - 3, *(None,) * 10, 0.9, 20.0, 1.1,
                 None, None, None, None, None, "auto", torch.float64, True, True, True,

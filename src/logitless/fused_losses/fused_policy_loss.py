@@ -501,10 +501,10 @@ def op_forward(hidden, weight, bias, targets, old_logprobs, advantages, mask, re
             "flags depend on other config fields does not compile as one op")
     outs = [loss.detach(), torch.stack(list(metrics.values())).detach()]
     for x, d, n in zip((hidden, weight, bias), grads, need):
-        if not n:  # as the fake implementation (`custom_ops._grads_fake`)
+        if not n:  # as the fake implementation (`custom_ops._fpl_forward_fake`)
             outs.append((hidden if x is hidden else weight).new_empty(0))
-        else:
-            outs.append(torch.zeros_like(x) if d is None else d)
+        else:  # contiguous, as the fake implementation says, whatever x's strides
+            outs.append(x.new_zeros(x.shape) if d is None else d.contiguous())
     return custom_ops._distinct(outs)
 
 
