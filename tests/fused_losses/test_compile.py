@@ -632,3 +632,42 @@ def test_config_crosses_the_op_boundary_whole():
             assert torch.equal(a, b), f.name
         else:
             assert a == b and type(a) is type(b), f.name
+
+
+def test_op_path_bad_input(monkeypatch):
+    """Through the op, a bad argument is still a ValueError naming it: from the checks that
+    read no values, before the op (meta tensors here: no value to read), and from inside the
+    op for the rest (a target id out of range)."""
+    meta = torch.device("meta")
+    hidden = torch.empty(2, T, D, device=meta, requires_grad=True)
+    weight = torch.empty(V, D, device=meta)
+    targets = torch.empty(2, T, device=meta, dtype=torch.long)
+    mask, old, adv = (torch.empty(2, T, device=meta), torch.empty(2, T, device=meta),
+                      torch.empty(2, device=meta))
+    cfg = PolicyLossConfig(objective="grpo")
+
+    def call(**kw):
+        args = dict(old_logprobs=old, advantages=adv, config=cfg)
+        args.update(kw)
+        return fused_policy_loss(hidden, weight, targets, args.pop("old_logprobs"),
+                                 args.pop("advantages"), mask, args.pop("config"), **args)
+
+    for kw, message in [
+        (dict(old_logprobs=None), "old_logprobs: required"),
+        (dict(advantages=torch.empty(3, device=meta)), "advantages: expected"),
+        (dict(advantages=[1.0, 2.0]), "advantages: expected a tensor"),
+        (dict(ref_logprobs=torch.empty(2, T + 1, device=meta)), "ref_logprobs: expected shape"),
+        (dict(config="grpo"), "config must be a PolicyLossConfig"),
+        (dict(training_progress="half"), "training_progress: expected a number"),
+        (dict(num_items_in_batch=True), "num_items_in_batch: expected a number"),
+        (dict(strategy="fast"), "strategy must be one of"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            call(**kw)
+    weight_, bias = _head()
+    hidden_, targets_, mask_, old_, adv_, _ = _batch(2)
+    targets_ = targets_.clone()
+    targets_[1, 2] = V
+    _through_the_op(monkeypatch)
+    with pytest.raises(ValueError, match="targets must lie in"):
+        fused_policy_loss(hidden_, weight_, targets_, old_, adv_, mask_, cfg, bias=bias)

@@ -55,6 +55,7 @@ from logitless.fused_losses.logprobs import (
 from logitless.fused_losses.objectives import needs_whole_batch
 from logitless.fused_losses.policy_loss import (
     _Batch,
+    _check_shapes,
     _dtype,
     _globals_and_masks,
     _loss_of_batch,
@@ -436,6 +437,15 @@ def _op_call(head, targets, old_logprobs, advantages, mask, config, strategy, cu
     _check_static(head, targets, mask, strategy, cu_seqlens, memory_budget)
     if not isinstance(config, PolicyLossConfig):
         raise ValueError(f"config must be a PolicyLossConfig, got {type(config).__name__}")
+    if old_logprobs is None:
+        raise ValueError("old_logprobs: required (pass logprobs.detach() when on-policy)")
+    for name, t in (("advantages", advantages), ("cu_seqlens", cu_seqlens),
+                    ("selection_entropy", selection_entropy), ("old_logprobs", old_logprobs),
+                    *tensors.items()):
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name}: expected a tensor, got {type(t).__name__}")
+    _check_shapes(mask, advantages, cu_seqlens, False,
+                  dict(old_logprobs=old_logprobs, selection_entropy=selection_entropy, **tensors))
     _checked_ref(head, config, *ref_args)
     for name in ("training_progress", "entropy_coef"):
         value = loss_args[name]
