@@ -552,8 +552,9 @@ def _fpl_setup_context(ctx, inputs, output):
 
 def _fpl_backward(ctx, g_loss, *_):
     """The gradients were computed in the forward: scaled by the loss's incoming gradient.
-    Plain multiplications (no op of their own): under inductor they fuse, and may reuse the
-    stored gradients' buffers (saved tensors the backward donates)."""
+    Plain multiplications (no op of their own): inductor fuses them into one kernel that
+    writes into the stored gradients' buffers (saved tensors the backward donates), so the
+    compiled backward allocates no second [V, D] weight gradient."""
     if g_loss is None:
         return _none_grads(_N_FPL_INPUTS)
     need = (a and b for a, b in zip(ctx.need, ctx.needs_input_grad[:3]))
