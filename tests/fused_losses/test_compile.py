@@ -3,10 +3,13 @@
 Each op is one ``torch.library`` custom op (``fused_losses/custom_ops.py``): compiled with
 ``fullgraph=True`` and ``dynamic=True`` it must trace without a graph break, compile once for
 two batch sizes, and give eager's forward and backward. The ``aot_eager`` backend runs in the
-default suite; ``inductor`` (a C++ compile of every graph: minutes on a loaded CPU) runs when
-``LOGITLESS_TEST_INDUCTOR=1`` is set and a C++ compiler is on PATH.
+default suite, and so does ``inductor`` for two training steps (composed and fused), each
+compiled once with static shapes; the other ``inductor`` cases (a C++ compile of every graph:
+minutes on a loaded CPU) run when ``LOGITLESS_TEST_INDUCTOR=1`` is set. Every ``inductor``
+case needs a C++ compiler on PATH.
 """
 
+import dataclasses
 import functools
 import os
 import shutil
@@ -19,13 +22,16 @@ from logitless.fused_losses import custom_ops
 from logitless.fused_losses.attention_entropy import attention_entropy
 from logitless.fused_losses.config import PolicyLossConfig
 from logitless.fused_losses.divergence import linear_divergence, linear_topk_distill
-from logitless.fused_losses.fused_policy_loss import fused_policy_loss
+from logitless.fused_losses.fused_policy_loss import fused_policy_loss, metric_names
 from logitless.fused_losses.logprobs import linear_logprobs
+from logitless.fused_losses.objectives import OBJECTIVES
 from logitless.fused_losses.policy_loss import policy_loss
 
 D, V, T = 96, 1007, 37
 IGNORE = -100
 CFG = PolicyLossConfig(objective="grpo", beta=0.04, entropy_coef=0.01)
+CXX = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None,
+                         reason="inductor needs a C++ compiler")
 INDUCTOR = pytest.mark.skipif(
     os.environ.get("LOGITLESS_TEST_INDUCTOR") != "1" or shutil.which("g++") is None,
     reason="inductor tests: set LOGITLESS_TEST_INDUCTOR=1 (needs a C++ compiler; slow)")
@@ -172,13 +178,38 @@ def test_composed_training_step_compiled_matches_eager():
 
 
 def test_fused_training_step_compiled_matches_eager():
-    # Compiled, the fused loss streams; eager it runs in chunks: fp64 makes them agree tightly.
-    _check_training_step(fused_step, "aot_eager", torch.float64)
+    # Compiled or eager, the same chunks run (inside the op when compiled).
+    _check_training_step(fused_step, "aot_eager", torch.float32)
 
 
 def test_fused_exact_kl_step_compiled_matches_eager():
-    # Compiled: policy_loss(kl=linear_divergence op); eager: the chunks' own KL passes.
     _check_training_step(exact_kl_step, "aot_eager", torch.float64)
+
+
+@CXX
+def test_training_steps_inductor_once():
+    """The default suite's inductor case: a composed and a fused step, each compiled once,
+    static shapes, one batch; forward and backward as eager. One test for both, so that one
+    xdist worker pays inductor's start-up (most of the 20 s they take with a cold cache on a
+    2-core CPU)."""
+    weight, bias = _head()
+    hidden, targets, mask, old, adv, ref = _batch(2)
+    args = (hidden, weight, bias, targets, mask, old, adv, ref)
+    for step in (composed_step, fused_step):
+        name = step.__name__
+        counter = CompileCounterWithBackend("inductor")
+        compiled = torch.compile(step, backend=counter, fullgraph=True, dynamic=False)
+        with torch._dynamo.config.patch(specialize_float=True):
+            loss, metrics = compiled(*args)
+        loss_e, metrics_e = step(*args)
+        torch.testing.assert_close(loss, loss_e, msg=name)
+        assert list(metrics) == list(metrics_e), name
+        for k in metrics:
+            torch.testing.assert_close(metrics[k], metrics_e[k], msg=f"{name}: {k}")
+        grads = _grads(loss, hidden, weight, bias)
+        for x, y in zip(grads, _grads(loss_e, hidden, weight, bias)):
+            torch.testing.assert_close(x, y, msg=name)
+        assert counter.frame_count == 1, name
 
 
 @INDUCTOR
@@ -195,8 +226,8 @@ def _forward(hidden, weight, bias, targets):
 
 @INDUCTOR
 def test_linear_logprobs_forward_inductor():
-    # The smallest inductor case (forward only, static shapes, one batch): 32 s with a cold
-    # inductor cache on the 2-core CPU (4 s warm), over the default suite's budget: opt-in.
+    # Forward only, static shapes, one batch: opt-in, as test_training_steps_inductor_once
+    # covers the op forward and backward in the default suite.
     weight, bias = _head()
     hidden, targets, *_ = _batch(2)
     compiled = torch.compile(_forward, backend="inductor", fullgraph=True, dynamic=False)
@@ -337,6 +368,15 @@ def _opcheck_args(name):
                     mask, 0.9, None)
         return (hidden, weight, bias, ids, mask, randn(2, 3) + 3, randn(2, 3, 2), 0.9, None,
                 True, True, True)
+    if name == "logitless::fused_policy_loss":
+        cfg = PolicyLossConfig(objective="grpo", beta=0.04, entropy_coef=0.01,
+                               eps_low=0.1 + 0.1 * randn(2, 3).abs())  # a tensor knob too
+        mask = targets != IGNORE
+        hidden = randn(3, 2, 8).transpose(0, 1)  # dense but not contiguous: gradient strides
+        return (hidden.requires_grad_(), weight.requires_grad_(), bias.requires_grad_(), targets,
+                randn(2, 3) - 3, randn(2), mask, randn(2, 3) - 3, *(None,) * 10, 0.9, 20.0, 1.1,
+                None, None, None, None, None, "auto", torch.float64, True, True, True,
+                list(metric_names("grpo", None)), *custom_ops.config_args(cfg))
     if name.startswith("logitless::sampled_logprobs"):
         settings = (0.5 + randn(2, 3).abs(), torch.tensor([[3, 11, 1], [20, 2, 5]]),
                     randn(2, 3).sigmoid(), torch.full((2, 3), 0.05, dtype=torch.float64))
@@ -405,3 +445,229 @@ def test_meta_tensors_give_meta_outputs():
     k = torch.empty(2, 2, 9, 8, device=meta)
     assert attention_entropy(q, k).shape == (2, 4, 9)
     assert attention_entropy(q, k, reduce_heads="mean").shape == (2, 9)
+
+
+# --- fused_policy_loss: one op ---------------------------------------------------------------
+
+
+class _GraphRecorder:
+    """A dynamo backend that keeps the FX graphs it is handed and runs them as they are."""
+
+    def __init__(self):
+        self.graphs = []
+
+    def __call__(self, gm, example_inputs):
+        self.graphs.append(gm.graph)
+        return gm.forward
+
+    def logitless_ops(self) -> list[str]:
+        """The logitless ops called, by name (the packet or its overload)."""
+        return [str(n.target).removesuffix(".default") for g in self.graphs for n in g.nodes
+                if n.op == "call_function" and str(n.target).startswith("logitless.")]
+
+
+@pytest.mark.parametrize("step", [fused_step, exact_kl_step])
+def test_fused_policy_loss_is_one_graph_node(step):
+    """The whole fused loss, the exact KL's reference head included, is the one op: no
+    linear_logprobs / linear_divergence node and no policy_loss graph around them."""
+    weight, bias = _head()
+    hidden, targets, mask, old, adv, ref = _batch(2)
+    recorder = _GraphRecorder()
+    compiled = torch.compile(step, backend=recorder, fullgraph=True, dynamic=True)
+    compiled(hidden, weight, bias, targets, mask, old, adv, ref)
+    assert recorder.logitless_ops() == ["logitless.fused_policy_loss"]
+
+
+def _packed_batch(b, seed=0):
+    """b packed sequences of lengths 9, 14, ...; the first 2 tokens of each (the prompt) and
+    one more outside the mask."""
+    g = torch.Generator().manual_seed(seed + 10 * b)
+    lengths = torch.tensor([9 + 5 * i for i in range(b)])
+    cu = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+    n = int(cu[-1])
+    mask = torch.ones(n, dtype=torch.bool)
+    for start in cu[:-1].tolist():
+        mask[start:start + 2] = False
+    mask[cu[1] + 4] = False
+    targets = torch.where(mask, torch.randint(0, V, (n,), generator=g), IGNORE)
+    hidden = torch.randn(n, D, generator=g).requires_grad_()
+    old = torch.where(mask, torch.randn(n, generator=g) - 3, 0.0)
+    rollout = old + 0.1 * torch.randn(n, generator=g)
+    selection = torch.rand(n, generator=g) * 3  # entropies of the old-policy pass
+    adv = torch.randn(b, generator=g)
+    return hidden, targets, mask, old, adv, rollout, selection, cu
+
+
+SELECTING = PolicyLossConfig(objective="grpo", top_entropy_quantile=0.5, rollout_is="sequence",
+                             rollout_is_batch_normalize=True, entropy_coef=0.01)
+
+
+def selecting_step(hidden, weight, bias, targets, mask, old, adv, rollout, selection, cu):
+    return fused_policy_loss(hidden, weight, targets, old, adv, mask, SELECTING, bias=bias,
+                             cu_seqlens=cu, rollout_logprobs=rollout, selection_entropy=selection,
+                             num_items_in_batch=int(mask.sum()) + 3)
+
+
+def test_fused_packed_selections_compiled_match_eager():
+    """What policy_loss cannot trace (the packed layout, entropy-quantile selections, rollout
+    IS batch normalisation: thresholds read on the host) and selection_entropy compile inside
+    the op: fullgraph, dynamic, two batch sizes, equal to eager."""
+    weight, bias = _head()
+    fn, counter = _compiled(selecting_step, "aot_eager")
+    for b in (2, 3):
+        hidden, *rest = _packed_batch(b)
+        args = (hidden, weight, bias, *rest)
+        (loss, metrics), (loss_e, metrics_e) = fn(*args), selecting_step(*args)
+        torch.testing.assert_close(loss, loss_e)
+        assert list(metrics) == list(metrics_e)
+        for k in metrics:
+            assert not metrics[k].requires_grad
+            torch.testing.assert_close(metrics[k], metrics_e[k], msg=k)
+        for x, y in zip(_grads(loss, hidden, weight, bias), _grads(loss_e, hidden, weight, bias)):
+            torch.testing.assert_close(x, y)
+    assert counter.frame_count == 1
+
+
+def test_fused_policy_loss_on_meta_tensors():
+    """The op's fake implementation serves meta tensors: shapes and dtypes of the loss, the
+    metrics (named as eager names them) and the gradients, without reading a value."""
+    meta = torch.device("meta")
+    hidden = torch.empty(3, T, D, device=meta, dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.empty(V, D, device=meta, requires_grad=True)
+    bias = torch.empty(V, device=meta, requires_grad=True)
+    targets = torch.empty(3, T, device=meta, dtype=torch.long)
+    mask, old = torch.empty(3, T, device=meta), torch.empty(3, T, device=meta)
+    cfg = PolicyLossConfig(objective="cispo", rollout_is="token")
+    loss, metrics = fused_policy_loss(hidden, weight, targets, old, torch.empty(3, device=meta),
+                                      mask, cfg, bias=bias, rollout_logprobs=old)
+    assert loss.device == meta and loss.shape == () and loss.dtype == torch.float32
+    assert list(metrics) == list(metric_names("cispo", "token"))
+    assert {"clip_ratio/low", "is_weight/mean", "entropy/bonus_sum"} <= metrics.keys()
+    for v in metrics.values():
+        assert v.device == meta and v.shape == () and v.dtype == torch.float32
+        assert not v.requires_grad
+    loss.backward()
+    for x in (hidden, weight, bias):
+        assert x.grad.device == meta and x.grad.shape == x.shape and x.grad.dtype == x.dtype
+
+
+def _through_the_op(monkeypatch):
+    """Eager calls of fused_policy_loss go through the op (its implementation runs for real)."""
+    from logitless.fused_losses import fused_policy_loss as module
+
+    monkeypatch.setattr(module, "_as_op", lambda hidden: True)
+
+
+@pytest.mark.parametrize("strategy", ["auto", "streaming"])
+def test_op_equals_the_direct_call_for_every_objective(monkeypatch, strategy):
+    """The op's implementation (the gradients computed in its forward, the metrics named by
+    metric_names, the config rebuilt from its lists) against the direct eager call, for every
+    registered objective, with and without rollout IS weights."""
+    from fused_losses.test_fused_policy_loss import (
+        OBJECTIVE_EXTRAS,
+        config_for,
+        make_batch,
+        run_fused,
+    )
+
+    batch = make_batch(seed=3)
+    wanted = {}
+    for name in sorted(OBJECTIVES):
+        for rollout_is in (None, "token"):
+            cfg = config_for(name, rollout_is=rollout_is, beta=0.03,
+                             **OBJECTIVE_EXTRAS.get(name, {}))
+            wanted[name, rollout_is] = cfg, run_fused(batch, cfg, with_rollout=True,
+                                                      strategy=strategy)
+    _through_the_op(monkeypatch)
+    for (name, rollout_is), (cfg, want) in wanted.items():
+        loss, metrics, grads = run_fused(batch, cfg, with_rollout=True, strategy=strategy)
+        msg = f"{name}, rollout_is={rollout_is}"
+        torch.testing.assert_close(loss, want[0], rtol=1e-12, atol=0, msg=msg)
+        assert list(metrics) == list(want[1]), msg
+        for k, v in metrics.items():
+            torch.testing.assert_close(v, want[1][k], rtol=1e-12, atol=0, msg=f"{msg}: {k}")
+        for g, w in zip(grads, want[2]):
+            torch.testing.assert_close(g, w, rtol=1e-12, atol=0, msg=msg)
+
+
+def test_metrics_the_objective_name_does_not_decide_raise(monkeypatch):
+    """An objective whose clip flags depend on another config field gives metrics the op was
+    not traced for: a RuntimeError saying so, never metrics under the wrong names."""
+    from logitless.fused_losses import fused_policy_loss as module
+    from logitless.fused_losses import objectives
+
+    def flags_with_delta(x):
+        loss = -x.adv * x.ratio.value
+        if x.cfg.delta is None:
+            return objectives.ObjectiveOutput(loss)
+        return objectives.ObjectiveOutput(
+            loss, *objectives.clip_flags(x.ratio.value.detach(), x.adv, 0.8, 1.2))
+
+    # registered in a copy of the registry, which the test's end drops
+    monkeypatch.setattr(objectives, "OBJECTIVES", dict(objectives.OBJECTIVES))
+    objectives.register_objective("flags_with_delta")(flags_with_delta)
+    monkeypatch.setattr(module, "_METRIC_NAMES", {})
+    weight, bias = _head()
+    hidden, targets, mask, old, adv, _ = _batch(2)
+    cfg = PolicyLossConfig(objective="flags_with_delta", delta=2.0)
+    eager = fused_policy_loss(hidden, weight, targets, old, adv, mask, cfg, bias=bias)[1]
+    assert "clip_ratio/low" in eager
+    _through_the_op(monkeypatch)
+    with pytest.raises(RuntimeError, match=r"not the .* the op was traced for"):
+        fused_policy_loss(hidden, weight, targets, old, adv, mask, cfg, bias=bias)
+
+
+def test_config_crosses_the_op_boundary_whole():
+    """Every field, whatever its kind (tensor knobs, a string dhpo_mix, ints), comes back."""
+    g = torch.Generator().manual_seed(4)
+    cfg = PolicyLossConfig(objective="dhpo", dhpo_mix="entropy", eps_low=torch.rand(2, 3,
+                           generator=g) * 0.2, beta=torch.rand(2, 3, generator=g), delta=3,
+                           rollout_is="token", rollout_rs="token_k1,seq_max_k2",
+                           rollout_rs_threshold="2.0,0.5", max_response_length=64, cov_seed=3,
+                           hard_trust_region=True)
+    back = custom_ops.config_from_args(*custom_ops.config_args(cfg))
+    for f in dataclasses.fields(cfg):
+        a, b = getattr(cfg, f.name), getattr(back, f.name)
+        if isinstance(a, torch.Tensor):
+            assert torch.equal(a, b), f.name
+        else:
+            assert a == b and type(a) is type(b), f.name
+
+
+def test_op_path_bad_input(monkeypatch):
+    """Through the op, a bad argument is still a ValueError naming it: from the checks that
+    read no values, before the op (meta tensors here: no value to read), and from inside the
+    op for the rest (a target id out of range)."""
+    meta = torch.device("meta")
+    hidden = torch.empty(2, T, D, device=meta, requires_grad=True)
+    weight = torch.empty(V, D, device=meta)
+    targets = torch.empty(2, T, device=meta, dtype=torch.long)
+    mask, old, adv = (torch.empty(2, T, device=meta), torch.empty(2, T, device=meta),
+                      torch.empty(2, device=meta))
+    cfg = PolicyLossConfig(objective="grpo")
+
+    def call(**kw):
+        args = dict(old_logprobs=old, advantages=adv, config=cfg)
+        args.update(kw)
+        return fused_policy_loss(hidden, weight, targets, args.pop("old_logprobs"),
+                                 args.pop("advantages"), mask, args.pop("config"), **args)
+
+    for kw, message in [
+        (dict(old_logprobs=None), "old_logprobs: required"),
+        (dict(advantages=torch.empty(3, device=meta)), "advantages: expected"),
+        (dict(advantages=[1.0, 2.0]), "advantages: expected a tensor"),
+        (dict(ref_logprobs=torch.empty(2, T + 1, device=meta)), "ref_logprobs: expected shape"),
+        (dict(config="grpo"), "config must be a PolicyLossConfig"),
+        (dict(training_progress="half"), "training_progress: expected a number"),
+        (dict(num_items_in_batch=True), "num_items_in_batch: expected a number"),
+        (dict(strategy="fast"), "strategy must be one of"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            call(**kw)
+    weight_, bias = _head()
+    hidden_, targets_, mask_, old_, adv_, _ = _batch(2)
+    targets_ = targets_.clone()
+    targets_[1, 2] = V
+    _through_the_op(monkeypatch)
+    with pytest.raises(ValueError, match="targets must lie in"):
+        fused_policy_loss(hidden_, weight_, targets_, old_, adv_, mask_, cfg, bias=bias)

@@ -13,7 +13,7 @@ import numbers
 
 import torch
 
-from logitless.fused_losses import custom_ops
+from logitless.fused_losses import custom_ops  # noqa: F401 (defines torch.ops.logitless.*)
 from logitless.fused_losses.backend import triton_selected
 from logitless.kernels.attention_entropy_torch import attention_entropy_chunked
 
@@ -143,12 +143,10 @@ def attention_entropy(
     _check_inputs(q, k, scale=scale, window=window, softcap=softcap, reduce_heads=reduce_heads)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     softcap = None if softcap is None else float(softcap)
-    if custom_ops.AVAILABLE:  # one graph node under torch.compile (custom_ops.py)
-        return torch.ops.logitless.attention_entropy(
-            q, k, cu_seqlens, attention_mask, query_mask, bool(causal), scale, window, softcap,
-            reduce_heads == "mean")
-    return _attention_entropy_impl(q, k, cu_seqlens, attention_mask, query_mask, bool(causal),
-                                   scale, window, softcap, reduce_heads == "mean")
+    # One graph node under torch.compile (custom_ops.py).
+    return torch.ops.logitless.attention_entropy(
+        q, k, cu_seqlens, attention_mask, query_mask, bool(causal), scale, window, softcap,
+        reduce_heads == "mean")
 
 
 def _attention_entropy_impl(q, k, cu_seqlens, attention_mask, query_mask, causal: bool,

@@ -15,16 +15,21 @@ The pattern, for every public op:
   custom op with a fake implementation, so compiled backward graphs capture it as one node.
 
 Configuration crosses the op boundary as ``int``/``float``/``bool``/``ScalarType`` arguments.
-What cannot (a process group for ``vocab_parallel``, a ``gather_weight`` callable) keeps the
-eager path. ``torch.library.custom_op`` arrived in torch 2.4; ``AVAILABLE`` is False before it
-and every public op then runs eagerly.
+``fused_policy_loss`` differs in three ways: its `PolicyLossConfig` crosses as four lists
+(numbers, strings, flags, tensors, in the config's field order: a schema holds at most 64
+arguments); its metrics come back as one tensor whose entries the wrapper names (the names
+follow from the objective and ``rollout_is``, `fused_policy_loss.metric_names`, and the op
+raises if the objective gives others); and its op computes the gradients in its forward, as
+the eager chunked strategy does, so that its backward is two or three multiplications by
+the loss's incoming gradient rather than an op of its own. Every argument of
+``fused_policy_loss`` crosses. What cannot (``linear_logprobs``'s process group for
+``vocab_parallel`` and its ``gather_weight`` callable) keeps the eager path.
 """
 
 import torch
 
 from logitless.kernels.linear_softmax_torch import acc_dtype
 
-AVAILABLE = hasattr(torch.library, "custom_op") and hasattr(torch.library, "register_autograd")
 
 def is_compiling() -> bool:
     """True while dynamo traces (``torch.compile``, ``torch.export``): code that would read a
@@ -134,20 +139,19 @@ def _lp_backward(ctx, g_lp, g_entropy, g_sum_p_sq, g_mean_logit, _g_top1, g_lse)
             d_bias if need_bias else None, *_none_grads(n_inputs - 3))
 
 
-if AVAILABLE:
-    linear_logprobs_backward = _define(
-        "linear_logprobs_backward",
-        "(Tensor hidden, Tensor weight, Tensor? bias, Tensor targets, Tensor lse, "
-        "Tensor? entropy, Tensor? sum_p_sq, Tensor? g_lp, Tensor? g_entropy, "
-        "Tensor? g_sum_p_sq, Tensor? g_mean_logit, Tensor? g_lse, " + _LP_CONFIG
-        + ", bool need_hidden, bool need_weight, bool need_bias) -> (Tensor, Tensor, Tensor)",
-        _lp_backward_impl, _lp_backward_fake)
-    linear_logprobs = _define(
-        "linear_logprobs",
-        "(Tensor hidden, Tensor weight, Tensor? bias, Tensor targets, " + _LP_CONFIG
-        + ", bool want_s2, bool want_sum_z) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
-        _lp_forward, _lp_forward_fake)
-    linear_logprobs.register_autograd(_lp_backward, setup_context=_lp_setup_context)
+linear_logprobs_backward = _define(
+    "linear_logprobs_backward",
+    "(Tensor hidden, Tensor weight, Tensor? bias, Tensor targets, Tensor lse, "
+    "Tensor? entropy, Tensor? sum_p_sq, Tensor? g_lp, Tensor? g_entropy, "
+    "Tensor? g_sum_p_sq, Tensor? g_mean_logit, Tensor? g_lse, " + _LP_CONFIG
+    + ", bool need_hidden, bool need_weight, bool need_bias) -> (Tensor, Tensor, Tensor)",
+    _lp_backward_impl, _lp_backward_fake)
+linear_logprobs = _define(
+    "linear_logprobs",
+    "(Tensor hidden, Tensor weight, Tensor? bias, Tensor targets, " + _LP_CONFIG
+    + ", bool want_s2, bool want_sum_z) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+    _lp_forward, _lp_forward_fake)
+linear_logprobs.register_autograd(_lp_backward, setup_context=_lp_setup_context)
 
 
 # --- linear_logprobs with the sampler's settings (sampled.py) --------------------------------
@@ -227,22 +231,21 @@ def _sp_backward(ctx, g_lp, g_entropy, g_kept, g_lse, *_):
     return (*(g if n else None for g, n in zip(grads, need)), *_none_grads(n_inputs - 3))
 
 
-if AVAILABLE:
-    _SP_INPUTS = ("Tensor hidden, Tensor weight, Tensor? bias, Tensor targets, "
-                  "Tensor temperature, Tensor? top_k, Tensor? top_p, Tensor? min_p, ")
-    sampled_logprobs_backward = _define(
-        "sampled_logprobs_backward",
-        "(" + _SP_INPUTS + "Tensor key, Tensor count, Tensor lse, Tensor lse_kept, "
-        "Tensor entropy, Tensor logprobs, Tensor? g_lp, Tensor? g_entropy, Tensor? g_kept, "
-        "Tensor? g_lse, " + _SP_CONFIG + ", bool need_hidden, bool need_weight, "
-        "bool need_bias) -> (Tensor, Tensor, Tensor)",
-        _sp_backward_impl, _sp_backward_fake)
-    sampled_logprobs = _define(
-        "sampled_logprobs",
-        "(" + _SP_INPUTS + _SP_CONFIG + ") -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, "
-        "Tensor)",
-        _sp_forward, _sp_forward_fake)
-    sampled_logprobs.register_autograd(_sp_backward, setup_context=_sp_setup_context)
+_SP_INPUTS = ("Tensor hidden, Tensor weight, Tensor? bias, Tensor targets, "
+              "Tensor temperature, Tensor? top_k, Tensor? top_p, Tensor? min_p, ")
+sampled_logprobs_backward = _define(
+    "sampled_logprobs_backward",
+    "(" + _SP_INPUTS + "Tensor key, Tensor count, Tensor lse, Tensor lse_kept, "
+    "Tensor entropy, Tensor logprobs, Tensor? g_lp, Tensor? g_entropy, Tensor? g_kept, "
+    "Tensor? g_lse, " + _SP_CONFIG + ", bool need_hidden, bool need_weight, "
+    "bool need_bias) -> (Tensor, Tensor, Tensor)",
+    _sp_backward_impl, _sp_backward_fake)
+sampled_logprobs = _define(
+    "sampled_logprobs",
+    "(" + _SP_INPUTS + _SP_CONFIG + ") -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, "
+    "Tensor)",
+    _sp_forward, _sp_forward_fake)
+sampled_logprobs.register_autograd(_sp_backward, setup_context=_sp_setup_context)
 
 
 # --- attention_entropy (forward only) -------------------------------------------------------
@@ -267,11 +270,10 @@ def _ae_forward_fake(q, k, cu_seqlens, attention_mask, query_mask, causal, scale
     return q.new_empty(shape, dtype=torch.float32)
 
 
-if AVAILABLE:
-    _define("attention_entropy",
-            "(Tensor q, Tensor k, Tensor? cu_seqlens, Tensor? attention_mask, Tensor? query_mask, "
-            "bool causal, float scale, int? window, float? softcap, bool reduce_mean) -> Tensor",
-            _ae_forward, _ae_forward_fake)
+_define("attention_entropy",
+        "(Tensor q, Tensor k, Tensor? cu_seqlens, Tensor? attention_mask, Tensor? query_mask, "
+        "bool causal, float scale, int? window, float? softcap, bool reduce_mean) -> Tensor",
+        _ae_forward, _ae_forward_fake)
 
 
 # --- linear_divergence ----------------------------------------------------------------------
@@ -290,9 +292,8 @@ def _div_forward(hidden, weight, bias, t_hidden, t_weight, t_bias, mask, beta, t
     from logitless.fused_losses import divergence as dv
 
     spec = _div_spec(beta, temperature, tile_bytes, hidden, t_hidden, entropy)
-    return _distinct(dv._divergence_impl(
-        spec, hidden, weight, bias, t_hidden, t_weight, t_bias, mask,
-        lambda *args: dv._divergence_rows(args[-1], *args[:-1])))
+    return _distinct(dv._divergence_impl(spec, hidden, weight, bias, t_hidden, t_weight, t_bias,
+                                         mask))
 
 
 def _div_forward_fake(hidden, weight, bias, t_hidden, t_weight, t_bias, mask, beta,
@@ -354,21 +355,20 @@ def _div_backward(ctx, grad, *_):
     return (*(g if n else None for g, n in zip(grads, need)), *_none_grads(n_inputs - 3))
 
 
-if AVAILABLE:
-    linear_divergence_backward = _define(
-        "linear_divergence_backward",
-        "(Tensor hidden, Tensor weight, Tensor? bias, Tensor t_hidden, Tensor t_weight, "
-        "Tensor? t_bias, Tensor? mask, Tensor lse_s, Tensor lse_t, Tensor aux, Tensor grad, "
-        + _DIV_CONFIG + ", bool need_hidden, bool need_weight, bool need_bias) "
-        "-> (Tensor, Tensor, Tensor)",
-        _div_backward_impl, _div_backward_fake)
-    linear_divergence = _define(
-        "linear_divergence",
-        "(Tensor hidden, Tensor weight, Tensor? bias, Tensor t_hidden, Tensor t_weight, "
-        "Tensor? t_bias, Tensor? mask, " + _DIV_CONFIG + ", bool entropy) "
-        "-> (Tensor, Tensor, Tensor, Tensor, Tensor)",
-        _div_forward, _div_forward_fake)
-    linear_divergence.register_autograd(_div_backward, setup_context=_div_setup_context)
+linear_divergence_backward = _define(
+    "linear_divergence_backward",
+    "(Tensor hidden, Tensor weight, Tensor? bias, Tensor t_hidden, Tensor t_weight, "
+    "Tensor? t_bias, Tensor? mask, Tensor lse_s, Tensor lse_t, Tensor aux, Tensor grad, "
+    + _DIV_CONFIG + ", bool need_hidden, bool need_weight, bool need_bias) "
+    "-> (Tensor, Tensor, Tensor)",
+    _div_backward_impl, _div_backward_fake)
+linear_divergence = _define(
+    "linear_divergence",
+    "(Tensor hidden, Tensor weight, Tensor? bias, Tensor t_hidden, Tensor t_weight, "
+    "Tensor? t_bias, Tensor? mask, " + _DIV_CONFIG + ", bool entropy) "
+    "-> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+    _div_forward, _div_forward_fake)
+linear_divergence.register_autograd(_div_backward, setup_context=_div_setup_context)
 
 
 # --- linear_topk_distill's student logprobs at the teacher's ids ----------------------------
@@ -427,17 +427,146 @@ def _topk_backward(ctx, grad, _):
     return (*(g if n else None for g, n in zip(grads, need)), *_none_grads(n_inputs - 3))
 
 
-if AVAILABLE:
-    linear_topk_logprobs_backward = _define(
-        "linear_topk_logprobs_backward",
-        "(Tensor hidden, Tensor weight, Tensor? bias, Tensor ids, Tensor? mask, Tensor lse, "
-        "Tensor grad, "
-        "float temperature, int? tile_bytes, bool need_hidden, bool need_weight, "
-        "bool need_bias) -> (Tensor, Tensor, Tensor)",
-        _topk_backward_impl, _topk_backward_fake)
-    linear_topk_logprobs = _define(
-        "linear_topk_logprobs",
-        "(Tensor hidden, Tensor weight, Tensor? bias, Tensor ids, Tensor? mask, "
-        "float temperature, int? tile_bytes) -> (Tensor, Tensor)",
-        _topk_forward, _topk_forward_fake)
-    linear_topk_logprobs.register_autograd(_topk_backward, setup_context=_topk_setup_context)
+linear_topk_logprobs_backward = _define(
+    "linear_topk_logprobs_backward",
+    "(Tensor hidden, Tensor weight, Tensor? bias, Tensor ids, Tensor? mask, Tensor lse, "
+    "Tensor grad, "
+    "float temperature, int? tile_bytes, bool need_hidden, bool need_weight, "
+    "bool need_bias) -> (Tensor, Tensor, Tensor)",
+    _topk_backward_impl, _topk_backward_fake)
+linear_topk_logprobs = _define(
+    "linear_topk_logprobs",
+    "(Tensor hidden, Tensor weight, Tensor? bias, Tensor ids, Tensor? mask, "
+    "float temperature, int? tile_bytes) -> (Tensor, Tensor)",
+    _topk_forward, _topk_forward_fake)
+linear_topk_logprobs.register_autograd(_topk_backward, setup_context=_topk_setup_context)
+
+
+# --- fused_policy_loss ----------------------------------------------------------------------
+#
+# The config crosses the boundary as four lists (a schema holds at most 64 arguments, the
+# config alone has over 60 fields), each in `PolicyLossConfig`'s field order: the numbers
+# (``Scalar?[]``: ints stay ints, None stays None), the strings (``str?[]``), the flags
+# (``bool[]``) and the tensors (``Tensor?[]``). A field enters each list whose kind of value it
+# admits, so ``eps_low: float | Tensor | None`` has a slot among the numbers and one among the
+# tensors, at most one of them set. The op rebuilds the config from them.
+
+_CFG_LISTS = {float: 0, int: 0, str: 1, bool: 2, torch.Tensor: 3}  # kind -> list
+
+
+def _config_layout() -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """``(field, lists)`` for each init field of `PolicyLossConfig`, in order: the lists
+    (`_CFG_LISTS`) holding a slot for it, one per kind of value it admits."""
+    import dataclasses
+    import typing
+
+    from logitless.fused_losses.config import PolicyLossConfig
+
+    layout = []
+    for f in dataclasses.fields(PolicyLossConfig):
+        if not f.init:
+            continue
+        kinds = [k for k in (typing.get_args(f.type) or (f.type,)) if k is not type(None)]
+        if any(k not in _CFG_LISTS for k in kinds) or (bool in kinds and len(kinds) > 1):
+            raise TypeError(f"PolicyLossConfig.{f.name}: no op argument for {f.type}")
+        layout.append((f.name, tuple(dict.fromkeys(_CFG_LISTS[k] for k in kinds))))
+    return tuple(layout)
+
+
+_CONFIG_LAYOUT = _config_layout()
+
+
+def config_args(config) -> tuple[list, list, list, list]:
+    """The config's fields as the op's four list arguments (`_CONFIG_LAYOUT`). Reads each
+    field once and nothing of a tensor's values: dynamo guards on the fields as it would on
+    any traced use of the config."""
+    lists = ([], [], [], [])
+    for name, kinds in _CONFIG_LAYOUT:
+        value = getattr(config, name)
+        for kind in kinds:
+            if kind == 2 or value is None:  # a flag; or no value
+                fits = True
+            elif kind == 3:
+                fits = isinstance(value, torch.Tensor)
+            elif kind == 1:
+                fits = isinstance(value, str)
+            else:  # a number: neither a tensor nor a string
+                fits = not isinstance(value, torch.Tensor | str)
+            lists[kind].append(value if fits else None)
+    return lists
+
+
+def config_from_args(numbers, strings, flags, tensors) -> object:
+    """The `PolicyLossConfig` back from `config_args`'s lists (checked again on the way)."""
+    from logitless.fused_losses.config import PolicyLossConfig
+
+    its = [iter(x) for x in (numbers, strings, flags, tensors)]
+    fields = {}
+    for name, kinds in _CONFIG_LAYOUT:
+        given = [next(its[k]) for k in kinds]
+        fields[name] = next((v for v in given if v is not None), None)
+    return PolicyLossConfig(**fields)
+
+
+# The op's arguments: tensors (the call's, then the global counts given as tensors), then
+# the call's scalars, then the config's four lists.
+_FPL_TENSORS = ("hidden", "weight", "bias", "targets", "old_logprobs", "advantages", "mask",
+                "ref_logprobs", "rollout_logprobs", "token_weights", "attention_entropy",
+                "cu_seqlens", "selection_entropy", "ref_hidden", "ref_weight", "ref_bias",
+                "num_items_in_batch_tensor", "global_batch_size_tensor")
+_FPL_REQUIRED = ("hidden", "weight", "targets", "old_logprobs", "advantages", "mask")
+_FPL_SCALARS = ("float temperature, float? softcap, float logit_scale, "
+                "Scalar? num_items_in_batch, Scalar? global_batch_size, "
+                "float? training_progress, float? entropy_coef, int? memory_budget, "
+                "str strategy, ScalarType dtype, bool need_hidden, bool need_weight, "
+                "bool need_bias, str[] metric_names")
+_FPL_CONFIG = ("Scalar?[] config_numbers, str?[] config_strings, bool[] config_flags, "
+               "Tensor?[] config_tensors")
+_N_FPL_INPUTS = len(_FPL_TENSORS) + _FPL_SCALARS.count(",") + 1 + 4
+_FPL_OPTIONS = len(_FPL_TENSORS) + 9  # dtype, need_hidden, need_weight, need_bias, names
+
+
+def _fpl_forward(*args):
+    from logitless.fused_losses import fused_policy_loss as fpl
+
+    return fpl.op_forward(*args[:-4], config_from_args(*args[-4:]))
+
+
+def _fpl_forward_fake(*args):
+    hidden, weight, bias = args[:3]
+    dtype, need_hidden, need_weight, need_bias, names = args[_FPL_OPTIONS:_FPL_OPTIONS + 5]
+    acc = acc_dtype(dtype)
+    # the gradients contiguous whatever the inputs' strides (the implementation makes them so)
+    return (hidden.new_empty((), dtype=acc), hidden.new_empty((len(names),), dtype=acc),
+            hidden.new_empty(hidden.shape if need_hidden else (0,)),
+            weight.new_empty(weight.shape if need_weight else (0,)),
+            bias.new_empty(bias.shape) if need_bias else weight.new_empty(0))
+
+
+def _fpl_setup_context(ctx, inputs, output):
+    ctx.need = inputs[_FPL_OPTIONS + 1:_FPL_OPTIONS + 4]
+    ctx.set_materialize_grads(False)
+    ctx.mark_non_differentiable(*output[1:])
+    ctx.save_for_backward(*output[2:])
+
+
+def _fpl_backward(ctx, g_loss, *_):
+    """The gradients were computed in the forward: scaled by the loss's incoming gradient.
+    Plain multiplications (no op of their own): inductor fuses them into one kernel that
+    writes into the stored gradients' buffers (saved tensors the backward donates), so the
+    compiled backward allocates no second [V, D] weight gradient."""
+    if g_loss is None:
+        return _none_grads(_N_FPL_INPUTS)
+    need = (a and b for a, b in zip(ctx.need, ctx.needs_input_grad[:3]))
+    grads = tuple(d * g_loss.to(d.dtype) if n else None
+                  for d, n in zip(ctx.saved_tensors, need))
+    return (*grads, *_none_grads(_N_FPL_INPUTS - 3))
+
+
+fused_policy_loss = _define(
+    "fused_policy_loss",
+    "(" + ", ".join(f"Tensor{'' if t in _FPL_REQUIRED else '?'} {t}" for t in _FPL_TENSORS)
+    + ", " + _FPL_SCALARS + ", " + _FPL_CONFIG
+    + ") -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+    _fpl_forward, _fpl_forward_fake)
+fused_policy_loss.register_autograd(_fpl_backward, setup_context=_fpl_setup_context)

@@ -15,9 +15,9 @@ from types import ModuleType
 
 import torch
 
-from logitless.fused_losses import custom_ops
+from logitless.fused_losses import custom_ops  # noqa: F401 (defines torch.ops.logitless.*)
 from logitless.fused_losses.backend import triton_selected
-from logitless.fused_losses.logprobs import check_byte_budget, compute_dtype, put_rows
+from logitless.fused_losses.logprobs import check_byte_budget, compute_dtype
 from logitless.kernels import divergence_torch
 
 __all__ = ["exact_kl_rows", "linear_divergence", "linear_topk_distill", "reference_head"]
@@ -96,25 +96,6 @@ def _divergence_rows_backward(spec: _Spec, hidden, weight, bias, t_hidden, t_wei
             grad.contiguous(), beta=spec.beta, temperature=spec.temperature,
             need_hidden=need[0], need_weight=need[1], need_bias=need[2], **spec.kw())
     return _cast(grads, (hidden, weight, bias))
-
-
-class _TopkLogprobs(torch.autograd.Function):
-    """The student's tempered log-softmax at ``ids [n, k]`` (rows compacted)."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, bias, ids, spec: _Spec):
-        ctx.set_materialize_grads(False)
-        logprobs, lse = _topk_rows(spec, hidden, weight, bias, ids)
-        ctx.spec = spec
-        ctx.save_for_backward(hidden, weight, bias, ids, lse)
-        return logprobs
-
-    @staticmethod
-    def backward(ctx, grad):
-        need = ctx.needs_input_grad[:3]
-        if grad is None or not any(need):
-            return (None,) * 5
-        return (*_topk_rows_backward(ctx.spec, *ctx.saved_tensors, grad, need), None, None)
 
 
 def _topk_rows(spec: _Spec, hidden, weight, bias, ids):
@@ -268,27 +249,23 @@ def linear_divergence(
     check_byte_budget("max_tile_bytes", max_tile_bytes)
     t_bias = None if teacher_bias is None else teacher_bias.detach()
     teacher = (teacher_hidden.detach(), teacher_weight.detach(), t_bias)
-    if custom_ops.AVAILABLE:  # one graph node under torch.compile (custom_ops.py)
-        out, entropy, *_ = torch.ops.logitless.linear_divergence(
-            hidden, weight, bias, *teacher, mask, float(beta), float(temperature),
-            max_tile_bytes, bool(return_entropy))
-        entropy = entropy.detach()  # no gradient, as documented
-    else:
-        spec = spec_for(beta, temperature, max_tile_bytes, hidden, teacher_hidden,
-                        return_entropy)
-        out, entropy = _divergence_impl(spec, hidden, weight, bias, *teacher, mask,
-                                        _Divergence.apply)[:2]
+    # One graph node under torch.compile (custom_ops.py).
+    out, entropy, *_ = torch.ops.logitless.linear_divergence(
+        hidden, weight, bias, *teacher, mask, float(beta), float(temperature), max_tile_bytes,
+        bool(return_entropy))
+    entropy = entropy.detach()  # no gradient, as documented
     return (out, entropy) if return_entropy else out
 
 
-def _divergence_impl(spec: _Spec, hidden, weight, bias, t_hidden, t_weight, t_bias, mask, run):
-    """Compact the rows ``mask`` keeps, ``run(...)`` on them (``_Divergence.apply`` or
-    `_divergence_rows`) and scatter each result back to the token shape (0 at dropped rows;
-    an empty entropy, when not wanted, becomes zeros)."""
+def _divergence_impl(spec: _Spec, hidden, weight, bias, t_hidden, t_weight, t_bias, mask):
+    """The op's forward: compact the rows ``mask`` keeps, `_divergence_rows` on them, and
+    scatter each result back to the token shape (0 at dropped rows; an empty entropy, when not
+    wanted, becomes zeros)."""
     lead = tuple(hidden.shape[:-1])
     n = math.prod(lead)
     rows = _rows(mask, n)
-    outs = run(_take(hidden, rows), weight, bias, _take(t_hidden, rows), t_weight, t_bias, spec)
+    outs = _divergence_rows(spec, _take(hidden, rows), weight, bias, _take(t_hidden, rows),
+                            t_weight, t_bias)
     return tuple(_expand(x if x.shape == outs[0].shape else x.new_zeros(outs[0].shape), rows, n,
                          lead) for x in outs)
 
@@ -381,15 +358,9 @@ def linear_topk_distill(
                                   or math.isnan(value)):
             raise ValueError(f"{name} must be None or a number, got {value!r}")
     check_byte_budget("max_tile_bytes", max_tile_bytes)
-    if custom_ops.AVAILABLE:  # one graph node under torch.compile (custom_ops.py)
-        log_q = torch.ops.logitless.linear_topk_logprobs(hidden, weight, bias, teacher_ids, mask,
-                                                         float(temperature), max_tile_bytes)[0]
-    else:
-        rows = _rows(mask, math.prod(lead))
-        spec = spec_for(0.0, temperature, max_tile_bytes, hidden)
-        log_q = _TopkLogprobs.apply(_take(hidden, rows), weight, bias,
-                                    _topk_ids(teacher_ids, rows, weight.shape[0]), spec)
-        log_q = put_rows(log_q, rows, teacher_ids.shape)
+    # One graph node under torch.compile (custom_ops.py).
+    log_q = torch.ops.logitless.linear_topk_logprobs(hidden, weight, bias, teacher_ids, mask,
+                                                     float(temperature), max_tile_bytes)[0]
     # Dropped rows: log q = log t = 0 below, so their loss is 0 (and gets no gradient).
     log_t = teacher_logprobs.detach().to(log_q.dtype)
     if mask is not None:

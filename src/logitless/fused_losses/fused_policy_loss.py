@@ -22,34 +22,40 @@ Either way the loss math is :func:`policy_loss`, run once more on the collected 
 ``lp`` and ``H`` (O(N), no vocabulary) for the loss value and the metrics.
 
 The code: checks (once, for the whole call), plan, chunk loop (`_ChunkRunner`, with a pluggable
-`ChunkStore` for the dense chunks).
+`ChunkStore` for the dense chunks); and the op (`_op_call`, `op_forward`): under
+``torch.compile`` the whole call is the one custom op ``logitless::fused_policy_loss``
+(defined in ``custom_ops.py``, the config crossing as four lists), whose implementation runs
+this eager code, the plan from the mask and ``cu_seqlens`` included, and returns the loss, the
+metrics as one tensor (named by `metric_names`) and the gradients it computed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import itertools
 from typing import NamedTuple, Protocol
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
-from logitless.fused_losses import gpu_plan
+from logitless.fused_losses import custom_ops, gpu_plan
 from logitless.fused_losses.aggregation import check_global_counts
 from logitless.fused_losses.backend import triton_selected
 from logitless.fused_losses.config import PolicyLossConfig
 from logitless.fused_losses.custom_ops import is_compiling
-from logitless.fused_losses.divergence import exact_kl_rows, linear_divergence, reference_head
+from logitless.fused_losses.divergence import exact_kl_rows, reference_head
 from logitless.fused_losses.logprobs import (
     _rows_logprobs,
     check_byte_budget,
     check_head_args,
     compute_dtype,
-    linear_logprobs,
 )
 from logitless.fused_losses.objectives import needs_whole_batch
 from logitless.fused_losses.policy_loss import (
     _Batch,
+    _check_shapes,
     _dtype,
     _globals_and_masks,
     _loss_of_batch,
@@ -269,38 +275,53 @@ def fused_policy_loss(
     backward, so a retained graph backpropagates again there (neither strategy gives
     higher-order gradients).
 
-    Under ``torch.compile`` the call traces as the streaming strategy (``policy_loss`` on the
-    custom op ``linear_logprobs``; 8 N D V FLOPs instead of 6), without a graph break:
-    the chunk plan reads the mask on the host. ``selection_entropy`` is refused there; the
-    exact KL there is the custom op ``linear_divergence``'s (``beta = 1``), given to
-    ``policy_loss`` as ``kl``.
+    Under ``torch.compile`` (and for meta or fake tensors) the call is one custom op,
+    ``logitless::fused_policy_loss`` (`custom_ops`): the checks that read no values run while
+    tracing, and the op runs this same eager code (plan, chunks, or the whole batch streamed)
+    with every argument, the exact KL's reference head and ``selection_entropy`` included.
+    It computes the gradients in its forward whichever the strategy (the streamed batch's by
+    its graph, at once), and its backward scales them, out of place: a backward of a
+    compiled loss may run again after ``retain_graph=True``. The metrics' names come from
+    the objective and ``rollout_is`` (`metric_names`); an objective whose clip flags depend on
+    other fields raises ``RuntimeError`` there rather than mislabel them.
     """
     head = _Head(hidden, weight, bias, temperature, softcap, logit_scale)
-    if is_compiling():
-        return _traced(head, targets, old_logprobs, advantages, mask, config, strategy,
-                       cu_seqlens, selection_entropy, memory_budget,
-                       dict(ref_logprobs=ref_logprobs, rollout_logprobs=rollout_logprobs,
-                            token_weights=token_weights, attention_entropy=attention_entropy,
-                            num_items_in_batch=num_items_in_batch,
-                            global_batch_size=global_batch_size,
-                            training_progress=training_progress, entropy_coef=entropy_coef),
-                       (ref_hidden, ref_weight, ref_bias))
-    call = _checked_call(head, targets, old_logprobs, advantages, mask, config, strategy,
-                         cu_seqlens, selection_entropy, memory_budget, ref_logprobs=ref_logprobs,
-                         rollout_logprobs=rollout_logprobs, token_weights=token_weights,
-                         attention_entropy=attention_entropy)
-    call.ref = _checked_ref(head, config, ref_hidden, ref_weight, ref_bias)
+    tensors = dict(ref_logprobs=ref_logprobs, rollout_logprobs=rollout_logprobs,
+                   token_weights=token_weights, attention_entropy=attention_entropy)
     loss_args = dict(num_items_in_batch=num_items_in_batch, global_batch_size=global_batch_size,
                      training_progress=training_progress, entropy_coef=entropy_coef)
+    ref_args = (ref_hidden, ref_weight, ref_bias)
+    if _as_op(hidden):
+        return _op_call(head, targets, old_logprobs, advantages, mask, config, strategy,
+                        cu_seqlens, selection_entropy, memory_budget, tensors, loss_args,
+                        ref_args)
+    need = _Need.of(hidden, weight, bias)
+    loss, metrics, grads = _fused(head, need, targets, old_logprobs, advantages, mask, config,
+                                  strategy, cu_seqlens, selection_entropy, memory_budget,
+                                  tensors, loss_args, ref_args)
+    if grads is None or not need.any:  # the whole batch streamed: the loss has its graph
+        return loss, metrics
+    return _StoredGradients.apply(loss, hidden, weight, bias, grads), metrics
+
+
+def _fused(head, need, targets, old_logprobs, advantages, mask, config, strategy, cu_seqlens,
+           selection_entropy, memory_budget, tensors, loss_args, ref_args) -> tuple:
+    """The eager call: ``(loss, metrics, grads)``, ``grads`` the ``(d_hidden, d_weight,
+    d_bias)`` the chunks computed in the forward (None where not ``need``-ed), or None when
+    the whole batch streamed (the loss then carries its autograd graph)."""
+    call = _checked_call(head, targets, old_logprobs, advantages, mask, config, strategy,
+                         cu_seqlens, selection_entropy, memory_budget, **tensors)
+    call.ref = _checked_ref(head, config, *ref_args)
     if call.whole:
-        return _streamed_whole(call, loss_args)
+        return (*_streamed_whole(call, loss_args), None)
 
     glob, masks = _globals_and_masks(call.globals_batch(_selection_entropy(call)), config)
-    check_global_counts(num_items_in_batch, global_batch_size, glob.loss)
+    check_global_counts(loss_args["num_items_in_batch"], loss_args["global_batch_size"],
+                        glob.loss)
     plan = _plan(call, memory_budget)
-    need = _Need.of(hidden, weight, bias)
     grads = _Grads(need, head, call.batch.adv.dtype)
-    store = _new_store(head.vocab, plan.dense_rows, head.dtype, hidden.device, softcap)
+    store = _new_store(head.vocab, plan.dense_rows, head.dtype, head.hidden.device,
+                       head.softcap)
     runner = _ChunkRunner(call, glob, masks, loss_args, need, grads, store)
     for chunk in plan.chunks:
         runner.run(chunk)
@@ -309,10 +330,7 @@ def fused_policy_loss(
     with torch.no_grad():
         loss, metrics = _policy_loss(call.with_logprobs(runner.lp, runner.ent, runner.kl),
                                      config, glob, masks=masks, **loss_args)
-    if not need.any:
-        return loss, metrics
-    return _StoredGradients.apply(loss, hidden, weight, bias, grads.result(hidden, weight, bias)
-                                  ), metrics
+    return loss, metrics, grads.result(head.hidden, head.weight, head.bias)
 
 
 # --- checks ------------------------------------------------------------------------------
@@ -328,6 +346,7 @@ class _Head:
     temperature: float
     softcap: float | None
     logit_scale: float
+    compute: torch.dtype | None = None  # the compute dtype when given (inside the op)
 
     @property
     def vocab(self) -> int:
@@ -335,7 +354,7 @@ class _Head:
 
     @property
     def dtype(self) -> torch.dtype:
-        return compute_dtype(self.hidden)
+        return compute_dtype(self.hidden) if self.compute is None else self.compute
 
     def transform(self) -> dict:
         return dict(temperature=self.temperature, softcap=self.softcap,
@@ -396,31 +415,156 @@ class _Call:
         return self.full.to(self.globals_dtype).with_tensors(entropy=entropy)
 
 
-def _traced(head, targets, old_logprobs, advantages, mask, config, strategy, cu_seqlens,
-            selection_entropy, memory_budget, kwargs, ref_args) -> tuple:
-    """Under ``torch.compile``: the streaming strategy, ``policy_loss`` on the custom op
-    ``linear_logprobs``'s (lp, H) and, for the exact KL, on the custom op
-    ``linear_divergence``'s ``beta = 1`` KL; all trace without a graph break (the chunk plan
-    reads the mask on the host, so the chunked strategy stays eager)."""
+# --- the op ----------------------------------------------------------------------------------
+
+
+def _as_op(hidden) -> bool:
+    """Whether the call goes through the op ``logitless::fused_policy_loss``: while dynamo
+    traces (one graph node), and for meta or fake tensors (its fake implementation gives the
+    outputs' shapes). An eager call on real tensors runs `_fused` itself: the same code the op
+    runs, with the backward that scales the stored gradients in place (`_StoredGradients`)
+    and the streaming strategy's recomputing backward."""
+    if is_compiling():
+        return True
+    return isinstance(hidden, torch.Tensor) and (hidden.device.type == "meta" or is_fake(hidden))
+
+
+def _op_call(head, targets, old_logprobs, advantages, mask, config, strategy, cu_seqlens,
+             selection_entropy, memory_budget, tensors, loss_args, ref_args) -> tuple:
+    """The call as the op: the checks that read no tensor's values here (so that they raise
+    while tracing), everything else inside the op (`op_forward`), which returns the loss, the
+    metrics as one tensor in the order of `metric_names`, and the gradients it computed."""
     _check_static(head, targets, mask, strategy, cu_seqlens, memory_budget)
-    if selection_entropy is not None:
-        raise ValueError("selection_entropy: not supported under torch.compile (the streaming "
-                         "strategy there selects by the current entropies)")
-    ref = _checked_ref(head, config, *ref_args)
-    scored = torch.where(mask != 0, targets, _UNSCORED)
-    out = linear_logprobs(head.hidden, head.weight, scored, bias=head.bias,
-                          ignore_index=_UNSCORED, return_entropy=True, **head.transform())
-    kl = None
-    if ref is not None:  # `_RefHead.kl` over every token, masked rows skipped inside the op
-        d = head.hidden.shape[-1]
-        kl = linear_divergence(head.hidden.reshape(-1, d), head.weight, ref.hidden, ref.weight,
-                               mask.reshape(-1) != 0, beta=1.0, temperature=ref.temperature,
-                               bias=head.bias, teacher_bias=ref.bias).reshape(mask.shape)
-    return policy_loss(out.logprobs, old_logprobs, advantages, mask, config, entropy=out.entropy,
-                       cu_seqlens=cu_seqlens, kl=kl, **kwargs)
+    if not isinstance(config, PolicyLossConfig):
+        raise ValueError(f"config must be a PolicyLossConfig, got {type(config).__name__}")
+    if old_logprobs is None:
+        raise ValueError("old_logprobs: required (pass logprobs.detach() when on-policy)")
+    for name, t in (("advantages", advantages), ("cu_seqlens", cu_seqlens),
+                    ("selection_entropy", selection_entropy), ("old_logprobs", old_logprobs),
+                    *tensors.items()):
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name}: expected a tensor, got {type(t).__name__}")
+    _check_shapes(mask, advantages, cu_seqlens, False,
+                  dict(old_logprobs=old_logprobs, selection_entropy=selection_entropy, **tensors))
+    _checked_ref(head, config, *ref_args)
+    for name in ("training_progress", "entropy_coef"):
+        value = loss_args[name]
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
+            raise ValueError(f"{name}: expected a number or None, got {value!r}")
+    counts = []
+    for name in ("num_items_in_batch", "global_batch_size"):
+        value = loss_args[name]
+        if value is not None and not isinstance(value, torch.Tensor) and (
+                isinstance(value, bool) or not isinstance(value, int | float)):
+            raise ValueError(f"{name}: expected a number, got {value!r}")
+        counts.append(value)
+    need = _Need.of(head.hidden, head.weight, head.bias)
+    names = metric_names(config.objective, config.rollout_is)
+    loss, values, *_ = torch.ops.logitless.fused_policy_loss(
+        head.hidden, head.weight, head.bias, targets, old_logprobs, advantages, mask,
+        tensors["ref_logprobs"], tensors["rollout_logprobs"], tensors["token_weights"],
+        tensors["attention_entropy"], cu_seqlens, selection_entropy, *ref_args,
+        *(c if isinstance(c, torch.Tensor) else None for c in counts),
+        float(head.temperature), None if head.softcap is None else float(head.softcap),
+        float(head.logit_scale), *(None if isinstance(c, torch.Tensor) else c for c in counts),
+        loss_args["training_progress"], loss_args["entropy_coef"], memory_budget, strategy,
+        head.dtype, *need, list(names), *custom_ops.config_args(config))
+    return loss, dict(zip(names, values.unbind()))
 
 
-_UNSCORED = -100  # the target id of positions outside the mask (never a vocabulary id)
+def op_forward(hidden, weight, bias, targets, old_logprobs, advantages, mask, ref_logprobs,
+               rollout_logprobs, token_weights, attention_entropy, cu_seqlens,
+               selection_entropy, ref_hidden, ref_weight, ref_bias, num_items_tensor,
+               global_batch_size_tensor, temperature, softcap, logit_scale, num_items_in_batch,
+               global_batch_size, training_progress, entropy_coef, memory_budget, strategy,
+               dtype, need_hidden, need_weight, need_bias, names, config) -> tuple:
+    """The op's implementation: `_fused` (every check, the plan, the chunks, or the whole
+    batch streamed), the gradients computed now where needed (the streamed batch's by its
+    graph), returned as plain tensors: ``(loss, metrics [len(names)], d_hidden, d_weight,
+    d_bias)``, an empty tensor for a gradient not needed."""
+    need = _Need(need_hidden, need_weight, need_bias)
+    leaves = [None if x is None else x.detach().requires_grad_(n)
+              for x, n in zip((hidden, weight, bias), need)]
+    head = _Head(*leaves, temperature, softcap, logit_scale, dtype)
+    tensors = dict(ref_logprobs=ref_logprobs, rollout_logprobs=rollout_logprobs,
+                   token_weights=token_weights, attention_entropy=attention_entropy)
+    loss_args = dict(
+        num_items_in_batch=num_items_in_batch if num_items_tensor is None else num_items_tensor,
+        global_batch_size=(global_batch_size if global_batch_size_tensor is None
+                           else global_batch_size_tensor),
+        training_progress=training_progress, entropy_coef=entropy_coef)
+    with _autograd_inside_op(need.any), torch.autocast(hidden.device.type, enabled=False):
+        loss, metrics, grads = _fused(head, need, targets, old_logprobs, advantages, mask,
+                                      config, strategy, cu_seqlens, selection_entropy,
+                                      memory_budget, tensors, loss_args,
+                                      (ref_hidden, ref_weight, ref_bias))
+        if grads is None:  # the whole batch streamed: its graph differentiated now
+            grads = _grads_of(loss, leaves, need)
+    acc = tiles.acc_dtype(dtype)
+    if list(metrics) != list(names) or loss.dtype != acc or any(
+            v.dtype != acc for v in metrics.values()):
+        raise RuntimeError(
+            f"fused_policy_loss: the objective {config.objective!r} gave the metrics "
+            f"{list(metrics)} (dtypes {[v.dtype for v in metrics.values()]}, loss "
+            f"{loss.dtype}), not the {list(names)} in {acc} the op was traced for (found from "
+            "the objective and rollout_is alone, by metric_names): an objective whose clip "
+            "flags depend on other config fields does not compile as one op")
+    outs = [loss.detach(), torch.stack(list(metrics.values())).detach()]
+    for x, d, n in zip((hidden, weight, bias), grads, need):
+        if not n:  # as the fake implementation (`custom_ops._fpl_forward_fake`)
+            outs.append((hidden if x is hidden else weight).new_empty(0))
+        else:  # contiguous, as the fake implementation says, whatever x's strides
+            outs.append(x.new_zeros(x.shape) if d is None else d.contiguous())
+    return custom_ops._distinct(outs)
+
+
+def _grads_of(loss, leaves, need: _Need) -> tuple:
+    """``(d_hidden, d_weight, d_bias)`` of ``loss`` (None where not needed or unused)."""
+    wanted = [x for x, n in zip(leaves, need) if n]
+    if not wanted or not loss.requires_grad:
+        return None, None, None
+    got = iter(torch.autograd.grad(loss, wanted, allow_unused=True))
+    return tuple(next(got) if n else None for n in need)
+
+
+_AUTOGRAD_KEYS = ("AutogradFunctionality", "AutogradOther", "AutogradNestedTensor",
+                  "ADInplaceOrView")
+
+
+@contextlib.contextmanager
+def _autograd_inside_op(on: bool):
+    """Autograd recording inside the op's implementation (``on``; grad mode off otherwise).
+    torch runs a custom op's implementation below autograd, with the autograd dispatch keys
+    excluded, and the chunks differentiate their share of the loss there: the keys are let
+    through again for the call (they are restored on exit)."""
+    with contextlib.ExitStack() as stack:
+        if on:
+            for name in _AUTOGRAD_KEYS:
+                stack.enter_context(torch._C._SetExcludeDispatchKeyGuard(
+                    getattr(torch._C.DispatchKey, name), False))
+        stack.enter_context(torch.enable_grad() if on else torch.no_grad())
+        yield
+
+
+_METRIC_NAMES: dict[tuple, tuple[str, ...]] = {}
+
+
+@torch.compiler.assume_constant_result
+def metric_names(objective: str, rollout_is: str | None) -> tuple[str, ...]:
+    """The names, in order, of the metrics `fused_policy_loss` returns for ``objective`` with
+    ``rollout_is``: those of `policy_loss` given the entropies, found once by running it on a
+    two-token batch (the objective decides whether there are clip metrics, ``rollout_is``
+    whether there are IS-weight metrics). Under dynamo a constant of the graph: the op
+    returns the metrics as one tensor and the wrapper names its entries."""
+    key = (objective, rollout_is)
+    if key not in _METRIC_NAMES:
+        cfg = PolicyLossConfig(objective=objective, rollout_is=rollout_is)
+        lp = torch.tensor([[-1.0, -2.0]])
+        with torch.no_grad():
+            _, metrics = policy_loss(lp, lp - 0.1, torch.ones(1), torch.ones(1, 2), cfg,
+                                     entropy=-lp, rollout_logprobs=lp - 0.2)
+        _METRIC_NAMES[key] = tuple(metrics)
+    return _METRIC_NAMES[key]
 
 
 def _check_static(head, targets, mask, strategy, cu_seqlens, memory_budget) -> None:

@@ -16,7 +16,7 @@ from types import ModuleType
 
 import torch
 
-from logitless.fused_losses import custom_ops, sampled
+from logitless.fused_losses import custom_ops, sampled  # noqa: F401 (custom_ops defines the ops)
 from logitless.fused_losses.backend import triton_selected
 from logitless.kernels import linear_softmax_torch
 from logitless.kernels.softmax_partials import Partials, empty, finish, rescale_to
@@ -354,7 +354,7 @@ def linear_logprobs(
             None if softcap is None else float(softcap), float(logit_scale), int(ignore_index),
             max_tile_bytes, dtype)
         outs = (lp, ent, None, None, None, lse)
-    elif vocab_parallel is None and gather_weight is None and custom_ops.AVAILABLE:
+    elif vocab_parallel is None and gather_weight is None:
         # One graph node under torch.compile: the op compacts, validates and plans inside.
         outs = torch.ops.logitless.linear_logprobs(
             hidden, weight, bias, targets, float(temperature),
