@@ -69,3 +69,68 @@ def _check_rank(rank, world, softcap):
 @pytest.mark.parametrize("world", [2, 3])
 def test_vocab_parallel_matches_unsharded(world):
     run_on_gloo(world, _worker)
+
+
+# --- torch.compile (issue 17) ---------------------------------------------------------------
+
+
+def _vp_step(hidden, weight, bias, targets, group, hidden_grad):
+    out = logitless.linear_logprobs(hidden, weight, targets, bias=bias, temperature=0.9,
+                                    softcap=20.0, return_entropy=True,
+                                    stats=("sum_p_sq", "mean_logit", "is_top1", "lse"),
+                                    vocab_parallel=group, hidden_grad=hidden_grad)
+    loss = (out.logprobs.sum() + 0.3 * out.entropy.sum() + 0.2 * out.sum_p_sq.sum()
+            + 0.1 * out.mean_logit.sum() + 0.01 * out.lse.square().sum())
+    return loss, out.logprobs, out.entropy, out.is_top1
+
+
+def _compile_worker(rank, world):
+    """Compiled (aot_eager, fullgraph) vocab-parallel forward and backward against eager, in
+    both hidden_grad modes; no graph break; opcheck of the forward and backward ops with the
+    group's name."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch.manual_seed(0)  # every rank builds the same full problem
+    n, d, v = 37, 24, sum(SPLITS[world])
+    lo, hi = sum(SPLITS[world][:rank]), sum(SPLITS[world][:rank + 1])
+    hidden = torch.randn(n, d, dtype=torch.float64)
+    weight = (torch.randn(v, d, dtype=torch.float64) / d**0.5)[lo:hi].contiguous()
+    bias = torch.randn(v, dtype=torch.float64)[lo:hi].contiguous()
+    targets = torch.randint(0, v, (n,))
+    targets[::4] = -100
+    group = dist.group.WORLD
+
+    explained = torch._dynamo.explain(_vp_step)(hidden, weight, bias, targets, group, "sum")
+    assert explained.graph_break_count == 0, explained.break_reasons
+    assert explained.graph_count == 1
+
+    for mode in ("sum", "partial"):
+        counter = CompileCounterWithBackend("aot_eager")
+        compiled = torch.compile(_vp_step, backend=counter, fullgraph=True)
+        leaves = [t.clone().requires_grad_(True) for t in (hidden, weight, bias)]
+        got = compiled(*leaves, targets, group, mode)
+        want = _vp_step(*leaves, targets, group, mode)
+        for x, y in zip(got, want):
+            torch.testing.assert_close(x, y, rtol=1e-12, atol=1e-12)
+        assert (got[1][targets == -100] == 0).all()
+        for x, y in zip(torch.autograd.grad(got[0], leaves), torch.autograd.grad(want[0], leaves)):
+            torch.testing.assert_close(x, y, rtol=1e-11, atol=1e-12)
+        assert counter.frame_count == 1
+
+    name = group.group_name
+    config = (0.9, 20.0, 1.0, -100, None, torch.float64)
+    torch.library.opcheck(torch.ops.logitless.linear_logprobs.default,
+                          (hidden.requires_grad_(), weight.requires_grad_(),
+                           bias.requires_grad_(), targets, *config, True, True, name, "sum"))
+    lp, ent, s2, _, _, lse = torch.ops.logitless.linear_logprobs(
+        hidden, weight, bias, targets, *config, True, True, name, "sum")
+    for mode in ("sum", "partial"):
+        torch.library.opcheck(torch.ops.logitless.linear_logprobs_backward.default,
+                              (hidden.detach(), weight.detach(), bias.detach(), targets,
+                               lse.detach(), ent.detach(), s2.detach(), torch.ones_like(lp),
+                               torch.ones_like(lp), None, None, None, *config, True, True,
+                               True, name, mode))
+
+
+def test_vocab_parallel_compiles_as_one_graph():
+    run_on_gloo(2, _compile_worker)

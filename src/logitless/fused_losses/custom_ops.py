@@ -71,20 +71,46 @@ def _none_grads(n: int) -> tuple[None, ...]:
 
 _LP_CONFIG = ("float temperature, float? softcap, float logit_scale, int ignore_index, "
               "int? tile_bytes, ScalarType dtype")
+# vocab parallelism: the process group by name (``ProcessGroup.group_name``, as torch's
+# functional collectives take it), resolved inside the op; None: the vocabulary is whole
+_LP_GROUP = 'str? group_name=None, str hidden_grad="sum"'
 
 
-def _lp_forward(hidden, weight, bias, targets, temperature, softcap, logit_scale, ignore_index,
-                tile_bytes, dtype, want_s2, want_sum_z):
+def _lp_spec(hidden, weight, temperature, softcap, logit_scale, tile_bytes, dtype, want_s2,
+             want_sum_z, group_name, hidden_grad):
+    """``(spec, offset)``: the call's spec and the first global id of this rank's vocabulary
+    slice. ``group_name`` names the process group the vocabulary is sharded over (None: not
+    sharded, offset 0); the group's all-gather of slice sizes and its all-reduces run here,
+    inside the op."""
+    import dataclasses
+
     from logitless.fused_losses import logprobs as lp
 
     spec = lp._local_spec(hidden, weight, temperature, softcap, logit_scale, want_s2, want_sum_z,
                           tile_bytes, dtype)
-    return _distinct(lp._logprobs_impl(hidden, weight, bias, targets, spec, ignore_index, 0,
+    if group_name is None:
+        return spec, 0
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    group = _resolve_process_group(group_name)
+    offset, v_total = lp._vocab_offset(weight.shape[0], group, hidden.device)
+    return dataclasses.replace(spec, vocab_total=v_total, group=group,
+                               hidden_grad=hidden_grad), offset
+
+
+def _lp_forward(hidden, weight, bias, targets, temperature, softcap, logit_scale, ignore_index,
+                tile_bytes, dtype, want_s2, want_sum_z, group_name=None, hidden_grad="sum"):
+    from logitless.fused_losses import logprobs as lp
+
+    spec, offset = _lp_spec(hidden, weight, temperature, softcap, logit_scale, tile_bytes, dtype,
+                            want_s2, want_sum_z, group_name, hidden_grad)
+    return _distinct(lp._logprobs_impl(hidden, weight, bias, targets, spec, ignore_index, offset,
                                        lambda h, w, b, t, s: lp._rows_forward(s, h, w, b, t)))
 
 
 def _lp_forward_fake(hidden, weight, bias, targets, temperature, softcap, logit_scale,
-                     ignore_index, tile_bytes, dtype, want_s2, want_sum_z):
+                     ignore_index, tile_bytes, dtype, want_s2, want_sum_z, group_name=None,
+                     hidden_grad="sum"):
     acc = acc_dtype(dtype)
     floats = [hidden.new_empty(targets.shape, dtype=acc) for _ in range(4)]
     top1 = hidden.new_empty(targets.shape, dtype=torch.bool)
@@ -93,39 +119,37 @@ def _lp_forward_fake(hidden, weight, bias, targets, temperature, softcap, logit_
 
 def _lp_backward_impl(hidden, weight, bias, targets, lse, entropy, sum_p_sq, g_lp, g_entropy,
                       g_sum_p_sq, g_mean_logit, g_lse, temperature, softcap, logit_scale,
-                      ignore_index, tile_bytes, dtype, need_hidden, need_weight, need_bias):
+                      ignore_index, tile_bytes, dtype, need_hidden, need_weight, need_bias,
+                      group_name=None, hidden_grad="sum"):
     from logitless.fused_losses import logprobs as lp
 
-    spec = lp._local_spec(hidden, weight, temperature, softcap, logit_scale, False, False,
-                          tile_bytes, dtype)
-    flat_t, rows = lp.compact_rows(targets, ignore_index, weight.shape[0])
-    per_row = [lp.take_rows(x, rows) for x in (flat_t, lse, entropy, sum_p_sq, g_lp, g_entropy,
-                                               g_sum_p_sq, g_mean_logit, g_lse)]
+    spec, offset = _lp_spec(hidden, weight, temperature, softcap, logit_scale, tile_bytes, dtype,
+                            False, False, group_name, hidden_grad)
+    flat_t, rows = lp.compact_rows(targets, ignore_index, spec.vocab_total)
+    per_row = [lp.take_rows(x, rows) for x in (flat_t - offset, lse, entropy, sum_p_sq, g_lp,
+                                               g_entropy, g_sum_p_sq, g_mean_logit, g_lse)]
     d_hidden, d_weight, d_bias = lp._rows_backward(
         spec, lp.take_rows(hidden, rows, hidden.shape[-1]), weight, bias, *per_row[:4],
         tuple(per_row[4:]), (need_hidden, need_weight, need_bias))
-    return (hidden.new_empty(0) if d_hidden is None else lp.put_rows(d_hidden, rows, hidden.shape),
-            weight.new_empty(0) if d_weight is None else d_weight,
-            weight.new_empty(0) if d_bias is None else d_bias)
+    return _grads_or_empty(hidden, weight, rows, d_hidden, d_weight, d_bias)
 
 
 def _lp_backward_fake(hidden, weight, bias, targets, lse, entropy, sum_p_sq, g_lp, g_entropy,
                       g_sum_p_sq, g_mean_logit, g_lse, temperature, softcap, logit_scale,
-                      ignore_index, tile_bytes, dtype, need_hidden, need_weight, need_bias):
-    return (torch.empty_like(hidden) if need_hidden else hidden.new_empty(0),
-            torch.empty_like(weight) if need_weight else weight.new_empty(0),
-            torch.empty_like(bias) if need_bias else weight.new_empty(0))
+                      ignore_index, tile_bytes, dtype, need_hidden, need_weight, need_bias,
+                      group_name=None, hidden_grad="sum"):
+    return _grads_fake(hidden, weight, bias, need_hidden, need_weight, need_bias)
 
 
 def _lp_setup_context(ctx, inputs, output):
     hidden, weight, bias, targets = inputs[:4]
-    ctx.config = inputs[4:10]
+    ctx.config, ctx.group = inputs[4:10], inputs[12:14]  # (group_name, hidden_grad)
     ctx.set_materialize_grads(False)
     ctx.save_for_backward(hidden, weight, bias, targets, output[5], output[1], output[2])
 
 
 def _lp_backward(ctx, g_lp, g_entropy, g_sum_p_sq, g_mean_logit, _g_top1, g_lse):
-    n_inputs = 12
+    n_inputs = 14
     if all(g is None for g in (g_lp, g_entropy, g_sum_p_sq, g_mean_logit, g_lse)):
         return _none_grads(n_inputs)
     hidden, weight, bias, targets, lse, entropy, sum_p_sq = ctx.saved_tensors
@@ -134,7 +158,7 @@ def _lp_backward(ctx, g_lp, g_entropy, g_sum_p_sq, g_mean_logit, _g_top1, g_lse)
     d_hidden, d_weight, d_bias = linear_logprobs_backward(
         hidden, weight, bias, targets, lse, entropy if g_entropy is not None else None,
         sum_p_sq if g_sum_p_sq is not None else None, g_lp, g_entropy, g_sum_p_sq, g_mean_logit,
-        g_lse, *ctx.config, need_hidden, need_weight, need_bias)
+        g_lse, *ctx.config, need_hidden, need_weight, need_bias, *ctx.group)
     return (d_hidden if need_hidden else None, d_weight if need_weight else None,
             d_bias if need_bias else None, *_none_grads(n_inputs - 3))
 
@@ -144,12 +168,14 @@ linear_logprobs_backward = _define(
     "(Tensor hidden, Tensor weight, Tensor? bias, Tensor targets, Tensor lse, "
     "Tensor? entropy, Tensor? sum_p_sq, Tensor? g_lp, Tensor? g_entropy, "
     "Tensor? g_sum_p_sq, Tensor? g_mean_logit, Tensor? g_lse, " + _LP_CONFIG
-    + ", bool need_hidden, bool need_weight, bool need_bias) -> (Tensor, Tensor, Tensor)",
+    + ", bool need_hidden, bool need_weight, bool need_bias, " + _LP_GROUP
+    + ") -> (Tensor, Tensor, Tensor)",
     _lp_backward_impl, _lp_backward_fake)
 linear_logprobs = _define(
     "linear_logprobs",
     "(Tensor hidden, Tensor weight, Tensor? bias, Tensor targets, " + _LP_CONFIG
-    + ", bool want_s2, bool want_sum_z) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+    + ", bool want_s2, bool want_sum_z, " + _LP_GROUP
+    + ") -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
     _lp_forward, _lp_forward_fake)
 linear_logprobs.register_autograd(_lp_backward, setup_context=_lp_setup_context)
 

@@ -337,6 +337,10 @@ def linear_logprobs(
                              f"per-token temperature")
     if logit_scale == 0:
         softcap = None  # every logit is 0 whatever the cap (and so is every gradient)
+    if vocab_parallel is not None and not isinstance(vocab_parallel,
+                                                     torch.distributed.ProcessGroup):
+        raise ValueError(f"vocab_parallel must be None or a torch.distributed ProcessGroup, got "
+                         f"{type(vocab_parallel).__name__}")
     if hidden_grad not in ("sum", "partial"):
         raise ValueError(f"hidden_grad must be 'sum' or 'partial', got {hidden_grad!r}")
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
@@ -354,14 +358,16 @@ def linear_logprobs(
             None if softcap is None else float(softcap), float(logit_scale), int(ignore_index),
             max_tile_bytes, dtype)
         outs = (lp, ent, None, None, None, lse)
-    elif vocab_parallel is None and gather_weight is None:
-        # One graph node under torch.compile: the op compacts, validates and plans inside.
+    elif gather_weight is None:
+        # One graph node under torch.compile: the op compacts, validates and plans inside; a
+        # process group crosses by name, and its collectives run inside the op too.
         outs = torch.ops.logitless.linear_logprobs(
             hidden, weight, bias, targets, float(temperature),
             None if softcap is None else float(softcap), float(logit_scale), int(ignore_index),
-            max_tile_bytes, dtype, want_s2, want_sum_z)
+            max_tile_bytes, dtype, want_s2, want_sum_z,
+            None if vocab_parallel is None else vocab_parallel.group_name, hidden_grad)
     else:
-        # Process groups and gather callables do not fit an op's schema: eager only.
+        # A gather callable does not fit an op's schema: eager only.
         group = vocab_parallel
         if group is not None:
             offset, v_total = _vocab_offset(weight.shape[0], group, hidden.device)
