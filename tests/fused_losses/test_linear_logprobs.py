@@ -379,6 +379,7 @@ BAD = [
     ("hidden", lambda h, w, t, b: dict(hidden=h[:, :0], weight=w[:, :0])),
     ("hidden", lambda h, w, t, b: dict(hidden=h.long())),
     ("stats", lambda h, w, t, b: dict(stats=("median",))),
+    ("vocab_parallel", lambda h, w, t, b: dict(vocab_parallel="WORLD")),  # a group's name
 ]
 
 
