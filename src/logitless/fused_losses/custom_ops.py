@@ -22,8 +22,15 @@ follow from the objective and ``rollout_is``, `fused_policy_loss.metric_names`, 
 raises if the objective gives others); and its op computes the gradients in its forward, as
 the eager chunked strategy does, so that its backward is two or three multiplications by
 the loss's incoming gradient rather than an op of its own. Every argument of
-``fused_policy_loss`` crosses. What cannot (``linear_logprobs``'s process group for
-``vocab_parallel`` and its ``gather_weight`` callable) keeps the eager path.
+``fused_policy_loss`` crosses.
+
+A process group is no op argument, but its name is (``ProcessGroup.group_name``, a string, as
+torch's functional collectives take it; dynamo reads it while tracing): ``linear_logprobs``'s
+``vocab_parallel`` group crosses as ``group_name`` (with ``hidden_grad``), and the forward and
+backward ops resolve it and run the group's collectives inside (an all-gather of the slice
+sizes in each, the all-reduces of the partials and of the hidden gradient), so the compiled
+graph holds them in the op's node. A callable cannot cross: ``linear_logprobs``'s
+``gather_weight`` keeps the eager path.
 """
 
 import torch
