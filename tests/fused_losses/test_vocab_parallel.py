@@ -1,5 +1,8 @@
 """Vocab-parallel linear_logprobs with real gloo processes on CPU, against the unsharded op."""
 
+import os
+import shutil
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -82,9 +85,10 @@ def _vp_step(hidden, weight, bias, targets, group, hidden_grad):
 
 
 def _check_compiled(rank, world):
-    """Compiled (aot_eager, fullgraph: a graph break raises) vocab-parallel forward and
-    backward against eager, in both hidden_grad modes, one graph holding the op once; opcheck
-    of the forward and backward ops with the group's name."""
+    """Compiled (aot_eager; inductor too with LOGITLESS_TEST_INDUCTOR=1; fullgraph: a graph
+    break raises) vocab-parallel forward and backward against eager, in both hidden_grad
+    modes, one graph holding the op once; opcheck of the forward and backward ops with the
+    group's name."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
     torch.manual_seed(0)  # every rank builds the same full problem
@@ -97,8 +101,11 @@ def _check_compiled(rank, world):
     targets[::4] = -100
     group = dist.group.WORLD
 
-    for mode in ("sum", "partial"):
-        counter = CompileCounterWithBackend("aot_eager")
+    # inductor (a C++ compile of each graph, slow on a CPU) as test_compile.py's INDUCTOR
+    inductor = os.environ.get("LOGITLESS_TEST_INDUCTOR") == "1" and shutil.which("g++")
+    for backend, mode in [("aot_eager", "sum"), ("aot_eager", "partial")] + (
+            [("inductor", "sum"), ("inductor", "partial")] if inductor else []):
+        counter = CompileCounterWithBackend(backend)
         compiled = torch.compile(_vp_step, backend=counter, fullgraph=True)
         leaves = [t.clone().requires_grad_(True) for t in (hidden, weight, bias)]
         got = compiled(*leaves, targets, group, mode)
