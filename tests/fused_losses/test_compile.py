@@ -671,3 +671,75 @@ def test_op_path_bad_input(monkeypatch):
     _through_the_op(monkeypatch)
     with pytest.raises(ValueError, match="targets must lie in"):
         fused_policy_loss(hidden_, weight_, targets_, old_, adv_, mask_, cfg, bias=bias)
+
+
+# --- policy_loss alone: the batch-level selections and the packed layout ----------------------
+
+
+def _policy_inputs(b, packed=False):
+    """policy_loss's inputs for b right-padded sequences of T tokens (each row with a padded
+    tail of its own length, and one more token outside the mask): logprobs and entropy with
+    gradient, rollout logprobs with one NaN (not given by the engine), attention entropies;
+    ``packed``: the same sequences, cut shorter, packed, with their cu_seqlens."""
+    g = torch.Generator().manual_seed(b)
+    mask = torch.arange(T)[None] < torch.tensor([T - 3 - 7 * i for i in range(b)])[:, None]
+    mask[0, 4] = False
+    old = torch.randn(b, T, generator=g) - 2
+    lp = (old + 0.2 * torch.randn(b, T, generator=g)).requires_grad_()
+    ent = (torch.rand(b, T, generator=g) * 2).requires_grad_()
+    roll = old + 0.2 * torch.randn(b, T, generator=g)
+    roll[1, 3] = torch.nan
+    hatt = torch.rand(b, T, generator=g) * 3
+    adv = torch.randn(b, generator=g)
+    x = dict(logprobs=lp, old_logprobs=old, advantages=adv, mask=mask, entropy=ent,
+             rollout_logprobs=roll, attention_entropy=hatt)
+    if not packed:
+        return x
+    # the first T - 2 - 5 i positions of row i, packed: the tails of the two layouts differ,
+    # masked tokens stay inside the sequences
+    keep = torch.arange(T)[None] < T - 2 - 5 * torch.arange(b)[:, None]
+    x = {k: v if k == "advantages" else v.detach()[keep].requires_grad_(v.requires_grad)
+         for k, v in x.items()}
+    x["cu_seqlens"] = torch.cat([torch.zeros(1, dtype=torch.long), keep.sum(-1).cumsum(0)])
+    return x
+
+
+def _policy_step(cfg):
+    """A step calling policy_loss with ``cfg`` on the inputs of `_policy_inputs`."""
+
+    def step(logprobs, old_logprobs, advantages, mask, entropy, rollout_logprobs,
+             attention_entropy, cu_seqlens=None):
+        return policy_loss(logprobs, old_logprobs, advantages, mask, cfg, entropy=entropy,
+                           rollout_logprobs=rollout_logprobs, cu_seqlens=cu_seqlens,
+                           attention_entropy=attention_entropy, training_progress=0.5)
+
+    return step
+
+
+def _check_policy_step(cfg, packed=False):
+    """Compiled (aot_eager, fullgraph, dynamic) against eager for two batch sizes: loss,
+    metrics and the gradients of logprobs and entropy; one frame. ``fullgraph=True`` raises at
+    the first graph break, so passing means none."""
+    step = _policy_step(cfg)
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(step, backend=counter, fullgraph=True, dynamic=True)
+    for b in (2, 3):
+        x = _policy_inputs(b, packed)
+        with torch._dynamo.config.patch(specialize_float=True):
+            loss, metrics = compiled(**x)
+        loss_e, metrics_e = step(**x)
+        torch.testing.assert_close(loss, loss_e)
+        assert list(metrics) == list(metrics_e)
+        for k in metrics:
+            torch.testing.assert_close(metrics[k], metrics_e[k], msg=k)
+        leaves = (x["logprobs"], x["entropy"])
+        for got, want in zip(_grads(loss, *leaves), _grads(loss_e, *leaves)):
+            torch.testing.assert_close(got, want)
+    assert counter.frame_count == 1
+
+
+def test_policy_loss_entropy_quantile_selections_compile():
+    """The top-entropy quantile (entropy bonus and policy term) and the |A| H top fraction:
+    quantiles over the valid tokens taken without a host read."""
+    _check_policy_step(PolicyLossConfig(objective="grpo", top_entropy_quantile=0.4,
+                                        adv_entropy_top_fraction=0.7, entropy_coef=0.01))

@@ -8,7 +8,7 @@ from logitless import reference as ref
 from logitless.fused_losses.config import LOSS_AGGS, parse_rollout_rs
 from logitless.fused_losses.objectives import OBJECTIVES
 from logitless.fused_losses.rollout_correction import rollout_log_ratio, rollout_rejection_keep
-from logitless.fused_losses.token_selection import quantile
+from logitless.fused_losses.token_selection import masked_quantile, quantile
 
 B, T = 5, 11
 
@@ -611,3 +611,30 @@ def test_kl_in_reward():
     rewards = torch.randn(B, T, dtype=torch.float64)
     out = kl_in_reward(rewards, d["lp"], d["ref"], 0.2, d["mask"])
     close(out, rewards - 0.2 * (d["lp"] - d["ref"]) * d["mask"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_masked_quantile_is_quantile_of_the_valid_tokens_to_the_bit(dtype):
+    """The traceable quantile (no boolean indexing) equals `quantile` of ``values[m]``
+    exactly (NaN where it gives NaN: inf - inf at q = 1), with infinities and a NaN among the
+    valid tokens, one valid token, and none."""
+    g = torch.Generator().manual_seed(5)
+    values = torch.randn(4, 9, generator=g, dtype=dtype)
+    values[0, 1], values[2, 2] = torch.inf, -torch.inf
+    masks = [torch.rand(4, 9, generator=g) < p for p in (0.3, 0.7, 1.0)]
+    masks.append(torch.zeros(4, 9, dtype=torch.bool))
+    masks[-1][3, 5] = True
+    for m in masks:
+        for q in (0.0, 0.13, 0.5, 0.77, 1.0):
+            got, n = masked_quantile(values, m, q)
+            assert int(n) == int(m.sum())
+            torch.testing.assert_close(got, quantile(values[m], q), rtol=0, atol=0,
+                                       equal_nan=True, msg=f"q={q}, n={int(n)}")
+    with_nan = values.clone()
+    with_nan[1, 0] = torch.nan
+    m = torch.ones(4, 9, dtype=torch.bool)
+    for q in (0.5, 1.0):
+        want = quantile(with_nan[m], q)
+        torch.testing.assert_close(masked_quantile(with_nan, m, q)[0], want, rtol=0, atol=0,
+                                   equal_nan=True)
+    assert int(masked_quantile(values, torch.zeros_like(m), 0.5)[1]) == 0

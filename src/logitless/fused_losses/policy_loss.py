@@ -298,6 +298,14 @@ def _is_weight_mean(batch, cfg):
     return rollout_is_batch_mean(weight, batch.m, cfg.rollout_is)
 
 
+def _host_value(t):
+    """A batch-global threshold as `BatchGlobals` keeps it: a float in eager mode, the 0-d
+    tensor itself under ``torch.compile`` (reading it would break the graph); None stays."""
+    if t is None or is_compiling():
+        return t
+    return float(t)
+
+
 def _globals(batch: _Batch, cfg: PolicyLossConfig, kept) -> tuple[BatchGlobals, _Masks]:
     """The batch's `BatchGlobals`, and its masks (computed on the way, so a caller that runs the
     loss on the same batch need not compute them again)."""
@@ -308,10 +316,10 @@ def _globals(batch: _Batch, cfg: PolicyLossConfig, kept) -> tuple[BatchGlobals, 
     entropy_threshold = adv_entropy_threshold = None
     if cfg.top_entropy_quantile < 1:
         thr = top_fraction_threshold(entropy, kept, cfg.top_entropy_quantile)
-        entropy_threshold = None if thr is None else float(thr)
+        entropy_threshold = _host_value(thr)
     if cfg.adv_entropy_top_fraction < 1:
         thr = top_fraction_threshold(batch.adv.abs() * entropy, kept, cfg.adv_entropy_top_fraction)
-        adv_entropy_threshold = None if thr is None else float(thr)
+        adv_entropy_threshold = _host_value(thr)
     masks = _selection_masks(batch, cfg, kept, entropy_threshold, adv_entropy_threshold)
     attn_stats = attn_thresholds = None
     if cfg.attn_entropy_weighting is not None:

@@ -8,6 +8,7 @@ sequences is selected exactly as it would be inside the full batch.
 import torch
 
 from logitless.fused_losses import segments
+from logitless.fused_losses.custom_ops import is_compiling
 
 
 def quantile(values: torch.Tensor, q: float) -> torch.Tensor:
@@ -19,13 +20,37 @@ def quantile(values: torch.Tensor, q: float) -> torch.Tensor:
     return v[lo] + (v[hi] - v[lo]) * (pos - lo)
 
 
+def masked_quantile(values: torch.Tensor, m: torch.Tensor, q: float):
+    """`quantile` of ``values`` over the tokens of ``m``, and their count, both 0-d tensors,
+    without boolean indexing or a host read (static shapes: traceable by ``torch.compile``).
+
+    The masked-out entries become NaN, which ``sort`` places after every number, so the valid
+    tokens come first (a NaN among them is NaN either way) and the count indexes them; the
+    interpolation is `quantile`'s, in the same precisions (its position in fp64, the fraction
+    rounded to the values' dtype), so the result is `quantile` of ``values[m]`` to the bit.
+    With no valid token the value is meaningless (any comparison the caller makes is masked).
+    """
+    v = torch.where(m, values.detach(), torch.nan).flatten().sort().values
+    n = m.sum()
+    pos = (n - 1).clamp(min=0).to(torch.float64) * q
+    lo = pos.floor().long()
+    hi = torch.minimum(lo + 1, (n - 1).clamp(min=0))
+    if v.numel() == 0:  # no token at all: nothing to index
+        return v.new_full((), torch.nan), n
+    frac = (pos - lo.to(torch.float64)).to(v.dtype)
+    lo_v, hi_v = v.gather(0, torch.stack([lo, hi])).unbind()
+    return lo_v + (hi_v - lo_v) * frac, n
+
+
 def top_fraction_threshold(values, m, fraction):
     """Smallest value kept when keeping the top ``fraction`` of ``values`` over valid tokens
-    (TRL: ``quantile(values, 1 - fraction)``); None when no token is valid."""
-    valid = values.detach()[m]
-    if valid.numel() == 0:
-        return None
-    return quantile(valid, 1.0 - fraction)
+    (TRL: ``quantile(values, 1 - fraction)``); None when no token is valid. Under
+    ``torch.compile``, a 0-d tensor whatever the count (with no valid token, every token it
+    selects from is masked anyway)."""
+    thr, n = masked_quantile(values, m, 1.0 - fraction)
+    if is_compiling():
+        return thr
+    return None if int(n) == 0 else thr
 
 
 def stapo_keep(adv, old_lp, entropy, m, prob_threshold, entropy_threshold):
