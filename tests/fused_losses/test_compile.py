@@ -743,3 +743,11 @@ def test_policy_loss_entropy_quantile_selections_compile():
     quantiles over the valid tokens taken without a host read."""
     _check_policy_step(PolicyLossConfig(objective="grpo", top_entropy_quantile=0.4,
                                         adv_entropy_top_fraction=0.7, entropy_coef=0.01))
+
+
+def test_policy_loss_packed_compiles():
+    """The packed layout (cu_seqlens): the grid laid out without reading L_max, sequence-level
+    ratios, IS weights and aggregation over it."""
+    _check_policy_step(PolicyLossConfig(objective="gspo", rollout_is="sequence",
+                                        rollout_is_max=2.0, loss_agg="seq-mean-token-mean",
+                                        entropy_coef=0.01), packed=True)
