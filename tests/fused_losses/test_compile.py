@@ -738,16 +738,23 @@ def _check_policy_step(cfg, packed=False):
     assert counter.frame_count == 1
 
 
-def test_policy_loss_entropy_quantile_selections_compile():
-    """The top-entropy quantile (entropy bonus and policy term) and the |A| H top fraction:
-    quantiles over the valid tokens taken without a host read."""
-    _check_policy_step(PolicyLossConfig(objective="grpo", top_entropy_quantile=0.4,
-                                        adv_entropy_top_fraction=0.7, entropy_coef=0.01))
+def test_policy_loss_batch_selections_compile():
+    """What reads the whole batch, right-padded: the top-entropy quantile (entropy bonus and
+    policy term), the |A| H top fraction, attention-entropy weighting by batch quantile and
+    rollout IS batch normalisation, all taken without a host read."""
+    _check_policy_step(PolicyLossConfig(
+        objective="grpo", top_entropy_quantile=0.4, adv_entropy_top_fraction=0.7,
+        attn_entropy_weighting="low_quantile", rollout_is="token",
+        rollout_is_batch_normalize=True, entropy_coef=0.01))
 
 
 def test_policy_loss_packed_compiles():
-    """The packed layout (cu_seqlens): the grid laid out without reading L_max, sequence-level
-    ratios, IS weights and aggregation over it."""
-    _check_policy_step(PolicyLossConfig(objective="gspo", rollout_is="sequence",
-                                        rollout_is_max=2.0, loss_agg="seq-mean-token-mean",
-                                        entropy_coef=0.01), packed=True)
+    """The packed layout (cu_seqlens): the grid laid out without reading L_max; sequence-level
+    ratios, IS weights (batch-normalised) and aggregation over it, the entropy quantile and
+    attention weights standardised with the batch mean and std."""
+    _check_policy_step(PolicyLossConfig(
+        objective="gspo", rollout_is="sequence", rollout_is_max=2.0,
+        rollout_is_batch_normalize=True, loss_agg="seq-mean-token-mean",
+        top_entropy_quantile=0.6, attn_entropy_weighting="tanh",
+        attn_entropy_standardize="batch", attn_entropy_alpha_final=0.5, entropy_coef=0.01),
+        packed=True)

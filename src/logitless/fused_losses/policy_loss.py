@@ -25,6 +25,7 @@ from logitless.fused_losses.aggregation import (
     agg_counts,
     aggregate,
     check_global_counts,
+    host_value,
 )
 from logitless.fused_losses.config import KL_EXACT, PolicyLossConfig
 from logitless.fused_losses.custom_ops import is_compiling
@@ -42,8 +43,8 @@ from logitless.fused_losses.token_selection import (
     attention_entropy_stats,
     attention_entropy_weights,
     future_kl_advantages,
+    masked_quantile,
     probability_reweighted_advantages,
-    quantile,
     stapo_keep,
     top_fraction_threshold,
 )
@@ -281,11 +282,12 @@ def _attention_globals(batch, cfg, kept):
     hatt = batch["attention_entropy"]
     if hatt is None:
         raise ValueError("attention_entropy: attn_entropy_weighting needs attention_entropy")
-    valid = hatt.detach()[kept]
-    thresholds = None
-    if valid.numel():
-        q = cfg.attn_entropy_quantile
-        thresholds = (float(quantile(valid, q)), float(quantile(valid, 1 - q)))
+    q = cfg.attn_entropy_quantile
+    low, n = masked_quantile(hatt, kept, q)
+    high = masked_quantile(hatt, kept, 1 - q)[0]
+    thresholds = (host_value(low), host_value(high))
+    if not is_compiling() and int(n) == 0:
+        thresholds = None  # no valid token (under compile: every comparison is masked)
     return attention_entropy_stats(hatt, kept), thresholds
 
 
@@ -298,14 +300,6 @@ def _is_weight_mean(batch, cfg):
     return rollout_is_batch_mean(weight, batch.m, cfg.rollout_is)
 
 
-def _host_value(t):
-    """A batch-global threshold as `BatchGlobals` keeps it: a float in eager mode, the 0-d
-    tensor itself under ``torch.compile`` (reading it would break the graph); None stays."""
-    if t is None or is_compiling():
-        return t
-    return float(t)
-
-
 def _globals(batch: _Batch, cfg: PolicyLossConfig, kept) -> tuple[BatchGlobals, _Masks]:
     """The batch's `BatchGlobals`, and its masks (computed on the way, so a caller that runs the
     loss on the same batch need not compute them again)."""
@@ -316,10 +310,10 @@ def _globals(batch: _Batch, cfg: PolicyLossConfig, kept) -> tuple[BatchGlobals, 
     entropy_threshold = adv_entropy_threshold = None
     if cfg.top_entropy_quantile < 1:
         thr = top_fraction_threshold(entropy, kept, cfg.top_entropy_quantile)
-        entropy_threshold = _host_value(thr)
+        entropy_threshold = host_value(thr)
     if cfg.adv_entropy_top_fraction < 1:
         thr = top_fraction_threshold(batch.adv.abs() * entropy, kept, cfg.adv_entropy_top_fraction)
-        adv_entropy_threshold = _host_value(thr)
+        adv_entropy_threshold = host_value(thr)
     masks = _selection_masks(batch, cfg, kept, entropy_threshold, adv_entropy_threshold)
     attn_stats = attn_thresholds = None
     if cfg.attn_entropy_weighting is not None:

@@ -8,6 +8,7 @@ sequences is selected exactly as it would be inside the full batch.
 import torch
 
 from logitless.fused_losses import segments
+from logitless.fused_losses.aggregation import host_value
 from logitless.fused_losses.custom_ops import is_compiling
 
 
@@ -64,13 +65,16 @@ def stapo_keep(adv, old_lp, entropy, m, prob_threshold, entropy_threshold):
 
 
 def attention_entropy_stats(hatt, m):
-    """Batch mean and std (unbiased) of attention entropies over valid tokens. Below two tokens
-    there is no spread: std 0 (one token's ``z`` is 0 and its weight 1, as a sequence of one
-    token standardised on its own); no token: mean 0."""
-    valid = hatt.detach()[m]
-    if valid.numel() < 2:
-        return (float(valid[0]) if valid.numel() else 0.0), 0.0
-    return float(valid.mean()), float(valid.std())
+    """Batch mean and std (unbiased) of attention entropies over valid tokens (`host_value`:
+    floats, 0-d tensors under ``torch.compile``; masked sums, no boolean indexing). Below two
+    tokens there is no spread: std 0 (one token's ``z`` is 0 and its weight 1, as a sequence of
+    one token standardised on its own); no token: mean 0."""
+    h = hatt.detach()
+    n = m.sum()
+    mean = torch.where(m, h, 0.0).sum() / n.clamp(min=1)
+    var = torch.where(m, (h - mean).square(), 0.0).sum() / (n - 1).clamp(min=1)
+    std = torch.where(n >= 2, var.sqrt(), 0.0)
+    return host_value(mean), host_value(std)
 
 
 def attention_entropy_weights(hatt, m, cfg, *, stats=None, thresholds=None, progress=None):
