@@ -509,9 +509,9 @@ def selecting_step(hidden, weight, bias, targets, mask, old, adv, rollout, selec
 
 
 def test_fused_packed_selections_compiled_match_eager():
-    """What policy_loss cannot trace (the packed layout, entropy-quantile selections, rollout
-    IS batch normalisation: thresholds read on the host) and selection_entropy compile inside
-    the op: fullgraph, dynamic, two batch sizes, equal to eager."""
+    """The packed layout, entropy-quantile selections, rollout IS batch normalisation and
+    selection_entropy compile inside the op: fullgraph, dynamic, two batch sizes, equal to
+    eager."""
     weight, bias = _head()
     fn, counter = _compiled(selecting_step, "aot_eager")
     for b in (2, 3):
