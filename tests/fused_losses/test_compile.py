@@ -758,3 +758,28 @@ def test_policy_loss_packed_compiles():
         top_entropy_quantile=0.6, attn_entropy_weighting="tanh",
         attn_entropy_standardize="batch", attn_entropy_alpha_final=0.5, entropy_coef=0.01),
         packed=True)
+
+
+def test_policy_loss_packed_max_seqlen_traces():
+    """max_seqlen (an int, symbolic under dynamic=True) sets the packed grid's width under
+    compile too: one frame for two batch sizes and two widths, eager's loss and gradient.
+    Dynamo's own tracing (backend "eager"): max_seqlen changes no op that AOT autograd sees
+    differently from test_policy_loss_packed_compiles."""
+    cfg = PolicyLossConfig(objective="gspo", top_entropy_quantile=0.4, entropy_coef=0.01)
+
+    def step(logprobs, old_logprobs, advantages, mask, entropy, cu_seqlens, max_seqlen):
+        return policy_loss(logprobs, old_logprobs, advantages, mask, cfg, entropy=entropy,
+                           cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)[0]
+
+    counter = CompileCounterWithBackend("eager")
+    compiled = torch.compile(step, backend=counter, fullgraph=True, dynamic=True)
+    for b in (2, 3):
+        x = _policy_inputs(b, packed=True)
+        del x["rollout_logprobs"], x["attention_entropy"]
+        with torch._dynamo.config.patch(specialize_float=True):
+            loss = compiled(**x, max_seqlen=T - 2 + b)
+        loss_e = step(**x, max_seqlen=T - 2)
+        torch.testing.assert_close(loss, loss_e)
+        torch.testing.assert_close(_grads(loss, x["logprobs"])[0],
+                                   _grads(loss_e, x["logprobs"])[0])
+    assert counter.frame_count == 1

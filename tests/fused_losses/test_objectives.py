@@ -638,3 +638,28 @@ def test_masked_quantile_is_quantile_of_the_valid_tokens_to_the_bit(dtype):
         torch.testing.assert_close(masked_quantile(with_nan, m, q)[0], want, rtol=0, atol=0,
                                    equal_nan=True)
     assert int(masked_quantile(values, torch.zeros_like(m), 0.5)[1]) == 0
+
+
+def test_packed_max_seqlen_sets_the_grid_width():
+    """max_seqlen (at least the longest sequence) only widens the grid: the loss, metrics and
+    gradients of the packed batch are those without it; too short, not an int, or given
+    without cu_seqlens: a ValueError naming it."""
+    d = make(6)
+    cfg = PolicyLossConfig(objective="gspo", top_entropy_quantile=0.5, rollout_is="sequence",
+                           rollout_is_batch_normalize=True, beta=0.05, entropy_coef=0.01)
+    want = run(cfg, d, layout="packed")
+    longest = int(d["mask"].sum(-1).max())
+    for width in (longest, longest + 5):
+        got = run(cfg, d, layout="packed", max_seqlen=width)
+        for a, b, name in zip(got[:3], want[:3], ("loss", "lp.grad", "entropy.grad")):
+            close(a, b, name=name)
+        for k in want[3]:
+            close(got[3][k], want[3][k], name=k)
+    lp, old, adv, m = d["lp"], d["old"], d["adv"], d["mask"]
+    for bad, message in ((longest - 1, "shorter than the longest sequence"),
+                         (float(longest), "expected an int"), (-1, ">= 0")):
+        with pytest.raises(ValueError, match=f"max_seqlen: .*{message}"):
+            policy_loss(lp[m], old[m], adv, m[m], cfg, cu_seqlens=cu_of(m), max_seqlen=bad,
+                        rollout_logprobs=d["roll"][m], entropy=d["ent"][m])
+    with pytest.raises(ValueError, match="max_seqlen: given without cu_seqlens"):
+        policy_loss(lp, old, adv, m, PolicyLossConfig(), max_seqlen=longest)
