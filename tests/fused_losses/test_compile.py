@@ -509,9 +509,9 @@ def selecting_step(hidden, weight, bias, targets, mask, old, adv, rollout, selec
 
 
 def test_fused_packed_selections_compiled_match_eager():
-    """What policy_loss cannot trace (the packed layout, entropy-quantile selections, rollout
-    IS batch normalisation: thresholds read on the host) and selection_entropy compile inside
-    the op: fullgraph, dynamic, two batch sizes, equal to eager."""
+    """The packed layout, entropy-quantile selections, rollout IS batch normalisation and
+    selection_entropy compile inside the op: fullgraph, dynamic, two batch sizes, equal to
+    eager."""
     weight, bias = _head()
     fn, counter = _compiled(selecting_step, "aot_eager")
     for b in (2, 3):
@@ -671,3 +671,115 @@ def test_op_path_bad_input(monkeypatch):
     _through_the_op(monkeypatch)
     with pytest.raises(ValueError, match="targets must lie in"):
         fused_policy_loss(hidden_, weight_, targets_, old_, adv_, mask_, cfg, bias=bias)
+
+
+# --- policy_loss alone: the batch-level selections and the packed layout ----------------------
+
+
+def _policy_inputs(b, packed=False):
+    """policy_loss's inputs for b right-padded sequences of T tokens (each row with a padded
+    tail of its own length, and one more token outside the mask): logprobs and entropy with
+    gradient, rollout logprobs with one NaN (not given by the engine), attention entropies;
+    ``packed``: the same sequences, cut shorter, packed, with their cu_seqlens."""
+    g = torch.Generator().manual_seed(b)
+    mask = torch.arange(T)[None] < torch.tensor([T - 3 - 7 * i for i in range(b)])[:, None]
+    mask[0, 4] = False
+    old = torch.randn(b, T, generator=g) - 2
+    lp = (old + 0.2 * torch.randn(b, T, generator=g)).requires_grad_()
+    ent = (torch.rand(b, T, generator=g) * 2).requires_grad_()
+    roll = old + 0.2 * torch.randn(b, T, generator=g)
+    roll[1, 3] = torch.nan
+    hatt = torch.rand(b, T, generator=g) * 3
+    adv = torch.randn(b, generator=g)
+    x = dict(logprobs=lp, old_logprobs=old, advantages=adv, mask=mask, entropy=ent,
+             rollout_logprobs=roll, attention_entropy=hatt)
+    if not packed:
+        return x
+    # the first T - 2 - 5 i positions of row i, packed: the tails of the two layouts differ,
+    # masked tokens stay inside the sequences
+    keep = torch.arange(T)[None] < T - 2 - 5 * torch.arange(b)[:, None]
+    x = {k: v if k == "advantages" else v.detach()[keep].requires_grad_(v.requires_grad)
+         for k, v in x.items()}
+    x["cu_seqlens"] = torch.cat([torch.zeros(1, dtype=torch.long), keep.sum(-1).cumsum(0)])
+    return x
+
+
+def _policy_step(cfg):
+    """A step calling policy_loss with ``cfg`` on the inputs of `_policy_inputs`."""
+
+    def step(logprobs, old_logprobs, advantages, mask, entropy, rollout_logprobs,
+             attention_entropy, cu_seqlens=None):
+        return policy_loss(logprobs, old_logprobs, advantages, mask, cfg, entropy=entropy,
+                           rollout_logprobs=rollout_logprobs, cu_seqlens=cu_seqlens,
+                           attention_entropy=attention_entropy, training_progress=0.5)
+
+    return step
+
+
+def _check_policy_step(cfg, packed=False):
+    """Compiled (aot_eager, fullgraph, dynamic) against eager for two batch sizes: loss,
+    metrics and the gradients of logprobs and entropy; one frame. ``fullgraph=True`` raises at
+    the first graph break, so passing means none."""
+    step = _policy_step(cfg)
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(step, backend=counter, fullgraph=True, dynamic=True)
+    for b in (2, 3):
+        x = _policy_inputs(b, packed)
+        with torch._dynamo.config.patch(specialize_float=True):
+            loss, metrics = compiled(**x)
+        loss_e, metrics_e = step(**x)
+        torch.testing.assert_close(loss, loss_e)
+        assert list(metrics) == list(metrics_e)
+        for k in metrics:
+            torch.testing.assert_close(metrics[k], metrics_e[k], msg=k)
+        leaves = (x["logprobs"], x["entropy"])
+        for got, want in zip(_grads(loss, *leaves), _grads(loss_e, *leaves)):
+            torch.testing.assert_close(got, want)
+    assert counter.frame_count == 1
+
+
+def test_policy_loss_batch_selections_compile():
+    """What reads the whole batch, right-padded: the top-entropy quantile (entropy bonus and
+    policy term), the |A| H top fraction, attention-entropy weighting by batch quantile and
+    rollout IS batch normalisation, all taken without a host read."""
+    _check_policy_step(PolicyLossConfig(
+        objective="grpo", top_entropy_quantile=0.4, adv_entropy_top_fraction=0.7,
+        attn_entropy_weighting="low_quantile", rollout_is="token",
+        rollout_is_batch_normalize=True, entropy_coef=0.01))
+
+
+def test_policy_loss_packed_compiles():
+    """The packed layout (cu_seqlens): the grid laid out without reading L_max; sequence-level
+    ratios, IS weights (batch-normalised) and aggregation over it, the entropy quantile and
+    attention weights standardised with the batch mean and std."""
+    _check_policy_step(PolicyLossConfig(
+        objective="gspo", rollout_is="sequence", rollout_is_max=2.0,
+        rollout_is_batch_normalize=True, loss_agg="seq-mean-token-mean",
+        top_entropy_quantile=0.6, attn_entropy_weighting="tanh",
+        attn_entropy_standardize="batch", attn_entropy_alpha_final=0.5, entropy_coef=0.01),
+        packed=True)
+
+
+def test_policy_loss_packed_max_seqlen_traces():
+    """max_seqlen (an int, symbolic under dynamic=True) sets the packed grid's width under
+    compile too: one frame for two batch sizes and two widths, eager's loss and gradient.
+    Dynamo's own tracing (backend "eager"): max_seqlen changes no op that AOT autograd sees
+    differently from test_policy_loss_packed_compiles."""
+    cfg = PolicyLossConfig(objective="gspo", top_entropy_quantile=0.4, entropy_coef=0.01)
+
+    def step(logprobs, old_logprobs, advantages, mask, entropy, cu_seqlens, max_seqlen):
+        return policy_loss(logprobs, old_logprobs, advantages, mask, cfg, entropy=entropy,
+                           cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)[0]
+
+    counter = CompileCounterWithBackend("eager")
+    compiled = torch.compile(step, backend=counter, fullgraph=True, dynamic=True)
+    for b in (2, 3):
+        x = _policy_inputs(b, packed=True)
+        del x["rollout_logprobs"], x["attention_entropy"]
+        with torch._dynamo.config.patch(specialize_float=True):
+            loss = compiled(**x, max_seqlen=T - 2 + b)
+        loss_e = step(**x, max_seqlen=T - 2)
+        torch.testing.assert_close(loss, loss_e)
+        torch.testing.assert_close(_grads(loss, x["logprobs"])[0],
+                                   _grads(loss_e, x["logprobs"])[0])
+    assert counter.frame_count == 1

@@ -8,7 +8,7 @@ from logitless import reference as ref
 from logitless.fused_losses.config import LOSS_AGGS, parse_rollout_rs
 from logitless.fused_losses.objectives import OBJECTIVES
 from logitless.fused_losses.rollout_correction import rollout_log_ratio, rollout_rejection_keep
-from logitless.fused_losses.token_selection import quantile
+from logitless.fused_losses.token_selection import masked_quantile, quantile
 
 B, T = 5, 11
 
@@ -611,3 +611,55 @@ def test_kl_in_reward():
     rewards = torch.randn(B, T, dtype=torch.float64)
     out = kl_in_reward(rewards, d["lp"], d["ref"], 0.2, d["mask"])
     close(out, rewards - 0.2 * (d["lp"] - d["ref"]) * d["mask"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_masked_quantile_is_quantile_of_the_valid_tokens_to_the_bit(dtype):
+    """The traceable quantile (no boolean indexing) equals `quantile` of ``values[m]``
+    exactly (NaN where it gives NaN: inf - inf at q = 1), with infinities and a NaN among the
+    valid tokens, one valid token, and none."""
+    g = torch.Generator().manual_seed(5)
+    values = torch.randn(4, 9, generator=g, dtype=dtype)
+    values[0, 1], values[2, 2] = torch.inf, -torch.inf
+    masks = [torch.rand(4, 9, generator=g) < p for p in (0.3, 0.7, 1.0)]
+    masks.append(torch.zeros(4, 9, dtype=torch.bool))
+    masks[-1][3, 5] = True
+    for m in masks:
+        for q in (0.0, 0.13, 0.5, 0.77, 1.0):
+            got, n = masked_quantile(values, m, q)
+            assert int(n) == int(m.sum())
+            torch.testing.assert_close(got, quantile(values[m], q), rtol=0, atol=0,
+                                       equal_nan=True, msg=f"q={q}, n={int(n)}")
+    with_nan = values.clone()
+    with_nan[1, 0] = torch.nan
+    m = torch.ones(4, 9, dtype=torch.bool)
+    for q in (0.5, 1.0):
+        want = quantile(with_nan[m], q)
+        torch.testing.assert_close(masked_quantile(with_nan, m, q)[0], want, rtol=0, atol=0,
+                                   equal_nan=True)
+    assert int(masked_quantile(values, torch.zeros_like(m), 0.5)[1]) == 0
+
+
+def test_packed_max_seqlen_sets_the_grid_width():
+    """max_seqlen (at least the longest sequence) only widens the grid: the loss, metrics and
+    gradients of the packed batch are those without it; too short, not an int, or given
+    without cu_seqlens: a ValueError naming it."""
+    d = make(6)
+    cfg = PolicyLossConfig(objective="gspo", top_entropy_quantile=0.5, rollout_is="sequence",
+                           rollout_is_batch_normalize=True, beta=0.05, entropy_coef=0.01)
+    want = run(cfg, d, layout="packed")
+    longest = int(d["mask"].sum(-1).max())
+    for width in (longest, longest + 5):
+        got = run(cfg, d, layout="packed", max_seqlen=width)
+        for a, b, name in zip(got[:3], want[:3], ("loss", "lp.grad", "entropy.grad")):
+            close(a, b, name=name)
+        for k in want[3]:
+            close(got[3][k], want[3][k], name=k)
+    lp, old, adv, m = d["lp"], d["old"], d["adv"], d["mask"]
+    for bad, message in ((longest - 1, "shorter than the longest sequence"),
+                         (float(longest), "expected an int"), (-1, ">= 0")):
+        with pytest.raises(ValueError, match=f"max_seqlen: .*{message}"):
+            policy_loss(lp[m], old[m], adv, m[m], cfg, cu_seqlens=cu_of(m), max_seqlen=bad,
+                        rollout_logprobs=d["roll"][m], entropy=d["ent"][m])
+    with pytest.raises(ValueError, match="max_seqlen: given without cu_seqlens"):
+        policy_loss(lp, old, adv, m, PolicyLossConfig(), max_seqlen=longest)

@@ -42,6 +42,7 @@ class BatchGlobals:
     loss: AggCounts
     entropy: AggCounts
     max_response_length: float
+    # Floats in eager mode; 0-d tensors under torch.compile (`host_value`).
     entropy_threshold: float | None = None
     adv_entropy_threshold: float | None = None
     attn_stats: tuple[float, float] | None = None
@@ -66,6 +67,15 @@ def agg_counts(m, adv, seq_count: str, length_power_alpha: float) -> AggCounts:
         num_neg_tokens=count((m & (adv < 0)).sum()),
         length_power_denominator=count(denominator),
     )
+
+
+def host_value(t):
+    """A batch-global value as `BatchGlobals` keeps it: a float in eager mode, the 0-d tensor
+    itself under ``torch.compile`` (reading it on the host would break the graph); None
+    stays None."""
+    if t is None or is_compiling():
+        return t
+    return float(t)
 
 
 def _count_of(dtype):

@@ -25,6 +25,7 @@ from logitless.fused_losses.aggregation import (
     agg_counts,
     aggregate,
     check_global_counts,
+    host_value,
 )
 from logitless.fused_losses.config import KL_EXACT, PolicyLossConfig
 from logitless.fused_losses.custom_ops import is_compiling
@@ -42,8 +43,8 @@ from logitless.fused_losses.token_selection import (
     attention_entropy_stats,
     attention_entropy_weights,
     future_kl_advantages,
+    masked_quantile,
     probability_reweighted_advantages,
-    quantile,
     stapo_keep,
     top_fraction_threshold,
 )
@@ -119,10 +120,28 @@ def _check_cu_seqlens(cu_seqlens, n):
         raise ValueError("cu_seqlens: must be non-decreasing")
 
 
-def _check_shapes(mask, advantages, cu_seqlens, validate, tensors) -> bool:
-    """Shapes (free) and, with ``validate``, NaN and ``cu_seqlens`` (they synchronise with the
-    device; under ``torch.compile`` they are skipped: README, torch.compile). Returns whether the
-    advantages are per sequence."""
+def _check_max_seqlen(max_seqlen, cu_seqlens, validate):
+    """``max_seqlen``: an int >= 0 given with ``cu_seqlens`` (free); with ``validate``, at
+    least the longest sequence (a device read)."""
+    if max_seqlen is None:
+        return
+    if cu_seqlens is None:
+        raise ValueError("max_seqlen: given without cu_seqlens (it bounds packed sequences)")
+    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int | torch.SymInt):
+        raise ValueError(f"max_seqlen: expected an int, got {max_seqlen!r}")
+    if max_seqlen < 0:
+        raise ValueError(f"max_seqlen: expected an int >= 0, got {max_seqlen}")
+    if validate and cu_seqlens.numel() > 1:
+        longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+        if longest > max_seqlen:
+            raise ValueError(f"max_seqlen: {max_seqlen} is shorter than the longest sequence "
+                             f"({longest} tokens)")
+
+
+def _check_shapes(mask, advantages, cu_seqlens, validate, tensors, max_seqlen=None) -> bool:
+    """Shapes (free) and, with ``validate``, NaN, ``cu_seqlens`` and ``max_seqlen`` (they
+    synchronise with the device; under ``torch.compile`` they are skipped: README,
+    torch.compile). Returns whether the advantages are per sequence."""
     validate = validate and not is_compiling()
     shape = mask.shape
     if cu_seqlens is None:
@@ -146,6 +165,7 @@ def _check_shapes(mask, advantages, cu_seqlens, validate, tensors) -> bool:
             raise ValueError(f"{name}: contains NaN")
     if validate and torch.isnan(advantages).any():
         raise ValueError("advantages: contains NaN")
+    _check_max_seqlen(max_seqlen, cu_seqlens, validate)
     return _advantages_per_sequence(advantages.shape, shape, num_seqs)
 
 
@@ -181,10 +201,12 @@ def _knob_tensors(cfg, mask, dtype, device) -> dict:
     return out
 
 
-def _to_batch(mask, advantages, cu_seqlens, dtype, validate=True, cfg=None, **tensors) -> _Batch:
+def _to_batch(mask, advantages, cu_seqlens, dtype, validate=True, cfg=None, max_seqlen=None,
+              **tensors) -> _Batch:
     """Validate (`_check_shapes`), cast to ``dtype`` and lay every input out on the ``[B, T]``
-    grid once; with ``cfg``, its tensor knobs too."""
-    per_sequence = _check_shapes(mask, advantages, cu_seqlens, validate, tensors)
+    grid once (packed: ``T`` is ``max_seqlen`` when given); with ``cfg``, its tensor knobs
+    too."""
+    per_sequence = _check_shapes(mask, advantages, cu_seqlens, validate, tensors, max_seqlen)
     adv = advantages.detach().to(dtype)
     out = {name: None if t is None else t.to(dtype) for name, t in tensors.items()}
     knobs = {} if cfg is None else _knob_tensors(cfg, mask, dtype, mask.device)
@@ -192,7 +214,7 @@ def _to_batch(mask, advantages, cu_seqlens, dtype, validate=True, cfg=None, **te
     if cu_seqlens is None:
         m = mask != 0
     else:
-        index = packed_index(cu_seqlens, total=mask.shape[0])
+        index = packed_index(cu_seqlens, total=mask.shape[0], width=max_seqlen)
         m = index.pad(mask != 0, False)
         out = {k: None if t is None else index.pad(t) for k, t in out.items()}
         knobs = {k: index.pad(t) if t.dim() else t for k, t in knobs.items()}
@@ -203,11 +225,13 @@ def _to_batch(mask, advantages, cu_seqlens, dtype, validate=True, cfg=None, **te
     return _Batch(m, adv, cu_seqlens is not None, out, knobs, index)
 
 
-def check_policy_inputs(mask, advantages, *, cu_seqlens=None, **tensors) -> None:
-    """Raise ``ValueError`` where `policy_loss` would (shapes, NaN, ``cu_seqlens``), without
-    computing anything: lets a chunked caller validate the batch once."""
+def check_policy_inputs(mask, advantages, *, cu_seqlens=None, max_seqlen=None,
+                        **tensors) -> None:
+    """Raise ``ValueError`` where `policy_loss` would (shapes, NaN, ``cu_seqlens``,
+    ``max_seqlen``), without computing anything: lets a chunked caller validate the batch
+    once."""
     with torch.no_grad():
-        _check_shapes(mask, advantages, cu_seqlens, True, tensors)
+        _check_shapes(mask, advantages, cu_seqlens, True, tensors, max_seqlen)
 
 
 def _dtype(t):
@@ -281,11 +305,12 @@ def _attention_globals(batch, cfg, kept):
     hatt = batch["attention_entropy"]
     if hatt is None:
         raise ValueError("attention_entropy: attn_entropy_weighting needs attention_entropy")
-    valid = hatt.detach()[kept]
-    thresholds = None
-    if valid.numel():
-        q = cfg.attn_entropy_quantile
-        thresholds = (float(quantile(valid, q)), float(quantile(valid, 1 - q)))
+    q = cfg.attn_entropy_quantile
+    low, n = masked_quantile(hatt, kept, q)
+    high = masked_quantile(hatt, kept, 1 - q)[0]
+    thresholds = (host_value(low), host_value(high))
+    if not is_compiling() and int(n) == 0:
+        thresholds = None  # no valid token (under compile: every comparison is masked)
     return attention_entropy_stats(hatt, kept), thresholds
 
 
@@ -308,10 +333,10 @@ def _globals(batch: _Batch, cfg: PolicyLossConfig, kept) -> tuple[BatchGlobals, 
     entropy_threshold = adv_entropy_threshold = None
     if cfg.top_entropy_quantile < 1:
         thr = top_fraction_threshold(entropy, kept, cfg.top_entropy_quantile)
-        entropy_threshold = None if thr is None else float(thr)
+        entropy_threshold = host_value(thr)
     if cfg.adv_entropy_top_fraction < 1:
         thr = top_fraction_threshold(batch.adv.abs() * entropy, kept, cfg.adv_entropy_top_fraction)
-        adv_entropy_threshold = None if thr is None else float(thr)
+        adv_entropy_threshold = host_value(thr)
     masks = _selection_masks(batch, cfg, kept, entropy_threshold, adv_entropy_threshold)
     attn_stats = attn_thresholds = None
     if cfg.attn_entropy_weighting is not None:
@@ -355,6 +380,7 @@ def policy_loss_globals(
     entropy=None,
     attention_entropy=None,
     cu_seqlens=None,
+    max_seqlen=None,
 ) -> BatchGlobals:
     """`BatchGlobals` of a whole batch (same layouts and arguments as `policy_loss`).
 
@@ -369,6 +395,7 @@ def policy_loss_globals(
             advantages,
             cu_seqlens,
             dtype,
+            max_seqlen=max_seqlen,
             old_logprobs=old_logprobs,
             rollout_logprobs=rollout_logprobs,
             entropy=entropy,
@@ -404,6 +431,7 @@ def policy_loss(
     token_weights=None,
     attention_entropy=None,
     cu_seqlens=None,
+    max_seqlen: int | None = None,
     num_items_in_batch=None,
     global_batch_size=None,
     batch_globals: BatchGlobals | None = None,
@@ -428,14 +456,19 @@ def policy_loss(
         entropy: like ``logprobs``, token entropies; the entropy bonus differentiates it.
         token_weights: like ``logprobs``, external per-token weights of the policy term.
         attention_entropy: like ``logprobs``, per-token attention entropies (weighting input).
+        max_seqlen: packed only, an int at least the longest sequence (flash-attention's
+            ``max_seqlen``): the width of the grid the batch is laid out on. Without it the
+            width is read from ``cu_seqlens`` (a device read), or under ``torch.compile`` is
+            ``N`` (no read, a ``[B, N]`` grid).
         num_items_in_batch: tokens of the whole optimizer step over all ranks and micro-batches
             (global token-mean normaliser); global_batch_size: its sequences (seq-mean-*).
             Numbers (or one-element tensors) > 0; 0 only for a batch without loss tokens.
         batch_globals: `BatchGlobals` of the full batch for chunked use (module docstring).
         training_progress: in [0, 1], drives the attention-entropy alpha schedule.
         entropy_coef: overrides ``config.entropy_coef`` (for `AdaptiveEntropyCoef`).
-        validate: ``False`` skips the NaN, ``cu_seqlens`` and global-count checks, which
-            synchronise with the device: for callers that validated the whole batch once.
+        validate: ``False`` skips the NaN, ``cu_seqlens``, ``max_seqlen`` and global-count
+            checks, which synchronise with the device: for callers that validated the whole
+            batch once.
             Under ``torch.compile`` they are skipped whatever ``validate`` says (run
             `check_policy_inputs` eagerly on the batch instead).
         compute_metrics: ``False`` returns an empty metrics dict (no metric work).
@@ -460,7 +493,7 @@ def policy_loss(
     check_exact_kl(cfg, kl is not None, "kl", "kl (the per-token exact KL, e.g. from "
                    "linear_divergence(..., beta=1))")
     batch = _to_batch(
-        mask, advantages, cu_seqlens, _dtype(logprobs), validate, cfg,
+        mask, advantages, cu_seqlens, _dtype(logprobs), validate, cfg, max_seqlen,
         logprobs=logprobs, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
         rollout_logprobs=rollout_logprobs, entropy=entropy, token_weights=token_weights,
         attention_entropy=attention_entropy, kl=kl,

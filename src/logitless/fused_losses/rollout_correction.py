@@ -7,6 +7,7 @@ available": its token gets a zero log-ratio (weight 1, no rejection evidence), a
 import torch
 
 from logitless.fused_losses import segments
+from logitless.fused_losses.custom_ops import is_compiling
 
 SAFETY_BOUND = 20.0  # exp(20) ~ 5e8: the largest log-weight exponentiated (verl's bound)
 
@@ -40,7 +41,8 @@ def rollout_is_weight(log_ratio, m, cfg) -> torch.Tensor:
 
 def rollout_is_batch_mean(weight, m, level) -> float:
     """Mean of the IS weights over the batch: over valid tokens (``token``), or over non-empty
-    sequences, one weight each (sequence levels). 1 when it is not positive (verl's guard)."""
+    sequences, one weight each (sequence levels). 1 when it is not positive (verl's guard).
+    A float; a 0-d tensor under ``torch.compile``."""
     if level == "token":
         n = m.sum()
         mean = torch.where(m, weight, torch.zeros_like(weight)).sum() / n.clamp(min=1)
@@ -48,6 +50,8 @@ def rollout_is_batch_mean(weight, m, level) -> float:
         nonempty = m.any(-1)
         first = weight[:, :1].squeeze(-1) if weight.shape[1] else weight.new_zeros(len(m))
         mean = torch.where(nonempty, first, 0.0).sum() / nonempty.sum().clamp(min=1)
+    if is_compiling():  # a 0-d tensor: reading it on the host would break the graph
+        return torch.where(mean > 1e-8, mean, torch.ones_like(mean))
     mean = float(mean)
     return mean if mean > 1e-8 else 1.0
 

@@ -8,6 +8,8 @@ sequences is selected exactly as it would be inside the full batch.
 import torch
 
 from logitless.fused_losses import segments
+from logitless.fused_losses.aggregation import host_value
+from logitless.fused_losses.custom_ops import is_compiling
 
 
 def quantile(values: torch.Tensor, q: float) -> torch.Tensor:
@@ -19,13 +21,37 @@ def quantile(values: torch.Tensor, q: float) -> torch.Tensor:
     return v[lo] + (v[hi] - v[lo]) * (pos - lo)
 
 
+def masked_quantile(values: torch.Tensor, m: torch.Tensor, q: float):
+    """`quantile` of ``values`` over the tokens of ``m``, and their count, both 0-d tensors,
+    without boolean indexing or a host read (static shapes: traceable by ``torch.compile``).
+
+    The masked-out entries become NaN, which ``sort`` places after every number, so the valid
+    tokens come first (a NaN among them is NaN either way) and the count indexes them; the
+    interpolation is `quantile`'s, in the same precisions (its position in fp64, the fraction
+    rounded to the values' dtype), so the result is `quantile` of ``values[m]`` to the bit.
+    With no valid token the value is meaningless (any comparison the caller makes is masked).
+    """
+    v = torch.where(m, values.detach(), torch.nan).flatten().sort().values
+    n = m.sum()
+    pos = (n - 1).clamp(min=0).to(torch.float64) * q
+    lo = pos.floor().long()
+    hi = torch.minimum(lo + 1, (n - 1).clamp(min=0))
+    if v.numel() == 0:  # no token at all: nothing to index
+        return v.new_full((), torch.nan), n
+    frac = (pos - lo.to(torch.float64)).to(v.dtype)
+    lo_v, hi_v = v.gather(0, torch.stack([lo, hi])).unbind()
+    return lo_v + (hi_v - lo_v) * frac, n
+
+
 def top_fraction_threshold(values, m, fraction):
     """Smallest value kept when keeping the top ``fraction`` of ``values`` over valid tokens
-    (TRL: ``quantile(values, 1 - fraction)``); None when no token is valid."""
-    valid = values.detach()[m]
-    if valid.numel() == 0:
-        return None
-    return quantile(valid, 1.0 - fraction)
+    (TRL: ``quantile(values, 1 - fraction)``); None when no token is valid. Under
+    ``torch.compile``, a 0-d tensor whatever the count (with no valid token, every token it
+    selects from is masked anyway)."""
+    thr, n = masked_quantile(values, m, 1.0 - fraction)
+    if is_compiling():
+        return thr
+    return None if int(n) == 0 else thr
 
 
 def stapo_keep(adv, old_lp, entropy, m, prob_threshold, entropy_threshold):
@@ -39,13 +65,16 @@ def stapo_keep(adv, old_lp, entropy, m, prob_threshold, entropy_threshold):
 
 
 def attention_entropy_stats(hatt, m):
-    """Batch mean and std (unbiased) of attention entropies over valid tokens. Below two tokens
-    there is no spread: std 0 (one token's ``z`` is 0 and its weight 1, as a sequence of one
-    token standardised on its own); no token: mean 0."""
-    valid = hatt.detach()[m]
-    if valid.numel() < 2:
-        return (float(valid[0]) if valid.numel() else 0.0), 0.0
-    return float(valid.mean()), float(valid.std())
+    """Batch mean and std (unbiased) of attention entropies over valid tokens (`host_value`:
+    floats, 0-d tensors under ``torch.compile``; masked sums, no boolean indexing). Below two
+    tokens there is no spread: std 0 (one token's ``z`` is 0 and its weight 1, as a sequence of
+    one token standardised on its own); no token: mean 0."""
+    h = hatt.detach()
+    n = m.sum()
+    mean = torch.where(m, h, 0.0).sum() / n.clamp(min=1)
+    var = torch.where(m, (h - mean).square(), 0.0).sum() / (n - 1).clamp(min=1)
+    std = torch.where(n >= 2, var.sqrt(), 0.0)
+    return host_value(mean), host_value(std)
 
 
 def attention_entropy_weights(hatt, m, cfg, *, stats=None, thresholds=None, progress=None):

@@ -43,23 +43,30 @@ def packed_index(cu_seqlens: torch.Tensor, total: int | None = None,
     """The :class:`PackedIndex` of the batch whose sequences start at ``cu_seqlens [B + 1]``.
 
     ``total`` (``N = cu_seqlens[-1]``) and ``width`` (``L_max``): pass them when the host
-    already knows them, so that nothing is read back from the device.
+    already knows them, so that nothing is read back from the device. Each token's sequence is
+    found by a binary search of its position among the sequence ends (static shapes, no host
+    read). Under ``torch.compile`` the width defaults to ``N``, a bound on every length that
+    the shapes give (reading ``L_max`` would break the graph): the grid is then ``[B, N]``.
     """
     lengths = cu_seqlens[1:] - cu_seqlens[:-1]
     if total is None:
         total = int(cu_seqlens[-1])
     if width is None:
-        width = int(lengths.max()) if lengths.numel() else 0
-    device = cu_seqlens.device
-    row = torch.repeat_interleave(torch.arange(lengths.numel(), device=device), lengths,
-                                  output_size=total)
-    col = torch.arange(total, device=device) - cu_seqlens[:-1].long()[row]
+        if torch.compiler.is_compiling():
+            width = total
+        else:
+            width = int(lengths.max()) if lengths.numel() else 0
+    tokens = torch.arange(total, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
+    # the number of sequence ends at or before a token is the index of its sequence
+    # (an empty sequence ends where the next one starts, and is skipped)
+    row = torch.searchsorted(cu_seqlens[1:].contiguous(), tokens, right=True)
+    col = tokens.long() - cu_seqlens[:-1].long()[row]
     return PackedIndex(row, col, (lengths.numel(), width))
 
 
 def to_padded(x: torch.Tensor, cu_seqlens: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
     """Packed ``x [N]`` to right-padded ``[B, L_max]`` (differentiable)."""
-    return packed_index(cu_seqlens).pad(x, fill)
+    return packed_index(cu_seqlens, total=x.shape[0]).pad(x, fill)
 
 
 def to_packed(x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
@@ -70,12 +77,13 @@ def to_packed(x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
 def _grid(x, mask, cu_seqlens, fill=0.0):
     if cu_seqlens is None:
         return x, mask.bool()
-    index = packed_index(cu_seqlens)
+    index = packed_index(cu_seqlens, total=x.shape[0])
     return index.pad(x, fill), index.pad(mask.bool(), False)
 
 
-def _scan_out(y, cu_seqlens):
-    return y if cu_seqlens is None else to_packed(y, cu_seqlens)
+def _scan_out(y, x, cu_seqlens):
+    """A scan's grid ``y`` back to the layout of its input ``x``."""
+    return y if cu_seqlens is None else packed_index(cu_seqlens, total=x.shape[0]).unpad(y)
 
 
 def _masked_sum(x, mask, cu_seqlens):
@@ -112,14 +120,14 @@ def segment_max(x, mask, cu_seqlens=None, empty: float = 0.0) -> torch.Tensor:
 def prefix_sum(x, mask, cu_seqlens=None) -> torch.Tensor:
     """Like ``x``: ``sum_{j <= t} m_j x_j`` within each sequence."""
     g, m = _grid(x, mask, cu_seqlens)
-    return _scan_out(torch.where(m, g, torch.zeros_like(g)).cumsum(-1), cu_seqlens)
+    return _scan_out(torch.where(m, g, torch.zeros_like(g)).cumsum(-1), x, cu_seqlens)
 
 
 def suffix_sum(x, mask, cu_seqlens=None) -> torch.Tensor:
     """Like ``x``: ``sum_{j >= t} m_j x_j`` within each sequence."""
     g, m = _grid(x, mask, cu_seqlens)
     y = torch.where(m, g, torch.zeros_like(g)).flip(-1).cumsum(-1).flip(-1)
-    return _scan_out(y, cu_seqlens)
+    return _scan_out(y, x, cu_seqlens)
 
 
 def prefix_min(x, mask, cu_seqlens=None, *, exclusive: bool = False) -> torch.Tensor:
@@ -131,11 +139,11 @@ def prefix_min(x, mask, cu_seqlens=None, *, exclusive: bool = False) -> torch.Te
     vals = torch.where(m, g, torch.full_like(g, torch.inf))
     if exclusive:
         vals = torch.cat([torch.full_like(vals[..., :1], torch.inf), vals[..., :-1]], -1)
-    return _scan_out(torch.cummin(vals, -1).values, cu_seqlens)
+    return _scan_out(torch.cummin(vals, -1).values, x, cu_seqlens)
 
 
 def broadcast(values: torch.Tensor, like: torch.Tensor, cu_seqlens=None) -> torch.Tensor:
     """Per-sequence ``values [B]`` repeated at each token of ``like`` (``[B, T]`` or ``[N]``)."""
     if cu_seqlens is None:
         return values[:, None].expand_as(like)
-    return values[packed_index(cu_seqlens).row]
+    return values[packed_index(cu_seqlens, total=like.shape[0]).row]
