@@ -389,6 +389,11 @@ def _opcheck_args(name):
         lp, ent, _, lse, lse_kept, key, count = outs
         return (hidden, weight, bias, targets, *settings, key, count, lse, lse_kept, ent, lp,
                 randn(2, 3), randn(2, 3), None, randn(2, 3), *config, True, True, True)
+    valid = torch.tensor([[True, True, False], [True, True, True]])
+    if name == "logitless::cov_drop_mask":
+        return (valid & torch.tensor([[True, False, True], [True, True, False]]), valid, 0.5, 3)
+    if name == "logitless::cov_top_mask":
+        return (randn(2, 3), valid, 0.5)
     assert name == "logitless::attention_entropy"
     q, k = torch.randn(7, 4, 8, generator=g), torch.randn(7, 2, 8, generator=g)
     return (q, k, torch.tensor([0, 3, 7]), None, None, True, 0.35, None, None, False)
@@ -746,6 +751,15 @@ def test_policy_loss_batch_selections_compile():
         objective="grpo", top_entropy_quantile=0.4, adv_entropy_top_fraction=0.7,
         attn_entropy_weighting="low_quantile", rollout_is="token",
         rollout_is_batch_normalize=True, entropy_coef=0.01))
+
+
+@pytest.mark.parametrize("objective", ["clip_cov", "kl_cov"])
+def test_policy_loss_cov_objectives_compile(objective):
+    """verl's clip_cov (a seeded random share of the tokens in a covariance band dropped) and
+    kl_cov (the top share by covariance penalised): their token choices, counted on the host,
+    are ops, so the step traces whole and matches eager."""
+    _check_policy_step(PolicyLossConfig(objective=objective, cov_fraction=0.3, cov_seed=5,
+                                        clip_cov_lb=-1.0, clip_cov_ub=5.0, entropy_coef=0.01))
 
 
 def test_policy_loss_packed_compiles():

@@ -475,6 +475,50 @@ linear_topk_logprobs = _define(
 linear_topk_logprobs.register_autograd(_topk_backward, setup_context=_topk_setup_context)
 
 
+# --- clip_cov / kl_cov token selections ------------------------------------------------------
+#
+# verl's clip_cov and kl_cov pick a number of tokens counted on the host (a fraction of the
+# valid ones), clip_cov at random: data-dependent sizes that dynamo cannot trace. Each choice
+# is one op whose output, a bool mask shaped like its input, carries no gradient; eager calls
+# go through the same op, so the draws (torch's global generator unless a seed is given) are
+# the same compiled or not.
+
+def _cov_drop(candidates, valid, fraction, seed):
+    """clip_cov's dropped tokens: ``max(int(fraction * #valid), 1)`` of the candidates (all of
+    them when fewer), a random permutation of their flat positions deciding which."""
+    flat = torch.nonzero(candidates.flatten()).flatten()
+    num = max(int(fraction * int(valid.sum())), 1)
+    dropped = torch.zeros(candidates.numel(), dtype=torch.bool, device=candidates.device)
+    if flat.numel():
+        gen = None if seed is None else torch.Generator(device=flat.device).manual_seed(seed)
+        perm = torch.randperm(flat.numel(), generator=gen, device=flat.device)
+        dropped[flat[perm[:num]]] = True
+    return dropped.view_as(candidates)
+
+
+def _cov_top(cov, valid, fraction):
+    """kl_cov's penalised tokens: the ``max(1, int(#valid * fraction))`` valid tokens of
+    largest ``cov`` (none when no token is valid)."""
+    chosen = torch.zeros(valid.numel(), dtype=torch.bool, device=valid.device)
+    n = int(valid.sum())
+    if n:
+        flat_valid = torch.nonzero(valid.flatten()).flatten()
+        top = torch.topk(cov.flatten()[flat_valid], max(1, int(n * fraction))).indices
+        chosen[flat_valid[top]] = True
+    return chosen.view_as(valid)
+
+
+def _mask_fake(x, valid, *_):
+    return torch.empty_like(valid, dtype=torch.bool)
+
+
+cov_drop_mask = _define("cov_drop_mask",
+                        "(Tensor candidates, Tensor valid, float fraction, int? seed) -> Tensor",
+                        _cov_drop, _mask_fake)
+cov_top_mask = _define("cov_top_mask", "(Tensor cov, Tensor valid, float fraction) -> Tensor",
+                       _cov_top, _mask_fake)
+
+
 # --- fused_policy_loss ----------------------------------------------------------------------
 #
 # The config crosses the boundary as four lists (a schema holds at most 64 arguments, the

@@ -18,7 +18,7 @@ from types import MappingProxyType
 
 import torch
 
-from logitless.fused_losses import segments
+from logitless.fused_losses import custom_ops, segments
 from logitless.fused_losses.ratios import Ratio
 
 
@@ -303,12 +303,6 @@ def _covariance(x: ObjectiveInputs) -> torch.Tensor:
     return (adv - mean_a) * (lp - mean_lp)
 
 
-def _generator(cfg, device):
-    if cfg.cov_seed is None:
-        return None  # torch's global generator, as verl
-    return torch.Generator(device=device).manual_seed(cfg.cov_seed)
-
-
 @register_objective(
     "clip_cov",
     ratio_levels=("token",),
@@ -326,15 +320,10 @@ def clip_cov(x: ObjectiveInputs) -> ObjectiveOutput:
     candidates = (
         x.m & ~(clipped > unclipped) & (cov > x.cfg.clip_cov_lb) & (cov < x.cfg.clip_cov_ub)
     )
-    flat = torch.nonzero(candidates.flatten()).flatten()
-    num = max(int(x.cfg.cov_fraction * int(x.m.sum())), 1)
-    keep = torch.ones(candidates.numel(), dtype=torch.bool, device=flat.device)
-    if flat.numel():
-        perm = torch.randperm(
-            flat.numel(), generator=_generator(x.cfg, flat.device), device=flat.device
-        )
-        keep[flat[perm[:num]]] = False
-    dropped = ~keep.view_as(candidates)
+    # one op (custom_ops.py): the count and the draw (torch's global generator without
+    # cov_seed, as verl) read values
+    dropped = custom_ops.cov_drop_mask(candidates, x.m, float(x.cfg.cov_fraction),
+                                       x.cfg.cov_seed)
     return ObjectiveOutput(
         torch.where(dropped, torch.zeros_like(out.loss), out.loss),
         out.clip_low | (dropped & (x.adv < 0)),
@@ -352,16 +341,10 @@ def kl_cov(x: ObjectiveInputs) -> ObjectiveOutput:
     """verl ``kl_cov``: ``-A r``, plus ``kl_cov_coef |d|`` on the top ``cov_fraction`` tokens by
     covariance."""
     loss = -x.adv * x.ratio.value
-    n = int(x.m.sum())
-    if n == 0:
-        return ObjectiveOutput(loss)
-    flat_valid = torch.nonzero(x.m.flatten()).flatten()
-    cov = _covariance(x).flatten()[flat_valid]
-    top = flat_valid[torch.topk(cov, max(1, int(n * x.cfg.cov_fraction))).indices]
-    chosen = torch.zeros(x.m.numel(), dtype=torch.bool, device=x.m.device)
-    chosen[top] = True
+    # one op (custom_ops.py): the count of valid tokens is read on the host
+    chosen = custom_ops.cov_top_mask(_covariance(x), x.m, float(x.cfg.cov_fraction))
     penalty = x.cfg.kl_cov_coef * x.d.abs()
-    return ObjectiveOutput(torch.where(chosen.view_as(x.m), loss + penalty, loss))
+    return ObjectiveOutput(torch.where(chosen, loss + penalty, loss))
 
 
 @register_objective("aspo", dual_clip_c=3.0)
