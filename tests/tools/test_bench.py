@@ -287,3 +287,25 @@ def test_divergence_liger_is_its_mean():
     errs = block_errors(op, liger, inputs, "fwd-bwd", rows=6)
     assert set(errs) == {"loss", "d_hidden", "d_weight"}
     assert max(errs.values()) < 1e-5, errs
+
+
+def test_demo_timer_passes_keywords_to_the_kernel():
+    """The demo times our TRL kernel's ``apply``, which our trainer's head calls with
+    ``sampler=`` as a keyword: the timer passes it through (``make demo`` died on it with a
+    TypeError) and returns the kernel's own result."""
+    from logitless.integrations import trl_head
+    from logitless.integrations.trl import _Head
+    from logitless.tools.demo import _timed
+
+    gen = torch.Generator().manual_seed(0)
+    h = torch.randn(5, 8, generator=gen, dtype=torch.float64)
+    w = torch.randn(11, 8, generator=gen, dtype=torch.float64)
+    t = torch.randint(0, 11, (5,), generator=gen)
+    args = (h, w, None, t, 1.0, 4096)
+    want = _Head(True, None).apply(*args, outputs=("logprobs", "entropy"))
+    with _timed(trl_head.LogitlessChunkedLogProb, "apply") as timer:
+        got = _Head(True, None).apply(*args, outputs=("logprobs", "entropy"))
+    assert timer.calls == 1 and timer.shape == {"tokens": 5, "hidden": 8, "vocab": 11}
+    assert [x is None for x in got] == [y is None for y in want]
+    for x, y in zip(got, want):
+        assert x is None or torch.equal(x, y)

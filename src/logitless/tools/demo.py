@@ -64,11 +64,11 @@ class _TimedKernel:
     def __init__(self, inner):
         self.inner, self.seconds, self.calls, self.shape = inner, 0.0, 0, None
 
-    def apply(self, hidden, weight, *args):
+    def apply(self, hidden, weight, *args, **kwargs):
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         start = time.perf_counter()
-        out = self.inner(hidden, weight, *args)
+        out = self.inner(hidden, weight, *args, **kwargs)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         self.seconds += time.perf_counter() - start
