@@ -388,11 +388,11 @@ def test_accumulating_gemm_never_rounds_the_product():
     a = torch.randn(32, 300).bfloat16()
     b = torch.randn(300, 24).bfloat16()
     acc = torch.full((32, 24), float("nan"))
-    kernel._addmm_fp32_(acc, a, b, beta=0.0)
+    kernel.addmm_acc_(acc, a, b, beta=0.0)
     exact = a.double() @ b.double()
     assert (acc.double() - exact).abs().max() < 1e-4 * exact.abs().max()
     assert not torch.equal(acc, (a @ b).float())
-    kernel._addmm_fp32_(acc, a, b, beta=1.0)
+    kernel.addmm_acc_(acc, a, b, beta=1.0)
     torch.testing.assert_close(acc.double(), 2 * exact, rtol=1e-5, atol=1e-4)
 
 

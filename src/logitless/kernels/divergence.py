@@ -39,10 +39,10 @@ from logitless.kernels.divergence_torch import finish_kl
 from logitless.kernels.linear_softmax import (
     _INTERPRET,
     TileGrads,
-    _addmm_takes_out_dtype,
     _Plan,
     _round_to,
 )
+from logitless.kernels.linear_softmax_torch import mm_out_dtype
 
 __all__ = ["divergence_backward", "divergence_forward", "topk_backward", "topk_forward"]
 
@@ -246,7 +246,7 @@ class _Fp32Plan(_Plan):
             if low and hidden.dtype != torch.float32 else None
         if self.tile.dtype != torch.float32:
             self.tile = torch.empty(size, dtype=torch.float32, device=dev)
-        self.direct = self.low is not None and _addmm_takes_out_dtype(dev)
+        self.direct = self.low is not None and mm_out_dtype(dev)
 
     def logits(self, weight, bias, v0, v1, r0, rows) -> torch.Tensor:
         """The untransformed fp32 logits ``[rows, v1 - v0]`` of a group, one GEMM per

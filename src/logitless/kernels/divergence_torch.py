@@ -28,7 +28,6 @@ import torch
 from logitless.kernels.linear_softmax_torch import (
     _MAX_COLS,
     _MIN_COLS,
-    _MM_OUT_DTYPE,
     _ROW_BLOCK,
     DEFAULT_TILE_BYTES,
     _pad_rows,
@@ -37,6 +36,7 @@ from logitless.kernels.linear_softmax_torch import (
     acc_dtype,
     addmm_acc_,
     logits_into,
+    mm_out_dtype,
 )
 
 
@@ -135,7 +135,7 @@ def _logits_fp32_into(z, hidden, weight, bias, temperature):
     put the weight gradient outside the bf16 reference's error at V=1007. On CUDA with torch
     >= 2.8 the GEMM writes fp32 directly; elsewhere the tile's operands are upcast (the row
     block and the weight columns, ``D`` wide, never a tile of logits)."""
-    if z.is_cuda and _MM_OUT_DTYPE:
+    if mm_out_dtype(z.device):
         torch.addmm(z, hidden, weight.t(), beta=0.0, out_dtype=torch.float32, out=z)
         if bias is not None:
             z.add_(bias)

@@ -37,13 +37,13 @@ boundaries at small sizes. tanh is written with ``tl.exp`` (the interpreter has 
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
 import triton
 import triton.language as tl
 
+from logitless.kernels.linear_softmax_torch import addmm_acc_
 from logitless.kernels.softmax_partials import Partials
 
 __all__ = ["ROW_CHUNK", "TILE_BYTES", "VOCAB_TILE", "backward", "forward"]
@@ -222,32 +222,6 @@ def grad_meta(dtype: torch.dtype, softcap, g_lp, g_entropy, g_sum_p_sq, g_mean_l
     )
 
 
-@functools.cache
-def _addmm_takes_out_dtype(device: torch.device) -> bool:
-    """Whether ``torch.addmm(..., out_dtype=torch.float32)`` runs on ``device`` for bf16
-    operands: torch >= 2.8, then a probe (CUDA has it; CPU builds do not)."""
-    if torch.__version__ < "2.8":
-        return False
-    one = torch.ones(1, 1, dtype=torch.bfloat16, device=device)
-    # A build without the fp32-output GEMM raises one of these for the keyword or the kernel.
-    try:
-        torch.addmm(torch.zeros(1, 1, device=device), one, one, out_dtype=torch.float32)
-    except (RuntimeError, TypeError, NotImplementedError):
-        return False
-    return True
-
-
-def _addmm_fp32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, beta: float) -> None:
-    """``acc = beta * acc + a @ b`` with fp32 ``acc``, the product never rounded to ``a``'s
-    dtype; ``beta=0`` overwrites ``acc`` (whatever it held)."""
-    if a.dtype == acc.dtype:
-        torch.addmm(acc, a, b, beta=beta, out=acc)
-    elif _addmm_takes_out_dtype(acc.device):
-        torch.addmm(acc, a, b, beta=beta, out_dtype=acc.dtype, out=acc)
-    else:  # exact fp32 copies of bf16/fp16 operands: the same sums, fp32 accumulation
-        torch.addmm(acc, a.to(acc.dtype), b.to(acc.dtype), beta=beta, out=acc)
-
-
 def _check_inputs(hidden, weight, bias, targets):
     if hidden.dim() != 2:
         raise ValueError(f"hidden must be [N, D], got shape {tuple(hidden.shape)}")
@@ -350,13 +324,13 @@ class TileGrads:
         against the weight tile ``w = weight[v0:v1]``."""
         if self.d_hidden is not None:
             for c in range(0, rows, ROW_CHUNK):
-                _addmm_fp32_(self.d_hidden[r0 + c:r0 + c + ROW_CHUNK], dx[c:c + ROW_CHUNK], w,
+                addmm_acc_(self.d_hidden[r0 + c:r0 + c + ROW_CHUNK], dx[c:c + ROW_CHUNK], w,
                              beta=0.0 if v0 == 0 else 1.0)
         d_weight = self.d_weight
         if d_weight is not None:
             h = self.plan.hidden[r0:r0 + rows]
             if self.acc is not None:
-                _addmm_fp32_(self.acc[:v1 - v0], dx.t(), h, beta=0.0 if gi == 0 else 1.0)
+                addmm_acc_(self.acc[:v1 - v0], dx.t(), h, beta=0.0 if gi == 0 else 1.0)
             elif gi == 0:
                 torch.mm(dx.t(), h, out=d_weight[v0:v1])
             else:  # fp32 inputs: the tile is its own fp32 accumulator

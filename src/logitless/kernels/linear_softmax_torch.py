@@ -291,6 +291,14 @@ def backward(hidden, weight, bias, targets, lse, entropy, sum_p_sq, g_lp, g_entr
     return d_hidden, d_weight, d_bias
 
 
+def mm_out_dtype(device: torch.device) -> bool:
+    """Whether a bf16/fp16 GEMM writes an fp32 output directly on ``device``
+    (``torch.addmm(..., out_dtype=torch.float32)``): CUDA builds of torch >= 2.8. CPU builds
+    name the keyword too, but have no kernel for it: there the operands are upcast instead
+    (exact copies, the same fp32 sums)."""
+    return device.type == "cuda" and _MM_OUT_DTYPE
+
+
 def addmm_acc_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, beta: float = 1.0) -> None:
     """``acc = beta * acc + a @ b`` into an fp32 (fp64) accumulator without rounding ``a @ b``
     to bf16/fp16. ``beta=0`` overwrites ``acc`` (whatever it held, NaN included).
@@ -300,7 +308,7 @@ def addmm_acc_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, beta: float 
     """
     if a.dtype == acc.dtype:
         torch.addmm(acc, a, b, beta=beta, out=acc)
-    elif acc.is_cuda and _MM_OUT_DTYPE:
+    elif mm_out_dtype(acc.device):
         torch.addmm(acc, a, b, beta=beta, out_dtype=acc.dtype, out=acc)
     else:
         torch.addmm(acc, a.to(acc.dtype), b.to(acc.dtype), beta=beta, out=acc)

@@ -50,8 +50,8 @@ import torch
 import triton
 import triton.language as tl
 
-from logitless.kernels.linear_softmax import _addmm_fp32_, _round_to, _tanh
-from logitless.kernels.linear_softmax_torch import _head_slice, _pad_rows
+from logitless.kernels.linear_softmax import _round_to, _tanh
+from logitless.kernels.linear_softmax_torch import _head_slice, _pad_rows, addmm_acc_
 from logitless.kernels.sampler_torch import RowParams
 
 __all__ = ["DEFAULT_TILE_BYTES", "backward", "chunk_stats", "forward", "row_args",
@@ -498,10 +498,10 @@ def backward(hidden, weight, bias, targets, params: RowParams, key, count, lse, 
                 seen[r0:], *(p[r0:] for p in ptrs), real, width, c0, **scalars, **meta)
             if d_hidden is not None:
                 for c in range(0, g_rows, rows):
-                    _addmm_fp32_(d_hidden[r0 + c:r0 + c + rows], x[c:c + rows], w,
+                    addmm_acc_(d_hidden[r0 + c:r0 + c + rows], x[c:c + rows], w,
                                  beta=0.0 if c0 == 0 else 1.0)
             if d_weight is not None:
-                _addmm_fp32_(d_weight[c0:c0 + width], x.t(), h_pad[r0:r0 + g_rows],
+                addmm_acc_(d_weight[c0:c0 + width], x.t(), h_pad[r0:r0 + g_rows],
                              beta=0.0 if g0 == 0 else 1.0)
             if d_bias is not None:
                 part = x.sum(0, dtype=torch.float32)

@@ -113,5 +113,5 @@ class StoredLogitsTriton:
         if d_bias is not None:
             d_bias += dx.sum(0, dtype=d_bias.dtype)
         if d_weight is not None:
-            head._addmm_fp32_(d_weight, dx.t(), hidden, beta=weight_beta)
+            head.addmm_acc_(d_weight, dx.t(), hidden, beta=weight_beta)
         return torch.mm(dx, weight) if want_hidden else None
