@@ -84,3 +84,13 @@ def tied_head_inputs(n=37, d=96, v=1007, seed=0):
     targets = torch.stack([first, last, torch.randint(0, v, (n,), generator=gen)])
     targets = targets.gather(0, (torch.arange(n) % 3).unsqueeze(0)).squeeze(0)
     return hidden, weight, bias, targets
+
+
+def sampler_settings(n, max_k, seed=1):
+    """Per-token sampler settings for ``n`` tokens, each drawn at random: temperature in
+    [0.5, 1.5), top-k in [1, max_k), top-p in [0.1, 1.0), min-p in [0, 0.2) (fp64, int64)."""
+    gen = torch.Generator().manual_seed(seed)
+    return dict(temperature=torch.rand(n, generator=gen, dtype=torch.float64) + 0.5,
+                top_k=torch.randint(1, max_k, (n,), generator=gen),
+                top_p=torch.rand(n, generator=gen, dtype=torch.float64) * 0.9 + 0.1,
+                min_p=torch.rand(n, generator=gen, dtype=torch.float64) * 0.2)

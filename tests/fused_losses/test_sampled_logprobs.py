@@ -15,7 +15,7 @@ import logitless
 from logitless.kernels import sampler_torch
 from logitless.reference.sampler import sampler_kept_mask, sampler_logprobs
 
-from testing import assert_close_to_oracle
+from testing import assert_close_to_oracle, sampler_settings
 
 N, D, V = 37, 96, 1007
 OUTS = ("logprobs", "entropy", "log_kept_mass")
@@ -47,11 +47,7 @@ def make_inputs(n=N, d=D, v=V, seed=0, scale=3.0):
 
 
 def per_token(n, seed=1):
-    gen = torch.Generator().manual_seed(seed)
-    return dict(temperature=torch.rand(n, generator=gen, dtype=torch.float64) + 0.5,
-                top_k=torch.randint(1, 80, (n,), generator=gen),
-                top_p=torch.rand(n, generator=gen, dtype=torch.float64) * 0.9 + 0.1,
-                min_p=torch.rand(n, generator=gen, dtype=torch.float64) * 0.2)
+    return sampler_settings(n, 80, seed)
 
 
 CASES = {

@@ -88,6 +88,20 @@ def test_divergence_fp32_matches_reference(triton_path, beta, tile_bytes):
     assert x["teacher_hidden"].grad is None and x["teacher_weight"].grad is None
 
 
+def _check_bf16_three_way(out, low, ref, inputs, name):
+    """The value and the student's bf16 gradients of the kernel (``out``), the bf16 torch
+    reference (``low``) and the fp64 oracle (``ref``), each from its own copy of the inputs
+    (``inputs``, in that order): |kernel - fp64| <= |bf16 torch - fp64| + 1% of the largest."""
+    x, same, x64 = inputs
+    tol = 1e-2 * float(ref.detach().abs().max())
+    assert_close_to_oracle(out, ref.detach(), low.detach(), tol, name)
+    upstream = torch.randn(N, dtype=torch.float64)
+    for got, lo, want, part in zip(_grads(out, x, upstream), _grads(low, same, upstream),
+                                   _grads(ref, x64, upstream), ("hidden", "weight", "bias")):
+        assert got.dtype == torch.bfloat16, part
+        assert_close_to_oracle(got, want, lo, 1e-2 * float(want.abs().max()), part)
+
+
 @requires_triton
 @pytest.mark.parametrize(("beta", "seed"), [(0.0, 1), (0.5, 1), (1.0, 0)])
 def test_divergence_bf16_three_way(triton_path, beta, seed):
@@ -100,13 +114,7 @@ def test_divergence_bf16_three_way(triton_path, beta, seed):
     out = _divergence(logitless.linear_divergence, x, beta, 0.8)
     low = _divergence(reference.linear_divergence, same, beta, 0.8)
     ref = _divergence(reference.linear_divergence, x64, beta, 0.8)
-    tol = 1e-2 * float(ref.detach().abs().max())
-    assert_close_to_oracle(out, ref.detach(), low.detach(), tol, "divergence")
-    upstream = torch.randn(N, dtype=torch.float64)
-    for got, lo, want, name in zip(_grads(out, x, upstream), _grads(low, same, upstream),
-                                   _grads(ref, x64, upstream), ("hidden", "weight", "bias")):
-        assert got.dtype == torch.bfloat16, name
-        assert_close_to_oracle(got, want, lo, 1e-2 * float(want.abs().max()), name)
+    _check_bf16_three_way(out, low, ref, (x, same, x64), "divergence")
 
 
 @requires_triton
@@ -162,13 +170,7 @@ def test_topk_bf16_three_way(triton_path):
     out = _topk_call(logitless.linear_topk_distill, x, ids, teacher_lp)
     low = _topk_call(reference.linear_topk_distill, same, ids, teacher_lp.bfloat16())
     ref = _topk_call(reference.linear_topk_distill, x64, ids, teacher_lp.double())
-    tol = 1e-2 * float(ref.detach().abs().max())
-    assert_close_to_oracle(out, ref.detach(), low.detach(), tol, "kl")
-    upstream = torch.randn(N, dtype=torch.float64)
-    for got, lo, want, name in zip(_grads(out, x, upstream), _grads(low, same, upstream),
-                                   _grads(ref, x64, upstream), ("hidden", "weight", "bias")):
-        assert got.dtype == torch.bfloat16, name
-        assert_close_to_oracle(got, want, lo, 1e-2 * float(want.abs().max()), name)
+    _check_bf16_three_way(out, low, ref, (x, same, x64), "kl")
 
 
 def test_no_tl_dot_in_the_epilogues():

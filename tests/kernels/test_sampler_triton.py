@@ -23,7 +23,7 @@ from logitless.kernels.sampler_torch import RowParams
 from logitless.reference.sampler import sampler_kept_mask, sampler_logprobs
 
 from sm90 import run_compile_script
-from testing import assert_close_to_oracle, requires_triton
+from testing import assert_close_to_oracle, requires_triton, sampler_settings
 
 N, D, V = 5, 24, 67
 COLS, BLOCK_V, BLOCK_S = 32, 16, 64
@@ -58,11 +58,7 @@ def _inputs(dtype=torch.float64, seed=0, scale=3.0):
 
 
 def _per_token(seed=1):
-    gen = torch.Generator().manual_seed(seed)
-    return dict(temperature=torch.rand(N, generator=gen, dtype=torch.float64) + 0.5,
-                top_k=torch.randint(1, 30, (N,), generator=gen),
-                top_p=torch.rand(N, generator=gen, dtype=torch.float64) * 0.9 + 0.1,
-                min_p=torch.rand(N, generator=gen, dtype=torch.float64) * 0.2)
+    return sampler_settings(N, 30, seed)
 
 
 CASES = {
