@@ -128,16 +128,19 @@ def _ordered_keys(z: torch.Tensor) -> torch.Tensor:
     """Integers ordered as the floats ``z`` are (``-0.0`` taken as ``+0.0``): the bit
     pattern, with every bit but the sign flipped on negatives (shift, mask and xor: on CPU a
     ``torch.where`` costs several times as much)."""
-    kd = _key_dtype(z.dtype)
-    bits = (z + 0.0).view(kd)
-    last = torch.iinfo(kd).bits - 1
-    return bits ^ ((bits >> last) & ((1 << last) - 1))
+    return _flip_negatives((z + 0.0).view(_key_dtype(z.dtype)))
 
 
 def _key_floats(keys: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The floats of ``dtype`` whose ordered keys are ``keys`` (``_ordered_keys``' inverse)."""
-    last = torch.iinfo(keys.dtype).bits - 1
-    return (keys ^ ((keys >> last) & ((1 << last) - 1))).view(dtype)
+    """The floats of ``dtype`` whose ordered keys are ``keys`` (``_ordered_keys``' inverse:
+    the flip is its own inverse)."""
+    return _flip_negatives(keys).view(dtype)
+
+
+def _flip_negatives(bits: torch.Tensor) -> torch.Tensor:
+    """``bits`` with every bit but the sign flipped where the sign bit is set."""
+    last = torch.iinfo(bits.dtype).bits - 1
+    return bits ^ ((bits >> last) & ((1 << last) - 1))
 
 
 def _prefix_slice(keys, t, c, seen):
