@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from logitless.fused_losses.logprobs import linear_logprobs
+from logitless.fused_losses.head.logprobs import linear_logprobs
 
 
 def loss_of(hidden, weight, targets):
@@ -42,7 +42,7 @@ def fused_inputs(n, gen):
 
 def fused_loss_of(extra):
     from logitless import PolicyLossConfig
-    from logitless.fused_losses.fused_policy_loss import fused_policy_loss
+    from logitless.fused_losses.fused.fused_policy_loss import fused_policy_loss
 
     config = PolicyLossConfig(objective="grpo", beta=0.04, entropy_coef=0.01)
     mask, old, ref, adv = extra

@@ -4,7 +4,7 @@ Run from the repository root: ``python scripts/gpu_cost_table.py``; paste its ou
 generated block of docs/gpu.md (tests/fused_losses/test_gpu_plan.py checks that they agree).
 """
 
-from logitless.fused_losses.gpu_plan import format_report
+from logitless.fused_losses.fused.gpu_plan import format_report
 
 if __name__ == "__main__":
     print(format_report())

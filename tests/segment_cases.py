@@ -10,7 +10,7 @@ import contextlib
 import pytest
 import torch
 
-from logitless.fused_losses import segments
+from logitless.fused_losses.objectives import segments
 from logitless.kernels import segments_torch
 
 SUMS = ("segment_sum", "segment_mean", "prefix_sum", "suffix_sum")

@@ -2,20 +2,22 @@
 
 __version__ = "0.1.0"
 
-from logitless.fused_losses.attention_entropy import attention_entropy
-from logitless.fused_losses.config import PolicyLossConfig
-from logitless.fused_losses.divergence import linear_divergence, linear_topk_distill
-from logitless.fused_losses.entropy_control import AdaptiveEntropyCoef
-from logitless.fused_losses.fused_policy_loss import fused_policy_loss
-from logitless.fused_losses.logprobs import LogprobOutput, linear_logprobs
-from logitless.fused_losses.objectives import register_objective
-from logitless.fused_losses.policy_loss import policy_loss, policy_loss_globals
+from logitless.fused_losses.fused.fused_policy_loss import fused_policy_loss
+from logitless.fused_losses.head.attention_entropy import attention_entropy
+from logitless.fused_losses.head.divergence import linear_divergence, linear_topk_distill
+from logitless.fused_losses.head.logprobs import LogprobOutput, linear_logprobs
+from logitless.fused_losses.objectives.catalog import register_objective
+from logitless.fused_losses.objectives.config import PolicyLossConfig
+from logitless.fused_losses.objectives.entropy_control import AdaptiveEntropyCoef
+from logitless.fused_losses.objectives.policy_inputs import check_policy_inputs
+from logitless.fused_losses.objectives.policy_loss import policy_loss, policy_loss_globals
 
 __all__ = [
     "AdaptiveEntropyCoef",
     "LogprobOutput",
     "PolicyLossConfig",
     "attention_entropy",
+    "check_policy_inputs",
     "fused_policy_loss",
     "linear_divergence",
     "linear_logprobs",

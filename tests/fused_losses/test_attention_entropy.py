@@ -329,7 +329,7 @@ def test_weights_propagate_nan(mode, standardize):
     """attn_entropy_weighting: a NaN attention entropy at a valid token gives a NaN weight
     (the loss shows the corruption), never a weight of a clean token; padding NaN is ignored."""
     from logitless import PolicyLossConfig
-    from logitless.fused_losses.token_selection import (
+    from logitless.fused_losses.objectives.token_selection import (
         attention_entropy_stats,
         attention_entropy_weights,
     )

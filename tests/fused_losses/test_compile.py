@@ -1,6 +1,7 @@
 """torch.compile, torch.export and meta tensors over the public ops (issue 17).
 
-Each op is one ``torch.library`` custom op (``fused_losses/custom_ops.py``): compiled with
+Each op is one ``torch.library`` custom op, defined beside its implementation
+(its name in ``fused_losses/oplib.OPS``): compiled with
 ``fullgraph=True`` and ``dynamic=True`` it must trace without a graph break, compile once for
 two batch sizes, and give eager's forward and backward. The ``aot_eager`` backend runs in the
 default suite, and so does ``inductor`` for two training steps (composed and fused), each
@@ -18,14 +19,15 @@ import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
-from logitless.fused_losses import custom_ops
-from logitless.fused_losses.attention_entropy import attention_entropy
-from logitless.fused_losses.config import PolicyLossConfig
-from logitless.fused_losses.divergence import linear_divergence, linear_topk_distill
-from logitless.fused_losses.fused_policy_loss import fused_policy_loss, metric_names
-from logitless.fused_losses.logprobs import linear_logprobs
-from logitless.fused_losses.objectives import OBJECTIVES
-from logitless.fused_losses.policy_loss import policy_loss
+from logitless.fused_losses import oplib
+from logitless.fused_losses.fused import op as fused_op
+from logitless.fused_losses.fused.fused_policy_loss import fused_policy_loss, metric_names
+from logitless.fused_losses.head.attention_entropy import attention_entropy
+from logitless.fused_losses.head.divergence import linear_divergence, linear_topk_distill
+from logitless.fused_losses.head.logprobs import linear_logprobs
+from logitless.fused_losses.objectives.catalog import OBJECTIVES
+from logitless.fused_losses.objectives.config import PolicyLossConfig
+from logitless.fused_losses.objectives.policy_loss import policy_loss
 
 D, V, T = 96, 1007, 37
 IGNORE = -100
@@ -378,7 +380,7 @@ def _opcheck_args(name):
         return (hidden.requires_grad_(), weight.requires_grad_(), bias.requires_grad_(), targets,
                 randn(2, 3) - 3, randn(2), mask, randn(2, 3) - 3, *(None,) * 10, 0.9, 20.0, 1.1,
                 None, None, None, None, None, "auto", torch.float64, True, True, True,
-                list(metric_names("grpo", None)), *custom_ops.config_args(cfg))
+                list(metric_names("grpo", None)), *fused_op.config_args(cfg))
     if name.startswith("logitless::sampled_logprobs"):
         settings = (0.5 + randn(2, 3).abs(), torch.tensor([[3, 11, 1], [20, 2, 5]]),
                     randn(2, 3).sigmoid(), torch.full((2, 3), 0.05, dtype=torch.float64))
@@ -401,7 +403,7 @@ def _opcheck_args(name):
     return (q, k, torch.tensor([0, 3, 7]), None, None, True, 0.35, None, None, False)
 
 
-@pytest.mark.parametrize("name", custom_ops.OPS)
+@pytest.mark.parametrize("name", oplib.OPS)
 def test_opcheck(name):
     op = torch.ops.logitless
     for part in name.split("::")[1].split("."):
@@ -560,9 +562,9 @@ def test_fused_policy_loss_on_meta_tensors():
 
 def _through_the_op(monkeypatch):
     """Eager calls of fused_policy_loss go through the op (its implementation runs for real)."""
-    from logitless.fused_losses import fused_policy_loss as module
+    from logitless.fused_losses.fused import fused_policy_loss as module
 
-    monkeypatch.setattr(module, "_as_op", lambda hidden: True)
+    monkeypatch.setattr(module, "as_op", lambda hidden: True)
 
 
 @pytest.mark.parametrize("strategy", ["auto", "streaming"])
@@ -600,8 +602,8 @@ def test_op_equals_the_direct_call_for_every_objective(monkeypatch, strategy):
 def test_metrics_the_objective_name_does_not_decide_raise(monkeypatch):
     """An objective whose clip flags depend on another config field gives metrics the op was
     not traced for: a RuntimeError saying so, never metrics under the wrong names."""
-    from logitless.fused_losses import fused_policy_loss as module
-    from logitless.fused_losses import objectives
+    from logitless.fused_losses.fused import op as module
+    from logitless.fused_losses.objectives import catalog as objectives
 
     def flags_with_delta(x):
         loss = -x.adv * x.ratio.value
@@ -632,7 +634,7 @@ def test_config_crosses_the_op_boundary_whole():
                            rollout_is="token", rollout_rs="token_k1,seq_max_k2",
                            rollout_rs_threshold="2.0,0.5", max_response_length=64, cov_seed=3,
                            hard_trust_region=True)
-    back = custom_ops.config_from_args(*custom_ops.config_args(cfg))
+    back = fused_op.config_from_args(*fused_op.config_args(cfg))
     for f in dataclasses.fields(cfg):
         a, b = getattr(cfg, f.name), getattr(back, f.name)
         if isinstance(a, torch.Tensor):

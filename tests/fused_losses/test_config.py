@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from logitless import PolicyLossConfig, policy_loss
-from logitless.fused_losses import config as config_module
+from logitless.fused_losses.objectives import config as config_module
 
 B, T = 4, 7
 

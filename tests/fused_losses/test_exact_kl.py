@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from logitless import PolicyLossConfig, linear_divergence, policy_loss, reference
-from logitless.fused_losses.fused_policy_loss import fused_policy_loss
+from logitless.fused_losses.fused.fused_policy_loss import fused_policy_loss
 from logitless.kernels import stored_logits
 
 from testing import assert_close_to_oracle

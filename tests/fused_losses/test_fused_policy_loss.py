@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from logitless import PolicyLossConfig, policy_loss, reference
-from logitless.fused_losses.fused_policy_loss import fused_policy_loss, plan_chunks
-from logitless.fused_losses.objectives import OBJECTIVES
+from logitless.fused_losses.fused.fused_policy_loss import fused_policy_loss, plan_chunks
+from logitless.fused_losses.objectives.catalog import OBJECTIVES
 from logitless.kernels import stored_logits
 
 from testing import assert_close_to_oracle
@@ -146,11 +146,11 @@ def test_options_with_rollout_logprobs(cfg, strategy, vocab_block):
 
 def test_sequence_longer_than_budget_is_streamed(monkeypatch):
     """One 13-token sequence with a 6-row budget: streamed alone, exact all the same."""
-    from logitless.fused_losses import fused_policy_loss as module
+    from logitless.fused_losses.fused.chunks import ChunkRunner
 
     calls = []
-    real = module._ChunkRunner._streamed
-    monkeypatch.setattr(module._ChunkRunner, "_streamed",
+    real = ChunkRunner._streamed
+    monkeypatch.setattr(ChunkRunner, "_streamed",
                         lambda self, chunk, *a: calls.append((chunk.s0, chunk.s1))
                         or real(self, chunk, *a))
     batch = make_batch(seed=2)
@@ -164,12 +164,13 @@ def test_sequence_longer_than_budget_is_streamed(monkeypatch):
 def test_inputs_are_checked_once(monkeypatch, strategy):
     """The head's arguments and the policy inputs are checked once for the call, not again by
     each chunk (a streamed chunk takes the op's private path, which checks nothing)."""
-    from logitless.fused_losses import fused_policy_loss as module
-    from logitless.fused_losses import logprobs, policy_loss
+    from logitless.fused_losses.fused import call as module
+    from logitless.fused_losses.head import logprobs
+    from logitless.fused_losses.objectives import policy_inputs
 
     calls = []
     for mod, name in ((module, "check_head_args"), (logprobs, "check_head_args"),
-                      (policy_loss, "_check_shapes")):
+                      (policy_inputs, "_check_shapes")):
         real = getattr(mod, name)
         monkeypatch.setattr(mod, name, lambda *a, _real=real, _n=name, **k:
                             calls.append(_n) or _real(*a, **k))

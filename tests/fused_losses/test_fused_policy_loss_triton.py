@@ -24,7 +24,7 @@ from fused_losses.test_fused_policy_loss import (
     run_reference,
 )
 from logitless import PolicyLossConfig
-from logitless.fused_losses import fused_policy_loss as fpl
+from logitless.fused_losses.fused import plan as fpl_plan
 from logitless.kernels import linear_softmax, stored_logits
 
 from testing import assert_close_to_oracle, requires_triton
@@ -164,20 +164,20 @@ def test_store_selection(monkeypatch):
     store on CPU by default and for fp64."""
     cpu = torch.device("cpu")
     monkeypatch.delenv("LOGITLESS_BACKEND", raising=False)
-    assert fpl._store_type(cpu, torch.float32) is stored_logits.StoredLogits
+    assert fpl_plan.store_type(cpu, torch.float32) is stored_logits.StoredLogits
     if os.environ.get("TRITON_INTERPRET") == "1":
         from logitless.kernels.stored_logits_triton import StoredLogitsTriton
 
         monkeypatch.setenv("LOGITLESS_BACKEND", "triton")
-        assert fpl._store_type(cpu, torch.bfloat16) is StoredLogitsTriton
-        assert fpl._store_type(cpu, torch.float64) is stored_logits.StoredLogits
+        assert fpl_plan.store_type(cpu, torch.bfloat16) is StoredLogitsTriton
+        assert fpl_plan.store_type(cpu, torch.float64) is stored_logits.StoredLogits
 
 
 def test_chunk_rows_follow_the_cost_model():
     """The Triton store sizes a chunk's row as gpu_plan does: the stored logits in the input
     dtype plus the gathered hidden row and its gradient row."""
     pytest.importorskip("triton")
-    from logitless.fused_losses import gpu_plan
+    from logitless.fused_losses.fused import gpu_plan
     from logitless.kernels.stored_logits_triton import StoredLogitsTriton
 
     n, d, v = gpu_plan.REFERENCE_SHAPE

@@ -10,8 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from logitless.fused_losses import fused_policy_loss as fpl
-from logitless.fused_losses import gpu_plan as gp
+from logitless.fused_losses.fused import gpu_plan as gp
+from logitless.fused_losses.fused import plan as fpl
 
 MiB, GiB = 2**20, 2**30
 N, D, V = 1000, 96, 1007  # odd, so chunks and tiles split unevenly
@@ -206,10 +206,10 @@ def test_cuda_default_budget_is_fixed_not_read_off_free_memory(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "mem_get_info", free_memory)
     cuda = torch.device("cuda", 0)
-    assert fpl._default_budget(cuda) == gp.CUDA_MEMORY_BUDGET
-    assert fpl._default_budget(cuda) == gp.CUDA_MEMORY_BUDGET
+    assert fpl.default_budget(cuda) == gp.CUDA_MEMORY_BUDGET
+    assert fpl.default_budget(cuda) == gp.CUDA_MEMORY_BUDGET
     assert calls == []
-    assert fpl._default_budget(torch.device("cpu")) == fpl.CPU_MEMORY_BUDGET
+    assert fpl.default_budget(torch.device("cpu")) == fpl.CPU_MEMORY_BUDGET
 
 
 def test_docs_tables_are_the_models():

@@ -8,7 +8,7 @@ import torch
 
 import logitless
 from logitless import reference
-from logitless.fused_losses import logprobs as logprobs_module
+from logitless.fused_losses.head import logprobs as logprobs_module
 
 from testing import assert_close_to_oracle, requires_triton, tied_head_inputs
 
@@ -214,7 +214,7 @@ def test_tiling_is_invisible(tile_bytes):
 def test_frozen_weight_and_unused_outputs_cost_nothing(monkeypatch):
     """A frozen weight is never asked for; an output without gradient is not passed down."""
     calls = []
-    real = logitless.fused_losses.logprobs.linear_softmax_torch.backward
+    real = logitless.fused_losses.head.logprobs.linear_softmax_torch.backward
 
     def spy(*args, **kw):
         calls.append((args, kw))

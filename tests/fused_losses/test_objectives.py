@@ -5,10 +5,13 @@ import torch
 
 from logitless import PolicyLossConfig, policy_loss, policy_loss_globals
 from logitless import reference as ref
-from logitless.fused_losses.config import LOSS_AGGS, parse_rollout_rs
-from logitless.fused_losses.objectives import OBJECTIVES
-from logitless.fused_losses.rollout_correction import rollout_log_ratio, rollout_rejection_keep
-from logitless.fused_losses.token_selection import masked_quantile, quantile
+from logitless.fused_losses.objectives.catalog import OBJECTIVES
+from logitless.fused_losses.objectives.config import LOSS_AGGS, parse_rollout_rs
+from logitless.fused_losses.objectives.rollout_correction import (
+    rollout_log_ratio,
+    rollout_rejection_keep,
+)
+from logitless.fused_losses.objectives.token_selection import masked_quantile, quantile
 
 B, T = 5, 11
 
@@ -288,7 +291,7 @@ def test_cov_objectives():
 
 def test_registered_user_objective():
     from logitless import register_objective
-    from logitless.fused_losses.objectives import ObjectiveOutput
+    from logitless.fused_losses.objectives.catalog import ObjectiveOutput
 
     @register_objective("test_double_reinforce", loss_agg="token-sum")
     def _double(x):
@@ -305,7 +308,11 @@ def test_registry_flags_drive_the_reference_and_chunking():
     objective in the clipped-surrogate family is the reference's clipped surrogate, and one
     that needs the whole batch refuses a chunk's batch_globals."""
     from logitless import register_objective
-    from logitless.fused_losses.objectives import CLIPPED_SURROGATE, OBJECTIVES, clipped_surrogate
+    from logitless.fused_losses.objectives.catalog import (
+        CLIPPED_SURROGATE,
+        OBJECTIVES,
+        clipped_surrogate,
+    )
 
     @register_objective("test_my_clip", family=CLIPPED_SURROGATE, eps_high=0.1)
     def _my_clip(x):
@@ -605,7 +612,7 @@ def test_low_precision_and_padded_empty_inputs():
 
 
 def test_kl_in_reward():
-    from logitless.fused_losses.kl import kl_in_reward
+    from logitless.fused_losses.objectives.kl import kl_in_reward
 
     d = make(3)
     rewards = torch.randn(B, T, dtype=torch.float64)

@@ -1,4 +1,4 @@
-"""The public segmented ops (``fused_losses/segments.py``): their Triton autograd Functions
+"""The public segmented ops (``objectives/segments.py``): their Triton autograd Functions
 against ``gradcheck`` and the torch twin's gradients, the backend rule that picks them, and
 `policy_loss` giving the same loss and gradients on either backend. Batches in
 ``tests/segment_cases.py``; the kernels' values in ``tests/kernels/test_segments_triton.py``."""
@@ -6,7 +6,7 @@ against ``gradcheck`` and the torch twin's gradients, the backend rule that pick
 import pytest
 import torch
 
-from logitless.fused_losses import segments
+from logitless.fused_losses.objectives import segments
 from logitless.kernels import segments as kernels
 from logitless.kernels import segments_torch
 

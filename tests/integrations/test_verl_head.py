@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from logitless.fused_losses.logprobs import linear_logprobs
+from logitless.fused_losses.head.logprobs import linear_logprobs
 from logitless.integrations.verl_head import (
     disable_fused_head,
     enable_fused_head,

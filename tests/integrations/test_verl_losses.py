@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 from verl.utils.config import omega_conf_to_dataclass
 
 import logitless
-from logitless.fused_losses.objectives import OBJECTIVES
+from logitless.fused_losses.objectives.catalog import OBJECTIVES
 from logitless.integrations.verl import (
     LOSS_PREFIX,
     LogitlessPolicyLossConfig,
@@ -216,7 +216,7 @@ def test_every_objective_is_registered_and_custom_ones_can_be():
 
     @logitless.register_objective("verl_test_pg")
     def _pg(x):
-        from logitless.fused_losses.objectives import ObjectiveOutput
+        from logitless.fused_losses.objectives.catalog import ObjectiveOutput
 
         return ObjectiveOutput(-x.adv * x.lp * 2)
 
@@ -275,7 +275,7 @@ def test_entry_point_registers_in_a_fresh_interpreter_that_only_imports_verl():
         import verl
         from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
         import verl.utils.kernel.linear_cross_entropy as kernel
-        from logitless.fused_losses.objectives import OBJECTIVES
+        from logitless.fused_losses.objectives.catalog import OBJECTIVES
         modes = sorted(k for k in POLICY_LOSS_REGISTRY if k.startswith("logitless_"))
         print(",".join(modes))
         print(",".join(sorted(OBJECTIVES)))

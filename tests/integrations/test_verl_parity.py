@@ -19,7 +19,7 @@ import verl.trainer.ppo.rollout_corr_helper as rollout_corr
 import verl.workers.config as verl_config
 
 from logitless import PolicyLossConfig, policy_loss
-from logitless.fused_losses.kl import kl_estimate
+from logitless.fused_losses.objectives.kl import kl_estimate
 
 RTOL, ATOL = 1e-12, 1e-14
 METRIC_TOL = 1e-6

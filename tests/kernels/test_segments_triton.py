@@ -5,7 +5,7 @@ autograd Functions are tested in ``tests/fused_losses/test_segments.py``."""
 import pytest
 import torch
 
-from logitless.fused_losses import segments
+from logitless.fused_losses.objectives import segments
 from logitless.kernels import segments as kernels
 from logitless.kernels import segments_torch
 

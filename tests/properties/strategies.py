@@ -15,7 +15,9 @@ from dataclasses import dataclass
 import torch
 from hypothesis import strategies as st
 
-from logitless.fused_losses.config import (
+from logitless.fused_losses.head.logprobs import STATS
+from logitless.fused_losses.objectives.catalog import OBJECTIVES
+from logitless.fused_losses.objectives.config import (
     ATTN_WEIGHTINGS,
     KL_ESTIMATORS,
     LOSS_AGGS,
@@ -23,8 +25,6 @@ from logitless.fused_losses.config import (
     ROLLOUT_IS_LEVELS,
     ROLLOUT_RS_OPTIONS,
 )
-from logitless.fused_losses.logprobs import STATS
-from logitless.fused_losses.objectives import OBJECTIVES
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 # Objectives the plain-loop reference covers (clip_cov / kl_cov draw tokens at random).

@@ -6,8 +6,8 @@ import torch
 from hypothesis import given
 
 from logitless import reference as ref
-from logitless.fused_losses.config import KL_ESTIMATORS, LOSS_AGGS
-from logitless.fused_losses.kl import kl_estimate
+from logitless.fused_losses.objectives.config import KL_ESTIMATORS, LOSS_AGGS
+from logitless.fused_losses.objectives.kl import kl_estimate
 from properties.harness import close, configs, run_library, run_reference
 from properties.strategies import Layout, layouts, policy_batches
 

@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from logitless import reference
-from logitless.fused_losses import segments
+from logitless.fused_losses.objectives import segments
 from properties.strategies import backend, seeds
 
 from testing import requires_triton

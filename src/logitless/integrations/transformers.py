@@ -25,7 +25,7 @@ from transformers.masking_utils import (
 )
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
-from logitless.fused_losses.attention_entropy import attention_entropy
+from logitless.fused_losses.head.attention_entropy import attention_entropy
 
 __all__ = ["AttentionEntropyRecorder"]
 

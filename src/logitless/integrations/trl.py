@@ -28,17 +28,17 @@ from collections.abc import Sequence
 import torch
 import trl
 
-from logitless.fused_losses.aggregation import agg_counts
-from logitless.fused_losses.config import ConfigError, PolicyLossConfig
-from logitless.fused_losses.entropy_control import AdaptiveEntropyCoef
-from logitless.fused_losses.objectives import CLIPPED_SURROGATE, OBJECTIVES, clip_flags
-from logitless.fused_losses.policy_loss import policy_loss, policy_loss_globals
-from logitless.fused_losses.ratios import compute_ratio
+from logitless.fused_losses.objectives.aggregation import agg_counts
+from logitless.fused_losses.objectives.catalog import CLIPPED_SURROGATE, OBJECTIVES, clip_flags
+from logitless.fused_losses.objectives.config import PolicyLossConfig
+from logitless.fused_losses.objectives.entropy_control import AdaptiveEntropyCoef
+from logitless.fused_losses.objectives.policy_loss import policy_loss, policy_loss_globals
+from logitless.fused_losses.objectives.ratios import compute_ratio
 from logitless.integrations.sampler_config import (
     SamplerTruncation,
     drop_outside_kept,
-    read_sampler_config,
 )
+from logitless.integrations.trl_config import config_from_grpo, sampler_from_grpo
 from logitless.integrations.trl_head import (
     SUPPORTED_TRL,
     LogitlessChunkedLogProb,
@@ -64,189 +64,6 @@ __all__ = [
 _FORWARD_KEYS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask",
                  "spatial_shapes", "num_tiles", "image_sizes", "token_type_ids",
                  "mm_token_type_ids", "image_position_ids")
-
-
-def _fp32(x: float) -> float:
-    return float(torch.tensor(x, dtype=torch.float32))
-
-
-# Each PolicyLossConfig field config_from_grpo sets, and the GRPOConfig argument it comes from
-# (an invalid value is reported under the argument's name).
-_GRPO_ARGUMENTS = dict(
-    objective="loss_type", ratio_level="importance_sampling_level", eps_low="epsilon",
-    eps_high="epsilon_high", cispo_cap="epsilon_high", delta="delta", beta="beta",
-    entropy_coef="entropy_coef", top_entropy_quantile="top_entropy_quantile",
-    opsm_threshold="off_policy_mask_threshold", sapo_tau_pos="sapo_temperature_pos",
-    sapo_tau_neg="sapo_temperature_neg", vespo_k_pos="vespo_k_pos",
-    vespo_lambda_pos="vespo_lambda_pos", vespo_k_neg="vespo_k_neg",
-    vespo_lambda_neg="vespo_lambda_neg", max_response_length="max_completion_length",
-    grad_accum_steps="gradient_accumulation_steps", dp_size="world_size",
-    rollout_is_min="vllm_importance_sampling_clip_min",
-    rollout_is_max="vllm_importance_sampling_clip_max",
-)
-_VLLM_IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
-
-
-def config_from_grpo(args, **overrides) -> PolicyLossConfig:
-    """The `PolicyLossConfig` whose loss is TRL's ``GRPOTrainer`` loss for ``args`` (a
-    ``GRPOConfig``); ``overrides`` replace any field (e.g. ``dual_clip_c=3.0``).
-
-    ``loss_type`` -> ``objective`` (all eight of TRL 1.16), ``importance_sampling_level`` ->
-    ``ratio_level``, ``epsilon`` / ``epsilon_high`` -> ``eps_low`` / ``eps_high`` (cispo:
-    TRL's ``epsilon_high``, else ``epsilon``, is the ratio cap itself, ``min(r, epsilon_high)``
-    for any value, below 1 included: ``cispo_cap``; TRL's cispo reads no other clip bound),
-    ``delta``, ``beta`` with TRL's k3 estimator and ``use_bias_correction_kl`` (times ``r``
-    with its gradient, as TRL's code does), ``top_entropy_quantile``, ``entropy_coef`` (a mean
-    over the selected tokens: ``entropy_agg="bnpo"``), ``off_policy_mask_threshold`` ->
-    ``opsm_threshold``, vLLM importance sampling (``use_vllm`` and
-    ``vllm_importance_sampling_correction``: ``*_truncate`` / ``*_mask`` modes and clip bounds)
-    -> ``rollout_is*``, sapo temperatures and vespo k/lambda (rounded to fp32: TRL builds them
-    with ``torch.where`` on python floats), ``max_completion_length`` -> ``max_response_length``
-    (dr_grpo's constant), ``gradient_accumulation_steps`` and the world size (the trainer sets
-    both per call). TRL exponentiates the log-ratio unclamped (vespo clamps it to +-20), and so
-    does this config.
-
-    Raises ``ValueError`` naming the ``GRPOConfig`` argument (or the override) whose value
-    `PolicyLossConfig` rejects. It accepts every value TRL's loss gives a meaning to; rejected
-    although TRL runs with them: NaN anywhere; an infinite ``beta``, ``entropy_coef``,
-    temperature or vespo parameter; ``epsilon`` / ``epsilon_high`` < 0 (a clip range not
-    around 1), cispo's ``epsilon_high`` < 0 (a negative weight), ``beta`` < 0 (a reward for
-    leaving the reference), ``delta`` <= 1 (caps the ratio below its on-policy value),
-    sapo temperatures <= 0 (TRL divides by them), ``top_entropy_quantile`` > 1 (TRL ignores it,
-    its documented range is [0, 1]), ``vllm_importance_sampling_clip_max`` <= 0 (every weight
-    0).
-    """
-    loss_type = args.loss_type
-    eps_high = args.epsilon if args.epsilon_high is None else args.epsilon_high
-    fields = dict(
-        objective=loss_type,
-        ratio_level=args.importance_sampling_level,
-        eps_low=args.epsilon,
-        eps_high=eps_high,
-        delta=args.delta,
-        beta=args.beta,
-        kl_estimator="k3",
-        kl_bias_correction=args.use_bias_correction_kl,
-        kl_bias_correction_grad=True,
-        log_ratio_clamp=None,
-        entropy_coef=args.entropy_coef,
-        entropy_agg="bnpo",
-        top_entropy_quantile=args.top_entropy_quantile,
-        opsm_threshold=args.off_policy_mask_threshold,
-        sapo_tau_pos=_fp32(args.sapo_temperature_pos),
-        sapo_tau_neg=_fp32(args.sapo_temperature_neg),
-        vespo_k_pos=_fp32(args.vespo_k_pos),
-        vespo_lambda_pos=_fp32(args.vespo_lambda_pos),
-        vespo_k_neg=_fp32(args.vespo_k_neg),
-        vespo_lambda_neg=_fp32(args.vespo_lambda_neg),
-        max_response_length=args.max_completion_length,
-        grad_accum_steps=args.gradient_accumulation_steps,
-        dp_size=getattr(args, "world_size", 1),
-        seq_count="all",
-    )
-    spec = OBJECTIVES.get(loss_type)  # an unknown name: PolicyLossConfig reports it
-    if spec is not None:
-        fields.update(spec.trl_fields)  # e.g. vespo's token level and log-ratio clamp
-    if loss_type == "cispo":
-        del fields["eps_low"], fields["eps_high"]
-        fields.update(cispo_clip="upper", cispo_cap=eps_high)
-    if args.use_vllm and args.vllm_importance_sampling_correction:
-        mode = args.vllm_importance_sampling_mode
-        if mode not in _VLLM_IS_MODES:
-            raise ValueError(f"GRPOConfig.vllm_importance_sampling_mode: expected one of "
-                             f"{list(_VLLM_IS_MODES)}, got {mode!r}")
-        level, how = mode.split("_")
-        fields.update(
-            rollout_is=level,
-            rollout_is_mode="mask" if how == "mask" else "truncate",
-            rollout_is_min=args.vllm_importance_sampling_clip_min,
-            rollout_is_max=args.vllm_importance_sampling_clip_max,
-        )
-    fields.update(overrides)
-    try:
-        return PolicyLossConfig(**fields)
-    except ConfigError as e:
-        argument = None if e.field in overrides else _GRPO_ARGUMENTS.get(e.field)
-        if argument == "epsilon_high" and args.epsilon_high is None:
-            argument = "epsilon"  # TRL's epsilon_high defaults to epsilon
-        if argument is None:
-            raise
-        raise ValueError(f"GRPOConfig.{argument}: {e.reason} (as PolicyLossConfig.{e.field})"
-                         ) from e
-
-
-# generation_kwargs keys that leave the per-token sampling distribution alone (lengths, stop
-# rules, ids, seeds, caching, detokenisation); any other key is refused under match_sampler.
-_NEUTRAL_GENERATION_KWARGS = frozenset({
-    "max_tokens", "max_new_tokens", "max_length", "n", "num_return_sequences", "stop",
-    "stop_token_ids", "stop_strings", "include_stop_str_in_output", "ignore_eos",
-    "skip_special_tokens", "spaces_between_special_tokens", "detokenize", "seed",
-    "pad_token_id", "bos_token_id", "eos_token_id", "cache_implementation", "use_cache",
-    "disable_compile", "output_kind",
-})
-# ... and those whose value must be the one that keeps plain multinomial sampling.
-_REQUIRED_GENERATION_KWARGS = {"do_sample": True, "num_beams": 1}
-_SAMPLER_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
-
-
-def sampler_from_grpo(args) -> SamplerTruncation:
-    """The truncations TRL's generation backend samples with under ``args`` (a ``GRPOConfig``),
-    for ``GRPOTrainer(match_sampler=True)``.
-
-    Reads ``temperature``, ``top_k`` (0 or -1: off), ``top_p`` (1: off) and ``min_p`` (None or
-    0: off), the values TRL passes to vLLM's ``SamplingParams`` and to transformers'
-    ``GenerationConfig``. Raises ``ValueError`` naming the ``GRPOConfig`` argument for what the
-    fused head cannot reproduce: ``repetition_penalty`` != 1 (it depends on the tokens already
-    generated); a ``generation_kwargs`` key that overrides one of those settings or changes the
-    distribution in another way (anything but lengths, stop rules, token ids, seeds and
-    caching; ``do_sample`` must stay True and ``num_beams`` 1); ``vllm_structured_outputs_regex``
-    (guided decoding masks tokens per step); a temperature below 1e-5 (vLLM samples greedily);
-    with transformers' generation (``use_vllm=False``), ``min_p`` together with ``top_k`` or
-    ``top_p`` (transformers applies min-p after them, vLLM before) and any truncation under
-    ``use_transformers_continuous_batching`` (not checked against vLLM's semantics).
-    """
-    names = {k: f"GRPOConfig.{k}" for k in ("temperature", "top_k", "top_p", "min_p")}
-    if args.repetition_penalty != 1:
-        raise ValueError(
-            f"GRPOConfig.repetition_penalty: sampler matching reproduces temperature, top-k, "
-            f"top-p and min-p only; a repetition penalty depends on the tokens generated so far "
-            f"(expected 1.0, got {args.repetition_penalty!r})")
-    extra = args.generation_kwargs or {}
-    for key, value in extra.items():
-        if key in _SAMPLER_FIELDS:
-            raise ValueError(
-                f"GRPOConfig.generation_kwargs[{key!r}]: overrides GRPOConfig.{key}, which "
-                f"match_sampler reads; set GRPOConfig.{key} instead")
-        if key in _REQUIRED_GENERATION_KWARGS:
-            if value != _REQUIRED_GENERATION_KWARGS[key]:
-                raise ValueError(
-                    f"GRPOConfig.generation_kwargs[{key!r}]: match_sampler needs plain sampling "
-                    f"({key}={_REQUIRED_GENERATION_KWARGS[key]!r}), got {value!r}")
-        elif key not in _NEUTRAL_GENERATION_KWARGS:
-            raise ValueError(
-                f"GRPOConfig.generation_kwargs[{key!r}]: may change the sampling distribution, "
-                f"which match_sampler cannot reproduce (accepted keys: "
-                f"{sorted(_NEUTRAL_GENERATION_KWARGS | set(_REQUIRED_GENERATION_KWARGS))})")
-    if args.use_vllm and args.vllm_structured_outputs_regex is not None:
-        raise ValueError(
-            "GRPOConfig.vllm_structured_outputs_regex: guided decoding masks tokens at each "
-            "step, which match_sampler cannot reproduce")
-    settings = read_sampler_config(temperature=args.temperature, top_k=args.top_k,
-                                top_p=args.top_p, min_p=args.min_p, names=names,
-                                top_k_off=(0, -1))
-    if not args.use_vllm and settings.truncates:
-        if args.use_transformers_continuous_batching:
-            raise ValueError(
-                "GRPOConfig.use_transformers_continuous_batching: match_sampler with top_k, "
-                "top_p or min_p supports vLLM and transformers' generate, not continuous "
-                "batching")
-        if settings.min_p is not None and (settings.top_k is not None
-                                          or settings.top_p is not None):
-            raise ValueError(
-                "GRPOConfig.min_p: transformers' generate (use_vllm=False) applies min-p after "
-                "top-k / top-p, vLLM before them, and match_sampler follows vLLM; use min_p "
-                "alone or generate with vLLM")
-    return settings
 
 
 class _Head:

@@ -15,8 +15,8 @@ import math
 
 import torch
 
-from logitless.fused_losses.divergence import linear_divergence
-from logitless.fused_losses.logprobs import linear_logprobs
+from logitless.fused_losses.head.divergence import linear_divergence
+from logitless.fused_losses.head.logprobs import linear_logprobs
 
 __all__ = ["SUPPORTED_TRL", "patch_trl", "trl_patched", "unpatch_trl"]
 

@@ -41,9 +41,9 @@ import torch
 from verl.trainer.ppo.core_algos import register_policy_loss
 from verl.workers.config import PolicyLossConfig as VerlPolicyLossConfig
 
-from logitless.fused_losses.config import PolicyLossConfig
-from logitless.fused_losses.objectives import OBJECTIVES, get_objective
-from logitless.fused_losses.policy_loss import policy_loss
+from logitless.fused_losses.objectives.catalog import OBJECTIVES, get_objective
+from logitless.fused_losses.objectives.config import PolicyLossConfig
+from logitless.fused_losses.objectives.policy_loss import policy_loss
 from logitless.integrations.sampler_config import (
     SamplerTruncation,
     drop_outside_kept,

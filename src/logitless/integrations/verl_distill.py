@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from logitless.fused_losses.divergence import linear_topk_distill
+from logitless.fused_losses.head.divergence import linear_topk_distill
 
 __all__ = ["TOPK_LOSS_NAME", "compute_forward_kl_topk", "register_verl_distillation_loss"]
 

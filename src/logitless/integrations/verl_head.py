@@ -27,7 +27,7 @@ import sys
 
 import torch
 
-from logitless.fused_losses.logprobs import linear_logprobs
+from logitless.fused_losses.head.logprobs import linear_logprobs
 from logitless.integrations.sampler_config import SamplerTruncation
 
 __all__ = [

@@ -39,7 +39,7 @@ then the transform's derivative, ``d_hidden[block] += dz^T W_slice`` and ``d_wei
 gradient stay in cache while every row block uses them, where a row-outer loop would stream
 the whole head and its gradient once per chunk. ``g_lp`` must already be 0 on rows whose
 target is outside the kept set (their logprob is ``-inf`` and carries no gradient;
-``fused_losses/sampled.py`` passes it so to both paths).
+``fused_losses/head/sampled.py`` passes it so to both paths).
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ synchronise the host) the first time each shape bucket appears, inside the train
 A packed program walks to its longest sequence, so one very long sequence among short ones
 costs its neighbours masked lanes. NaN inputs to max/min: unspecified (torch propagates them).
 
-Launchers (no autograd here; ``fused_losses/segments.py`` builds the Functions):
+Launchers (no autograd here; ``fused_losses/objectives/segments.py`` builds the Functions):
 ``segment_reduce`` (sum, mean, max with its tie count, count), ``segment_scan`` (prefix or
 suffix sum, inclusive or exclusive prefix min with its arg-min index) and ``segment_spread``
 (per-sequence values written at every token, optionally masked, divided by a count, or kept

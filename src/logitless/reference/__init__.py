@@ -2,7 +2,9 @@
 
 Every function here materialises what the fast paths avoid (the ``[N, V]`` logits, the
 ``T x T`` attention probabilities, explicit per-sequence loops) and is meant to run in fp64.
-Nothing here is fast; everything here is obviously the formula. One file per op.
+Nothing here is fast; everything here is obviously the formula. One file per op; the public
+ops' names (``linear_logprobs``, ``policy_loss``, ``fused_policy_loss``, ``linear_divergence``,
+``linear_topk_distill``, ``attention_entropy``) take the fast ops' arguments.
 """
 
 from logitless.reference.attention import attention_entropy, attention_visibility
@@ -21,6 +23,7 @@ from logitless.reference.objectives import (
     ratio_loop,
     rollout_rejection_keep_loop,
 )
+from logitless.reference.public import fused_policy_loss, linear_logprobs, policy_loss
 from logitless.reference.sampler import sampler_kept_mask, sampler_logprobs
 from logitless.reference.segments import (
     prefix_min_loop,
@@ -33,12 +36,15 @@ __all__ = [
     "aggregate_loop",
     "attention_entropy",
     "attention_visibility",
+    "fused_policy_loss",
     "generalized_jsd",
     "kl_loop",
     "linear_divergence",
     "linear_logits",
+    "linear_logprobs",
     "linear_softmax_stats",
     "linear_topk_distill",
+    "policy_loss",
     "policy_loss_reference",
     "prefix_min_loop",
     "prefix_sum_loop",

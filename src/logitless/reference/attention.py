@@ -19,7 +19,7 @@ import itertools
 
 import torch
 
-from logitless.fused_losses.attention_entropy import check_positive_number
+from logitless.fused_losses.oplib import check_positive_number
 
 __all__ = ["attention_entropy", "attention_visibility"]
 

@@ -200,7 +200,7 @@ class PolicyLossConfig:
     ``rollout_is_min`` / ``rollout_is_max``, ``rollout_rs_threshold`` (no threshold).
 
     Objective and ratio:
-        objective: a registered objective name (see ``logitless.fused_losses.objectives``).
+        objective: a registered objective name (see ``logitless.fused_losses.objectives.catalog``).
         ratio_level: ``token | sequence | sequence_token | geometric | prefix_cumulative |
             prefix_min``; ``None``: the objective's default (``gspo``/``luspo`` sequence, ``gmpo``
             geometric, ``ctpo`` prefix_cumulative, ``minpro`` prefix_min, else token).
@@ -344,7 +344,7 @@ class PolicyLossConfig:
 
     def _take_objective_defaults(self):
         """Fields left at None take the registered objective's defaults."""
-        from logitless.fused_losses.objectives import get_objective
+        from logitless.fused_losses.objectives.catalog import get_objective
 
         spec = get_objective(self.objective)  # raises ValueError naming `objective`
         if self.ratio_level is None:

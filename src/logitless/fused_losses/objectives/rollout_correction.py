@@ -6,8 +6,8 @@ available": its token gets a zero log-ratio (weight 1, no rejection evidence), a
 
 import torch
 
-from logitless.fused_losses import segments
-from logitless.fused_losses.custom_ops import is_compiling
+from logitless.fused_losses.objectives import segments
+from logitless.fused_losses.oplib import is_compiling
 
 SAFETY_BOUND = 20.0  # exp(20) ~ 5e8: the largest log-weight exponentiated (verl's bound)
 

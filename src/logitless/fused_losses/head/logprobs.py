@@ -16,9 +16,21 @@ from types import ModuleType
 
 import torch
 
-from logitless.fused_losses import custom_ops, sampled  # noqa: F401 (custom_ops defines the ops)
 from logitless.fused_losses.backend import triton_selected
+from logitless.fused_losses.head import sampled
+from logitless.fused_losses.oplib import (
+    compact_rows,
+    define,
+    distinct,
+    grads_fake,
+    grads_or_empty,
+    is_number,
+    none_grads,
+    put_rows,
+    take_rows,
+)
 from logitless.kernels import linear_softmax_torch
+from logitless.kernels.linear_softmax_torch import acc_dtype
 from logitless.kernels.softmax_partials import Partials, empty, finish, rescale_to
 
 __all__ = ["STATS", "LogprobOutput", "linear_logprobs"]
@@ -197,11 +209,6 @@ def compute_dtype(hidden: torch.Tensor) -> torch.dtype:
     return hidden.dtype
 
 
-def _is_number(x) -> bool:
-    """A real number (numpy scalars included), not a bool or a string such as ``"30"``."""
-    return isinstance(x, numbers.Real) and not isinstance(x, bool)
-
-
 def _finite(x) -> bool:
     """``math.isfinite`` by comparisons, which dynamo can trace on symbolic floats."""
     return -math.inf < x < math.inf
@@ -244,12 +251,12 @@ def check_head_args(hidden, weight, targets, bias, temperature, softcap, logit_s
     for name, t in (("weight", weight), ("targets", targets), ("bias", bias)):
         if t is not None and t.device != hidden.device:
             raise ValueError(f"{name} is on {t.device} but hidden is on {hidden.device}")
-    if not (_is_number(temperature) and _finite(temperature) and temperature > 0):
+    if not (is_number(temperature) and _finite(temperature) and temperature > 0):
         raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
-    if softcap is not None and not (_is_number(softcap) and _finite(softcap)
+    if softcap is not None and not (is_number(softcap) and _finite(softcap)
                                     and softcap > 0):
         raise ValueError(f"softcap must be None or a finite number > 0, got {softcap!r}")
-    if not (_is_number(logit_scale) and _finite(logit_scale)
+    if not (is_number(logit_scale) and _finite(logit_scale)
             and (zero_scale or logit_scale != 0)):
         wanted = "finite number" if zero_scale else "finite non-zero number"
         raise ValueError(f"logit_scale must be a {wanted}, got {logit_scale!r}")
@@ -402,37 +409,6 @@ def _local_spec(hidden, weight, temperature, softcap, logit_scale, want_s2=False
                  _backend_for(hidden.device, dtype), None, "sum", tile_bytes, None, dtype)
 
 
-def compact_rows(targets: torch.Tensor, ignore_index: int, v_total: int):
-    """``(flat targets as int64, rows)``: the positions whose target is not ``ignore_index``
-    (None when every one is kept). Reads values: a target outside ``[0, v_total)`` that is not
-    ``ignore_index`` raises ``ValueError``."""
-    flat_t = targets.reshape(-1).long()
-    valid = flat_t != ignore_index
-    bad = valid & ((flat_t < 0) | (flat_t >= v_total))
-    if bool(bad.any()):
-        raise ValueError(
-            f"targets must lie in [0, {v_total}) or equal ignore_index={ignore_index}; found "
-            f"{flat_t[bad][:5].tolist()}"
-        )
-    return flat_t, None if bool(valid.all()) else torch.nonzero(valid).squeeze(1)
-
-
-def take_rows(x: torch.Tensor | None, rows: torch.Tensor | None, width: int | None = None):
-    """``x`` flattened to ``[N]`` (``[N, width]``), restricted to ``rows`` when given."""
-    if x is None:
-        return None
-    x = x.reshape(-1) if width is None else x.reshape(-1, width)
-    return x.contiguous() if rows is None else x.index_select(0, rows)
-
-
-def put_rows(x: torch.Tensor, rows: torch.Tensor | None, shape) -> torch.Tensor:
-    """Inverse of :func:`take_rows`: ``x`` scattered back to ``shape``, 0 at dropped rows."""
-    if rows is not None:
-        lead = math.prod(shape) // math.prod(x.shape[1:])
-        x = x.new_zeros((lead, *x.shape[1:])).index_copy_(0, rows, x)
-    return x.reshape(shape)
-
-
 def _logprobs_impl(hidden, weight, bias, targets, spec: _Spec, ignore_index: int, offset: int,
                    run) -> tuple[torch.Tensor, ...]:
     """Validate and compact the rows, ``run(h, weight, bias, t, spec)`` on them and scatter the
@@ -454,3 +430,110 @@ def _rows_logprobs(hidden, weight, targets, *, bias=None, temperature=1.0, softc
     spec = _local_spec(hidden, weight, temperature, softcap, logit_scale)
     lp, ent, *_ = _LinearSoftmax.apply(hidden, weight, bias, targets, spec)
     return lp, ent
+
+
+# --- linear_logprobs ----------------------------------------------------------------------
+
+_LP_CONFIG = ("float temperature, float? softcap, float logit_scale, int ignore_index, "
+              "int? tile_bytes, ScalarType dtype")
+# vocab parallelism: the process group by name (``ProcessGroup.group_name``, as torch's
+# functional collectives take it), resolved inside the op; None: the vocabulary is whole
+_LP_GROUP = 'str? group_name=None, str hidden_grad="sum"'
+
+
+def _lp_spec(hidden, weight, temperature, softcap, logit_scale, tile_bytes, dtype, want_s2,
+             want_sum_z, group_name, hidden_grad):
+    """``(spec, offset)``: the call's spec and the first global id of this rank's vocabulary
+    slice. ``group_name`` names the process group the vocabulary is sharded over (None: not
+    sharded, offset 0); the group's all-gather of slice sizes and its all-reduces run here,
+    inside the op."""
+    import dataclasses
+
+    spec = _local_spec(hidden, weight, temperature, softcap, logit_scale, want_s2, want_sum_z,
+                          tile_bytes, dtype)
+    if group_name is None:
+        return spec, 0
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    group = _resolve_process_group(group_name)
+    offset, v_total = _vocab_offset(weight.shape[0], group, hidden.device)
+    return dataclasses.replace(spec, vocab_total=v_total, group=group,
+                               hidden_grad=hidden_grad), offset
+
+
+def _lp_forward(hidden, weight, bias, targets, temperature, softcap, logit_scale, ignore_index,
+                tile_bytes, dtype, want_s2, want_sum_z, group_name=None, hidden_grad="sum"):
+    spec, offset = _lp_spec(hidden, weight, temperature, softcap, logit_scale, tile_bytes, dtype,
+                            want_s2, want_sum_z, group_name, hidden_grad)
+    return distinct(_logprobs_impl(hidden, weight, bias, targets, spec, ignore_index, offset,
+                                       lambda h, w, b, t, s: _rows_forward(s, h, w, b, t)))
+
+
+def _lp_forward_fake(hidden, weight, bias, targets, temperature, softcap, logit_scale,
+                     ignore_index, tile_bytes, dtype, want_s2, want_sum_z, group_name=None,
+                     hidden_grad="sum"):
+    acc = acc_dtype(dtype)
+    floats = [hidden.new_empty(targets.shape, dtype=acc) for _ in range(4)]
+    top1 = hidden.new_empty(targets.shape, dtype=torch.bool)
+    return (*floats, top1, hidden.new_empty(targets.shape, dtype=acc))
+
+
+def _lp_backward_impl(hidden, weight, bias, targets, lse, entropy, sum_p_sq, g_lp, g_entropy,
+                      g_sum_p_sq, g_mean_logit, g_lse, temperature, softcap, logit_scale,
+                      ignore_index, tile_bytes, dtype, need_hidden, need_weight, need_bias,
+                      group_name=None, hidden_grad="sum"):
+    spec, offset = _lp_spec(hidden, weight, temperature, softcap, logit_scale, tile_bytes, dtype,
+                            False, False, group_name, hidden_grad)
+    flat_t, rows = compact_rows(targets, ignore_index, spec.vocab_total)
+    per_row = [take_rows(x, rows) for x in (flat_t - offset, lse, entropy, sum_p_sq, g_lp,
+                                               g_entropy, g_sum_p_sq, g_mean_logit, g_lse)]
+    d_hidden, d_weight, d_bias = _rows_backward(
+        spec, take_rows(hidden, rows, hidden.shape[-1]), weight, bias, *per_row[:4],
+        tuple(per_row[4:]), (need_hidden, need_weight, need_bias))
+    return grads_or_empty(hidden, weight, rows, d_hidden, d_weight, d_bias)
+
+
+def _lp_backward_fake(hidden, weight, bias, targets, lse, entropy, sum_p_sq, g_lp, g_entropy,
+                      g_sum_p_sq, g_mean_logit, g_lse, temperature, softcap, logit_scale,
+                      ignore_index, tile_bytes, dtype, need_hidden, need_weight, need_bias,
+                      group_name=None, hidden_grad="sum"):
+    return grads_fake(hidden, weight, bias, need_hidden, need_weight, need_bias)
+
+
+def _lp_setup_context(ctx, inputs, output):
+    hidden, weight, bias, targets = inputs[:4]
+    ctx.config, ctx.group = inputs[4:10], inputs[12:14]  # (group_name, hidden_grad)
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(hidden, weight, bias, targets, output[5], output[1], output[2])
+
+
+def _lp_backward(ctx, g_lp, g_entropy, g_sum_p_sq, g_mean_logit, _g_top1, g_lse):
+    n_inputs = 14
+    if all(g is None for g in (g_lp, g_entropy, g_sum_p_sq, g_mean_logit, g_lse)):
+        return none_grads(n_inputs)
+    hidden, weight, bias, targets, lse, entropy, sum_p_sq = ctx.saved_tensors
+    need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+    need_bias = need_bias and bias is not None
+    d_hidden, d_weight, d_bias = linear_logprobs_backward(
+        hidden, weight, bias, targets, lse, entropy if g_entropy is not None else None,
+        sum_p_sq if g_sum_p_sq is not None else None, g_lp, g_entropy, g_sum_p_sq, g_mean_logit,
+        g_lse, *ctx.config, need_hidden, need_weight, need_bias, *ctx.group)
+    return (d_hidden if need_hidden else None, d_weight if need_weight else None,
+            d_bias if need_bias else None, *none_grads(n_inputs - 3))
+
+
+linear_logprobs_backward = define(
+    "linear_logprobs_backward",
+    "(Tensor hidden, Tensor weight, Tensor? bias, Tensor targets, Tensor lse, "
+    "Tensor? entropy, Tensor? sum_p_sq, Tensor? g_lp, Tensor? g_entropy, "
+    "Tensor? g_sum_p_sq, Tensor? g_mean_logit, Tensor? g_lse, " + _LP_CONFIG
+    + ", bool need_hidden, bool need_weight, bool need_bias, " + _LP_GROUP
+    + ") -> (Tensor, Tensor, Tensor)",
+    _lp_backward_impl, _lp_backward_fake)
+_linear_logprobs_op = define(
+    "linear_logprobs",
+    "(Tensor hidden, Tensor weight, Tensor? bias, Tensor targets, " + _LP_CONFIG
+    + ", bool want_s2, bool want_sum_z, " + _LP_GROUP
+    + ") -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+    _lp_forward, _lp_forward_fake)
+_linear_logprobs_op.register_autograd(_lp_backward, setup_context=_lp_setup_context)

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from logitless.fused_losses import segments
-from logitless.fused_losses.custom_ops import is_compiling
+from logitless.fused_losses.objectives import segments
+from logitless.fused_losses.oplib import is_compiling
 
 
 @dataclass(frozen=True)

@@ -8,13 +8,10 @@ torch twin. Forward only: the op refuses inputs that require grad.
 
 from __future__ import annotations
 
-import math
-import numbers
-
 import torch
 
-from logitless.fused_losses import custom_ops  # noqa: F401 (defines torch.ops.logitless.*)
 from logitless.fused_losses.backend import triton_selected
+from logitless.fused_losses.oplib import check_positive_number, define
 from logitless.kernels.attention_entropy_torch import attention_entropy_chunked
 
 __all__ = ["attention_entropy", "check_positive_number"]
@@ -31,14 +28,6 @@ def _check_mask(name: str, mask: torch.Tensor | None, shape: tuple[int, ...], de
         raise ValueError(f"{name} must be bool or integer 0/1, got {mask.dtype}")
     if mask.device != device:
         raise ValueError(f"{name} must be on {device}, got {mask.device}")
-
-
-def check_positive_number(name: str, value) -> None:
-    """``value`` must be a real number, finite and > 0 (None is the caller's business): an
-    infinite scale or softcap would make every row one-hot or the cap vanish, silently."""
-    ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
-    if not (ok and math.isfinite(value) and value > 0):
-        raise ValueError(f"{name} must be a finite number > 0 or None, got {value!r}")
 
 
 def _check_inputs(q, k, *, scale, window, softcap, reduce_heads) -> None:
@@ -143,7 +132,7 @@ def attention_entropy(
     _check_inputs(q, k, scale=scale, window=window, softcap=softcap, reduce_heads=reduce_heads)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     softcap = None if softcap is None else float(softcap)
-    # One graph node under torch.compile (custom_ops.py).
+    # One graph node under torch.compile (the op defined at the end of this module).
     return torch.ops.logitless.attention_entropy(
         q, k, cu_seqlens, attention_mask, query_mask, bool(causal), scale, window, softcap,
         reduce_heads == "mean")
@@ -224,3 +213,29 @@ def _attention_entropy_impl(q, k, cu_seqlens, attention_mask, query_mask, causal
         out = out[0].transpose(0, 1)  # [total, Hq]
         return out.mean(1) if reduce_mean else out.contiguous()
     return out.mean(1) if reduce_mean else out
+
+
+# --- attention_entropy (forward only) -------------------------------------------------------
+
+
+def _ae_forward(q, k, cu_seqlens, attention_mask, query_mask, causal, scale, window, softcap,
+                reduce_mean):
+    return _attention_entropy_impl(q, k, cu_seqlens, attention_mask, query_mask, causal, scale,
+                                   window, softcap, reduce_mean)
+
+
+def _ae_forward_fake(q, k, cu_seqlens, attention_mask, query_mask, causal, scale, window,
+                     softcap, reduce_mean):
+    if cu_seqlens is not None:  # packed [total, Hq, d] -> [total, Hq]
+        shape = q.shape[:2]
+    else:  # padded [B, Hq, T, d] -> [B, Hq, T]
+        shape = q.shape[:3]
+    if reduce_mean:
+        shape = (shape[0], *shape[2:])
+    return q.new_empty(shape, dtype=torch.float32)
+
+
+define("attention_entropy",
+        "(Tensor q, Tensor k, Tensor? cu_seqlens, Tensor? attention_mask, Tensor? query_mask, "
+        "bool causal, float scale, int? window, float? softcap, bool reduce_mean) -> Tensor",
+        _ae_forward, _ae_forward_fake)

@@ -15,10 +15,19 @@ from types import ModuleType
 
 import torch
 
-from logitless.fused_losses import custom_ops  # noqa: F401 (defines torch.ops.logitless.*)
 from logitless.fused_losses.backend import triton_selected
-from logitless.fused_losses.logprobs import check_byte_budget, compute_dtype
+from logitless.fused_losses.head.logprobs import check_byte_budget, compute_dtype
+from logitless.fused_losses.oplib import (
+    define,
+    distinct,
+    grads_fake,
+    grads_or_empty,
+    none_grads,
+    put_rows,
+    take_rows,
+)
 from logitless.kernels import divergence_torch
+from logitless.kernels.linear_softmax_torch import acc_dtype
 
 __all__ = ["exact_kl_rows", "linear_divergence", "linear_topk_distill", "reference_head"]
 
@@ -249,7 +258,7 @@ def linear_divergence(
     check_byte_budget("max_tile_bytes", max_tile_bytes)
     t_bias = None if teacher_bias is None else teacher_bias.detach()
     teacher = (teacher_hidden.detach(), teacher_weight.detach(), t_bias)
-    # One graph node under torch.compile (custom_ops.py).
+    # One graph node under torch.compile (the op defined at the end of this module).
     out, entropy, *_ = torch.ops.logitless.linear_divergence(
         hidden, weight, bias, *teacher, mask, float(beta), float(temperature), max_tile_bytes,
         bool(return_entropy))
@@ -358,7 +367,7 @@ def linear_topk_distill(
                                   or math.isnan(value)):
             raise ValueError(f"{name} must be None or a number, got {value!r}")
     check_byte_budget("max_tile_bytes", max_tile_bytes)
-    # One graph node under torch.compile (custom_ops.py).
+    # One graph node under torch.compile (the op defined at the end of this module).
     log_q = torch.ops.logitless.linear_topk_logprobs(hidden, weight, bias, teacher_ids, mask,
                                                      float(temperature), max_tile_bytes)[0]
     # Dropped rows: log q = log t = 0 below, so their loss is 0 (and gets no gradient).
@@ -371,3 +380,140 @@ def linear_topk_distill(
     if loss_max_clamp is not None:
         loss = loss.clamp(max=loss_max_clamp)
     return loss
+
+
+# --- linear_divergence ----------------------------------------------------------------------
+
+_DIV_CONFIG = "float beta, float temperature, int? tile_bytes"
+
+
+def _div_spec(beta, temperature, tile_bytes, hidden, t_hidden=None, entropy=False):
+    return spec_for(beta, temperature, tile_bytes, hidden, t_hidden, entropy)
+
+
+def _div_forward(hidden, weight, bias, t_hidden, t_weight, t_bias, mask, beta, temperature,
+                 tile_bytes, entropy):
+    spec = _div_spec(beta, temperature, tile_bytes, hidden, t_hidden, entropy)
+    return distinct(_divergence_impl(spec, hidden, weight, bias, t_hidden, t_weight, t_bias,
+                                         mask))
+
+
+def _div_forward_fake(hidden, weight, bias, t_hidden, t_weight, t_bias, mask, beta,
+                      temperature, tile_bytes, entropy):
+    acc = acc_dtype(hidden.dtype)
+    return tuple(hidden.new_empty(hidden.shape[:-1], dtype=acc) for _ in range(5))
+
+
+def _div_backward_impl(hidden, weight, bias, t_hidden, t_weight, t_bias, mask, lse_s, lse_t, aux,
+                       grad, beta, temperature, tile_bytes, need_hidden, need_weight, need_bias):
+    rows = _rows(mask, grad.numel())
+    per_row = [take_rows(x, rows) for x in (lse_s, lse_t, aux, grad)]
+    d_hidden, d_weight, d_bias = _divergence_rows_backward(
+        _div_spec(beta, temperature, tile_bytes, hidden, t_hidden),
+        take_rows(hidden, rows, hidden.shape[-1]),
+        weight, bias, take_rows(t_hidden, rows, t_hidden.shape[-1]), t_weight, t_bias,
+        *per_row, (need_hidden, need_weight, need_bias))
+    return grads_or_empty(hidden, weight, rows, d_hidden, d_weight, d_bias)
+
+
+def _div_backward_fake(hidden, weight, bias, t_hidden, t_weight, t_bias, mask, lse_s, lse_t, aux,
+                       grad, beta, temperature, tile_bytes, need_hidden, need_weight, need_bias):
+    return grads_fake(hidden, weight, bias, need_hidden, need_weight, need_bias)
+
+
+def _div_setup_context(ctx, inputs, output):
+    ctx.config = inputs[7:10]
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(*inputs[:7], *output[2:])
+
+
+def _div_backward(ctx, grad, *_):
+    n_inputs = 11
+    need = ctx.needs_input_grad[:3]
+    if grad is None or not any(need):
+        return none_grads(n_inputs)
+    saved = ctx.saved_tensors
+    need = (need[0], need[1], need[2] and saved[2] is not None)
+    grads = linear_divergence_backward(*saved, grad, *ctx.config, *need)
+    return (*(g if n else None for g, n in zip(grads, need)), *none_grads(n_inputs - 3))
+
+
+linear_divergence_backward = define(
+    "linear_divergence_backward",
+    "(Tensor hidden, Tensor weight, Tensor? bias, Tensor t_hidden, Tensor t_weight, "
+    "Tensor? t_bias, Tensor? mask, Tensor lse_s, Tensor lse_t, Tensor aux, Tensor grad, "
+    + _DIV_CONFIG + ", bool need_hidden, bool need_weight, bool need_bias) "
+    "-> (Tensor, Tensor, Tensor)",
+    _div_backward_impl, _div_backward_fake)
+_linear_divergence_op = define(
+    "linear_divergence",
+    "(Tensor hidden, Tensor weight, Tensor? bias, Tensor t_hidden, Tensor t_weight, "
+    "Tensor? t_bias, Tensor? mask, " + _DIV_CONFIG + ", bool entropy) "
+    "-> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+    _div_forward, _div_forward_fake)
+_linear_divergence_op.register_autograd(_div_backward, setup_context=_div_setup_context)
+
+
+# --- linear_topk_distill's student logprobs at the teacher's ids ----------------------------
+
+
+def _topk_forward(hidden, weight, bias, ids, mask, temperature, tile_bytes):
+    rows = _rows(mask, ids.numel() // max(ids.shape[-1], 1))
+    logprobs, lse = _topk_rows(_div_spec(0.0, temperature, tile_bytes, hidden),
+                                  take_rows(hidden, rows, hidden.shape[-1]), weight, bias,
+                                  _topk_ids(ids, rows, weight.shape[0]))
+    return put_rows(logprobs, rows, ids.shape), put_rows(lse, rows, ids.shape[:-1])
+
+
+def _topk_forward_fake(hidden, weight, bias, ids, mask, temperature, tile_bytes):
+    acc = acc_dtype(hidden.dtype)
+    return hidden.new_empty(ids.shape, dtype=acc), hidden.new_empty(ids.shape[:-1], dtype=acc)
+
+
+def _topk_backward_impl(hidden, weight, bias, ids, mask, lse, grad, temperature, tile_bytes,
+                        need_hidden, need_weight, need_bias):
+    rows = _rows(mask, ids.numel() // max(ids.shape[-1], 1))
+    spec = _div_spec(0.0, temperature, tile_bytes, hidden)
+    h = take_rows(hidden, rows, hidden.shape[-1])
+    t = _topk_ids(ids, rows, weight.shape[0])
+    grads = _topk_rows_backward(spec, h, weight, bias, t, take_rows(lse, rows),
+                                   take_rows(grad, rows, ids.shape[-1]),
+                                   (need_hidden, need_weight, need_bias))
+    return grads_or_empty(hidden, weight, rows, *grads)
+
+
+def _topk_backward_fake(hidden, weight, bias, ids, mask, lse, grad, temperature, tile_bytes,
+                        need_hidden, need_weight, need_bias):
+    return grads_fake(hidden, weight, bias, need_hidden, need_weight, need_bias)
+
+
+def _topk_setup_context(ctx, inputs, output):
+    ctx.config = inputs[5:7]
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(*inputs[:5], output[1])
+
+
+def _topk_backward(ctx, grad, _):
+    n_inputs = 7
+    need = ctx.needs_input_grad[:3]
+    if grad is None or not any(need):
+        return none_grads(n_inputs)
+    saved = ctx.saved_tensors
+    need = (need[0], need[1], need[2] and saved[2] is not None)
+    grads = linear_topk_logprobs_backward(*saved, grad, *ctx.config, *need)
+    return (*(g if n else None for g, n in zip(grads, need)), *none_grads(n_inputs - 3))
+
+
+linear_topk_logprobs_backward = define(
+    "linear_topk_logprobs_backward",
+    "(Tensor hidden, Tensor weight, Tensor? bias, Tensor ids, Tensor? mask, Tensor lse, "
+    "Tensor grad, "
+    "float temperature, int? tile_bytes, bool need_hidden, bool need_weight, "
+    "bool need_bias) -> (Tensor, Tensor, Tensor)",
+    _topk_backward_impl, _topk_backward_fake)
+_linear_topk_logprobs_op = define(
+    "linear_topk_logprobs",
+    "(Tensor hidden, Tensor weight, Tensor? bias, Tensor ids, Tensor? mask, "
+    "float temperature, int? tile_bytes) -> (Tensor, Tensor)",
+    _topk_forward, _topk_forward_fake)
+_linear_topk_logprobs_op.register_autograd(_topk_backward, setup_context=_topk_setup_context)

@@ -3,9 +3,9 @@ temperature (see ``docs/sampler.md`` for the semantics, which follow vLLM 0.34.0
 
 ``linear_logprobs`` checks the settings here (:func:`sampler_settings`) and, when any of them
 truncates or varies per token, passes them as per-token tensors (:func:`per_token`) to the
-custom op ``logitless::sampled_logprobs`` (``custom_ops.py``), which checks their values
-(:func:`check_values`), compacts the rows and runs :func:`rows_forward` (its backward op
-:func:`rows_backward`); plain scalar settings never reach this module.
+custom op ``logitless::sampled_logprobs`` (defined at the end of this module), which checks
+their values (:func:`check_values`), compacts the rows and runs :func:`rows_forward` (its
+backward op :func:`rows_backward`); plain scalar settings never reach this module.
 """
 
 from __future__ import annotations
@@ -18,6 +18,17 @@ from types import ModuleType
 import torch
 
 from logitless.fused_losses.backend import triton_selected
+from logitless.fused_losses.oplib import (
+    compact_rows,
+    define,
+    distinct,
+    grads_fake,
+    grads_or_empty,
+    is_number,
+    none_grads,
+    put_rows,
+    take_rows,
+)
 from logitless.kernels import sampler_torch
 from logitless.kernels.linear_softmax_torch import acc_dtype
 from logitless.kernels.sampler_torch import RowParams
@@ -34,10 +45,6 @@ class SamplerSettings:
     top_k: object = None
     top_p: object = None
     min_p: object = None
-
-
-def _is_number(x) -> bool:
-    return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
 def _check_tensor(name, x, targets, integer: bool):
@@ -91,12 +98,12 @@ def sampler_settings(targets, vocab: int, temperature, top_k, top_p, min_p,
             continue
         if isinstance(value, torch.Tensor):
             _check_tensor(name, value, targets, False)
-        elif not (_is_number(value) and math.isfinite(value)
+        elif not (is_number(value) and math.isfinite(value)
                   and (value > 0 if low_open else value >= 0) and value <= 1):
             raise ValueError(f"{name} must be None (off) or a number in {rng}, got {value!r}")
-    if _is_number(top_p) and top_p == 1:
+    if is_number(top_p) and top_p == 1:
         top_p = None
-    if _is_number(min_p) and min_p == 0:
+    if is_number(min_p) and min_p == 0:
         min_p = None
     tensor_t = isinstance(temperature, torch.Tensor)
     if top_k is None and top_p is None and min_p is None and not tensor_t:
@@ -170,3 +177,89 @@ def rows_backward(hidden, weight, bias, targets, params: RowParams, key, count, 
             **_kw(backend, softcap, logit_scale, tile_bytes))
     return tuple(None if g is None else g.to(t.dtype)
                  for g, t in zip((d_h, d_w, d_b), (hidden, weight, bias)))
+
+
+# --- linear_logprobs with the sampler's settings (py) --------------------------------
+
+_SP_CONFIG = ("float? softcap, float logit_scale, int ignore_index, int? tile_bytes, "
+              "ScalarType dtype")
+
+
+def _sp_rows(targets, temperature, top_k, top_p, min_p, weight, ignore_index):
+    """``(flat targets, rows, RowParams of the rows)``: ids validated, the settings' rows."""
+
+    flat_t, rows = compact_rows(targets, ignore_index, weight.shape[0])
+    params = RowParams(*(take_rows(x, rows) for x in (temperature, top_k, top_p, min_p)))
+    return take_rows(flat_t, rows), rows, params
+
+
+def _sp_forward(hidden, weight, bias, targets, temperature, top_k, top_p, min_p, softcap,
+                logit_scale, ignore_index, tile_bytes, dtype):
+    check_values(temperature, top_k, top_p, min_p)
+    t, rows, params = _sp_rows(targets, temperature, top_k, top_p, min_p, weight, ignore_index)
+    outs = rows_forward(take_rows(hidden, rows, hidden.shape[-1]), weight, bias, t,
+                                params, softcap, logit_scale, tile_bytes, dtype)
+    return distinct(put_rows(x, rows, targets.shape) for x in outs)
+
+
+def _sp_forward_fake(hidden, weight, bias, targets, temperature, top_k, top_p, min_p, softcap,
+                     logit_scale, ignore_index, tile_bytes, dtype):
+    acc = acc_dtype(dtype)
+    floats = [hidden.new_empty(targets.shape, dtype=acc) for _ in range(5)]
+    return (*floats, *(hidden.new_empty(targets.shape, dtype=torch.int64) for _ in range(2)))
+
+
+def _sp_backward_impl(hidden, weight, bias, targets, temperature, top_k, top_p, min_p, key,
+                      count, lse, lse_kept, entropy, logprobs, g_lp, g_entropy, g_kept, g_lse,
+                      softcap, logit_scale, ignore_index, tile_bytes, dtype, need_hidden,
+                      need_weight, need_bias):
+    t, rows, params = _sp_rows(targets, temperature, top_k, top_p, min_p, weight, ignore_index)
+    saved = [take_rows(x, rows) for x in (key, count, lse, lse_kept, entropy, logprobs)]
+    grads = tuple(take_rows(g, rows) for g in (g_lp, g_entropy, g_kept, g_lse))
+    d_hidden, d_weight, d_bias = rows_backward(
+        take_rows(hidden, rows, hidden.shape[-1]), weight, bias, t, params, *saved, grads,
+        (need_hidden, need_weight, need_bias), softcap, logit_scale, tile_bytes, dtype)
+    return grads_or_empty(hidden, weight, rows, d_hidden, d_weight, d_bias)
+
+
+def _sp_backward_fake(hidden, weight, bias, targets, temperature, top_k, top_p, min_p, key,
+                      count, lse, lse_kept, entropy, logprobs, g_lp, g_entropy, g_kept, g_lse,
+                      softcap, logit_scale, ignore_index, tile_bytes, dtype, need_hidden,
+                      need_weight, need_bias):
+    return grads_fake(hidden, weight, bias, need_hidden, need_weight, need_bias)
+
+
+def _sp_setup_context(ctx, inputs, output):
+    ctx.config = inputs[8:13]
+    ctx.set_materialize_grads(False)
+    lp_, ent, _, lse, lse_kept, key, count = output
+    ctx.save_for_backward(*inputs[:8], key, count, lse, lse_kept, ent, lp_)
+
+
+def _sp_backward(ctx, g_lp, g_entropy, g_kept, g_lse, *_):
+    n_inputs = 13
+    if all(g is None for g in (g_lp, g_entropy, g_kept, g_lse)):
+        return none_grads(n_inputs)
+    saved = ctx.saved_tensors
+    need = ctx.needs_input_grad[:3]
+    need = (need[0], need[1], need[2] and saved[2] is not None)
+    grads = sampled_logprobs_backward(*saved, g_lp, g_entropy, g_kept, g_lse, *ctx.config,
+                                      *need)
+    return (*(g if n else None for g, n in zip(grads, need)), *none_grads(n_inputs - 3))
+
+
+_SP_INPUTS = ("Tensor hidden, Tensor weight, Tensor? bias, Tensor targets, "
+              "Tensor temperature, Tensor? top_k, Tensor? top_p, Tensor? min_p, ")
+sampled_logprobs_backward = define(
+    "sampled_logprobs_backward",
+    "(" + _SP_INPUTS + "Tensor key, Tensor count, Tensor lse, Tensor lse_kept, "
+    "Tensor entropy, Tensor logprobs, Tensor? g_lp, Tensor? g_entropy, Tensor? g_kept, "
+    "Tensor? g_lse, " + _SP_CONFIG + ", bool need_hidden, bool need_weight, "
+    "bool need_bias) -> (Tensor, Tensor, Tensor)",
+    _sp_backward_impl, _sp_backward_fake)
+sampled_logprobs = define(
+    "sampled_logprobs",
+    "(" + _SP_INPUTS + _SP_CONFIG + ") -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, "
+    "Tensor)",
+    _sp_forward, _sp_forward_fake)
+sampled_logprobs.register_autograd(_sp_backward, setup_context=_sp_setup_context)

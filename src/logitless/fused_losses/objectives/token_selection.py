@@ -1,15 +1,15 @@
 """Token selections and weights (docs/objectives.md, section 5) on right-padded ``[B, T]`` tensors.
 
 Thresholds that depend on the whole batch (quantiles, batch statistics) are computed once, in
-`logitless.fused_losses.aggregation.policy_loss_globals`, and passed in here, so a chunk of
+`policy_loss_globals` (``objectives/policy_loss.py``), and passed in here, so a chunk of
 sequences is selected exactly as it would be inside the full batch.
 """
 
 import torch
 
-from logitless.fused_losses import segments
-from logitless.fused_losses.aggregation import host_value
-from logitless.fused_losses.custom_ops import is_compiling
+from logitless.fused_losses.objectives import segments
+from logitless.fused_losses.objectives.aggregation import host_value
+from logitless.fused_losses.oplib import define, is_compiling
 
 
 def quantile(values: torch.Tensor, q: float) -> torch.Tensor:
@@ -125,3 +125,47 @@ def future_kl_advantages(adv, lp, ref_lp, m, coef):
 def probability_reweighted_advantages(adv, lp, alpha):
     """Lopti-style: ``A <- (alpha sg(p) + 1 - alpha) A``."""
     return (alpha * torch.exp(lp.detach()) + 1 - alpha) * adv
+
+
+# --- clip_cov / kl_cov token selections ------------------------------------------------------
+#
+# verl's clip_cov and kl_cov pick a number of tokens counted on the host (a fraction of the
+# valid ones), clip_cov at random: data-dependent sizes that dynamo cannot trace. Each choice
+# is one op whose output, a bool mask shaped like its input, carries no gradient; eager calls
+# go through the same op, so the draws (torch's global generator unless a seed is given) are
+# the same compiled or not.
+
+def _cov_drop(candidates, valid, fraction, seed):
+    """clip_cov's dropped tokens: ``max(int(fraction * #valid), 1)`` of the candidates (all of
+    them when fewer), a random permutation of their flat positions deciding which."""
+    flat = torch.nonzero(candidates.flatten()).flatten()
+    num = max(int(fraction * int(valid.sum())), 1)
+    dropped = torch.zeros(candidates.numel(), dtype=torch.bool, device=candidates.device)
+    if flat.numel():
+        gen = None if seed is None else torch.Generator(device=flat.device).manual_seed(seed)
+        perm = torch.randperm(flat.numel(), generator=gen, device=flat.device)
+        dropped[flat[perm[:num]]] = True
+    return dropped.view_as(candidates)
+
+
+def _cov_top(cov, valid, fraction):
+    """kl_cov's penalised tokens: the ``max(1, int(#valid * fraction))`` valid tokens of
+    largest ``cov`` (none when no token is valid)."""
+    chosen = torch.zeros(valid.numel(), dtype=torch.bool, device=valid.device)
+    n = int(valid.sum())
+    if n:
+        flat_valid = torch.nonzero(valid.flatten()).flatten()
+        top = torch.topk(cov.flatten()[flat_valid], max(1, int(n * fraction))).indices
+        chosen[flat_valid[top]] = True
+    return chosen.view_as(valid)
+
+
+def _mask_fake(x, valid, *_):
+    return torch.empty_like(valid, dtype=torch.bool)
+
+
+cov_drop_mask = define("cov_drop_mask",
+                        "(Tensor candidates, Tensor valid, float fraction, int? seed) -> Tensor",
+                        _cov_drop, _mask_fake)
+cov_top_mask = define("cov_top_mask", "(Tensor cov, Tensor valid, float fraction) -> Tensor",
+                       _cov_top, _mask_fake)

@@ -18,8 +18,9 @@ from types import MappingProxyType
 
 import torch
 
-from logitless.fused_losses import custom_ops, segments
-from logitless.fused_losses.ratios import Ratio
+from logitless.fused_losses.objectives import segments
+from logitless.fused_losses.objectives.ratios import Ratio
+from logitless.fused_losses.objectives.token_selection import cov_drop_mask, cov_top_mask
 
 
 @dataclass
@@ -320,9 +321,9 @@ def clip_cov(x: ObjectiveInputs) -> ObjectiveOutput:
     candidates = (
         x.m & ~(clipped > unclipped) & (cov > x.cfg.clip_cov_lb) & (cov < x.cfg.clip_cov_ub)
     )
-    # one op (custom_ops.py): the count and the draw (torch's global generator without
+    # one op (token_selection.py): the count and the draw (torch's global generator without
     # cov_seed, as verl) read values
-    dropped = custom_ops.cov_drop_mask(candidates, x.m, float(x.cfg.cov_fraction),
+    dropped = cov_drop_mask(candidates, x.m, float(x.cfg.cov_fraction),
                                        x.cfg.cov_seed)
     return ObjectiveOutput(
         torch.where(dropped, torch.zeros_like(out.loss), out.loss),
@@ -341,8 +342,8 @@ def kl_cov(x: ObjectiveInputs) -> ObjectiveOutput:
     """verl ``kl_cov``: ``-A r``, plus ``kl_cov_coef |d|`` on the top ``cov_fraction`` tokens by
     covariance."""
     loss = -x.adv * x.ratio.value
-    # one op (custom_ops.py): the count of valid tokens is read on the host
-    chosen = custom_ops.cov_top_mask(_covariance(x), x.m, float(x.cfg.cov_fraction))
+    # one op (token_selection.py): the count of valid tokens is read on the host
+    chosen = cov_top_mask(_covariance(x), x.m, float(x.cfg.cov_fraction))
     penalty = x.cfg.kl_cov_coef * x.d.abs()
     return ObjectiveOutput(torch.where(chosen, loss + penalty, loss))
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from logitless.fused_losses import segments
+from logitless.fused_losses.objectives import segments
 
 
 @dataclass

@@ -1,0 +1,205 @@
+"""`fused_policy_loss`'s checks: every argument, the head and the policy inputs checked once
+for the whole call, and the call laid out on the batch grid (`Call`), with the exact KL's
+reference head (`RefHead`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import TYPE_CHECKING
+
+import torch
+
+from logitless.fused_losses.head.divergence import exact_kl_rows, reference_head
+from logitless.fused_losses.head.logprobs import check_byte_budget, check_head_args, compute_dtype
+from logitless.fused_losses.objectives.catalog import needs_whole_batch
+from logitless.fused_losses.objectives.config import PolicyLossConfig
+from logitless.fused_losses.objectives.policy_inputs import _Batch, _dtype, _to_batch
+from logitless.fused_losses.objectives.policy_loss import check_exact_kl
+from logitless.kernels import divergence_torch
+from logitless.kernels import linear_softmax_torch as tiles
+
+if TYPE_CHECKING:
+    from logitless.fused_losses.fused.grads import Grads, Need
+
+
+STRATEGIES = ("auto", "chunked", "streaming")
+
+
+@dataclasses.dataclass(frozen=True)
+class Head:
+    """The LM head of one call: inputs as given, their compute dtype, the logit transform."""
+
+    hidden: torch.Tensor
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    temperature: float
+    softcap: float | None
+    logit_scale: float
+    compute: torch.dtype | None = None  # the compute dtype when given (inside the op)
+
+    @property
+    def vocab(self) -> int:
+        return self.weight.shape[0]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return compute_dtype(self.hidden) if self.compute is None else self.compute
+
+    def transform(self) -> dict:
+        return dict(temperature=self.temperature, softcap=self.softcap,
+                    logit_scale=self.logit_scale)
+
+    def detached(self):
+        """``(hidden [rows, D], weight, bias)`` in the compute dtype, detached."""
+        dtype = self.dtype
+        h = self.hidden.detach().to(dtype).reshape(-1, self.hidden.shape[-1])
+        b = None if self.bias is None else self.bias.detach().to(dtype)
+        return h, self.weight.detach().to(dtype), b
+
+
+@dataclasses.dataclass
+class Call:
+    """A validated call: the head, its loss rows (flat token indices where the mask is set, in
+    sequence order) with their targets and grid positions, and the batch on the grid."""
+
+    head: Head
+    config: PolicyLossConfig
+    batch: _Batch  # in the loss's dtype (the accumulation dtype of the head)
+    full: _Batch  # in the wider of the loss's and the globals' dtypes (globals are cast from it)
+    globals_dtype: torch.dtype
+    rows: torch.Tensor
+    targets: torch.Tensor
+    where: tuple[torch.Tensor, torch.Tensor]
+    packed: bool
+    cu_seqlens: torch.Tensor | None
+    strategy: str
+    selection_entropy: bool
+    ref: RefHead | None = None  # the reference head of the exact KL
+
+    @functools.cached_property
+    def detached(self):
+        """The head detached (`Head.detached`), once: the chunks compute their gradients
+        themselves, and an autograd graph over the logits would keep every chunk's tiles alive
+        until the backward."""
+        return self.head.detached()
+
+    @property
+    def whole(self) -> bool:
+        """The batch streams in one call: asked for, or the objective needs the whole batch."""
+        return self.strategy == "streaming" or needs_whole_batch(self.config.objective)
+
+    def grid(self, per_row: torch.Tensor) -> torch.Tensor:
+        """Values of the loss rows on the batch grid (zero elsewhere; differentiable)."""
+        return per_row.new_zeros(self.batch.m.shape).index_put(self.where, per_row)
+
+    def with_logprobs(self, lp_rows, ent_rows, kl_rows=None) -> _Batch:
+        kl = {} if kl_rows is None else {"kl": self.grid(kl_rows)}
+        return self.batch.with_tensors(logprobs=self.grid(lp_rows), entropy=self.grid(ent_rows),
+                                       **kl)
+
+    def globals_batch(self, entropy) -> _Batch:
+        """The batch `BatchGlobals` are computed from (old logprobs' dtype, as
+        `policy_loss_globals`), with the entropies the selections use."""
+        entropy = None if entropy is None else entropy.to(self.globals_dtype)
+        return self.full.to(self.globals_dtype).with_tensors(entropy=entropy)
+
+
+@dataclasses.dataclass(frozen=True)
+class RefHead:
+    """The reference head of the exact KL: hidden rows ``[rows, D_ref]``, weight and bias,
+    detached in their compute dtype, and the temperature both heads' logits are divided by."""
+
+    hidden: torch.Tensor
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    temperature: float
+
+    def kl_forward(self, rows, hidden, weight, bias):
+        """The KL of the loss rows ``rows`` without a graph, and what `kl_backward` needs."""
+        ref = self.hidden.index_select(0, rows)
+        kl, lse_s, lse_t, aux = divergence_torch.divergence_forward(
+            hidden, weight, bias, ref, self.weight, self.bias, beta=1.0,
+            temperature=self.temperature)
+        return kl, (ref, lse_s, lse_t, aux)
+
+    def kl_backward(self, saved, grad, hidden, weight, bias, grads: Grads, need: Need):
+        """The KL's gradients from the per-row upstream ``grad``: the weight's and the bias's
+        added to the call's fp32 accumulators in place (no ``[V, D]`` temporary), the hidden
+        rows returned (or None)."""
+        ref, lse_s, lse_t, aux = saved
+        d_weight = grads.weight.t if need.weight else None
+        if need.weight and grads.weight.fresh:  # nothing written yet: the GEMMs add
+            d_weight.zero_()
+            grads.weight.fresh = False
+        d_hidden, _, _ = divergence_torch.divergence_backward(
+            hidden, weight, bias, ref, self.weight, self.bias, lse_s, lse_t, aux,
+            grad.contiguous(), beta=1.0, temperature=self.temperature, need_hidden=need.hidden,
+            need_weight=need.weight, need_bias=need.bias, d_weight=d_weight, d_bias=grads.bias)
+        return d_hidden
+
+    def kl(self, rows, hidden, weight, bias):
+        """KL(policy || reference) of the loss rows ``rows`` (indices into the flattened tokens)
+        from the policy's ``hidden [len(rows), D]``, ``weight`` and ``bias``, differentiable in
+        those where they require grad (fp32; fp64 for fp64 inputs)."""
+        return exact_kl_rows(hidden, weight, bias, self.hidden.index_select(0, rows),
+                             self.weight, self.bias, self.temperature)
+
+
+def check_static(head, targets, mask, strategy, cu_seqlens, memory_budget) -> None:
+    """The checks that read no tensor's values: arguments, shapes, dtypes."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+    check_byte_budget("memory_budget", memory_budget)
+    if not isinstance(mask, torch.Tensor) or tuple(targets.shape) != tuple(mask.shape):
+        raise ValueError(f"targets must be shaped like mask {tuple(getattr(mask, 'shape', ()))},"
+                         f" got {tuple(targets.shape)}")
+    packed = cu_seqlens is not None
+    expected_dims = 1 if packed else 2
+    if mask.dim() != expected_dims or head.hidden.dim() != expected_dims + 1:
+        raise ValueError(
+            "hidden must be [B, T, D] with mask [B, T], or [N, D] with mask [N] and cu_seqlens; "
+            f"got hidden {tuple(head.hidden.shape)}, mask {tuple(mask.shape)}")
+    check_head_args(head.hidden, head.weight, targets, head.bias, head.temperature, head.softcap,
+                    head.logit_scale, ())
+
+
+def checked_call(head, targets, old_logprobs, advantages, mask, config, strategy, cu_seqlens,
+                  selection_entropy, memory_budget, **tensors) -> Call:
+    """Every check of the call, once, here: arguments, head, targets (one host sync), and the
+    policy inputs (`policy_loss`'s checks); the batch laid out on the grid once."""
+    check_static(head, targets, mask, strategy, cu_seqlens, memory_budget)
+    packed = cu_seqlens is not None
+    m_flat = mask.reshape(-1) != 0
+    t_flat = targets.reshape(-1).long()
+    bad = m_flat & ((t_flat < 0) | (t_flat >= head.vocab))
+    if bool(bad.any()):
+        raise ValueError(f"targets must lie in [0, {head.vocab}) wherever mask is set; found "
+                         f"{t_flat[bad][:5].tolist()}")
+    if old_logprobs is None:
+        raise ValueError("old_logprobs: required (pass logprobs.detach() when on-policy)")
+    loss_dtype = tiles.acc_dtype(head.dtype)
+    globals_dtype = _dtype(old_logprobs)
+    full = _to_batch(mask, advantages, cu_seqlens, torch.promote_types(loss_dtype, globals_dtype),
+                     True, config, old_logprobs=old_logprobs, selection_entropy=selection_entropy,
+                     **tensors)
+    rows = torch.nonzero(m_flat).squeeze(1)
+    return Call(head, config, full.to(loss_dtype), full, globals_dtype, rows,
+                 t_flat.index_select(0, rows), full.positions(rows), packed, cu_seqlens,
+                 strategy, selection_entropy is not None)
+
+
+def checked_ref(head: Head, config, ref_hidden, ref_weight, ref_bias) -> RefHead | None:
+    """The exact KL's reference head checked (`check_exact_kl`, `reference_head`): None
+    without ``kl_estimator="exact"``."""
+    given = any(x is not None for x in (ref_hidden, ref_weight, ref_bias))
+    check_exact_kl(config, given, "ref_hidden/ref_weight", "ref_hidden and ref_weight (the "
+                   "reference model's hidden states and head)")
+    if not given:
+        return None
+    if head.softcap is not None:
+        raise ValueError("softcap: the exact KL (ref_hidden/ref_weight) supports temperature "
+                         "and logit_scale, not a soft-capped head")
+    h, w, b = reference_head(head.hidden, head.weight, ref_hidden, ref_weight, ref_bias)
+    return RefHead(h.detach().reshape(-1, h.shape[-1]), w.detach(),
+                    None if b is None else b.detach(), head.temperature / head.logit_scale)

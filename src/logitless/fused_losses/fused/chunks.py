@@ -1,0 +1,193 @@
+"""`fused_policy_loss`'s chunk loop: the eager call (`run_call`) runs the plan's chunks, each
+chunk's share of the loss differentiated and its gradients accumulated (`ChunkRunner`), or the
+whole batch streamed in one call; then the one copy of the objective on the collected
+per-token values gives the loss and the metrics."""
+
+from __future__ import annotations
+
+import torch
+
+from logitless.fused_losses.fused.call import Call, checked_call, checked_ref
+from logitless.fused_losses.fused.grads import Grads, Need
+from logitless.fused_losses.fused.plan import Chunk, make_plan, new_store
+from logitless.fused_losses.head.logprobs import _rows_logprobs
+from logitless.fused_losses.objectives.aggregation import check_global_counts
+from logitless.fused_losses.objectives.config import PolicyLossConfig
+from logitless.fused_losses.objectives.policy_loss import (
+    _globals_and_masks,
+    _loss_of_batch,
+    _Masks,
+    _policy_loss,
+)
+
+
+def run_call(head, need, targets, old_logprobs, advantages, mask, config, strategy, cu_seqlens,
+           selection_entropy, memory_budget, tensors, loss_args, ref_args) -> tuple:
+    """The eager call: ``(loss, metrics, grads)``, ``grads`` the ``(d_hidden, d_weight,
+    d_bias)`` the chunks computed in the forward (None where not ``need``-ed), or None when
+    the whole batch streamed (the loss then carries its autograd graph)."""
+    call = checked_call(head, targets, old_logprobs, advantages, mask, config, strategy,
+                         cu_seqlens, selection_entropy, memory_budget, **tensors)
+    call.ref = checked_ref(head, config, *ref_args)
+    if call.whole:
+        return (*streamed_whole(call, loss_args), None)
+
+    glob, masks = _globals_and_masks(call.globals_batch(selection_entropy_of(call)), config)
+    check_global_counts(loss_args["num_items_in_batch"], loss_args["global_batch_size"],
+                        glob.loss)
+    plan = make_plan(call, memory_budget)
+    grads = Grads(need, head, call.batch.adv.dtype)
+    store = new_store(head.vocab, plan.dense_rows, head.dtype, head.hidden.device,
+                       head.softcap)
+    runner = ChunkRunner(call, glob, masks, loss_args, need, grads, store)
+    for chunk in plan.chunks:
+        runner.run(chunk)
+
+    # The loss value and metrics: the one copy of the objective on the collected (lp, H).
+    with torch.no_grad():
+        loss, metrics = _policy_loss(call.with_logprobs(runner.lp, runner.ent, runner.kl),
+                                     config, glob, masks=masks, **loss_args)
+    return loss, metrics, grads.result(head.hidden, head.weight, head.bias)
+
+
+def streamed_whole(call: Call, loss_args) -> tuple:
+    """``policy_loss`` on the streamed op's (lp, H): the vocabulary streamed forward and
+    recomputed backward, for the whole batch in one call. With ``selection_entropy`` the
+    selections (thresholds and the tokens they keep) come from it, as in the chunked path."""
+    head, dtype = call.head, call.head.dtype
+    hidden = head.hidden.to(dtype).reshape(-1, head.hidden.shape[-1]).index_select(0, call.rows)
+    weight, bias = head.weight.to(dtype), None if head.bias is None else head.bias.to(dtype)
+    lp, ent = _rows_logprobs(hidden, weight, call.targets, bias=bias, **head.transform())
+    kl = None if call.ref is None else call.ref.kl(call.rows, hidden, weight, bias)
+    batch = call.with_logprobs(lp, ent, kl)
+    if not call.selection_entropy:
+        return _loss_of_batch(batch, call.config, None, validate=True, **loss_args)
+    glob, masks = _globals_and_masks(call.globals_batch(call.full["selection_entropy"]),
+                                     call.config)
+    check_global_counts(loss_args["num_items_in_batch"], loss_args["global_batch_size"],
+                        glob.loss)
+    return _policy_loss(batch, call.config, glob, masks=masks, **loss_args)
+
+
+def selection_entropy_of(call: Call):
+    """The entropies the selections use: the caller's, or (when the config selects by entropy)
+    the current ones by a no-grad pass, on the grid; None when not needed."""
+    if call.selection_entropy:
+        return call.full["selection_entropy"]
+    if not selects_by_entropy(call.config):
+        return None
+    h, w, b = call.detached
+    with torch.no_grad():
+        _, ent = _rows_logprobs(h.index_select(0, call.rows), w, call.targets, bias=b,
+                                **call.head.transform())
+    return call.grid(ent)
+
+
+def selects_by_entropy(cfg: PolicyLossConfig) -> bool:
+    return (cfg.top_entropy_quantile < 1 or cfg.adv_entropy_top_fraction < 1
+            or cfg.stapo_prob_threshold is not None)
+
+
+class ChunkRunner:
+    """Runs the chunks of one call: each chunk's ``lp`` and ``H`` into ``self.lp`` /
+    ``self.ent`` (per loss row), its share of the loss differentiated, its gradients into the
+    accumulators. Dense chunks keep their logits in the store (3 GEMMs); a streamed chunk goes
+    through the op's private path (4 GEMMs). Nothing here checks an input."""
+
+    def __init__(self, call: Call, glob, masks: _Masks, loss_args, need: Need, grads: Grads,
+                 store):
+        self.call, self.glob, self.masks, self.loss_args = call, glob, masks, loss_args
+        self.need, self.grads, self.store = need, grads, store
+        self.h, self.w, self.b = call.detached
+        self.transform = call.head.transform()
+        acc = call.batch.adv.dtype
+        self.lp = torch.zeros(call.rows.shape, dtype=acc, device=self.h.device)
+        self.ent = torch.zeros_like(self.lp)
+        self.kl = None if call.ref is None else torch.zeros_like(self.lp)
+
+    def run(self, chunk: Chunk) -> None:
+        if chunk.a == chunk.b:
+            return
+        rows = self.call.rows[chunk.a:chunk.b]
+        h, t = self.h.index_select(0, rows), self.call.targets[chunk.a:chunk.b]
+        gh = (self._streamed if chunk.streamed else self._dense)(chunk, h, t)
+        self.grads.set_hidden(rows, gh)
+
+    def _record(self, chunk, lp, ent, kl=None) -> None:
+        self.lp[chunk.a:chunk.b] = lp.detach()
+        self.ent[chunk.a:chunk.b] = ent.detach()
+        if kl is not None:
+            self.kl[chunk.a:chunk.b] = kl.detach()
+
+    def _kl(self, chunk: Chunk, leaves):
+        """The chunk's exact KL from the policy ``leaves`` (hidden rows, weight, bias), or
+        None without a reference head."""
+        if self.call.ref is None:
+            return None
+        return self.call.ref.kl(self.call.rows[chunk.a:chunk.b], *leaves)
+
+    def _loss(self, chunk: Chunk, lp, ent, kl=None):
+        """The chunk's share of the loss, from its loss rows' ``lp`` and ``H``."""
+        sub = self.call.batch.rows(chunk.s0, chunk.s1, chunk.width)
+        row, col = (x[chunk.a:chunk.b] for x in self.call.where)
+        where = (row - chunk.s0, col)
+
+        def grid(x):
+            return x.new_zeros(sub.m.shape).index_put(where, x)
+
+        # the whole batch's masks, sliced: the selections of the thresholds' own comparisons
+        masks = self.masks.rows(chunk.s0, chunk.s1, chunk.width)
+        exact = {} if kl is None else {"kl": grid(kl)}
+        loss, _ = _policy_loss(sub.with_tensors(logprobs=grid(lp), entropy=grid(ent), **exact),
+                               self.call.config, self.glob, masks=masks, compute_metrics=False,
+                               **self.loss_args)
+        return loss
+
+    def _dense(self, chunk, h, t):
+        """One chunk at the 3-GEMM floor; returns its hidden-gradient rows (or None)."""
+        lp, ent, lse = self.store.forward(h, self.w, self.b, t, **self.transform)  # GEMM 1
+        ref = self.call.ref
+        kl = saved = None
+        if ref is not None:  # the exact KL's own passes over both heads' tiles
+            kl, saved = ref.kl_forward(self.call.rows[chunk.a:chunk.b], h, self.w, self.b)
+        self._record(chunk, lp, ent, kl)
+        if not self.need.any:
+            return None
+        leaves = [x.detach().requires_grad_(True) for x in (lp, ent)]
+        leaves += [] if kl is None else [kl.detach().requires_grad_(True)]
+        with torch.enable_grad():
+            loss = self._loss(chunk, *leaves)
+            g_lp, g_ent, *g_kl = torch.autograd.grad(loss, leaves, allow_unused=True)
+        gh = None
+        if g_lp is not None or g_ent is not None:
+            # The stored logits become dz in place, each vocabulary block feeding GEMMs 2, 3.
+            d_weight, beta = self.grads.weight_buffer()
+            gh = self.store.backward_(h, self.w, lse, ent, g_lp, g_ent, d_weight,
+                                      self.grads.bias, want_hidden=self.need.hidden,
+                                      weight_beta=beta)
+        if g_kl and g_kl[0] is not None:  # the KL's backward pass, into the same accumulators
+            gh_kl = ref.kl_backward(saved, g_kl[0], h, self.w, self.b, self.grads, self.need)
+            gh = gh_kl if gh is None else gh + gh_kl
+        return gh
+
+
+
+    def _streamed(self, chunk, h, t):
+        """A sequence longer than the budget: its vocabulary streamed (4 GEMMs), never the
+        logits; returns its hidden-gradient rows (or None)."""
+        leaves = [None if x is None else x.detach().requires_grad_(flag)
+                  for x, flag in zip((h, self.w, self.b), self.need)]
+        with torch.enable_grad() if self.need.any else torch.no_grad():
+            lp, ent = _rows_logprobs(leaves[0], leaves[1], t, bias=leaves[2], **self.transform)
+            kl = self._kl(chunk, leaves)
+            self._record(chunk, lp, ent, kl)
+            if not self.need.any:
+                return None
+            loss = self._loss(chunk, lp, ent, kl)
+            wanted = [x for x in leaves if x is not None and x.requires_grad]
+            if not loss.requires_grad:
+                return None
+            got = iter(torch.autograd.grad(loss, wanted, allow_unused=True))
+        gh, gw, gb = (next(got) if x is not None and x.requires_grad else None for x in leaves)
+        self.grads.add(gw, gb)
+        return gh

@@ -1,0 +1,180 @@
+"""``fused_policy_loss``: from hidden states to the policy loss at the 3-GEMM floor.
+
+Two strategies (docs/design.md, "Op 4"):
+
+- **Sequence-aligned chunks** (gradient in the forward). Whole sequences are grouped up to a
+  token budget. For each group the logits are computed once (GEMM 1), reduced to per-token
+  ``lp`` and ``H``, and the objective runs on that group through :func:`policy_loss` (its
+  private entry for a validated batch) with the batch's :class:`BatchGlobals`, so autograd on
+  the small per-token graph gives ``d loss / d lp`` and ``d loss / d H``. The logits buffer
+  then becomes ``dz`` in place and two GEMMs give the group's hidden gradient and add to the
+  weight gradient (fp32). The backward of the returned loss only scales the stored gradients.
+  6 N D V FLOPs, memory one group: its logits in one buffer reused by every group
+  (``kernels/stored_logits.py``, vocab-major fp32 exponentials, on CPU;
+  ``kernels/stored_logits_triton.py``, the logits in the input dtype with Triton passes,
+  wherever Triton is selected, i.e. on CUDA).
+- **Streaming**: ``policy_loss(linear_logprobs(...))``, the vocabulary streamed forward and
+  recomputed backward (8 N D V FLOPs), never the full logits. Used when asked for, for
+  objectives that select tokens from statistics of the whole batch's current logprobs
+  (``clip_cov``, ``kl_cov``), and for a single sequence longer than the budget.
+
+Either way the loss math is :func:`policy_loss`, run once more on the collected per-token
+``lp`` and ``H`` (O(N), no vocabulary) for the loss value and the metrics.
+
+The code, by stage: the checks (``call.py``, once for the whole call), the plan (``plan.py``:
+chunks within the memory budget, and the `ChunkStore` that keeps a dense chunk's logits), the
+chunk loop (``chunks.py``), and the op (``op.py``): under ``torch.compile`` the whole call is the
+one custom op ``logitless::fused_policy_loss`` (the config crossing as four lists), whose
+implementation runs this eager code, the plan from the mask and ``cu_seqlens`` included, and
+returns the loss, the metrics as one tensor (named by `metric_names`) and the gradients it
+computed. This module holds the public function and the eager backward.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from logitless.fused_losses.fused.call import Head
+from logitless.fused_losses.fused.chunks import run_call
+from logitless.fused_losses.fused.grads import Need
+from logitless.fused_losses.fused.op import as_op, metric_names, op_call
+from logitless.fused_losses.fused.plan import CPU_MEMORY_BUDGET, ChunkStore, plan_chunks
+from logitless.fused_losses.objectives.config import PolicyLossConfig
+
+__all__ = ["CPU_MEMORY_BUDGET", "ChunkStore", "fused_policy_loss", "metric_names", "plan_chunks"]
+
+
+class _StoredGradients(torch.autograd.Function):
+    """The loss, whose backward scales gradients computed in the forward (once: see
+    `fused_policy_loss`, "Backward")."""
+
+    @staticmethod
+    def forward(ctx, loss, hidden, weight, bias, grads):
+        ctx.grads = grads
+        return loss.detach().clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                "fused_policy_loss: backward(create_graph=True) is not supported: the chunked "
+                "strategy computes its gradients in the forward, as plain tensors with no graph "
+                "to differentiate again (a higher-order gradient needs the logits' graph: "
+                "policy_loss on materialised logits).")
+        if ctx.grads is None:
+            raise RuntimeError(
+                "fused_policy_loss: backward ran a second time through the same loss "
+                "(retain_graph=True does not keep them): the chunked strategy computes its "
+                "gradients in the forward and hands them over, scaled in place, to the first "
+                "backward, keeping no copy of the [V, D] weight gradient. Call "
+                "fused_policy_loss again for a second backward, or use strategy='streaming'.")
+        d_hidden, d_weight, d_bias = ctx.grads
+        ctx.grads = None  # handed over: autograd may keep d_weight as weight.grad itself
+
+        def scale(x):  # in place: the stored gradients are ours, and [V, D] is large
+            return None if x is None else x.mul_(g.to(x.dtype))
+
+        return None, scale(d_hidden), scale(d_weight), scale(d_bias), None
+
+
+def fused_policy_loss(
+    hidden,
+    weight,
+    targets,
+    old_logprobs,
+    advantages,
+    mask,
+    config: PolicyLossConfig,
+    *,
+    bias=None,
+    ref_logprobs=None,
+    rollout_logprobs=None,
+    token_weights=None,
+    attention_entropy=None,
+    cu_seqlens=None,
+    temperature: float = 1.0,
+    softcap: float | None = None,
+    logit_scale: float = 1.0,
+    num_items_in_batch=None,
+    global_batch_size=None,
+    training_progress: float | None = None,
+    entropy_coef: float | None = None,
+    selection_entropy=None,
+    memory_budget: int | None = None,
+    strategy: str = "auto",
+    ref_hidden=None,
+    ref_weight=None,
+    ref_bias=None,
+):
+    """The policy loss from hidden states and the LM head, without the full logits.
+
+    Equal to ``policy_loss(linear_logprobs(hidden, weight, targets, ...).logprobs, ...,
+    entropy=<its entropy>)``. The entropy selections (top-entropy quantile, ``|A| H``
+    fraction, STAPO) read one tensor ``E``, for their thresholds and for the tokens they keep:
+    ``selection_entropy`` when given (for example the old-policy pass's entropies), otherwise
+    the current entropies, computed by a no-grad pass before the chunks when the config selects
+    by entropy (each chunk uses that pass's selections, not its own recomputed entropies, which
+    may differ by an ulp at a threshold). Gradients reach ``hidden``, ``weight`` and ``bias``.
+
+    Args:
+        hidden: ``[B, T, D]`` right-padded, or ``[N, D]`` packed with ``cu_seqlens [B + 1]``.
+        weight, bias: the head, ``[V, D]`` and ``[V]``.
+        targets: token ids like ``mask``; only positions where ``mask`` is nonzero are scored.
+        old_logprobs, advantages, mask, config, ref_logprobs, rollout_logprobs, token_weights,
+        attention_entropy, num_items_in_batch, global_batch_size, training_progress,
+            entropy_coef: as in :func:`policy_loss`.
+        temperature, softcap, logit_scale: the logit transform, as in :func:`linear_logprobs`.
+        memory_budget: bytes (an integer > 0) of temporary logits a chunk may use (default:
+            512 MiB on CUDA, chosen by the cost model in ``gpu_plan``; 256 MiB on CPU). On CUDA
+            a chunk row counts its stored logits and its hidden and hidden-gradient rows.
+        strategy: ``"auto"`` (chunks, streaming where needed), ``"chunked"`` or ``"streaming"``.
+        ref_hidden, ref_weight, ref_bias: the reference model's hidden states (``hidden``'s
+            token shape, its own hidden size) and head (``[V, D_ref]``, ``[V]``), for
+            ``kl_estimator="exact"`` only (needed there when ``beta != 0``): each chunk computes
+            the full-vocabulary KL(policy || reference) of its rows by the two-head divergence
+            passes (`linear_divergence` with ``beta=1``, temperature and logit scale of the
+            policy head applied to both; no softcap), and its gradient
+            ``p (log p - log q - KL)`` reaches ``hidden``, ``weight`` and ``bias``; the
+            reference gets none. Same loss and gradients as ``policy_loss(..., kl=
+            linear_divergence(hidden, weight, ref_hidden, ref_weight, mask, beta=1))``.
+
+    Returns:
+        ``(loss, metrics)`` as :func:`policy_loss`.
+
+    Backward: the chunked strategy computes the gradients of ``hidden``, ``weight`` and ``bias``
+    during the forward (a buffer of each, the memory the backward would use anyway) and the
+    loss's backward hands them over scaled by the incoming gradient, in place. So the loss
+    supports exactly one backward, without ``create_graph``: a second backward (after
+    ``retain_graph=True``) and ``create_graph=True`` raise ``RuntimeError`` rather than
+    return gradients that are wrong or have no graph; keeping a copy for a second backward
+    would double the weight gradient's memory. ``strategy="streaming"`` recomputes in its
+    backward, so a retained graph backpropagates again there (neither strategy gives
+    higher-order gradients).
+
+    Under ``torch.compile`` (and for meta or fake tensors) the call is one custom op,
+    ``logitless::fused_policy_loss`` (`fused.op`): the checks that read no values run while
+    tracing, and the op runs this same eager code (plan, chunks, or the whole batch streamed)
+    with every argument, the exact KL's reference head and ``selection_entropy`` included.
+    It computes the gradients in its forward whichever the strategy (the streamed batch's by
+    its graph, at once), and its backward scales them, out of place: a backward of a
+    compiled loss may run again after ``retain_graph=True``. The metrics' names come from
+    the objective and ``rollout_is`` (`metric_names`); an objective whose clip flags depend on
+    other fields raises ``RuntimeError`` there rather than mislabel them.
+    """
+    head = Head(hidden, weight, bias, temperature, softcap, logit_scale)
+    tensors = dict(ref_logprobs=ref_logprobs, rollout_logprobs=rollout_logprobs,
+                   token_weights=token_weights, attention_entropy=attention_entropy)
+    loss_args = dict(num_items_in_batch=num_items_in_batch, global_batch_size=global_batch_size,
+                     training_progress=training_progress, entropy_coef=entropy_coef)
+    ref_args = (ref_hidden, ref_weight, ref_bias)
+    if as_op(hidden):
+        return op_call(head, targets, old_logprobs, advantages, mask, config, strategy,
+                        cu_seqlens, selection_entropy, memory_budget, tensors, loss_args,
+                        ref_args)
+    need = Need.of(hidden, weight, bias)
+    loss, metrics, grads = run_call(head, need, targets, old_logprobs, advantages, mask, config,
+                                  strategy, cu_seqlens, selection_entropy, memory_budget,
+                                  tensors, loss_args, ref_args)
+    if grads is None or not need.any:  # the whole batch streamed: the loss has its graph
+        return loss, metrics
+    return _StoredGradients.apply(loss, hidden, weight, bias, grads), metrics

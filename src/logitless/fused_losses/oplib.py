@@ -1,0 +1,191 @@
+"""What every op module shares: the leaf under the head ops, the objective library and the
+fused loss. It imports nothing of logitless but the kernels' dtype rule, so any module may
+import it and no circle can run through it.
+
+Each public op is a ``torch.library`` custom op defined beside its implementation (its
+module calls :func:`define` at import), so ``torch.compile`` and ``torch.export`` see it as one
+graph node:
+
+- the Python function (``linear_logprobs``, ...) checks its arguments *statically*: types,
+  shapes, dtypes and scalar ranges, nothing that reads a tensor's values, so dynamo traces it
+  without a graph break;
+- it then calls one op ``torch.ops.logitless.<name>`` whose implementation does everything
+  that depends on values: validation of token ids (it may raise ``ValueError`` from inside the
+  op), compaction of ignored rows, chunk plans, the choice of backend;
+- the op's fake implementation (``register_fake``, which also serves meta tensors) gives the
+  shape and dtype of every output from the inputs' shapes alone;
+- its autograd registration saves what the backward needs, and the backward is itself a
+  custom op with a fake implementation, so compiled backward graphs capture it as one node.
+
+Configuration crosses the op boundary as ``int``/``float``/``bool``/``ScalarType`` arguments;
+a dataclass with more fields than a schema holds crosses as four lists (:func:`config_layout`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+import typing
+
+import torch
+
+__all__ = ["OPS", "compact_rows", "config_args", "config_from_args", "config_layout", "define",
+           "distinct", "grads_fake", "grads_or_empty", "is_compiling", "none_grads", "put_rows",
+           "take_rows"]
+
+
+def is_compiling() -> bool:
+    """True while dynamo traces (``torch.compile``, ``torch.export``): code that would read a
+    tensor's value on the host (a check, a count turned into a float) takes its traceable
+    form then."""
+    compiler = getattr(torch, "compiler", None)
+    if compiler is not None and hasattr(compiler, "is_compiling"):
+        return compiler.is_compiling()
+    return False
+
+
+OPS: list[str] = []  # qualified names of the ops defined so far (``torch.library.opcheck``)
+
+
+def define(name: str, schema: str, impl, fake):
+    """Register ``logitless::<name>`` with its implementation and fake implementation."""
+    op = torch.library.custom_op(f"logitless::{name}", impl, mutates_args=(), schema=schema)
+    op.register_fake(fake)
+    OPS.append(f"logitless::{name}")
+    return op
+
+
+def distinct(outs) -> tuple[torch.Tensor, ...]:
+    """An op's outputs, each in its own storage (an op's outputs may not alias one another:
+    a kernel may return one tensor for two results, e.g. the divergence as its own ``aux``)."""
+    seen, result = set(), []
+    for x in outs:
+        ptr = x.untyped_storage().data_ptr() if x.numel() else None
+        result.append(x.clone() if ptr in seen else x)
+        seen.add(ptr)
+    return tuple(result)
+
+
+def none_grads(n: int) -> tuple[None, ...]:
+    return (None,) * n
+
+
+def grads_or_empty(hidden, weight, rows, d_hidden, d_weight, d_bias):
+    """A backward op's three outputs: the hidden gradient scattered back to ``hidden``'s shape,
+    and an empty tensor for each gradient not computed (an op returns no None)."""
+    return (hidden.new_empty(0) if d_hidden is None else put_rows(d_hidden, rows, hidden.shape),
+            weight.new_empty(0) if d_weight is None else d_weight,
+            weight.new_empty(0) if d_bias is None else d_bias)
+
+
+def grads_fake(hidden, weight, bias, need_hidden, need_weight, need_bias):
+    """The fake implementation of a backward op's three outputs (`grads_or_empty`)."""
+    return (torch.empty_like(hidden) if need_hidden else hidden.new_empty(0),
+            torch.empty_like(weight) if need_weight else weight.new_empty(0),
+            torch.empty_like(bias) if need_bias else weight.new_empty(0))
+
+
+# --- rows: the positions an op computes --------------------------------------------------
+
+
+def compact_rows(targets: torch.Tensor, ignore_index: int, v_total: int):
+    """``(flat targets as int64, rows)``: the positions whose target is not ``ignore_index``
+    (None when every one is kept). Reads values: a target outside ``[0, v_total)`` that is not
+    ``ignore_index`` raises ``ValueError``."""
+    flat_t = targets.reshape(-1).long()
+    valid = flat_t != ignore_index
+    bad = valid & ((flat_t < 0) | (flat_t >= v_total))
+    if bool(bad.any()):
+        raise ValueError(
+            f"targets must lie in [0, {v_total}) or equal ignore_index={ignore_index}; found "
+            f"{flat_t[bad][:5].tolist()}"
+        )
+    return flat_t, None if bool(valid.all()) else torch.nonzero(valid).squeeze(1)
+
+
+def take_rows(x: torch.Tensor | None, rows: torch.Tensor | None, width: int | None = None):
+    """``x`` flattened to ``[N]`` (``[N, width]``), restricted to ``rows`` when given."""
+    if x is None:
+        return None
+    x = x.reshape(-1) if width is None else x.reshape(-1, width)
+    return x.contiguous() if rows is None else x.index_select(0, rows)
+
+
+def put_rows(x: torch.Tensor, rows: torch.Tensor | None, shape) -> torch.Tensor:
+    """Inverse of :func:`take_rows`: ``x`` scattered back to ``shape``, 0 at dropped rows."""
+    if rows is not None:
+        lead = math.prod(shape) // math.prod(x.shape[1:])
+        x = x.new_zeros((lead, *x.shape[1:])).index_copy_(0, rows, x)
+    return x.reshape(shape)
+
+
+# --- a dataclass across the op boundary ---------------------------------------------------
+#
+# A schema holds at most 64 arguments, so a config with more fields crosses as four lists,
+# each in the dataclass's field order: the numbers (``Scalar?[]``: ints stay ints, None stays
+# None), the strings (``str?[]``), the flags (``bool[]``) and the tensors (``Tensor?[]``). A
+# field enters each list whose kind of value it admits, so ``eps_low: float | Tensor | None``
+# has a slot among the numbers and one among the tensors, at most one of them set.
+
+CONFIG_LISTS = ("Scalar?[] config_numbers, str?[] config_strings, bool[] config_flags, "
+                "Tensor?[] config_tensors")  # the four lists' schema
+_KIND_LIST = {float: 0, int: 0, str: 1, bool: 2, torch.Tensor: 3}  # kind of value -> list
+
+
+def config_layout(cls) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """``(field, lists)`` for each init field of the dataclass ``cls``, in order: the lists
+    holding a slot for it, one per kind of value it admits."""
+    hints = typing.get_type_hints(cls)
+    layout = []
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        kinds = [k for k in (typing.get_args(hints[f.name]) or (hints[f.name],))
+                 if k is not type(None)]
+        if any(k not in _KIND_LIST for k in kinds) or (bool in kinds and len(kinds) > 1):
+            raise TypeError(f"{cls.__name__}.{f.name}: no op argument for {f.type}")
+        layout.append((f.name, tuple(dict.fromkeys(_KIND_LIST[k] for k in kinds))))
+    return tuple(layout)
+
+
+def config_args(config, layout) -> tuple[list, list, list, list]:
+    """The config's fields as four list arguments (`config_layout`). Reads each field once and
+    nothing of a tensor's values: dynamo guards on the fields as it would on any traced use of
+    the config."""
+    lists = ([], [], [], [])
+    for name, kinds in layout:
+        value = getattr(config, name)
+        for kind in kinds:
+            if kind == 2 or value is None:  # a flag; or no value
+                fits = True
+            elif kind == 3:
+                fits = isinstance(value, torch.Tensor)
+            elif kind == 1:
+                fits = isinstance(value, str)
+            else:  # a number: neither a tensor nor a string
+                fits = not isinstance(value, torch.Tensor | str)
+            lists[kind].append(value if fits else None)
+    return lists
+
+
+def config_from_args(cls, layout, numbers, strings, flags, tensors):
+    """The dataclass back from `config_args`'s lists (its ``__post_init__`` checks it again)."""
+    its = [iter(x) for x in (numbers, strings, flags, tensors)]
+    fields = {}
+    for name, kinds in layout:
+        given = [next(its[k]) for k in kinds]
+        fields[name] = next((v for v in given if v is not None), None)
+    return cls(**fields)
+
+
+def check_positive_number(name: str, value) -> None:
+    """``value`` must be a real number, finite and > 0 (None is the caller's business): an
+    infinite scale or softcap would make every row one-hot or the cap vanish, silently."""
+    if not (is_number(value) and math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a finite number > 0 or None, got {value!r}")
+
+
+def is_number(x) -> bool:
+    """A real number (numpy scalars included), not a bool or a string such as ``"30"``."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
