@@ -104,7 +104,7 @@ def check_global_counts(num_items_in_batch, global_batch_size, counts: AggCounts
                 raise ValueError(f"{name}: expected a number, got a tensor of shape "
                                  f"{tuple(value.shape)}")
             if is_compiling():
-                continue  # its value is not read under torch.compile (README, torch.compile)
+                continue  # its value is not read under torch.compile (docs/compile.md)
             value = value.item()
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ValueError(f"{name}: expected a number, got {value!r}")

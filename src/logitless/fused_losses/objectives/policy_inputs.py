@@ -101,8 +101,8 @@ def _check_max_seqlen(max_seqlen, cu_seqlens, validate):
 
 def _check_shapes(mask, advantages, cu_seqlens, validate, tensors, max_seqlen=None) -> bool:
     """Shapes (free) and, with ``validate``, NaN, ``cu_seqlens`` and ``max_seqlen`` (they
-    synchronise with the device; under ``torch.compile`` they are skipped: README,
-    torch.compile). Returns whether the advantages are per sequence."""
+    synchronise with the device; under ``torch.compile`` they are skipped: docs/compile.md).
+    Returns whether the advantages are per sequence."""
     validate = validate and not is_compiling()
     shape = mask.shape
     if cu_seqlens is None:
