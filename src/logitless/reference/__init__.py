@@ -24,7 +24,7 @@ from logitless.reference.objectives import (
     rollout_rejection_keep_loop,
 )
 from logitless.reference.public import fused_policy_loss, linear_logprobs, policy_loss
-from logitless.reference.sampler import sampler_kept_mask, sampler_logprobs
+from logitless.reference.sampler import kept_set_logprobs, sampler_kept_mask, sampler_logprobs
 from logitless.reference.segments import (
     prefix_min_loop,
     prefix_sum_loop,
@@ -38,6 +38,7 @@ __all__ = [
     "attention_visibility",
     "fused_policy_loss",
     "generalized_jsd",
+    "kept_set_logprobs",
     "kl_loop",
     "linear_divergence",
     "linear_logits",

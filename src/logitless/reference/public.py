@@ -10,14 +10,20 @@ import torch
 
 from logitless.reference.linear_softmax import linear_softmax_stats
 from logitless.reference.objectives import policy_loss_reference
-from logitless.reference.sampler import sampler_logprobs
+from logitless.reference.sampler import kept_set_logprobs, sampler_logprobs
 
 
 def linear_logprobs(hidden, weight, targets, bias=None, *, temperature=1.0, softcap=None,
-                    logit_scale=1.0, ignore_index=-100, top_k=None, top_p=None, min_p=None):
+                    logit_scale=1.0, ignore_index=-100, top_k=None, top_p=None, min_p=None,
+                    kept_ids=None):
     """`logitless.linear_logprobs` from the full logits: a dict of per-token tensors shaped
     like ``targets`` (``logprobs``, ``entropy`` and the other statistics; with ``top_k`` /
-    ``top_p`` / ``min_p`` the logprobs under vLLM's truncated distribution)."""
+    ``top_p`` / ``min_p`` the logprobs under vLLM's truncated distribution, with ``kept_ids``
+    under the recorded kept set)."""
+    if kept_ids is not None:
+        return kept_set_logprobs(hidden, weight, targets, kept_ids, bias,
+                                 temperature=temperature, softcap=softcap,
+                                 logit_scale=logit_scale, ignore_index=ignore_index)
     if top_k is None and top_p is None and min_p is None:
         return linear_softmax_stats(hidden, weight, targets, bias, temperature=temperature,
                                     softcap=softcap, logit_scale=logit_scale,

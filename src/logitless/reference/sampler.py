@@ -133,3 +133,37 @@ def sampler_logprobs(
     out = {name: torch.where(valid, x, zero).reshape(shape) for name, x in out.items()}
     out["kept"] = kept.reshape(*shape, -1)
     return out
+
+
+def kept_set_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    kept_ids: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    temperature=1.0,
+    softcap: float | None = None,
+    logit_scale: float = 1.0,
+    ignore_index: int = -100,
+) -> dict[str, torch.Tensor]:
+    """Logprobs under the tempered softmax renormalised over a recorded kept set, from the full
+    logits: ``kept_ids`` ``[*targets.shape, K]``, padded with -1. Returns ``logprobs`` (-inf
+    for a target outside the set), ``entropy`` of the renormalised distribution and
+    ``log_kept_mass`` (the set's log mass under the untruncated softmax); 0 where ignored."""
+    temp = temperature.unsqueeze(-1) if isinstance(temperature, torch.Tensor) else temperature
+    z = linear_logits(hidden, weight, bias, softcap_value=softcap, logit_scale=logit_scale) / temp
+    keep = torch.zeros_like(z, dtype=torch.bool)
+    keep.scatter_(-1, kept_ids.clamp_min(0), kept_ids >= 0)
+    zk = z.masked_fill(~keep, float("-inf"))
+    log_q = torch.log_softmax(zk, dim=-1)
+    q = log_q.exp()
+    valid = targets != ignore_index
+    safe = torch.where(valid, targets, torch.zeros_like(targets)).long()
+    out = {
+        "logprobs": log_q.gather(-1, safe.unsqueeze(-1)).squeeze(-1),
+        "entropy": -(q * log_q.masked_fill(~keep, 0.0)).sum(-1),
+        "log_kept_mass": torch.logsumexp(zk, -1) - torch.logsumexp(z, -1),
+    }
+    zero = torch.zeros((), dtype=z.dtype, device=z.device)
+    return {k: torch.where(valid, v, zero) for k, v in out.items()}

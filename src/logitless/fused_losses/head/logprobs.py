@@ -17,7 +17,7 @@ from types import ModuleType
 import torch
 
 from logitless.fused_losses.backend import triton_selected
-from logitless.fused_losses.head import sampled
+from logitless.fused_losses.head import kept, sampled
 from logitless.fused_losses.oplib import (
     compact_rows,
     define,
@@ -265,6 +265,38 @@ def check_head_args(hidden, weight, targets, bias, temperature, softcap, logit_s
         raise ValueError(f"stats must be drawn from {STATS}, got unknown {unknown}")
 
 
+def _kept_set(hidden, weight, targets, kept_ids, bias, temperature, top_k, top_p, min_p,
+              softcap, logit_scale, ignore_index, return_entropy, stats, vocab_parallel,
+              max_tile_bytes) -> LogprobOutput:
+    """``linear_logprobs(kept_ids=...)``: the checks of the combination, then `kept`."""
+    given = [n for n, v in (("top_k", top_k), ("top_p", top_p), ("min_p", min_p)) if v is not None]
+    if given:
+        raise ValueError(f"kept_ids is the kept set itself: pass it without {given}")
+    if vocab_parallel is not None:
+        raise ValueError("kept_ids is unsupported with vocab_parallel")
+    other = [s for s in stats if s != "log_kept_mass"]
+    if other:
+        raise ValueError(f"stats {other} are unsupported with kept_ids (only 'log_kept_mass')")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
+        raise ValueError(f"ignore_index must be an integer token id, got {ignore_index!r}")
+    check_byte_budget("max_tile_bytes", max_tile_bytes)
+    kept.check_kept_temperature(temperature, targets)
+    want_mass = "log_kept_mass" in stats
+
+    def full_lse():
+        return linear_logprobs(hidden, weight, targets, bias=bias, temperature=temperature,
+                               softcap=softcap, logit_scale=logit_scale,
+                               ignore_index=ignore_index, stats=("lse",),
+                               max_tile_bytes=max_tile_bytes).lse
+
+    lp, ent, mass = kept.kept_logprobs(
+        hidden, weight, targets, kept_ids, bias=bias, temperature=temperature,
+        softcap=None if logit_scale == 0 else softcap, logit_scale=logit_scale,
+        ignore_index=ignore_index, dtype=compute_dtype(hidden), return_entropy=return_entropy,
+        want_mass=want_mass, full_lse=full_lse, max_tile_bytes=max_tile_bytes)
+    return LogprobOutput(logprobs=lp, entropy=ent, log_kept_mass=mass)
+
+
 def linear_logprobs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -275,6 +307,7 @@ def linear_logprobs(
     top_k: int | torch.Tensor | None = None,
     top_p: float | torch.Tensor | None = None,
     min_p: float | torch.Tensor | None = None,
+    kept_ids: torch.Tensor | None = None,
     softcap: float | None = None,
     logit_scale: float = 1.0,
     ignore_index: int = -100,
@@ -306,6 +339,12 @@ def linear_logprobs(
             truncated and renormalised (``logprobs`` ``-inf`` for targets outside the kept set,
             ``entropy`` the kept distribution's); see ``docs/sampler.md``. Not with
             ``vocab_parallel`` nor the stats ``sum_p_sq``, ``mean_logit``, ``is_top1``.
+        kept_ids: the kept set an engine recorded, instead of ``top_k`` / ``top_p`` /
+            ``min_p``: an int64 tensor ``[*targets.shape, K]`` of vocabulary ids, padded with
+            -1 (sets of different sizes per token). The results are those of the tempered
+            softmax renormalised over the set, from a gather of its weight rows in bounded
+            chunks (``stats`` may ask for ``"log_kept_mass"`` only, one streamed pass more).
+            Not with ``vocab_parallel`` nor under ``torch.compile``.
         return_entropy: also return ``H = -sum_j p_j log p_j``.
         stats: any of ``"sum_p_sq"`` (``sum_j p_j^2``), ``"mean_logit"``, ``"is_top1"``
             (target is an argmax), ``"lse"`` (``log sum_j exp z_j``), ``"log_kept_mass"``
@@ -334,6 +373,10 @@ def linear_logprobs(
     check_head_args(hidden, weight, targets, bias,
                     1.0 if isinstance(temperature, torch.Tensor) else temperature, softcap,
                     logit_scale, stats, zero_scale=True)
+    if kept_ids is not None:
+        return _kept_set(hidden, weight, targets, kept_ids, bias, temperature, top_k, top_p,
+                         min_p, softcap, logit_scale, ignore_index, return_entropy, stats,
+                         vocab_parallel, max_tile_bytes)
     sampler = sampled.sampler_settings(targets, weight.shape[0], temperature, top_k, top_p,
                                        min_p, vocab_parallel)
     if sampler is not None:

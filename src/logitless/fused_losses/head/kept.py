@@ -1,0 +1,193 @@
+"""Logprobs renormalised over a recorded kept set: ``linear_logprobs(kept_ids=...)``.
+
+A rollout engine that reports the set of vocabulary ids it kept for each sampled token (vLLM's
+and SGLang's sampling masks, a replayed sampler) fixes the distribution the token was drawn
+from: the tempered softmax restricted to that set. Nothing is recomputed from settings, so no
+boundary rounding and no version drift.
+
+Per token with kept ids ``S`` (``[..., K]``, padded with -1): the logits of ``S`` only,
+``z_S = logit_scale * softcap(h . W_S + b_S) / T``, from a gather of at most ``K`` weight rows,
+in row chunks whose gathered rows stay under ``max_tile_bytes``. Outputs: ``log q(y) = z_y -
+logsumexp(z_S)`` (``-inf`` when ``y`` is not in ``S``), the entropy of ``q`` and, on request,
+``log_kept_mass = logsumexp(z_S) - logsumexp(z)``, whose second term is one streamed pass of
+the whole head (the plain ``linear_logprobs``'s ``lse``). The backward regathers each chunk's
+rows: nothing of size ``K x D`` per token is kept between forward and backward.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from logitless.fused_losses.oplib import is_compiling
+
+DEFAULT_GATHER_BYTES = 64 * 2**20
+
+
+def check_kept_ids(kept_ids, targets: torch.Tensor, vocab: int, ignore_index: int):
+    """``kept_ids`` must be an int64 tensor ``[*targets.shape, K]`` (``K >= 1``) of ids in
+    ``[0, V)`` or -1 (padding), no id twice for a token, and at least one id for every token
+    whose target is not ``ignore_index``. Reads the values (eager calls only)."""
+    if not isinstance(kept_ids, torch.Tensor) or kept_ids.dtype != torch.int64:
+        got = type(kept_ids).__name__ if not isinstance(kept_ids, torch.Tensor) else kept_ids.dtype
+        raise ValueError(f"kept_ids must be an int64 tensor, got {got}")
+    if kept_ids.dim() != targets.dim() + 1 or kept_ids.shape[:-1] != targets.shape:
+        raise ValueError(f"kept_ids must have shape [*targets.shape, K] = "
+                         f"[{', '.join(map(str, targets.shape))}, K], got "
+                         f"{list(kept_ids.shape)}")
+    if kept_ids.shape[-1] < 1:
+        raise ValueError("kept_ids must hold at least one id per token (K >= 1), got K = 0")
+    if kept_ids.device != targets.device:
+        raise ValueError(f"kept_ids must be on targets' device {targets.device}, got "
+                         f"{kept_ids.device}")
+    if is_compiling():
+        return
+    ids = kept_ids.reshape(-1, kept_ids.shape[-1])
+    bad = (ids < -1) | (ids >= vocab)
+    if bool(bad.any()):
+        raise ValueError(f"kept_ids must be vocabulary ids in [0, {vocab}) or -1 (padding), got "
+                         f"{int(ids[bad][0])}")
+    ordered = ids.sort(dim=-1).values
+    twice = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)
+    if bool(twice.any()):
+        row = int(twice.any(-1).nonzero()[0])
+        raise ValueError(f"kept_ids must name each id at most once per token; token {row} "
+                         f"holds id {int(ordered[row, 1:][twice[row]][0])} twice")
+    live = targets.reshape(-1) != ignore_index
+    empty = live & (ids < 0).all(-1)
+    if bool(empty.any()):
+        raise ValueError(f"kept_ids must hold at least one id for every token whose target is "
+                         f"not ignore_index; token {int(empty.nonzero()[0])} has none")
+
+
+def _rows_per_chunk(k: int, d: int, itemsize: int, budget: int) -> int:
+    return max(1, budget // max(1, k * d * itemsize * 3))
+
+
+def _kept_logits(h, weight, bias, ids, temp, softcap, scale):
+    """``(z, raw, valid, w)`` for one chunk: the transformed logits of the kept ids ``[n, K]``
+    (-inf at padding), the pre-transform logits, the padding mask and the gathered rows."""
+    valid = ids >= 0
+    safe = ids.clamp_min(0)
+    # The gathered rows in the accumulation dtype: K rows per token are a matrix-vector product
+    # bound by the gather, so fp32 costs nothing and no logit is rounded to bf16.
+    acc = torch.float64 if h.dtype == torch.float64 else torch.float32
+    w = weight.index_select(0, safe.reshape(-1)).view(*safe.shape, -1).to(acc)  # [n, K, D]
+    raw = torch.bmm(w, h.to(acc).unsqueeze(-1)).squeeze(-1)
+    if bias is not None:
+        raw = raw + bias.index_select(0, safe.reshape(-1)).view(safe.shape).to(acc)
+    z = raw if softcap is None else softcap * torch.tanh(raw / softcap)
+    z = z * (scale / temp.to(acc).unsqueeze(-1))
+    return z.masked_fill(~valid, float("-inf")), raw, valid, w
+
+
+def check_kept_temperature(temperature, targets: torch.Tensor) -> None:
+    """A per-token temperature with ``kept_ids``: ``targets``' shape, finite and > 0."""
+    if not isinstance(temperature, torch.Tensor):
+        return
+    if temperature.shape != targets.shape or not temperature.is_floating_point():
+        raise ValueError(f"temperature as a tensor must be floating point with targets' shape "
+                         f"{tuple(targets.shape)}, got {temperature.dtype} "
+                         f"{tuple(temperature.shape)}")
+    if not is_compiling() and not bool((torch.isfinite(temperature) & (temperature > 0)).all()):
+        raise ValueError("temperature must be finite and > 0 for every token")
+
+
+class _KeptLogprobs(torch.autograd.Function):
+    """Rows ``[n, D]`` with their kept ids ``[n, K]`` and targets ``[n]`` (all live) ->
+    ``(lp, entropy, lse_kept)`` in the accumulation dtype; the backward regathers by chunk."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, ids, targets, temp, softcap, scale, budget):
+        acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+        n, k = ids.shape
+        step = _rows_per_chunk(k, hidden.shape[-1], 8 if acc == torch.float64 else 4, budget)
+        lp = torch.empty(n, dtype=acc, device=hidden.device)
+        ent, lse_k = torch.empty_like(lp), torch.empty_like(lp)
+        hit = ids == targets.unsqueeze(-1)
+        for s in range(0, n, step):
+            e = min(n, s + step)
+            z, _, valid, _ = _kept_logits(hidden[s:e], weight, bias, ids[s:e], temp[s:e],
+                                          softcap, scale)
+            z = z.to(acc)
+            lse = torch.logsumexp(z, dim=-1)
+            log_p = (z - lse.unsqueeze(-1)).masked_fill(~valid, 0.0)
+            p = torch.exp(log_p).masked_fill(~valid, 0.0)
+            ent[s:e] = -(p * log_p).sum(-1)
+            z_y = torch.where(hit[s:e], z, torch.zeros((), dtype=acc, device=z.device)).sum(-1)
+            lp[s:e] = torch.where(hit[s:e].any(-1), z_y - lse,
+                                  torch.full((), float("-inf"), dtype=acc, device=z.device))
+            lse_k[s:e] = lse
+        ctx.save_for_backward(hidden, weight, bias, ids, temp, lp, ent, lse_k, hit)
+        ctx.transform = (softcap, scale, step, acc)
+        return lp, ent, lse_k
+
+    @staticmethod
+    def backward(ctx, g_lp, g_ent, g_lse):
+        hidden, weight, bias, ids, temp, lp, ent, lse_k, hit = ctx.saved_tensors
+        softcap, scale, step, acc = ctx.transform
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        n = ids.shape[0]
+        d_h = torch.zeros(hidden.shape, dtype=acc, device=hidden.device) if need_h else None
+        d_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+        d_b = (torch.zeros(bias.shape, dtype=acc, device=bias.device)
+               if need_b and bias is not None else None)
+        zero = torch.zeros((), dtype=acc, device=hidden.device)
+        g_lp = zero.expand(n) if g_lp is None else torch.where(torch.isinf(lp), zero, g_lp)
+        g_ent = zero.expand(n) if g_ent is None else g_ent
+        g_lse = zero.expand(n) if g_lse is None else g_lse
+        for s in range(0, n, step):
+            e = min(n, s + step)
+            z, raw, valid, w = _kept_logits(hidden[s:e], weight, bias, ids[s:e], temp[s:e],
+                                            softcap, scale)
+            z = z.to(acc)
+            log_p = (z - lse_k[s:e].unsqueeze(-1)).masked_fill(~valid, 0.0)
+            p = torch.exp(log_p).masked_fill(~valid, 0.0)
+            # d lp / dz = 1[j = y] - p;  d H / dz = -p (log p + H);  d lse / dz = p
+            gl, gh, gs = g_lp[s:e, None], g_ent[s:e, None], g_lse[s:e, None]
+            dz = gl * (hit[s:e].to(acc) - p) - gh * p * (log_p + ent[s:e, None]) + gs * p
+            dz = dz.masked_fill(~valid, 0.0) * (scale / temp[s:e, None].to(acc))
+            if softcap is not None:
+                dz = dz * (1 - torch.tanh(raw.to(acc) / softcap) ** 2)
+            safe = ids[s:e].clamp_min(0).reshape(-1)
+            if d_h is not None:
+                d_h[s:e] = torch.bmm(dz.unsqueeze(1), w).squeeze(1)
+            if d_w is not None:
+                rows = dz.unsqueeze(-1) * hidden[s:e].to(acc).unsqueeze(1)  # [n, K, D]
+                d_w.index_add_(0, safe, rows.reshape(-1, rows.shape[-1]))
+            if d_b is not None:
+                d_b.index_add_(0, safe, dz.reshape(-1))
+        return (None if d_h is None else d_h.to(hidden.dtype),
+                None if d_w is None else d_w.to(weight.dtype),
+                None if d_b is None else d_b.to(bias.dtype),
+                None, None, None, None, None, None)
+
+
+def kept_logprobs(hidden, weight, targets, kept_ids, *, bias, temperature, softcap,
+                  logit_scale, ignore_index, dtype, return_entropy, want_mass, full_lse,
+                  max_tile_bytes):
+    """The results of ``linear_logprobs(kept_ids=...)`` as ``(logprobs, entropy,
+    log_kept_mass)`` shaped like ``targets`` (0 at ignored positions; None where not asked
+    for). ``full_lse`` gives the untruncated head's per-token lse when ``want_mass``."""
+    check_kept_ids(kept_ids, targets, weight.shape[0], ignore_index)
+    shape = targets.shape
+    flat_t = targets.reshape(-1)
+    rows = (flat_t != ignore_index).nonzero().squeeze(-1)
+    h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows).to(dtype)
+    ids = kept_ids.reshape(-1, kept_ids.shape[-1]).index_select(0, rows)
+    if isinstance(temperature, torch.Tensor):
+        temp = temperature.reshape(-1).index_select(0, rows).to(dtype)
+    else:
+        temp = torch.full((rows.numel(),), float(temperature), dtype=dtype, device=h.device)
+    budget = DEFAULT_GATHER_BYTES if max_tile_bytes is None else max_tile_bytes
+    lp, ent, lse_k = _KeptLogprobs.apply(h, weight, bias, ids, flat_t.index_select(0, rows), temp,
+                                         softcap, logit_scale, budget)
+
+    def scatter(x):
+        out = x.new_zeros(flat_t.shape)
+        return out.index_put((rows,), x).view(shape)
+
+    mass = None
+    if want_mass:
+        mass = scatter(lse_k) - torch.where(flat_t.view(shape) != ignore_index, full_lse(),
+                                            0.0).to(lse_k.dtype)
+    return scatter(lp), scatter(ent) if return_entropy else None, mass

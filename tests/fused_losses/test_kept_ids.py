@@ -1,0 +1,165 @@
+"""`linear_logprobs(kept_ids=...)`: logprobs renormalised over a recorded kept set, against the
+fp64 reference on the full logits; values, entropy, log_kept_mass and the gradients of hidden,
+weight and bias; sets of different sizes per token; the input contract (issue 25)."""
+
+import pytest
+import torch
+
+import logitless
+from logitless import reference
+
+N, D, V, K = 37, 96, 1007, 23
+
+
+def _inputs(seed, dtype=torch.float64, n=N, k=K, v=V, inside=0.7):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, D, generator=g, dtype=torch.float64)
+    weight = torch.randn(v, D, generator=g, dtype=torch.float64) / D**0.5 * 2
+    bias = torch.randn(v, generator=g, dtype=torch.float64) * 0.5
+    targets = torch.randint(0, v, (n,), generator=g)
+    # distinct ids per token, a random number of them, the rest -1
+    ids = torch.stack([torch.randperm(v, generator=g)[:k] for _ in range(n)])
+    sizes = torch.randint(1, k + 1, (n,), generator=g)
+    sizes[0], sizes[1] = 1, k  # one token keeps a single id, one the full K
+    ids = torch.where(torch.arange(k)[None, :] < sizes[:, None], ids, -1)
+    # most targets inside their set, at a random kept position
+    put = torch.rand(n, generator=g) < inside
+    pos = (torch.rand(n, generator=g) * sizes).long()
+    targets = torch.where(put, ids[torch.arange(n), pos], targets)
+    # shuffle the padding in between the ids: order must not matter
+    perm = torch.argsort(torch.rand(n, k, generator=g), dim=-1)
+    ids = ids.gather(-1, perm)
+    if n > 5:
+        targets[5] = -100
+    cast = (lambda x: x.to(dtype))
+    return cast(hidden), cast(weight), cast(bias), targets, ids
+
+
+def _leaves(*xs):
+    return [x.detach().clone().requires_grad_(True) for x in xs]
+
+
+def _grads(out, leaves, targets, seed):
+    g = torch.Generator().manual_seed(seed)
+    live = torch.isfinite(out["logprobs"]) & (targets != -100)
+    up = {k: torch.randn(v.shape, generator=g, dtype=torch.float64) for k, v in out.items()}
+    loss = sum((torch.where(live, out[k].double(), 0.0) * up[k]).sum() for k in out)
+    return torch.autograd.grad(loss, leaves)
+
+
+@pytest.mark.parametrize("opts", [
+    dict(),
+    dict(temperature=0.7, softcap=4.0),
+    dict(logit_scale=0.5, temperature="per-token"),
+], ids=["plain", "softcap", "per-token-temperature"])
+@pytest.mark.parametrize("budget", [None, 3 * K * D * 8 * 4])  # one chunk; chunks of 4 rows
+def test_matches_the_fp64_reference(opts, budget):
+    hidden, weight, bias, targets, ids = _inputs(1)
+    opts = dict(opts)
+    if opts.get("temperature") == "per-token":
+        opts["temperature"] = torch.rand(N, dtype=torch.float64) + 0.5
+    h1, w1, b1 = _leaves(hidden, weight, bias)
+    ours = logitless.linear_logprobs(h1, w1, targets, bias=b1, kept_ids=ids,
+                                     return_entropy=True, stats=("log_kept_mass",),
+                                     max_tile_bytes=budget, **opts)
+    h2, w2, b2 = _leaves(hidden, weight, bias)
+    want = reference.linear_logprobs(h2, w2, targets, b2, kept_ids=ids, **opts)
+    assert torch.isinf(want["logprobs"]).any() and torch.isfinite(want["logprobs"]).any()
+    got = {"logprobs": ours.logprobs, "entropy": ours.entropy,
+           "log_kept_mass": ours.log_kept_mass}
+    for key in got:
+        torch.testing.assert_close(got[key], want[key], rtol=1e-10, atol=1e-10, msg=key)
+    for a, b in zip(_grads(got, (h1, w1, b1), targets, 2),
+                    _grads(want, (h2, w2, b2), targets, 2)):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+
+
+def test_the_whole_vllm_kept_set_gives_the_sampler_path_numbers():
+    """The set vLLM keeps for top-k/top-p, passed as ids, gives what the settings give."""
+    hidden, weight, bias, targets, _ = _inputs(3)
+    settings = dict(temperature=0.8, top_k=40, top_p=0.9)
+    keep = reference.sampler_kept_mask(reference.linear_logits(hidden, weight, bias) / 0.8,
+                                       top_k=40, top_p=0.9)
+    k = int(keep.sum(-1).max())
+    ids = torch.where(keep, torch.arange(V).expand(N, V), V).sort(-1).values[:, :k]
+    ids = torch.where(ids == V, -1, ids)
+    by_ids = logitless.linear_logprobs(hidden, weight, targets, bias=bias, kept_ids=ids,
+                                       temperature=0.8, return_entropy=True)
+    by_settings = logitless.linear_logprobs(hidden, weight, targets, bias=bias,
+                                            return_entropy=True, **settings)
+    torch.testing.assert_close(by_ids.logprobs, by_settings.logprobs, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(by_ids.entropy, by_settings.entropy, rtol=1e-10, atol=1e-10)
+
+
+def test_gradcheck_tiny():
+    hidden, weight, bias, targets, ids = _inputs(4, n=5, k=4, v=11, inside=1.0)
+    targets[5 - 1] = ids[4][ids[4] >= 0][0]
+
+    def fn(h, w, b):
+        out = logitless.linear_logprobs(h, w, targets, bias=b, kept_ids=ids, softcap=3.0,
+                                        return_entropy=True, stats=("log_kept_mass",))
+        return out.logprobs, out.entropy, out.log_kept_mass
+
+    hidden = hidden[:5, :96].contiguous()
+    torch.autograd.gradcheck(fn, _leaves(hidden, weight, bias))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_reduced_precision_three_way(dtype):
+    hidden, weight, bias, targets, ids = _inputs(5)
+    low = [x.to(dtype) for x in (hidden, weight, bias)]
+    # the oracle on the same rounded inputs, in fp64
+    exact = reference.linear_logprobs(*(x.double() for x in low[:2]), targets, low[2].double(),
+                                      kept_ids=ids)
+    ours = logitless.linear_logprobs(low[0], low[1], targets, bias=low[2], kept_ids=ids,
+                                     return_entropy=True)
+    plain = reference.linear_logprobs(*low[:2], targets, low[2], kept_ids=ids)
+    live = torch.isfinite(exact["logprobs"])
+    for key, got in (("logprobs", ours.logprobs), ("entropy", ours.entropy)):
+        err = (got.double() - exact[key]).abs()[live]
+        bound = (plain[key].double() - exact[key]).abs()[live] + 1e-2
+        assert bool((err <= bound).all()), key
+    assert torch.equal(torch.isinf(ours.logprobs), ~live)
+
+
+def test_gradients_in_each_inputs_own_dtype():
+    """An fp32 head on bf16 hidden states: each gradient comes back in its input's dtype."""
+    hidden, weight, bias, targets, ids = _inputs(6)
+    h, w, b = _leaves(hidden.bfloat16(), weight.float(), bias.float())
+    out = logitless.linear_logprobs(h, w, targets, bias=b, kept_ids=ids)
+    torch.where(torch.isfinite(out.logprobs), out.logprobs, 0.0).sum().backward()
+    assert (h.grad.dtype, w.grad.dtype, b.grad.dtype) == (torch.bfloat16, torch.float32,
+                                                         torch.float32)
+    assert out.logprobs.dtype == torch.float32
+
+
+@pytest.mark.parametrize(("change", "match"), [
+    (lambda ids: dict(kept_ids=ids.int()), "kept_ids must be an int64 tensor"),
+    (lambda ids: dict(kept_ids=ids.tolist()), "kept_ids must be an int64 tensor"),
+    (lambda ids: dict(kept_ids=ids[:-1]), r"kept_ids must have shape \[\*targets.shape, K\]"),
+    (lambda ids: dict(kept_ids=ids[:, :0]), "K >= 1"),
+    (lambda ids: dict(kept_ids=torch.where(ids == ids[0, 0], V, ids)), r"in \[0, 1007\)"),
+    (lambda ids: dict(kept_ids=torch.where(ids == ids[0, 0], -2, ids)), r"in \[0, 1007\)"),
+    (lambda ids: dict(kept_ids=torch.cat([ids, ids[:, :1]], -1)), "at most once"),
+    (lambda ids: dict(kept_ids=torch.cat([torch.full_like(ids[:1], -1), ids[1:]])),
+     "at least one id"),
+    (lambda ids: dict(top_k=5), "without"),
+    (lambda ids: dict(stats=("sum_p_sq",)), "only 'log_kept_mass'"),
+    (lambda ids: dict(temperature=torch.zeros(N)), "temperature must be finite and > 0"),
+])
+def test_bad_input_raises_value_error(change, match):
+    hidden, weight, bias, targets, ids = _inputs(7, dtype=torch.float32)
+    args = dict(kept_ids=ids)
+    args.update(change(ids))
+    if "at most once" in match:  # the duplicated column must be a real id for some token
+        assert bool((args["kept_ids"][:, -1] >= 0).any())
+    with pytest.raises(ValueError, match=match):
+        logitless.linear_logprobs(hidden, weight, targets, bias=bias, **args)
+
+
+def test_an_ignored_token_may_keep_nothing():
+    hidden, weight, bias, targets, ids = _inputs(8)
+    ids[5] = -1  # targets[5] is ignore_index
+    out = logitless.linear_logprobs(hidden, weight, targets, bias=bias, kept_ids=ids,
+                                    return_entropy=True)
+    assert out.logprobs[5] == 0 and out.entropy[5] == 0
