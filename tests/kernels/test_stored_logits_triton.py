@@ -96,3 +96,39 @@ def test_one_chunk_statistics_and_logit_gradient(monkeypatch, dtype):
         err = (got.double() - want).abs()
         assert (err <= 2 * u * bound + 1e-6).all(), f"{name}: max err {float(err.max()):.2e}"
     assert d_hidden.dtype == dtype and d_weight.dtype == torch.float32
+
+
+@requires_triton
+def test_a_chunk_makes_no_tensor_from_python_data_and_reads_nothing_back(monkeypatch):
+    """The store's forward and backward never build a tensor from Python data (on CUDA that is
+    a host-to-device copy the stream waits for) nor read a value back to the host. Regression:
+    the partials' -inf planes were set by an index made from a Python list, twice a chunk."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from logitless.kernels.stored_logits_triton import StoredLogitsTriton
+
+    class Watch(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.bad = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = str(func)
+            if "lift_fresh" in name or "_local_scalar_dense" in name or "item" in name:
+                self.bad.append(name)
+            return func(*args, **(kwargs or {}))
+
+    monkeypatch.setattr(linear_softmax, "_BLOCK_V", 128)
+    n, d, v = 9, 32, 300
+    hidden, weight = torch.randn(n, d).bfloat16(), (0.3 * torch.randn(v, d)).bfloat16()
+    targets = torch.randint(0, v, (n,))
+    store = StoredLogitsTriton(v, n, torch.bfloat16, "cpu", None)
+    d_weight = torch.zeros(v, d)
+    with Watch() as watch:
+        for _ in range(2):  # a second chunk through the same store
+            lp, ent, lse = store.forward(hidden, weight, None, targets, temperature=0.9,
+                                         softcap=None, logit_scale=1.0)
+            store.backward_(hidden, weight, lse, ent, torch.ones(n), None, d_weight, None,
+                            want_hidden=True)
+    assert watch.bad == []
+    assert torch.isfinite(lp).all() and torch.isfinite(d_weight).all()

@@ -246,7 +246,7 @@ class _Fp32Plan(_Plan):
             if low and hidden.dtype != torch.float32 else None
         if self.tile.dtype != torch.float32:
             self.tile = torch.empty(size, dtype=torch.float32, device=dev)
-        self.direct = self.low is not None and mm_out_dtype(dev)
+        self.direct = self.low is not None and mm_out_dtype(dev, hidden.dtype)
 
     def logits(self, weight, bias, v0, v1, r0, rows) -> torch.Tensor:
         """The untransformed fp32 logits ``[rows, v1 - v0]`` of a group, one GEMM per

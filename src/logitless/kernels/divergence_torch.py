@@ -132,10 +132,11 @@ def _logits_fp32_into(z, hidden, weight, bias, temperature):
     without rounding them to the inputs' dtype first (TRL's divergence kernels keep their
     logits in fp32 too). A divergence's logit gradient is a difference of two heads' logits
     (``log p_s - log p_t`` for the reverse KL), which takes their rounding whole: bf16 logits
-    put the weight gradient outside the bf16 reference's error at V=1007. On CUDA with torch
-    >= 2.8 the GEMM writes fp32 directly; elsewhere the tile's operands are upcast (the row
-    block and the weight columns, ``D`` wide, never a tile of logits)."""
-    if mm_out_dtype(z.device):
+    put the weight gradient outside the bf16 reference's error at V=1007. Where the probe
+    (`mm_out_dtype`) finds the fp32-output GEMM, the GEMM writes fp32 directly; elsewhere the
+    tile's operands are upcast (the row block and the weight columns, ``D`` wide, never a tile
+    of logits)."""
+    if mm_out_dtype(z.device, hidden.dtype):
         torch.addmm(z, hidden, weight.t(), beta=0.0, out_dtype=torch.float32, out=z)
         if bias is not None:
             z.add_(bias)

@@ -33,8 +33,9 @@ _MAX_COLS = 16384
 # token's results would then depend on the size of its batch. A whole 1024-row block of
 # padding instead would make a 64-token call 16 times the work.
 _ROW_GRANULE = 64
-# torch >= 2.8 can write a bf16 x bf16 GEMM straight into an fp32 output on CUDA.
-_MM_OUT_DTYPE = "out_dtype" in (torch.addmm.__doc__ or "")
+# Whether ``torch.addmm(fp32, bf16, bf16, out_dtype=torch.float32)`` works, per (device, input
+# dtype): decided by `_probe_out_dtype` the first time a device asks, then cached.
+_MM_OUT_DTYPE: dict[tuple[str, int | None, torch.dtype], bool] = {}
 
 
 def _bytes_per_element(dtype: torch.dtype, softcap: float | None) -> int:
@@ -291,12 +292,30 @@ def backward(hidden, weight, bias, targets, lse, entropy, sum_p_sq, g_lp, g_entr
     return d_hidden, d_weight, d_bias
 
 
-def mm_out_dtype(device: torch.device) -> bool:
-    """Whether a bf16/fp16 GEMM writes an fp32 output directly on ``device``
-    (``torch.addmm(..., out_dtype=torch.float32)``): CUDA builds of torch >= 2.8. CPU builds
-    name the keyword too, but have no kernel for it: there the operands are upcast instead
-    (exact copies, the same fp32 sums)."""
-    return device.type == "cuda" and _MM_OUT_DTYPE
+def mm_out_dtype(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether a ``dtype`` GEMM writes an fp32 output directly on ``device``
+    (``torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)``). Decided once per device
+    and dtype by making exactly that call on 2 x 2 tensors (`_probe_out_dtype`), never from
+    the version or the docstring: CPU builds name the keyword but have no kernel for it, and
+    older CUDA builds refuse an fp32 ``self`` with bf16 operands. Where it fails the operands
+    are upcast instead (exact copies, the same fp32 sums)."""
+    key = (device.type, device.index, dtype)
+    if key not in _MM_OUT_DTYPE:
+        _MM_OUT_DTYPE[key] = _probe_out_dtype(device, dtype)
+    return _MM_OUT_DTYPE[key]
+
+
+def _probe_out_dtype(device: torch.device, dtype: torch.dtype) -> bool:
+    if device.type == "meta":
+        return False
+    try:
+        acc = torch.full((2, 2), 0.5, dtype=torch.float32, device=device)
+        a = torch.full((2, 2), 1.5, dtype=dtype, device=device)
+        torch.addmm(acc, a, a, beta=1.0, out_dtype=torch.float32, out=acc)
+        # 0.5 + 2 * 1.5^2 = 5.0 in every element, in fp32 (one host read per device)
+        return acc.dtype == torch.float32 and bool((acc == 5.0).all())
+    except (TypeError, RuntimeError, NotImplementedError, ValueError):
+        return False
 
 
 def addmm_acc_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, beta: float = 1.0) -> None:
@@ -308,7 +327,7 @@ def addmm_acc_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, beta: float 
     """
     if a.dtype == acc.dtype:
         torch.addmm(acc, a, b, beta=beta, out=acc)
-    elif mm_out_dtype(acc.device):
+    elif mm_out_dtype(acc.device, a.dtype):
         torch.addmm(acc, a, b, beta=beta, out_dtype=acc.dtype, out=acc)
     else:
         torch.addmm(acc, a.to(acc.dtype), b.to(acc.dtype), beta=beta, out=acc)

@@ -60,6 +60,11 @@ class StoredLogitsTriton:
         self.vocab, self.dtype = vocab, dtype
         self._logits = torch.empty(max_rows * vocab, dtype=dtype, device=device)
         self._state = torch.empty(7, max_rows, dtype=torch.float32, device=device)
+        # The partials' starting values, made once: each chunk copies them in with one op (an
+        # index by a Python list would copy that list to the device and wait for it).
+        self._state_init = torch.zeros(7, 1, dtype=torch.float32, device=device)
+        for plane in _NEG_INF_PLANES:
+            self._state_init[plane].fill_(float("-inf"))
 
     @staticmethod
     def bytes_per_row(vocab: int, dtype: torch.dtype, softcap: float | None,
@@ -84,8 +89,7 @@ class StoredLogitsTriton:
         else:
             torch.addmm(bias, hidden, weight.t(), out=x)
         state = self._state[:, :rows]
-        state.zero_()
-        state[list(_NEG_INF_PLANES)] = float("-inf")
+        state.copy_(self._state_init.expand(-1, rows))
         head._tile_stats_kernel[(rows,)](
             x, x.stride(0), self.targets, state, state.stride(0), self.vocab, 0,
             **self.scalars, **stats_meta(self.dtype, softcap))

@@ -198,13 +198,19 @@ def _vocab_offset(v_local: int, group, device) -> tuple[int, int]:
     return sum(sizes[:rank]), sum(sizes)
 
 
+# The device types torch.autocast knows (torch.amp's list); "meta" and the others have none.
+_AUTOCAST_DEVICES = frozenset({"cpu", "cuda", "xpu", "mps", "hpu", "mtia", "maia", "xla",
+                               "ipu", "privateuseone"})
+
+
 def compute_dtype(hidden: torch.Tensor) -> torch.dtype:
     """The dtype the head's GEMMs run in (TRL's rule): autocast's under ``torch.autocast``
     (trainers call the head there with fp32 master weights), else hidden's, whatever the
     weight's and bias's dtypes (they are cast to it)."""
     dev = hidden.device.type
-    available = getattr(torch.amp, "is_autocast_available", lambda d: d != "meta")
-    if available(dev) and torch.is_autocast_enabled(dev):
+    # A fixed set, not torch.amp.is_autocast_available: dynamo on torch 2.11 refuses to trace
+    # the C call behind it, which broke fullgraph=True for every op on the H200's torch.
+    if dev in _AUTOCAST_DEVICES and torch.is_autocast_enabled(dev):
         return torch.get_autocast_dtype(dev)
     return hidden.dtype
 
