@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from logitless.kernels import interpreter_compat
 from logitless.kernels import linear_softmax as head
 from logitless.kernels.divergence_torch import finish_kl
 from logitless.kernels.linear_softmax import (
@@ -43,6 +44,8 @@ from logitless.kernels.linear_softmax import (
     _round_to,
 )
 from logitless.kernels.linear_softmax_torch import mm_out_dtype
+
+interpreter_compat.apply()
 
 __all__ = ["divergence_backward", "divergence_forward", "topk_backward", "topk_forward"]
 

@@ -50,9 +50,12 @@ import torch
 import triton
 import triton.language as tl
 
+from logitless.kernels import interpreter_compat
 from logitless.kernels.linear_softmax import _round_to, _tanh
 from logitless.kernels.linear_softmax_torch import _head_slice, _pad_rows, addmm_acc_
 from logitless.kernels.sampler_torch import RowParams
+
+interpreter_compat.apply()
 
 __all__ = ["DEFAULT_TILE_BYTES", "backward", "chunk_stats", "forward", "row_args",
            "rows_per_chunk"]

@@ -1,0 +1,54 @@
+"""The Triton kernels under triton 3.6.0's CPU interpreter with this environment's numpy
+(issue 22): triton 3.6 converts a runtime loop bound with ``int()`` of a one-element array,
+which numpy >= 2.4 refuses; `kernels/interpreter_compat.py` converts the element instead."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from logitless.kernels import interpreter_compat
+
+ROOT = Path(__file__).resolve().parents[2]
+TRITON36 = ROOT / ".venv" / "triton-3.6.0"
+
+
+class _Handle:
+    def __init__(self, data):
+        self.data = data
+
+
+class _Scalar:
+    def __init__(self, data):
+        self.handle = _Handle(data)
+
+
+def test_the_conversion_takes_the_one_element():
+    assert interpreter_compat._index(_Scalar(np.array([7], dtype=np.int32))) == 7
+    assert interpreter_compat._index(_Scalar(np.array(9, dtype=np.int64))) == 9
+
+
+def test_apply_is_off_without_the_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert interpreter_compat.apply() is False
+
+
+@pytest.mark.slow
+def test_segment_and_head_kernels_run_under_the_triton_3_6_interpreter():
+    if not (TRITON36 / "triton").is_dir():
+        if os.environ.get("CI"):
+            pytest.fail(f"{TRITON36} is missing: `make setup` installs triton 3.6.0 there")
+        pytest.skip(f"{TRITON36} is missing (make setup installs it)")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(TRITON36), str(ROOT / "src"), str(ROOT / "tests")])
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
+         str(ROOT / "tests" / "kernels" / "test_segments_triton.py"),
+         str(ROOT / "tests" / "kernels" / "test_stored_logits_triton.py")],
+        env=env, capture_output=True, text=True, cwd=ROOT, timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
+    assert " passed" in done.stdout and " failed" not in done.stdout, done.stdout[-2000:]
