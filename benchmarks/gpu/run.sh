@@ -1,21 +1,25 @@
 #!/usr/bin/env bash
 # The one device script: on a CUDA machine without network whose Python already has torch and
 # triton (e.g. the lent H200: torch 2.11, triton 3.6, Python 3.12), install the missing peers
-# from .whl/ (download_wheels.sh), run the bench sweeps with the GEMM floor first in each, then
-# `logitless check`, and print a short summary table last. Under 8 minutes in all: each step has
-# a time limit, capped by what is left of the script's budget, and the script carries on past a
-# step that fails, so one bad provider cannot cost the rest.
+# from .whl/ (download_wheels.sh), run `logitless check` first (its rows printed as each case
+# finishes, each case's error in its own row), then the bench sweeps with the GEMM floor first
+# in each, and print a short summary table last. Under 8 minutes in all: each step has a time
+# limit, capped by what is left of the script's budget, and the script carries on past a step
+# that fails, so one bad provider cannot cost the rest.
 #
 #   bash benchmarks/gpu/run.sh OUTDIR            # on the GPU machine, from the checkout
+#   bash benchmarks/gpu/run.sh OUTDIR --quick    # the same, check and two sweeps: under 4 min
 #   bash benchmarks/gpu/run.sh OUTDIR --dry-run  # anywhere: CPU, tiny shapes, nothing installed
 #
 # Outputs: OUTDIR/<date>-<device>-<sweep>.{json,png}, all records together in
 # OUTDIR/<date>-<device>.json, a log per step. See benchmarks/gpu/README.md.
 set -uo pipefail
 
-OUT=${1:?usage: run.sh OUTDIR [--dry-run]}
+OUT=${1:?usage: run.sh OUTDIR [--dry-run|--quick]}
 DRY=0
+QUICK=0
 [[ "${2:-}" == "--dry-run" ]] && DRY=1
+[[ "${2:-}" == "--quick" ]] && QUICK=1
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 PY=${PYTHON:-python3}
 [[ $DRY == 1 && -x "$ROOT/.venv/bin/python" && -z "${PYTHON:-}" ]] && PY=$ROOT/.venv/bin/python
@@ -25,6 +29,7 @@ cd "$ROOT"
 # logitless runs from the checkout: no build step, nothing to install for it.
 export PYTHONPATH="$ROOT/src${PYTHONPATH:+:$PYTHONPATH}"
 BUDGET_S=${RUN_BUDGET_S:-460}  # the whole script, install included: under 8 minutes
+[[ $QUICK == 1 ]] && BUDGET_S=${RUN_BUDGET_S:-220}  # --quick: under 4 minutes
 # The dry run checks the plumbing on whatever CPU runs it (a loaded CI machine too): each step
 # gets 300 s, and the budget is not the GPU's.
 [[ $DRY == 1 ]] && BUDGET_S=${RUN_BUDGET_S:-1500}
@@ -87,6 +92,7 @@ if [[ $DRY == 1 ]]; then
   MID=(--tokens 48 --hidden 32 --vocab 500)
   DIV_PROVIDERS=(--providers gemm,logitless,naive,trl)
   CHECK=(--device cpu --backend torch --dtype float32)
+  CHECK_LIMIT=300
 else
   SLUG=$("$PY" -c "import torch; print(torch.cuda.get_device_name().lower())" 2>/dev/null \
          | sed -E 's/^nvidia //; s/[^a-z0-9]+/-/g; s/-+$//')
@@ -106,6 +112,8 @@ torch.cuda.get_device_name())"
   DIV_PROVIDERS=(--providers gemm,logitless,naive,trl,liger)
   # The CUDA paths users run (Triton epilogues over cuBLAS tiles), in the dtypes they train in.
   CHECK=(--device cuda --backend triton --dtype bfloat16 float32)
+  CHECK_LIMIT=90
+  [[ $QUICK == 1 ]] && CHECK=(--device cuda --backend triton --dtype bfloat16) && CHECK_LIMIT=60
 fi
 TAG="$(date -u +%Y-%m-%d)-$SLUG"
 
@@ -115,6 +123,20 @@ bench() {  # bench NAME TIMEOUT_S ARGS...: the GEMM floor is the first provider 
   step "$name" "$limit" "$PY" -m logitless.tools.cli bench "${BENCH[@]}" "$@" \
     --json "$OUT/$TAG-$name.json" --plot "$OUT/$TAG-$name.png"
 }
+
+# Every op against the fp64 reference first, with its own limit: its rows stream into the log
+# as each case finishes, so even a step cut short by its limit reports what it reached.
+step check "$CHECK_LIMIT" "$PY" -m logitless.tools.cli check "${CHECK[@]}"
+
+if [[ $QUICK == 1 ]]; then
+  bench logprobs-4k 50 --op logprobs --dtype bfloat16 --mode fwd-bwd "${MID[@]}" \
+    --providers gemm,logitless,naive
+  bench policy-loss-4k 50 --op policy-loss --dtype bfloat16 --mode fwd-bwd "${MID[@]}" \
+    --providers gemm,logitless-fused,naive
+  "$PY" "$ROOT/benchmarks/gpu/summary.py" "$OUT" "$TAG"
+  echo "done in $((SECONDS - START))s, exit $STATUS; results in $OUT"
+  exit $STATUS
+fi
 
 bench logprobs-16k 110 --op logprobs --dtype bfloat16 --mode fwd-bwd "${BIG[@]}" \
   "${BIG_BLOCK[@]}" "${PROVIDERS[@]}"
@@ -130,10 +152,6 @@ bench logprobs-topp-4k 50 --op logprobs --dtype bfloat16 --mode fwd-bwd "${MID[@
   --top-p 0.9 --providers gemm,logitless,naive
 bench attention-entropy 30 --op attention-entropy --dtype bfloat16 --mode fwd "${ATTN[@]}" \
   --providers gemm,logitless,naive
-# Every op against the fp64 reference on every device present (CUDA included), as the CLI
-# has it; after the timings, so that a slow check cannot cost them.
-step check 90 "$PY" -m logitless.tools.cli check "${CHECK[@]}"
-
 # All records in OUTDIR/<tag>.json, and the summary table, last.
 "$PY" "$ROOT/benchmarks/gpu/summary.py" "$OUT" "$TAG"
 echo "done in $((SECONDS - START))s, exit $STATUS; results in $OUT"

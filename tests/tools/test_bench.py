@@ -96,6 +96,14 @@ def test_gpu_script_dry_run(tmp_path):
         assert next(r for r in records if r["sweep"] == sweep)["provider"] == "gemm"
     assert "torch" in {r["provider"] for r in records if r["op"] == "logprobs"}
     assert "== check: exit 0" in done.stdout
+    # check runs first, before any sweep, and its log holds its streamed rows and its tally
+    steps = [ln.split()[1] for ln in done.stdout.splitlines() if ln.startswith("== ")
+             and "(limit" in ln]
+    assert steps[0] == "check", steps
+    check_log = (tmp_path / "check.log").read_text().splitlines()
+    assert check_log[0].split()[:3] == ["op", "case", "backend"]
+    assert sum(ln.endswith(" ok") for ln in check_log) > 20
+    assert check_log[-1].endswith("0 failed")
     # The summary table comes last: its header, one line per record, then the closing line.
     lines = done.stdout.rstrip().splitlines()
     head = next(i for i, ln in enumerate(lines) if ln.startswith("== summary"))

@@ -190,3 +190,38 @@ def test_the_exact_kl_row_checks_the_kl(name, corrupt, wrong, monkeypatch):
     monkeypatch.setattr(divergence_torch, name, corrupt(getattr(divergence_torch, name)))
     failed = {(r.case, r.quantity) for r in rows() if not r.ok}
     assert failed == {(exact[0].case, q) for q in wrong}
+
+
+def test_a_case_that_raises_fails_in_its_own_row_and_the_rest_run(monkeypatch, capsys):
+    """One exception never aborts the table: its case gets one ERROR row naming it, the other
+    cases and ops still report, and the exit status says failure (issue 22)."""
+    def broken(*args, **kwargs):
+        raise RuntimeError("deliberately broken")
+
+    monkeypatch.setattr(logitless, "attention_entropy", broken)
+    assert main(["check", "--device", "cpu", "--backend", "torch", "--dtype", "float32",
+                 "--op", "attention_entropy", "policy_loss", *SMALL_ARGS]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    errors = [line for line in lines if " ERROR " in line]
+    assert errors and all("RuntimeError: deliberately broken" in line for line in errors)
+    assert all(line.startswith("attention_entropy") for line in errors)
+    assert any(line.startswith("policy_loss") and line.endswith("ok") for line in lines)
+
+
+def test_rows_stream_as_each_case_finishes(monkeypatch):
+    """`iter_checks` yields a case's rows before the next case runs."""
+    from logitless.tools import check
+
+    seen = []
+    real = check.run_case
+
+    def spy(case, *args):
+        seen.append(case.name)
+        yield from real(case, *args)
+
+    monkeypatch.setattr(check, "run_case", spy)
+    rows = check.iter_checks(devices=["cpu"], backends=["torch"], dtypes=["float32"],
+                             ops=["policy_loss"], shape=SMALL)
+    first = next(rows)
+    assert seen == [first.case]  # only the first case has run
+    assert len(list(rows)) > 1 and len(seen) > 1

@@ -50,6 +50,7 @@ class CheckRow:
     max_abs: float
     max_rel: float
     ok: bool
+    error: str = ""  # the exception a case raised (its one row then fails)
 
 
 def present_devices() -> list[str]:
@@ -132,18 +133,19 @@ def run_case(case: Case, device: str, backend: str, dtype: torch.dtype) -> Itera
                        case.shape, name, max_abs, max_rel, ok)
 
 
-def run_checks(
+def iter_checks(
     *,
     devices: list[str] | None = None,
     backends: list[str] | None = None,
     dtypes: list[str] | None = None,
     ops: list[str] | None = None,
     shape: Shape | None = None,
-) -> list[CheckRow]:
+) -> Iterator[CheckRow]:
     """Rows of every case of ``ops`` (default all) on each device, backend and dtype (defaults:
-    :func:`present_devices`, :func:`default_backends`, all of ``DTYPES``)."""
+    :func:`present_devices`, :func:`default_backends`, all of ``DTYPES``), each case's rows
+    as soon as it is done. A case that raises gives one failing row naming the exception, and
+    the cases after it still run."""
     shape = shape or Shape()
-    rows = []
     for device in devices or present_devices():
         for backend in backends or default_backends(device):
             for dtype in dtypes or list(DTYPES):
@@ -151,15 +153,48 @@ def run_checks(
                     for case in CASES[op](shape):
                         if case.dtypes is not None and dtype not in case.dtypes:
                             continue
-                        rows.extend(run_case(case, device, backend, DTYPES[dtype]))
-    return rows
+                        try:
+                            rows = list(run_case(case, device, backend, DTYPES[dtype]))
+                        except Exception as err:
+                            rows = [CheckRow(case.op, case.name, backend, device, dtype,
+                                             case.shape, "(case)", float("nan"), float("nan"),
+                                             False, f"{type(err).__name__}: {err}")]
+                        yield from rows
+
+
+def run_checks(**kwargs) -> list[CheckRow]:
+    """All of :func:`iter_checks`'s rows, as a list."""
+    return list(iter_checks(**kwargs))
+
+
+_COLUMNS = (("op", 20), ("case", 26), ("backend", 7), ("device", 6), ("dtype", 8),
+            ("shape", 22), ("quantity", 16), ("max abs err", 11), ("max rel err", 11),
+            ("verdict", 7))
+
+
+def _cells(r: CheckRow) -> tuple:
+    verdict = "ERROR" if r.error else ("ok" if r.ok else "FAIL")
+    cells = (r.op, r.case, r.backend, r.device, r.dtype, r.shape, r.quantity,
+             f"{r.max_abs:.2e}", f"{r.max_rel:.2e}", verdict)
+    return (*cells, r.error.splitlines()[0][:200] if r.error else "")
+
+
+def format_row(r: CheckRow) -> str:
+    """One row in the streamed table's fixed columns (a longer cell widens its own line)."""
+    cells = _cells(r)
+    text = "  ".join(str(c).ljust(w) for c, (_, w) in zip(cells, _COLUMNS))
+    return (text + ("  " + cells[-1] if cells[-1] else "")).rstrip()
+
+
+def format_header() -> str:
+    head = "  ".join(name.ljust(w) for name, w in _COLUMNS).rstrip()
+    return head + "\n" + "  ".join("-" * w for _, w in _COLUMNS)
 
 
 def format_table(rows: list[CheckRow]) -> str:
     head = ("op", "case", "backend", "device", "dtype", "shape", "quantity", "max abs err",
             "max rel err", "verdict")
-    body = [(r.op, r.case, r.backend, r.device, r.dtype, r.shape, r.quantity,
-             f"{r.max_abs:.2e}", f"{r.max_rel:.2e}", "ok" if r.ok else "FAIL") for r in rows]
+    body = [_cells(r)[:-1] for r in rows]
     widths = [max(len(str(x)) for x in col) for col in zip(head, *body)]
     line = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()
     return "\n".join([line(head), line(["-" * w for w in widths]), *map(line, body)])
@@ -179,9 +214,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object per row")
 
 
-def _interpreted_rows(args: argparse.Namespace) -> list[CheckRow]:
+def _interpreted_rows(args: argparse.Namespace) -> Iterator[CheckRow]:
     """The CPU Triton rows, from a child process started with ``TRITON_INTERPRET=1`` (Triton
-    reads it when the kernels are first imported)."""
+    reads it when the kernels are first imported), each as the child prints it."""
     argv = [sys.executable, "-m", "logitless.tools.cli", "check", "--device", "cpu", "--backend",
             "triton", "--json"]
     for name in ("dtype", "op"):
@@ -189,12 +224,14 @@ def _interpreted_rows(args: argparse.Namespace) -> list[CheckRow]:
             argv += [f"--{name}", *getattr(args, name)]
     for f in fields(Shape):
         argv += [f"--{f.name.replace('_', '-')}", str(getattr(args, f.name))]
-    child = subprocess.run(argv, env={**os.environ, "TRITON_INTERPRET": "1"},
-                           capture_output=True, text=True)
+    with subprocess.Popen(argv, env={**os.environ, "TRITON_INTERPRET": "1"},
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as child:
+        for line in child.stdout:
+            if line.startswith("{"):
+                yield CheckRow(**json.loads(line))
+        err = child.stderr.read()
     if child.returncode not in (0, 1):
-        raise RuntimeError(f"the Triton interpreter's check failed to run:\n{child.stderr}")
-    return [CheckRow(**json.loads(line)) for line in child.stdout.splitlines()
-            if line.startswith("{")]
+        raise RuntimeError(f"the Triton interpreter's check failed to run:\n{err}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -208,7 +245,9 @@ def run(args: argparse.Namespace) -> int:
     if "cuda" in devices and not torch.cuda.is_available():
         print("logitless check: --device cuda, but torch sees no CUDA device", file=sys.stderr)
         return 2
-    rows = []
+    if not args.json:
+        print(format_header(), flush=True)
+    passed = failed = 0
     for device in devices:
         for backend in args.backend or default_backends(device):
             if backend == "triton" and importlib.util.find_spec("triton") is None:
@@ -217,15 +256,13 @@ def run(args: argparse.Namespace) -> int:
                 return 2
             if device == "cpu" and backend == "triton" and \
                     os.environ.get("TRITON_INTERPRET") != "1":
-                rows += _interpreted_rows(args)
-                continue
-            rows += run_checks(devices=[device], backends=[backend], dtypes=args.dtype,
-                               ops=args.op, shape=shape)
-    failed = [r for r in rows if not r.ok]
-    if args.json:
-        for row in rows:
-            print(json.dumps(asdict(row)))
-    else:
-        print(format_table(rows))
-        print(f"\n{len(rows) - len(failed)} passed, {len(failed)} failed")
+                rows = _interpreted_rows(args)
+            else:
+                rows = iter_checks(devices=[device], backends=[backend], dtypes=args.dtype,
+                                   ops=args.op, shape=shape)
+            for row in rows:
+                passed, failed = passed + row.ok, failed + (not row.ok)
+                print(json.dumps(asdict(row)) if args.json else format_row(row), flush=True)
+    if not args.json:
+        print(f"\n{passed} passed, {failed} failed")
     return 1 if failed else 0
