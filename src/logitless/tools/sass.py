@@ -1,0 +1,265 @@
+"""``python -m logitless.tools.sass --out DIR``: the sm_90 machine code of the streaming passes.
+
+Each Triton pass that streams a tile of logits is compiled for sm_90 (no GPU needed: the whole
+pipeline down to ``ptxas``), with the constexprs and warps its launcher uses and the argument
+specialisation the runtime gives it: every pointer 16-byte aligned, and the integer arguments
+divisible by 16 where they are at the shape (the row stride is the vocabulary, so V=151936 gets
+the aligned variant and V=151655 the other; both are compiled). The cubins go to ``DIR`` and
+``DIR/sass.json`` holds, per kernel: registers and spills (from the compiled metadata), and
+the streaming loop's length in SASS instructions, read from the disassembly by triton's own
+``nvdisasm`` (the longest loop: a backward branch to a label; the loop body is the
+instructions from the label to the branch).
+
+Budget (docs/gpu.md, "SASS report"): the warp instructions a pass issues per element,
+``loop_instructions * warps / elements_per_iteration``, against the bytes it moves per
+element. At 4 schedulers x 1.98 GHz x 132 SMs (1.05e12 warp instructions per second) and
+4.3 TB/s, issue time stays under 75% of HBM time when instructions per element are at most
+0.18 x bytes per element (0.36 for a bf16 read, 0.72 for a bf16 read and write).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ISSUE_BUDGET = 0.18  # warp instructions per element, per byte moved per element
+SHAPES = {"V=151936": 151936, "V=151655": 151655}  # divisible by 16, and not
+
+
+@dataclasses.dataclass
+class Variant:
+    """One compiled kernel: which pass (``role``), its kernel, signature and constexprs."""
+
+    name: str
+    role: str
+    dtype: str
+    module: str
+    kernel: str
+    signature: dict
+    constexprs: dict
+    warps: int
+    elements_per_iteration: int
+    bytes_per_element: float
+    divisible: tuple[str, ...] = ()  # integer arguments the runtime finds divisible by 16
+
+
+def _split(meta: dict) -> tuple[int, dict]:
+    meta = dict(meta)
+    return meta.pop("num_warps"), meta
+
+
+def variants(vocab: int) -> list[Variant]:
+    """The streaming passes the reference-shape calls launch (bf16), at vocabulary ``vocab``."""
+    import torch
+
+    from logitless.kernels import divergence as dv
+    from logitless.kernels import linear_softmax as ls
+    from logitless.kernels import stored_logits_triton as st
+
+    tile = ls.VOCAB_TILE
+    last = vocab % tile or tile
+    aligned = tuple(n for n, v in (("stride_row", vocab), ("width", last)) if v % 16 == 0)
+    g = torch.zeros(1)
+    out = []
+    head_stats_sig = dict(logits="*bf16", stride_row="i32", targets="*i64", state="*fp32",
+                          plane="i32", width="i32", v0="i32", softcap="fp32", z_scale="fp32")
+    head_grad_sig = dict(logits="*bf16", stride_row="i32", targets="*i64",
+                         **dict.fromkeys(("lse", "entropy", "sum_p_sq", "g_lp", "g_entropy",
+                                          "g_sum_p_sq", "g_mean_logit", "g_lse"), "*fp32"),
+                         n_rows="i32", width="i32", v0="i32", softcap="fp32", z_scale="fp32",
+                         inv_vocab_total="fp32")
+    for role, meta, sig, nbytes in (
+        ("head_stats", ls.stats_meta(torch.bfloat16, None, False, False), head_stats_sig, 2),
+        ("head_grad", ls.grad_meta(torch.bfloat16, None, g, g, None, None, None),
+         head_grad_sig, 4),
+        ("fused_stats", st.stats_meta(torch.bfloat16, None), head_stats_sig, 2),
+        ("fused_grad", st.grad_meta(torch.bfloat16, None, g, g), head_grad_sig, 4),
+    ):
+        warps, consts = _split(meta)
+        kernel = "_tile_stats_kernel" if "stats" in role else "_tile_grad_kernel"
+        out.append(Variant(f"{kernel}[{role}]", role, "bfloat16", ls.__name__, kernel, sig,
+                           consts, warps, consts["BLOCK_V"], nbytes, aligned))
+    pair = dict(zs_ptr="*fp32", stride_s="i32", zt_ptr="*fp32", stride_t="i32")
+    pair_aligned = tuple(n for n in ("stride_s", "stride_t", "width")
+                         if (dv._BLOCK_V if n == "width" else 16) % 16 == 0)
+    warps, consts = _split(dv.stats_meta(0.5))
+    out.append(Variant("_pair_stats_kernel[jsd]", "divergence_stats", "float32", dv.__name__,
+                       "_pair_stats_kernel",
+                       dict(pair, state="*fp32", plane="i32", width="i32", z_scale="fp32"),
+                       consts, warps, consts["BLOCK_V"], 8, pair_aligned))
+    warps, consts = _split(dv.grad_meta(0.5, torch.bfloat16))
+    out.append(Variant("_pair_grad_kernel[jsd]", "divergence_grad", "float32", dv.__name__,
+                       "_pair_grad_kernel",
+                       dict(pair, **dict.fromkeys(("lse_s", "lse_t", "aux", "grad"), "*fp32"),
+                            width="i32", z_scale="fp32", log_b="fp32", log_1mb="fp32",
+                            one_minus_beta="fp32"),
+                       consts, warps, consts["BLOCK_V"], 12, pair_aligned))
+    warps, consts = _split(dv.topk_grad_meta(torch.bfloat16))
+    out.append(Variant("_topk_grad_kernel", "divergence_topk_grad", "bfloat16", dv.__name__,
+                       "_topk_grad_kernel",
+                       dict(z_ptr="*bf16", stride_row="i32", ids="*i64", grad="*fp32", k="i32",
+                            lse="*fp32", width="i32", v0="i32", z_scale="fp32"),
+                       consts, warps, consts["BLOCK_V"], 4, aligned))
+    return out
+
+
+def _jit(fn):
+    from triton.runtime.jit import JITFunction
+
+    while not isinstance(fn, JITFunction):
+        fn = fn.fn
+    return fn
+
+
+def compile_variant(v: Variant):
+    """Compile ``v`` for sm_90 with the runtime's alignment attributes."""
+    import importlib
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = _jit(getattr(importlib.import_module(v.module), v.kernel))
+    full = dict(v.signature)
+    full.update(dict.fromkeys(v.constexprs, "constexpr"))
+    names = list(fn.arg_names)
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n, ty in v.signature.items()
+             if ty.startswith("*") or n in v.divisible}
+    src = ASTSource(fn=fn, signature=full, constexprs=dict(v.constexprs), attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": v.warps, "num_stages": 3})
+
+
+def ptxas_resources(ptx: str) -> dict:
+    """Registers and spill bytes of ``ptx`` as ``ptxas -v`` reports them (triton's ptxas)."""
+    import tempfile
+
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    arch = re.search(r"^\.target\s+(\S+)", ptx, re.M).group(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "kernel.ptx"
+        path.write_text(ptx)
+        done = subprocess.run([get_ptxas(90).path, "-v", f"--gpu-name={arch}", str(path),
+                               "-o", str(Path(tmp) / "k.cubin")],
+                              capture_output=True, text=True, check=True)
+    text = done.stderr + done.stdout
+
+    def number(pattern):
+        found = re.search(pattern, text)
+        return int(found.group(1)) if found else 0
+
+    return {"registers": number(r"Used (\d+) registers"),
+            "spills": number(r"(\d+) bytes spill stores") + number(r"(\d+) bytes spill loads")}
+
+
+def nvdisasm() -> str:
+    import triton
+
+    path = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    if not path.is_file():
+        raise FileNotFoundError(f"triton's nvdisasm is missing: {path}")
+    return str(path)
+
+
+_INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.+?);")
+_LABEL = re.compile(r"^\s*(\.L_\w+):")
+_BRANCH = re.compile(r"\bBRA\b[^`]*`\((\.L_\w+)\)")
+
+
+def loops(sass: str) -> list[int]:
+    """Instruction counts of every loop in ``sass`` (nvdisasm's text), longest first: a loop is
+    a branch back to a label at a lower address."""
+    labels, instrs = {}, []
+    pending = []
+    for line in sass.splitlines():
+        label = _LABEL.match(line)
+        if label:
+            pending.append(label.group(1))
+            continue
+        found = _INSTR.search(line)
+        if not found:
+            continue
+        index = len(instrs)
+        for name in pending:
+            labels[name] = index
+        pending = []
+        instrs.append(found.group(2))
+    out = []
+    for i, text in enumerate(instrs):
+        branch = _BRANCH.search(text)
+        if branch and labels.get(branch.group(1), i + 1) <= i:
+            out.append(i - labels[branch.group(1)] + 1)
+    return sorted(out, reverse=True)
+
+
+def report(out_dir: Path, shapes=SHAPES) -> dict:
+    """Compile every variant at each shape, write the cubins and ``sass.json``; return it."""
+    import triton
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for shape, vocab in shapes.items():
+        for v in variants(vocab):
+            compiled = compile_variant(v)
+            stem = re.sub(r"[^\w]+", "_", f"{v.name}_{shape}").strip("_")
+            cubin = out_dir / f"{stem}.cubin"
+            cubin.write_bytes(compiled.asm["cubin"])
+            text = subprocess.run([nvdisasm(), "-c", str(cubin)], capture_output=True,
+                                  text=True, check=True).stdout
+            found = loops(text)
+            res = ptxas_resources(compiled.asm["ptx"])
+            length = found[0] if found else 0
+            per_element = length * v.warps / v.elements_per_iteration
+            rows.append({
+                "name": v.name, "role": v.role, "dtype": v.dtype, "shape": shape,
+                "cubin": cubin.name, "registers": res["registers"],
+                "spills": res["spills"], "loop_instructions": length,
+                "warps": v.warps, "elements_per_iteration": v.elements_per_iteration,
+                "bytes_per_element": v.bytes_per_element,
+                "instructions_per_element": round(per_element, 4),
+                "budget_ratio": round(per_element / v.bytes_per_element, 4),
+                "within_budget": per_element <= ISSUE_BUDGET * v.bytes_per_element,
+                "divisible_by_16": list(v.divisible),
+            })
+    result = {"target": "sm_90", "triton": triton.__version__, "issue_budget": ISSUE_BUDGET,
+              "kernels": rows}
+    (out_dir / "sass.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+def format_table(result: dict) -> str:
+    head = ("kernel", "shape", "regs", "spills", "loop instr", "warps", "elems/iter",
+            "instr/elem", "bytes/elem", "ratio", "budget")
+    body = [(r["name"], r["shape"], r["registers"], r["spills"], r["loop_instructions"],
+             r["warps"], r["elements_per_iteration"], f"{r['instructions_per_element']:.3f}",
+             r["bytes_per_element"], f"{r['budget_ratio']:.3f}",
+             "ok" if r["within_budget"] else "OVER") for r in result["kernels"]]
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *body)]
+    line = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()
+    return "\n".join([f"sm_90, triton {result['triton']}, budget {ISSUE_BUDGET} x bytes/elem",
+                      line(head), line(["-" * w for w in widths]), *map(line, body)])
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m logitless.tools.sass",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, type=Path, help="folder for the cubins and sass.json")
+    args = p.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") == "1":  # the interpreter replaces the compiler
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        rest = sys.argv[1:] if argv is None else list(argv)
+        return subprocess.run([sys.executable, "-m", "logitless.tools.sass", *rest],
+                              env=env).returncode
+    print(format_table(report(args.out)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

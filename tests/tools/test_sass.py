@@ -1,0 +1,63 @@
+"""``python -m logitless.tools.sass``: the streaming passes compiled for sm_90, their loops
+counted in nvdisasm's SASS, the report's fields (issue 22)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from logitless.tools import sass
+
+SNIPPET = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+.L_x_0:
+        /*0010*/                   FADD R2, R2, R3 ;
+        /*0020*/                   MUFU.EX2 R4, R2 ;
+        /*0030*/               @P0 BRA `(.L_x_0) ;
+.L_x_1:
+        /*0040*/                   FMUL R5, R4, R4 ;
+        /*0050*/               @P1 BRA `(.L_x_2) ;
+        /*0060*/                   BRA `(.L_x_1);
+.L_x_2:
+        /*0070*/                   EXIT ;
+"""
+
+
+def test_loops_are_backward_branches_to_a_label():
+    # .L_x_0 .. its branch: 3 instructions; .L_x_1 .. the BRA back to it: 3; the forward
+    # branch to .L_x_2 is no loop
+    assert sass.loops(SNIPPET) == [3, 3]
+    assert sass.loops("        /*0000*/  EXIT ;") == []
+
+
+def test_the_variants_take_the_runtime_alignment():
+    aligned = {v.name: v.divisible for v in sass.variants(151936)}
+    odd = {v.name: v.divisible for v in sass.variants(151655)}
+    assert "stride_row" in aligned["_tile_stats_kernel[head_stats]"]
+    assert "stride_row" not in odd["_tile_stats_kernel[head_stats]"]
+    roles = {v.role for v in sass.variants(151936)}
+    assert {"head_stats", "head_grad", "fused_stats", "fused_grad"} <= roles
+
+
+@pytest.mark.slow
+def test_the_report_compiles_every_variant(tmp_path):
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-m", "logitless.tools.sass", "--out", str(tmp_path)],
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads((tmp_path / "sass.json").read_text())
+    assert result["target"] == "sm_90" and result["triton"]
+    kernels = result["kernels"]
+    assert len(kernels) == 2 * len(sass.variants(151936))
+    fields = {"name", "role", "dtype", "cubin", "registers", "spills", "loop_instructions",
+              "warps", "elements_per_iteration", "bytes_per_element"}
+    for k in kernels:
+        assert fields <= k.keys()
+        assert k["role"].split("_")[0] in ("head", "fused", "divergence")
+        assert (tmp_path / k["cubin"]).stat().st_size > 1000
+        assert 8 <= k["registers"] <= 255 and k["spills"] >= 0
+        assert 20 < k["loop_instructions"] < 5000  # a real streaming loop was found
+    assert "instr/elem" in done.stdout
