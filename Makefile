@@ -1,5 +1,6 @@
-# make demo: set-up, then `logitless check` and a side-by-side comparison with plain PyTorch.
-# make test: set-up, then the whole test suite (Triton kernels under the CPU interpreter), one
+# make demo: the demo's set-up only (torch and the TRL extra), then `logitless demo`: a line per
+# op of `logitless check`, then side-by-side runs beside plain PyTorch and stock TRL.
+# make test: the full set-up (test extras, verl, triton 3.6.0), then the whole test suite (Triton kernels under the CPU interpreter), one
 # pytest worker per core (pytest-xdist).
 SHELL := /bin/bash
 PYTHON ?= python3
@@ -7,6 +8,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 STAMP := $(VENV)/.installed
+DEMO_STAMP := $(VENV)/.demo-installed
 PYTEST_ARGS ?=
 # triton 3.6.0 (the version on the lent H200) beside the newest, for the sm_90 compile tests
 # (tests/kernels/test_compile_triton36.py puts it first on PYTHONPATH). --no-deps: triton needs
@@ -19,17 +21,27 @@ TRITON36_STAMP := $(TRITON36)/.installed
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
-# torch first, so that nothing later pulls a CUDA build on a machine without CUDA:
-# torch 2.13.0 CPU is what pip finds on this machine's disk; with torch installed, the
-# extras' `torch>=2.4` installs nothing more.
-$(STAMP): pyproject.toml Makefile | $(PY)
-	@if ! $(PY) -c "import torch" 2>/dev/null; then \
+# torch first, so that nothing later pulls a CUDA build on a machine without CUDA.
+INSTALL_TORCH = @if ! $(PY) -c "import torch" 2>/dev/null; then \
 	  if command -v nvidia-smi >/dev/null 2>&1; then $(PIP) install torch; \
 	  else $(PIP) install torch==2.13.0; fi; \
 	fi
+
+# The full set-up: torch 2.13.0 CPU is what pip finds on this machine.s disk; with torch
+# torch 2.13.0 CPU is what pip finds on this machine's disk; with torch installed, the
+# extras' `torch>=2.4` installs nothing more.
+$(STAMP): pyproject.toml Makefile | $(PY)
+	$(INSTALL_TORCH)
 	$(PIP) install -e ".[dev,trl,bench]"
 	bash scripts/install_verl.sh $(PY)
 	touch $(STAMP)
+
+# What `logitless demo` runs and nothing more: torch (the CPU build where there is no CUDA),
+# logitless and the TRL extra. The test extras, verl and triton 3.6.0 come with `make setup`.
+$(DEMO_STAMP): pyproject.toml Makefile | $(PY)
+	$(INSTALL_TORCH)
+	$(PIP) install -e ".[trl]"
+	touch $(DEMO_STAMP)
 
 $(TRITON36_STAMP): Makefile | $(PY)
 	rm -rf $(TRITON36)
@@ -38,8 +50,8 @@ $(TRITON36_STAMP): Makefile | $(PY)
 
 setup: $(STAMP) $(TRITON36_STAMP)
 
-demo: setup
-	$(VENV)/bin/logitless demo
+demo: $(DEMO_STAMP)
+	PYTHONWARNINGS=ignore::FutureWarning,ignore::DeprecationWarning $(VENV)/bin/logitless demo
 
 test: setup
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -n auto --dist worksteal $(PYTEST_ARGS)

@@ -225,3 +225,21 @@ def test_rows_stream_as_each_case_finishes(monkeypatch):
     first = next(rows)
     assert seen == [first.case]  # only the first case has run
     assert len(list(rows)) > 1 and len(seen) > 1
+
+
+def test_the_demo_sums_check_up_to_a_line_per_op(capsys):
+    """`logitless demo` starts with one line per op (the full table is `logitless check`'s)."""
+    import argparse
+
+    from logitless.tools.check import add_arguments
+    from logitless.tools.demo import check_summary
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--device", "cpu", "--backend", "torch", "--dtype", "float32",
+                              "--op", "policy_loss", "attention_entropy", *SMALL_ARGS])
+    assert check_summary(args) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "full table: logitless check" in lines[0]
+    assert [line.split()[0] for line in lines[1:]] == ["policy_loss", "attention_entropy"]
+    assert all(line.endswith(": ok") and "cpu/torch" in line for line in lines[1:])

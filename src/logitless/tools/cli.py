@@ -10,9 +10,9 @@ from logitless.tools.bench import cli as bench
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from logitless.tools.demo import run_demo
+    from logitless.tools.demo import check_summary, run_demo
 
-    return check.run(args) or run_demo()
+    return check_summary(args) or run_demo()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -21,8 +21,8 @@ def main(argv: list[str] | None = None) -> int:
     check.add_arguments(sub.add_parser(
         "check", help="every op against the fp64 reference on each backend present"))
     check.add_arguments(sub.add_parser(
-        "demo", help="check (its options apply), then logitless side by side with plain PyTorch "
-        "and stock TRL"))
+        "demo", help="check summed up to a line per op (its options apply), then logitless side "
+        "by side with plain PyTorch and stock TRL"))
     bench.add_arguments(sub.add_parser(
         "bench", help="time, peak memory and error of an op, side by side with its peers"))
     args = parser.parse_args(argv)

@@ -11,10 +11,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import tempfile
 import time
+import warnings
 from contextlib import contextmanager
 
 import torch
@@ -26,30 +28,60 @@ SHAPE = {"tokens": 512, "hidden": 896, "vocab": 151936}
 _MB = 2**20
 
 
+NOISE = ("timings: medians of a few calls on whatever CPU this is; on a shared machine they move "
+         "by 10-20% between runs, the ratios less")
+
+
+def check_summary(args) -> int:
+    """One line per op: ``logitless check``'s comparisons with the fp64 reference, summed up
+    (the full table is ``logitless check``'s). Returns 1 if any comparison failed."""
+    from logitless.tools import check
+
+    shape = check.Shape(**{f.name: getattr(args, f.name) for f in dataclasses.fields(check.Shape)})
+    devices = args.device or check.present_devices()
+    print("logitless check, summed up: each op's values and gradients against the fp64 "
+          "reference (full table: logitless check)")
+    failed = 0
+    for op in args.op or list(check.CASES):
+        rows = []
+        for device in devices:
+            backends = [b for b in (args.backend or check.default_backends(device))
+                        if not (b == "triton" and device == "cpu"
+                                and os.environ.get("TRITON_INTERPRET") != "1")]
+            rows += check.run_checks(devices=[device], backends=backends, dtypes=args.dtype,
+                                     ops=[op], shape=shape)
+        bad = [r for r in rows if not r.ok]
+        failed += len(bad)
+        where = ", ".join(sorted({f"{r.device}/{r.backend}" for r in rows}))
+        verdict = "ok" if not bad else f"{len(bad)} FAILED ({bad[0].case}: {bad[0].quantity})"
+        print(f"  {op:<20} {len(rows):>4} comparisons on {where}: {verdict}")
+    return 1 if failed else 0
+
+
 def side_by_side(records: list[dict]) -> str:
     """Table of the naive and logitless rows of one shape, with logitless / naive ratios."""
     by = {r["provider"]: r for r in records}
     ours, naive = by["logitless"], by["naive"]
-    lines = [f"{'':<16}{'time (median)':>16}{'peak MB':>12}{'max err vs fp64':>18}"]
+    lines = [f"{'':<16}{'time ms (median)':>17}{'peak MiB':>12}{'max err vs fp64':>18}"]
     for name, r in (("naive PyTorch", naive), ("logitless", ours)):
         if r["status"] != "ok":
             lines.append(f"{name:<16}{r['status']}: {r['reason']}")
             continue
         err = max(r["errors"].values()) if r["errors"] else float("nan")
-        lines.append(f"{name:<16}{r['time_ms']['median'] / 1e3:>15.2f}s"
+        lines.append(f"{name:<16}{r['time_ms']['median']:>17.1f}"
                      f"{r['peak_bytes'] / _MB:>12.1f}{err:>18.1e}")
     if ours["status"] == naive["status"] == "ok":
         t = ours["time_ms"]["median"] / naive["time_ms"]["median"]
         m = ours["peak_bytes"] / max(naive["peak_bytes"], 1)
-        lines.append(f"{'logitless/naive':<16}{t:>15.2f}x{m:>11.3f}x")
+        lines.append(f"{'logitless/naive':<16}{t:>16.2f}x{m:>11.3f}x")
     return "\n".join(lines)
 
 
 def run_head_demo() -> int:
     shape = ", ".join(f"{k}={v}" for k, v in SHAPE.items())
     print(f"\nlinear_logprobs forward+backward with entropy vs naive PyTorch (materialised "
-          f"logits), fp32, CPU, {shape}\npeak MB: above the inputs and their gradients, each "
-          f"provider in its own process (about a minute)")
+          f"logits), fp32, CPU, {shape}\npeak MiB: above the inputs and their gradients, each "
+          f"provider in its own process (about a minute)\n{NOISE}")
     records = run_sweep(Settings(op="logprobs", shapes=[SHAPE], modes=["fwd-bwd"],
                                  providers=["naive", "logitless"], warmup=0, repeats=2))
     print(side_by_side(records))
@@ -127,6 +159,10 @@ def run_trl_demo(steps: int = 4, vocab_size: int = 8192) -> int:
     from logitless.integrations.trl import GRPOTrainer
 
     hf_logging.set_verbosity_error()
+    # The demo's own output only: transformers' and TRL's deprecation notices are for their
+    # users' code, not for a reader of this comparison.
+    for category in (FutureWarning, DeprecationWarning, UserWarning):
+        warnings.filterwarnings("ignore", category=category, module=r"(transformers|trl)\b")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     tokenizer = tiny.tokenizer(vocab_size)
     runs = (("stock TRL", StockTrainer, trl_utils, "_ChunkedLogProbFunction"),
@@ -147,7 +183,7 @@ def run_trl_demo(steps: int = 4, vocab_size: int = 8192) -> int:
     records = run_sweep(Settings(op="logprobs", shapes=[shape], modes=["fwd-bwd"],
                                  providers=["trl", "logitless"], device=device, warmup=1,
                                  repeats=3, progress=False))
-    print(f"{'kernel':<12}{'time ms':>10}{'peak MiB':>10}")
+    print(f"{'kernel':<12}{'time ms':>10}{'peak MiB':>10}\n{NOISE}")
     for r in records:
         if r["status"] != "ok":
             print(f"{r['provider']:<12}{r['status']}: {r['reason']}")
