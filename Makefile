@@ -27,9 +27,8 @@ INSTALL_TORCH = @if ! $(PY) -c "import torch" 2>/dev/null; then \
 	  else $(PIP) install torch==2.13.0; fi; \
 	fi
 
-# The full set-up: torch 2.13.0 CPU is what pip finds on this machine.s disk; with torch
-# torch 2.13.0 CPU is what pip finds on this machine's disk; with torch installed, the
-# extras' `torch>=2.4` installs nothing more.
+# The full set-up: with torch installed (2.13.0 CPU from this machine's disk), the extras'
+# torch requirement installs nothing more.
 $(STAMP): pyproject.toml Makefile | $(PY)
 	$(INSTALL_TORCH)
 	$(PIP) install -e ".[dev,trl,bench]"
