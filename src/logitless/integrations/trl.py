@@ -447,8 +447,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         if cfg.objective == "vespo":
             phi = self._vespo_weights(cfg, logps, old, inputs, mask)
             logged["vespo/phi_seq_mean"].append(self._global_mean(phi.mean(), phi.numel()))
-        ours = {k: v for k, v in metrics.items() if not k.startswith("entropy/bonus")
-                and (k != "kl" or "ref_per_token_logps" in inputs)}
+        ours = {k: v for k, v in metrics.items() if not k.startswith("entropy/bonus")}
         values = self.accelerator.gather(torch.stack([v.float() for v in ours.values()])[None])
         for i, name in enumerate(ours):
             column = values[:, i]
