@@ -38,7 +38,11 @@ from logitless.integrations.sampler_config import (
     SamplerTruncation,
     drop_outside_kept,
 )
-from logitless.integrations.trl_config import config_from_grpo, sampler_from_grpo
+from logitless.integrations.trl_config import (
+    config_from_grpo,
+    loss_config_over_grpo,
+    sampler_from_grpo,
+)
 from logitless.integrations.trl_head import (
     SUPPORTED_TRL,
     LogitlessChunkedLogProb,
@@ -54,6 +58,7 @@ __all__ = [
     "GRPOTrainer",
     "LogitlessChunkedLogProb",
     "config_from_grpo",
+    "loss_config_over_grpo",
     "patch_trl",
     "sampler_from_grpo",
     "trl_patched",
@@ -107,7 +112,10 @@ class GRPOTrainer(trl.GRPOTrainer):
 
     Args: TRL's, plus
         loss_config: the objective (default ``config_from_grpo(args)``: TRL's own loss).
-            Its ``grad_accum_steps`` and ``dp_size`` are set per call from the trainer.
+            The fields passed to its constructor override those of the ``GRPOConfig``, the
+            others come from it (:func:`loss_config_over_grpo`); a field set in both to
+            different values raises ``ValueError``. Its ``grad_accum_steps`` and ``dp_size``
+            are set per call from the trainer.
         attention_entropy_layers, attention_entropy_heads: layers and query heads whose mean
             attention entropy feeds ``attn_entropy_weighting`` (default: all).
         match_sampler: compute the policy's and the old policy's logprobs and entropies under
@@ -146,7 +154,8 @@ class GRPOTrainer(trl.GRPOTrainer):
         if match_sampler:
             self._sampler = sampler_from_grpo(self.args)
             self._check_generation_backend()
-        cfg = config_from_grpo(self.args) if loss_config is None else loss_config
+        cfg = (config_from_grpo(self.args) if loss_config is None
+               else loss_config_over_grpo(self.args, loss_config))
         if _uses_kl(cfg) and self.beta == 0.0:
             raise ValueError(
                 "loss_config: a KL term (beta or future_kl_coef) needs the reference logprobs, "
