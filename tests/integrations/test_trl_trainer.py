@@ -558,6 +558,31 @@ def test_example_script_runs(monkeypatch, capsys):
     assert [line.split(":")[0] for line in lines] == ["step 1", "step 2"]
 
 
+def test_example_script_with_kl(monkeypatch, capsys):
+    """``--beta``: the example hands TRL a saved folder, from which TRL builds the reference
+    model, and the KL is logged (an in-memory model would fail inside TRL)."""
+    import runpy
+    from pathlib import Path
+
+    script = Path(__file__).parents[2] / "examples" / "trl_grpo.py"
+    monkeypatch.setattr("sys.argv", [str(script), "--steps", "2", "--objective", "gmpo",
+                                     "--beta", "0.04"])
+    runpy.run_path(str(script), run_name="__main__")
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert [line.split(":")[0] for line in lines] == ["step 1", "step 2"]
+    kls = [float(line.split(" kl ")[1]) for line in lines]
+    assert all(math.isfinite(k) and k >= 0 for k in kls)
+
+
+def test_in_memory_model_with_kl_is_refused_clearly(tmp_path, tokenizer):
+    """TRL rebuilds the reference from the policy's path; a model built in memory has none:
+    a ValueError saying what works, before TRL fails in the hub client."""
+    with pytest.raises(ValueError, match=r"save_pretrained\(folder\) and pass model=folder"):
+        GRPOTrainer(model=tiny_qwen2(tokenizer), reward_funcs=vowel_reward,
+                    args=grpo_args(tmp_path, beta=0.04), train_dataset=prompt_dataset(),
+                    processing_class=tokenizer)
+
+
 def _distill(tmp_path, tokenizer, beta):
     """Three steps of TRL's on-policy ``DistillationTrainer``: a tiny student and a wider
     teacher (hidden 48 vs 32, one vocabulary), SGD at a learning rate that moves the student."""
