@@ -352,7 +352,14 @@ def _div_args(**change):
     (dict(bias=torch.randn(8, dtype=torch.float64)), "bias"),
     (dict(weight=torch.randn(9, D + 1, dtype=torch.float64)), "weight"),
     (dict(mask=torch.ones(5, dtype=torch.bool)), "mask"),
-    (dict(mask=torch.ones(4)), "mask"),
+    (dict(mask=torch.ones(5)), "mask"),
+    (dict(mask=torch.ones(4, dtype=torch.complex64)), "mask"),
+    (dict(hidden=torch.zeros(4, 0, dtype=torch.float64),
+          weight=torch.zeros(9, 0, dtype=torch.float64)), "hidden size"),
+    (dict(teacher_hidden=torch.zeros(4, 0, dtype=torch.float64),
+          teacher_weight=torch.zeros(9, 0, dtype=torch.float64)), "teacher_hidden must have"),
+    (dict(weight=torch.zeros(0, D, dtype=torch.float64),
+          teacher_weight=torch.zeros(0, D_T, dtype=torch.float64)), "vocabulary"),
 ])
 def test_divergence_bad_input(change, match):
     with pytest.raises(ValueError, match=match):
@@ -391,7 +398,36 @@ def _topk_args(**change):
     (dict(temperature=0), "temperature"),
     (dict(mask=torch.ones(4, 3, dtype=torch.bool)), "mask"),
     (dict(log_prob_min_clamp=float("nan")), "log_prob_min_clamp"),
+    (dict(log_prob_min_clamp=float("inf")), "log_prob_min_clamp"),
+    (dict(log_prob_min_clamp=0.5), "log_prob_min_clamp"),
+    (dict(loss_max_clamp=-1.0), "loss_max_clamp"),
+    (dict(loss_max_clamp=0.0), "loss_max_clamp"),
+    (dict(loss_max_clamp=float("nan")), "loss_max_clamp"),
+    (dict(hidden=torch.zeros(4, 0, dtype=torch.float64),
+          weight=torch.zeros(9, 0, dtype=torch.float64)), "hidden size"),
+    (dict(weight=torch.zeros(0, D, dtype=torch.float64)), "vocabulary"),
 ])
 def test_topk_bad_input(change, match):
     with pytest.raises(ValueError, match=match):
         logitless.linear_topk_distill(**_topk_args(**change))
+
+
+def test_numpy_scalars_and_real_masks_accepted():
+    """As `linear_logprobs` and `fused_policy_loss` take them: numpy scalars for beta,
+    temperature and the clamps, and a float or integer mask (nonzero: kept), which gives what
+    the bool mask gives."""
+    np = pytest.importorskip("numpy")
+    args = _div_args(beta=np.float32(0.25), temperature=np.float64(0.7))
+    plain = logitless.linear_divergence(**_div_args(beta=0.25, temperature=0.7))
+    torch.testing.assert_close(logitless.linear_divergence(**args), plain, rtol=0, atol=0)
+    keep = torch.tensor([True, False, True, True])
+    want = logitless.linear_divergence(**_div_args(mask=keep))
+    assert float(want[1]) == 0.0 and float(want.abs().min()) == 0.0
+    for mask in (keep.double(), keep.int(), keep.float() * 0.5):
+        got = logitless.linear_divergence(**_div_args(mask=mask))
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    topk = dict(temperature=np.float32(0.5), log_prob_min_clamp=np.float64(-8.0),
+                loss_max_clamp=np.float32(5.0))
+    want = logitless.linear_topk_distill(**_topk_args(mask=keep, **topk))
+    got = logitless.linear_topk_distill(**_topk_args(mask=keep.float(), **topk))
+    torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -101,6 +101,7 @@ def run_reference(batch, cfg, *, with_ref=True, with_rollout=False, dtype=torch.
 def assert_same(got, want, rtol=1e-10):
     (loss, metrics, grads), (loss_r, metrics_r, grads_r) = got, want
     torch.testing.assert_close(loss.double(), loss_r.double(), rtol=rtol, atol=1e-12)
+    assert list(metrics) == list(metrics_r)  # the same names: kl only given a reference
     for k, v in metrics_r.items():
         torch.testing.assert_close(metrics[k].double(), v.double(), rtol=rtol, atol=1e-12,
                                    msg=lambda m, k=k: f"metric {k}: {m}")

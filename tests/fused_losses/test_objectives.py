@@ -558,6 +558,18 @@ def test_gradients_reach_logprobs_and_entropy_only():
             assert t.grad is None, name
 
 
+def test_metrics_left_out_when_not_computed():
+    """Without a reference there is no ``kl`` metric, without entropies no ``entropy/mean``
+    (not a 0 that reads like a measurement); given them, both appear."""
+    d = make(5)
+    cfg = PolicyLossConfig(objective="grpo")
+    _, bare = policy_loss(d["lp"], d["old"], d["adv"], d["mask"], cfg)
+    assert "kl" not in bare and "entropy/mean" not in bare
+    _, full = policy_loss(d["lp"], d["old"], d["adv"], d["mask"], cfg, ref_logprobs=d["ref"],
+                          entropy=d["ent"])
+    assert {"kl", "entropy/mean"} <= full.keys()
+
+
 def test_metrics_match_direct_formulas():
     d = make(12)
     m = d["mask"]

@@ -189,3 +189,30 @@ def test_tokens_outside_the_kept_set_leave_the_loss():
     assert float(fraction) == pytest.approx(2 / 5)
     (new * kept).sum().backward()
     assert logps.grad.tolist() == [[1.0, 0.0, 1.0], [0.0, 1.0, 0.0]]
+
+
+def test_truncate_reference(tiny, tmp_path):
+    """``truncate_reference=True``: the reference pass too is the sampler's truncated
+    distribution (against the oracle), and the KL at step 1, where the policy is the
+    reference, is 0; without it the KL compares the truncated policy with the full reference
+    and is far from 0 (the number docs/trl.md quotes)."""
+    kls = {}
+    for truncate in (False, True):
+        trainer = make_trainer(Recording, tiny, grpo_args(tmp_path / str(truncate), beta=0.05),
+                               match_sampler=True, truncate_reference=truncate)
+        trainer.train()
+        ref = [c for c in trainer.calls if c["reference"]]
+        assert ref
+        for c in ref:
+            expected = c["matched"] if truncate else c["full"]
+            _close(c["logps"], expected["logprobs"], c["mask"], "reference logprobs")
+        logged = trainer.state.log_history[0]
+        kls[truncate] = logged["kl"]
+        assert ("logitless/sampler/outside_kept_reference" in logged) == truncate
+    print(f"kl at step 1: untruncated reference {kls[False]:.4f}, truncated {kls[True]:.2e}")
+    assert abs(kls[True]) < 1e-6 < 0.1 < kls[False]
+
+
+def test_truncate_reference_needs_match_sampler(tiny, tmp_path):
+    with pytest.raises(ValueError, match=r"truncate_reference.*match_sampler=True"):
+        make_trainer(GRPOTrainer, tiny, grpo_args(tmp_path, beta=0.05), truncate_reference=True)

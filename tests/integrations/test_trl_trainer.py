@@ -21,7 +21,11 @@ from tiny_models import prompt_dataset, tiny_qwen2, tiny_tokenizer, vowel_reward
 
 trl = pytest.importorskip("trl", reason="TRL is installed by `make test`")
 
-from logitless.integrations.trl import GRPOTrainer, config_from_grpo  # noqa: E402
+from logitless.integrations.trl import (  # noqa: E402
+    GRPOTrainer,
+    config_from_grpo,
+    loss_config_over_grpo,
+)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -401,6 +405,63 @@ def test_entropy_quantile_over_processes(tmp_path, model_dir, tokenizer):
                            num_items_in_batch=inputs["num_items_in_batch"])
     assert abs(float(alone) - float(theirs)) > 1e-4 * abs(float(theirs))
 
+@pytest.mark.parametrize("grpo,config,message", [
+    (dict(beta=0.04), PolicyLossConfig(objective="gmpo", beta=0.0),
+     "GRPOConfig.beta=0.04 but loss_config.beta=0.0"),
+    (dict(loss_type="grpo"), PolicyLossConfig(objective="gmpo"),
+     "GRPOConfig.loss_type='grpo' but loss_config.objective='gmpo'"),
+    (dict(loss_type="grpo"), PolicyLossConfig(objective="grpo", loss_agg="token-mean"),
+     r"GRPOConfig.loss_type='grpo' \(which makes loss_agg='seq-mean-token-mean'\) but "
+     "loss_config.loss_agg='token-mean'"),
+    (dict(epsilon=0.3), PolicyLossConfig(eps_high=0.28),
+     "GRPOConfig.epsilon=0.3 but loss_config.eps_high=0.28"),
+    (dict(epsilon_high=0.28), PolicyLossConfig(eps_high=0.3),
+     "GRPOConfig.epsilon_high=0.28 but loss_config.eps_high=0.3"),
+    (dict(delta=2.0), PolicyLossConfig(delta=3.0), "GRPOConfig.delta=2.0 but loss_config.delta"),
+    (dict(entropy_coef=0.01), PolicyLossConfig(entropy_coef=0.02),
+     "GRPOConfig.entropy_coef=0.01 but loss_config.entropy_coef=0.02"),
+    (dict(loss_type="cispo", epsilon_high=4.0), PolicyLossConfig(cispo_cap=5.0),
+     "GRPOConfig.epsilon_high=4.0 but loss_config.cispo_cap=5.0"),
+])
+def test_loss_config_conflicts_with_grpo_config(grpo, config, message, tmp_path):
+    """A field set in both configs (the GRPOConfig's away from TRL's default, the
+    PolicyLossConfig's passed to it) to different values is refused, naming both."""
+    with pytest.raises(ValueError, match=message):
+        loss_config_over_grpo(grpo_args(tmp_path, **grpo), config)
+
+
+def test_loss_config_overrides_grpo_config(tmp_path):
+    """The fields passed to PolicyLossConfig override, the others come from the GRPOConfig:
+    TRL's own objective gives config_from_grpo with the overrides; another objective keeps
+    its defaults except what the GRPOConfig sets (here beta, with TRL's KL estimate) and the
+    trainer's settings; equal values set in both are no conflict."""
+    args = grpo_args(tmp_path, beta=0.04, loss_type="grpo", epsilon=0.3)
+    assert loss_config_over_grpo(args, PolicyLossConfig(dual_clip_c=3.0)) == config_from_grpo(
+        args, dual_clip_c=3.0)
+    assert loss_config_over_grpo(args, PolicyLossConfig(objective="grpo", beta=0.04,
+                                                        eps_low=0.3)) == config_from_grpo(args)
+    args = grpo_args(tmp_path, beta=0.04)  # loss_type: TRL's default
+    gmpo = loss_config_over_grpo(args, PolicyLossConfig(objective="gmpo"))
+    theirs = config_from_grpo(args)
+    assert gmpo == PolicyLossConfig(
+        objective="gmpo", beta=0.04, kl_estimator="k3", kl_bias_correction=True,
+        kl_bias_correction_grad=True, max_response_length=8, grad_accum_steps=2,
+        seq_count="all")
+    assert (gmpo.eps_low, gmpo.kl_bias_correction) == (0.4, theirs.kl_bias_correction)
+    k2 = loss_config_over_grpo(args, PolicyLossConfig(objective="dapo", kl_estimator="k2"))
+    assert k2 == config_from_grpo(args, kl_estimator="k2")
+
+
+def test_loss_config_keeps_grpo_config_kl(tmp_path, model_dir, tokenizer):
+    """The README's combination: GRPOConfig(beta=0.04) and a loss_config naming another
+    objective. The loss keeps the KL term and TRL's ``kl`` metric is logged."""
+    trainer = train(GRPOTrainer, model_dir, tokenizer, grpo_args(tmp_path, beta=0.04, max_steps=1),
+                    loss_config=PolicyLossConfig(objective="gmpo"))
+    assert trainer.loss_config.beta == 0.04 and trainer.loss_config.objective == "gmpo"
+    logged = [e for e in trainer.state.log_history if "loss" in e]
+    assert logged and all(math.isfinite(e["kl"]) for e in logged)
+
+
 @pytest.mark.parametrize("config,kwargs,message", [
     (PolicyLossConfig(beta=0.1), {}, r"GRPOConfig\.beta"),
     (PolicyLossConfig(attn_entropy_weighting="tanh"), dict(attention_entropy_layers=[2]),
@@ -495,6 +556,31 @@ def test_example_script_runs(monkeypatch, capsys):
     runpy.run_path(str(script), run_name="__main__")
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
     assert [line.split(":")[0] for line in lines] == ["step 1", "step 2"]
+
+
+def test_example_script_with_kl(monkeypatch, capsys):
+    """``--beta``: the example hands TRL a saved folder, from which TRL builds the reference
+    model, and the KL is logged (an in-memory model would fail inside TRL)."""
+    import runpy
+    from pathlib import Path
+
+    script = Path(__file__).parents[2] / "examples" / "trl_grpo.py"
+    monkeypatch.setattr("sys.argv", [str(script), "--steps", "2", "--objective", "gmpo",
+                                     "--beta", "0.04"])
+    runpy.run_path(str(script), run_name="__main__")
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert [line.split(":")[0] for line in lines] == ["step 1", "step 2"]
+    kls = [float(line.split(" kl ")[1]) for line in lines]
+    assert all(math.isfinite(k) and k >= 0 for k in kls)
+
+
+def test_in_memory_model_with_kl_is_refused_clearly(tmp_path, tokenizer):
+    """TRL rebuilds the reference from the policy's path; a model built in memory has none:
+    a ValueError saying what works, before TRL fails in the hub client."""
+    with pytest.raises(ValueError, match=r"save_pretrained\(folder\) and pass model=folder"):
+        GRPOTrainer(model=tiny_qwen2(tokenizer), reward_funcs=vowel_reward,
+                    args=grpo_args(tmp_path, beta=0.04), train_dataset=prompt_dataset(),
+                    processing_class=tokenizer)
 
 
 def _distill(tmp_path, tokenizer, beta):

@@ -92,3 +92,24 @@ def test_top_p_boundary_within_fp32_rounding_matches_the_exact_sums():
     params = RowParams(torch.ones(1), None, torch.full((1,), 0.9, dtype=torch.float64), None)
     got, _ = sampler_torch.select(z, torch.zeros(1, dtype=torch.int64), params)
     assert torch.equal(got, sampler_kept_mask(z.double(), top_p=0.9))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("setting", [dict(top_k=3), dict(min_p=0.1), dict(top_p=0.9),
+                                     dict(top_k=4, top_p=0.8, min_p=0.05)])
+def test_a_non_finite_hidden_row_gives_nan(bad, setting):
+    """A NaN or inf in a hidden row: that row's logprob is NaN, as on the plain path, not the
+    -inf meaning "outside the kept set" (which the TRL adapter would drop as a sampler
+    mismatch, hiding a diverged model); the other rows are unchanged."""
+    import logitless
+
+    gen = torch.Generator().manual_seed(3)
+    h, w = torch.randn(5, 8, generator=gen), torch.randn(13, 8, generator=gen)
+    t = torch.randint(0, 13, (5,), generator=gen)
+    clean = logitless.linear_logprobs(h, w, t, **setting).logprobs
+    h[2, 4] = bad
+    assert torch.isnan(logitless.linear_logprobs(h, w, t).logprobs[2])  # the plain path
+    got = logitless.linear_logprobs(h, w, t, **setting).logprobs
+    assert torch.isnan(got[2])
+    keep = torch.arange(5) != 2
+    torch.testing.assert_close(got[keep], clean[keep], rtol=0, atol=0)

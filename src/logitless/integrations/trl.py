@@ -38,7 +38,11 @@ from logitless.integrations.sampler_config import (
     SamplerTruncation,
     drop_outside_kept,
 )
-from logitless.integrations.trl_config import config_from_grpo, sampler_from_grpo
+from logitless.integrations.trl_config import (
+    config_from_grpo,
+    loss_config_over_grpo,
+    sampler_from_grpo,
+)
 from logitless.integrations.trl_head import (
     SUPPORTED_TRL,
     LogitlessChunkedLogProb,
@@ -54,6 +58,7 @@ __all__ = [
     "GRPOTrainer",
     "LogitlessChunkedLogProb",
     "config_from_grpo",
+    "loss_config_over_grpo",
     "patch_trl",
     "sampler_from_grpo",
     "trl_patched",
@@ -102,22 +107,52 @@ def _uses_kl(cfg: PolicyLossConfig) -> bool:
     return isinstance(cfg.beta, torch.Tensor) or cfg.beta != 0 or cfg.future_kl_coef != 0
 
 
+def _check_reference_source(model, args, peft_config) -> None:
+    """TRL 1.16 builds the reference model (``beta != 0``, no PEFT) from the policy's
+    ``config._name_or_path``, which a model built in memory does not have (TRL then fails
+    inside the hub client): say so, and what works, before TRL loads anything."""
+    from trl.trainer.utils import get_config_model_id
+
+    if args is None or args.beta == 0.0 or isinstance(model, str) or peft_config is not None:
+        return
+    if getattr(model, "peft_config", None) is not None:
+        return  # a PEFT model: TRL disables the adapter for the reference
+    config = getattr(model, "config", None)
+    if config is not None and not get_config_model_id(config):
+        raise ValueError(
+            "model: with GRPOConfig.beta != 0 TRL rebuilds the reference model from "
+            "model.config._name_or_path, which is empty for a model built in memory; "
+            "model.save_pretrained(folder) and pass model=folder (see docs/trl.md)")
+
+
 class GRPOTrainer(trl.GRPOTrainer):
     """TRL's ``GRPOTrainer`` with the loss of `policy_loss` and the LM head of logitless.
 
     Args: TRL's, plus
         loss_config: the objective (default ``config_from_grpo(args)``: TRL's own loss).
-            Its ``grad_accum_steps`` and ``dp_size`` are set per call from the trainer.
+            The fields passed to its constructor override those of the ``GRPOConfig``, the
+            others come from it (:func:`loss_config_over_grpo`); a field set in both to
+            different values raises ``ValueError``. Its ``grad_accum_steps`` and ``dp_size``
+            are set per call from the trainer.
         attention_entropy_layers, attention_entropy_heads: layers and query heads whose mean
             attention entropy feeds ``attn_entropy_weighting`` (default: all).
         match_sampler: compute the policy's and the old policy's logprobs and entropies under
             the distribution the generation backend samples from: the tempered logits
             truncated by the ``GRPOConfig``'s ``top_k`` / ``top_p`` / ``min_p`` as vLLM does,
             renormalised (see :func:`sampler_from_grpo` for what is read and refused, at
-            construction). The reference model's logprobs stay untruncated. A completion token
+            construction). The reference model's logprobs stay untruncated (the KL then
+            compares a truncated policy with a full reference: 2.3 at step 1, where the policy
+            is the reference, on the tiny model of tests/integrations/test_trl_sampler.py
+            with temperature 0.7, top_k 8, top_p 0.9) unless ``truncate_reference``. A
+            completion token
             outside the kept set of the recomputed policy or old policy (the two engines
             disagreeing at the boundary) is left out of the loss and counted in
             ``logitless/sampler/outside_kept``. Off by default: TRL's own numbers.
+        truncate_reference: with ``match_sampler``, the reference model's logprobs too are
+            those of its tempered logits under the same truncation, so that the KL compares
+            like with like (0 at step 1). A completion token outside the reference's kept set
+            is left out of the loss and counted in
+            ``logitless/sampler/outside_kept_reference``.
 
     Logs TRL's metric names (``kl``, ``entropy``, ``clip_ratio/*``, ``cispo_clip_ratio``,
     ``vespo/phi_seq_mean``, ``policy_loss``, ``entropy_coef``, ``aux_loss``) with TRL's values,
@@ -132,21 +167,26 @@ class GRPOTrainer(trl.GRPOTrainer):
     def __init__(self, *args, loss_config: PolicyLossConfig | None = None,
                  attention_entropy_layers: Sequence[int] | None = None,
                  attention_entropy_heads: Sequence[int] | None = None,
-                 match_sampler: bool = False, **kwargs):
+                 match_sampler: bool = False, truncate_reference: bool = False, **kwargs):
         trl_module, _, function = _trl_modules()
         _check_contract(trl_module, function)
-        if match_sampler:  # refuse before TRL loads models and starts vLLM
-            given = inspect.signature(trl.GRPOTrainer.__init__).bind_partial(
-                self, *args, **kwargs).arguments.get("args")
-            if given is not None:
-                sampler_from_grpo(given)
+        bound = inspect.signature(trl.GRPOTrainer.__init__).bind_partial(
+            self, *args, **kwargs).arguments
+        _check_reference_source(bound.get("model"), bound.get("args"), bound.get("peft_config"))
+        if match_sampler and bound.get("args") is not None:
+            sampler_from_grpo(bound["args"])  # refuse before TRL loads models and starts vLLM
+        if truncate_reference and not match_sampler:
+            raise ValueError("truncate_reference: truncates the reference model's logprobs "
+                             "as match_sampler truncates the policy's; set match_sampler=True")
         self._sampler = None
+        self._truncate_reference = truncate_reference
         self._reference_pass = False
         super().__init__(*args, **kwargs)
         if match_sampler:
             self._sampler = sampler_from_grpo(self.args)
             self._check_generation_backend()
-        cfg = config_from_grpo(self.args) if loss_config is None else loss_config
+        cfg = (config_from_grpo(self.args) if loss_config is None
+               else loss_config_over_grpo(self.args, loss_config))
         if _uses_kl(cfg) and self.beta == 0.0:
             raise ValueError(
                 "loss_config: a KL term (beta or future_kl_coef) needs the reference logprobs, "
@@ -202,8 +242,9 @@ class GRPOTrainer(trl.GRPOTrainer):
         recording = (self._recording_attention(model, logits_to_keep) if record
                      else contextlib.nullcontext())
         # the sampler drew from the policy: the reference model's logprobs stay untruncated
+        # unless truncate_reference
         reference = model is self.ref_model or self._reference_pass
-        sampler = None if reference else self._sampler
+        sampler = None if reference and not self._truncate_reference else self._sampler
         with _logitless_head(compute_entropy, sampler), recording:
             return super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
@@ -334,9 +375,15 @@ class GRPOTrainer(trl.GRPOTrainer):
         old = inputs.get("old_per_token_logps")
         old = logps.detach() if old is None else old
         outside = None
+        ref = inputs.get("ref_per_token_logps")
         if self._sampler is not None:
             tokens = mask.sum()
             logps, old, mask, outside = drop_outside_kept(logps, old, mask)
+            if ref is not None and self._truncate_reference:
+                # a token outside the reference's kept set: logprob -inf, the KL undefined
+                _, ref, mask, ref_outside = drop_outside_kept(ref, ref, mask)
+                self._metrics[mode]["logitless/sampler/outside_kept_reference"].append(
+                    self._global_mean(ref_outside, tokens))
         coef = cfg.entropy_coef
         if self._entropy_control is not None:
             coef = self._entropy_control.current()
@@ -349,7 +396,7 @@ class GRPOTrainer(trl.GRPOTrainer):
                                                         entropies, batch)
         loss, metrics = policy_loss(
             logps, old, inputs["advantages"], mask, cfg,
-            ref_logprobs=inputs.get("ref_per_token_logps"),
+            ref_logprobs=ref,
             rollout_logprobs=batch["rollout_logprobs"],
             entropy=entropies,
             attention_entropy=batch["attention_entropy"],
@@ -447,8 +494,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         if cfg.objective == "vespo":
             phi = self._vespo_weights(cfg, logps, old, inputs, mask)
             logged["vespo/phi_seq_mean"].append(self._global_mean(phi.mean(), phi.numel()))
-        ours = {k: v for k, v in metrics.items() if not k.startswith("entropy/bonus")
-                and (k != "kl" or "ref_per_token_logps" in inputs)}
+        ours = {k: v for k, v in metrics.items() if not k.startswith("entropy/bonus")}
         values = self.accelerator.gather(torch.stack([v.float() for v in ours.values()])[None])
         for i, name in enumerate(ours):
             column = values[:, i]

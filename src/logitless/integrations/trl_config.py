@@ -4,6 +4,8 @@ every ``loss_type``) and the sampler's truncations (`sampler_from_grpo`, for
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from logitless.fused_losses.objectives.catalog import OBJECTIVES
@@ -64,6 +66,11 @@ def config_from_grpo(args, **overrides) -> PolicyLossConfig:
     its documented range is [0, 1]), ``vllm_importance_sampling_clip_max`` <= 0 (every weight
     0).
     """
+    return _build(args, _grpo_fields(args), overrides)
+
+
+def _grpo_fields(args) -> dict:
+    """`config_from_grpo`'s fields for ``args``, before any override."""
     loss_type = args.loss_type
     eps_high = args.epsilon if args.epsilon_high is None else args.epsilon_high
     fields = dict(
@@ -110,7 +117,13 @@ def config_from_grpo(args, **overrides) -> PolicyLossConfig:
             rollout_is_min=args.vllm_importance_sampling_clip_min,
             rollout_is_max=args.vllm_importance_sampling_clip_max,
         )
-    fields.update(overrides)
+    return fields
+
+
+def _build(args, fields: dict, overrides: dict) -> PolicyLossConfig:
+    """``PolicyLossConfig(**fields, **overrides)``; an invalid value is reported under the
+    ``GRPOConfig`` argument it comes from (an override: under its own field)."""
+    fields = {**fields, **overrides}
     try:
         return PolicyLossConfig(**fields)
     except ConfigError as e:
@@ -121,6 +134,93 @@ def config_from_grpo(args, **overrides) -> PolicyLossConfig:
             raise
         raise ValueError(f"GRPOConfig.{argument}: {e.reason} (as PolicyLossConfig.{e.field})"
                          ) from e
+
+
+# The GRPOConfig arguments each PolicyLossConfig field is read from (beyond `_GRPO_ARGUMENTS`'
+# one-to-one names): a field set in both configs is compared against them.
+_SOURCES = {**{k: (v,) for k, v in _GRPO_ARGUMENTS.items()},
+            "loss_agg": ("loss_type",), "kl_bias_correction": ("use_bias_correction_kl",),
+            "rollout_is": ("use_vllm", "vllm_importance_sampling_correction",
+                           "vllm_importance_sampling_mode"),
+            "rollout_is_mode": ("vllm_importance_sampling_mode",)}
+# Taken from the GRPOConfig whatever the objective: the trainer's settings, TRL's counting and
+# the rollout correction its generation needs.
+_ALWAYS = frozenset({"max_response_length", "grad_accum_steps", "dp_size", "seq_count",
+                     "rollout_is", "rollout_is_mode", "rollout_is_min", "rollout_is_max"})
+# ... and taken along with a field: TRL's KL estimate comes with its beta, its entropy
+# aggregation with its entropy_coef.
+_COMPANIONS = {"beta": ("kl_estimator", "kl_bias_correction", "kl_bias_correction_grad"),
+               "entropy_coef": ("entropy_agg",)}
+
+
+def _sources(field_name: str, args) -> tuple[str, ...]:
+    if field_name in ("eps_low", "eps_high") and args.loss_type == "cispo":
+        return ()  # TRL's cispo reads epsilon_high as its cap, no clip bounds
+    if field_name == "cispo_cap" and args.loss_type != "cispo":
+        return ()
+    if field_name in ("eps_high", "cispo_cap") and args.epsilon_high is None:
+        return ("epsilon",)  # TRL's epsilon_high defaults to epsilon
+    return _SOURCES.get(field_name, ())
+
+
+def _set_in(args) -> frozenset:
+    """The ``GRPOConfig`` arguments whose value is not TRL's default (what the user set)."""
+    out = set()
+    for f in dataclasses.fields(type(args)):
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+        else:
+            continue
+        if getattr(args, f.name, default) != default:
+            out.add(f.name)
+    return frozenset(out)
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return a is b
+    return a == b
+
+
+def loss_config_over_grpo(args, loss_config: PolicyLossConfig) -> PolicyLossConfig:
+    """``loss_config`` laid over ``config_from_grpo(args)``: the fields passed to its
+    constructor (`PolicyLossConfig.given_fields`) override, the others come from ``args``.
+
+    With ``loss_config``'s objective TRL's ``loss_type`` (or not given), the result is
+    ``config_from_grpo(args, **given)``. With another objective (``loss_type`` then left at
+    TRL's default), it is that objective's defaults with, from ``args``: the arguments set
+    there (``beta`` with TRL's KL estimate, ``epsilon`` / ``epsilon_high``, ``delta``,
+    ``entropy_coef`` with TRL's entropy aggregation, ``top_entropy_quantile``,
+    ``importance_sampling_level``, ``off_policy_mask_threshold``, ...) and always
+    ``max_completion_length``, vLLM's importance-sampling correction and the trainer's
+    accumulation and world size.
+
+    Raises ``ValueError`` naming both fields when one set in both (``GRPOConfig`` not at
+    TRL's default, ``loss_config`` given) disagrees, e.g. "GRPOConfig.beta=0.04 but
+    loss_config.beta=0.0"; ``loss_type`` speaks for ``objective`` and ``loss_agg``.
+    """
+    given = {f: getattr(loss_config, f) for f in loss_config.given_fields()
+             if f not in ("grad_accum_steps", "dp_size")}
+    set_in_grpo = _set_in(args)
+    base = config_from_grpo(args)
+    for name, value in given.items():
+        set_sources = [a for a in _sources(name, args) if a in set_in_grpo]
+        theirs = getattr(base, name)
+        if set_sources and not _same(theirs, value):
+            arg = set_sources[0]
+            shown = getattr(args, arg)
+            note = "" if _same(shown, theirs) else f" (which makes {name}={theirs!r})"
+            raise ValueError(f"GRPOConfig.{arg}={shown!r}{note} but loss_config.{name}="
+                             f"{value!r}: set it in one of the two, or to the same value")
+    if given.get("objective", args.loss_type) == args.loss_type:
+        return _build(args, _grpo_fields(args), given)
+    fields = _grpo_fields(args)
+    carried = {k for k in fields
+               if k in _ALWAYS or set_in_grpo.intersection(_sources(k, args))}
+    carried |= {c for k, cs in _COMPANIONS.items() if k in carried for c in cs}
+    return _build(args, {k: v for k, v in fields.items() if k in carried}, given)
 
 
 # generation_kwargs keys that leave the per-token sampling distribution alone (lengths, stop

@@ -295,9 +295,8 @@ def _verl_metrics(metrics: dict[str, torch.Tensor]) -> dict[str, float]:
     if "clip_ratio/region" in ours:
         out["actor/pg_clipfrac"] = ours["clip_ratio/region"]
         out["actor/pg_clipfrac_lower"] = ours["clip_ratio/low"]
-    # verl passes no reference logprobs or entropies: their metrics are verl's own.
-    out.update({f"actor/logitless/{k}": v for k, v in ours.items()
-                if k not in ("kl", "entropy/mean")})
+    # verl passes no reference logprobs or entropies: policy_loss leaves their metrics out.
+    out.update({f"actor/logitless/{k}": v for k, v in ours.items()})
     return out
 
 

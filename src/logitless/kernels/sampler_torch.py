@@ -335,6 +335,9 @@ def forward(hidden, weight, bias, targets, params: RowParams, *, softcap, logit_
         stats = _chunk_stats(_Selection(z, p, cols), _pad_rows(targets[sl], padded, 0))
         for out, x in zip(outs, stats):
             out[sl] = x[:real]
+    # A row with a NaN or inf logit has no distribution: its logprob is NaN (as the plain
+    # path's, and the Triton sampler's), not the -inf that means "outside the kept set".
+    outs[0] = torch.where(torch.isfinite(outs[3]), outs[0], torch.nan)
     return tuple(outs)
 
 

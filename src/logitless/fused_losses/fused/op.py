@@ -15,7 +15,7 @@ from torch._subclasses.fake_tensor import is_fake
 from logitless.fused_losses.fused.call import Head, check_static, checked_ref
 from logitless.fused_losses.fused.chunks import run_call
 from logitless.fused_losses.fused.grads import Need
-from logitless.fused_losses.objectives.config import PolicyLossConfig
+from logitless.fused_losses.objectives.config import KL_EXACT, PolicyLossConfig
 from logitless.fused_losses.objectives.policy_inputs import _check_shapes
 from logitless.fused_losses.objectives.policy_loss import policy_loss
 from logitless.fused_losses.oplib import (
@@ -72,7 +72,9 @@ def op_call(head, targets, old_logprobs, advantages, mask, config, strategy, cu_
             raise ValueError(f"{name}: expected a number, got {value!r}")
         counts.append(value)
     need = Need.of(head.hidden, head.weight, head.bias)
-    names = metric_names(config.objective, config.rollout_is)
+    has_kl = (ref_args[0] if config.kl_estimator == KL_EXACT
+              else tensors["ref_logprobs"]) is not None
+    names = metric_names(config.objective, config.rollout_is, has_kl)
     loss, values, *_ = torch.ops.logitless.fused_policy_loss(
         head.hidden, head.weight, head.bias, targets, old_logprobs, advantages, mask,
         tensors["ref_logprobs"], tensors["rollout_logprobs"], tensors["token_weights"],
@@ -163,19 +165,21 @@ _METRIC_NAMES: dict[tuple, tuple[str, ...]] = {}
 
 
 @torch.compiler.assume_constant_result
-def metric_names(objective: str, rollout_is: str | None) -> tuple[str, ...]:
+def metric_names(objective: str, rollout_is: str | None, kl: bool = False) -> tuple[str, ...]:
     """The names, in order, of the metrics `fused_policy_loss` returns for ``objective`` with
-    ``rollout_is``: those of `policy_loss` given the entropies, found once by running it on a
-    two-token batch (the objective decides whether there are clip metrics, ``rollout_is``
-    whether there are IS-weight metrics). Under dynamo a constant of the graph: the op
-    returns the metrics as one tensor and the wrapper names its entries."""
-    key = (objective, rollout_is)
+    ``rollout_is``, with a ``kl`` metric or not (a reference given: its logprobs, or its head
+    for ``kl_estimator="exact"``): those of `policy_loss` given the entropies, found once by
+    running it on a two-token batch (the objective decides whether there are clip metrics,
+    ``rollout_is`` whether there are IS-weight metrics). Under dynamo a constant of the graph:
+    the op returns the metrics as one tensor and the wrapper names its entries."""
+    key = (objective, rollout_is, kl)
     if key not in _METRIC_NAMES:
         cfg = PolicyLossConfig(objective=objective, rollout_is=rollout_is)
         lp = torch.tensor([[-1.0, -2.0]])
         with torch.no_grad():
             _, metrics = policy_loss(lp, lp - 0.1, torch.ones(1), torch.ones(1, 2), cfg,
-                                     entropy=-lp, rollout_logprobs=lp - 0.2)
+                                     entropy=-lp, rollout_logprobs=lp - 0.2,
+                                     ref_logprobs=lp - 0.3 if kl else None)
         _METRIC_NAMES[key] = tuple(metrics)
     return _METRIC_NAMES[key]
 

@@ -22,6 +22,7 @@ from logitless.fused_losses.oplib import (
     distinct,
     grads_fake,
     grads_or_empty,
+    is_number,
     none_grads,
     put_rows,
     take_rows,
@@ -143,6 +144,8 @@ def _check_head(prefix: str, hidden, weight, bias, lead=None):
     h, w, b = f"{prefix}hidden", f"{prefix}weight", f"{prefix}bias"
     if not isinstance(hidden, torch.Tensor) or hidden.dim() < 1:
         raise ValueError(f"{h} must be a tensor [..., D]")
+    if hidden.shape[-1] == 0:
+        raise ValueError(f"{h} must have a hidden size D >= 1, got shape {tuple(hidden.shape)}")
     if hidden.dtype not in _FLOAT_DTYPES:
         raise ValueError(f"{h} must be floating point (fp32/bf16/fp16/fp64), got {hidden.dtype}")
     if lead is not None and tuple(hidden.shape[:-1]) != tuple(lead):
@@ -152,6 +155,8 @@ def _check_head(prefix: str, hidden, weight, bias, lead=None):
             or weight.shape[1] != hidden.shape[-1]:
         raise ValueError(f"{w} must be a 2-D tensor [V, {hidden.shape[-1]}] matching {h}'s "
                          f"last dimension, got shape {tuple(getattr(weight, 'shape', ()))}")
+    if weight.shape[0] == 0:
+        raise ValueError(f"{w} must have a vocabulary of V >= 1 rows, got {tuple(weight.shape)}")
     if bias is not None and (not isinstance(bias, torch.Tensor) or bias.dim() != 1
                              or bias.shape[0] != weight.shape[0]):
         raise ValueError(f"{b} must be [V] = [{weight.shape[0]}], got shape "
@@ -166,21 +171,25 @@ def _check_head(prefix: str, hidden, weight, bias, lead=None):
 
 
 def _check_common(hidden, tensors, mask, temperature):
+    """Devices, the temperature and the mask; returns the mask as bool (None: every row)."""
     for name, t in tensors:
         if t is not None and t.device != hidden.device:
             raise ValueError(f"{name} is on {t.device} but hidden is on {hidden.device}")
-    if not (isinstance(temperature, (int, float)) and not isinstance(temperature, bool)
-            and math.isfinite(temperature) and temperature > 0):
+    if not (is_number(temperature) and math.isfinite(temperature) and temperature > 0):
         raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
     lead = tuple(hidden.shape[:-1])
-    if mask is not None:
-        if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool \
-                or tuple(mask.shape) != lead:
-            raise ValueError(f"mask must be None or a bool tensor of hidden's token shape "
-                             f"{lead}, got {getattr(mask, 'dtype', type(mask).__name__)} "
-                             f"{tuple(getattr(mask, 'shape', ()))}")
-        if mask.device != hidden.device:
-            raise ValueError(f"mask is on {mask.device} but hidden is on {hidden.device}")
+    if mask is None:
+        return None
+    # any dtype, nonzero = kept (as fused_policy_loss and policy_loss read a mask)
+    if not isinstance(mask, torch.Tensor) or mask.dtype.is_complex \
+            or tuple(mask.shape) != lead:
+        raise ValueError(f"mask must be None or a bool or real tensor of hidden's token shape "
+                         f"{lead} (nonzero: kept), got "
+                         f"{getattr(mask, 'dtype', type(mask).__name__)} "
+                         f"{tuple(getattr(mask, 'shape', ()))}")
+    if mask.device != hidden.device:
+        raise ValueError(f"mask is on {mask.device} but hidden is on {hidden.device}")
+    return mask if mask.dtype == torch.bool else mask != 0
 
 
 def _rows(mask, n):
@@ -231,7 +240,8 @@ def linear_divergence(
         weight: ``[V, D]`` the student's head.
         teacher_hidden: ``[..., D_t]`` with the student's token shape; ``D_t`` may differ.
         teacher_weight: ``[V, D_t]``, the same vocabulary as the student's.
-        mask: optional bool tensor of the token shape; False rows are skipped and hold 0.
+        mask: optional tensor of the token shape, bool or real (nonzero: kept, as
+            `fused_policy_loss` reads it); the other rows are skipped and hold 0.
         beta: in ``[0, 1]``.
         temperature: finite, > 0; divides both heads' logits.
         bias, teacher_bias: optional ``[V]`` biases.
@@ -247,13 +257,14 @@ def linear_divergence(
     lead = tuple(hidden.shape[:-1])
     teacher_hidden, teacher_weight, teacher_bias = _check_head(
         "teacher_", teacher_hidden, teacher_weight, teacher_bias, lead)
-    _check_common(hidden, (("weight", weight), ("bias", bias), ("teacher_hidden", teacher_hidden),
-                           ("teacher_weight", teacher_weight),
-                           ("teacher_bias", teacher_bias)), mask, temperature)
+    mask = _check_common(hidden, (("weight", weight), ("bias", bias),
+                                  ("teacher_hidden", teacher_hidden),
+                                  ("teacher_weight", teacher_weight),
+                                  ("teacher_bias", teacher_bias)), mask, temperature)
     if teacher_weight.shape[0] != weight.shape[0]:
         raise ValueError(f"teacher_weight must have the student's vocabulary size "
                          f"{weight.shape[0]} rows, got {teacher_weight.shape[0]}")
-    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0.0 <= beta <= 1.0:
+    if not is_number(beta) or not 0.0 <= beta <= 1.0:
         raise ValueError(f"beta must be a number in [0, 1], got {beta!r}")
     check_byte_budget("max_tile_bytes", max_tile_bytes)
     t_bias = None if teacher_bias is None else teacher_bias.detach()
@@ -337,15 +348,17 @@ def linear_topk_distill(
         teacher_ids: integer ``[..., k]`` in ``[0, V)``, the token shape then k.
         teacher_logprobs: float ``[..., k]``, the teacher's log-probabilities at those ids
             (no gradient).
-        mask: optional bool tensor of the token shape; False rows are skipped and hold 0.
+        mask: optional tensor of the token shape, bool or real (nonzero: kept, as
+            `fused_policy_loss` reads it); the other rows are skipped and hold 0.
 
     Returns:
         fp32 tensor (fp64 for fp64 inputs) of the token shape.
     """
     hidden, weight, bias = _check_head("", hidden, weight, bias)
     lead = tuple(hidden.shape[:-1])
-    _check_common(hidden, (("weight", weight), ("bias", bias), ("teacher_ids", teacher_ids),
-                           ("teacher_logprobs", teacher_logprobs)), mask, temperature)
+    mask = _check_common(hidden, (("weight", weight), ("bias", bias),
+                                  ("teacher_ids", teacher_ids),
+                                  ("teacher_logprobs", teacher_logprobs)), mask, temperature)
     if not isinstance(teacher_ids, torch.Tensor) or teacher_ids.dtype.is_floating_point \
             or teacher_ids.dtype.is_complex or teacher_ids.dtype == torch.bool \
             or teacher_ids.dim() != len(lead) + 1 or tuple(teacher_ids.shape[:-1]) != lead \
@@ -361,11 +374,13 @@ def linear_topk_distill(
                          f"{tuple(teacher_ids.shape)}, got "
                          f"{getattr(teacher_logprobs, 'dtype', type(teacher_logprobs).__name__)}"
                          f" {tuple(getattr(teacher_logprobs, 'shape', ()))}")
-    for name, value in (("log_prob_min_clamp", log_prob_min_clamp),
-                        ("loss_max_clamp", loss_max_clamp)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                  or math.isnan(value)):
-            raise ValueError(f"{name} must be None or a number, got {value!r}")
+    # a floor of log-probabilities is <= 0 (-inf: none); a cap of the loss is > 0 (inf: none)
+    if log_prob_min_clamp is not None and not (is_number(log_prob_min_clamp)
+                                               and log_prob_min_clamp <= 0):
+        raise ValueError(f"log_prob_min_clamp must be None or a number <= 0, got "
+                         f"{log_prob_min_clamp!r}")
+    if loss_max_clamp is not None and not (is_number(loss_max_clamp) and loss_max_clamp > 0):
+        raise ValueError(f"loss_max_clamp must be None or a number > 0, got {loss_max_clamp!r}")
     check_byte_budget("max_tile_bytes", max_tile_bytes)
     # One graph node under torch.compile (the op defined at the end of this module).
     log_q = torch.ops.logitless.linear_topk_logprobs(hidden, weight, bias, teacher_ids, mask,

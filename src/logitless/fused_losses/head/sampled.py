@@ -126,16 +126,18 @@ def _backend_for(device: torch.device, dtype: torch.dtype) -> ModuleType:
 
 
 def per_token(settings: SamplerSettings, targets, temperature: float, dtype):
-    """The settings as tensors of ``targets``' shape (the op's arguments): ``temperature`` in
-    the accumulation dtype of ``dtype`` times the scalar ``temperature``, ``top_k`` int64,
-    ``top_p`` fp64, ``min_p`` in the accumulation dtype; None where off."""
+    """The settings as tensors of ``targets``' shape (the op's arguments): ``temperature``
+    times the scalar ``temperature``, ``top_k`` int64, ``top_p`` fp64, ``min_p``; None where
+    off. ``temperature`` and ``min_p`` are in the accumulation dtype of ``dtype`` or, given as
+    wider tensors, in their own dtype: the op checks their values before it casts them
+    (`check_values`, then `_in_acc`)."""
     acc = acc_dtype(dtype)
 
     def full(x, tensor_dtype):
         if x is None:
             return None
         if isinstance(x, torch.Tensor):
-            return x.to(tensor_dtype)
+            return x.to(torch.promote_types(x.dtype, tensor_dtype))
         return torch.full(targets.shape, x, dtype=tensor_dtype, device=targets.device)
 
     t = full(settings.temperature, acc)
@@ -185,18 +187,34 @@ _SP_CONFIG = ("float? softcap, float logit_scale, int ignore_index, int? tile_by
               "ScalarType dtype")
 
 
-def _sp_rows(targets, temperature, top_k, top_p, min_p, weight, ignore_index):
+def _in_acc(temperature, min_p, dtype, check: bool = False):
+    """``temperature`` and ``min_p`` in the accumulation dtype of ``dtype`` (the kernels');
+    ``check``: refuse a temperature that the cast takes to 0 or inf (checked > 0 and finite
+    before it, by `check_values`)."""
+    acc = acc_dtype(dtype)
+    t = temperature.to(acc)
+    if check and not bool((torch.isfinite(t) & (t > 0)).all()):
+        worst = temperature[~(torch.isfinite(t) & (t > 0))].reshape(-1)[0].item()
+        raise ValueError(f"temperature must stay finite and > 0 in {acc} (the accumulation "
+                         f"dtype), got {worst!r}")
+    return t, None if min_p is None else min_p.to(acc)
+
+
+def _sp_rows(targets, temperature, top_k, top_p, min_p, weight, ignore_index, dtype):
     """``(flat targets, rows, RowParams of the rows)``: ids validated, the settings' rows."""
 
     flat_t, rows = compact_rows(targets, ignore_index, weight.shape[0])
+    temperature, min_p = _in_acc(temperature, min_p, dtype)
     params = RowParams(*(take_rows(x, rows) for x in (temperature, top_k, top_p, min_p)))
     return take_rows(flat_t, rows), rows, params
 
 
 def _sp_forward(hidden, weight, bias, targets, temperature, top_k, top_p, min_p, softcap,
                 logit_scale, ignore_index, tile_bytes, dtype):
-    check_values(temperature, top_k, top_p, min_p)
-    t, rows, params = _sp_rows(targets, temperature, top_k, top_p, min_p, weight, ignore_index)
+    check_values(temperature, top_k, top_p, min_p)  # the values as given, before any cast
+    _in_acc(temperature, min_p, dtype, check=True)
+    t, rows, params = _sp_rows(targets, temperature, top_k, top_p, min_p, weight, ignore_index,
+                               dtype)
     outs = rows_forward(take_rows(hidden, rows, hidden.shape[-1]), weight, bias, t,
                                 params, softcap, logit_scale, tile_bytes, dtype)
     return distinct(put_rows(x, rows, targets.shape) for x in outs)
@@ -213,7 +231,8 @@ def _sp_backward_impl(hidden, weight, bias, targets, temperature, top_k, top_p, 
                       count, lse, lse_kept, entropy, logprobs, g_lp, g_entropy, g_kept, g_lse,
                       softcap, logit_scale, ignore_index, tile_bytes, dtype, need_hidden,
                       need_weight, need_bias):
-    t, rows, params = _sp_rows(targets, temperature, top_k, top_p, min_p, weight, ignore_index)
+    t, rows, params = _sp_rows(targets, temperature, top_k, top_p, min_p, weight, ignore_index,
+                               dtype)
     saved = [take_rows(x, rows) for x in (key, count, lse, lse_kept, entropy, logprobs)]
     grads = tuple(take_rows(g, rows) for g in (g_lp, g_entropy, g_kept, g_lse))
     d_hidden, d_weight, d_bias = rows_backward(

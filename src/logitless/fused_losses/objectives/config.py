@@ -328,6 +328,19 @@ class PolicyLossConfig:
 
     rollout_rs_parsed: tuple = field(init=False, repr=False, compare=False, default=())
 
+    def __new__(cls, *args, **kwargs):
+        # The fields passed to the constructor (`given_fields`), for adapters that lay this
+        # config over another (TRL's GRPOTrainer over its GRPOConfig).
+        self = super().__new__(cls)
+        names = [f.name for f in dataclasses.fields(cls) if f.init]
+        self._given = frozenset(names[:len(args)]) | frozenset(kwargs)
+        return self
+
+    def given_fields(self) -> frozenset:
+        """The names of the fields passed to the constructor (``dataclasses.replace`` passes
+        them all); the others hold their defaults."""
+        return getattr(self, "_given", frozenset(f.name for f in dataclasses.fields(self)))
+
     def __post_init__(self):
         self._take_objective_defaults()
         for f in dataclasses.fields(self):

@@ -296,8 +296,9 @@ def policy_loss(
 
     Returns:
         ``(loss, metrics)``: a scalar (dtype of the logprobs, at least fp32) and a dict of
-        detached scalars: ``clip_ratio/low|high|region``, ``kl``, ``approx_kl``,
-        ``ratio/min|mean|max``, ``entropy/mean``, ``is_weight/min|mean|max``,
+        detached scalars: ``clip_ratio/low|high|region``, ``kl`` (only given
+        ``ref_logprobs`` or the exact ``kl``), ``approx_kl``, ``ratio/min|mean|max``,
+        ``entropy/mean`` (only given ``entropy``), ``is_weight/min|mean|max``,
         ``entropy/bonus_sum|bonus_tokens`` (over the tokens the entropy bonus acts on),
         ``masked_fraction``.
     """
@@ -516,7 +517,6 @@ def _aggregate(per_token, batch, cfg, glob, masks: _Masks, entropy_coef, counts)
 
 
 def _metrics(out, ratio, d, kl, ent, is_weight, m_in, m, select, factor, cfg):
-    zero = d.new_zeros(())
     metrics = {}
     per_seq = ratio.per_sequence if out.flags_per_sequence is None else out.flags_per_sequence
     if out.clip_low is not None:
@@ -529,13 +529,15 @@ def _metrics(out, ratio, d, kl, ent, is_weight, m_in, m, select, factor, cfg):
             else:
                 value = _masked_mean(flag.to(d.dtype), m_in)
             metrics[f"clip_ratio/{name}"] = value
-    metrics["kl"] = _masked_mean(kl, m_in) if kl is not None else zero
+    if kl is not None:  # left out without a reference (or a given exact KL)
+        metrics["kl"] = _masked_mean(kl, m_in)
     metrics["approx_kl"] = _masked_mean(-d, m_in)
     rmin, rmax = _masked_min_max(ratio.value, m_in)
     metrics.update(
         {"ratio/min": rmin, "ratio/mean": _masked_mean(ratio.value, m_in), "ratio/max": rmax}
     )
-    metrics["entropy/mean"] = _masked_mean(ent, m_in) if ent is not None else zero
+    if ent is not None:  # left out without the entropies
+        metrics["entropy/mean"] = _masked_mean(ent, m_in)
     if is_weight is not None:
         if cfg.rollout_is == "token":
             w, wm = is_weight, m_in
