@@ -317,3 +317,53 @@ def test_demo_timer_passes_keywords_to_the_kernel():
     assert [x is None for x in got] == [y is None for y in want]
     for x, y in zip(got, want):
         assert x is None or torch.equal(x, y)
+
+
+def test_the_table_says_what_each_provider_is_and_what_did_not_run(bench_run):
+    """Issue 24: readable provider names, the skipped ones with their reason, the head's
+    forward+backward also against four GEMMs."""
+    from logitless.tools.bench.report import four_gemms
+
+    records, _ = bench_run
+    text = format_table(records)
+    legend = text[text.index("providers:"):]
+    assert "F.linear_cross_entropy" in legend and "no entropy" in legend  # "torch"
+    assert "materialised" in legend and "floor" in legend  # "naive", "gemm"
+    assert "not run:" in legend and "verl" in legend.split("not run:")[1]
+    ours = next(r for r in records if r["provider"] == "logitless")
+    assert float(four_gemms(ours)) == pytest.approx(ours["floor_ratio"] * 0.75, abs=0.01)
+    assert "x 4 GEMMs" in text
+
+
+def test_the_plot_of_one_shape_has_bars_a_ratio_panel_and_the_skipped(bench_run, tmp_path):
+    from matplotlib.figure import Figure
+
+    from logitless.tools.bench import plot as plot_module
+
+    records, _ = bench_run
+    seen = {}
+    real_savefig = Figure.savefig
+
+    def spy(fig, path, **kw):
+        seen["axes"] = fig.axes
+        seen["title"] = fig._suptitle.get_text()
+        seen["texts"] = [t.get_text() for t in fig.texts]
+        return real_savefig(fig, path, **kw)
+
+    Figure.savefig = spy
+    try:
+        plot_module.plot(records, tmp_path / "one.png")
+    finally:
+        Figure.savefig = real_savefig
+    time_ax, _, ratio_ax = seen["axes"][:3]
+    assert len(time_ax.patches) == 4  # one bar per provider that ran (logitless, naive, ...)
+    assert "GEMMs" in ratio_ax.get_ylabel()
+    assert "))" not in seen["title"]
+    assert any("verl" in t and "not run" in t for t in seen["texts"])
+
+
+def test_bench_help_lists_providers_ops_and_presets():
+    from logitless.tools.bench.cli import help_epilog
+
+    text = help_epilog()
+    assert "policy-loss:" in text and "qwen-small" in text and "F.linear_cross_entropy" in text

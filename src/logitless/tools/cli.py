@@ -24,7 +24,8 @@ def main(argv: list[str] | None = None) -> int:
         "demo", help="check summed up to a line per op (its options apply), then logitless side "
         "by side with plain PyTorch and stock TRL"))
     bench.add_arguments(sub.add_parser(
-        "bench", help="time, peak memory and error of an op, side by side with its peers"))
+        "bench", help="time, peak memory and error of an op, side by side with its peers",
+        epilog=bench.help_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter))
     args = parser.parse_args(argv)
     return {"check": check.run, "demo": _demo, "bench": bench.run}[args.command](args)
 

@@ -42,6 +42,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="measure nothing: print the table (and --plot) of a saved --json file")
 
 
+def help_epilog() -> str:
+    """The ops, their providers (what each computes) and the shape presets, for ``--help``."""
+    from logitless.tools.bench.registry import PROVIDERS, describe_provider, load
+    from logitless.tools.bench.shapes import PRESETS
+
+    load()
+    lines = ["ops and their providers:"]
+    for op in OPS:
+        lines.append(f"  {op}: " + ", ".join(p.name for p in PROVIDERS.get(op, [])))
+    lines.append("providers:")
+    names = dict.fromkeys(p.name for ps in PROVIDERS.values() for p in ps)
+    lines += [f"  {n}: {describe_provider(n)}" for n in names]
+    lines.append("presets (--preset): " + ", ".join(PRESETS))
+    return "\n".join(lines)
+
+
 def settings_from(args: argparse.Namespace):
     import torch
 

@@ -104,6 +104,27 @@ class Provider:
         loss.backward()
 
 
+#: What each provider name computes, as the table's legend and ``--help`` say it.
+DESCRIPTIONS = {
+    "logitless": "logitless's op (linear_logprobs, policy_loss over it, linear_divergence, "
+                 "attention_entropy)",
+    "logitless-fused": "logitless.fused_policy_loss: the loss from hidden states, in chunks",
+    "naive": "plain PyTorch: the full [N, V] logits (or T x T scores) materialised, then the "
+             "formulas",
+    "gemm": "the plain GEMMs of the same shapes and nothing else: the floor (1 GEMM forward, "
+            "3 forward+backward)",
+    "torch": "PyTorch's F.linear_cross_entropy (chunked): the logprob only, no entropy",
+    "trl": "TRL's chunked fused head (logprobs, entropy) or chunked divergence",
+    "liger": "Liger-Kernel's fused linear loss (cross-entropy, GRPO or JSD)",
+    "cce": "Cut Cross-Entropy's linear_cross_entropy: the logprob only",
+    "verl": "verl's fused linear_cross_entropy kernel (CUDA only)",
+}
+
+
+def describe_provider(name: str) -> str:
+    return DESCRIPTIONS.get(name, "")
+
+
 OPS: dict[str, Op] = {}
 PROVIDERS: dict[str, list[Provider]] = {}
 #: ops whose public API has not landed yet: name -> reason shown by the CLI

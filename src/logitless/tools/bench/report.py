@@ -40,23 +40,55 @@ def _computes(r: dict) -> str:
 def format_table(records: list[dict]) -> str:
     """Rows grouped by shape and mode; unavailable providers listed with their reason."""
     head = ("shape", "mode", "provider", "computes", "time ms (p20-p80)", "x GEMMs",
-            "cpu ms", "x GEMMs cpu", "peak MB", "err out", "err grad", "note")
+            "x 4 GEMMs", "cpu ms", "x GEMMs cpu", "peak MB", "err out", "err grad", "note")
     body = []
     for r in records:
         base = (label(r["shape"]), r["mode"], r["provider"], _computes(r))
         if r["status"] != "ok":
-            body.append((*base, *"-" * 7, f"{r['status']}: {r['reason']}"))
+            body.append((*base, *"-" * 8, f"{r['status']}: {r['reason']}"))
             continue
         ratio, ratio_cpu = (f"{r[k]:.2f}" if r.get(k) is not None else "-"
                             for k in ("floor_ratio", "floor_ratio_cpu"))
         cpu = f"{r['cpu_ms']['median']:.1f}" if r.get("cpu_ms") else "-"
-        body.append((*base, _time(r), ratio, cpu, ratio_cpu, f"{r['peak_bytes'] / _MB:.1f}",
+        body.append((*base, _time(r), ratio, four_gemms(r), cpu, ratio_cpu,
+                     f"{r['peak_bytes'] / _MB:.1f}",
                      _errors(r, False), _errors(r, True), r.get("note") or ""))
     widths = [max(len(str(row[i])) for row in (head, *body)) for i in range(len(head) - 1)]
     line = lambda cells: "  ".join(
         [str(c).ljust(w) for c, w in zip(cells[:-1], widths)] + [str(cells[-1])]).rstrip()
     sep = line(["-" * w for w in widths] + ["----"])
-    return "\n".join([line(head), sep, *map(line, body)])
+    return "\n".join([line(head), sep, *map(line, body), "", legend(records)])
+
+
+def four_gemms(r: dict) -> str:
+    """The time over four GEMMs' worth, for the head's forward+backward, which recomputes its
+    logits in the backward (the docs' and the cost model's measure): the three measured GEMMs
+    scaled by 4/3. '-' elsewhere."""
+    if r["op"] != "logprobs" or r["mode"] != "fwd-bwd" or r.get("floor_ratio") is None:
+        return "-"
+    return f"{r['floor_ratio'] * 3 / 4:.2f}"
+
+
+def skipped(records: list[dict]) -> dict[str, str]:
+    """Providers that measured nothing, with the first reason given."""
+    ran = {r["provider"] for r in records if r["status"] == "ok"}
+    out: dict[str, str] = {}
+    for r in records:
+        if r["provider"] not in ran and r["provider"] not in out:
+            out[r["provider"]] = f"{r['status']}: {r['reason']}"
+    return out
+
+
+def legend(records: list[dict]) -> str:
+    """What each provider of the table is, and the ones that did not run, with why."""
+    from logitless.tools.bench.registry import describe_provider
+
+    names = list(dict.fromkeys(r["provider"] for r in records))
+    lines = ["providers:"] + [f"  {n:<16}{describe_provider(n)}" for n in names]
+    gone = skipped(records)
+    if gone:
+        lines += ["not run:"] + [f"  {n:<16}{why}" for n, why in gone.items()]
+    return "\n".join(lines)
 
 
 def describe(records: list[dict]) -> str:
