@@ -254,15 +254,33 @@ def test_bad_configuration_raises():
     lp, old, adv, mask = _batch(seed=2)
     with pytest.raises(ValueError, match="config"):
         core_algos.get_policy_loss_fn("logitless_ppo")(old, lp, adv, mask, "token-mean", None)
-    actor = _actor(LogitlessPolicyLossConfig(loss_mode="logitless_gmpo",
-                                             sequence_is_weight="harmonic"), BATCH_INFOS["local"])
+    # the logitless fields are checked when the config is built, before any loss call
     with pytest.raises(ValueError, match="sequence_is_weight"):
-        core_algos.get_policy_loss_fn("logitless_gmpo")(old, lp, adv, mask, "token-mean", actor,
-                                                        torch.ones_like(lp))
-    actor = _actor(LogitlessPolicyLossConfig(loss_mode="logitless_ppo", delta=0.5),
-                   BATCH_INFOS["local"])
+        LogitlessPolicyLossConfig(loss_mode="logitless_gmpo", sequence_is_weight="harmonic")
     with pytest.raises(ValueError, match="delta"):  # logitless's own validation
-        core_algos.get_policy_loss_fn("logitless_ppo")(old, lp, adv, mask, "token-mean", actor)
+        LogitlessPolicyLossConfig(loss_mode="logitless_ppo", delta=0.5)
+
+
+@pytest.mark.parametrize(("field", "value", "match"), [
+    ("delta", 0.5, "delta"),
+    ("loss_agg", "balancd", "loss_agg"),
+    ("loss_mode", "logitless_nosuch", "objective"),
+])
+def test_bad_logitless_fields_raise_when_verl_builds_the_config(field, value, match):
+    """Issue 24: a typo in the logitless fields fails in the driver, where hydra instantiates
+    the actor config (verl's omega_conf_to_dataclass), not at the first loss call on a worker."""
+    policy_loss = {"_target_": "logitless.integrations.verl.LogitlessPolicyLossConfig",
+                   "loss_mode": "logitless_grpo", field: value}
+    yaml = OmegaConf.create({
+        "_target_": "verl.workers.config.ActorConfig", "strategy": "fsdp", "rollout_n": 1,
+        "ppo_micro_batch_size_per_gpu": 1, "policy_loss": policy_loss})
+    with pytest.raises(Exception, match=match) as info:
+        omega_conf_to_dataclass(yaml)
+    chain, err = [], info.value
+    while err is not None:  # hydra wraps the config's ValueError in its own error
+        chain.append(err)
+        err = err.__cause__ or err.__context__
+    assert any(isinstance(e, ValueError) and match in str(e) for e in chain)
 
 
 def test_entry_point_registers_in_a_fresh_interpreter_that_only_imports_verl():

@@ -158,7 +158,32 @@ def _post_init(self):
     parent = getattr(VerlPolicyLossConfig, "__post_init__", None)
     if parent is not None:
         parent(self)
+    _check_fields(self)
     _apply_match_sampler(self)
+
+
+_PREFIX = "logitless_"
+
+
+def _check_fields(self):
+    """The logitless fields checked when verl builds the config (hydra instantiation in the
+    driver), not at the first loss call on the workers: a ``PolicyLossConfig`` of the
+    ``loss_mode``'s objective with the given fields must build. The clip bounds and the other
+    fields that come from the actor config are checked with it at the first call."""
+    mode = getattr(self, "loss_mode", None)
+    if self.sequence_is_weight not in (None, "geometric"):
+        raise ValueError(f"policy_loss.sequence_is_weight: expected None or 'geometric', got "
+                         f"{self.sequence_is_weight!r}")
+    if not (isinstance(mode, str) and mode.startswith(_PREFIX)):
+        return  # one of verl's own losses: these fields are not read
+    fields = {name: getattr(self, name) for name in PASSTHROUGH_FIELDS}
+    if self.loss_agg is not None:
+        fields["loss_agg"] = self.loss_agg
+    try:
+        get_objective(mode[len(_PREFIX):])
+        PolicyLossConfig(objective=mode[len(_PREFIX):], **fields)
+    except ValueError as err:
+        raise ValueError(f"policy_loss (loss_mode={mode!r}): {err}") from err
 
 
 def _setstate(self, state):
