@@ -83,7 +83,8 @@ def run_head_demo() -> int:
           f"logits), fp32, CPU, {shape}\npeak MiB: above the inputs and their gradients, each "
           f"provider in its own process (about a minute)\n{NOISE}")
     records = run_sweep(Settings(op="logprobs", shapes=[SHAPE], modes=["fwd-bwd"],
-                                 providers=["naive", "logitless"], warmup=0, repeats=2))
+                                 providers=["naive", "logitless"], warmup=0, repeats=2,
+                                 progress=False))
     print(side_by_side(records))
     print("more: logitless bench --op logprobs --device cpu --preset qwen-small")
     return 0 if all(r["status"] == "ok" for r in records) else 1
