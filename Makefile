@@ -16,7 +16,15 @@ PYTEST_ARGS ?=
 TRITON36 := $(VENV)/triton-3.6.0
 TRITON36_STAMP := $(TRITON36)/.installed
 
-.PHONY: setup demo test bench lint clean
+# make test-compat: the suite on the lent H200's stack, in .venv-compat: Python 3.12, torch
+# 2.11.0 (from the registry a CUDA build of a few GB, which runs on the CPU), triton 3.6.0,
+# numpy 2.5, transformers 5.17, TRL 1.16; no verl (its tests skip). Never part of make setup.
+COMPAT_PYTHON ?= python3.12
+COMPAT := .venv-compat
+COMPAT_PY := $(COMPAT)/bin/python
+COMPAT_STAMP := $(COMPAT)/.installed
+
+.PHONY: setup demo test test-compat bench lint clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -55,6 +63,17 @@ demo: $(DEMO_STAMP)
 test: setup
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -n auto --dist worksteal $(PYTEST_ARGS)
 
+$(COMPAT_STAMP): pyproject.toml Makefile
+	$(COMPAT_PYTHON) -m venv $(COMPAT)
+	$(COMPAT_PY) -m pip --disable-pip-version-check -q install torch==2.11.0 triton==3.6.0 \
+	  "numpy==2.5.*" "transformers==5.17.*"
+	$(COMPAT_PY) -m pip --disable-pip-version-check -q install -e ".[dev,trl]" \
+	  matplotlib tqdm
+	touch $(COMPAT_STAMP)
+
+test-compat: $(COMPAT_STAMP)
+	TRITON_INTERPRET=1 $(COMPAT_PY) -m pytest -q -n auto --dist worksteal $(PYTEST_ARGS)
+
 bench: setup
 	$(PY) -m pytest benchmarks -q --benchmark-only
 
@@ -62,4 +81,4 @@ lint: setup
 	$(VENV)/bin/ruff check src tests benchmarks
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(COMPAT) .pytest_cache .ruff_cache

@@ -251,6 +251,7 @@ def response_rows(prompts, responses):
 @pytest.mark.parametrize("clamps", [(-10.0, 10.0), (None, 10.0), (-10.0, None)])
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
 def test_topk_matches_verl(clamps, temperature):
+    pytest.importorskip("verl")  # make setup installs it; the torch 2.11 environment has none
     from verl.workers.config import DistillationLossConfig
 
     x, prompts, responses, ids, teacher_lp = topk_case(seed=10)

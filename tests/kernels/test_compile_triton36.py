@@ -21,6 +21,10 @@ TRITON36 = ROOT / ".venv" / "triton-3.6.0"
 
 @pytest.mark.slow
 def test_compile_sm90_under_triton_3_6():
+    import triton
+
+    if triton.__version__ == "3.6.0":
+        pytest.skip("this environment's triton is 3.6.0: the whole suite runs under it")
     if not (TRITON36 / "triton").is_dir():
         if os.environ.get("CI"):
             pytest.fail(f"{TRITON36} is missing: `make setup` installs triton 3.6.0 there")

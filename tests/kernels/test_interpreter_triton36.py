@@ -38,6 +38,10 @@ def test_apply_is_off_without_the_interpreter(monkeypatch):
 
 @pytest.mark.slow
 def test_segment_and_head_kernels_run_under_the_triton_3_6_interpreter():
+    import triton
+
+    if triton.__version__ == "3.6.0":
+        pytest.skip("this environment's triton is 3.6.0: the whole suite runs under it")
     if not (TRITON36 / "triton").is_dir():
         if os.environ.get("CI"):
             pytest.fail(f"{TRITON36} is missing: `make setup` installs triton 3.6.0 there")
