@@ -67,7 +67,7 @@ $(COMPAT_STAMP): pyproject.toml Makefile
 	$(COMPAT_PYTHON) -m venv $(COMPAT)
 	$(COMPAT_PY) -m pip --disable-pip-version-check -q install torch==2.11.0 triton==3.6.0 \
 	  "numpy==2.5.*" "transformers==5.17.*"
-	$(COMPAT_PY) -m pip --disable-pip-version-check -q install -e ".[dev,trl]" \
+	$(COMPAT_PY) -m pip --disable-pip-version-check -q install -e ".[dev,trl,bench]" \
 	  matplotlib tqdm
 	touch $(COMPAT_STAMP)
 

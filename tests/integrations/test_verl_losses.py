@@ -12,6 +12,8 @@ import sys
 import textwrap
 
 import pytest
+
+pytest.importorskip("verl", reason="verl is installed by `make test`")
 import torch
 import verl.trainer.ppo.core_algos as core_algos
 import verl.workers.config as verl_config

@@ -13,6 +13,8 @@ computes them in fp32. The one exception is named where it occurs.
 import dataclasses
 
 import pytest
+
+pytest.importorskip("verl", reason="verl is installed by `make test`")
 import torch
 import verl.trainer.ppo.core_algos as core_algos
 import verl.trainer.ppo.rollout_corr_helper as rollout_corr

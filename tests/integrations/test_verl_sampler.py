@@ -9,6 +9,8 @@ import re
 import textwrap
 
 import pytest
+
+pytest.importorskip("verl", reason="verl is installed by `make test`")
 import torch
 import verl.trainer.ppo.core_algos as core_algos
 from omegaconf import OmegaConf

@@ -46,8 +46,10 @@ class Settings:
 
 
 def versions(packages: list[str]) -> dict[str, str]:
-    out = {"python": platform.python_version()}
-    for name in ("torch", "triton", "logitless", *packages):
+    """The versions a record carries; torch's as torch reports it, with its build suffix
+    (``2.11.0+cu130``): the distribution's metadata can leave the suffix out."""
+    out = {"python": platform.python_version(), "torch": torch.__version__}
+    for name in ("triton", "logitless", *packages):
         try:
             out[name] = version(name)
         except PackageNotFoundError:
