@@ -69,7 +69,8 @@ def test_records(bench_run):
     else:
         assert by["torch"]["status"] == "unavailable" and "2.13" in by["torch"]["reason"]
     # A provider that cannot run is listed with its reason, not dropped.
-    assert by["verl"]["status"] == "unavailable" and "CUDA" in by["verl"]["reason"]
+    reason = by["verl"]["reason"]
+    assert by["verl"]["status"] == "unavailable" and ("CUDA" in reason or "installed" in reason)
     assert "unavailable: verl" in format_table(records)
     assert (out / "r.png").stat().st_size > 10_000
 
