@@ -12,7 +12,7 @@ from logitless import PolicyLossConfig, linear_divergence, policy_loss, referenc
 from logitless.fused_losses.fused.fused_policy_loss import fused_policy_loss
 from logitless.kernels import stored_logits
 
-from testing import assert_close_to_oracle
+from testing import assert_close_to_oracle, requires_triton
 
 B, T, D, D_REF, V = 3, 37, 96, 80, 1007
 TEMPERATURE = 0.8
@@ -225,3 +225,29 @@ def test_beta_zero_needs_no_reference():
                         ref_weight=batch["ref_weight"], ref_bias=batch["ref_bias"])
     _, kl_mean, _ = run_spec(batch, cfg)
     torch.testing.assert_close(metrics["kl"].double(), kl_mean, rtol=1e-9, atol=1e-12)
+
+
+@requires_triton
+def test_the_fused_exact_kl_runs_the_triton_passes_where_triton_is_selected(monkeypatch):
+    """Issue 24: where the Triton backend is selected (CUDA; here LOGITLESS_BACKEND=triton under
+    the interpreter) the fused loss's exact KL runs the Triton two-head passes, not the torch
+    twin's, and gives the torch path's loss and gradients."""
+    from logitless.kernels import divergence, divergence_torch
+
+    batch = make_batch(dtype=torch.float32, seed=6)
+    cfg = PolicyLossConfig(objective="grpo", beta=0.3, kl_estimator="exact")
+    monkeypatch.setenv("LOGITLESS_BACKEND", "torch")
+    want = run_fused(batch, cfg, memory_budget=2**20, strategy="chunked")
+    calls = []
+    for module in (divergence, divergence_torch):
+        for name in ("divergence_forward", "divergence_backward"):
+            real = getattr(module, name)
+            monkeypatch.setattr(module, name, lambda *a, _r=real, _n=f"{module.__name__}.{name}",
+                                **k: calls.append(_n) or _r(*a, **k))
+    monkeypatch.setenv("LOGITLESS_BACKEND", "triton")
+    got = run_fused(batch, cfg, memory_budget=2**20, strategy="chunked")
+    assert set(calls) == {"logitless.kernels.divergence.divergence_forward",
+                          "logitless.kernels.divergence.divergence_backward"}
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
+    for g, w in zip(got[2], want[2]):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5 * float(w.abs().max()))

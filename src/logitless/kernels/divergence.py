@@ -348,14 +348,19 @@ def _no_rows(hidden, weight, need_hidden, need_weight, need_bias):
 
 def divergence_backward(hidden, weight, bias, t_hidden, t_weight, t_bias, lse_s, lse_t, aux,
                         grad, *, beta: float, temperature: float, need_hidden: bool,
-                        need_weight: bool, need_bias: bool, tile_bytes: int | None = None):
+                        need_weight: bool, need_bias: bool, tile_bytes: int | None = None,
+                        d_weight=None, d_bias=None):
     """Gradients of the student's hidden (fp32), weight (its dtype) and bias (fp32) from the
-    per-token upstream ``grad``, as ``divergence_torch.divergence_backward``."""
+    per-token upstream ``grad``, as ``divergence_torch.divergence_backward``; with
+    ``d_weight`` / ``d_bias`` (fp32 accumulators) the weight's and bias's are added into them
+    (no ``[V, D]`` temporary, nothing rounded to the weight's dtype) and returned."""
     n = hidden.shape[0]
     if n == 0 or not (need_hidden or need_weight or need_bias):
         return _no_rows(hidden, weight, need_hidden, need_weight, need_bias)
     plans = _plans(hidden, weight, t_hidden, t_weight, tile_bytes)
-    grads = TileGrads(plans[0], weight, need_hidden, need_weight, need_bias)
+    grads = TileGrads(plans[0], weight, need_hidden, need_weight, need_bias,
+                      d_weight=d_weight if need_weight else None,
+                      d_bias=d_bias if need_bias else None)
     mixed = 0.0 < beta < 1.0
     scalars = dict(z_scale=1.0 / float(temperature),
                    log_b=math.log(beta) if mixed else 0.0,

@@ -307,19 +307,22 @@ class TileGrads:
     (``linear_logprobs`` here, the divergences in ``kernels/divergence.py``)."""
 
     def __init__(self, plan: _Plan, weight, need_hidden: bool, need_weight: bool,
-                 need_bias: bool):
+                 need_bias: bool, d_weight=None, d_bias=None):
         dev = weight.device
         self.plan = plan
-        # Every tile of d_weight and d_bias is written whole by its first row group.
-        self.d_weight = torch.empty(weight.shape, dtype=weight.dtype, device=dev) \
-            if need_weight else None
-        self.d_bias = torch.empty(plan.v, dtype=torch.float32, device=dev) if need_bias \
-            else None
+        # ``d_weight`` / ``d_bias`` given (fp32, a caller's accumulators): every tile adds into
+        # them. Otherwise every tile of them is written whole by its first row group.
+        self.into = d_weight is not None, d_bias is not None
+        self.d_weight = d_weight if d_weight is not None else \
+            torch.empty(weight.shape, dtype=weight.dtype, device=dev) if need_weight else None
+        self.d_bias = d_bias if d_bias is not None else \
+            torch.empty(plan.v, dtype=torch.float32, device=dev) if need_bias else None
         self.d_hidden = torch.empty(plan.n_pad, plan.hidden.shape[1], dtype=torch.float32,
                                     device=dev) if need_hidden else None
         # d_weight's tiles are summed over row groups in fp32 when there are several.
         self.acc = None
-        if need_weight and len(plan.groups) > 1 and weight.dtype != torch.float32:
+        if need_weight and d_weight is None and len(plan.groups) > 1 \
+                and weight.dtype != torch.float32:
             self.acc = torch.empty(plan.cols, weight.shape[1], dtype=torch.float32, device=dev)
 
     def add(self, dx, w, v0, v1, gi, r0, rows) -> None:
@@ -330,7 +333,9 @@ class TileGrads:
                 addmm_acc_(self.d_hidden[r0 + c:r0 + c + ROW_CHUNK], dx[c:c + ROW_CHUNK], w,
                              beta=0.0 if v0 == 0 else 1.0)
         d_weight = self.d_weight
-        if d_weight is not None:
+        if d_weight is not None and self.into[0]:
+            addmm_acc_(d_weight[v0:v1], dx.t(), self.plan.hidden[r0:r0 + rows], beta=1.0)
+        elif d_weight is not None:
             h = self.plan.hidden[r0:r0 + rows]
             if self.acc is not None:
                 addmm_acc_(self.acc[:v1 - v0], dx.t(), h, beta=0.0 if gi == 0 else 1.0)
@@ -340,7 +345,7 @@ class TileGrads:
                 torch.addmm(d_weight[v0:v1], dx.t(), h, out=d_weight[v0:v1])
         if self.d_bias is not None:
             part = dx.sum(0, dtype=torch.float32)
-            if gi == 0:
+            if gi == 0 and not self.into[1]:
                 self.d_bias[v0:v1] = part
             else:
                 self.d_bias[v0:v1] += part

@@ -10,13 +10,16 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from logitless.fused_losses.head.divergence import exact_kl_rows, reference_head
+from logitless.fused_losses.head.divergence import (
+    divergence_kernels,
+    exact_kl_rows,
+    reference_head,
+)
 from logitless.fused_losses.head.logprobs import check_byte_budget, check_head_args, compute_dtype
 from logitless.fused_losses.objectives.catalog import needs_whole_batch
 from logitless.fused_losses.objectives.config import PolicyLossConfig
 from logitless.fused_losses.objectives.policy_inputs import _Batch, _dtype, _to_batch
 from logitless.fused_losses.objectives.policy_loss import check_exact_kl
-from logitless.kernels import divergence_torch
 from logitless.kernels import linear_softmax_torch as tiles
 
 if TYPE_CHECKING:
@@ -118,21 +121,22 @@ class RefHead:
     def kl_forward(self, rows, hidden, weight, bias):
         """The KL of the loss rows ``rows`` without a graph, and what `kl_backward` needs."""
         ref = self.hidden.index_select(0, rows)
-        kl, lse_s, lse_t, aux = divergence_torch.divergence_forward(
+        kernels = divergence_kernels(hidden.device, hidden.dtype, ref.dtype)
+        kl, lse_s, lse_t, aux = kernels.divergence_forward(
             hidden, weight, bias, ref, self.weight, self.bias, beta=1.0,
             temperature=self.temperature)
-        return kl, (ref, lse_s, lse_t, aux)
+        return kl, (kernels, ref, lse_s, lse_t, aux)
 
     def kl_backward(self, saved, grad, hidden, weight, bias, grads: Grads, need: Need):
         """The KL's gradients from the per-row upstream ``grad``: the weight's and the bias's
         added to the call's fp32 accumulators in place (no ``[V, D]`` temporary), the hidden
         rows returned (or None)."""
-        ref, lse_s, lse_t, aux = saved
+        kernels, ref, lse_s, lse_t, aux = saved
         d_weight = grads.weight.t if need.weight else None
         if need.weight and grads.weight.fresh:  # nothing written yet: the GEMMs add
             d_weight.zero_()
             grads.weight.fresh = False
-        d_hidden, _, _ = divergence_torch.divergence_backward(
+        d_hidden, _, _ = kernels.divergence_backward(
             hidden, weight, bias, ref, self.weight, self.bias, lse_s, lse_t, aux,
             grad.contiguous(), beta=1.0, temperature=self.temperature, need_hidden=need.hidden,
             need_weight=need.weight, need_bias=need.bias, d_weight=d_weight, d_bias=grads.bias)

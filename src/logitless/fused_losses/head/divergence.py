@@ -47,7 +47,7 @@ class _Spec:
         return {} if self.tile_bytes is None else {"tile_bytes": self.tile_bytes}
 
 
-def _backend_for(device: torch.device, *dtypes: torch.dtype) -> ModuleType:
+def divergence_kernels(device: torch.device, *dtypes: torch.dtype) -> ModuleType:
     """The kernel module for tensors of this device and these dtypes: the Triton path when
     :func:`triton_selected` picks it for every one of them, else the torch twin."""
     if not all(triton_selected(device, dtype) for dtype in dtypes):
@@ -61,7 +61,7 @@ def spec_for(beta, temperature, tile_bytes, hidden, t_hidden=None, entropy=False
     """The spec of a call on these tensors (the backend from their device and dtypes)."""
     dtypes = (hidden.dtype,) if t_hidden is None else (hidden.dtype, t_hidden.dtype)
     return _Spec(float(beta), float(temperature), tile_bytes,
-                 _backend_for(hidden.device, *dtypes), bool(entropy))
+                 divergence_kernels(hidden.device, *dtypes), bool(entropy))
 
 
 class _Divergence(torch.autograd.Function):
