@@ -1,5 +1,6 @@
 """The chunked divergence kernels' intermediate results (both heads' logsumexp, the per-token
-KL(student || m) the backward reuses, the top-k log-probs) against plain fp64 formulas, at
+E_s[log((1 - beta) p_s / m)] = KL(student || m) + log(1 - beta) the backward reuses, the top-k
+log-probs) against plain fp64 formulas, at
 tile budgets that split rows and vocabulary unevenly."""
 
 import math
@@ -34,8 +35,9 @@ def test_forward_statistics(beta, tile_bytes):
     log_s, log_t = zs.log_softmax(-1), zt.log_softmax(-1)
     if 0 < beta < 1:
         log_m = torch.log(beta * log_t.exp() + (1 - beta) * log_s.exp())
-        expect_aux = (log_s.exp() * (log_s - log_m)).sum(-1)
-        expect_div = beta * (log_t.exp() * (log_t - log_m)).sum(-1) + (1 - beta) * expect_aux
+        kl_s = (log_s.exp() * (log_s - log_m)).sum(-1)
+        expect_aux = kl_s + math.log1p(-beta)
+        expect_div = beta * (log_t.exp() * (log_t - log_m)).sum(-1) + (1 - beta) * kl_s
     else:
         p, q = (log_t, log_s) if beta == 0 else (log_s, log_t)
         expect_div = expect_aux = (p.exp() * (p - q)).sum(-1)

@@ -69,6 +69,21 @@ def _log_mixture(ls, lt, log_b, log_1mb):
 
 
 @triton.jit
+def _log1p_small(x):
+    """``log(1 + x)`` for ``x >= 0``, accurate where ``1 + x`` rounds to 1 (no libdevice)."""
+    return tl.where(x < 1e-4, x * (1.0 - x * (0.5 - x * (1.0 / 3.0))), tl.log(1.0 + x))
+
+
+@triton.jit
+def _student_share(ls, lt, log_b, log_1mb):
+    """``w = log((1 - beta) p_s / m) = -softplus(log(beta p_t) - log((1 - beta) p_s))``:
+    tiny where the heads are nearly disjoint, and formed without cancelling there (see
+    ``divergence_torch._student_share``)."""
+    d = (lt + log_b) - (ls + log_1mb)
+    return -(tl.maximum(d, 0.0) + _log1p_small(tl.exp(-tl.abs(d))))
+
+
+@triton.jit
 def _pair_stats_kernel(
     zs_ptr, stride_s, zt_ptr, stride_t, state, plane, width, z_scale,
     GAP: tl.constexpr, BLOCK_V: tl.constexpr,
@@ -125,8 +140,9 @@ def _pair_jsd_kernel(
     zs_ptr, stride_s, zt_ptr, stride_t, lse_s, lse_t, acc, plane, width, z_scale, log_b,
     log_1mb, BLOCK_V: tl.constexpr,
 ):
-    """Add row ``r``'s ``sum p_t (log p_t - log m)`` and ``sum p_s (log p_s - log m)`` over
-    ``width`` columns into ``acc[0, r]`` and ``acc[1, r]`` (fp32, ``plane`` apart)."""
+    """Add row ``r``'s ``sum p_t (log p_t - log m)`` and ``sum p_s w`` (``w`` as
+    `_student_share`) over ``width`` columns into ``acc[0, r]`` and ``acc[1, r]`` (fp32,
+    ``plane`` apart)."""
     row = tl.program_id(0).to(tl.int64)
     zs_row = zs_ptr + row * stride_s
     zt_row = zt_ptr + row * stride_t
@@ -141,7 +157,8 @@ def _pair_jsd_kernel(
         lt = tl.load(zt_row + cols, mask=valid, other=0.0).to(tl.float32) * z_scale - lse_t_r
         log_m = _log_mixture(ls, lt, log_b, log_1mb)
         kl_t += tl.sum(tl.where(valid, tl.exp(lt) * (lt - log_m), 0.0), 0)
-        kl_s += tl.sum(tl.where(valid, tl.exp(ls) * (ls - log_m), 0.0), 0)
+        kl_s += tl.sum(tl.where(valid, tl.exp(ls) * _student_share(ls, lt, log_b, log_1mb),
+                                0.0), 0)
     tl.store(acc + row, kl_t)
     tl.store(acc + plane + row, kl_s)
 
@@ -154,7 +171,7 @@ def _pair_grad_kernel(
 ):
     """Overwrite row ``r`` of the student's tile with ``dL/dx`` (``x`` its logits before the
     temperature), in its dtype: ``dz = p_s - p_t`` (``MODE`` 0), ``p_s (log p_s - log p_t -
-    aux)`` (1), ``(1 - beta) p_s (log p_s - log m - aux)`` (2), times ``grad[r] / T``. One
+    aux)`` (1), ``(1 - beta) p_s (w - aux)`` (2, ``aux = E_s[w]``), times ``grad[r] / T``. One
     program per real row: the launcher zeroes the last chunk's padding rows."""
     r = tl.program_id(0).to(tl.int64)
     zs_row = zs_ptr + r * stride_s
@@ -176,7 +193,7 @@ def _pair_grad_kernel(
         elif MODE == 1:
             dz = p_s * (ls - lt - aux_r)
         else:
-            dz = p_s * (ls - _log_mixture(ls, lt, log_b, log_1mb) - aux_r)
+            dz = p_s * (_student_share(ls, lt, log_b, log_1mb) - aux_r)
         tl.store(zs_row + cols, _round_to(dz * coef, zs_ptr.dtype.element_ty, INTERPRET_BF16),
                  mask=valid)
 
@@ -333,8 +350,9 @@ def divergence_forward(hidden, weight, bias, t_hidden, t_weight, t_bias, *, beta
             _pair_jsd_kernel[(plans[0].real_rows(r0, rows),)](
                 zs, zs.stride(0), zt, zt.stride(0), lse_s[r0:], lse_t[r0:], acc[:, r0:], n,
                 v1 - v0, z_scale, math.log(beta), math.log1p(-beta), **jsd_meta())
-    kl_t, kl_s = acc
-    return beta * kl_t + (1.0 - beta) * kl_s, lse_s, lse_t, kl_s, *extra
+    kl_t, share = acc  # share: E_s[w]; KL(s || m) = E_s[w] - log(1 - beta)
+    div = beta * kl_t + (1.0 - beta) * (share - math.log1p(-beta))
+    return div, lse_s, lse_t, share, *extra
 
 
 def _no_rows(hidden, weight, need_hidden, need_weight, need_bias):

@@ -166,7 +166,8 @@ def divergence_forward(hidden, weight, bias, t_hidden, t_weight, t_bias, *, beta
 
     hidden ``[N, D]``, weight ``[V, D]``, bias ``[V]`` or None; the teacher's the same with its
     own ``D_t``. Returns ``(divergence, lse_s, lse_t, aux)``, each ``[N]`` fp32 (fp64 for fp64
-    inputs); ``aux`` is the per-token KL(student || m) for ``0 < beta < 1`` and the divergence
+    inputs); ``aux`` is the per-token ``E_s[log((1 - beta) p_s / m)]`` (KL(student || m) plus
+    ``log(1 - beta)``, formed without cancelling) for ``0 < beta < 1`` and the divergence
     itself otherwise. With ``entropy``, a fifth tensor: the student's entropy
     ``lse_s - E_s[z_s]``, its expected logit folded in pass 1.
     """
@@ -195,17 +196,18 @@ def divergence_forward(hidden, weight, bias, t_hidden, t_weight, t_bias, *, beta
         div = finish_kl(beta, gap, l_s, l_t, lse_s, lse_t)
         return div, lse_s, lse_t, div, *extra
     log_b, log_1mb = math.log(beta), math.log1p(-beta)
-    div, kl_s = hidden.new_zeros(n, dtype=acc), hidden.new_zeros(n, dtype=acc)
+    kl_t, share = hidden.new_zeros(n, dtype=acc), hidden.new_zeros(n, dtype=acc)
     for rows, cols in heads.blocks(n, v):
         zs, scr_s = heads.logits(heads.s, hidden, weight, bias, rows, cols, temperature)
         zt, scr_t = heads.logits(heads.t, t_hidden, t_weight, t_bias, rows, cols, temperature)
         log_m = _log_mixture_(zs, zt, lse_s[rows], lse_t[rows], log_b, log_1mb, scr_s, scr_t)
-        # KL(t || m) terms, then KL(s || m) terms, each p (log p - log m) formed in scratch.
-        kl_t_rows = torch.exp(zt, out=scr_s).mul_(zt.sub_(log_m)).sum(1)
-        kl_s_rows = torch.exp(zs, out=scr_s).mul_(zs.sub_(log_m)).sum(1)
-        kl_s[rows] += kl_s_rows
-        div[rows] += beta * kl_t_rows + (1.0 - beta) * kl_s_rows
-    return div, lse_s, lse_t, kl_s, *extra
+        # E_s[w], w = log((1 - beta) p_s / m), each w from its softplus (see _student_share)
+        share[rows] += _student_share(zs, zt, log_b, log_1mb).mul_(zs.exp()).sum(1)
+        # KL(t || m)'s terms p_t (log p_t - log m), formed in scratch
+        kl_t[rows] += torch.exp(zt, out=scr_s).mul_(zt.sub_(log_m)).sum(1)
+    # KL(s || m) = E_s[w] - log(1 - beta)
+    div = beta * kl_t + (1.0 - beta) * (share - log_1mb)
+    return div, lse_s, lse_t, share, *extra
 
 
 def finish_kl(beta: float, gap, l_s, l_t, lse_s, lse_t):
@@ -215,6 +217,18 @@ def finish_kl(beta: float, gap, l_s, l_t, lse_s, lse_t):
     if beta == 0.0:
         return gap / l_t - lse_t + lse_s
     return gap / l_s - lse_s + lse_t
+
+
+def _student_share(log_ps, log_pt, log_b, log_1mb):
+    """``w = log((1 - beta) p_s / m) = -softplus(log(beta p_t) - log((1 - beta) p_s))``,
+    elementwise, accurate where the heads are nearly disjoint: there ``w`` is tiny, and forming
+    it as ``log p_s + log(1 - beta) - log m`` would cancel two numbers of order 1 (the JSD's
+    gradient is ``(1 - beta) p_s (w - E_s[w])``). Written as ``max(d, 0) + log1p(exp(-|d|))``:
+    torch's ``softplus`` rounds its vectorised bulk and its scalar tail differently on CPU, so a
+    row's ``w`` would depend on where the row lies in its tile."""
+    d = (log_pt + log_b).sub_(log_ps + log_1mb)
+    tail = torch.log1p(torch.exp(-d.abs()))
+    return d.clamp_(min=0.0).add_(tail).neg_()
 
 
 def _log_mixture_(zs, zt, lse_s, lse_t, log_b, log_1mb, scr_s, scr_t):
@@ -235,7 +249,8 @@ def divergence_backward(hidden, weight, bias, t_hidden, t_weight, t_bias, lse_s,
     the per-token upstream ``grad``. With ``p_s``, ``p_t``, ``m`` recomputed per tile, the
     gradient of the divergence with respect to the student's tempered logits is
     ``p_s - p_t`` (``beta = 0``), ``p_s (log p_s - log p_t - KL)`` (``beta = 1``), else
-    ``(1 - beta) p_s (log p_s - log m - KL(s || m))``; it is scaled by ``grad / T``.
+    ``(1 - beta) p_s (log p_s - log m - KL(s || m)) = (1 - beta) p_s (w - E_s[w])`` with
+    ``w = log((1 - beta) p_s / m)`` (`_student_share`); it is scaled by ``grad / T``.
 
     ``d_weight`` / ``d_bias``: accumulators (in the accumulation dtype) to add the weight and
     bias gradients to, instead of fresh zeroed ones (a caller summing over chunks)."""
@@ -252,7 +267,7 @@ def divergence_backward(hidden, weight, bias, t_hidden, t_weight, t_bias, lse_s,
     log_b, log_1mb = (math.log(beta), math.log1p(-beta)) if 0.0 < beta < 1.0 else (0.0, 0.0)
     for rows, cols in heads.blocks(n, v):
         zs, scr_s = heads.logits(heads.s, hidden, weight, bias, rows, cols, temperature)
-        zt, scr_t = heads.logits(heads.t, t_hidden, t_weight, t_bias, rows, cols, temperature)
+        zt, _ = heads.logits(heads.t, t_hidden, t_weight, t_bias, rows, cols, temperature)
         if beta == 0.0:
             zs.sub_(lse_s[rows].unsqueeze(1)).exp_()
             dz = zs.sub_(zt.sub_(lse_t[rows].unsqueeze(1)).exp_())
@@ -261,11 +276,12 @@ def divergence_backward(hidden, weight, bias, t_hidden, t_weight, t_bias, lse_s,
             zt.sub_(lse_t[rows].unsqueeze(1))
             ps = torch.exp(zs, out=scr_s)
             dz = ps.mul_(zs.sub_(zt).sub_(aux[rows].unsqueeze(1)))
-        else:
-            log_m = _log_mixture_(zs, zt, lse_s[rows], lse_t[rows], log_b, log_1mb, scr_s,
-                                  scr_t)
+        else:  # aux: E_s[w] (divergence_forward), so dz = (1 - beta) p_s (w - E_s[w])
+            zs.sub_(lse_s[rows].unsqueeze(1))
+            zt.sub_(lse_t[rows].unsqueeze(1))
+            share = _student_share(zs, zt, log_b, log_1mb)
             ps = torch.exp(zs, out=scr_s)
-            dz = ps.mul_(zs.sub_(log_m).sub_(aux[rows].unsqueeze(1))).mul_(1.0 - beta)
+            dz = ps.mul_(share.sub_(aux[rows].unsqueeze(1))).mul_(1.0 - beta)
         dz.mul_(scale[rows].unsqueeze(1))
         heads.accumulate(dz, hidden, weight, d_hidden, d_weight, d_bias, rows, cols)
     return d_hidden, d_weight, d_bias
