@@ -183,5 +183,5 @@ def test_chunk_rows_follow_the_cost_model():
     n, d, v = gpu_plan.REFERENCE_SHAPE
     row = StoredLogitsTriton.bytes_per_row(v, torch.bfloat16, None, hidden_size=d)
     plan = gpu_plan.gpu_plan(n, d, v, "bfloat16", "fused-policy-loss")
-    rows = gpu_plan.CUDA_MEMORY_BUDGET // row
+    rows = gpu_plan.wave_rows(gpu_plan.CUDA_MEMORY_BUDGET // row, d)
     assert plan.chunks == -(-n // rows)

@@ -3,6 +3,7 @@ counted in nvdisasm's SASS, the report's fields (issue 22)."""
 
 import json
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -61,3 +62,27 @@ def test_the_report_compiles_every_variant(tmp_path):
         assert 8 <= k["registers"] <= 255 and k["spills"] >= 0
         assert 20 < k["loop_instructions"] < 5000  # a real streaming loop was found
     assert "instr/elem" in done.stdout
+
+
+@pytest.mark.slow
+def test_the_cost_model_takes_the_epilogues_figures_from_the_report(tmp_path):
+    """gpu_plan.EPILOGUE_INSTRUCTIONS (warp instructions per element of each streaming pass)
+    are those of the sm_90 code that triton 3.6.0, the H200's, compiles today at V=151936."""
+    pytest.importorskip("triton.backends.nvidia")
+    from logitless.fused_losses.fused import gpu_plan
+
+    root = pathlib.Path(__file__).parents[2]
+    triton36 = root / ".venv" / "triton-3.6.0"
+    if not (triton36 / "triton").is_dir():
+        pytest.skip(f"{triton36} is missing (make setup installs it)")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(triton36), str(root / "src")])
+    done = subprocess.run([sys.executable, "-m", "logitless.tools.sass", "--out", str(tmp_path)],
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads((tmp_path / "sass.json").read_text())
+    assert result["triton"] == "3.6.0"
+    got = {k["role"]: k["loop_instructions"] * k["warps"] / k["elements_per_iteration"]
+           for k in result["kernels"]
+           if k["shape"] == "V=151936" and k["role"] in gpu_plan.EPILOGUE_INSTRUCTIONS}
+    assert got == pytest.approx(gpu_plan.EPILOGUE_INSTRUCTIONS)

@@ -10,12 +10,21 @@ The model, stated once:
 
 - A launch costs ``max(flops / rate, bytes / bandwidth) + launch_seconds``: GEMMs at the
   tensor-core rate (bf16/fp16; TF32 for fp32 inputs), epilogue passes at the fp32 vector rate.
+- A GEMM's rate is derated by its **wave quantisation**: its ``[m, n]`` output is cut into
+  ``128 x 256`` tiles, one per SM at a time, so it takes ``ceil(tiles / SMs)`` waves of whole
+  tiles; the rate is multiplied by ``m n / (waves x SMs x 128 x 256)`` (the share of the
+  waves' tile area that is real output).
+- A streaming epilogue is also bounded by its **instruction issue**: its warp instructions
+  per logits element, read off its compiled sm_90 loop (``tools/sass.py`` under triton 3.6.0,
+  :data:`EPILOGUE_INSTRUCTIONS`), over the chip's issue rate (4 warp instructions per cycle
+  per SM).
 - Bytes are the fewest a launch must move: each operand read once, each output written once, an
   accumulator (``C += A @ B``) read and written. A GEMM's operand re-reads from L2 are not
   counted; neither are cuBLAS's losses on thin or oddly shaped tiles, which only a measurement
   shows.
 - The plain GEMMs of a path (its floor) are the same products over the whole shape, one launch
-  each: no-grad one (``2 N D V`` FLOPs), head forward+backward four, fused loss three.
+  each, wave-quantised the same way: no-grad one (``2 N D V`` FLOPs), head forward+backward
+  four, fused loss three.
 - Peak memory is what a path holds beyond its inputs and their gradients: the logits tile or
   the stored chunk, per-row state, fp32 accumulators.
 
@@ -30,9 +39,10 @@ Paths:
   ``d_hidden += dz @ W_tile`` into an fp32 ``[N, D]`` accumulator, and ``d_weight[tile] =
   dz^T @ hidden`` written once (summed in an fp32 tile accumulator when there are several
   row groups).
-- ``"fused-policy-loss"``: sequence-aligned chunks of rows, each chunk's ``[rows, V]`` logits
-  stored once in the input dtype; a statistics pass, the objective on ``(lp, H)``, a pass turning
-  the stored logits into ``dz`` in place, ``dz @ W`` for the chunk's hidden gradient and
+- ``"fused-policy-loss"``: sequence-aligned chunks of rows (at most :func:`wave_rows` of what
+  the budget holds), each chunk's ``[rows, V]`` logits stored once in the input dtype; a
+  statistics pass, the objective on ``(lp, H)``, a pass turning the stored logits into ``dz``
+  in place, ``dz @ W`` for the chunk's hidden gradient and
   ``dz^T @ hidden`` added into the one fp32 weight-gradient accumulator.
 
 The bias and the logit transform (temperature, soft-cap) are not counted: O(V) bytes and a few
@@ -49,11 +59,15 @@ import math
 
 __all__ = [
     "CUDA_MEMORY_BUDGET",
+    "EPILOGUE_BUDGET",
+    "EPILOGUE_INSTRUCTIONS",
     "H200",
     "HEAD_TILE_BUDGET",
+    "OBJECTIVE_LAUNCHES",
     "PATHS",
     "REFERENCE_SHAPE",
     "ROW_CHUNK",
+    "TARGET_OBJECTIVE_LAUNCHES",
     "VOCAB_TILE",
     "GpuPlan",
     "Hardware",
@@ -63,6 +77,8 @@ __all__ = [
     "format_table",
     "gpu_plan",
     "reference_plans",
+    "wave_efficiency",
+    "wave_rows",
 ]
 
 PATHS = ("logprobs-nograd", "logprobs-fwd-bwd", "fused-policy-loss")
@@ -79,11 +95,12 @@ ROW_CHUNK = 1024
 # columns, 16384 rows per group.
 HEAD_TILE_BUDGET = 256 * 2**20
 # The default memory budget of ``fused_policy_loss`` on CUDA, in bytes: the smallest power of
-# two at which the model puts the fused loss within the issue's 1.15x of its three GEMMs at the
-# reference shape (1.12x in 10 chunks of 1639 rows; 256 MiB gives 1.17x, its fp32
-# weight-gradient traffic at 92% of a GEMM's time; bigger budgets gain little: 1.10x at 1 GiB,
-# 1.08x with no chunking at all). Fixed, not a fraction of free memory: the chunking must not
-# depend on what the caching allocator happens to hold.
+# two at which the model puts the fused loss within issue 22's 1.15x of its three GEMMs at the
+# reference shape once its targets are met (epilogues at their instruction budget, 25
+# objective launches a chunk): 1.11x in 16 chunks of 1024 rows; 256 MiB gives 1.24x. With
+# today's compiled epilogues and 90 launches a chunk the model says 1.21x. Fixed, not a
+# fraction of free memory: the chunking must not depend on what the caching allocator happens
+# to hold.
 CUDA_MEMORY_BUDGET = 512 * 2**20
 
 # Epilogue arithmetic per logits element (fp32 vector FLOPs, exp counted as 4): the statistics
@@ -97,10 +114,30 @@ _ROW_STATE_BYTES = 7 * 4
 # What a path holds per token for its whole duration: statistics, results, targets, per-token
 # gradients and the saved forward state (fp32 or int64 each).
 _ROW_HELD_BYTES = 64
-# The objective on a chunk's (lp, H): policy_loss forward and backward on per-token grids, a
-# few dozen small kernels reading and writing a few fp32 values per token.
-_OBJECTIVE_LAUNCHES = 60
+# The objective on a chunk's (lp, H): policy_loss forward and backward on per-token grids,
+# small kernels reading and writing a few fp32 values per token. 90 launches: the 95 compute
+# ops an extra chunk adds (benchmarks/chunk_ops.py, GRPO) less its three GEMMs and its
+# gather and scatter of hidden rows, which the plan counts as passes of their own.
+OBJECTIVE_LAUNCHES = 90
+# Issue 22's target of 30 compute ops per extra chunk, less those five.
+TARGET_OBJECTIVE_LAUNCHES = 25
 _OBJECTIVE_BYTES_PER_ROW = 256
+
+# Warp instructions per logits element in each streaming epilogue's column loop: loop
+# instructions x warps / columns per iteration, read off the sm_90 SASS of the bf16 kernels at
+# V=151936 under triton 3.6.0 (``python -m logitless.tools.sass``; docs/gpu.md, "SASS
+# report"). tests/tools/test_sass.py checks them against a fresh compile.
+EPILOGUE_INSTRUCTIONS = {
+    "head_stats": 366 * 8 / 2048,
+    "head_grad": 173 * 8 / 2048,
+    "fused_stats": 366 * 8 / 2048,
+    "fused_grad": 173 * 8 / 2048,
+}
+# The most each may issue and stay memory-bound (issue time under 75% of HBM time): 0.18 x the
+# bytes the pass moves per element, 2 for a pass that reads bf16 logits, 4 for one that reads
+# and writes them (docs/gpu.md, "SASS report"; issue 22's target).
+EPILOGUE_BUDGET = {"head_stats": 0.36, "head_grad": 0.72, "fused_stats": 0.36,
+                   "fused_grad": 0.72}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,12 +152,38 @@ class Hardware:
     vector_flops: float
     bandwidth: float
     launch_seconds: float
+    sms: int = 132
+    # warp instructions issued per second: 4 schedulers per SM, one each per cycle
+    issue_rate: float = 132 * 4 * 1.98e9
+    gemm_tile: tuple[int, int] = (128, 256)
 
 
 # 790 TFLOP/s and 4.3 TB/s were measured on this workplace's H200 (8192^3 bf16 GEMM on random
 # data; a device-to-device copy); TF32 at half the bf16 rate and 67 TFLOP/s fp32 vector are
 # the datasheet's ratios; 5 us per launch is an estimate.
 H200 = Hardware("H200", 790e12, 395e12, 67e12, 4.3e12, 5e-6)
+
+
+def wave_efficiency(m: int, n: int, hardware: Hardware = H200) -> float:
+    """The share of a GEMM's ``[m, n]`` output tiles' waves that is real output: ``m n /
+    (waves x SMs x tile area)``, ``waves = ceil(tiles / SMs)``. 1.0 only for whole waves of
+    whole tiles."""
+    tm, tn = hardware.gemm_tile
+    tiles = math.ceil(m / tm) * math.ceil(n / tn)
+    waves = math.ceil(tiles / hardware.sms)
+    return m * n / (waves * hardware.sms * tm * tn)
+
+
+def wave_rows(max_rows: int, d: int, hardware: Hardware = H200) -> int:
+    """The fused loss's chunk height on CUDA: of the heights in ``(max_rows / 2, max_rows]``
+    (whole 128-row tiles, and ``max_rows`` itself), the one whose ``[rows, d]`` hidden-gradient
+    GEMM (``dz @ W``, the chunk's only GEMM with a small output) fills its waves best, the
+    tallest of equals. The other two GEMMs of a chunk have ``V``-wide outputs, hundreds of tiles
+    a row: any height fills their waves. At D=4096 a 1639-row cap gives 1024 rows (128 tiles on
+    132 SMs, 97%) where 1639 rows would be 208 tiles, 1.58 waves (79%)."""
+    tm = hardware.gemm_tile[0]
+    heights = {max_rows, *range(tm * (max_rows // (2 * tm) + 1), max_rows + 1, tm)}
+    return max(heights, key=lambda r: (round(wave_efficiency(r, d, hardware), 6), r))
 
 _ELEMENT_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
@@ -189,14 +252,24 @@ class GpuPlan:
 class _Passes:
     """Launches added one group at a time, summed per pass name in order of first appearance."""
 
-    def __init__(self, hw: Hardware, matmul_flops: float):
+    def __init__(self, hw: Hardware, matmul_flops: float, epilogues: dict | None = None,
+                 objective_launches: int = 0):
         self.hw, self.matmul_flops = hw, matmul_flops
+        self.epilogues = EPILOGUE_INSTRUCTIONS if epilogues is None else epilogues
+        self.objective_launches = objective_launches
         self.totals: dict[str, list] = {}
 
-    def add(self, name: str, unit: str, flops: int, nbytes: int, launches: int = 1) -> None:
-        """``launches`` launches of ``flops`` FLOPs and ``nbytes`` bytes each."""
-        rate = self.matmul_flops if unit == "matmul" else self.hw.vector_flops
-        each = max(flops / rate, nbytes / self.hw.bandwidth) + self.hw.launch_seconds
+    def add(self, name: str, unit: str, flops: int, nbytes: int, launches: int = 1, *,
+            out: tuple[int, int] | None = None, instructions: float = 0.0) -> None:
+        """``launches`` launches of ``flops`` FLOPs and ``nbytes`` bytes each; a GEMM's ``out``
+        shape derates its rate by :func:`wave_efficiency`; ``instructions``: warp instructions
+        each launch issues (an epilogue's loop)."""
+        if unit == "matmul":
+            rate = self.matmul_flops * (wave_efficiency(*out, self.hw) if out else 1.0)
+        else:
+            rate = self.hw.vector_flops
+        each = max(flops / rate, nbytes / self.hw.bandwidth,
+                   instructions / self.hw.issue_rate) + self.hw.launch_seconds
         t = self.totals.setdefault(name, [unit, 0, 0, 0, 0.0])
         t[1] += launches
         t[2] += launches * flops
@@ -235,7 +308,9 @@ def _dtype_name(dtype) -> str:
 
 def gpu_plan(n: int, d: int, v: int, dtype="bfloat16", path: str = "fused-policy-loss",
              memory_budget: int | None = None, *, vocab_tile: int = VOCAB_TILE,
-             row_chunk: int = ROW_CHUNK, hardware: Hardware = H200) -> GpuPlan:
+             row_chunk: int = ROW_CHUNK, hardware: Hardware = H200,
+             epilogues: dict[str, float] | None = None,
+             objective_launches: int = OBJECTIVE_LAUNCHES) -> GpuPlan:
     """The plan and predicted cost of one GPU path for ``hidden [n, d]``, ``weight [v, d]``.
 
     Args:
@@ -252,6 +327,12 @@ def gpu_plan(n: int, d: int, v: int, dtype="bfloat16", path: str = "fused-policy
         row_chunk: rows of each head GEMM (positive int; rows are padded to whole chunks and
             a head tile holds at least one chunk; the fused loss ignores it).
         hardware: the rates the time is predicted at.
+        epilogues: warp instructions per element of each streaming pass, by role (default
+            :data:`EPILOGUE_INSTRUCTIONS`, today's compiled code; :data:`EPILOGUE_BUDGET`
+            predicts the path with every epilogue at its budget).
+        objective_launches: launches of the objective per fused chunk (positive int; default
+            :data:`OBJECTIVE_LAUNCHES`, measured; issue 22's target is 30 compute ops a chunk
+            in all).
 
     Returns:
         A :class:`GpuPlan`; ``plan.seconds`` is the predicted time, ``plan.ratio`` its ratio to
@@ -268,20 +349,28 @@ def gpu_plan(n: int, d: int, v: int, dtype="bfloat16", path: str = "fused-policy
     memory_budget = _positive_int("memory_budget", memory_budget)
     e = _ELEMENT_BYTES[dtype]
     rate = hardware.tf32_flops if dtype == "float32" else hardware.matmul_flops
+    if epilogues is not None and set(epilogues) != set(EPILOGUE_INSTRUCTIONS):
+        raise ValueError(f"epilogues must map each of {sorted(EPILOGUE_INSTRUCTIONS)} to warp "
+                         f"instructions per element, got keys {sorted(epilogues)}")
+    objective_launches = _positive_int("objective_launches", objective_launches)
     build = _fused_plan if path == "fused-policy-loss" else _head_plan
-    fields = build(n, d, v, e, path, memory_budget, min(vocab_tile, v), _Passes(hardware, rate),
-                   row_chunk)
+    fields = build(n, d, v, e, path, memory_budget, min(vocab_tile, v),
+                   _Passes(hardware, rate, epilogues, objective_launches), row_chunk)
     floor = _Passes(hardware, rate)
-    for name in _FLOOR_GEMMS[path]:
-        floor.add(name, "matmul", 2 * n * d * v, e * (n * d + v * d + n * v))
+    for name, out in _FLOOR_GEMMS[path]:
+        floor.add(name, "matmul", 2 * n * d * v, e * (n * d + v * d + n * v),
+                  out={"logits": (n, v), "hidden": (n, d), "weight": (v, d)}[out])
     return GpuPlan(path=path, n=n, d=d, v=v, dtype=dtype, memory_budget=memory_budget,
                    gemm_floor=floor.result(), **fields)
 
 
+# Each plain GEMM and which output it writes.
 _FLOOR_GEMMS = {
-    "logprobs-nograd": ("logits",),
-    "logprobs-fwd-bwd": ("logits", "logits again", "dz @ W", "dz^T @ hidden"),
-    "fused-policy-loss": ("logits", "dz @ W", "dz^T @ hidden"),
+    "logprobs-nograd": (("logits", "logits"),),
+    "logprobs-fwd-bwd": (("logits", "logits"), ("logits again", "logits"),
+                         ("dz @ W", "hidden"), ("dz^T @ hidden", "weight")),
+    "fused-policy-loss": (("logits", "logits"), ("dz @ W", "hidden"),
+                          ("dz^T @ hidden", "weight")),
 }
 
 
@@ -314,21 +403,23 @@ def _head_plan(n, d, v, e, path, budget, tile, passes: _Passes, row_chunk) -> di
             left -= real
             for w, tc in tiles:
                 passes.add("logits GEMM", "matmul", 2 * c * d * w, e * (c * d + w * d + c * w),
-                           k * tc)
+                           k * tc, out=(c, w))
                 passes.add("statistics pass", "vector", _STATS_FLOPS * real * w,
-                           e * real * w + 2 * _ROW_STATE_BYTES * real, tc)
+                           e * real * w + 2 * _ROW_STATE_BYTES * real, tc,
+                           instructions=passes.epilogues["head_stats"] * real * w)
                 if not backward:
                     continue
                 passes.add("logits GEMM again", "matmul", 2 * c * d * w,
-                           e * (c * d + w * d + c * w), k * tc)
+                           e * (c * d + w * d + c * w), k * tc, out=(c, w))
                 passes.add("dz pass (in place)", "vector", _DZ_FLOPS * r * w,
-                           2 * e * r * w + _ROW_STATE_BYTES * r, tc)
+                           2 * e * r * w + _ROW_STATE_BYTES * r, tc,
+                           instructions=passes.epilogues["head_grad"] * r * w)
                 passes.add("d_hidden += dz @ W_tile", "matmul", 2 * c * w * d,
-                           e * (c * w + w * d) + 2 * 4 * c * d, k * tc)
+                           e * (c * w + w * d) + 2 * 4 * c * d, k * tc, out=(c, d))
                 # written once with one row group; else summed over the groups in an fp32 tile
                 out = e * w * d if groups == 1 else 2 * 4 * w * d
                 passes.add("d_weight[tile] = dz^T @ hidden", "matmul", 2 * r * w * d,
-                           e * (r * w + r * d) + out, tc)
+                           e * (r * w + r * d) + out, tc, out=(w, d))
     passes.add("finish statistics", "vector", 8 * n, _ROW_STATE_BYTES * n + _ROW_HELD_BYTES * n)
     group_rows = group_chunks[0][0] * c
     extra = group_rows * tile * e + _ROW_HELD_BYTES * n
@@ -350,34 +441,41 @@ def _head_plan(n, d, v, e, path, budget, tile, passes: _Passes, row_chunk) -> di
 def _fused_plan(n, d, v, e, path, budget, tile, passes: _Passes, row_chunk) -> dict:
     """fused_policy_loss: evened-out chunks of rows, each storing its ``[rows, V]`` logits."""
     row_bytes = e * (v + 2 * d)  # stored logits, gathered hidden row, hidden-gradient row
-    chunks = math.ceil(n / _rows_within(budget, row_bytes, "stored logits and hidden rows"))
+    cap = wave_rows(_rows_within(budget, row_bytes, "stored logits and hidden rows"), d,
+                    passes.hw)
+    chunks = math.ceil(n / cap)
     row_groups = _even_split(n, chunks)
     fp32_acc = e < 4
     first = True
     for r, rc in row_groups:
         passes.add("gather hidden rows", "vector", 0, 2 * e * r * d, rc)
-        passes.add("logits GEMM", "matmul", 2 * r * d * v, e * (r * d + v * d + r * v), rc)
+        passes.add("logits GEMM", "matmul", 2 * r * d * v, e * (r * d + v * d + r * v), rc,
+                   out=(r, v))
         passes.add("statistics pass", "vector", _STATS_FLOPS * r * v,
-                   e * r * v + 2 * _ROW_STATE_BYTES * r, rc)
+                   e * r * v + 2 * _ROW_STATE_BYTES * r, rc,
+                   instructions=passes.epilogues["fused_stats"] * r * v)
+        launches = passes.objective_launches
         passes.add("objective on (lp, H)", "vector", 0,
-                   _OBJECTIVE_BYTES_PER_ROW * r // _OBJECTIVE_LAUNCHES,
-                   rc * _OBJECTIVE_LAUNCHES)
+                   _OBJECTIVE_BYTES_PER_ROW * r // launches, rc * launches)
         passes.add("dz pass (in place)", "vector", _DZ_FLOPS * r * v,
-                   2 * e * r * v + _ROW_STATE_BYTES * r, rc)
+                   2 * e * r * v + _ROW_STATE_BYTES * r, rc,
+                   instructions=passes.epilogues["fused_grad"] * r * v)
         passes.add("d_hidden rows = dz @ W", "matmul", 2 * r * v * d,
-                   e * (r * v + v * d + r * d), rc)
+                   e * (r * v + v * d + r * d), rc, out=(r, d))
         # the first chunk writes the fp32 accumulator, every later one reads and writes it
         later = rc - 1 if first else rc
         grad = e * (r * v + r * d)
         if first:
-            passes.add("d_weight += dz^T @ hidden", "matmul", 2 * r * v * d, grad + 4 * v * d)
+            passes.add("d_weight += dz^T @ hidden", "matmul", 2 * r * v * d, grad + 4 * v * d,
+                       out=(v, d))
         if later:
             passes.add("d_weight += dz^T @ hidden", "matmul", 2 * r * v * d,
-                       grad + 2 * 4 * v * d, later)
+                       grad + 2 * 4 * v * d, later, out=(v, d))
         first = False
         passes.add("scatter hidden-gradient rows", "vector", 0, 2 * e * r * d, rc)
     passes.add("objective on all rows (value, metrics)", "vector", 0,
-               _OBJECTIVE_BYTES_PER_ROW * n // _OBJECTIVE_LAUNCHES, _OBJECTIVE_LAUNCHES)
+               _OBJECTIVE_BYTES_PER_ROW * n // passes.objective_launches,
+               passes.objective_launches)
     if fp32_acc:
         passes.add("d_weight fp32 -> dtype", "vector", 0, (4 + e) * v * d)
     passes.add("scale gradients by the upstream gradient", "vector", 0,
@@ -391,13 +489,18 @@ def _fused_plan(n, d, v, e, path, budget, tile, passes: _Passes, row_chunk) -> d
 
 
 def reference_plans(budgets=(256 * 2**20, CUDA_MEMORY_BUDGET, 2**30),
-                    hardware: Hardware = H200) -> list[GpuPlan]:
+                    hardware: Hardware = H200, *, targets: bool = False) -> list[GpuPlan]:
     """The plans of the docs' table: at :data:`REFERENCE_SHAPE` in bf16, the head without and
-    with its backward at its default tile, and the fused loss at each of ``budgets``."""
+    with its backward at its default tile, and the fused loss at each of ``budgets``. With
+    ``targets``, as predicted once issue 22's targets are met: every epilogue at
+    :data:`EPILOGUE_BUDGET` and :data:`TARGET_OBJECTIVE_LAUNCHES` per fused chunk."""
     n, d, v = REFERENCE_SHAPE
-    plans = [gpu_plan(n, d, v, "bfloat16", p, hardware=hardware)
+    knobs = dict(hardware=hardware)
+    if targets:
+        knobs.update(epilogues=EPILOGUE_BUDGET, objective_launches=TARGET_OBJECTIVE_LAUNCHES)
+    plans = [gpu_plan(n, d, v, "bfloat16", p, **knobs)
              for p in ("logprobs-nograd", "logprobs-fwd-bwd")]
-    return plans + [gpu_plan(n, d, v, "bfloat16", "fused-policy-loss", b, hardware=hardware)
+    return plans + [gpu_plan(n, d, v, "bfloat16", "fused-policy-loss", b, **knobs)
                     for b in budgets]
 
 
@@ -445,9 +548,12 @@ def format_report(hardware: Hardware = H200) -> str:
     """The tables of ``docs/gpu.md``: :func:`reference_plans` side by side, then the passes of
     each path at its default budget."""
     n, d, v = REFERENCE_SHAPE
-    plans = reference_plans(hardware=hardware)
-    parts = [f"N={n}, D={d}, V={v}, bfloat16, predicted on {hardware.name}.", "",
-             format_table(plans)]
+    parts = [f"N={n}, D={d}, V={v}, bfloat16, predicted on {hardware.name}, for today's "
+             f"compiled epilogues and {OBJECTIVE_LAUNCHES} objective launches per fused "
+             "chunk:", "", format_table(reference_plans(hardware=hardware)), "",
+             "The same once the epilogues are at their instruction budget and a fused chunk "
+             f"launches {TARGET_OBJECTIVE_LAUNCHES} objective ops (issue 22's targets):", "",
+             format_table(reference_plans(hardware=hardware, targets=True))]
     defaults = [gpu_plan(n, d, v, "bfloat16", path, hardware=hardware) for path in PATHS]
     for plan in defaults:
         parts += ["", f"Passes of {plan.path} at its default budget "

@@ -29,6 +29,15 @@ def default_budget(device: torch.device) -> int:
     return CPU_MEMORY_BUDGET
 
 
+def rows_cap(device: torch.device, budget: int, row_bytes: int, hidden_size: int) -> int:
+    """The most loss rows a dense chunk holds: what the budget holds, and on CUDA the height
+    below it whose hidden-gradient GEMM fills whole waves best (``gpu_plan.wave_rows``)."""
+    cap = max(1, budget // row_bytes)
+    if device.type == "cuda":
+        cap = gpu_plan.wave_rows(cap, hidden_size)
+    return cap
+
+
 def plan_chunks(tokens_per_sequence: list[int], max_rows: int) -> list[tuple[int, int, bool]]:
     """Group consecutive sequences into chunks of at most ``max_rows`` loss tokens.
 
@@ -119,8 +128,9 @@ def make_plan(call: Call, memory_budget) -> Plan:
     row_bytes = store_type(device, head.dtype).bytes_per_row(
         head.vocab, head.dtype, head.softcap, hidden_size=head.weight.shape[1])
     starts = list(itertools.accumulate(per_seq, initial=0))
+    cap = rows_cap(device, budget, row_bytes, head.weight.shape[1])
     chunks = [Chunk(s0, s1, starts[s0], starts[s1], max(widths[s0:s1], default=0), streamed)
-              for s0, s1, streamed in plan_chunks(per_seq, max(1, budget // row_bytes))]
+              for s0, s1, streamed in plan_chunks(per_seq, cap)]
     dense = max((c.b - c.a for c in chunks if not c.streamed), default=0)
     return Plan(chunks, dense)
 
