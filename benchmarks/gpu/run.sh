@@ -93,6 +93,8 @@ if [[ $DRY == 1 ]]; then
   DIV_PROVIDERS=(--providers gemm,logitless,naive,trl)
   CHECK=(--device cpu --backend torch --dtype float32)
   CHECK_LIMIT=300
+  INVARIANCE=(--device cpu --tokens 195 --hidden 32 --vocab 500 --chunk 64)
+  PASSES=(--device cpu --tokens 64 --hidden 32 --vocab 500)
 else
   SLUG=$("$PY" -c "import torch; print(torch.cuda.get_device_name().lower())" 2>/dev/null \
          | sed -E 's/^nvidia //; s/[^a-z0-9]+/-/g; s/-+$//')
@@ -114,6 +116,9 @@ torch.cuda.get_device_name())"
   CHECK=(--device cuda --backend triton --dtype bfloat16 float32)
   CHECK_LIMIT=90
   [[ $QUICK == 1 ]] && CHECK=(--device cuda --backend triton --dtype bfloat16) && CHECK_LIMIT=60
+  INVARIANCE=(--device cuda)
+  PASSES=(--device cuda "${BIG[@]}")
+  [[ $QUICK == 1 ]] && PASSES=(--device cuda "${MID[@]}")
 fi
 TAG="$(date -u +%Y-%m-%d)-$SLUG"
 
@@ -127,11 +132,15 @@ bench() {  # bench NAME TIMEOUT_S ARGS...: the GEMM floor is the first provider 
 # Every op against the fp64 reference first, with its own limit: its rows stream into the log
 # as each case finishes, so even a step cut short by its limit reports what it reached.
 step check "$CHECK_LIMIT" "$PY" -m logitless.tools.cli check "${CHECK[@]}"
+# A block of rows at other offsets inside the head's 1024-row chunks: bitwise the same.
+step invariance 40 "$PY" "$ROOT/benchmarks/gpu/invariance.py" "${INVARIANCE[@]}"
+# One call per GPU path under the profiler: device time per pass beside the cost model's.
+step passes 40 "$PY" "$ROOT/benchmarks/gpu/passes.py" "${PASSES[@]}" --json "$OUT/passes-$TAG.json"
 
 if [[ $QUICK == 1 ]]; then
-  bench logprobs-4k 50 --op logprobs --dtype bfloat16 --mode fwd-bwd "${MID[@]}" \
+  bench logprobs-4k 40 --op logprobs --dtype bfloat16 --mode fwd-bwd "${MID[@]}" \
     --providers gemm,logitless,naive
-  bench policy-loss-4k 50 --op policy-loss --dtype bfloat16 --mode fwd-bwd "${MID[@]}" \
+  bench policy-loss-4k 40 --op policy-loss --dtype bfloat16 --mode fwd-bwd "${MID[@]}" \
     --providers gemm,logitless-fused,naive
   "$PY" "$ROOT/benchmarks/gpu/summary.py" "$OUT" "$TAG"
   echo "done in $((SECONDS - START))s, exit $STATUS; results in $OUT"

@@ -86,7 +86,8 @@ def test_gpu_script_dry_run(tmp_path):
     done = subprocess.run(["bash", str(ROOT / "benchmarks/gpu/run.sh"), str(tmp_path),
                            "--dry-run"], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    (merged,) = [p for p in tmp_path.glob("*-dry-run.json")]
+    # the sweeps merged into <tag>.json (passes-<tag>.json is the per-pass profile)
+    (merged,) = [p for p in tmp_path.glob("*-dry-run.json") if not p.name.startswith("passes-")]
     records = json.loads(merged.read_text())
     sweeps = {r["sweep"] for r in records}
     assert sweeps == {"logprobs-16k", "policy-loss-16k", "logprobs-sweep", "divergence-4k",
@@ -110,7 +111,14 @@ def test_gpu_script_dry_run(tmp_path):
     # check runs first, before any sweep, and its log holds its streamed rows and its tally
     steps = [ln.split()[1] for ln in done.stdout.splitlines() if ln.startswith("== ")
              and "(limit" in ln]
-    assert steps[0] == "check", steps
+    assert steps[:3] == ["check", "invariance", "passes"], steps
+    assert "== invariance: exit 0" in done.stdout and "== passes: exit 0" in done.stdout
+    invariance = (tmp_path / "invariance.log").read_text()
+    assert invariance.rstrip().endswith("all bitwise equal")
+    assert invariance.count(" ok\n") == 2 * 5 * 3  # ops x placements x outputs
+    (passes,) = tmp_path.glob("passes-*.json")
+    assert [r["path"] for r in json.loads(passes.read_text())] == [
+        "logprobs-nograd", "logprobs-fwd-bwd", "fused-policy-loss"]
     check_log = (tmp_path / "check.log").read_text().splitlines()
     assert check_log[0].split()[:3] == ["op", "case", "backend"]
     assert sum(ln.endswith(" ok") for ln in check_log) > 20
