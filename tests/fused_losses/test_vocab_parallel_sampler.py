@@ -3,6 +3,9 @@ select on 2 and 3 gloo ranks with unequal slices (one of a single id) gives the 
 numbers of one process on the whole head, and the fp64 oracle's
 (``logitless.reference.sampler``); integer logits tie across the ranks' boundaries."""
 
+import importlib.util
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -122,6 +125,41 @@ def _check_tied_kept_sets(rank, world, kw):
     return (at_edge & ~want).any(1) & (ranks > 1)
 
 
+def _check_triton_selected(rank, world):
+    """Where Triton is selected (``LOGITLESS_BACKEND=triton``, fp32, the interpreter): one
+    process runs the Triton sampler, the sharded call the torch twin's passes with the group's
+    reduction; the same kept sets, and the numbers within fp32 rounding."""
+    from logitless.kernels import sampler
+
+    calls = []
+    forward = sampler.forward
+    sampler.forward = lambda *a, **k: calls.append(1) or forward(*a, **k)
+    os.environ["LOGITLESS_BACKEND"] = "triton"
+    try:
+        hidden, weight, bias, targets = (x.float() if x.is_floating_point() else x
+                                         for x in _inputs(world, seed=3, n=7, d=32))
+        kw = dict(temperature=0.7, top_k=40, top_p=0.9, min_p=0.02)
+        lo, hi = _slice(world, rank)
+        upstream = [torch.randn(7, generator=torch.Generator().manual_seed(6)) for _ in OUTS]
+        full = [x.clone().requires_grad_(True) for x in (hidden, weight, bias)]
+        want = _run(*full, targets, **kw)
+        _loss(_named(want), upstream).backward()
+        assert calls, "one process ran the Triton sampler"
+        mine = [x.clone().requires_grad_(True) for x in (hidden, weight[lo:hi], bias[lo:hi])]
+        got = _run(*mine, targets, dist.group.WORLD, **kw)
+        _loss(_named(got), upstream).backward()
+    finally:
+        del os.environ["LOGITLESS_BACKEND"]
+        sampler.forward = forward
+    for k in OUTS:
+        assert torch.equal(torch.isinf(getattr(got, k)), torch.isinf(getattr(want, k))), k
+        torch.testing.assert_close(getattr(got, k), getattr(want, k), rtol=1e-5, atol=1e-5)
+    for g, w, sl in ((mine[0].grad, full[0].grad, slice(None)),
+                     (mine[1].grad, full[1].grad, slice(lo, hi)),
+                     (mine[2].grad, full[2].grad, slice(lo, hi))):
+        torch.testing.assert_close(g, w[sl], rtol=1e-4, atol=1e-5)
+
+
 def _worker(rank, world):
     inputs = _inputs(world)
     n = inputs[3].shape[0]
@@ -141,6 +179,9 @@ def _worker(rank, world):
                     temperature=torch.rand(4, generator=gen, dtype=torch.float64) * 2 + 2)):
         split += int(_check_tied_kept_sets(rank, world, kw).sum())
     assert split >= 4, "ties held by several ranks must straddle the kept set's boundary"
+    # CPU tensors: Triton runs them under the interpreter only (`make test` sets it)
+    if os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton"):
+        _check_triton_selected(rank, world)
 
 
 @pytest.mark.parametrize("world", [2, 3])
