@@ -94,3 +94,20 @@ def sampler_settings(n, max_k, seed=1):
                 top_k=torch.randint(1, max_k, (n,), generator=gen),
                 top_p=torch.rand(n, generator=gen, dtype=torch.float64) * 0.9 + 0.1,
                 min_p=torch.rand(n, generator=gen, dtype=torch.float64) * 0.2)
+
+
+class SequenceParallelGather(torch.autograd.Function):
+    """Megatron's gather_from_sequence_parallel_region: all-gather the sequence shards along
+    dim 0; backward reduce-scatters (gloo has no reduce_scatter: all-reduce, keep our shard)."""
+
+    @staticmethod
+    def forward(ctx, shard):
+        parts = [torch.empty_like(shard) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, shard.contiguous())
+        return torch.cat(parts, dim=0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad)
+        return grad.chunk(dist.get_world_size(), dim=0)[dist.get_rank()]

@@ -20,7 +20,7 @@ from logitless.integrations.verl_head import (
     linear_cross_entropy,
 )
 
-from testing import assert_close_to_oracle, run_on_gloo
+from testing import SequenceParallelGather, assert_close_to_oracle, run_on_gloo
 
 
 def _oracle(hidden, weight, labels, temperature):
@@ -158,23 +158,6 @@ SPLIT = [20, 17, 13]  # uneven contiguous vocabulary slices, in rank order
 SEQ = 12  # divisible by the 3 ranks, as Megatron's sequence parallelism needs
 
 
-class _SequenceParallelGather(torch.autograd.Function):
-    """Megatron's gather_from_sequence_parallel_region: all-gather the sequence shards along
-    dim 0; backward reduce-scatters (gloo has no reduce_scatter: all-reduce, keep our shard)."""
-
-    @staticmethod
-    def forward(ctx, shard):
-        parts = [torch.empty_like(shard) for _ in range(dist.get_world_size())]
-        dist.all_gather(parts, shard.contiguous())
-        return torch.cat(parts, dim=0)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous()
-        dist.all_reduce(grad)
-        return grad.chunk(dist.get_world_size(), dim=0)[dist.get_rank()]
-
-
 def _megatron_worker(rank, world, head, device, dim):
     torch.manual_seed(0)  # every rank builds the same full problem
     dtype = torch.float64 if device == "cpu" else torch.float32
@@ -188,7 +171,7 @@ def _megatron_worker(rank, world, head, device, dim):
 
     shard = hidden[rows].clone().to(device).requires_grad_(True)
     w_r = weight[lo:hi].clone().to(device).requires_grad_(True)
-    full = _SequenceParallelGather.apply(shard)
+    full = SequenceParallelGather.apply(shard)
     lp, ent = head(full, w_r, labels.to(device), 0.9, "none", dist.group.WORLD)
     ((lp * g_lp.to(device)).sum() + (ent * g_ent.to(device)).sum()).backward()
 

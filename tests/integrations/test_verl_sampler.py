@@ -12,6 +12,7 @@ import pytest
 
 pytest.importorskip("verl", reason="verl is installed by `make test`")
 import torch
+import torch.distributed as dist
 import verl.trainer.ppo.core_algos as core_algos
 from omegaconf import OmegaConf
 from verl.utils.config import omega_conf_to_dataclass
@@ -25,6 +26,8 @@ from logitless.integrations.verl_head import (
     set_head_sampler,
 )
 from logitless.reference.sampler import sampler_logprobs
+
+from testing import SequenceParallelGather, run_on_gloo
 
 # verl's trainer config, trimmed to what the actor and the rollout read here.
 CONFIG = textwrap.dedent("""
@@ -157,3 +160,50 @@ def test_sampler_from_rollout_refuses_what_the_head_cannot_reproduce(rollout, na
 def test_match_sampler_must_be_the_rollout_config():
     with pytest.raises(ValueError, match=re.escape("policy_loss.match_sampler")):
         LogitlessPolicyLossConfig(loss_mode="logitless_grpo", match_sampler=0.9)
+
+
+# ---------------------------------------------------------------- a tensor-parallel head
+#
+# Megatron's head in verl (verl.models.mcore.model_forward_fused): the sequence-parallel gather,
+# then linear_cross_entropy(hidden, weight_r, labels, temp, "none", tp_group) on this rank's
+# vocabulary slice. With match_sampler the drop-in truncates on the sharded vocabulary too.
+
+TP_SPLIT = [300, 1, 706]  # uneven contiguous vocabulary slices, one of a single id
+TP_SEQ = 24  # divisible by the 3 ranks
+
+
+def _tp_worker(rank, world):
+    actor = _actor()  # each worker builds the actor config: the head's truncations are set
+    torch.manual_seed(0)  # every rank builds the same full problem
+    v, d = sum(TP_SPLIT), 64
+    hidden = torch.randn(TP_SEQ, 1, d, dtype=torch.float64)
+    weight = torch.randn(v, d, dtype=torch.float64) / d**0.5 * 3
+    labels = torch.randint(0, v, (1, TP_SEQ))
+    labels[0, ::2] = (hidden[::2, 0] @ weight.T).argmax(-1)  # half inside the kept set
+    g_ent = torch.randn(TP_SEQ, dtype=torch.float64)
+    lo, hi = sum(TP_SPLIT[:rank]), sum(TP_SPLIT[:rank + 1])
+    rows = slice(rank * TP_SEQ // world, (rank + 1) * TP_SEQ // world)
+
+    shard = hidden[rows].clone().requires_grad_(True)
+    w_r = weight[lo:hi].clone().requires_grad_(True)
+    lp, ent = linear_cross_entropy(SequenceParallelGather.apply(shard), w_r, labels, 0.8,
+                                   "none", dist.group.WORLD)
+    hr = hidden[:, 0].clone().requires_grad_(True)
+    wr = weight.clone().requires_grad_(True)
+    ref = sampler_logprobs(hr, wr, labels[0], temperature=0.8, top_k=40, top_p=0.9)
+    inside = torch.isfinite(ref["logprobs"])
+    assert 0 < int(inside.sum()) < TP_SEQ
+    assert torch.equal(torch.isfinite(lp), inside)
+    torch.testing.assert_close(lp[inside], ref["logprobs"][inside], rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(ent, ref["entropy"], rtol=1e-10, atol=1e-12)
+    (lp[inside].sum() + (ent * g_ent).sum()).backward()
+    (ref["logprobs"][inside].sum() + (ref["entropy"] * g_ent).sum()).backward()
+    torch.testing.assert_close(shard.grad[:, 0], hr.grad[rows], rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(w_r.grad, wr.grad[lo:hi], rtol=1e-9, atol=1e-12)
+    # the loss's check passes: its logprobs came through the sampler-matched head
+    assert sampler_head_calls() == 1
+    assert torch.isfinite(_loss(actor)[0])
+
+
+def test_tensor_parallel_head_with_match_sampler_on_gloo():
+    run_on_gloo(3, _tp_worker)

@@ -40,6 +40,20 @@ gradient stay in cache while every row block uses them, where a row-outer loop w
 the whole head and its gradient once per chunk. ``g_lp`` must already be 0 on rows whose
 target is outside the kept set (their logprob is ``-inf`` and carries no gradient;
 ``fused_losses/head/sampled.py`` passes it so to both paths).
+
+**A vocabulary sharded over ranks** (``vocab_parallel``): ``forward`` takes a
+:class:`Reduction`, the hook through which every pass combines the ranks' partial results
+(the default, :data:`LOCAL`, is the identity: one process holds the whole vocabulary). Each
+rank holds a contiguous slice of the head, slices in id order by rank, and runs the same
+passes over its slice: the row maximum is all-reduced (max); each radix pass's histogram is
+all-reduced (sum), so every rank chooses the same digits, the same ``t`` and the same count
+(or mass) above it; a cut's tie count ``c`` (how many of the tokens at ``t`` are kept, lowest
+ids first) is then made the rank's own, ``c`` minus the ties on the lower ranks (an exclusive
+prefix sum over ranks of each rank's ties at ``t``), so the rank's kept tokens at ``t`` are
+again the first ``c`` of its slice; the sums of step 6 are all-reduced, the key of the kept set
+is the smallest over ranks, and the stored count is the rank's own kept tokens at that key. The
+kept set and the results are those of one process on the whole head; the backward needs no
+communication (the caller sums the hidden gradient).
 """
 
 from __future__ import annotations
@@ -60,7 +74,8 @@ from logitless.kernels.linear_softmax_torch import (
     through_transform_,
 )
 
-__all__ = ["RowParams", "backward", "forward", "rows_per_chunk", "select"]
+__all__ = ["LOCAL", "Reduction", "RowParams", "backward", "forward", "rows_per_chunk",
+           "select"]
 
 # Vocabulary columns per slice: per GEMM of a chunk's logits and per step of every pass.
 _COLS = 1024
@@ -87,6 +102,36 @@ class RowParams:
             return None if x is None else _pad_rows(x[sl], padded, fill)
         return RowParams(cut(self.temperature, 1.0), cut(self.top_k, 2**62),
                          cut(self.top_p, 1.0), cut(self.min_p, 0.0))
+
+
+class Reduction:
+    """How the passes combine partial per-row results over the slices of a sharded vocabulary
+    (module doc, last part). This base class is one process holding the whole vocabulary:
+    every method is the identity (and ``before`` is 0). A subclass for a process group
+    (``fused_losses/head/shards.py``) all-reduces; every rank calls the methods in the same
+    order with tensors of the same shapes."""
+
+    sharded = False
+
+    def vocab(self, v_local: int) -> int:
+        """The whole vocabulary's size, from this rank's slice's."""
+        return v_local
+
+    def max(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def min(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def sum(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def before(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of ``x`` over the ranks whose slices come before this one's."""
+        return torch.zeros_like(x)
+
+
+LOCAL = Reduction()
 
 
 def _slice_bytes(dtype: torch.dtype, softcap: float | None) -> int:
@@ -157,16 +202,17 @@ class _Selection:
     """The kept set of one chunk's tempered logits ``z`` (``[V, R]``, vocab-major), found by
     passes over ``cols``-row slices (module doc, steps 1-4)."""
 
-    def __init__(self, z: torch.Tensor, params: RowParams, cols: int):
-        self.z, self.cols = z, cols
-        self.m = z.amax(0)
+    def __init__(self, z: torch.Tensor, params: RowParams, cols: int,
+                 reduce: Reduction = LOCAL):
+        self.z, self.cols, self.reduce = z, cols, reduce
+        self.m = reduce.max(z.amax(0))
         self.floor = None if params.min_p is None else self.m + torch.log(params.min_p)
-        v = z.shape[0]
+        v = reduce.vocab(z.shape[0])
         self.cuts = []  # (t, c) of top-k then top-p, each [R] (c int32, at most V + 1)
         if params.top_k is not None:
             t, above = self._largest_key(params.top_k, weighted=False)
             c = (params.top_k - above).clamp(0, v + 1).int()
-            self.cuts.append((t, c))
+            self.cuts.append((t, self._own_ties(t, c)))
         if params.top_p is not None:
             p = params.top_p.double()
             t, g, target = self._largest_key(p, weighted=True)
@@ -176,7 +222,17 @@ class _Selection:
             # rows with p = 1 keep every candidate: a cut no token reaches
             t = torch.where(p < 1, t, torch.iinfo(t.dtype).min)
             c = torch.where(p < 1, c, v + 1)
-            self.cuts.append((t, c))
+            self.cuts.append((t, self._own_ties(t, c)))
+
+    def _own_ties(self, t, c):
+        """A cut's tie count ``c`` made this rank's own: minus the tokens at ``t`` on the lower
+        ranks' slices (unchanged on one process; a pass over the slice otherwise)."""
+        if not self.reduce.sharded:
+            return c
+        ties = torch.zeros_like(c)
+        for c0 in range(0, self.z.shape[0], self.cols):
+            ties += (_ordered_keys(self.z[c0:c0 + self.cols]) == t).sum(0, dtype=c.dtype)
+        return (c - self.reduce.before(ties)).clamp(min=0)
 
     def _weight(self, zs):
         return torch.exp(zs - self.m).double()
@@ -238,7 +294,7 @@ class _Selection:
                 else:
                     w = torch.ones_like(idx) if ok is None else ok.long()
                 hist.scatter_add_(0, idx.reshape(-1), w.reshape(-1))
-            hist = hist.view(rows, nbins)[:, :1 << width]
+            hist = self.reduce.sum(hist).view(rows, nbins)[:, :1 << width]
             if weighted and high == bits:
                 target = target * hist.sum(1)  # the candidates' total mass
             # weight at or above each digit: suffix sums, plus what lies above the prefix
@@ -257,7 +313,8 @@ class _Selection:
 
 def _chunk_stats(sel: _Selection, targets):
     """Steps 5 and 6 in one pass: per row ``(logprobs, entropy, log_kept_mass, lse, lse_kept,
-    key, count)``."""
+    key, count)``. ``targets`` are ids in the slice (outside ``[0, V_slice)``: on another
+    rank's); ``count`` is the slice's own kept tokens at ``key``."""
     z, m = sel.z, sel.m
     rows = z.shape[1]
     cols = torch.arange(rows, device=z.device)
@@ -288,10 +345,18 @@ def _chunk_stats(sel: _Selection, targets):
         n_s = torch.where(k_s < top, (smallest == k_s).sum(0), 0)
         count = torch.where(k_s < key, n_s, torch.where(k_s == key, count + n_s, count))
         key = torch.minimum(key, k_s)
+    here = (targets >= 0) & (targets < z.shape[0])
+    z_y = torch.where(here, z[targets.clamp(0, z.shape[0] - 1), cols], 0.0)
+    if sel.reduce.sharded:
+        sums = sel.reduce.sum(torch.stack([l_full, l_kept, s_kept, z_y, y_kept.to(z.dtype)]))
+        l_full, l_kept, s_kept, z_y, y_kept = *sums[:4], sums[4] > 0
+        total = sel.reduce.min(key)
+        count = torch.where(key == total, count, 0)
+        key = total
     entropy = torch.log(l_kept) - s_kept / l_kept
     lse_full = m + torch.log(l_full)
     lse_kept = m + torch.log(l_kept)
-    lp = torch.where(y_kept, z[targets, cols] - lse_kept, -math.inf)
+    lp = torch.where(y_kept, z_y - lse_kept, -math.inf)
     return lp, entropy, lse_kept - lse_full, lse_full, lse_kept, key.long(), count
 
 
@@ -306,12 +371,15 @@ def select(z: torch.Tensor, targets: torch.Tensor, params: RowParams):
 
 
 def forward(hidden, weight, bias, targets, params: RowParams, *, softcap, logit_scale,
-            tile_bytes: int = DEFAULT_TILE_BYTES):
+            tile_bytes: int = DEFAULT_TILE_BYTES, reduce: Reduction = LOCAL):
     """Sampler-matched statistics of ``z = logit_scale * softcap(hidden W^T + b) / T_row``.
 
     hidden ``[N, D]`` in the compute dtype, weight ``[V, D]`` and bias in any float dtype,
     targets int64 ``[N]`` in ``[0, V)``. Returns ``(logprobs, entropy, log_kept_mass, lse,
-    lse_kept, key, count)``, each ``[N]``: the last two describe the kept set (step 5)."""
+    lse_kept, key, count)``, each ``[N]``: the last two describe the kept set (step 5).
+    ``reduce``: with a sharded vocabulary, weight and bias are this rank's slice, targets are
+    ids in it (outside ``[0, V_slice)`` on other ranks) and ``count`` is the slice's own (what
+    ``backward`` on the slice takes); see the module doc."""
     n, v = hidden.shape[0], weight.shape[0]
     acc = acc_dtype(hidden.dtype)
     dev = hidden.device
@@ -319,7 +387,8 @@ def forward(hidden, weight, bias, targets, params: RowParams, *, softcap, logit_
     outs += [torch.empty(n, dtype=torch.int64, device=dev) for _ in range(2)]
     if n == 0:
         return tuple(outs)
-    rows = rows_per_chunk(v, tile_bytes, hidden.dtype, softcap)
+    # from the whole vocabulary: every rank runs the same chunks (and collectives)
+    rows = rows_per_chunk(reduce.vocab(v), tile_bytes, hidden.dtype, softcap)
     cols = min(v, _COLS)
     zbuf = torch.empty(v * rows, dtype=acc, device=dev)
     bufs = _Buffers(rows, cols, hidden.dtype, dev, softcap)
@@ -332,7 +401,7 @@ def forward(hidden, weight, bias, targets, params: RowParams, *, softcap, logit_
             w, b = _head_slice(weight, bias, c0, cols, hidden.dtype)
             bufs.logits(z[c0:c0 + w.shape[0]], h, w, b, softcap, logit_scale)
         z /= p.temperature
-        stats = _chunk_stats(_Selection(z, p, cols), _pad_rows(targets[sl], padded, 0))
+        stats = _chunk_stats(_Selection(z, p, cols, reduce), _pad_rows(targets[sl], padded, 0))
         for out, x in zip(outs, stats):
             out[sl] = x[:real]
     # A row with a NaN or inf logit has no distribution: its logprob is NaN (as the plain

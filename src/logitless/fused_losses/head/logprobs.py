@@ -18,6 +18,8 @@ import torch
 
 from logitless.fused_losses.backend import triton_selected
 from logitless.fused_losses.head import kept, sampled
+from logitless.fused_losses.head.shards import resolve
+from logitless.fused_losses.head.shards import vocab_offset as _vocab_offset
 from logitless.fused_losses.oplib import (
     compact_rows,
     define,
@@ -187,17 +189,6 @@ def _all_reduce_partials(parts: Partials, group) -> Partials:
     return Partials(m, *sums.unbind(0), m_before)
 
 
-def _vocab_offset(v_local: int, group, device) -> tuple[int, int]:
-    """(first global vocab id of this rank's slice, total vocab size) over the group."""
-    dist = torch.distributed
-    world = dist.get_world_size(group)
-    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
-    dist.all_gather(sizes, torch.tensor([v_local], dtype=torch.int64, device=device), group=group)
-    sizes = [int(s.item()) for s in sizes]
-    rank = dist.get_rank(group)
-    return sum(sizes[:rank]), sum(sizes)
-
-
 # The device types torch.autocast knows (torch.amp's list); "meta" and the others have none.
 _AUTOCAST_DEVICES = frozenset({"cpu", "cuda", "xpu", "mps", "hpu", "mtia", "maia", "xla",
                                "ipu", "privateuseone"})
@@ -343,8 +334,9 @@ def linear_logprobs(
             None: off; ``top_k >= V``, ``top_p == 1``, ``min_p == 0`` are no-ops): the
             results are then those of the distribution vLLM samples from, the tempered logits
             truncated and renormalised (``logprobs`` ``-inf`` for targets outside the kept set,
-            ``entropy`` the kept distribution's); see ``docs/sampler.md``. Not with
-            ``vocab_parallel`` nor the stats ``sum_p_sq``, ``mean_logit``, ``is_top1``.
+            ``entropy`` the kept distribution's); see ``docs/sampler.md``. With
+            ``vocab_parallel``, a distributed select gives one process's kept set. Not with
+            the stats ``sum_p_sq``, ``mean_logit``, ``is_top1``.
         kept_ids: the kept set an engine recorded, instead of ``top_k`` / ``top_p`` /
             ``min_p``: an int64 tensor ``[*targets.shape, K]`` of vocabulary ids, padded with
             -1 (sets of different sizes per token). The results are those of the tempered
@@ -383,8 +375,9 @@ def linear_logprobs(
         return _kept_set(hidden, weight, targets, kept_ids, bias, temperature, top_k, top_p,
                          min_p, softcap, logit_scale, ignore_index, return_entropy, stats,
                          vocab_parallel, max_tile_bytes)
-    sampler = sampled.sampler_settings(targets, weight.shape[0], temperature, top_k, top_p,
-                                       min_p, vocab_parallel)
+    # with vocab_parallel the whole vocabulary's size is known inside the op only
+    sampler = sampled.sampler_settings(targets, None if vocab_parallel is not None
+                                       else weight.shape[0], temperature, top_k, top_p, min_p)
     if sampler is not None:
         temperature = 1.0 if sampler.temperature is not None else temperature
         plain_only = [s for s in stats if s in ("sum_p_sq", "mean_logit", "is_top1")]
@@ -412,7 +405,8 @@ def linear_logprobs(
             hidden, weight, bias, targets,
             *sampled.per_token(sampler, targets, float(temperature), dtype),
             None if softcap is None else float(softcap), float(logit_scale), int(ignore_index),
-            max_tile_bytes, dtype)
+            max_tile_bytes, dtype, None if vocab_parallel is None else vocab_parallel.group_name,
+            hidden_grad)
         outs = (lp, ent, None, None, None, lse)
     elif gather_weight is None:
         # One graph node under torch.compile: the op compacts, validates and plans inside; a
@@ -502,9 +496,7 @@ def _lp_spec(hidden, weight, temperature, softcap, logit_scale, tile_bytes, dtyp
                           tile_bytes, dtype)
     if group_name is None:
         return spec, 0
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    group = _resolve_process_group(group_name)
+    group = resolve(group_name)
     offset, v_total = _vocab_offset(weight.shape[0], group, hidden.device)
     return dataclasses.replace(spec, vocab_total=v_total, group=group,
                                hidden_grad=hidden_grad), offset

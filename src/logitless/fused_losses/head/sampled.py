@@ -5,7 +5,9 @@ temperature (see ``docs/sampler.md`` for the semantics, which follow vLLM 0.34.0
 truncates or varies per token, passes them as per-token tensors (:func:`per_token`) to the
 custom op ``logitless::sampled_logprobs`` (defined at the end of this module), which checks
 their values (:func:`check_values`), compacts the rows and runs :func:`rows_forward` (its
-backward op :func:`rows_backward`); plain scalar settings never reach this module.
+backward op :func:`rows_backward`); plain scalar settings never reach this module. With
+``vocab_parallel`` the op takes the group by name, as the plain op does, and runs the torch
+twin's passes with ``shards.GroupReduction`` (a distributed radix select).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from types import ModuleType
 import torch
 
 from logitless.fused_losses.backend import triton_selected
+from logitless.fused_losses.head import shards
 from logitless.fused_losses.oplib import (
     compact_rows,
     define,
@@ -31,7 +34,7 @@ from logitless.fused_losses.oplib import (
 )
 from logitless.kernels import sampler_torch
 from logitless.kernels.linear_softmax_torch import acc_dtype
-from logitless.kernels.sampler_torch import RowParams
+from logitless.kernels.sampler_torch import LOCAL, Reduction, RowParams
 
 __all__ = ["SamplerSettings", "per_token", "sampler_settings"]
 
@@ -76,12 +79,13 @@ def check_values(temperature, top_k, top_p, min_p) -> None:
         raise ValueError("min_p must lie in [0, 1] at every token")
 
 
-def sampler_settings(targets, vocab: int, temperature, top_k, top_p, min_p,
-                     vocab_parallel) -> SamplerSettings | None:
+def sampler_settings(targets, vocab: int | None, temperature, top_k, top_p,
+                     min_p) -> SamplerSettings | None:
     """Check the sampler arguments statically (``ValueError`` naming the argument; a tensor's
     values are checked by `check_values`, inside the op); None when they leave the plain
     path's numbers unchanged: scalar temperature, and ``top_k`` None or ``>= V``, ``top_p``
-    None or 1, ``min_p`` None or 0."""
+    None or 1, ``min_p`` None or 0. ``vocab`` None: not known here (a sharded vocabulary),
+    a ``top_k`` is kept (the op keeps every token when it is ``>= V``)."""
     if isinstance(temperature, torch.Tensor):
         _check_tensor("temperature", temperature, targets, False)
     if top_k is not None:
@@ -90,7 +94,7 @@ def sampler_settings(targets, vocab: int, temperature, top_k, top_p, min_p,
         elif isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or top_k < 1:
             raise ValueError(f"top_k must be None (off) or an integer >= 1 (vLLM's 0 and -1 "
                              f"are spelled None here), got {top_k!r}")
-        elif top_k >= vocab:
+        elif vocab is not None and top_k >= vocab:
             top_k = None
     for name, value, low_open in (("top_p", top_p, True), ("min_p", min_p, False)):
         rng = "(0, 1]" if low_open else "[0, 1]"
@@ -108,17 +112,15 @@ def sampler_settings(targets, vocab: int, temperature, top_k, top_p, min_p,
     tensor_t = isinstance(temperature, torch.Tensor)
     if top_k is None and top_p is None and min_p is None and not tensor_t:
         return None
-    if vocab_parallel is not None:
-        raise ValueError("vocab_parallel is unsupported with top_k/top_p/min_p or a per-token "
-                         "temperature")
     return SamplerSettings(temperature if tensor_t else None, top_k, top_p, min_p)
 
 
-def _backend_for(device: torch.device, dtype: torch.dtype) -> ModuleType:
+def _backend_for(device: torch.device, dtype: torch.dtype, sharded: bool = False) -> ModuleType:
     """The kernel module for this call (see :func:`triton_selected`): ``kernels.sampler``
     (cuBLAS GEMMs and Triton passes) or its torch twin ``kernels.sampler_torch``; both take
-    the same arguments and give the same kept sets."""
-    if not triton_selected(device, dtype):
+    the same arguments and give the same kept sets. A sharded vocabulary takes the torch
+    twin on every device: its passes carry the reduction hook (``shards.GroupReduction``)."""
+    if sharded or not triton_selected(device, dtype):
         return sampler_torch
     from logitless.kernels import sampler
 
@@ -153,20 +155,26 @@ def _kw(backend, softcap, logit_scale, tile_bytes):
 
 
 def rows_forward(hidden, weight, bias, targets, params: RowParams, softcap, logit_scale,
-                 tile_bytes, dtype):
+                 tile_bytes, dtype, reduce: Reduction = LOCAL):
     """``(logprobs, entropy, log_kept_mass, lse, lse_kept, key, count)`` of compacted rows
-    (targets in ``[0, V)``), no autograd; the last two describe the kept set."""
-    backend = _backend_for(hidden.device, dtype)
+    (targets in ``[0, V)``), no autograd; the last two describe the kept set. ``reduce``: a
+    sharded vocabulary's (targets then ids in this rank's slice, ``count`` the slice's own)."""
+    backend = _backend_for(hidden.device, dtype, reduce.sharded)
+    kw = _kw(backend, softcap, logit_scale, tile_bytes)
+    if reduce.sharded:
+        kw["reduce"] = reduce
     with torch.autocast(hidden.device.type, enabled=False):
-        return backend.forward(hidden.to(dtype), weight, bias, targets, params,
-                               **_kw(backend, softcap, logit_scale, tile_bytes))
+        return backend.forward(hidden.to(dtype), weight, bias, targets, params, **kw)
 
 
 def rows_backward(hidden, weight, bias, targets, params: RowParams, key, count, lse, lse_kept,
-                  ent, lp, grads, need, softcap, logit_scale, tile_bytes, dtype):
+                  ent, lp, grads, need, softcap, logit_scale, tile_bytes, dtype,
+                  sharded: bool = False):
     """Gradients of compacted rows (None where ``need`` says not wanted), in input dtypes,
-    from the upstream ``grads`` of (logprobs, entropy, log_kept_mass, lse) (None: none)."""
-    backend = _backend_for(hidden.device, dtype)
+    from the upstream ``grads`` of (logprobs, entropy, log_kept_mass, lse) (None: none).
+    ``sharded``: this rank's slice of a sharded vocabulary (no communication here: the
+    hidden gradient is the slice's share)."""
+    backend = _backend_for(hidden.device, dtype, sharded)
     g_lp, *rest = grads
     if g_lp is not None:  # a target outside the kept set has logprob -inf: no gradient
         g_lp = torch.where(torch.isfinite(lp), g_lp, 0.0)
@@ -185,6 +193,18 @@ def rows_backward(hidden, weight, bias, targets, params: RowParams, key, count, 
 
 _SP_CONFIG = ("float? softcap, float logit_scale, int ignore_index, int? tile_bytes, "
               "ScalarType dtype")
+# vocab parallelism, as the plain op's: the group by name (None: the vocabulary is whole)
+_SP_GROUP = 'str? group_name=None, str hidden_grad="sum"'
+
+
+def _shards(group_name, weight, device):
+    """``(offset, reduction)`` of a call: the first global id of this rank's slice and the
+    passes' reduction hook (0 and ``LOCAL`` when the vocabulary is whole)."""
+    if group_name is None:
+        return 0, LOCAL
+    group = shards.resolve(group_name)
+    offset, v_total = shards.vocab_offset(weight.shape[0], group, device)
+    return offset, shards.GroupReduction(group, v_total)
 
 
 def _in_acc(temperature, min_p, dtype, check: bool = False):
@@ -200,28 +220,32 @@ def _in_acc(temperature, min_p, dtype, check: bool = False):
     return t, None if min_p is None else min_p.to(acc)
 
 
-def _sp_rows(targets, temperature, top_k, top_p, min_p, weight, ignore_index, dtype):
-    """``(flat targets, rows, RowParams of the rows)``: ids validated, the settings' rows."""
-
-    flat_t, rows = compact_rows(targets, ignore_index, weight.shape[0])
+def _sp_rows(targets, temperature, top_k, top_p, min_p, weight, ignore_index, dtype, offset,
+             reduce):
+    """``(targets of the rows, rows, RowParams of the rows)``: ids validated against the whole
+    vocabulary, then made ids in this rank's slice (``offset``), the settings' rows."""
+    flat_t, rows = compact_rows(targets, ignore_index, reduce.vocab(weight.shape[0]))
     temperature, min_p = _in_acc(temperature, min_p, dtype)
     params = RowParams(*(take_rows(x, rows) for x in (temperature, top_k, top_p, min_p)))
-    return take_rows(flat_t, rows), rows, params
+    return take_rows(flat_t, rows) - offset, rows, params
 
 
 def _sp_forward(hidden, weight, bias, targets, temperature, top_k, top_p, min_p, softcap,
-                logit_scale, ignore_index, tile_bytes, dtype):
+                logit_scale, ignore_index, tile_bytes, dtype, group_name=None,
+                hidden_grad="sum"):
     check_values(temperature, top_k, top_p, min_p)  # the values as given, before any cast
     _in_acc(temperature, min_p, dtype, check=True)
+    offset, reduce = _shards(group_name, weight, hidden.device)
     t, rows, params = _sp_rows(targets, temperature, top_k, top_p, min_p, weight, ignore_index,
-                               dtype)
+                               dtype, offset, reduce)
     outs = rows_forward(take_rows(hidden, rows, hidden.shape[-1]), weight, bias, t,
-                                params, softcap, logit_scale, tile_bytes, dtype)
+                        params, softcap, logit_scale, tile_bytes, dtype, reduce)
     return distinct(put_rows(x, rows, targets.shape) for x in outs)
 
 
 def _sp_forward_fake(hidden, weight, bias, targets, temperature, top_k, top_p, min_p, softcap,
-                     logit_scale, ignore_index, tile_bytes, dtype):
+                     logit_scale, ignore_index, tile_bytes, dtype, group_name=None,
+                     hidden_grad="sum"):
     acc = acc_dtype(dtype)
     floats = [hidden.new_empty(targets.shape, dtype=acc) for _ in range(5)]
     return (*floats, *(hidden.new_empty(targets.shape, dtype=torch.int64) for _ in range(2)))
@@ -230,40 +254,45 @@ def _sp_forward_fake(hidden, weight, bias, targets, temperature, top_k, top_p, m
 def _sp_backward_impl(hidden, weight, bias, targets, temperature, top_k, top_p, min_p, key,
                       count, lse, lse_kept, entropy, logprobs, g_lp, g_entropy, g_kept, g_lse,
                       softcap, logit_scale, ignore_index, tile_bytes, dtype, need_hidden,
-                      need_weight, need_bias):
+                      need_weight, need_bias, group_name=None, hidden_grad="sum"):
+    offset, reduce = _shards(group_name, weight, hidden.device)
     t, rows, params = _sp_rows(targets, temperature, top_k, top_p, min_p, weight, ignore_index,
-                               dtype)
+                               dtype, offset, reduce)
     saved = [take_rows(x, rows) for x in (key, count, lse, lse_kept, entropy, logprobs)]
     grads = tuple(take_rows(g, rows) for g in (g_lp, g_entropy, g_kept, g_lse))
     d_hidden, d_weight, d_bias = rows_backward(
         take_rows(hidden, rows, hidden.shape[-1]), weight, bias, t, params, *saved, grads,
-        (need_hidden, need_weight, need_bias), softcap, logit_scale, tile_bytes, dtype)
+        (need_hidden, need_weight, need_bias), softcap, logit_scale, tile_bytes, dtype,
+        reduce.sharded)
+    if d_hidden is not None and reduce.sharded and hidden_grad == "sum":
+        # each rank saw its slice only ("partial" leaves the sum to the caller)
+        torch.distributed.all_reduce(d_hidden, group=reduce.group)
     return grads_or_empty(hidden, weight, rows, d_hidden, d_weight, d_bias)
 
 
 def _sp_backward_fake(hidden, weight, bias, targets, temperature, top_k, top_p, min_p, key,
                       count, lse, lse_kept, entropy, logprobs, g_lp, g_entropy, g_kept, g_lse,
                       softcap, logit_scale, ignore_index, tile_bytes, dtype, need_hidden,
-                      need_weight, need_bias):
+                      need_weight, need_bias, group_name=None, hidden_grad="sum"):
     return grads_fake(hidden, weight, bias, need_hidden, need_weight, need_bias)
 
 
 def _sp_setup_context(ctx, inputs, output):
-    ctx.config = inputs[8:13]
+    ctx.config, ctx.group = inputs[8:13], inputs[13:15]  # (group_name, hidden_grad)
     ctx.set_materialize_grads(False)
     lp_, ent, _, lse, lse_kept, key, count = output
     ctx.save_for_backward(*inputs[:8], key, count, lse, lse_kept, ent, lp_)
 
 
 def _sp_backward(ctx, g_lp, g_entropy, g_kept, g_lse, *_):
-    n_inputs = 13
+    n_inputs = 15
     if all(g is None for g in (g_lp, g_entropy, g_kept, g_lse)):
         return none_grads(n_inputs)
     saved = ctx.saved_tensors
     need = ctx.needs_input_grad[:3]
     need = (need[0], need[1], need[2] and saved[2] is not None)
     grads = sampled_logprobs_backward(*saved, g_lp, g_entropy, g_kept, g_lse, *ctx.config,
-                                      *need)
+                                      *need, *ctx.group)
     return (*(g if n else None for g, n in zip(grads, need)), *none_grads(n_inputs - 3))
 
 
@@ -274,11 +303,11 @@ sampled_logprobs_backward = define(
     "(" + _SP_INPUTS + "Tensor key, Tensor count, Tensor lse, Tensor lse_kept, "
     "Tensor entropy, Tensor logprobs, Tensor? g_lp, Tensor? g_entropy, Tensor? g_kept, "
     "Tensor? g_lse, " + _SP_CONFIG + ", bool need_hidden, bool need_weight, "
-    "bool need_bias) -> (Tensor, Tensor, Tensor)",
+    "bool need_bias, " + _SP_GROUP + ") -> (Tensor, Tensor, Tensor)",
     _sp_backward_impl, _sp_backward_fake)
 sampled_logprobs = define(
     "sampled_logprobs",
-    "(" + _SP_INPUTS + _SP_CONFIG + ") -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, "
-    "Tensor)",
+    "(" + _SP_INPUTS + _SP_CONFIG + ", " + _SP_GROUP + ") -> (Tensor, Tensor, Tensor, Tensor, "
+    "Tensor, Tensor, Tensor)",
     _sp_forward, _sp_forward_fake)
 sampled_logprobs.register_autograd(_sp_backward, setup_context=_sp_setup_context)
