@@ -111,3 +111,33 @@ class SequenceParallelGather(torch.autograd.Function):
         grad = grad.contiguous()
         dist.all_reduce(grad)
         return grad.chunk(dist.get_world_size(), dim=0)[dist.get_rank()]
+
+
+SAMPLER_OUTS = ("logprobs", "entropy", "log_kept_mass")
+
+
+def finite_sum(outs, upstream):
+    """``sum(o * g)`` over the outputs, their ``-inf`` logprobs read as 0."""
+    return sum((torch.where(torch.isfinite(o), o, 0.0).double() * g).sum()
+               for o, g in zip(outs, upstream))
+
+
+def assert_sampler_matches(out, ref, leaves, ref_leaves, seed=5, atol=2e-5):
+    """A sampler-matched ``LogprobOutput`` ``out`` against the reference's dict ``ref``: the
+    same targets outside the kept set (``-inf``), the logprobs, entropies and log kept masses,
+    and the gradients of ``leaves`` (hidden, weight, bias) against those of ``ref_leaves``
+    under random upstream gradients."""
+    finite = torch.isfinite(ref["logprobs"])
+    assert torch.equal(torch.isfinite(out.logprobs), finite)
+    for name in SAMPLER_OUTS:
+        got, want = getattr(out, name).double(), ref[name].detach()
+        sel = finite if name == "logprobs" else slice(None)
+        torch.testing.assert_close(got[sel], want[sel], rtol=0, atol=atol)
+    gen = torch.Generator().manual_seed(seed)
+    up = [torch.randn(finite.shape, generator=gen, dtype=torch.float64) for _ in SAMPLER_OUTS]
+    grads = torch.autograd.grad(finite_sum([getattr(out, k) for k in SAMPLER_OUTS], up),
+                                leaves)
+    ref_grads = torch.autograd.grad(finite_sum([ref[k] for k in SAMPLER_OUTS], up),
+                                    ref_leaves)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g.double(), r, rtol=0, atol=atol * (1 + float(r.abs().max())))

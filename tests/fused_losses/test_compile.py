@@ -384,7 +384,7 @@ def _opcheck_args(name):
     if name.startswith("logitless::sampled_logprobs"):
         settings = (0.5 + randn(2, 3).abs(), torch.tensor([[3, 11, 1], [20, 2, 5]]),
                     randn(2, 3).sigmoid(), torch.full((2, 3), 0.05, dtype=torch.float64))
-        config = (20.0, 1.1, IGNORE, None, torch.float64)
+        config = (20.0, 1.1, IGNORE, None, torch.float64, "sglang")
         if name == "logitless::sampled_logprobs":
             return (hidden.requires_grad_(), weight.requires_grad_(), bias.requires_grad_(),
                     targets, *settings, *config)

@@ -111,7 +111,8 @@ def _check_tied_kept_sets(rank, world, kw):
     v = z.shape[1]
     t = kw.get("temperature", 1.0)
     t = t.unsqueeze(1) if isinstance(t, torch.Tensor) else t
-    want = sampler_kept_mask(z / t, kw.get("top_k"), kw.get("top_p"), kw.get("min_p"))
+    want = sampler_kept_mask(z / t, kw.get("top_k"), kw.get("top_p"), kw.get("min_p"),
+                             kw.get("sampler", "vllm"))
     edge = torch.where(want, z, float("inf")).amin(1, keepdim=True)
     row, ids = (z >= edge - 1).nonzero(as_tuple=True)  # the kept set and the ids just past it
     per_row = {k: x[row] if isinstance(x, torch.Tensor) else x for k, x in kw.items()}
@@ -172,12 +173,21 @@ def _worker(rank, world):
     _check_against_one_process(rank, world, _inputs(world, seed=2, n=11, d=16),
                                _cases(11)["per_token"])
     sampler_torch._COLS = 1024
+    # SGLang's and transformers' rules (every tie at the top-k boundary kept, SGLang's joint
+    # top-k/top-p, min-p last) cross the ranks the same way
+    for engine in ("sglang", "transformers"):
+        for name in ("combined", "per_token", "top_k"):
+            _check_against_one_process(rank, world, inputs, {**_cases(n)[name], "sampler": engine})
+        _check_against_one_process(rank, world, inputs, dict(top_k=40, top_p=0.9,
+                                                             sampler=engine))
     split = 0
     gen = torch.Generator().manual_seed(4)
     for kw in (dict(top_k=9), dict(top_p=0.7, temperature=3.0),
                dict(top_k=torch.randint(2, 60, (4,), generator=gen), top_p=0.95, min_p=0.001,
                     temperature=torch.rand(4, generator=gen, dtype=torch.float64) * 2 + 2)):
         split += int(_check_tied_kept_sets(rank, world, kw).sum())
+        for engine in ("sglang", "transformers"):
+            _check_tied_kept_sets(rank, world, {**kw, "sampler": engine})
     assert split >= 4, "ties held by several ranks must straddle the kept set's boundary"
     # CPU tensors: Triton runs them under the interpreter only (`make test` sets it)
     if os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton"):

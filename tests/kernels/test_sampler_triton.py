@@ -232,7 +232,7 @@ def test_rows_do_not_depend_on_the_batch(small):
 
 # Compiles every kernel for sm_90 with the constexprs and warps the launchers use: bf16 with
 # every flag on (the threshold pass with all three truncations), fp32 with every flag off
-# (the threshold pass with top-p alone). A subprocess: TRITON_INTERPRET=1 replaces the JIT.
+# (the threshold pass with top-p alone), the threshold pass once per engine. A subprocess: TRITON_INTERPRET=1 replaces the JIT.
 _COMPILE_SCRIPT = """
 import torch
 from sm90 import compile_sm90, ptxas_report
@@ -261,10 +261,11 @@ for ty, on in (("bf16", True), ("fp32", False)):
     build("_max_kernel", dict(**common, m_out="*fp32", l_out="*fp32", width="i32", **scal),
           dict(HAS_SOFTCAP=on, BLOCK_V=k._BLOCK_V))
     flags = (True, True, True) if on else (False, False, True)
-    build("_threshold_kernel", dict(**common, m_in="*fp32", log_min_p="*fp32", top_k="*i64",
-          top_p="*fp64", t_out="*i64", c_out="*i64", width="i32", **scal),
-          dict(zip(("HAS_MIN_P", "HAS_TOP_K", "HAS_TOP_P"), flags), HAS_SOFTCAP=on,
-               FAN=k._FAN, BLOCK_S=k._BLOCK_S, BLOCK_V=k._BLOCK_V))
+    for engine in range(len(k.ENGINES)):  # each engine's rules are their own variant
+        build("_threshold_kernel", dict(**common, m_in="*fp32", log_min_p="*fp32",
+              top_k="*i64", top_p="*fp64", t_out="*i64", c_out="*i64", width="i32", **scal),
+              dict(zip(("HAS_MIN_P", "HAS_TOP_K", "HAS_TOP_P"), flags), HAS_SOFTCAP=on,
+                   ENGINE=engine, FAN=k._FAN, BLOCK_S=k._BLOCK_S, BLOCK_V=k._BLOCK_V))
     build("_stats_kernel", dict(**common, targets="*i64", m_in="*fp32", l_in="*fp32",
           t_io="*i64", c_io="*i64", lp="*fp32", entropy="*fp32", kept_mass="*fp32",
           lse="*fp32", lse_kept="*fp32", width="i32", **scal),

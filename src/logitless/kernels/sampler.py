@@ -53,7 +53,7 @@ import triton.language as tl
 from logitless.kernels import interpreter_compat
 from logitless.kernels.linear_softmax import _round_to, _tanh
 from logitless.kernels.linear_softmax_torch import _head_slice, _pad_rows, addmm_acc_
-from logitless.kernels.sampler_torch import RowParams
+from logitless.kernels.sampler_torch import ENGINES, RowParams
 
 interpreter_compat.apply()
 
@@ -186,40 +186,58 @@ def _search(x_row, width, temp, softcap, scale, m, lo, hi, target, HAS_SOFTCAP: 
 def _threshold_kernel(x, stride_x, temperature, m_in, log_min_p, top_k, top_p, t_out, c_out,
                       width, softcap, scale, HAS_SOFTCAP: tl.constexpr,
                       HAS_MIN_P: tl.constexpr, HAS_TOP_K: tl.constexpr,
-                      HAS_TOP_P: tl.constexpr, FAN: tl.constexpr, BLOCK_S: tl.constexpr,
-                      BLOCK_V: tl.constexpr):
+                      HAS_TOP_P: tl.constexpr, ENGINE: tl.constexpr, FAN: tl.constexpr,
+                      BLOCK_S: tl.constexpr, BLOCK_V: tl.constexpr):
     """The kept set of row ``r`` as ``(T, C)``: min-p, then top-k, then top-p (rows with
-    ``p = 1`` untouched). ``C`` may exceed the number of tokens at ``T`` (all of them)."""
+    ``p = 1`` untouched). ``C`` may exceed the number of tokens at ``T`` (all of them).
+    ``ENGINE`` (an index into ``sampler_torch.ENGINES``) changes the rules as that module's
+    doc says: 1 (SGLang) and 2 (transformers) keep every tie at top-k, SGLang every tie at
+    top-p, both apply min-p last, and SGLang's rows without min-p search top-p over the whole
+    row (the joint filter) and keep the intersection of the two cuts."""
     row = tl.program_id(0).to(tl.int64)
     x_row = x + row * stride_x
     temp = tl.load(temperature + row)
     m = tl.load(m_in + row)
     hi = _keys(m).to(tl.int64)
-    # The smallest candidate key: min-p keeps z >= m + log(min_p).
+    # The smallest candidate key: min-p keeps z >= m + log(min_p); the smallest key of all.
     thr = float("-inf")
     if HAS_MIN_P:
         thr = m + tl.load(log_min_p + row)
     lo = hi
+    lo_all = hi
     for c0 in range(0, width, BLOCK_V):
         z, valid = _load_z(x_row, c0 + tl.arange(0, BLOCK_V), width, temp, softcap, scale,
                            HAS_SOFTCAP)
-        cand = valid & (z >= thr)
-        lo = tl.minimum(lo, tl.min(tl.where(cand, _keys(z), 2147483647), 0).to(tl.int64))
+        key = _keys(z)
+        lo = tl.minimum(lo, tl.min(tl.where(valid & (z >= thr), key, 2147483647), 0)
+                        .to(tl.int64))
+        lo_all = tl.minimum(lo_all, tl.min(tl.where(valid, key, 2147483647), 0).to(tl.int64))
+    floor = lo
+    if ENGINE != 0:
+        lo = lo_all  # min-p comes last
     t = lo
     c = tl.full([], _ALL, tl.int64)
     if HAS_TOP_K:
         k = tl.load(top_k + row)
         t = _search(x_row, width, temp, softcap, scale, m, t, hi, k, HAS_SOFTCAP, False, FAN,
                     BLOCK_S)
-        above = tl.zeros([], dtype=tl.int64)
-        for c0 in range(0, width, BLOCK_V):
-            z, valid = _load_z(x_row, c0 + tl.arange(0, BLOCK_V), width, temp, softcap, scale,
-                               HAS_SOFTCAP)
-            above += tl.sum((valid & (_keys(z) > t)).to(tl.int32), 0)
-        c = k - above
+        if ENGINE == 0:
+            above = tl.zeros([], dtype=tl.int64)
+            for c0 in range(0, width, BLOCK_V):
+                z, valid = _load_z(x_row, c0 + tl.arange(0, BLOCK_V), width, temp, softcap,
+                                   scale, HAS_SOFTCAP)
+                above += tl.sum((valid & (_keys(z) > t)).to(tl.int32), 0)
+            c = k - above
     if HAS_TOP_P:
         p = tl.load(top_p + row)
         if p < 1.0:
+            # where top-p starts from: the top-k survivors, or for SGLang's joint filter (a
+            # row without min-p) the whole row
+            t_0 = t
+            c_0 = c
+            if ENGINE == 1:
+                joint = thr == float("-inf")
+                t_0 = tl.where(joint, lo, t)
             # The mass in fp64, as the torch path sums it: a row whose boundary token sits
             # within fp32 rounding of p keeps the set the exact sums give.
             total = tl.zeros([], dtype=tl.float64)
@@ -227,26 +245,33 @@ def _threshold_kernel(x, stride_x, temperature, m_in, log_min_p, top_k, top_p, t
             for c0 in range(0, width, BLOCK_V):
                 z, valid = _load_z(x_row, c0 + tl.arange(0, BLOCK_V), width, temp, softcap,
                                    scale, HAS_SOFTCAP)
-                member, seen = _members(_keys(z), valid, t, c, seen)
+                member, seen = _members(_keys(z), valid, t_0, c_0, seen)
                 total += tl.sum(tl.where(member, tl.exp(z - m).to(tl.float64), 0.0), 0)
             target = p * total
-            t_p = _search(x_row, width, temp, softcap, scale, m, t, hi, target, HAS_SOFTCAP,
+            t_p = _search(x_row, width, temp, softcap, scale, m, t_0, hi, target, HAS_SOFTCAP,
                           True, FAN, BLOCK_S)
-            g = tl.zeros([], dtype=tl.float64)
-            for c0 in range(0, width, BLOCK_V):
-                z, valid = _load_z(x_row, c0 + tl.arange(0, BLOCK_V), width, temp, softcap,
-                                   scale, HAS_SOFTCAP)
-                g += tl.sum(tl.where(valid & (_keys(z) > t_p), tl.exp(z - m).to(tl.float64),
-                                     0.0), 0)
-            e_t = tl.exp(_from_key(t_p) - m).to(tl.float64)
-            # ceil((target - g) / e_t), at least 1; a tied weight underflowing to 0 (or a NaN)
-            # keeps every tie.
-            q = (target - g) / e_t
-            ties = tl.where(q == q, q, float("inf"))
-            ties = tl.maximum(tl.ceil(ties), 1.0)
-            c_p = tl.where(ties < 4.0e18, ties, 4.0e18).to(tl.int64)
-            c = tl.where(t_p > t, c_p, tl.minimum(c, c_p))
-            t = t_p
+            if ENGINE == 1:
+                t = tl.maximum(t, t_p)  # every tie kept at both cuts
+            else:
+                g = tl.zeros([], dtype=tl.float64)
+                for c0 in range(0, width, BLOCK_V):
+                    z, valid = _load_z(x_row, c0 + tl.arange(0, BLOCK_V), width, temp,
+                                       softcap, scale, HAS_SOFTCAP)
+                    g += tl.sum(tl.where(valid & (_keys(z) > t_p),
+                                         tl.exp(z - m).to(tl.float64), 0.0), 0)
+                e_t = tl.exp(_from_key(t_p) - m).to(tl.float64)
+                # ceil((target - g) / e_t), at least 1; a tied weight underflowing to 0 (or a
+                # NaN) keeps every tie.
+                q = (target - g) / e_t
+                ties = tl.where(q == q, q, float("inf"))
+                ties = tl.maximum(tl.ceil(ties), 1.0)
+                c_p = tl.where(ties < 4.0e18, ties, 4.0e18).to(tl.int64)
+                c = tl.where(t_p > t, c_p, tl.minimum(c, c_p))
+                t = t_p
+    if ENGINE != 0:
+        # min-p last: every token at or above the smallest candidate key, where that cuts
+        c = tl.where(floor > t, _ALL, c)
+        t = tl.maximum(t, floor)
     tl.store(t_out + row, t)
     tl.store(c_out + row, c)
 
@@ -373,7 +398,7 @@ def row_args(params: RowParams, n: int, device):
         else top_k.contiguous(),
         top_p=dummy if top_p is None else top_p.contiguous(),
         flags=dict(HAS_MIN_P=log_min_p is not None, HAS_TOP_K=top_k is not None,
-                   HAS_TOP_P=top_p is not None),
+                   HAS_TOP_P=top_p is not None, ENGINE=ENGINES.index(params.engine)),
     )
 
 

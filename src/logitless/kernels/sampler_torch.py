@@ -29,6 +29,18 @@ temporaries, within ``tile_bytes``. Per chunk, each step a pass or a few over th
    many of the tokens at ``t`` it holds (lowest ids first); the backward rebuilds it from them;
 6. ``log q_y``, the kept distribution's entropy and ``log_kept_mass`` (one pass, with 5).
 
+**Engines** (``RowParams.engine``; the rules in ``logitless.reference.sampler``). Steps 2-4
+are vLLM's. The other engines change three things, and their kept sets stay prefixes of the
+same order, so step 5's two numbers and the backward serve every engine unchanged:
+
+- ``"transformers"``: top-k keeps every token tied at the ``k``-th value (its cut's tie
+  count is "all"); min-p is applied last, to the top-p survivors, so the passes of steps 3-4
+  run without it and only step 6's pass applies it.
+- ``"sglang"``: both top-k and top-p keep every tied token (FlashInfer's thresholds compare
+  with "strictly larger"); a row without min-p searches its top-p key over the whole row, not
+  over the top-k survivors (the joint filter; the kept set is then the intersection of the
+  two cuts); a row with min-p filters sequentially, with min-p last as for transformers.
+
 **Backward**, vocabulary-outer as the Triton path's: per ``cols``-column slice of the head,
 per ``R``-row block, the forward's GEMM (the same shapes and operands, so the same bits, so
 the same kept set) gives the slice's logits; with ``q`` (the kept distribution, 0 outside it)
@@ -74,8 +86,11 @@ from logitless.kernels.linear_softmax_torch import (
     through_transform_,
 )
 
-__all__ = ["LOCAL", "Reduction", "RowParams", "backward", "forward", "rows_per_chunk",
-           "select"]
+__all__ = ["ENGINES", "LOCAL", "Reduction", "RowParams", "backward", "forward",
+           "rows_per_chunk", "select"]
+
+# The engines whose filtering rules the selection follows (module doc, "Engines").
+ENGINES = ("vllm", "sglang", "transformers")
 
 # Vocabulary columns per slice: per GEMM of a chunk's logits and per step of every pass.
 _COLS = 1024
@@ -89,19 +104,21 @@ _DIGIT_BITS = 11
 @dataclass
 class RowParams:
     """Per-row sampler settings, each ``[N]`` (None: off). ``temperature`` and ``min_p`` in the
-    accumulation dtype, ``top_p`` fp64, ``top_k`` int64 (values above ``V`` mean all)."""
+    accumulation dtype, ``top_p`` fp64, ``top_k`` int64 (values above ``V`` mean all).
+    ``engine``: whose rules (``ENGINES``; module doc, "Engines")."""
 
     temperature: torch.Tensor
     top_k: torch.Tensor | None = None
     top_p: torch.Tensor | None = None
     min_p: torch.Tensor | None = None
+    engine: str = "vllm"
 
     def rows(self, sl: slice, padded: int) -> RowParams:
         """The settings of rows ``sl``, padded with no-op values up to ``padded`` rows."""
         def cut(x, fill):
             return None if x is None else _pad_rows(x[sl], padded, fill)
         return RowParams(cut(self.temperature, 1.0), cut(self.top_k, 2**62),
-                         cut(self.top_p, 1.0), cut(self.min_p, 0.0))
+                         cut(self.top_p, 1.0), cut(self.min_p, 0.0), self.engine)
 
 
 class Reduction:
@@ -200,25 +217,43 @@ def _prefix_slice(keys, t, c, seen):
 
 class _Selection:
     """The kept set of one chunk's tempered logits ``z`` (``[V, R]``, vocab-major), found by
-    passes over ``cols``-row slices (module doc, steps 1-4)."""
+    passes over ``cols``-row slices (module doc, steps 1-4, and "Engines")."""
 
     def __init__(self, z: torch.Tensor, params: RowParams, cols: int,
                  reduce: Reduction = LOCAL):
+        if params.engine not in ENGINES:
+            raise ValueError(f"engine must be one of {ENGINES}, got {params.engine!r}")
         self.z, self.cols, self.reduce = z, cols, reduce
         self.m = reduce.max(z.amax(0))
         self.floor = None if params.min_p is None else self.m + torch.log(params.min_p)
+        # vLLM's min-p selects the candidates; the others apply it last
+        self.floor_first = params.engine == "vllm"
         v = reduce.vocab(z.shape[0])
+        all_ties = v + 1  # a tie count no row reaches: every tied token kept
         self.cuts = []  # (t, c) of top-k then top-p, each [R] (c int32, at most V + 1)
         if params.top_k is not None:
             t, above = self._largest_key(params.top_k, weighted=False)
             c = (params.top_k - above).clamp(0, v + 1).int()
+            if params.engine != "vllm":
+                c = torch.full_like(c, all_ties)
             self.cuts.append((t, self._own_ties(t, c)))
         if params.top_p is not None:
             p = params.top_p.double()
+            top_k_cuts = self.cuts
+            if params.engine == "sglang" and self.cuts:
+                # rows without min-p: top-p on the whole row (FlashInfer's joint filter)
+                t_k, c_k = self.cuts[0]
+                joint = torch.ones_like(p, dtype=torch.bool) if params.min_p is None \
+                    else params.min_p <= 0
+                self.cuts = [(torch.where(joint, torch.iinfo(t_k.dtype).min, t_k), c_k)]
             t, g, target = self._largest_key(p, weighted=True)
-            e_t = self._weight(_key_floats(t, z.dtype))
-            big = float(v + 1)  # a tied weight underflowing to 0: keep every tie
-            c = torch.ceil((target - g) / e_t).clamp(1, big).nan_to_num(nan=big).int()
+            self.cuts = top_k_cuts
+            if params.engine == "sglang":
+                c = torch.full_like(t, all_ties, dtype=torch.int32)
+            else:
+                e_t = self._weight(_key_floats(t, z.dtype))
+                big = float(v + 1)  # a tied weight underflowing to 0: keep every tie
+                c = torch.ceil((target - g) / e_t).clamp(1, big).nan_to_num(nan=big).int()
             # rows with p = 1 keep every candidate: a cut no token reaches
             t = torch.where(p < 1, t, torch.iinfo(t.dtype).min)
             c = torch.where(p < 1, c, v + 1)
@@ -237,15 +272,17 @@ class _Selection:
     def _weight(self, zs):
         return torch.exp(zs - self.m).double()
 
-    def slices(self):
+    def slices(self, final: bool = False):
         """``(c0, z slice, keys, candidates)`` of every slice in id order, with min-p and the
-        cuts found so far applied (candidates None: all)."""
+        cuts found so far applied (candidates None: all); min-p only in the ``final`` pass
+        where the engine applies it last."""
         seen = [torch.zeros(self.z.shape[1], dtype=torch.int32, device=self.z.device)
                 for _ in self.cuts]
+        floor = self.floor if final or self.floor_first else None
         for c0 in range(0, self.z.shape[0], self.cols):
             zs = self.z[c0:c0 + self.cols]
             keys = _ordered_keys(zs)
-            cand = None if self.floor is None else zs >= self.floor
+            cand = None if floor is None else zs >= floor
             for i, (t, c) in enumerate(self.cuts):
                 cut, seen[i] = _prefix_slice(keys, t, c, seen[i])
                 cand = cut if cand is None else cand & cut
@@ -326,7 +363,7 @@ def _chunk_stats(sel: _Selection, targets):
     top = torch.iinfo(kd).max
     key = torch.full((rows,), top, dtype=kd, device=z.device)
     count = torch.zeros(rows, dtype=torch.int64, device=z.device)
-    for c0, zs, keys, kept in sel.slices():
+    for c0, zs, keys, kept in sel.slices(final=True):
         zm = zs - m
         e = torch.exp(zm)
         l_full += e.sum(0)
@@ -366,7 +403,7 @@ def select(z: torch.Tensor, targets: torch.Tensor, params: RowParams):
     as a reference would hold them), by the chunk algorithm above."""
     sel = _Selection(z.t().contiguous(), params, min(z.shape[1], _COLS))
     kept = torch.cat([torch.ones_like(zs, dtype=torch.bool) if c is None else c
-                      for _, zs, _, c in sel.slices()]).t()
+                      for _, zs, _, c in sel.slices(final=True)]).t()
     return kept, _chunk_stats(sel, targets)
 
 

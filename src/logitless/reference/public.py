@@ -15,10 +15,11 @@ from logitless.reference.sampler import kept_set_logprobs, sampler_logprobs
 
 def linear_logprobs(hidden, weight, targets, bias=None, *, temperature=1.0, softcap=None,
                     logit_scale=1.0, ignore_index=-100, top_k=None, top_p=None, min_p=None,
-                    kept_ids=None):
+                    kept_ids=None, sampler="vllm"):
     """`logitless.linear_logprobs` from the full logits: a dict of per-token tensors shaped
     like ``targets`` (``logprobs``, ``entropy`` and the other statistics; with ``top_k`` /
-    ``top_p`` / ``min_p`` the logprobs under vLLM's truncated distribution, with ``kept_ids``
+    ``top_p`` / ``min_p`` the logprobs under the ``sampler`` engine's (vLLM's by default)
+    truncated distribution, with ``kept_ids``
     under the recorded kept set)."""
     if kept_ids is not None:
         return kept_set_logprobs(hidden, weight, targets, kept_ids, bias,
@@ -30,7 +31,7 @@ def linear_logprobs(hidden, weight, targets, bias=None, *, temperature=1.0, soft
                                     ignore_index=ignore_index)
     return sampler_logprobs(hidden, weight, targets, bias, temperature=temperature,
                             top_k=top_k, top_p=top_p, min_p=min_p, softcap=softcap,
-                            logit_scale=logit_scale, ignore_index=ignore_index)
+                            logit_scale=logit_scale, ignore_index=ignore_index, sampler=sampler)
 
 
 def policy_loss(logprobs, old_logprobs, advantages, mask, config, *, ref_logprobs=None,

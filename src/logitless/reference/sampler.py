@@ -21,6 +21,27 @@ it (ascending sort, cumulative sum, drop while the mass up to and including a to
 That fallback (vLLM without Triton, and its CPU worker) differs from the rule here on ties only:
 its top-k keeps every token equal to the ``k``-th value, and its unstable sort orders tied
 logits arbitrarily.
+
+The other engines (``sampler=``, see ``docs/sampler.md``):
+
+- ``"sglang"``: SGLang 0.5.23 on CUDA, its default FlashInfer backend
+  (``python/sglang/srt/layers/sampler.py``, ``Sampler._sample_from_probs``), on the tempered
+  softmax ``pi``. A row without min-p goes to FlashInfer's
+  ``top_k_top_p_sampling_from_probs(..., filter_apply_order="joint")``, whose rejection
+  kernel (``TopKTopPSamplingFromProbKernel``) accepts a token when fewer than ``k`` tokens
+  have a larger probability *and* their mass is below ``p``: both thresholds on the whole row,
+  ties at either boundary all kept. A row with min-p goes through ``top_k_renorm_prob``
+  (keeps every probability ``>=`` the ``k``-th largest: ties kept), ``top_p_renorm_prob``
+  (AIR top-p: keeps every probability ``>=`` the largest value whose mass at or above it
+  reaches ``p`` of the survivors': ties kept), then ``min_p_sampling_from_probs`` (keeps
+  ``probs >= max * min_p``), each on the previous step's renormalised output.
+- ``"transformers"``: ``GenerationMixin._get_logits_processor``'s warpers in its order,
+  ``TemperatureLogitsWarper``, ``TopKLogitsWarper`` (drops ``scores <`` the ``k``-th largest
+  value: ties kept), ``TopPLogitsWarper`` (ascending sort, drops where the cumulative
+  softmax of the survivors is ``<= 1 - p``, never the last), ``MinPLogitsWarper`` (drops
+  ``probs < min_p * max`` of the survivors' softmax). TopP's sort is not stable: how many
+  tied tokens it keeps at the boundary is fixed, which of them is not; here the lowest ids
+  are kept, as for vLLM.
 """
 
 from __future__ import annotations
@@ -31,7 +52,10 @@ import torch
 
 from logitless.reference.linear_softmax import linear_logits
 
-__all__ = ["sampler_kept_mask", "sampler_logprobs"]
+__all__ = ["SAMPLERS", "kept_set_logprobs", "sampler_kept_mask", "sampler_logprobs"]
+
+# The engines whose sampler the reference reproduces (``sampler=``).
+SAMPLERS = ("vllm", "sglang", "transformers")
 
 
 def _per_row(value, n: int, default, dtype, device) -> torch.Tensor:
@@ -42,15 +66,22 @@ def _per_row(value, n: int, default, dtype, device) -> torch.Tensor:
     return torch.full((n,), value, dtype=dtype, device=device)
 
 
-def sampler_kept_mask(z: torch.Tensor, top_k=None, top_p=None, min_p=None) -> torch.Tensor:
-    """The tokens vLLM's sampler can draw from the tempered logits ``z [N, V]`` (bool
-    ``[N, V]``). ``top_k`` (``>= 1``), ``top_p`` (``(0, 1]``) and ``min_p`` (``[0, 1]``) are
-    numbers, ``[N]`` tensors or None (off)."""
+def sampler_kept_mask(z: torch.Tensor, top_k=None, top_p=None, min_p=None,
+                      sampler: str = "vllm") -> torch.Tensor:
+    """The tokens the ``sampler`` engine (one of :data:`SAMPLERS`) can draw from the tempered
+    logits ``z [N, V]`` (bool ``[N, V]``). ``top_k`` (``>= 1``), ``top_p`` (``(0, 1]``) and
+    ``min_p`` (``[0, 1]``) are numbers, ``[N]`` tensors or None (off)."""
+    if sampler not in SAMPLERS:
+        raise ValueError(f"sampler must be one of {SAMPLERS}, got {sampler!r}")
     n, v = z.shape
     z = z.clone()
     mp = _per_row(min_p, n, 0.0, z.dtype, z.device)
     k = _per_row(top_k, n, v, torch.int64, z.device).clamp(max=v)
     p = _per_row(top_p, n, 1.0, z.dtype, z.device)
+    if sampler == "sglang":
+        return _sglang_kept(z, k, p, mp)
+    if sampler == "transformers":
+        return _transformers_kept(z, k, p, mp)
     neg = torch.tensor(-math.inf, dtype=z.dtype, device=z.device)
 
     # min_p.py, _min_p_kernel: threshold = max + log(min_p); logits < threshold -> -inf.
@@ -78,6 +109,68 @@ def sampler_kept_mask(z: torch.Tensor, top_k=None, top_p=None, min_p=None) -> to
     return kept
 
 
+def _ahead(z: torch.Tensor, probs: torch.Tensor):
+    """Per token, how many tokens of its row have a strictly larger logit, and their mass
+    under ``probs`` (0 where ``z`` is ``-inf``-masked out: pass ``probs`` 0 there)."""
+    z_sort, order = z.sort(dim=-1, descending=True, stable=True)
+    mass_before = probs.gather(-1, order).cumsum(-1) - probs.gather(-1, order)
+    # the first sorted position of each token's value: how many are strictly larger
+    neg = (-z_sort).contiguous()
+    first = torch.searchsorted(neg, neg, side="left")
+    count = torch.empty_like(first)
+    count.scatter_(-1, order, first)
+    mass = torch.empty_like(probs)
+    mass.scatter_(-1, order, mass_before.gather(-1, first))
+    return count, mass
+
+
+def _sglang_kept(z, k, p, mp):
+    """SGLang's FlashInfer filtering (module doc), as its kernels decide a token: on the
+    tempered softmax, thresholds on "strictly larger than this token", so tied tokens share
+    one fate. Rows with ``min_p > 0`` take the sequential path (SGLang takes it for the whole
+    batch when any request has min-p)."""
+    probs = torch.softmax(z, -1)
+    count, mass = _ahead(z, probs)
+    k, p, mp = k.unsqueeze(-1), p.unsqueeze(-1), mp.unsqueeze(-1)
+    off = p >= 1  # top_p == 1: no top-p filter (both kernels' fast paths)
+    # joint (TopKTopPSamplingFromProbKernel): #larger < k and their mass < p
+    joint = (count < k) & ((mass < p) | off)
+    # sequential: top_k_renorm_prob, then top_p_renorm_prob on its renormalised output,
+    # then min_p_sampling_from_probs on that one
+    k1 = count < k
+    probs1 = torch.where(k1, probs, 0.0)
+    probs1 = probs1 / probs1.sum(-1, keepdim=True)
+    _, mass1 = _ahead(torch.where(k1, z, -math.inf), probs1)
+    k2 = k1 & ((mass1 < p) | off)
+    probs2 = torch.where(k2, probs1, 0.0)
+    probs2 = probs2 / probs2.sum(-1, keepdim=True)
+    k3 = k2 & (probs2 >= probs2.amax(-1, keepdim=True) * mp)
+    return torch.where(mp > 0, k3, joint)
+
+
+def _transformers_kept(z, k, p, mp):
+    """transformers' warpers as written (module doc), with TopP's tied logits sorted so that
+    the lowest ids are the last to go."""
+    neg = torch.tensor(-math.inf, dtype=z.dtype, device=z.device)
+    # TopKLogitsWarper: scores < topk(scores, k)[0][..., -1]
+    kth = z.sort(dim=-1, descending=True).values.gather(-1, (k - 1).unsqueeze(-1))
+    z = torch.where(z < kth, neg, z)
+    # TopPLogitsWarper: ascending sort, cumsum of the softmax, drop <= 1 - p, keep the last
+    flipped = z.flip(-1)
+    z_sort, order = flipped.sort(dim=-1, stable=True)
+    idx = (z.shape[-1] - 1) - order
+    cum = z_sort.softmax(-1).cumsum(-1)
+    drop = cum <= (1 - p).unsqueeze(-1)
+    drop[:, -1] = False
+    removed = torch.zeros_like(drop)
+    removed.scatter_(-1, idx, drop)
+    z = torch.where(removed, neg, z)
+    # MinPLogitsWarper: softmax of the survivors, drop probs < min_p * max
+    probs = torch.softmax(z, -1)
+    z = torch.where(probs < mp.unsqueeze(-1) * probs.amax(-1, keepdim=True), neg, z)
+    return z > -math.inf
+
+
 def sampler_logprobs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -91,8 +184,10 @@ def sampler_logprobs(
     softcap: float | None = None,
     logit_scale: float = 1.0,
     ignore_index: int = -100,
+    sampler: str = "vllm",
 ) -> dict[str, torch.Tensor]:
-    """Logprobs of ``targets`` under the distribution vLLM samples from, from the full logits.
+    """Logprobs of ``targets`` under the distribution the ``sampler`` engine (vLLM by default,
+    see :data:`SAMPLERS`) samples from, from the full logits.
 
     ``temperature``, ``top_k``, ``top_p``, ``min_p``: numbers or tensors of ``targets``' shape
     (None: that truncation off). ``z = logit_scale * softcap(h W^T + b) / temperature``, the
@@ -113,7 +208,7 @@ def sampler_logprobs(
     n = h.shape[0]
     z = linear_logits(h, weight, bias, softcap_value=softcap, logit_scale=logit_scale)
     z = z / _per_row(temperature, n, 1.0, z.dtype, z.device).unsqueeze(-1)
-    kept = sampler_kept_mask(z.detach(), top_k, top_p, min_p)
+    kept = sampler_kept_mask(z.detach(), top_k, top_p, min_p, sampler)
     t = targets.reshape(-1).long()
     valid = t != ignore_index
     safe = torch.where(valid, t, 0)

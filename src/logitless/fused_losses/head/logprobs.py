@@ -305,6 +305,7 @@ def linear_logprobs(
     top_p: float | torch.Tensor | None = None,
     min_p: float | torch.Tensor | None = None,
     kept_ids: torch.Tensor | None = None,
+    sampler: str = "vllm",
     softcap: float | None = None,
     logit_scale: float = 1.0,
     ignore_index: int = -100,
@@ -337,6 +338,9 @@ def linear_logprobs(
             ``entropy`` the kept distribution's); see ``docs/sampler.md``. With
             ``vocab_parallel``, a distributed select gives one process's kept set. Not with
             the stats ``sum_p_sq``, ``mean_logit``, ``is_top1``.
+        sampler: whose rules ``top_k`` / ``top_p`` / ``min_p`` follow: ``"vllm"`` (default),
+            ``"sglang"`` (its FlashInfer backend) or ``"transformers"`` (``generate``'s
+            warpers); they differ in order and ties (the table in ``docs/sampler.md``).
         kept_ids: the kept set an engine recorded, instead of ``top_k`` / ``top_p`` /
             ``min_p``: an int64 tensor ``[*targets.shape, K]`` of vocabulary ids, padded with
             -1 (sets of different sizes per token). The results are those of the tempered
@@ -371,13 +375,15 @@ def linear_logprobs(
     check_head_args(hidden, weight, targets, bias,
                     1.0 if isinstance(temperature, torch.Tensor) else temperature, softcap,
                     logit_scale, stats, zero_scale=True)
+    sampled.check_sampler(sampler)
     if kept_ids is not None:
         return _kept_set(hidden, weight, targets, kept_ids, bias, temperature, top_k, top_p,
                          min_p, softcap, logit_scale, ignore_index, return_entropy, stats,
                          vocab_parallel, max_tile_bytes)
     # with vocab_parallel the whole vocabulary's size is known inside the op only
     sampler = sampled.sampler_settings(targets, None if vocab_parallel is not None
-                                       else weight.shape[0], temperature, top_k, top_p, min_p)
+                                       else weight.shape[0], temperature, top_k, top_p, min_p,
+                                       sampler)
     if sampler is not None:
         temperature = 1.0 if sampler.temperature is not None else temperature
         plain_only = [s for s in stats if s in ("sum_p_sq", "mean_logit", "is_top1")]
@@ -405,8 +411,8 @@ def linear_logprobs(
             hidden, weight, bias, targets,
             *sampled.per_token(sampler, targets, float(temperature), dtype),
             None if softcap is None else float(softcap), float(logit_scale), int(ignore_index),
-            max_tile_bytes, dtype, None if vocab_parallel is None else vocab_parallel.group_name,
-            hidden_grad)
+            max_tile_bytes, dtype, sampler.sampler,
+            None if vocab_parallel is None else vocab_parallel.group_name, hidden_grad)
         outs = (lp, ent, None, None, None, lse)
     elif gather_weight is None:
         # One graph node under torch.compile: the op compacts, validates and plans inside; a

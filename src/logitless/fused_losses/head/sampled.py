@@ -34,7 +34,7 @@ from logitless.fused_losses.oplib import (
 )
 from logitless.kernels import sampler_torch
 from logitless.kernels.linear_softmax_torch import acc_dtype
-from logitless.kernels.sampler_torch import LOCAL, Reduction, RowParams
+from logitless.kernels.sampler_torch import ENGINES, LOCAL, Reduction, RowParams
 
 __all__ = ["SamplerSettings", "per_token", "sampler_settings"]
 
@@ -48,6 +48,7 @@ class SamplerSettings:
     top_k: object = None
     top_p: object = None
     min_p: object = None
+    sampler: str = "vllm"
 
 
 def _check_tensor(name, x, targets, integer: bool):
@@ -79,13 +80,22 @@ def check_values(temperature, top_k, top_p, min_p) -> None:
         raise ValueError("min_p must lie in [0, 1] at every token")
 
 
-def sampler_settings(targets, vocab: int | None, temperature, top_k, top_p,
-                     min_p) -> SamplerSettings | None:
+def check_sampler(sampler) -> None:
+    """``sampler`` names an engine whose rules the kernels follow (``ValueError`` if not)."""
+    if not isinstance(sampler, str) or sampler not in ENGINES:
+        raise ValueError(f"sampler must be one of {ENGINES} (the rollout engine whose "
+                         f"top-k / top-p / min-p rules to follow), got {sampler!r}")
+
+
+def sampler_settings(targets, vocab: int | None, temperature, top_k, top_p, min_p,
+                     sampler: str = "vllm") -> SamplerSettings | None:
     """Check the sampler arguments statically (``ValueError`` naming the argument; a tensor's
     values are checked by `check_values`, inside the op); None when they leave the plain
     path's numbers unchanged: scalar temperature, and ``top_k`` None or ``>= V``, ``top_p``
-    None or 1, ``min_p`` None or 0. ``vocab`` None: not known here (a sharded vocabulary),
-    a ``top_k`` is kept (the op keeps every token when it is ``>= V``)."""
+    None or 1, ``min_p`` None or 0 (every engine then samples from the full softmax).
+    ``vocab`` None: not known here (a sharded vocabulary), a ``top_k`` is kept (the op keeps
+    every token when it is ``>= V``)."""
+    check_sampler(sampler)
     if isinstance(temperature, torch.Tensor):
         _check_tensor("temperature", temperature, targets, False)
     if top_k is not None:
@@ -112,7 +122,7 @@ def sampler_settings(targets, vocab: int | None, temperature, top_k, top_p,
     tensor_t = isinstance(temperature, torch.Tensor)
     if top_k is None and top_p is None and min_p is None and not tensor_t:
         return None
-    return SamplerSettings(temperature if tensor_t else None, top_k, top_p, min_p)
+    return SamplerSettings(temperature if tensor_t else None, top_k, top_p, min_p, sampler)
 
 
 def _backend_for(device: torch.device, dtype: torch.dtype, sharded: bool = False) -> ModuleType:
@@ -192,7 +202,7 @@ def rows_backward(hidden, weight, bias, targets, params: RowParams, key, count, 
 # --- linear_logprobs with the sampler's settings (py) --------------------------------
 
 _SP_CONFIG = ("float? softcap, float logit_scale, int ignore_index, int? tile_bytes, "
-              "ScalarType dtype")
+              "ScalarType dtype, str sampler")
 # vocab parallelism, as the plain op's: the group by name (None: the vocabulary is whole)
 _SP_GROUP = 'str? group_name=None, str hidden_grad="sum"'
 
@@ -220,31 +230,33 @@ def _in_acc(temperature, min_p, dtype, check: bool = False):
     return t, None if min_p is None else min_p.to(acc)
 
 
-def _sp_rows(targets, temperature, top_k, top_p, min_p, weight, ignore_index, dtype, offset,
-             reduce):
+def _sp_rows(targets, temperature, top_k, top_p, min_p, weight, ignore_index, dtype, sampler,
+             offset, reduce):
     """``(targets of the rows, rows, RowParams of the rows)``: ids validated against the whole
     vocabulary, then made ids in this rank's slice (``offset``), the settings' rows."""
+    check_sampler(sampler)
     flat_t, rows = compact_rows(targets, ignore_index, reduce.vocab(weight.shape[0]))
     temperature, min_p = _in_acc(temperature, min_p, dtype)
-    params = RowParams(*(take_rows(x, rows) for x in (temperature, top_k, top_p, min_p)))
+    params = RowParams(*(take_rows(x, rows) for x in (temperature, top_k, top_p, min_p)),
+                       engine=sampler)
     return take_rows(flat_t, rows) - offset, rows, params
 
 
 def _sp_forward(hidden, weight, bias, targets, temperature, top_k, top_p, min_p, softcap,
-                logit_scale, ignore_index, tile_bytes, dtype, group_name=None,
+                logit_scale, ignore_index, tile_bytes, dtype, sampler, group_name=None,
                 hidden_grad="sum"):
     check_values(temperature, top_k, top_p, min_p)  # the values as given, before any cast
     _in_acc(temperature, min_p, dtype, check=True)
     offset, reduce = _shards(group_name, weight, hidden.device)
     t, rows, params = _sp_rows(targets, temperature, top_k, top_p, min_p, weight, ignore_index,
-                               dtype, offset, reduce)
+                               dtype, sampler, offset, reduce)
     outs = rows_forward(take_rows(hidden, rows, hidden.shape[-1]), weight, bias, t,
                         params, softcap, logit_scale, tile_bytes, dtype, reduce)
     return distinct(put_rows(x, rows, targets.shape) for x in outs)
 
 
 def _sp_forward_fake(hidden, weight, bias, targets, temperature, top_k, top_p, min_p, softcap,
-                     logit_scale, ignore_index, tile_bytes, dtype, group_name=None,
+                     logit_scale, ignore_index, tile_bytes, dtype, sampler, group_name=None,
                      hidden_grad="sum"):
     acc = acc_dtype(dtype)
     floats = [hidden.new_empty(targets.shape, dtype=acc) for _ in range(5)]
@@ -253,11 +265,11 @@ def _sp_forward_fake(hidden, weight, bias, targets, temperature, top_k, top_p, m
 
 def _sp_backward_impl(hidden, weight, bias, targets, temperature, top_k, top_p, min_p, key,
                       count, lse, lse_kept, entropy, logprobs, g_lp, g_entropy, g_kept, g_lse,
-                      softcap, logit_scale, ignore_index, tile_bytes, dtype, need_hidden,
-                      need_weight, need_bias, group_name=None, hidden_grad="sum"):
+                      softcap, logit_scale, ignore_index, tile_bytes, dtype, sampler,
+                      need_hidden, need_weight, need_bias, group_name=None, hidden_grad="sum"):
     offset, reduce = _shards(group_name, weight, hidden.device)
     t, rows, params = _sp_rows(targets, temperature, top_k, top_p, min_p, weight, ignore_index,
-                               dtype, offset, reduce)
+                               dtype, sampler, offset, reduce)
     saved = [take_rows(x, rows) for x in (key, count, lse, lse_kept, entropy, logprobs)]
     grads = tuple(take_rows(g, rows) for g in (g_lp, g_entropy, g_kept, g_lse))
     d_hidden, d_weight, d_bias = rows_backward(
@@ -272,20 +284,20 @@ def _sp_backward_impl(hidden, weight, bias, targets, temperature, top_k, top_p, 
 
 def _sp_backward_fake(hidden, weight, bias, targets, temperature, top_k, top_p, min_p, key,
                       count, lse, lse_kept, entropy, logprobs, g_lp, g_entropy, g_kept, g_lse,
-                      softcap, logit_scale, ignore_index, tile_bytes, dtype, need_hidden,
-                      need_weight, need_bias, group_name=None, hidden_grad="sum"):
+                      softcap, logit_scale, ignore_index, tile_bytes, dtype, sampler,
+                      need_hidden, need_weight, need_bias, group_name=None, hidden_grad="sum"):
     return grads_fake(hidden, weight, bias, need_hidden, need_weight, need_bias)
 
 
 def _sp_setup_context(ctx, inputs, output):
-    ctx.config, ctx.group = inputs[8:13], inputs[13:15]  # (group_name, hidden_grad)
+    ctx.config, ctx.group = inputs[8:14], inputs[14:16]  # (group_name, hidden_grad)
     ctx.set_materialize_grads(False)
     lp_, ent, _, lse, lse_kept, key, count = output
     ctx.save_for_backward(*inputs[:8], key, count, lse, lse_kept, ent, lp_)
 
 
 def _sp_backward(ctx, g_lp, g_entropy, g_kept, g_lse, *_):
-    n_inputs = 15
+    n_inputs = 16
     if all(g is None for g in (g_lp, g_entropy, g_kept, g_lse)):
         return none_grads(n_inputs)
     saved = ctx.saved_tensors
