@@ -86,6 +86,16 @@ def tied_head_inputs(n=37, d=96, v=1007, seed=0):
     return hidden, weight, bias, targets
 
 
+def scaled_head(n, d, v, seed=0, scale=3.0):
+    """``(generator, hidden, weight, bias, logits)`` in fp64: a head whose logits spread about
+    ``scale``, the generator left ready to draw the targets."""
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, d, generator=gen, dtype=torch.float64)
+    weight = torch.randn(v, d, generator=gen, dtype=torch.float64) / d**0.5 * scale
+    bias = torch.randn(v, generator=gen, dtype=torch.float64) * scale / 3
+    return gen, hidden, weight, bias, hidden @ weight.t() + bias
+
+
 def sampler_settings(n, max_k, seed=1):
     """Per-token sampler settings for ``n`` tokens, each drawn at random: temperature in
     [0.5, 1.5), top-k in [1, max_k), top-p in [0.1, 1.0), min-p in [0, 0.2) (fp64, int64)."""

@@ -15,7 +15,7 @@ import logitless
 from logitless.kernels import sampler_torch
 from logitless.reference.sampler import sampler_kept_mask, sampler_logprobs
 
-from testing import assert_close_to_oracle, assert_sampler_matches, sampler_settings
+from testing import assert_close_to_oracle, assert_sampler_matches, sampler_settings, scaled_head
 
 N, D, V = 37, 96, 1007
 OUTS = ("logprobs", "entropy", "log_kept_mass")
@@ -31,11 +31,7 @@ def _slices(request, monkeypatch):
 
 
 def make_inputs(n=N, d=D, v=V, seed=0, scale=3.0):
-    gen = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(n, d, generator=gen, dtype=torch.float64)
-    weight = torch.randn(v, d, generator=gen, dtype=torch.float64) / d**0.5 * scale
-    bias = torch.randn(v, generator=gen, dtype=torch.float64) * scale / 3
-    logits = hidden @ weight.t() + bias
+    gen, hidden, weight, bias, logits = scaled_head(n, d, v, seed, scale)
     # targets: the argmax, a token from the top few, or any token (mostly outside the kept set)
     top = logits.topk(4, dim=-1).indices
     pick = torch.randint(0, 4, (n,), generator=gen)

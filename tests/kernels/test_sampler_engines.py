@@ -28,7 +28,7 @@ from logitless.kernels import sampler_torch
 from logitless.kernels.sampler_torch import RowParams
 from logitless.reference.sampler import sampler_kept_mask, sampler_logprobs
 
-from testing import assert_sampler_matches, sampler_settings
+from testing import assert_sampler_matches, sampler_settings, scaled_head
 
 ENGINES = ("sglang", "transformers")
 
@@ -239,11 +239,7 @@ N, D, V = 37, 96, 1007
 
 
 def _inputs(seed=0, scale=3.0):
-    gen = torch.Generator().manual_seed(seed)
-    h = torch.randn(N, D, generator=gen, dtype=torch.float64)
-    w = torch.randn(V, D, generator=gen, dtype=torch.float64) / D**0.5 * scale
-    b = torch.randn(V, generator=gen, dtype=torch.float64) * scale / 3
-    z = h @ w.t() + b
+    gen, h, w, b, z = scaled_head(N, D, V, seed, scale)
     top = z.topk(4, dim=-1).indices
     t = top.gather(1, torch.randint(0, 4, (N, 1), generator=gen)).squeeze(1)
     t = torch.where(torch.rand(N, generator=gen) < 0.3, torch.randint(0, V, (N,),

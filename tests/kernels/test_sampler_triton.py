@@ -232,7 +232,8 @@ def test_rows_do_not_depend_on_the_batch(small):
 
 # Compiles every kernel for sm_90 with the constexprs and warps the launchers use: bf16 with
 # every flag on (the threshold pass with all three truncations), fp32 with every flag off
-# (the threshold pass with top-p alone), the threshold pass once per engine. A subprocess: TRITON_INTERPRET=1 replaces the JIT.
+# (the threshold pass with top-p alone), the threshold pass once per engine. A subprocess:
+# TRITON_INTERPRET=1 replaces the JIT.
 _COMPILE_SCRIPT = """
 import torch
 from sm90 import compile_sm90, ptxas_report
