@@ -82,8 +82,10 @@ class Recording(GRPOTrainer):
             keep = (slice(None), slice(-logits_to_keep, None))
             h, y = hidden[keep].double(), labels[keep]
             w = module.lm_head.weight.double()
+            # TRL without vLLM samples with transformers' generate and its rules
             matched = sampler_logprobs(h, w, y, temperature=TEMPERATURE, top_k=TOP_K,
-                                       top_p=TOP_P)
+                                       top_p=TOP_P, min_p=self.args.min_p or None,
+                                       sampler="transformers")
             full = sampler_logprobs(h, w, y, temperature=TEMPERATURE)
         self.calls.append(dict(
             reference=model is self.ref_model or self._reference_pass,
@@ -130,6 +132,18 @@ def test_match_sampler_logprobs_are_the_samplers_truncated_distribution(tiny, tm
     assert math.isfinite(logged["loss"])
 
 
+def test_match_sampler_min_p_after_top_p_under_generate(tiny, tmp_path):
+    """transformers' generate applies min-p last, on the top-k / top-p survivors: the head
+    follows it (``sampler="transformers"``), and every token generate drew is in the set."""
+    trainer = make_trainer(Recording, tiny, grpo_args(tmp_path, min_p=0.3), match_sampler=True)
+    trainer.train()
+    calls = [c for c in trainer.calls if not c["reference"]]
+    assert calls
+    for c in calls:
+        _close(c["logps"], c["matched"]["logprobs"], c["mask"], "logprobs")
+    assert trainer.state.log_history[0]["logitless/sampler/outside_kept"] == 0.0
+
+
 def test_without_match_sampler_the_head_is_untruncated(tiny, tmp_path):
     args = grpo_args(tmp_path, num_iterations=1, gradient_accumulation_steps=1)
     trainer = make_trainer(Recording, tiny, args)
@@ -142,14 +156,19 @@ def test_without_match_sampler_the_head_is_untruncated(tiny, tmp_path):
 
 def test_sampler_from_grpo_reads_trl_conventions(tmp_path):
     read = sampler_from_grpo
-    assert read(grpo_args(tmp_path)) == SamplerTruncation(top_k=TOP_K, top_p=TOP_P)
+    assert read(grpo_args(tmp_path)) == SamplerTruncation(top_k=TOP_K, top_p=TOP_P,
+                                                          engine="transformers")
+    assert read(grpo_args(tmp_path, use_vllm=True)).engine == "vllm"
     # TRL's defaults, and every "off" spelling, are no truncation
     assert not read(grpo_args(tmp_path, top_k=0, top_p=1.0, min_p=None)).truncates
     assert not read(grpo_args(tmp_path, top_k=-1, top_p=1.0, min_p=0.0)).truncates
     assert read(grpo_args(tmp_path, top_k=0, top_p=1.0, min_p=0.05)) == SamplerTruncation(
-        min_p=0.05)
-    # vLLM applies min-p before top-k / top-p: fine there
-    assert read(grpo_args(tmp_path, use_vllm=True, min_p=0.05)).min_p == 0.05
+        min_p=0.05, engine="transformers")
+    # min-p with top-k / top-p: first under vLLM, last under transformers' generate
+    assert read(grpo_args(tmp_path, use_vllm=True, min_p=0.05)).kwargs() == dict(
+        top_k=TOP_K, top_p=TOP_P, min_p=0.05, sampler="vllm")
+    assert read(grpo_args(tmp_path, min_p=0.05)).kwargs() == dict(
+        top_k=TOP_K, top_p=TOP_P, min_p=0.05, sampler="transformers")
     # keys that leave the distribution alone pass
     read(grpo_args(tmp_path, generation_kwargs={"max_new_tokens": 4, "do_sample": True}))
 
@@ -161,7 +180,6 @@ def test_sampler_from_grpo_reads_trl_conventions(tmp_path):
     (dict(generation_kwargs={"do_sample": False}), "GRPOConfig.generation_kwargs['do_sample']"),
     (dict(use_vllm=True, vllm_structured_outputs_regex="a+"),
      "GRPOConfig.vllm_structured_outputs_regex"),
-    (dict(min_p=0.1), "GRPOConfig.min_p"),  # transformers' order differs from vLLM's
     (dict(use_transformers_continuous_batching=True),
      "GRPOConfig.use_transformers_continuous_batching"),
     (dict(top_k=-3), "GRPOConfig.top_k"),

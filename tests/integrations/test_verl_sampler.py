@@ -78,7 +78,9 @@ def test_rollout_config_reaches_the_head_through_verls_instantiation():
     assert head_sampler() == SamplerTruncation(top_k=40, top_p=0.9)
 
 
-def test_head_computes_the_samplers_truncated_distribution():
+@pytest.mark.parametrize(("engine", "min_p"), [
+    ("vllm", 0.01), ("sglang", 0.01), ("sglang", None), ("transformers", 0.01)])
+def test_head_computes_the_samplers_truncated_distribution(engine, min_p):
     g = torch.Generator().manual_seed(3)
     t, d, v = 37, 96, 1007
     hidden = torch.randn(1, t, d, generator=g, dtype=torch.float64)
@@ -86,11 +88,15 @@ def test_head_computes_the_samplers_truncated_distribution():
     labels = torch.randint(0, v, (1, t), generator=g)
     top = (hidden[0] @ weight.T).argmax(-1)
     labels[0, ::2] = top[::2]  # half the targets inside the kept set, the others mostly not
-    set_head_sampler(SamplerTruncation(top_k=40, top_p=0.9, min_p=0.01))
+    truncation = dict(top_k=40, top_p=0.9, min_p=min_p)
+    set_head_sampler(SamplerTruncation(**truncation, engine=engine))
     h = hidden.clone().requires_grad_(True)
     lp, ent = linear_cross_entropy(h, weight, labels, 0.8, "none", None)
-    expected = sampler_logprobs(hidden[0], weight, labels[0], temperature=0.8, top_k=40,
-                                top_p=0.9, min_p=0.01)
+    expected = sampler_logprobs(hidden[0], weight, labels[0], temperature=0.8, **truncation,
+                                sampler=engine)
+    if engine != "vllm":  # the case tells the engines apart
+        vllm = sampler_logprobs(hidden[0], weight, labels[0], temperature=0.8, **truncation)
+        assert not torch.allclose(vllm["entropy"], expected["entropy"])
     assert sampler_head_calls() == 1
     inside = torch.isfinite(expected["logprobs"])
     assert 0 < int(inside.sum()) < t
@@ -99,8 +105,7 @@ def test_head_computes_the_samplers_truncated_distribution():
     torch.testing.assert_close(ent, expected["entropy"])
     # gradients through the kept logits, the kept set held fixed
     hr = hidden[0].clone().requires_grad_(True)
-    ref = sampler_logprobs(hr, weight, labels[0], temperature=0.8, top_k=40, top_p=0.9,
-                           min_p=0.01)
+    ref = sampler_logprobs(hr, weight, labels[0], temperature=0.8, **truncation, sampler=engine)
     (ref["logprobs"][inside].sum() + ref["entropy"].sum()).backward()
     (lp[inside].sum() + ent.sum()).backward()
     torch.testing.assert_close(h.grad[0], hr.grad)
@@ -140,11 +145,16 @@ def test_sampler_from_rollout_reads_verl_conventions():
     assert not sampler_from_rollout({"name": "sglang", "temperature": 0.6}).truncates
     assert sampler_from_rollout({"name": "vllm", "top_k": 5, "min_p": 0.1}) == SamplerTruncation(
         top_k=5, min_p=0.1)
+    # SGLang's rules, whatever logprobs_mode says (verl hands that to vLLM only)
+    got = sampler_from_rollout({"name": "sglang", "top_k": 5, "top_p": 0.9,
+                                "logprobs_mode": "raw_logprobs"})
+    assert got == SamplerTruncation(top_k=5, top_p=0.9, engine="sglang")
+    assert got.kwargs() == dict(top_k=5, top_p=0.9, sampler="sglang")
 
 
 @pytest.mark.parametrize(("rollout", "named"), [
     ({"name": "vllm", "repetition_penalty": 1.05}, "rollout.repetition_penalty"),
-    ({"name": "sglang", "top_p": 0.9}, "rollout.name"),
+    ({"name": "trtllm", "top_p": 0.9}, "rollout.name"),
     ({"name": "vllm", "logprobs_mode": "raw_logprobs"}, "rollout.logprobs_mode"),
     ({"name": "vllm", "do_sample": False}, "rollout.do_sample"),
     ({"name": "vllm", "top_k": -2}, "rollout.top_k"),

@@ -16,6 +16,8 @@ import numbers
 
 import torch
 
+from logitless.kernels.sampler_torch import ENGINES
+
 __all__ = ["GREEDY_TEMPERATURE", "SamplerTruncation", "drop_outside_kept", "read_sampler_config"]
 
 # vLLM samples greedily below this temperature (its sampling epsilon): no truncation, no
@@ -25,11 +27,18 @@ GREEDY_TEMPERATURE = 1e-5
 
 @dataclasses.dataclass(frozen=True)
 class SamplerTruncation:
-    """Truncations of the sampler's distribution (None: off)."""
+    """Truncations of the sampler's distribution (None: off), and the ``engine`` whose rules
+    apply them (``"vllm"``, ``"sglang"`` or ``"transformers"``: ``linear_logprobs``'s
+    ``sampler``)."""
 
     top_k: int | None = None
     top_p: float | None = None
     min_p: float | None = None
+    engine: str = "vllm"
+
+    def __post_init__(self):
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine: expected one of {ENGINES}, got {self.engine!r}")
 
     @property
     def truncates(self) -> bool:
@@ -37,8 +46,11 @@ class SamplerTruncation:
         return any(v is not None for v in (self.top_k, self.top_p, self.min_p))
 
     def kwargs(self) -> dict:
-        """The truncation arguments of :func:`logitless.linear_logprobs` that are on."""
-        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+        """The arguments of :func:`logitless.linear_logprobs` for the truncations that are on,
+        with ``sampler`` (the engine) when any is."""
+        on = {k: getattr(self, k) for k in ("top_k", "top_p", "min_p")
+              if getattr(self, k) is not None}
+        return {**on, "sampler": self.engine} if on else {}
 
 
 def _number(value, name: str, expected: str) -> float:
@@ -51,7 +63,7 @@ def _number(value, name: str, expected: str) -> float:
 
 
 def read_sampler_config(*, temperature, top_k, top_p, min_p, names: dict[str, str],
-                     top_k_off: tuple[int, ...]) -> SamplerTruncation:
+                        top_k_off: tuple[int, ...], engine: str = "vllm") -> SamplerTruncation:
     """Validate one framework's sampler values and return the truncations that are on.
 
     Args:
@@ -61,6 +73,7 @@ def read_sampler_config(*, temperature, top_k, top_p, min_p, names: dict[str, st
         min_p: in [0, 1]; None or 0 is off.
         names: the config's name for each of the four, used in error messages.
         top_k_off: the values the framework reads as "top-k off".
+        engine: the rollout engine whose rules apply the truncations.
     """
     t = _number(temperature, names["temperature"], "a finite number")
     if t < GREEDY_TEMPERATURE:
@@ -86,7 +99,7 @@ def read_sampler_config(*, temperature, top_k, top_p, min_p, names: dict[str, st
         if not 0 <= m <= 1:
             raise ValueError(f"{names['min_p']}: expected a number in [0, 1], got {min_p!r}")
         m = None if m == 0 else m
-    return SamplerTruncation(top_k=k, top_p=p, min_p=m)
+    return SamplerTruncation(top_k=k, top_p=p, min_p=m, engine=engine)
 
 
 def drop_outside_kept(logps, old, mask):

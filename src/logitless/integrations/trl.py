@@ -138,8 +138,9 @@ class GRPOTrainer(trl.GRPOTrainer):
             attention entropy feeds ``attn_entropy_weighting`` (default: all).
         match_sampler: compute the policy's and the old policy's logprobs and entropies under
             the distribution the generation backend samples from: the tempered logits
-            truncated by the ``GRPOConfig``'s ``top_k`` / ``top_p`` / ``min_p`` as vLLM does,
-            renormalised (see :func:`sampler_from_grpo` for what is read and refused, at
+            truncated by the ``GRPOConfig``'s ``top_k`` / ``top_p`` / ``min_p`` under the rules
+            of the engine that generates (vLLM's with ``use_vllm``, transformers' ``generate``'s
+            otherwise), renormalised (see :func:`sampler_from_grpo` for what is read and refused, at
             construction). The reference model's logprobs stay untruncated (the KL then
             compares a truncated policy with a full reference: 2.3 at step 1, where the policy
             is the reference, on the tiny model of tests/integrations/test_trl_sampler.py

@@ -249,9 +249,12 @@ def sampler_from_grpo(args) -> SamplerTruncation:
     distribution in another way (anything but lengths, stop rules, token ids, seeds and
     caching; ``do_sample`` must stay True and ``num_beams`` 1); ``vllm_structured_outputs_regex``
     (guided decoding masks tokens per step); a temperature below 1e-5 (vLLM samples greedily);
-    with transformers' generation (``use_vllm=False``), ``min_p`` together with ``top_k`` or
-    ``top_p`` (transformers applies min-p after them, vLLM before) and any truncation under
-    ``use_transformers_continuous_batching`` (not checked against vLLM's semantics).
+    with transformers' generation (``use_vllm=False``), any truncation under
+    ``use_transformers_continuous_batching`` (its sampler is not the one checked).
+
+    The rules follow the engine: vLLM's with ``use_vllm`` (either ``vllm_mode``), else
+    transformers' ``generate`` (temperature, top-k keeping every tie at the k-th value, top-p,
+    then min-p on the survivors; ``sampler="transformers"``).
     """
     names = {k: f"GRPOConfig.{k}" for k in ("temperature", "top_k", "top_p", "min_p")}
     if args.repetition_penalty != 1:
@@ -279,19 +282,15 @@ def sampler_from_grpo(args) -> SamplerTruncation:
         raise ValueError(
             "GRPOConfig.vllm_structured_outputs_regex: guided decoding masks tokens at each "
             "step, which match_sampler cannot reproduce")
+    # vLLM in either vllm_mode (server or colocate) runs the same sampler; without it, TRL
+    # samples with transformers' generate and its logits processors
     settings = read_sampler_config(temperature=args.temperature, top_k=args.top_k,
-                                top_p=args.top_p, min_p=args.min_p, names=names,
-                                top_k_off=(0, -1))
-    if not args.use_vllm and settings.truncates:
-        if args.use_transformers_continuous_batching:
-            raise ValueError(
-                "GRPOConfig.use_transformers_continuous_batching: match_sampler with top_k, "
-                "top_p or min_p supports vLLM and transformers' generate, not continuous "
-                "batching")
-        if settings.min_p is not None and (settings.top_k is not None
-                                          or settings.top_p is not None):
-            raise ValueError(
-                "GRPOConfig.min_p: transformers' generate (use_vllm=False) applies min-p after "
-                "top-k / top-p, vLLM before them, and match_sampler follows vLLM; use min_p "
-                "alone or generate with vLLM")
+                                   top_p=args.top_p, min_p=args.min_p, names=names,
+                                   top_k_off=(0, -1),
+                                   engine="vllm" if args.use_vllm else "transformers")
+    if not args.use_vllm and settings.truncates and args.use_transformers_continuous_batching:
+        raise ValueError(
+            "GRPOConfig.use_transformers_continuous_batching: match_sampler with top_k, "
+            "top_p or min_p supports vLLM and transformers' generate, not continuous "
+            "batching")
     return settings

@@ -27,7 +27,8 @@ The fused head (:func:`enable_fused_head`) lives in :mod:`logitless.integrations
 
 Sampler matching: ``policy_loss.match_sampler`` set to the rollout config
 (``+actor_rollout_ref.actor.policy_loss.match_sampler='${actor_rollout_ref.rollout}'``) makes
-the fused head compute the logprobs of the distribution vLLM samples from (see
+the fused head compute the logprobs of the distribution the rollout engine (vLLM or SGLang,
+from ``rollout.name``) samples from (see
 :func:`sampler_from_rollout` for what is read and refused).
 """
 
@@ -111,7 +112,8 @@ def _passthrough_default(name: str):
     return next(f.default for f in dataclasses.fields(PolicyLossConfig) if f.name == name)
 
 
-_ROLLOUT_ENGINES = ("vllm",)
+# verl's rollout.name -> the engine whose sampling rules logitless follows
+_ROLLOUT_ENGINES = {"vllm": "vllm", "sglang": "sglang"}
 
 
 def sampler_from_rollout(rollout) -> SamplerTruncation:
@@ -121,10 +123,11 @@ def sampler_from_rollout(rollout) -> SamplerTruncation:
     Reads ``temperature``, ``top_k`` (-1 or 0: off), ``top_p`` (1: off) and ``min_p`` (None or
     0: off; verl's rollout config has no such field, a mapping may carry one). Raises
     ``ValueError`` naming the ``rollout.<field>`` the head cannot reproduce:
-    ``repetition_penalty`` != 1; ``name`` other than ``vllm`` when a truncation is on (SGLang
-    orders min-p and breaks ties at the top-p boundary differently); ``logprobs_mode`` other
-    than ``processed_logprobs`` (the rollout logprobs the correction terms compare with would
-    be those of another distribution); ``do_sample`` False or a temperature below 1e-5 (greedy
+    ``repetition_penalty`` != 1; ``name`` other than ``vllm`` or ``sglang`` when a truncation
+    is on (each engine's rules are followed: ``sampler="vllm"`` or ``"sglang"``, see
+    docs/sampler.md); with vLLM, ``logprobs_mode`` other than ``processed_logprobs`` (the
+    rollout logprobs the correction terms compare with would be those of another
+    distribution); ``do_sample`` False or a temperature below 1e-5 (greedy
     decoding); a value no sampler accepts (``top_k`` < -1, ``top_p`` outside (0, 1], ``min_p``
     outside [0, 1]).
     """
@@ -137,20 +140,20 @@ def sampler_from_rollout(rollout) -> SamplerTruncation:
             f"(expected 1.0, got {penalty!r})")
     if not _get(rollout, "do_sample", True):
         raise ValueError("rollout.do_sample: sampler matching needs sampling, got False")
+    name = _get(rollout, "name")
     mode = _get(rollout, "logprobs_mode", "processed_logprobs")
-    if mode != "processed_logprobs":
+    if name != "sglang" and mode != "processed_logprobs":  # verl passes it to vLLM only
         raise ValueError(
             f"rollout.logprobs_mode: expected 'processed_logprobs' (the logprobs of the "
             f"distribution vLLM samples from), got {mode!r}")
     settings = read_sampler_config(
         temperature=_get(rollout, "temperature", 1.0), top_k=_get(rollout, "top_k", -1),
         top_p=_get(rollout, "top_p", 1.0), min_p=_get(rollout, "min_p"), names=names,
-        top_k_off=(-1, 0))
-    engine = _get(rollout, "name")
-    if settings.truncates and engine not in _ROLLOUT_ENGINES:
+        top_k_off=(-1, 0), engine=_ROLLOUT_ENGINES.get(name, "vllm"))
+    if settings.truncates and name not in _ROLLOUT_ENGINES:
         raise ValueError(
-            f"rollout.name: sampler matching follows vLLM's top-k / top-p / min-p, expected "
-            f"one of {list(_ROLLOUT_ENGINES)}, got {engine!r}")
+            f"rollout.name: sampler matching follows the top-k / top-p / min-p rules of "
+            f"{sorted(_ROLLOUT_ENGINES)}, got {name!r}")
     return settings
 
 
@@ -227,8 +230,9 @@ Select it with ``policy_loss._target_=logitless.integrations.verl.LogitlessPolic
 and ``policy_loss.loss_mode=logitless_<objective>``. Its own fields:
 
 - ``match_sampler``: the rollout config (``'${{actor_rollout_ref.rollout}}'``) to compute the
-  fused head's logprobs and entropies under the distribution vLLM samples from (its
-  temperature, top-k, top-p, min-p; see ``sampler_from_rollout``), or None (off). Needs
+  fused head's logprobs and entropies under the distribution the rollout engine samples from
+  (its temperature, top-k, top-p, min-p, under vLLM's or SGLang's rules as ``rollout.name``
+  says; see ``sampler_from_rollout``), or None (off). Needs
   logitless's fused head (``use_fused_kernels`` with the ``triton`` backend and
   ``LOGITLESS_VERL_FUSED_HEAD=1``) and no reference KL (``use_kl_loss``): the reference
   model's head in the same process would be truncated too. Checked at the first loss call.
