@@ -86,10 +86,17 @@ def _finite_sum(outs, upstream):
                for o, g in zip(outs, upstream))
 
 
+# SGLang's and transformers' rules (``ENGINE`` in the threshold kernel): the joint top-k /
+# top-p of SGLang without min-p, the sequential filters with min-p last, ties all kept
+ENGINE_CASES = [(engine, case) for engine in ("sglang", "transformers")
+                for case in ("top_k-top_p", "combined-per-token")]
+CASES["top_k-top_p"] = dict(top_k=9, top_p=0.85)
+
+
 @requires_triton
-@pytest.mark.parametrize("case", list(CASES))
-def test_matches_reference_and_torch_path(small, case):
-    kw = dict(CASES[case])
+@pytest.mark.parametrize(("engine", "case"), [("vllm", c) for c in CASES] + ENGINE_CASES)
+def test_matches_reference_and_torch_path(small, engine, case):
+    kw = dict(CASES[case], sampler=engine)
     tile = kw.pop("max_tile_bytes", TILE)
     h, w, b, t = _inputs()
     leaves = [x.float().requires_grad_() for x in (h, w, b)]
@@ -98,6 +105,9 @@ def test_matches_reference_and_torch_path(small, case):
     ref = sampler_logprobs(*ref_leaves[:2], t, ref_leaves[2], **kw)
     finite = torch.isfinite(ref["logprobs"])
     assert finite.any() and (~finite).any()
+    if engine == "sglang" and case == "top_k-top_p":  # the joint filter is not vLLM's
+        vllm = sampler_logprobs(h, w, t, b, **{**kw, "sampler": "vllm"})
+        assert not torch.allclose(vllm["entropy"], ref["entropy"].detach())
     assert torch.equal(torch.isfinite(out.logprobs), finite)
     for name in OUTS:
         got, want = getattr(out, name).double(), ref[name].detach()
@@ -120,7 +130,7 @@ def test_matches_reference_and_torch_path(small, case):
         torch.testing.assert_close(getattr(out, name), getattr(twin, name), rtol=0, atol=1e-5)
 
 
-def _tied_rows(n, v, seed):
+def _tied_rows(n, v, seed, engine="vllm"):
     """Integer logits in [-3, 3]: ties at the k-th value and at the top-p boundary in most
     rows; per-row settings with each truncation on in some rows and off (k >= V, p = 1,
     min_p = 0) in others."""
@@ -130,11 +140,12 @@ def _tied_rows(n, v, seed):
     p = torch.rand(n, generator=gen) * 0.98 + 0.01
     p[::5] = 1.0
     min_p = torch.where(torch.rand(n, generator=gen) < 0.5, 0.0, torch.rand(n, generator=gen) * 0.3)
-    return z, RowParams(torch.ones(n), k, p.double(), min_p)
+    return z, RowParams(torch.ones(n), k, p.double(), min_p, engine)
 
 
 @requires_triton
-def test_kept_sets_equal_the_torch_paths_on_tied_logits(small, monkeypatch):
+@pytest.mark.parametrize("engine", sampler_torch.ENGINES)
+def test_kept_sets_equal_the_torch_paths_on_tied_logits(small, monkeypatch, engine):
     """The Triton passes and the torch path on the same fp32 logits: identical kept sets
     (the lowest ids kept among ties at the k-th value and at the top-p boundary), identical
     stored (key, count), the same statistics; and both equal to the fp64 reference's set."""
@@ -142,7 +153,7 @@ def test_kept_sets_equal_the_torch_paths_on_tied_logits(small, monkeypatch):
     # search's result does not depend on the fan-out
     monkeypatch.setattr(kernel, "_FAN", 256)
     n, v = 16, 41
-    z, params = _tied_rows(n, v, seed=3)
+    z, params = _tied_rows(n, v, seed=3, engine=engine)
     targets = torch.randint(0, v, (n,))
     outs = [torch.empty(n) for _ in range(5)] + [torch.empty(n, dtype=torch.int64)
                                                  for _ in range(2)]
@@ -156,14 +167,16 @@ def test_kept_sets_equal_the_torch_paths_on_tied_logits(small, monkeypatch):
     assert torch.equal(kept, want)
     ref = sampler_kept_mask(z.double(), params.top_k, None if params.top_p is None
                             else params.top_p.double(),
-                            None if params.min_p is None else params.min_p.double())
+                            None if params.min_p is None else params.min_p.double(),
+                            engine)
     assert torch.equal(kept, ref)
     t_min = torch.where(want, keys, torch.iinfo(keys.dtype).max).amin(1)
     assert torch.equal(outs[5], t_min)
     assert torch.equal(outs[6], (want & (keys == t_min.unsqueeze(1))).sum(1))
-    # boundary ties really are split in some rows
+    # boundary ties really are split in some rows; SGLang's thresholds keep every tie
     at = z == torch.where(want, z, float("inf")).amin(1, keepdim=True)
-    assert int(((at & ~want).any(1) & (at & want).any(1)).sum()) >= 3
+    split = int(((at & ~want).any(1) & (at & want).any(1)).sum())
+    assert split == 0 if engine == "sglang" else split >= 3
     for got, exp in zip(outs[:5], torch_outs[:5]):
         torch.testing.assert_close(got, exp, rtol=0, atol=1e-5)
 
