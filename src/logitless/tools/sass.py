@@ -3,8 +3,9 @@
 Each Triton pass that streams a tile of logits is compiled for sm_90 (no GPU needed: the whole
 pipeline down to ``ptxas``), with the constexprs and warps its launcher uses and the argument
 specialisation the runtime gives it: every pointer 16-byte aligned, and the integer arguments
-divisible by 16 where they are at the shape (the row stride is the vocabulary, so V=151936 gets
-the aligned variant and V=151655 the other; both are compiled). The cubins go to ``DIR`` and
+divisible by 16 where they are at the shape (the tiles' row stride is always a multiple of 16,
+``linear_softmax.row_stride``; the width is V's remainder, divisible at V=151936 and not at
+V=151655; both are compiled). The cubins go to ``DIR`` and
 ``DIR/sass.json`` holds, per kernel: registers and spills (from the compiled metadata), and
 the streaming loop's length in SASS instructions, read from the disassembly by triton's own
 ``nvdisasm`` (the longest loop: a backward branch to a label; the loop body is the
@@ -64,7 +65,10 @@ def variants(vocab: int) -> list[Variant]:
 
     tile = ls.VOCAB_TILE
     last = vocab % tile or tile
-    aligned = tuple(n for n, v in (("stride_row", vocab), ("width", last)) if v % 16 == 0)
+    # Tiles' rows are ls.row_stride apart (a multiple of 16); the last tile's width is V's
+    # remainder, the fused store's width V itself (the same residue mod 16).
+    aligned = tuple(n for n, v in (("stride_row", ls.row_stride(last)), ("width", last))
+                    if v % 16 == 0)
     g = torch.zeros(1)
     out = []
     head_stats_sig = dict(logits="*bf16", stride_row="i32", targets="*i64", state="*fp32",
