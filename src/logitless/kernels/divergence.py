@@ -40,8 +40,10 @@ from logitless.kernels.divergence_torch import finish_kl
 from logitless.kernels.linear_softmax import (
     _INTERPRET,
     TileGrads,
+    _load_cols,
     _Plan,
     _round_to,
+    _store_cols,
 )
 from logitless.kernels.linear_softmax_torch import mm_out_dtype
 
@@ -199,29 +201,55 @@ def _pair_grad_kernel(
 
 
 @triton.jit
+def _topk_sweep_step(z_row, c0, width, factor, lse2, k2, MASKED: tl.constexpr,
+                     INTERPRET_BF16: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Columns ``c0 ... c0 + BLOCK_V``: logits -> ``factor p_j`` in place (``factor = -sum_i
+    g_i / T``)."""
+    cols = c0 + tl.arange(0, BLOCK_V)
+    x = _load_cols(z_row, cols, width, MASKED)
+    dx = _round_to(factor * tl.exp2(x * k2 - lse2), z_row.dtype.element_ty, INTERPRET_BF16)
+    _store_cols(z_row, cols, dx, width, MASKED)
+
+
+@triton.jit
 def _topk_grad_kernel(
     z_ptr, stride_row, ids, grad, k, lse, width, v0, z_scale,
-    INTERPRET_BF16: tl.constexpr, BLOCK_V: tl.constexpr,
+    INTERPRET_BF16: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """Overwrite row ``r``'s logits (before the temperature) with ``dL/dx = (sum_i g_i 1[j =
     id_i] - p_j sum_i g_i) / T`` from the upstream ``grad [n, k]`` on the log-probs at ``ids
-    [n, k]``; a repeated id collects each of its gradients. One program per real row."""
+    [n, k]`` (``k <= BLOCK_K``); a repeated id collects each of its gradients. One program per
+    real row.
+
+    The picked columns' gradients are formed first, from their logits, in a ``BLOCK_K``
+    vector; the sweep then writes ``-p_j sum_i g_i`` over the whole row with no per-id work;
+    last, after a barrier, the picked columns are overwritten with theirs."""
     r = tl.program_id(0).to(tl.int64)
     z_row = z_ptr + r * stride_row
-    lse_r = tl.load(lse + r)
-    total = 0.0
-    for i in range(0, k):
-        total += tl.load(grad + r * k + i)
-    for c0 in range(0, width, BLOCK_V):
-        cols = c0 + tl.arange(0, BLOCK_V)
-        valid = cols < width
-        z = tl.load(z_row + cols, mask=valid, other=0.0).to(tl.float32) * z_scale
-        dz = -total * tl.exp(z - lse_r)
-        for i in range(0, k):
-            at = tl.load(ids + r * k + i) - v0
-            dz += tl.where(cols == at, tl.load(grad + r * k + i), 0.0)
-        tl.store(z_row + cols, _round_to(dz * z_scale, z_ptr.dtype.element_ty, INTERPRET_BF16),
-                 mask=valid)
+    lse2 = tl.load(lse + r) * 1.4426950408889634  # log2(e): p = 2^(x z_scale log2(e) - lse2)
+    k2 = z_scale * 1.4426950408889634
+    slot = tl.arange(0, BLOCK_K)
+    in_k = slot < k
+    g = tl.load(grad + r * k + slot, mask=in_k, other=0.0)
+    minus_total = -tl.sum(g, 0)
+    at = tl.load(ids + r * k + slot, mask=in_k, other=0) - v0
+    hit = in_k & (at >= 0) & (at < width)
+    col = tl.where(hit, at, 0).to(tl.int32)
+    g_at = tl.zeros((BLOCK_K,), tl.float32)
+    for i in range(0, k):  # in the order of the ids: a repeated id sums its gradients
+        g_at += tl.where(at == tl.load(ids + r * k + i) - v0, tl.load(grad + r * k + i), 0.0)
+    x_at = tl.load(z_row + col, mask=hit, other=0.0).to(tl.float32)
+    dx_at = _round_to((g_at + minus_total * tl.exp2(x_at * k2 - lse2)) * z_scale,
+                      z_ptr.dtype.element_ty, INTERPRET_BF16)
+    tl.debug_barrier()  # the picked logits are read before the sweep overwrites them
+    factor = minus_total * z_scale
+    whole = width // BLOCK_V * BLOCK_V
+    for c0 in range(0, whole, BLOCK_V):
+        _topk_sweep_step(z_row, c0, width, factor, lse2, k2, False, INTERPRET_BF16, BLOCK_V)
+    if whole < width:
+        _topk_sweep_step(z_row, whole, width, factor, lse2, k2, True, INTERPRET_BF16, BLOCK_V)
+    tl.debug_barrier()  # the sweep's stores land before the picked columns' (one value each)
+    tl.store(z_row + col, dx_at, mask=hit)
 
 
 def stats_meta(beta: float) -> dict:
@@ -241,9 +269,10 @@ def grad_meta(beta: float, dtype: torch.dtype) -> dict:
                 BLOCK_V=_BLOCK_V, num_warps=_WARPS)
 
 
-def topk_grad_meta(dtype: torch.dtype) -> dict:
-    """The constexprs and warps of ``_topk_grad_kernel``."""
-    return dict(INTERPRET_BF16=_bf16_interpreted(dtype), BLOCK_V=_BLOCK_V, num_warps=_WARPS)
+def topk_grad_meta(dtype: torch.dtype, k: int = 1) -> dict:
+    """The constexprs and warps of ``_topk_grad_kernel`` for ``k`` ids a row."""
+    return dict(INTERPRET_BF16=_bf16_interpreted(dtype), BLOCK_V=_BLOCK_V,
+                BLOCK_K=triton.next_power_of_2(max(int(k), 1)), num_warps=_WARPS)
 
 
 def _bf16_interpreted(dtype):
@@ -433,7 +462,7 @@ def topk_backward(hidden, weight, bias, ids, lse, grad, *, temperature: float, n
     plan = _Plan(hidden, weight, tile_bytes)
     grads = TileGrads(plan, weight, need_hidden, need_weight, need_bias)
     ids, grad, lse = ids.contiguous(), grad.float().contiguous(), lse.float().contiguous()
-    meta = topk_grad_meta(hidden.dtype)
+    meta = topk_grad_meta(hidden.dtype, k)
     for v0, v1 in plan.tiles():
         for gi, (r0, rows) in enumerate(plan.groups):
             dx = plan.logits(weight, bias, v0, v1, r0, rows)

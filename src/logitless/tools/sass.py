@@ -104,7 +104,7 @@ def variants(vocab: int) -> list[Variant]:
                             width="i32", z_scale="fp32", log_b="fp32", log_1mb="fp32",
                             one_minus_beta="fp32"),
                        consts, warps, consts["BLOCK_V"], 12, pair_aligned))
-    warps, consts = _split(dv.topk_grad_meta(torch.bfloat16))
+    warps, consts = _split(dv.topk_grad_meta(torch.bfloat16, 8))  # check's k=8
     out.append(Variant("_topk_grad_kernel", "divergence_topk_grad", "bfloat16", dv.__name__,
                        "_topk_grad_kernel",
                        dict(z_ptr="*bf16", stride_row="i32", ids="*i64", grad="*fp32", k="i32",
