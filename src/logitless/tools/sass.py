@@ -90,12 +90,18 @@ def variants(vocab: int) -> list[Variant]:
         out.append(Variant(f"{kernel}[{role}]", role, "bfloat16", ls.__name__, kernel, sig,
                            consts, warps, consts["BLOCK_V"], nbytes, aligned))
     pair = dict(zs_ptr="*fp32", stride_s="i32", zt_ptr="*fp32", stride_t="i32")
-    pair_aligned = tuple(n for n in ("stride_s", "stride_t", "width")
-                         if (dv._BLOCK_V if n == "width" else 16) % 16 == 0)
+    # Both heads' fp32 tiles: rows ls.row_stride apart, the last tile's width V's remainder.
+    pair_aligned = ("stride_s", "stride_t", *(("width",) if "width" in aligned else ()))
     warps, consts = _split(dv.stats_meta(0.5))
     out.append(Variant("_pair_stats_kernel[jsd]", "divergence_stats", "float32", dv.__name__,
                        "_pair_stats_kernel",
                        dict(pair, state="*fp32", plane="i32", width="i32", z_scale="fp32"),
+                       consts, warps, consts["BLOCK_V"], 8, pair_aligned))
+    warps, consts = _split(dv.jsd_meta())
+    out.append(Variant("_pair_jsd_kernel", "divergence_jsd", "float32", dv.__name__,
+                       "_pair_jsd_kernel",
+                       dict(pair, lse_s="*fp32", lse_t="*fp32", acc="*fp32", plane="i32",
+                            width="i32", z_scale="fp32", log_b="fp32", log_1mb="fp32"),
                        consts, warps, consts["BLOCK_V"], 8, pair_aligned))
     warps, consts = _split(dv.grad_meta(0.5, torch.bfloat16))
     out.append(Variant("_pair_grad_kernel[jsd]", "divergence_grad", "float32", dv.__name__,
