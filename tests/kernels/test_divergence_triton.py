@@ -11,10 +11,13 @@ chunk in its own row group.
 
 from __future__ import annotations
 
+import math
 import pathlib
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import logitless
 from logitless import reference
@@ -66,10 +69,15 @@ def _grads(out, x, upstream):
 
 
 @requires_triton
-@pytest.mark.parametrize(("beta", "tile_bytes"), [(0.0, None), (0.5, ONE_CHUNK), (1.0, None)])
-def test_divergence_fp32_matches_reference(triton_path, beta, tile_bytes):
+@pytest.mark.parametrize(("beta", "tile_bytes", "tile"),
+                         [(0.0, None, TILE), (0.5, ONE_CHUNK, TILE), (1.0, None, TILE),
+                          # tiles of 40 and 27 columns: a masked first step, whole steps and
+                          # a masked last one
+                          (0.0, None, 40), (0.5, None, 40), (1.0, None, 40)])
+def test_divergence_fp32_matches_reference(triton_path, monkeypatch, beta, tile_bytes, tile):
     """Values, the student's entropy and the student's gradients against fp64 autograd through
     the reference, at T=0.7 with biases and a teacher of another hidden size."""
+    monkeypatch.setattr(head, "VOCAB_TILE", tile)
     x = _heads(torch.float32)
     x64 = {k: t.detach().double().requires_grad_(t.requires_grad) for k, t in x.items()}
     out, entropy = _divergence(logitless.linear_divergence, x, beta, 0.7,
@@ -115,6 +123,43 @@ def test_divergence_bf16_three_way(triton_path, beta, seed):
     low = _divergence(reference.linear_divergence, same, beta, 0.8)
     ref = _divergence(reference.linear_divergence, x64, beta, 0.8)
     _check_bf16_three_way(out, low, ref, (x, same, x64), "divergence")
+
+
+@requires_triton
+def test_pair_tiles_rows_start_16_aligned(triton_path):
+    """Both heads' fp32 tiles have their rows a multiple of 16 elements apart, the last,
+    3-column tile too: the runtime's specialisation the SASS report compiles the pair passes
+    with."""
+    x = {k: t.detach() for k, t in _heads(torch.float32).items()}
+    plans = kernel._plans(x["hidden"], x["weight"], x["teacher_hidden"], x["teacher_weight"],
+                          None)
+    widths = set()
+    for v0, v1, _, _, _, zs, zt in kernel._pair_tiles(
+            plans, (x["weight"], x["teacher_weight"]), (x["bias"], x["teacher_bias"])):
+        widths.add(v1 - v0)
+        assert zs.shape[1] == zt.shape[1] == v1 - v0
+        assert zs.stride(0) % 16 == 0 and zt.stride(0) % 16 == 0, (zs.stride(), zt.stride())
+    assert widths == {TILE, V % TILE}
+
+
+@triton.jit
+def _apply_log2_1p(e_ptr, out_ptr, BLOCK: tl.constexpr):
+    at = tl.arange(0, BLOCK)
+    tl.store(out_ptr + at, kernel._log2_1p(tl.load(e_ptr + at)))
+
+
+@requires_triton
+def test_log2_1p_is_accurate_on_0_1():
+    """The JSD pass's ``log2(1 + 2^-|d|)`` polynomial against fp64 ``log1p``, on a grid of
+    ``[0, 1]`` and where ``1 + e`` rounds to 1: absolute error at most 2e-7, relative 2.5e-7."""
+    tiny = torch.tensor([0.0, 1e-30, 1e-12, 1e-7, 1e-5, 1e-4, 1e-3])
+    e = torch.cat([tiny, torch.linspace(0, 1, 4096 - tiny.numel())]).float()
+    out = torch.empty_like(e)
+    _apply_log2_1p[(1,)](e, out, BLOCK=e.numel())
+    want = torch.log1p(e.double()) / math.log(2.0)
+    err = (out.double() - want).abs()
+    assert float(err.max()) <= 2e-7
+    assert float((err[want > 0] / want[want > 0]).max()) <= 2.5e-7
 
 
 @requires_triton

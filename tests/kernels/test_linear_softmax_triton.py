@@ -33,6 +33,8 @@ OPTIONS = {
     "plain": dict(temperature=1.0, softcap=None, logit_scale=1.0),
     "T0.7-cap3-scale1.3": dict(temperature=0.7, softcap=3.0, logit_scale=1.3),
     "T1.5": dict(temperature=1.5, softcap=None, logit_scale=1.0),
+    # z_scale < 0: the epilogue's running max is taken over -x (FLIP)
+    "T0.8-scale-1.2": dict(temperature=0.8, softcap=None, logit_scale=-1.2),
 }
 
 
@@ -100,6 +102,7 @@ FORWARD_CASES = [
                  id="bias-cap-outside-groups"),
     pytest.param("T1.5", True, 1, False, True, None, id="bias-T1.5-noncontigW"),
     pytest.param("T0.7-cap3-scale1.3", False, 2, True, False, None, id="cap-no_s2_sum_z"),
+    pytest.param("T0.8-scale-1.2", True, 2, True, True, None, id="bias-negative_scale"),
 ]
 
 
@@ -228,6 +231,8 @@ BACKWARD_CASES = [
     pytest.param("T1.5", True, 1, True, ("g_lp", "g_sum_p_sq", "g_mean_logit"), None,
                  id="bias-T1.5-lp_sq_mean"),
     pytest.param("plain", False, 0, True, ("g_lse",), ONE_CHUNK, id="plain-lse-groups"),
+    pytest.param("T0.8-scale-1.2", False, 1, True, ("g_lp", "g_lse"), None,
+                 id="negative_scale-lp_lse"),
 ]
 
 
@@ -352,6 +357,32 @@ def test_rows_are_batch_invariant(small_tiles, dtype):
         for name, a, c in zip(parts._fields, full[0], parts):
             assert torch.equal(a[rows], c[at]), name
         assert torch.equal(full[1][0][rows], grads[0][at]), "d_hidden"
+
+
+@requires_triton
+def test_every_tile_row_starts_16_aligned(small_tiles, monkeypatch):
+    """The epilogues read 16-byte vectors with a lane's columns in one thread only when the
+    runtime sees the row stride divisible by 16: every tile, the last partial one included
+    (V=1007 leaves 111 columns), has its rows a multiple of 16 elements apart."""
+    seen = []
+
+    class Recorder:
+        def __init__(self, real):
+            self.real = real
+
+        def __getitem__(self, grid):
+            def launch(z, stride_row, *args, **kw):
+                seen.append((z.shape[1], stride_row, z.data_ptr() % 16))
+                return self.real[grid](z, stride_row, *args, **kw)
+            return launch
+
+    for name in ("_tile_stats_kernel", "_tile_grad_kernel"):
+        monkeypatch.setattr(kernel, name, Recorder(getattr(kernel, name)))
+    hidden, weight, b, targets = _problem(N, torch.bfloat16, bias=True, **OPTIONS["plain"])
+    upstream = _upstream(N, ("g_lp",))
+    _run(hidden, weight, b, targets, upstream)
+    assert {w for w, _, _ in seen} == {TILE, V % TILE}
+    assert all(stride % 16 == 0 and stride >= w and ptr == 0 for w, stride, ptr in seen), seen
 
 
 @requires_triton

@@ -8,8 +8,10 @@ rows, so every GEMM has the same shape whatever N is. The student and the teache
 each, with the same row groups (the tile budget is split between them in proportion to their
 element sizes) and the same vocabulary tiles. An epilogue program takes one row and reads both
 heads' tiles of that row once, ``_BLOCK_V`` columns at a time, left to right; every per-row
-accumulator is fp32 and folded in that fixed order, so results are the same bits run to run and
-for every N (up to cuBLAS's choice of kernel for a chunk, see docs/gpu.md).
+accumulator is fp32, kept per lane (or per column of the step) across the column loop and
+reduced once per row in a fixed tree, so its order depends only on the column and results are
+the same bits run to run and for every N (up to cuBLAS's choice of kernel for a chunk, see
+docs/gpu.md).
 
 - ``divergence_forward``: ``_pair_stats_kernel`` folds both heads' running maxima and sums of
   exponentials, the student's ``sum e (z - m)`` (its entropy) and, for ``beta`` 0 or 1, the
@@ -40,8 +42,10 @@ from logitless.kernels.divergence_torch import finish_kl
 from logitless.kernels.linear_softmax import (
     _INTERPRET,
     TileGrads,
+    _load_cols,
     _Plan,
     _round_to,
+    _store_cols,
 )
 from logitless.kernels.linear_softmax_torch import mm_out_dtype
 
@@ -60,18 +64,26 @@ _FORWARD_KL, _REVERSE_KL, _MIXTURE = 0, 1, 2
 
 
 @triton.jit
-def _log_mixture(ls, lt, log_b, log_1mb):
-    """``log m = logaddexp(log p_s + log(1 - beta), log p_t + log beta)``, elementwise."""
-    a = ls + log_1mb
-    b = lt + log_b
-    hi = tl.maximum(a, b)
-    return hi + tl.log(1.0 + tl.exp(tl.minimum(a, b) - hi))
-
-
-@triton.jit
 def _log1p_small(x):
     """``log(1 + x)`` for ``x >= 0``, accurate where ``1 + x`` rounds to 1 (no libdevice)."""
     return tl.where(x < 1e-4, x * (1.0 - x * (0.5 - x * (1.0 / 3.0))), tl.log(1.0 + x))
+
+
+@triton.jit
+def _log2_1p(e):
+    """``log2(1 + e)`` for ``0 <= e <= 1``: ``e q(e)``, ``q`` the degree-8 Chebyshev
+    interpolant of ``log2(1 + e) / e`` on ``[0, 1]`` in powers of ``e`` (fp32 coefficients). In
+    fp32 it is within 1.6e-7 of ``log2(1 + e)`` and 1.8e-7 relative to it, where ``1 + e``
+    rounded to 1 would lose ``e`` whole: nine FMAs, no range reduction."""
+    q = e * 0.0073954020626842976 - 0.04194501042366028
+    q = q * e + 0.11183207482099533
+    q = q * e - 0.1962389498949051
+    q = q * e + 0.27522119879722595
+    q = q * e - 0.3582990765571594
+    q = q * e + 0.48067888617515564
+    q = q * e - 0.7213395237922668
+    q = q * e + 1.4426950216293335
+    return q * e
 
 
 @triton.jit
@@ -84,55 +96,168 @@ def _student_share(ls, lt, log_b, log_1mb):
 
 
 @triton.jit
+def _pair_fold_step(zs_row, zt_row, c0, width, m_s, l_s, m_t, l_t, gap, a_s, k2,
+                    GAP: tl.constexpr, MASKED: tl.constexpr, LANES: tl.constexpr,
+                    LANE: tl.constexpr):
+    """Fold columns ``c0 ... c0 + LANES * LANE`` of both heads into the per-lane running state,
+    as the head's ``_fold_step``: lane ``i`` takes the ``LANE`` adjacent columns ``c0 + i *
+    LANE ...``. Per lane, in the units of the untempered logits ``x``: the maxima ``m_s, m_t``;
+    ``l = sum 2^t`` with ``t = (x - m) k2``; ``a_s = sum 2^t_s t_s`` (log2 units); ``gap =
+    sum e (x_t - x_s)`` (``GAP`` 0, teacher's ``e``) or ``sum e (x_s - x_t)`` (1, student's).
+    ``MASKED``: columns at or past ``width`` are skipped and lanes that have seen no column
+    (``m = -inf``) are guarded."""
+    groups = c0 + tl.arange(0, LANES) * LANE
+    cols = groups[:, None] + tl.arange(0, LANE)[None, :]
+    xs = _load_cols(zs_row, cols, width, MASKED)
+    xt = _load_cols(zt_row, cols, width, MASKED)
+    if MASKED:
+        valid = cols < width
+        ws = tl.where(valid, xs, float("-inf"))
+        wt = tl.where(valid, xt, float("-inf"))
+    else:
+        ws = xs
+        wt = xt
+    ms_new = tl.maximum(m_s, tl.max(ws, 1))
+    mt_new = tl.maximum(m_t, tl.max(wt, 1))
+    ref_s = ms_new * k2
+    ref_t = mt_new * k2
+    if MASKED:
+        # exp2(-inf - -inf) would be NaN: a lane that has seen nothing keeps its sums 0.
+        had = m_s > float("-inf")
+        ref_s = tl.where(ms_new > float("-inf"), ref_s, 0.0)
+        ref_t = tl.where(mt_new > float("-inf"), ref_t, 0.0)
+        shift_s = tl.where(had, m_s * k2 - ref_s, 0.0)
+        alpha_s = tl.where(had, tl.exp2(shift_s), 0.0)
+        alpha_t = tl.where(had, tl.exp2(m_t * k2 - ref_t), 0.0)
+    else:
+        shift_s = m_s * k2 - ref_s
+        alpha_s = tl.exp2(shift_s)
+        alpha_t = tl.exp2(m_t * k2 - ref_t)
+    ts = xs * k2 - ref_s[:, None]
+    es = tl.exp2(ts)
+    et = tl.exp2(xt * k2 - ref_t[:, None])
+    if MASKED:
+        es = tl.where(valid, es, 0.0)
+        et = tl.where(valid, et, 0.0)
+        ts = tl.where(valid, ts, 0.0)
+    a_s = (a_s + l_s * shift_s) * alpha_s + tl.sum(es * ts, 1)
+    if GAP == 0:
+        gap = gap * alpha_t + tl.sum(et * (xt - xs), 1)
+    if GAP == 1:
+        gap = gap * alpha_s + tl.sum(es * (xs - xt), 1)
+    l_s = l_s * alpha_s + tl.sum(es, 1)
+    l_t = l_t * alpha_t + tl.sum(et, 1)
+    return ms_new, l_s, mt_new, l_t, gap, a_s
+
+
+@triton.jit
+def _lanes_reduce(m, l, k2):
+    """Per-lane ``(m, l)`` (untempered units, ``l`` in powers of two relative to each lane's
+    max) reduced in a fixed tree: the lanes' max ``top``, each lane's scale ``sc = 2^shift``
+    and ``shift = (m - top) k2`` (0 for a lane that has seen no column), and ``sum l sc``."""
+    top = tl.max(m, 0)
+    live = l > 0  # the lane has seen a column
+    shift = tl.where(live, m * k2 - top * k2, 0.0)
+    sc = tl.where(live, tl.exp2(shift), 0.0)
+    return top, sc, shift, tl.sum(l * sc, 0)
+
+
+@triton.jit
+def _merge_factors(m0, l0, m_tile):
+    """The row's new max (natural units) and the factors and shifts that bring the old state
+    (``m0, l0``; ``l0 = 0``: none yet) and this tile's (max ``m_tile``) to it."""
+    m_new = tl.maximum(m0, m_tile)
+    first = l0 == 0  # m0 = -inf
+    shift0 = tl.where(first, 0.0, m0 - m_new)
+    alpha0 = tl.where(first, 0.0, tl.exp(shift0))
+    shift = m_tile - m_new
+    return m_new, alpha0, shift0, tl.exp(shift), shift
+
+
+@triton.jit
 def _pair_stats_kernel(
     zs_ptr, stride_s, zt_ptr, stride_t, state, plane, width, z_scale,
-    GAP: tl.constexpr, BLOCK_V: tl.constexpr,
+    GAP: tl.constexpr, BLOCK_V: tl.constexpr, LANE: tl.constexpr,
 ):
     """Fold row ``r``'s ``width`` columns of both heads' logits into its fp32 state ``[6,
     plane]``: ``m_s, l_s, m_t, l_t`` (running max, sum of ``exp(z - m)``), ``gap`` (``sum
     e_t (z_t - z_s)`` for ``GAP`` 0, ``sum e_s (z_s - z_t)`` for ``GAP`` 1, relative to that
-    head's max) and ``a_s = sum e_s (z_s - m_s)``."""
+    head's max) and ``a_s = sum e_s (z_s - m_s)``.
+
+    The column loop keeps its state per lane (``_pair_fold_step``), whole steps unmasked; the
+    lanes are reduced once, at the end, in a fixed tree and merged into ``state``. The order
+    of every sum depends only on the column, never on the row or the number of rows."""
+    LANES: tl.constexpr = BLOCK_V // LANE
     row = tl.program_id(0).to(tl.int64)
     zs_row = zs_ptr + row * stride_s
     zt_row = zt_ptr + row * stride_t
+    k2 = z_scale * 1.4426950408889634  # log2(e); z_scale = 1 / T > 0
+    neg = tl.full((LANES,), float("-inf"), tl.float32)
+    zero = tl.zeros((LANES,), tl.float32)
+    # The first step is guarded (it may be partial); the rest but the last are whole.
+    m_s, l_s, m_t, l_t, gap, a_s = _pair_fold_step(
+        zs_row, zt_row, 0, width, neg, zero, neg, zero, zero, zero, k2, GAP, True, LANES, LANE)
+    whole = width // BLOCK_V * BLOCK_V
+    for c0 in range(BLOCK_V, whole, BLOCK_V):
+        m_s, l_s, m_t, l_t, gap, a_s = _pair_fold_step(
+            zs_row, zt_row, c0, width, m_s, l_s, m_t, l_t, gap, a_s, k2, GAP, False, LANES,
+            LANE)
+    if (whole >= BLOCK_V) & (whole < width):
+        m_s, l_s, m_t, l_t, gap, a_s = _pair_fold_step(
+            zs_row, zt_row, whole, width, m_s, l_s, m_t, l_t, gap, a_s, k2, GAP, True, LANES,
+            LANE)
+    # The lanes, reduced once to the tile's maxima; a_s from log2 to natural units.
+    top_s, sc_s, lane_shift_s, l_s_tile = _lanes_reduce(m_s, l_s, k2)
+    top_t, sc_t, _, l_t_tile = _lanes_reduce(m_t, l_t, k2)
+    a_tile = tl.sum((a_s + l_s * lane_shift_s) * sc_s, 0) * 0.6931471805599453
     s = state + row
-    m_s = tl.load(s)
-    l_s = tl.load(s + plane)
-    m_t = tl.load(s + 2 * plane)
-    l_t = tl.load(s + 3 * plane)
-    gap = tl.load(s + 4 * plane)
-    a_s = tl.load(s + 5 * plane)
-    for c0 in range(0, width, BLOCK_V):
-        cols = c0 + tl.arange(0, BLOCK_V)
+    m0_s = tl.load(s)
+    l0_s = tl.load(s + plane)
+    m0_t = tl.load(s + 2 * plane)
+    l0_t = tl.load(s + 3 * plane)
+    ms_new, alpha0_s, shift0_s, alpha_s, shift_s = _merge_factors(m0_s, l0_s, top_s * z_scale)
+    mt_new, alpha0_t, _, alpha_t, _ = _merge_factors(m0_t, l0_t, top_t * z_scale)
+    tl.store(s, ms_new)
+    tl.store(s + plane, l0_s * alpha0_s + l_s_tile * alpha_s)
+    tl.store(s + 2 * plane, mt_new)
+    tl.store(s + 3 * plane, l0_t * alpha0_t + l_t_tile * alpha_t)
+    if GAP == 0:
+        gap_tile = tl.sum(gap * sc_t, 0) * z_scale
+        tl.store(s + 4 * plane, tl.load(s + 4 * plane) * alpha0_t + gap_tile * alpha_t)
+    if GAP == 1:
+        gap_tile = tl.sum(gap * sc_s, 0) * z_scale
+        tl.store(s + 4 * plane, tl.load(s + 4 * plane) * alpha0_s + gap_tile * alpha_s)
+    a0 = tl.load(s + 5 * plane)
+    tl.store(s + 5 * plane, (a0 + l0_s * shift0_s) * alpha0_s
+             + (a_tile + l_s_tile * shift_s) * alpha_s)
+
+
+@triton.jit
+def _pair_jsd_step(zs_row, zt_row, c0, width, acc_t, acc_s, k2, off_s, off_t, log2_b,
+                   MASKED: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Columns ``c0 ... c0 + BLOCK_V`` added into the per-column sums, in log2 units: ``acc_t
+    += b p_t (log2 b + sp(-d))`` and ``acc_s += (1 - b) p_s sp(d)``, with ``d = log2(b p_t)
+    - log2((1 - b) p_s)`` and ``sp(d) = log2(1 + 2^d)``: ``log(p_t / m) = -ln 2 (log2 b +
+    sp(-d))`` and ``w = -ln 2 sp(d)`` (`_student_share`). The larger of ``(1 - b) p_s`` and
+    ``b p_t`` is one ``exp2``, the smaller that times ``2^-|d|``, which the softplus needs
+    anyway; ``log2(1 + 2^-|d|)`` is a polynomial (`_log2_1p`)."""
+    cols = c0 + tl.arange(0, BLOCK_V)
+    la = _load_cols(zs_row, cols, width, MASKED) * k2 + off_s  # log2((1 - b) p_s)
+    lb = _load_cols(zt_row, cols, width, MASKED) * k2 + off_t  # log2(b p_t)
+    d = lb - la
+    e = tl.exp2(-tl.abs(d))
+    soft = _log2_1p(e)
+    pos = tl.maximum(d, 0.0)
+    big = tl.exp2(la + pos)  # 2^max(la, lb)
+    small = big * e
+    student_big = d <= 0.0
+    term_s = tl.where(student_big, big, small) * (pos + soft)
+    term_t = tl.where(student_big, small, big) * ((pos - d) + (soft + log2_b))
+    if MASKED:
         valid = cols < width
-        xs = tl.load(zs_row + cols, mask=valid, other=0.0).to(tl.float32) * z_scale
-        xt = tl.load(zt_row + cols, mask=valid, other=0.0).to(tl.float32) * z_scale
-        zs = tl.where(valid, xs, float("-inf"))
-        zt = tl.where(valid, xt, float("-inf"))
-        ms_new = tl.maximum(m_s, tl.max(zs, 0))
-        mt_new = tl.maximum(m_t, tl.max(zt, 0))
-        shift_s = m_s - ms_new
-        alpha_s = tl.exp(shift_s)
-        alpha_t = tl.exp(m_t - mt_new)
-        ds = tl.where(valid, zs - ms_new, 0.0)
-        es = tl.where(valid, tl.exp(ds), 0.0)
-        et = tl.where(valid, tl.exp(zt - mt_new), 0.0)
-        # First block: l_s = 0 and shift_s = -inf; 0 * -inf would poison a_s with NaN.
-        a_s = (a_s + l_s * tl.where(l_s > 0, shift_s, 0.0)) * alpha_s + tl.sum(es * ds, 0)
-        if GAP == 0:
-            gap = gap * alpha_t + tl.sum(et * (xt - xs), 0)
-        if GAP == 1:
-            gap = gap * alpha_s + tl.sum(es * (xs - xt), 0)
-        l_s = l_s * alpha_s + tl.sum(es, 0)
-        l_t = l_t * alpha_t + tl.sum(et, 0)
-        m_s = ms_new
-        m_t = mt_new
-    tl.store(s, m_s)
-    tl.store(s + plane, l_s)
-    tl.store(s + 2 * plane, m_t)
-    tl.store(s + 3 * plane, l_t)
-    tl.store(s + 4 * plane, gap)
-    tl.store(s + 5 * plane, a_s)
+        term_t = tl.where(valid, term_t, 0.0)
+        term_s = tl.where(valid, term_s, 0.0)
+    return acc_t + term_t, acc_s + term_s
 
 
 @triton.jit
@@ -142,25 +267,32 @@ def _pair_jsd_kernel(
 ):
     """Add row ``r``'s ``sum p_t (log p_t - log m)`` and ``sum p_s w`` (``w`` as
     `_student_share`) over ``width`` columns into ``acc[0, r]`` and ``acc[1, r]`` (fp32,
-    ``plane`` apart)."""
+    ``plane`` apart).
+
+    The sums are kept per column of the step (``_pair_jsd_step``), whole steps unmasked, and
+    reduced once, at the end, in a fixed tree: their order depends only on the column."""
     row = tl.program_id(0).to(tl.int64)
     zs_row = zs_ptr + row * stride_s
     zt_row = zt_ptr + row * stride_t
-    lse_s_r = tl.load(lse_s + row)
-    lse_t_r = tl.load(lse_t + row)
-    kl_t = tl.load(acc + row)
-    kl_s = tl.load(acc + plane + row)
-    for c0 in range(0, width, BLOCK_V):
-        cols = c0 + tl.arange(0, BLOCK_V)
-        valid = cols < width
-        ls = tl.load(zs_row + cols, mask=valid, other=0.0).to(tl.float32) * z_scale - lse_s_r
-        lt = tl.load(zt_row + cols, mask=valid, other=0.0).to(tl.float32) * z_scale - lse_t_r
-        log_m = _log_mixture(ls, lt, log_b, log_1mb)
-        kl_t += tl.sum(tl.where(valid, tl.exp(lt) * (lt - log_m), 0.0), 0)
-        kl_s += tl.sum(tl.where(valid, tl.exp(ls) * _student_share(ls, lt, log_b, log_1mb),
-                                0.0), 0)
-    tl.store(acc + row, kl_t)
-    tl.store(acc + plane + row, kl_s)
+    log2e = 1.4426950408889634
+    k2 = z_scale * log2e
+    off_s = (log_1mb - tl.load(lse_s + row)) * log2e
+    off_t = (log_b - tl.load(lse_t + row)) * log2e
+    log2_b = log_b * log2e
+    acc_t = tl.zeros((BLOCK_V,), tl.float32)
+    acc_s = tl.zeros((BLOCK_V,), tl.float32)
+    whole = width // BLOCK_V * BLOCK_V
+    for c0 in range(0, whole, BLOCK_V):
+        acc_t, acc_s = _pair_jsd_step(zs_row, zt_row, c0, width, acc_t, acc_s, k2, off_s,
+                                      off_t, log2_b, False, BLOCK_V)
+    if whole < width:
+        acc_t, acc_s = _pair_jsd_step(zs_row, zt_row, whole, width, acc_t, acc_s, k2, off_s,
+                                      off_t, log2_b, True, BLOCK_V)
+    # acc_t sums b p_t (log2 b + sp(-d)) = -b p_t log2(p_t / m); acc_s (1 - b) p_s (-w / ln 2)
+    ln2 = 0.6931471805599453
+    tl.store(acc + row, tl.load(acc + row) - tl.sum(acc_t, 0) * (ln2 * tl.exp(-log_b)))
+    tl.store(acc + plane + row,
+             tl.load(acc + plane + row) - tl.sum(acc_s, 0) * (ln2 * tl.exp(-log_1mb)))
 
 
 @triton.jit
@@ -199,35 +331,61 @@ def _pair_grad_kernel(
 
 
 @triton.jit
+def _topk_sweep_step(z_row, c0, width, factor, lse2, k2, MASKED: tl.constexpr,
+                     INTERPRET_BF16: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Columns ``c0 ... c0 + BLOCK_V``: logits -> ``factor p_j`` in place (``factor = -sum_i
+    g_i / T``)."""
+    cols = c0 + tl.arange(0, BLOCK_V)
+    x = _load_cols(z_row, cols, width, MASKED)
+    dx = _round_to(factor * tl.exp2(x * k2 - lse2), z_row.dtype.element_ty, INTERPRET_BF16)
+    _store_cols(z_row, cols, dx, width, MASKED)
+
+
+@triton.jit
 def _topk_grad_kernel(
     z_ptr, stride_row, ids, grad, k, lse, width, v0, z_scale,
-    INTERPRET_BF16: tl.constexpr, BLOCK_V: tl.constexpr,
+    INTERPRET_BF16: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """Overwrite row ``r``'s logits (before the temperature) with ``dL/dx = (sum_i g_i 1[j =
     id_i] - p_j sum_i g_i) / T`` from the upstream ``grad [n, k]`` on the log-probs at ``ids
-    [n, k]``; a repeated id collects each of its gradients. One program per real row."""
+    [n, k]`` (``k <= BLOCK_K``); a repeated id collects each of its gradients. One program per
+    real row.
+
+    The picked columns' gradients are formed first, from their logits, in a ``BLOCK_K``
+    vector; the sweep then writes ``-p_j sum_i g_i`` over the whole row with no per-id work;
+    last, after a barrier, the picked columns are overwritten with theirs."""
     r = tl.program_id(0).to(tl.int64)
     z_row = z_ptr + r * stride_row
-    lse_r = tl.load(lse + r)
-    total = 0.0
-    for i in range(0, k):
-        total += tl.load(grad + r * k + i)
-    for c0 in range(0, width, BLOCK_V):
-        cols = c0 + tl.arange(0, BLOCK_V)
-        valid = cols < width
-        z = tl.load(z_row + cols, mask=valid, other=0.0).to(tl.float32) * z_scale
-        dz = -total * tl.exp(z - lse_r)
-        for i in range(0, k):
-            at = tl.load(ids + r * k + i) - v0
-            dz += tl.where(cols == at, tl.load(grad + r * k + i), 0.0)
-        tl.store(z_row + cols, _round_to(dz * z_scale, z_ptr.dtype.element_ty, INTERPRET_BF16),
-                 mask=valid)
+    lse2 = tl.load(lse + r) * 1.4426950408889634  # log2(e): p = 2^(x z_scale log2(e) - lse2)
+    k2 = z_scale * 1.4426950408889634
+    slot = tl.arange(0, BLOCK_K)
+    in_k = slot < k
+    g = tl.load(grad + r * k + slot, mask=in_k, other=0.0)
+    minus_total = -tl.sum(g, 0)
+    at = tl.load(ids + r * k + slot, mask=in_k, other=0) - v0
+    hit = in_k & (at >= 0) & (at < width)
+    col = tl.where(hit, at, 0).to(tl.int32)
+    g_at = tl.zeros((BLOCK_K,), tl.float32)
+    for i in range(0, k):  # in the order of the ids: a repeated id sums its gradients
+        g_at += tl.where(at == tl.load(ids + r * k + i) - v0, tl.load(grad + r * k + i), 0.0)
+    x_at = tl.load(z_row + col, mask=hit, other=0.0).to(tl.float32)
+    dx_at = _round_to((g_at + minus_total * tl.exp2(x_at * k2 - lse2)) * z_scale,
+                      z_ptr.dtype.element_ty, INTERPRET_BF16)
+    tl.debug_barrier()  # the picked logits are read before the sweep overwrites them
+    factor = minus_total * z_scale
+    whole = width // BLOCK_V * BLOCK_V
+    for c0 in range(0, whole, BLOCK_V):
+        _topk_sweep_step(z_row, c0, width, factor, lse2, k2, False, INTERPRET_BF16, BLOCK_V)
+    if whole < width:
+        _topk_sweep_step(z_row, whole, width, factor, lse2, k2, True, INTERPRET_BF16, BLOCK_V)
+    tl.debug_barrier()  # the sweep's stores land before the picked columns' (one value each)
+    tl.store(z_row + col, dx_at, mask=hit)
 
 
 def stats_meta(beta: float) -> dict:
     """The constexprs and warps ``divergence_forward`` launches ``_pair_stats_kernel`` with."""
     gap = _FORWARD_KL if beta == 0.0 else _REVERSE_KL if beta == 1.0 else _MIXTURE
-    return dict(GAP=gap, BLOCK_V=_BLOCK_V, num_warps=_WARPS)
+    return dict(GAP=gap, BLOCK_V=_BLOCK_V, LANE=head._LANE, num_warps=_WARPS)
 
 
 def jsd_meta() -> dict:
@@ -241,9 +399,10 @@ def grad_meta(beta: float, dtype: torch.dtype) -> dict:
                 BLOCK_V=_BLOCK_V, num_warps=_WARPS)
 
 
-def topk_grad_meta(dtype: torch.dtype) -> dict:
-    """The constexprs and warps of ``_topk_grad_kernel``."""
-    return dict(INTERPRET_BF16=_bf16_interpreted(dtype), BLOCK_V=_BLOCK_V, num_warps=_WARPS)
+def topk_grad_meta(dtype: torch.dtype, k: int = 1) -> dict:
+    """The constexprs and warps of ``_topk_grad_kernel`` for ``k`` ids a row."""
+    return dict(INTERPRET_BF16=_bf16_interpreted(dtype), BLOCK_V=_BLOCK_V,
+                BLOCK_K=triton.next_power_of_2(max(int(k), 1)), num_warps=_WARPS)
 
 
 def _bf16_interpreted(dtype):
@@ -270,8 +429,9 @@ class _Fp32Plan(_Plan):
 
     def logits(self, weight, bias, v0, v1, r0, rows) -> torch.Tensor:
         """The untransformed fp32 logits ``[rows, v1 - v0]`` of a group, one GEMM per
-        chunk."""
-        z = self.tile[:rows * (v1 - v0)].view(rows, v1 - v0)
+        chunk (rows :func:`head.row_stride` apart, as the head's)."""
+        ld = head.row_stride(v1 - v0)
+        z = self.tile[:rows * ld].view(rows, ld)[:, :v1 - v0]
         w_t, b = weight[v0:v1].t(), None if bias is None else bias[v0:v1].float()
         if weight.dtype != torch.float32 and not self.direct:
             w_t = w_t.float()
@@ -433,7 +593,7 @@ def topk_backward(hidden, weight, bias, ids, lse, grad, *, temperature: float, n
     plan = _Plan(hidden, weight, tile_bytes)
     grads = TileGrads(plan, weight, need_hidden, need_weight, need_bias)
     ids, grad, lse = ids.contiguous(), grad.float().contiguous(), lse.float().contiguous()
-    meta = topk_grad_meta(hidden.dtype)
+    meta = topk_grad_meta(hidden.dtype, k)
     for v0, v1 in plan.tiles():
         for gi, (r0, rows) in enumerate(plan.groups):
             dx = plan.logits(weight, bias, v0, v1, r0, rows)

@@ -65,6 +65,10 @@ TILE_BYTES = 256 * 2**20
 # inside a row never depends on N (8 warps x 32 lanes x 8 bf16 = 2048: 16-byte loads).
 _BLOCK_V = 2048
 _WARPS = 8
+# Every logits tile's rows start 16-element aligned (the stride rounded up to a multiple of 16):
+# the runtime then specialises the stride as divisible by 16, the epilogues' loads are 16-byte
+# vectors, and a lane's columns sit in one thread for every row and every N.
+_ROW_ALIGN = 16
 _TORCH_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
@@ -88,60 +92,200 @@ def _round_to(x, dtype: tl.constexpr, INTERPRET_BF16: tl.constexpr):
     return x.to(dtype)
 
 
+_LANE = 8  # columns one lane folds per step: one 16-byte load of bf16
+
+
+@triton.jit
+def _load_cols(z_row, cols, width, MASKED: tl.constexpr):
+    """The row's logits at ``cols`` in fp32 (``MASKED``: 0 at or past ``width``)."""
+    if MASKED:
+        return tl.load(z_row + cols, mask=cols < width, other=0.0).to(tl.float32)
+    return tl.load(z_row + cols).to(tl.float32)
+
+
+@triton.jit
+def _store_cols(z_row, cols, dx, width, MASKED: tl.constexpr):
+    """``dx`` written over the row at ``cols`` (``MASKED``: not at or past ``width``)."""
+    if MASKED:
+        tl.store(z_row + cols, dx, mask=cols < width)
+    else:
+        tl.store(z_row + cols, dx)
+
+
+@triton.jit
+def _transform(x, softcap, HAS_SOFTCAP: tl.constexpr, FLIP: tl.constexpr):
+    """``w = +-softcap(x)``: the logit is ``z = w * |z_scale|``, signed so that the row's
+    largest ``w`` is its largest logit."""
+    if HAS_SOFTCAP:
+        x = softcap * _tanh(x / softcap)
+    if FLIP:
+        x = -x
+    return x
+
+
+@triton.jit
+def _fold_step(z_row, c0, width, tgt, m, l, a, s2, sum_w, m_before, softcap, k2,
+               HAS_SOFTCAP: tl.constexpr, FLIP: tl.constexpr, WANT_S2: tl.constexpr,
+               WANT_SUM_Z: tl.constexpr, MASKED: tl.constexpr, LANES: tl.constexpr,
+               LANE: tl.constexpr):
+    """Fold columns ``c0 ... c0 + LANES * LANE`` into the per-lane running state: lane ``i``
+    takes the ``LANE`` adjacent columns ``c0 + i * LANE ...`` (reduced inside the lane, no
+    exchange between lanes). Per lane: the max ``m`` of ``w``; ``l = sum 2^t``, ``a = sum 2^t
+    t`` and ``s2 = sum 4^t`` with ``t = (w - m) k2`` (log2 units); ``sum_w``; ``m_before``,
+    the max of the lane's groups of ``LANE`` columns that lie wholly before ``tgt``.
+    ``MASKED``: columns at or past ``width`` are skipped and lanes that have seen no column
+    yet (``m = -inf``) are guarded; otherwise every column is real and every lane has seen
+    one."""
+    groups = c0 + tl.arange(0, LANES) * LANE
+    cols = groups[:, None] + tl.arange(0, LANE)[None, :]
+    w = _transform(_load_cols(z_row, cols, width, MASKED), softcap, HAS_SOFTCAP, FLIP)
+    if MASKED:
+        valid = cols < width
+        w = tl.where(valid, w, float("-inf"))
+    w_max = tl.max(w, 1)
+    m_new = tl.maximum(m, w_max)
+    ref = m_new * k2
+    if MASKED:
+        # exp2(-inf - -inf) would be NaN: a lane that has seen nothing keeps l = a = 0.
+        had = m > float("-inf")
+        ref = tl.where(m_new > float("-inf"), ref, 0.0)
+        shift = tl.where(had, m * k2 - ref, 0.0)
+        alpha = tl.where(had, tl.exp2(shift), 0.0)
+    else:
+        shift = m * k2 - ref
+        alpha = tl.exp2(shift)
+    t = w * k2 - ref[:, None]
+    if MASKED:
+        # Past the width t = -inf (NaN when logit_scale = 0): e = 0 and t = 0 there, so that
+        # e * t is 0, not NaN.
+        e = tl.where(valid, tl.exp2(t), 0.0)
+        t = tl.where(valid, t, 0.0)
+    else:
+        e = tl.exp2(t)
+    a = (a + l * shift) * alpha + tl.sum(e * t, 1)
+    l = l * alpha + tl.sum(e, 1)
+    if WANT_S2:
+        s2 = s2 * (alpha * alpha) + tl.sum(e * e, 1)
+    if WANT_SUM_Z:
+        if MASKED:
+            w = tl.where(valid, w, 0.0)
+        sum_w += tl.sum(w, 1)
+    m_before = tl.where(groups + (LANE - 1) < tgt, tl.maximum(m_before, w_max), m_before)
+    return m_new, l, a, s2, sum_w, m_before
+
+
 @triton.jit
 def _tile_stats_kernel(
     logits, stride_row, targets, state, plane, width, v0, softcap, z_scale,
-    HAS_SOFTCAP: tl.constexpr, WANT_S2: tl.constexpr, WANT_SUM_Z: tl.constexpr,
-    BLOCK_V: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, FLIP: tl.constexpr, WANT_S2: tl.constexpr,
+    WANT_SUM_Z: tl.constexpr, BLOCK_V: tl.constexpr, LANE: tl.constexpr,
 ):
     """Fold row ``r``'s ``width`` logits (vocabulary columns ``v0 ...``) into its statistics.
 
     ``state`` is fp32 ``[7, plane]`` (m, l, a, s2, sum_z, z_y, m_before, relative to the running
     max ``m``), read and written at column ``r``; ``targets[r]`` is the row's target index in
     this weight's vocabulary (below 0 or past the end when it lies in another slice).
+    ``FLIP``: ``z_scale < 0``.
+
+    The column loop keeps its state per lane (``_fold_step``); the lanes are reduced once, at
+    the end, in a fixed tree and merged into ``state``. The order of every sum depends only on
+    the column, never on the row or the number of rows.
     """
+    LANES: tl.constexpr = BLOCK_V // LANE
     row = tl.program_id(0).to(tl.int64)
     z_row = logits + row * stride_row
-    tgt = tl.load(targets + row) - v0
+    # The target, relative to this slice, as int32 in [0, width] (width: past the slice).
+    tgt_raw = tl.load(targets + row) - v0
+    has_t = (tgt_raw >= 0) & (tgt_raw < width)
+    tgt = tl.minimum(tl.maximum(tgt_raw, 0), width).to(tl.int32)
+    scale = tl.abs(z_scale)
+    k2 = scale * 1.4426950408889634  # log2(e)
+    neg = tl.full((LANES,), float("-inf"), tl.float32)
+    zero = tl.zeros((LANES,), tl.float32)
+    # The first step is guarded (it may be partial); the rest but the last are whole.
+    m, l, a, s2, sum_w, m_lane = _fold_step(
+        z_row, 0, width, tgt, neg, zero, zero, zero, zero, neg, softcap, k2,
+        HAS_SOFTCAP, FLIP, WANT_S2, WANT_SUM_Z, True, LANES, LANE)
+    whole = width // BLOCK_V * BLOCK_V
+    for c0 in range(BLOCK_V, whole, BLOCK_V):
+        m, l, a, s2, sum_w, m_lane = _fold_step(
+            z_row, c0, width, tgt, m, l, a, s2, sum_w, m_lane, softcap, k2,
+            HAS_SOFTCAP, FLIP, WANT_S2, WANT_SUM_Z, False, LANES, LANE)
+    if (whole >= BLOCK_V) & (whole < width):
+        m, l, a, s2, sum_w, m_lane = _fold_step(
+            z_row, whole, width, tgt, m, l, a, s2, sum_w, m_lane, softcap, k2,
+            HAS_SOFTCAP, FLIP, WANT_S2, WANT_SUM_Z, True, LANES, LANE)
+    # The lanes, reduced once: to the slice's max, in log2 units.
+    w_top = tl.max(m, 0)
+    ref = w_top * k2
+    live = l > 0  # the lane has seen a column (its max counts 2^0 = 1)
+    shift = tl.where(live, m * k2 - ref, 0.0)
+    sc = tl.where(live, tl.exp2(shift), 0.0)
+    l_t = tl.sum(l * sc, 0)
+    a_t = tl.sum((a + l * shift) * sc, 0)
+    s2_t = tl.sum(s2 * (sc * sc), 0)
+    # The target's group of LANE columns: its columns before the target.
+    part = (tgt // LANE) * LANE + tl.arange(0, LANE)
+    before = part < tgt
+    x_p = tl.load(z_row + part, mask=before, other=0.0).to(tl.float32)
+    w_p = tl.where(before, _transform(x_p, softcap, HAS_SOFTCAP, FLIP), float("-inf"))
+    w_before = tl.maximum(tl.max(m_lane, 0), tl.max(w_p, 0))
+    x_y = tl.load(z_row + tl.where(has_t, tgt, 0), mask=has_t, other=0.0).to(tl.float32)
+    # Merged into the row's state (natural units; m the exact largest logit).
     s = state + row
-    m = tl.load(s)
-    l = tl.load(s + plane)
-    a = tl.load(s + 2 * plane)
-    s2 = tl.load(s + 3 * plane)
-    sum_z = tl.load(s + 4 * plane)
-    z_y = tl.load(s + 5 * plane)
-    m_before = tl.load(s + 6 * plane)
-    for c0 in range(0, width, BLOCK_V):
-        cols = c0 + tl.arange(0, BLOCK_V)
-        valid = cols < width
-        x = tl.load(z_row + cols, mask=valid, other=0.0).to(tl.float32)
-        if HAS_SOFTCAP:
-            x = softcap * _tanh(x / softcap)
-        z = tl.where(valid, x * z_scale, float("-inf"))
-        # Every block holds a real column, so m_new is finite.
-        m_new = tl.maximum(m, tl.max(z, 0))
-        shift = m - m_new
-        alpha = tl.exp(shift)
-        d = z - m_new
-        e = tl.exp(d)
-        # First block: l = 0 and shift = -inf; past the width e = 0 and d = -inf. 0 * -inf
-        # would poison a with NaN.
-        a = (a + l * tl.where(l > 0, shift, 0.0)) * alpha + tl.sum(e * tl.where(valid, d, 0.0), 0)
-        l = l * alpha + tl.sum(e, 0)
-        if WANT_S2:
-            s2 = s2 * (alpha * alpha) + tl.sum(e * e, 0)
-        if WANT_SUM_Z:
-            sum_z += tl.sum(tl.where(valid, z, 0.0), 0)
-        z_y += tl.sum(tl.where(valid & (cols == tgt), z, 0.0), 0)
-        m_before = tl.maximum(m_before, tl.max(tl.where(cols < tgt, z, float("-inf")), 0))
-        m = m_new
-    tl.store(s, m)
-    tl.store(s + plane, l)
-    tl.store(s + 2 * plane, a)
-    tl.store(s + 3 * plane, s2)
-    tl.store(s + 4 * plane, sum_z)
-    tl.store(s + 5 * plane, z_y)
-    tl.store(s + 6 * plane, m_before)
+    m0 = tl.load(s)
+    l0 = tl.load(s + plane)
+    m_t = w_top * scale
+    m_new = tl.maximum(m0, m_t)
+    ref = m_new * 1.4426950408889634
+    first = l0 == 0  # m0 = -inf
+    shift0 = tl.where(first, 0.0, m0 * 1.4426950408889634 - ref)
+    alpha0 = tl.where(first, 0.0, tl.exp2(shift0))
+    shift_t = w_top * k2 - ref
+    alpha_t = tl.exp2(shift_t)
+    tl.store(s, m_new)
+    tl.store(s + plane, l0 * alpha0 + l_t * alpha_t)
+    a_new = (tl.load(s + 2 * plane) + l0 * shift0 * 0.6931471805599453) * alpha0 \
+        + (a_t + l_t * shift_t) * (0.6931471805599453 * alpha_t)
+    tl.store(s + 2 * plane, a_new)
+    if WANT_S2:
+        tl.store(s + 3 * plane,
+                 tl.load(s + 3 * plane) * (alpha0 * alpha0) + s2_t * (alpha_t * alpha_t))
+    if WANT_SUM_Z:
+        tl.store(s + 4 * plane, tl.load(s + 4 * plane) + tl.sum(sum_w, 0) * scale)
+    z_y = tl.where(has_t, _transform(x_y, softcap, HAS_SOFTCAP, FLIP) * scale, 0.0)
+    tl.store(s + 5 * plane, tl.load(s + 5 * plane) + z_y)
+    # No column before the target: -inf (logit_scale = 0 would make -inf * 0 = NaN).
+    z_before = tl.where(w_before > float("-inf"), w_before * scale, float("-inf"))
+    tl.store(s + 6 * plane, tl.maximum(tl.load(s + 6 * plane), z_before))
+
+
+@triton.jit
+def _grad_step(z_row, c0, width, tgt, lse2, coef, g_y, g_h2, two_g_s2, shift, softcap, k2,
+               dx_scale, HAS_SOFTCAP: tl.constexpr, HAS_G_ENTROPY: tl.constexpr,
+               HAS_G_SUM_P_SQ: tl.constexpr, MASKED: tl.constexpr,
+               INTERPRET_BF16: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Columns ``c0 ... c0 + BLOCK_V`` of one row, logits -> ``dx`` in place (``MASKED``: the
+    columns at or past ``width`` are left alone). In log2 units: ``q = log2 p``."""
+    cols = c0 + tl.arange(0, BLOCK_V)
+    x = _load_cols(z_row, cols, width, MASKED)
+    if HAS_SOFTCAP:
+        t = _tanh(x / softcap)
+        q = t * (softcap * k2) - lse2
+    else:
+        q = x * k2 - lse2
+    p = tl.exp2(q)
+    c = coef
+    if HAS_G_ENTROPY:
+        c -= g_h2 * q
+    if HAS_G_SUM_P_SQ:
+        c += two_g_s2 * p
+    dz = p * c + tl.where(cols == tgt, g_y, 0.0) + shift
+    dx = dz * dx_scale
+    if HAS_SOFTCAP:
+        dx *= 1.0 - t * t
+    _store_cols(z_row, cols, _round_to(dx, z_row.dtype.element_ty, INTERPRET_BF16), width,
+                MASKED)
 
 
 @triton.jit
@@ -157,16 +301,20 @@ def _tile_grad_kernel(
 
     With ``p = exp(z - lse)``: ``dz = p (-g_lp + g_lse - g_H (log p + H) + 2 g_S2 (p - S2))
     + g_lp 1[j = y] + g_mean / V``, then ``dx = dz z_scale (1 - tanh(x / c)^2)``. Rows at or
-    past ``n_rows`` (the padding of the last chunk) are written as zeros.
+    past ``n_rows`` (the padding of the last chunk) are written as zeros. Whole steps of
+    ``BLOCK_V`` columns run unmasked; the last partial one is masked.
     """
     row = tl.program_id(0).to(tl.int64)
     z_row = logits + row * stride_row
     keep = row < n_rows
     r = tl.minimum(row, n_rows - 1)  # padding rows load the last real row's scalars
-    lse_r = tl.load(lse + r)
-    tgt = tl.load(targets + r) - v0
+    lse2 = tl.load(lse + r) * 1.4426950408889634  # log2(e): p = 2^(z log2(e) - lse2)
+    # The target relative to this slice, as int32 in [-1, width] (outside: never matched).
+    tgt = tl.minimum(tl.maximum(tl.load(targets + r) - v0, -1), width).to(tl.int32)
     coef = 0.0
     g_y = 0.0
+    g_h2 = 0.0
+    two_g_s2 = 0.0
     if HAS_G_LP:
         g_y = tl.load(g_lp + r)
         coef -= g_y
@@ -175,42 +323,39 @@ def _tile_grad_kernel(
     if HAS_G_ENTROPY:
         g_h = tl.load(g_entropy + r)
         coef -= g_h * tl.load(entropy + r)
+        g_h2 = g_h * 0.6931471805599453  # g_H log p = g_H ln(2) log2 p
     if HAS_G_SUM_P_SQ:
         two_g_s2 = 2.0 * tl.load(g_sum_p_sq + r)
         coef -= two_g_s2 * tl.load(sum_p_sq + r)
     shift = 0.0
     if HAS_G_MEAN:
         shift = tl.load(g_mean_logit + r) * inv_vocab_total
-    for c0 in range(0, width, BLOCK_V):
-        cols = c0 + tl.arange(0, BLOCK_V)
-        valid = cols < width
-        x = tl.load(z_row + cols, mask=valid, other=0.0).to(tl.float32)
-        if HAS_SOFTCAP:
-            t = _tanh(x / softcap)
-            z = t * (softcap * z_scale)
-        else:
-            z = x * z_scale
-        log_p = z - lse_r
-        p = tl.exp(log_p)
-        c = coef
-        if HAS_G_ENTROPY:
-            c -= g_h * log_p
-        if HAS_G_SUM_P_SQ:
-            c += two_g_s2 * p
-        dz = p * c + tl.where(cols == tgt, g_y, 0.0) + shift
-        dx = dz * z_scale
-        if HAS_SOFTCAP:
-            dx *= 1.0 - t * t
-        dx = tl.where(keep, dx, 0.0)
-        tl.store(z_row + cols, _round_to(dx, logits.dtype.element_ty, INTERPRET_BF16),
-                 mask=valid)
+    k2 = z_scale * 1.4426950408889634
+    dx_scale = tl.where(keep, z_scale, 0.0)  # padding rows: dx = 0
+    whole = width // BLOCK_V * BLOCK_V
+    for c0 in range(0, whole, BLOCK_V):
+        _grad_step(z_row, c0, width, tgt, lse2, coef, g_y, g_h2, two_g_s2, shift, softcap, k2,
+                   dx_scale, HAS_SOFTCAP, HAS_G_ENTROPY, HAS_G_SUM_P_SQ, False,
+                   INTERPRET_BF16, BLOCK_V)
+    if whole < width:
+        _grad_step(z_row, whole, width, tgt, lse2, coef, g_y, g_h2, two_g_s2, shift, softcap,
+                   k2, dx_scale, HAS_SOFTCAP, HAS_G_ENTROPY, HAS_G_SUM_P_SQ, True,
+                   INTERPRET_BF16, BLOCK_V)
 
 
-def stats_meta(dtype: torch.dtype, softcap, want_s2: bool, want_sum_z: bool) -> dict:
-    """The constexprs and warps ``forward`` launches ``_tile_stats_kernel`` with."""
+def row_stride(width: int) -> int:
+    """The row stride (elements) of a logits tile ``width`` columns wide: a multiple of 16."""
+    return -(-int(width) // _ROW_ALIGN) * _ROW_ALIGN
+
+
+def stats_meta(dtype: torch.dtype, softcap, want_s2: bool, want_sum_z: bool,
+               negative_scale: bool = False) -> dict:
+    """The constexprs and warps ``forward`` launches ``_tile_stats_kernel`` with
+    (``negative_scale``: ``logit_scale / temperature < 0``)."""
     del dtype  # one program for every dtype: the tile's element type comes with its pointer
-    return dict(HAS_SOFTCAP=softcap is not None, WANT_S2=bool(want_s2),
-                WANT_SUM_Z=bool(want_sum_z), BLOCK_V=_BLOCK_V, num_warps=_WARPS)
+    return dict(HAS_SOFTCAP=softcap is not None, FLIP=bool(negative_scale),
+                WANT_S2=bool(want_s2), WANT_SUM_Z=bool(want_sum_z), BLOCK_V=_BLOCK_V,
+                LANE=_LANE, num_warps=_WARPS)
 
 
 def grad_meta(dtype: torch.dtype, softcap, g_lp, g_entropy, g_sum_p_sq, g_mean_logit,
@@ -275,16 +420,18 @@ class _Plan:
             rows = (q + (i < rem)) * ROW_CHUNK
             self.groups.append((r0, rows))
             r0 += rows
-        self.tile = torch.empty(max(r for _, r in self.groups) * self.cols, dtype=hidden.dtype,
-                                device=hidden.device)
+        self.tile = torch.empty(max(r for _, r in self.groups) * row_stride(self.cols),
+                                dtype=hidden.dtype, device=hidden.device)
 
     def tiles(self):
         for v0 in range(0, self.v, self.cols):
             yield v0, min(v0 + self.cols, self.v)
 
     def logits(self, weight, bias, v0, v1, r0, rows) -> torch.Tensor:
-        """The untransformed logits ``[rows, v1 - v0]`` of a group, one GEMM per chunk."""
-        z = self.tile[:rows * (v1 - v0)].view(rows, v1 - v0)
+        """The untransformed logits ``[rows, v1 - v0]`` of a group, one GEMM per chunk (rows
+        :func:`row_stride` apart)."""
+        ld = row_stride(v1 - v0)
+        z = self.tile[:rows * ld].view(rows, ld)[:, :v1 - v0]
         w_t = weight[v0:v1].t()
         for c in range(0, rows, ROW_CHUNK):
             h = self.hidden[r0 + c:r0 + c + ROW_CHUNK]
@@ -383,9 +530,9 @@ def forward(hidden, weight, bias, targets, *, temperature: float, softcap: float
     state[6].fill_(float("-inf"))
     plan = _Plan(hidden, weight, tile_bytes)
     targets = targets.contiguous()
-    meta = stats_meta(hidden.dtype, softcap, want_s2, want_sum_z)
     scalars = dict(softcap=1.0 if softcap is None else float(softcap),
                    z_scale=float(logit_scale) / float(temperature))
+    meta = stats_meta(hidden.dtype, softcap, want_s2, want_sum_z, scalars["z_scale"] < 0)
     for v0, v1 in plan.tiles():
         for r0, rows in plan.groups:
             real = plan.real_rows(r0, rows)

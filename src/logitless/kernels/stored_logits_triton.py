@@ -39,9 +39,11 @@ __all__ = ["StoredLogitsTriton", "grad_meta", "stats_meta"]
 _NEG_INF_PLANES = (0, 6)
 
 
-def stats_meta(dtype: torch.dtype, softcap: float | None) -> dict:
-    """The constexprs and warps of the statistics pass: ``lp``, ``H`` and ``lse`` only."""
-    return head.stats_meta(dtype, softcap, want_s2=False, want_sum_z=False)
+def stats_meta(dtype: torch.dtype, softcap: float | None, negative_scale: bool = False) -> dict:
+    """The constexprs and warps of the statistics pass: ``lp``, ``H`` and ``lse`` only
+    (``negative_scale``: ``logit_scale / temperature < 0``)."""
+    return head.stats_meta(dtype, softcap, want_s2=False, want_sum_z=False,
+                           negative_scale=negative_scale)
 
 
 def grad_meta(dtype: torch.dtype, softcap: float | None, g_lp, g_entropy) -> dict:
@@ -58,7 +60,8 @@ class StoredLogitsTriton:
                  softcap: float | None):
         del softcap  # recomputed from the stored logits: no extra buffer
         self.vocab, self.dtype = vocab, dtype
-        self._logits = torch.empty(max_rows * vocab, dtype=dtype, device=device)
+        self.ld = head.row_stride(vocab)  # rows 16-element aligned: the passes' vector loads
+        self._logits = torch.empty(max_rows * self.ld, dtype=dtype, device=device)
         self._state = torch.empty(7, max_rows, dtype=torch.float32, device=device)
         # The partials' starting values, made once: each chunk copies them in with one op (an
         # index by a Python list would copy that list to the device and wait for it).
@@ -69,11 +72,12 @@ class StoredLogitsTriton:
     @staticmethod
     def bytes_per_row(vocab: int, dtype: torch.dtype, softcap: float | None,
                       hidden_size: int = 0) -> int:
-        """Bytes one token row of a chunk holds: its stored logits in ``dtype``, and its
+        """Bytes one token row of a chunk holds: its stored logits in ``dtype`` (the row
+        stride, a multiple of 16), and its
         gathered hidden row and hidden-gradient row (``hidden_size`` each), as
         ``gpu_plan`` sizes the chunks."""
         del softcap
-        return dtype.itemsize * (vocab + 2 * hidden_size)
+        return dtype.itemsize * (head.row_stride(vocab) + 2 * hidden_size)
 
     def forward(self, hidden, weight, bias, targets, *, temperature, softcap, logit_scale):
         """Store the logits of ``hidden [rows, D]``; return per-token fp32 ``(logprobs,
@@ -83,7 +87,7 @@ class StoredLogitsTriton:
         self.scalars = dict(softcap=1.0 if softcap is None else float(softcap),
                             z_scale=float(logit_scale) / float(temperature))
         self.softcap = softcap
-        x = self._logits[:rows * self.vocab].view(rows, self.vocab)
+        x = self._logits[:rows * self.ld].view(rows, self.ld)[:, :self.vocab]
         if bias is None:
             torch.mm(hidden, weight.t(), out=x)
         else:
@@ -92,7 +96,7 @@ class StoredLogitsTriton:
         state.copy_(self._state_init.expand(-1, rows))
         head._tile_stats_kernel[(rows,)](
             x, x.stride(0), self.targets, state, state.stride(0), self.vocab, 0,
-            **self.scalars, **stats_meta(self.dtype, softcap))
+            **self.scalars, **stats_meta(self.dtype, softcap, self.scalars["z_scale"] < 0))
         stats = finish(Partials(*state), self.vocab)
         return stats["logprobs"], stats["entropy"], stats["lse"]
 
@@ -103,7 +107,7 @@ class StoredLogitsTriton:
         ``d_bias`` (either may be None); return ``dx @ W`` in the input dtype when
         ``want_hidden``. ``g_lp``, ``g_entropy``: per-token upstream gradients (None: zero)."""
         rows = self.rows
-        dx = self._logits[:rows * self.vocab].view(rows, self.vocab)
+        dx = self._logits[:rows * self.ld].view(rows, self.ld)[:, :self.vocab]
         lse = lse.float().contiguous()
         entropy, g_lp, g_entropy = (None if t is None else t.float().contiguous()
                                     for t in (entropy, g_lp, g_entropy))

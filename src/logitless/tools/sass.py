@@ -3,8 +3,9 @@
 Each Triton pass that streams a tile of logits is compiled for sm_90 (no GPU needed: the whole
 pipeline down to ``ptxas``), with the constexprs and warps its launcher uses and the argument
 specialisation the runtime gives it: every pointer 16-byte aligned, and the integer arguments
-divisible by 16 where they are at the shape (the row stride is the vocabulary, so V=151936 gets
-the aligned variant and V=151655 the other; both are compiled). The cubins go to ``DIR`` and
+divisible by 16 where they are at the shape (the tiles' row stride is always a multiple of 16,
+``linear_softmax.row_stride``; the width is V's remainder, divisible at V=151936 and not at
+V=151655; both are compiled). The cubins go to ``DIR`` and
 ``DIR/sass.json`` holds, per kernel: registers and spills (from the compiled metadata), and
 the streaming loop's length in SASS instructions, read from the disassembly by triton's own
 ``nvdisasm`` (the longest loop: a backward branch to a label; the loop body is the
@@ -64,7 +65,10 @@ def variants(vocab: int) -> list[Variant]:
 
     tile = ls.VOCAB_TILE
     last = vocab % tile or tile
-    aligned = tuple(n for n, v in (("stride_row", vocab), ("width", last)) if v % 16 == 0)
+    # Tiles' rows are ls.row_stride apart (a multiple of 16); the last tile's width is V's
+    # remainder, the fused store's width V itself (the same residue mod 16).
+    aligned = tuple(n for n, v in (("stride_row", ls.row_stride(last)), ("width", last))
+                    if v % 16 == 0)
     g = torch.zeros(1)
     out = []
     head_stats_sig = dict(logits="*bf16", stride_row="i32", targets="*i64", state="*fp32",
@@ -86,12 +90,18 @@ def variants(vocab: int) -> list[Variant]:
         out.append(Variant(f"{kernel}[{role}]", role, "bfloat16", ls.__name__, kernel, sig,
                            consts, warps, consts["BLOCK_V"], nbytes, aligned))
     pair = dict(zs_ptr="*fp32", stride_s="i32", zt_ptr="*fp32", stride_t="i32")
-    pair_aligned = tuple(n for n in ("stride_s", "stride_t", "width")
-                         if (dv._BLOCK_V if n == "width" else 16) % 16 == 0)
+    # Both heads' fp32 tiles: rows ls.row_stride apart, the last tile's width V's remainder.
+    pair_aligned = ("stride_s", "stride_t", *(("width",) if "width" in aligned else ()))
     warps, consts = _split(dv.stats_meta(0.5))
     out.append(Variant("_pair_stats_kernel[jsd]", "divergence_stats", "float32", dv.__name__,
                        "_pair_stats_kernel",
                        dict(pair, state="*fp32", plane="i32", width="i32", z_scale="fp32"),
+                       consts, warps, consts["BLOCK_V"], 8, pair_aligned))
+    warps, consts = _split(dv.jsd_meta())
+    out.append(Variant("_pair_jsd_kernel", "divergence_jsd", "float32", dv.__name__,
+                       "_pair_jsd_kernel",
+                       dict(pair, lse_s="*fp32", lse_t="*fp32", acc="*fp32", plane="i32",
+                            width="i32", z_scale="fp32", log_b="fp32", log_1mb="fp32"),
                        consts, warps, consts["BLOCK_V"], 8, pair_aligned))
     warps, consts = _split(dv.grad_meta(0.5, torch.bfloat16))
     out.append(Variant("_pair_grad_kernel[jsd]", "divergence_grad", "float32", dv.__name__,
@@ -100,7 +110,7 @@ def variants(vocab: int) -> list[Variant]:
                             width="i32", z_scale="fp32", log_b="fp32", log_1mb="fp32",
                             one_minus_beta="fp32"),
                        consts, warps, consts["BLOCK_V"], 12, pair_aligned))
-    warps, consts = _split(dv.topk_grad_meta(torch.bfloat16))
+    warps, consts = _split(dv.topk_grad_meta(torch.bfloat16, 8))  # check's k=8
     out.append(Variant("_topk_grad_kernel", "divergence_topk_grad", "bfloat16", dv.__name__,
                        "_topk_grad_kernel",
                        dict(z_ptr="*bf16", stride_row="i32", ids="*i64", grad="*fp32", k="i32",

@@ -128,10 +128,10 @@ _OBJECTIVE_BYTES_PER_ROW = 256
 # V=151936 under triton 3.6.0 (``python -m logitless.tools.sass``; docs/gpu.md, "SASS
 # report"). tests/tools/test_sass.py checks them against a fresh compile.
 EPILOGUE_INSTRUCTIONS = {
-    "head_stats": 366 * 8 / 2048,
-    "head_grad": 173 * 8 / 2048,
-    "fused_stats": 366 * 8 / 2048,
-    "fused_grad": 173 * 8 / 2048,
+    "head_stats": 73 * 8 / 2048,
+    "head_grad": 114 * 8 / 2048,
+    "fused_stats": 73 * 8 / 2048,
+    "fused_grad": 114 * 8 / 2048,
 }
 # The most each may issue and stay memory-bound (issue time under 75% of HBM time): 0.18 x the
 # bytes the pass moves per element, 2 for a pass that reads bf16 logits, 4 for one that reads
