@@ -80,14 +80,23 @@ def rescale_to(parts: Partials, m: torch.Tensor) -> Partials:
     )
 
 
-def finish(parts: Partials, vocab_size: int) -> dict[str, torch.Tensor]:
-    """Per-token statistics from fully merged partials over a vocabulary of ``vocab_size``."""
+def finish_logprobs(parts: Partials) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(logprobs, entropy, lse)`` per token from fully merged partials: the three statistics
+    a loss reads, in four ops (a chunk loop's share of `finish`). The entropy ``log l - a / l``
+    as one ``addcdiv``: the same bits (``-1 * a`` is exact, then one division and one
+    subtraction, each rounded once)."""
     log_l = torch.log(parts.l)
     lse = parts.m + log_l
+    return parts.z_y - lse, torch.addcdiv(log_l, parts.a, parts.l, value=-1), lse
+
+
+def finish(parts: Partials, vocab_size: int) -> dict[str, torch.Tensor]:
+    """Per-token statistics from fully merged partials over a vocabulary of ``vocab_size``."""
+    logprobs, entropy, lse = finish_logprobs(parts)
     return {
         "lse": lse,
-        "logprobs": parts.z_y - lse,
-        "entropy": log_l - parts.a / parts.l,
+        "logprobs": logprobs,
+        "entropy": entropy,
         "sum_p_sq": parts.s2 / (parts.l * parts.l),
         "mean_logit": parts.sum_z / vocab_size,
         "is_top1": (parts.z_y >= parts.m) & (parts.z_y > parts.m_before),

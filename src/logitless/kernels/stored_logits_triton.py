@@ -11,7 +11,7 @@ tokens:
 2. **Statistics pass**: ``linear_softmax._tile_stats_kernel`` over the whole stored row (one
    program a row, the vocabulary folded in fixed ``_BLOCK_V``-column steps): the logit
    transform in fp32, then the row's running max, sum of exponentials and entropy sum, and its
-   target logit. ``softmax_partials.finish`` gives ``lp``, ``H`` and ``lse``.
+   target logit. ``softmax_partials.finish_logprobs`` gives ``lp``, ``H`` and ``lse``.
 3. The objective runs on the chunk's ``(lp, H)`` in ``fused_policy_loss`` and hands back their
    gradients.
 4. **dz pass**: ``linear_softmax._tile_grad_kernel`` turns the stored logits into ``dL/dx`` in
@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from logitless.kernels import linear_softmax as head
-from logitless.kernels.softmax_partials import Partials, finish
+from logitless.kernels.softmax_partials import Partials, finish_logprobs
 
 __all__ = ["StoredLogitsTriton", "grad_meta", "stats_meta"]
 
@@ -97,8 +97,7 @@ class StoredLogitsTriton:
         head._tile_stats_kernel[(rows,)](
             x, x.stride(0), self.targets, state, state.stride(0), self.vocab, 0,
             **self.scalars, **stats_meta(self.dtype, softcap, self.scalars["z_scale"] < 0))
-        stats = finish(Partials(*state), self.vocab)
-        return stats["logprobs"], stats["entropy"], stats["lse"]
+        return finish_logprobs(Partials(*state))
 
     def backward_(self, hidden, weight, lse, entropy, g_lp, g_entropy, d_weight, d_bias,
                   want_hidden: bool, weight_beta: float = 1.0):

@@ -9,6 +9,7 @@ import torch
 
 from logitless.fused_losses.fused.call import Call, checked_call, checked_ref
 from logitless.fused_losses.fused.grads import Grads, Need
+from logitless.fused_losses.fused.objective import ChunkObjective
 from logitless.fused_losses.fused.plan import Chunk, make_plan, new_store
 from logitless.fused_losses.head.logprobs import _rows_logprobs
 from logitless.fused_losses.objectives.aggregation import check_global_counts
@@ -45,7 +46,7 @@ def run_call(head, need, targets, old_logprobs, advantages, mask, config, strate
 
     # The loss value and metrics: the one copy of the objective on the collected (lp, H).
     with torch.no_grad():
-        loss, metrics = _policy_loss(call.with_logprobs(runner.lp, runner.ent, runner.kl),
+        loss, metrics = _policy_loss(call.with_logprobs(*runner.collected()),
                                      config, glob, masks=masks, **loss_args)
     return loss, metrics, grads.result(head.hidden, head.weight, head.bias)
 
@@ -89,8 +90,8 @@ def selects_by_entropy(cfg: PolicyLossConfig) -> bool:
 
 
 class ChunkRunner:
-    """Runs the chunks of one call: each chunk's ``lp`` and ``H`` into ``self.lp`` /
-    ``self.ent`` (per loss row), its share of the loss differentiated, its gradients into the
+    """Runs the chunks of one call: each chunk's ``lp`` and ``H`` kept (`collected`: per loss
+    row), its share of the loss differentiated, its gradients into the
     accumulators. Dense chunks keep their logits in the store (3 GEMMs); a streamed chunk goes
     through the op's private path (4 GEMMs). Nothing here checks an input."""
 
@@ -98,12 +99,25 @@ class ChunkRunner:
                  store):
         self.call, self.glob, self.masks, self.loss_args = call, glob, masks, loss_args
         self.need, self.grads, self.store = need, grads, store
+        self.objective = ChunkObjective(call, glob, masks, loss_args, call.head.hidden.device)
         self.h, self.w, self.b = call.detached
         self.transform = call.head.transform()
-        acc = call.batch.adv.dtype
-        self.lp = torch.zeros(call.rows.shape, dtype=acc, device=self.h.device)
-        self.ent = torch.zeros_like(self.lp)
-        self.kl = None if call.ref is None else torch.zeros_like(self.lp)
+        # each chunk's (lp, H[, KL]), in the order of its rows: the chunks cover the loss rows
+        # in order, so one concatenation per call (`collected`) lays them out, no copy a chunk
+        self._parts = ([], [], None if call.ref is None else [])
+
+    def collected(self) -> tuple:
+        """``(lp, H, KL)`` of every loss row (``KL`` None without a reference head)."""
+        acc = self.call.batch.adv.dtype
+
+        def cat(parts):
+            if parts is None:
+                return None
+            if not parts:
+                return torch.zeros(self.call.rows.shape, dtype=acc, device=self.h.device)
+            return torch.cat(parts).to(acc)
+
+        return tuple(cat(p) for p in self._parts)
 
     def run(self, chunk: Chunk) -> None:
         if chunk.a == chunk.b:
@@ -114,10 +128,9 @@ class ChunkRunner:
         self.grads.set_hidden(rows, gh)
 
     def _record(self, chunk, lp, ent, kl=None) -> None:
-        self.lp[chunk.a:chunk.b] = lp.detach()
-        self.ent[chunk.a:chunk.b] = ent.detach()
-        if kl is not None:
-            self.kl[chunk.a:chunk.b] = kl.detach()
+        for parts, x in zip(self._parts, (lp, ent, kl)):
+            if parts is not None:
+                parts.append(x.detach())
 
     def _kl(self, chunk: Chunk, leaves):
         """The chunk's exact KL from the policy ``leaves`` (hidden rows, weight, bias), or
@@ -125,23 +138,6 @@ class ChunkRunner:
         if self.call.ref is None:
             return None
         return self.call.ref.kl(self.call.rows[chunk.a:chunk.b], *leaves)
-
-    def _loss(self, chunk: Chunk, lp, ent, kl=None):
-        """The chunk's share of the loss, from its loss rows' ``lp`` and ``H``."""
-        sub = self.call.batch.rows(chunk.s0, chunk.s1, chunk.width)
-        row, col = (x[chunk.a:chunk.b] for x in self.call.where)
-        where = (row - chunk.s0, col)
-
-        def grid(x):
-            return x.new_zeros(sub.m.shape).index_put(where, x)
-
-        # the whole batch's masks, sliced: the selections of the thresholds' own comparisons
-        masks = self.masks.rows(chunk.s0, chunk.s1, chunk.width)
-        exact = {} if kl is None else {"kl": grid(kl)}
-        loss, _ = _policy_loss(sub.with_tensors(logprobs=grid(lp), entropy=grid(ent), **exact),
-                               self.call.config, self.glob, masks=masks, compute_metrics=False,
-                               **self.loss_args)
-        return loss
 
     def _dense(self, chunk, h, t):
         """One chunk at the 3-GEMM floor; returns its hidden-gradient rows (or None)."""
@@ -153,11 +149,7 @@ class ChunkRunner:
         self._record(chunk, lp, ent, kl)
         if not self.need.any:
             return None
-        leaves = [x.detach().requires_grad_(True) for x in (lp, ent)]
-        leaves += [] if kl is None else [kl.detach().requires_grad_(True)]
-        with torch.enable_grad():
-            loss = self._loss(chunk, *leaves)
-            g_lp, g_ent, *g_kl = torch.autograd.grad(loss, leaves, allow_unused=True)
+        g_lp, g_ent, g_kl = self.objective.grads(chunk, lp, ent, kl)
         gh = None
         if g_lp is not None or g_ent is not None:
             # The stored logits become dz in place, each vocabulary block feeding GEMMs 2, 3.
@@ -165,12 +157,10 @@ class ChunkRunner:
             gh = self.store.backward_(h, self.w, lse, ent, g_lp, g_ent, d_weight,
                                       self.grads.bias, want_hidden=self.need.hidden,
                                       weight_beta=beta)
-        if g_kl and g_kl[0] is not None:  # the KL's backward pass, into the same accumulators
-            gh_kl = ref.kl_backward(saved, g_kl[0], h, self.w, self.b, self.grads, self.need)
+        if g_kl is not None:  # the KL's backward pass, into the same accumulators
+            gh_kl = ref.kl_backward(saved, g_kl, h, self.w, self.b, self.grads, self.need)
             gh = gh_kl if gh is None else gh + gh_kl
         return gh
-
-
 
     def _streamed(self, chunk, h, t):
         """A sequence longer than the budget: its vocabulary streamed (4 GEMMs), never the
@@ -183,7 +173,7 @@ class ChunkRunner:
             self._record(chunk, lp, ent, kl)
             if not self.need.any:
                 return None
-            loss = self._loss(chunk, lp, ent, kl)
+            loss = self.objective.loss(chunk, lp, ent, kl)
             wanted = [x for x in leaves if x is not None and x.requires_grad]
             if not loss.requires_grad:
                 return None
