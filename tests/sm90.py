@@ -172,3 +172,27 @@ def run_compile_script(script: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     return done
+
+
+TRITON36 = Path(__file__).resolve().parents[1] / ".venv" / "triton-3.6.0"
+
+
+def triton36_env() -> dict:
+    """The environment of a subprocess that imports triton 3.6.0 (the H200's) and this
+    checkout's sources: this environment's own where its triton is 3.6.0 (``make
+    test-compat``), else ``.venv/triton-3.6.0`` first on the path (``make setup`` installs it
+    there). Missing: the test fails under CI, where ``make setup`` ran, and skips elsewhere."""
+    import pytest
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    extra = [p for p in [os.environ.get("PYTHONPATH")] if p]
+    if triton.__version__ == "3.6.0":
+        env["PYTHONPATH"] = os.pathsep.join([src, *extra])
+        return env
+    if not (TRITON36 / "triton").is_dir():
+        if os.environ.get("CI"):
+            pytest.fail(f"{TRITON36} is missing: `make setup` installs triton 3.6.0 there")
+        pytest.skip(f"{TRITON36} is missing (make setup installs it)")
+    env["PYTHONPATH"] = os.pathsep.join([str(TRITON36), src, *extra])
+    return env

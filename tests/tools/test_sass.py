@@ -3,7 +3,6 @@ counted in nvdisasm's SASS, the report's fields (issue 22)."""
 
 import json
 import os
-import pathlib
 import subprocess
 import sys
 
@@ -82,12 +81,9 @@ def test_the_cost_model_takes_the_epilogues_figures_from_the_report(tmp_path):
     pytest.importorskip("triton.backends.nvidia")
     from logitless.fused_losses.fused import gpu_plan
 
-    root = pathlib.Path(__file__).parents[2]
-    triton36 = root / ".venv" / "triton-3.6.0"
-    if not (triton36 / "triton").is_dir():
-        pytest.skip(f"{triton36} is missing (make setup installs it)")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(triton36), str(root / "src")])
+    from sm90 import triton36_env
+
+    env = triton36_env()
     done = subprocess.run([sys.executable, "-m", "logitless.tools.sass", "--out", str(tmp_path)],
                           env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]

@@ -234,9 +234,9 @@ class _Selection:
         if params.top_k is not None:
             t, above = self._largest_key(params.top_k, weighted=False)
             c = (params.top_k - above).clamp(0, v + 1).int()
-            if params.engine != "vllm":
-                c = torch.full_like(c, all_ties)
-            self.cuts.append((t, self._own_ties(t, c)))
+            # every tie kept: no count to share out between the ranks
+            c = self._own_ties(t, c) if params.engine == "vllm" else torch.full_like(c, all_ties)
+            self.cuts.append((t, c))
         if params.top_p is not None:
             p = params.top_p.double()
             top_k_cuts = self.cuts
@@ -257,7 +257,7 @@ class _Selection:
             # rows with p = 1 keep every candidate: a cut no token reaches
             t = torch.where(p < 1, t, torch.iinfo(t.dtype).min)
             c = torch.where(p < 1, c, v + 1)
-            self.cuts.append((t, self._own_ties(t, c)))
+            self.cuts.append((t, c if params.engine == "sglang" else self._own_ties(t, c)))
 
     def _own_ties(self, t, c):
         """A cut's tie count ``c`` made this rank's own: minus the tokens at ``t`` on the lower
