@@ -139,7 +139,12 @@ def _visit(
         # The interpreter stores bf16 as uint16 and would multiply the raw bits; exact fp32
         # copies give the product a GPU forms with fp32 accumulation.
         kt = kt.to(tl.float32)
-    t = _scores(q, kt, qk_scale, cap2, HAS_SOFTCAP)
+    if MASKED or HAS_SOFTCAP:
+        t = _scores(q, kt, qk_scale, cap2, HAS_SOFTCAP)
+    else:
+        # The scale is folded into the shift: max(s x) = s max(x) exactly (s > 0, rounding
+        # is monotone), and x s - m' is one FMA per score, not a product and a difference.
+        t = tl.dot(q, kt, input_precision="ieee")
     if MASKED:
         vis = col_ok[None, :] & (offs_m[:, None] >= 0)
         if HAS_KEY_VALID:
@@ -159,16 +164,24 @@ def _visit(
         # where, not p * (t - m'): a key the row cannot see must not matter even if its score
         # is inf or NaN (garbage in padding).
         shifted = tl.where(vis, t - m_new[:, None], 0.0)
-    elif HAS_KEY_VALID:
-        kv = tl.load(KEY_VALID + row0 + offs_n) != 0
-        t_vis = tl.where(kv[None, :], t, float("-inf"))
-        m_new = tl.maximum(m, tl.max(t_vis, axis=1))
-        p = tl.exp2(t_vis - m_new[:, None])
-        shifted = tl.where(kv[None, :], t - m_new[:, None], 0.0)
-    else:
+    elif HAS_SOFTCAP:
+        if HAS_KEY_VALID:
+            kv = tl.load(KEY_VALID + row0 + offs_n) != 0
+            t = tl.where(kv[None, :], t, float("-inf"))
         m_new = tl.maximum(m, tl.max(t, axis=1))
         shifted = t - m_new[:, None]
         p = tl.exp2(shifted)
+        if HAS_KEY_VALID:
+            shifted = tl.where(kv[None, :], shifted, 0.0)
+    else:
+        if HAS_KEY_VALID:
+            kv = tl.load(KEY_VALID + row0 + offs_n) != 0
+            t = tl.where(kv[None, :], t, float("-inf"))
+        m_new = tl.maximum(m, tl.max(t, axis=1) * qk_scale)
+        shifted = t * qk_scale - m_new[:, None]
+        p = tl.exp2(shifted)
+        if HAS_KEY_VALID:
+            shifted = tl.where(kv[None, :], shifted, 0.0)
     alpha = tl.exp2(m - m_new)
     a = alpha * (a + l * (m - m_new)) + tl.sum(p * shifted, axis=1)
     l = alpha * l + tl.sum(p, axis=1)

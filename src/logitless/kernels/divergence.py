@@ -203,9 +203,11 @@ def _pair_stats_kernel(
             zs_row, zt_row, c0, width, m_s, l_s, m_t, l_t, gap, a_s, k2, GAP, False, LANES,
             LANE)
     if (whole >= BLOCK_V) & (whole < width):
+        # the tail's row pointers from the step's start: no live 64-bit pointer across the loop
+        # (triton 3.6.0's ptxas spilled one there for the reverse KL)
         m_s, l_s, m_t, l_t, gap, a_s = _pair_fold_step(
-            zs_row, zt_row, whole, width, m_s, l_s, m_t, l_t, gap, a_s, k2, GAP, True, LANES,
-            LANE)
+            zs_row + whole, zt_row + whole, 0, width - whole, m_s, l_s, m_t, l_t, gap, a_s, k2,
+            GAP, True, LANES, LANE)
     # The lanes, reduced once to the tile's maxima; a_s from log2 to natural units.
     top_s, sc_s, lane_shift_s, l_s_tile = _lanes_reduce(m_s, l_s, k2)
     top_t, sc_t, _, l_t_tile = _lanes_reduce(m_t, l_t, k2)

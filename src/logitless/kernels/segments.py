@@ -203,7 +203,10 @@ def _segment_scan_kernel(
         else:
             x = tl.load(x_ptr, mask=take, other=0.0).to(acc_t)
             y = tl.cumsum(x, axis=1) + carry[:, None]
-            carry += tl.sum(x, axis=1)
+            # The next block's carry is this block's last prefix, read off y (exact: one
+            # nonzero term). `carry += tl.sum(x)` would be the same sum, but triton 3.6.0's
+            # thread-locality pass asserts on a loop-carried reduction with a second use.
+            carry = tl.sum(tl.where(col[None, :] == BLOCK_T - 1, y, 0.0), axis=1)
         if MASK_OUT:
             m_out = tl.load(M + m_base[:, None] + pos * stride_mt, mask=live, other=0)
             y = tl.where(m_out != 0, y, 0.0)

@@ -16,6 +16,11 @@ Budget (docs/gpu.md, "SASS report"): the warp instructions a pass issues per ele
 element. At 4 schedulers x 1.98 GHz x 132 SMs (1.05e12 warp instructions per second) and
 4.3 TB/s, issue time stays under 75% of HBM time when instructions per element are at most
 0.18 x bytes per element (0.36 for a bf16 read, 0.72 for a bf16 read and write).
+The attention-entropy kernel streams no logits: its clock is the tensor cores' (``bound``
+"tensor"), and its ``bytes_per_element`` is the HBM traffic of the same time.
+
+Besides the logits passes the report holds the plain KLs' pair passes, attention entropy and
+the segment passes (the per-sequence sums, prefix sums and spreads of the objectives).
 """
 
 from __future__ import annotations
@@ -48,6 +53,14 @@ class Variant:
     elements_per_iteration: int
     bytes_per_element: float
     divisible: tuple[str, ...] = ()  # integer arguments the runtime finds divisible by 16
+    stages: int = 3
+    # Which loop is the streaming one: the longest, or (the attention kernel) the shortest,
+    # its loop over the key blocks every query of the block sees; the boundary blocks' loops
+    # add the visibility mask and run on a few blocks per query block.
+    loop: str = "longest"
+    # What the budget is relative to: HBM bytes ("memory"), or the tensor cores' time
+    # expressed as the bytes HBM moves in it ("tensor", the attention kernel).
+    bound: str = "memory"
 
 
 def _split(meta: dict) -> tuple[int, dict]:
@@ -116,7 +129,121 @@ def variants(vocab: int) -> list[Variant]:
                        dict(z_ptr="*bf16", stride_row="i32", ids="*i64", grad="*fp32", k="i32",
                             lse="*fp32", width="i32", v0="i32", z_scale="fp32"),
                        consts, warps, consts["BLOCK_V"], 4, aligned))
+    out += _kl_variants(pair, pair_aligned) + _attention_variants() + _segment_variants()
     return out
+
+
+def _kl_variants(pair: dict, pair_aligned: tuple[str, ...]) -> list[Variant]:
+    """The pair passes of the plain KLs (beta 0: forward, beta 1: reverse), whose ``GAP``
+    constexpr drops the mixture's terms."""
+    import torch
+
+    from logitless.kernels import divergence as dv
+
+    out = []
+    for beta, tag in ((0.0, "kl_forward"), (1.0, "kl_reverse")):
+        warps, consts = _split(dv.stats_meta(beta))
+        out.append(Variant(f"_pair_stats_kernel[{tag}]", "divergence_stats", "float32",
+                           dv.__name__, "_pair_stats_kernel",
+                           dict(pair, state="*fp32", plane="i32", width="i32", z_scale="fp32"),
+                           consts, warps, consts["BLOCK_V"], 8, pair_aligned))
+        warps, consts = _split(dv.grad_meta(beta, torch.bfloat16))
+        out.append(Variant(f"_pair_grad_kernel[{tag}]", "divergence_grad", "float32",
+                           dv.__name__, "_pair_grad_kernel",
+                           dict(pair, **dict.fromkeys(("lse_s", "lse_t", "aux", "grad"), "*fp32"),
+                                width="i32", z_scale="fp32", log_b="fp32", log_1mb="fp32",
+                                one_minus_beta="fp32"),
+                           consts, warps, consts["BLOCK_V"], 12, pair_aligned))
+    return out
+
+
+# The reference shape of the attention and segment passes: Qwen-style heads (d=128) over
+# sequences of 4096 tokens, and per-token values of 16 sequences of 1024 tokens.
+HEAD_DIM = 128
+SEQ_LEN = 1024
+
+
+def _attention_variants() -> list[Variant]:
+    """``_attention_entropy_fwd`` as ``attention_entropy_triton`` launches it for causal bf16
+    attention at d=128 (no window, softcap or segments; with and without a padding mask).
+
+    It streams no logits from memory: each score tile comes from a wgmma of a query block and
+    a key block and is used once. Its clock is the tensor cores' ``2 d`` FLOPs per score;
+    ``bytes_per_element`` is the HBM traffic that takes the same time at 4.3 TB/s
+    (``2 d x 4.3e12 / 790e12``), so the report's budget is the MMA time's, not a memory
+    bound."""
+    import torch
+
+    from logitless.kernels import attention_entropy as ae
+
+    cfg = ae.block_config(HEAD_DIM, torch.bfloat16)
+    equivalent = round(2 * HEAD_DIM * 4.3 / 790, 3)
+    sig = dict(Q="*bf16", K="*bf16", OUT="*fp32", SEG_START="constexpr", SEG_END="constexpr",
+               KEY_VALID="*i8", QUERY_VALID="*i8",
+               **dict.fromkeys(("stride_qb", "stride_qh", "stride_qt", "stride_kb",
+                                "stride_kh", "stride_kt", "T", "HQ", "BH", "GROUP", "D"),
+                               "i32"),
+               # the head dim is contiguous: strides of 1 are constexprs at run time
+               stride_qd="constexpr", stride_kd="constexpr",
+               qk_scale="fp32", cap2="fp32", window="i32")
+    # [B, H, T, d] contiguous: every stride but the last and T, D are multiples of 16
+    divisible = ("stride_qb", "stride_qh", "stride_qt", "stride_kb", "stride_kh", "stride_kt",
+                 "T", "D")
+    out = []
+    for tag, padded in (("causal", False), ("causal_padded", True)):
+        consts = dict(SEG_START=None, SEG_END=None, stride_qd=1, stride_kd=1, IS_CAUSAL=True,
+                      HAS_WINDOW=False, HAS_SOFTCAP=False, HAS_SEG=False, HAS_KEY_VALID=padded,
+                      HAS_QUERY_VALID=padded, EVEN_D=True, UPCAST_DOT=False,
+                      BLOCK_D=ae.padded_head_dim(HEAD_DIM), BLOCK_M=cfg.block_m,
+                      BLOCK_N=cfg.block_n)
+        signature = dict(sig)
+        if not padded:
+            signature.update(KEY_VALID="constexpr", QUERY_VALID="constexpr")
+            consts.update(KEY_VALID=None, QUERY_VALID=None)
+        out.append(Variant(f"_attention_entropy_fwd[{tag}]", "attention", "bfloat16",
+                           ae.__name__, "_attention_entropy_fwd", signature, consts,
+                           cfg.num_warps, cfg.block_m * cfg.block_n, equivalent, divisible,
+                           stages=cfg.num_stages, loop="shortest", bound="tensor"))
+    return out
+
+
+def _segment_variants() -> list[Variant]:
+    """The segment passes of a padded ``[16, 1024]`` fp32 batch with a mask, as
+    ``kernels.segments`` launches them (its ``_blocks``): the masked sum (the aggregations'
+    numerators), the prefix sum (prefix ratios) and the spread back to tokens (the
+    sequence-level ratios' broadcast)."""
+    from logitless.kernels import segments as sg
+
+    block_b, block_t, warps = sg._blocks(SEQ_LEN)
+    # contiguous rows: the token strides are 1, which the runtime turns into constexprs
+    strides = dict(stride_xb="i32", stride_xt="constexpr", stride_mb="i32",
+                   stride_mt="constexpr")
+    base = dict(CU="constexpr", B="i32", T="i32")
+    divisible = ("stride_xb", "stride_mb", "T")
+    common = dict(CU=None, stride_xt=1, stride_mt=1, PACKED=False, FP64=False,
+                  BLOCK_B=block_b, BLOCK_T=block_t)
+    elements = block_b * block_t
+    return [
+        Variant("_segment_reduce_kernel[sum]", "segments_reduce", "float32", sg.__name__,
+                "_segment_reduce_kernel",
+                dict(X="*fp32", M="*u8", **base, OUT="*fp32", CNT="constexpr", **strides,
+                     empty="fp32"),
+                dict(common, CNT=None, OP=sg._SUM, HAS_MASK=True), warps, elements, 5,
+                divisible),
+        Variant("_segment_scan_kernel[prefix_sum]", "segments_scan", "float32", sg.__name__,
+                "_segment_scan_kernel",
+                dict(X="*fp32", M="*u8", **base, OUT="*fp32", IDX="constexpr", **strides,
+                     stride_ob="i32"),
+                dict(common, IDX=None, OP=sg._SUM, REVERSE=False, EXCLUSIVE=False,
+                     MASK_IN=True, MASK_OUT=False, WANT_INDEX=False), warps, elements, 9,
+                (*divisible, "stride_ob")),
+        Variant("_segment_spread_kernel", "segments_spread", "float32", sg.__name__,
+                "_segment_spread_kernel",
+                dict(V="*fp32", CNT="constexpr", X="constexpr", REF="constexpr", M="*u8",
+                     **base, OUT="*fp32", **strides, stride_ob="i32"),
+                dict(common, CNT=None, X=None, REF=None, HAS_CNT=False, HAS_REF=False,
+                     HAS_MASK=True), warps, elements, 5, (*divisible, "stride_ob")),
+    ]
 
 
 def _jit(fn):
@@ -143,7 +270,7 @@ def compile_variant(v: Variant):
              if ty.startswith("*") or n in v.divisible}
     src = ASTSource(fn=fn, signature=full, constexprs=dict(v.constexprs), attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": v.warps, "num_stages": 3})
+                          options={"num_warps": v.warps, "num_stages": v.stages})
 
 
 def ptxas_resources(ptx: str) -> dict:
@@ -223,16 +350,17 @@ def report(out_dir: Path, shapes=SHAPES) -> dict:
             cubin.write_bytes(compiled.asm["cubin"])
             text = subprocess.run([nvdisasm(), "-c", str(cubin)], capture_output=True,
                                   text=True, check=True).stdout
-            found = loops(text)
+            # a loop of a few instructions is a trap or a spin, not a pass
+            found = [n for n in loops(text) if n >= 8]
             res = ptxas_resources(compiled.asm["ptx"])
-            length = found[0] if found else 0
+            length = (found[0] if v.loop == "longest" else found[-1]) if found else 0
             per_element = length * v.warps / v.elements_per_iteration
             rows.append({
                 "name": v.name, "role": v.role, "dtype": v.dtype, "shape": shape,
                 "cubin": cubin.name, "registers": res["registers"],
                 "spills": res["spills"], "loop_instructions": length,
                 "warps": v.warps, "elements_per_iteration": v.elements_per_iteration,
-                "bytes_per_element": v.bytes_per_element,
+                "bytes_per_element": v.bytes_per_element, "bound": v.bound,
                 "instructions_per_element": round(per_element, 4),
                 "budget_ratio": round(per_element / v.bytes_per_element, 4),
                 "within_budget": per_element <= ISSUE_BUDGET * v.bytes_per_element,
