@@ -16,6 +16,13 @@ PYTEST_ARGS ?=
 TRITON36 := $(VENV)/triton-3.6.0
 TRITON36_STAMP := $(TRITON36)/.installed
 
+# make test-dist: the multi-process tests (marker `dist`; `make test` leaves them out), DeepSpeed
+# ZeRO-3 through TRL among them, on DeepSpeed's CPU accelerator over gloo. DeepSpeed goes into its
+# own --target folder, without compiled ops (DS_BUILD_OPS=0; the CPU accelerator JIT-builds its
+# shared-memory op with the local compiler once); the tests put it on their workers' PYTHONPATH.
+DEEPSPEED := .venv-deepspeed
+DEEPSPEED_STAMP := $(DEEPSPEED)/.installed
+
 # make test-compat: the suite on the lent H200's stack, in .venv-compat: Python 3.12, torch
 # 2.11.0 (from the registry a CUDA build of a few GB, which runs on the CPU), triton 3.6.0,
 # numpy 2.5, transformers 5.17, TRL 1.16; no verl (its tests skip). Never part of make setup.
@@ -24,7 +31,7 @@ COMPAT := .venv-compat
 COMPAT_PY := $(COMPAT)/bin/python
 COMPAT_STAMP := $(COMPAT)/.installed
 
-.PHONY: setup demo test test-compat bench lint clean
+.PHONY: setup demo test test-dist test-compat bench lint clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -61,7 +68,17 @@ demo: $(DEMO_STAMP)
 	PYTHONWARNINGS=ignore::FutureWarning,ignore::DeprecationWarning $(VENV)/bin/logitless demo
 
 test: setup
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -n auto --dist worksteal $(PYTEST_ARGS)
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -n auto --dist worksteal -m "not dist" $(PYTEST_ARGS)
+
+$(DEEPSPEED_STAMP): Makefile | $(PY)
+	rm -rf $(DEEPSPEED)
+	DS_BUILD_OPS=0 $(PIP) install --no-deps --target $(DEEPSPEED) deepspeed==0.19.8 \
+	  hjson==3.1.0 ninja==1.13.2 msgpack==1.2.4 py-cpuinfo==9.0.0 einops==0.8.2
+	touch $(DEEPSPEED_STAMP)
+
+test-dist: setup $(DEEPSPEED_STAMP)
+	TRITON_INTERPRET=1 LOGITLESS_DEEPSPEED=$(abspath $(DEEPSPEED)) $(PY) -m pytest -q -m dist \
+	  $(PYTEST_ARGS)
 
 $(COMPAT_STAMP): pyproject.toml Makefile
 	$(COMPAT_PYTHON) -m venv $(COMPAT)
@@ -72,7 +89,8 @@ $(COMPAT_STAMP): pyproject.toml Makefile
 	touch $(COMPAT_STAMP)
 
 test-compat: $(COMPAT_STAMP)
-	TRITON_INTERPRET=1 $(COMPAT_PY) -m pytest -q -n auto --dist worksteal $(PYTEST_ARGS)
+	TRITON_INTERPRET=1 $(COMPAT_PY) -m pytest -q -n auto --dist worksteal -m "not dist" \
+	  $(PYTEST_ARGS)
 
 bench: setup
 	$(PY) -m pytest benchmarks -q --benchmark-only
@@ -81,4 +99,4 @@ lint: setup
 	$(VENV)/bin/ruff check src tests benchmarks
 
 clean:
-	rm -rf $(VENV) $(COMPAT) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(COMPAT) $(DEEPSPEED) .pytest_cache .ruff_cache

@@ -12,9 +12,11 @@ Sharded heads. The weight reaches the kernel through TRL's fused forward, which 
 ``maybe_gather_lm_head_ctx`` under DeepSpeed ZeRO-3 around the forward; our kernel's backward,
 which recomputes the logits, re-enters that same TRL context (``gather_weight``). Verified on
 CPU: FSDP2 with the head sharded over two gloo ranks (values and the sharded weight gradient
-against the unsharded head), and that the backward enters TRL's ZeRO-3 gather context. Not
-verified (no GPUs, no DeepSpeed here): a real ZeRO-3 run, and FSDP2 on GPUs with the whole
-model sharded and mixed precision.
+against the unsharded head), that the backward enters TRL's ZeRO-3 gather context, and
+DeepSpeed ZeRO-3 itself on two gloo ranks (tests/integrations/test_zero3.py: losses and
+gathered parameters equal to stock TRL's under the same config; docs/trl.md). Not verified (no
+GPUs here): ZeRO-3 over NCCL, and FSDP2 on GPUs with the whole model sharded and mixed
+precision.
 """
 
 from __future__ import annotations
