@@ -277,3 +277,38 @@ def test_cp_group_needs_torch_distributed():
     cfg = PolicyLossConfig()
     with pytest.raises(ValueError, match=r"^cp_group: torch\.distributed is not initialised"):
         logitless.policy_loss(lp, lp, torch.ones(2), torch.ones(2, 3), cfg, cp_group=object())
+
+
+# Collectives of one call, forward and backward (docs/scale.md): the counts of the batch's
+# normalisers and the loss value (2), plus each sequence-level reduction of the objective.
+COLLECTIVES = [
+    (dict(objective="grpo"), 2),
+    (dict(objective="gspo"), 4),  # + the sequence ratio's mean, and its backward
+    (dict(objective="ctpo"), 5),  # + the prefix sums' rank totals (forward, backward), counts
+    (dict(objective="minpro"), 3),  # + the rank minima
+    (dict(objective="grpo", rollout_is="sequence", rollout_is_batch_normalize=True), 5),
+    (dict(objective="gspo", beta=0.1, entropy_coef=0.01, rollout_is="sequence",
+          rollout_rs="seq_max_k2", rollout_rs_threshold="4.0", opsm_threshold=0.1), 8),
+]
+
+
+def _count_collectives(rank, world):
+    problem = _problem(False)
+    orig = dist.all_reduce
+    for opts, expected in COLLECTIVES:
+        calls = []
+
+        def counted(*args, calls=calls, **kwargs):
+            calls.append(1)
+            return orig(*args, **kwargs)
+
+        dist.all_reduce = counted
+        try:
+            _sharded(PolicyLossConfig(**opts), world, rank, "packed", *problem)
+        finally:
+            dist.all_reduce = orig
+        assert len(calls) == expected, (opts, len(calls))
+
+
+def test_cp_collectives_per_call():
+    run_on_gloo(2, _count_collectives)

@@ -9,7 +9,8 @@ local. Inside `cp_context` the segment ops (``segments.py``) reduce over the gro
 
 - sums and counts: one ``all_reduce`` of the local ``[B]`` (a mean stacks its sum and count
   into one ``[2, B]``), differentiable where the input requires grad (the backward all-reduces
-  the incoming gradient: each rank's share of the loss reaches every rank's tokens);
+  the incoming gradient, one more ``all_reduce``: each rank's share of the loss reaches every
+  rank's tokens);
 - max: ``all_reduce(MAX)``, values only;
 - prefix / suffix scans: the per-rank totals ``[W, B]`` (each rank writes its own row, one
   ``all_reduce``), the totals of earlier (prefix) or later (suffix) ranks added to the local
@@ -60,12 +61,28 @@ def all_reduce(t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
     sum of a tensor that requires grad, a plain collective on a copy otherwise."""
     group = current_group()
     if op == dist.ReduceOp.SUM and t.requires_grad and torch.is_grad_enabled():
-        from torch.distributed.nn.functional import all_reduce as differentiable
-
-        return differentiable(t, op=op, group=group)
+        return _AllReduceSum.apply(t, group)
     out = t.detach().clone(memory_format=torch.contiguous_format)
     dist.all_reduce(out, op=op, group=group)
     return out
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """A sum over ``group`` whose backward sums the incoming gradient over it: every rank
+    backpropagates its own share of the loss, and a rank's input feeds every rank's share."""
+
+    @staticmethod
+    def forward(ctx, t, group):
+        ctx.group = group
+        out = t.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(g, group=ctx.group)
+        return g, None
 
 
 def rank_totals(local: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
