@@ -72,6 +72,7 @@ __all__ = [
     "register_verl_losses",
     "sampler_from_rollout",
     "to_logitless_config",
+    "ulysses_cp_seqlens",
 ]
 
 LOSS_PREFIX = "logitless_"
@@ -104,6 +105,25 @@ PASSTHROUGH_FIELDS = tuple(
     and f.name not in _NEEDS_OTHER_INPUTS
     and not f.name.startswith("attn_entropy")
 )
+
+
+def ulysses_cp_seqlens(cu_seqlens: torch.Tensor, sp_rank: int, sp_size: int):
+    """The ``cu_seqlens`` of Ulysses rank ``sp_rank`` for ``cp_group=`` (docs/scale.md): verl
+    pads the packed stream of ``cu_seqlens[-1]`` tokens to a multiple of ``sp_size`` and gives
+    rank ``r`` positions ``[r n, (r + 1) n)`` (``ulysses_pad_and_slice_inputs``). Returns
+    ``(local_cu_seqlens [B + 1], num_tokens)``: the rank's piece of every sequence (zero-length
+    where it holds none), and how many of its ``n`` positions are tokens (the rest is verl's
+    tail padding, to drop before the call)."""
+    if isinstance(sp_size, bool) or not isinstance(sp_size, int) or sp_size < 1:
+        raise ValueError(f"sp_size: expected an int >= 1, got {sp_size!r}")
+    if isinstance(sp_rank, bool) or not isinstance(sp_rank, int) or not 0 <= sp_rank < sp_size:
+        raise ValueError(f"sp_rank: expected an int in [0, {sp_size}), got {sp_rank!r}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1 or cu_seqlens.dtype.is_floating_point:
+        raise ValueError("cu_seqlens: expected a 1-D integer tensor [B + 1]")
+    total = int(cu_seqlens[-1])
+    n = -(-total // sp_size)  # the padded stream's share per rank
+    local = (cu_seqlens - sp_rank * n).clamp(0, n)
+    return local, int(local[-1])
 
 
 def _passthrough_default(name: str):

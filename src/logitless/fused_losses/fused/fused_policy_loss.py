@@ -40,6 +40,8 @@ from logitless.fused_losses.fused.grads import Need
 from logitless.fused_losses.fused.op import as_op, metric_names, op_call
 from logitless.fused_losses.fused.plan import CPU_MEMORY_BUDGET, ChunkStore, plan_chunks
 from logitless.fused_losses.objectives.config import PolicyLossConfig
+from logitless.fused_losses.objectives.context_parallel import cp_context
+from logitless.fused_losses.objectives.policy_loss import check_cp_config, cp_loss_value
 
 __all__ = ["CPU_MEMORY_BUDGET", "ChunkStore", "fused_policy_loss", "metric_names", "plan_chunks"]
 
@@ -105,6 +107,7 @@ def fused_policy_loss(
     ref_hidden=None,
     ref_weight=None,
     ref_bias=None,
+    cp_group=None,
 ):
     """The policy loss from hidden states and the LM head, without the full logits.
 
@@ -137,6 +140,15 @@ def fused_policy_loss(
             ``p (log p - log q - KL)`` reaches ``hidden``, ``weight`` and ``bias``; the
             reference gets none. Same loss and gradients as ``policy_loss(..., kl=
             linear_divergence(hidden, weight, ref_hidden, ref_weight, mask, beta=1))``.
+        cp_group: context parallelism, as in :func:`policy_loss` (each rank its contiguous
+            piece of every sequence: ``hidden`` and every per-token input the rank's tokens).
+            The batch streams (``strategy="auto"`` or ``"streaming"``; ``"chunked"`` raises
+            ``ValueError``): the vocabulary streamed forward and recomputed backward, the
+            loss run once over the rank's tokens with the sequence-level reductions over the
+            group. The loss is the whole sequences' on every rank; ``hidden``'s gradient is
+            the whole loss's for the rank's tokens, and ``weight``'s and ``bias``'s are the
+            rank's tokens' part of it (summed over the group they are the whole loss's, as
+            for any sequence-split model). Not under ``torch.compile``.
 
     Returns:
         ``(loss, metrics)`` as :func:`policy_loss`.
@@ -167,6 +179,10 @@ def fused_policy_loss(
     loss_args = dict(num_items_in_batch=num_items_in_batch, global_batch_size=global_batch_size,
                      training_progress=training_progress, entropy_coef=entropy_coef)
     ref_args = (ref_hidden, ref_weight, ref_bias)
+    if cp_group is not None:
+        return _context_parallel(cp_group, head, targets, old_logprobs, advantages, mask,
+                                 config, strategy, cu_seqlens, selection_entropy,
+                                 memory_budget, tensors, loss_args, ref_args)
     if as_op(hidden):
         return op_call(head, targets, old_logprobs, advantages, mask, config, strategy,
                         cu_seqlens, selection_entropy, memory_budget, tensors, loss_args,
@@ -178,3 +194,24 @@ def fused_policy_loss(
     if grads is None or not need.any:  # the whole batch streamed: the loss has its graph
         return loss, metrics
     return _StoredGradients.apply(loss, hidden, weight, bias, grads), metrics
+
+
+def _context_parallel(group, head, targets, old_logprobs, advantages, mask, config, strategy,
+                      cu_seqlens, selection_entropy, memory_budget, tensors, loss_args,
+                      ref_args):
+    """`fused_policy_loss` under ``cp_group``: the batch streamed, its loss over the group."""
+    if not isinstance(config, PolicyLossConfig):
+        raise ValueError(f"config must be a PolicyLossConfig, got {type(config).__name__}")
+    check_cp_config(config, group)
+    if strategy == "chunked":
+        raise ValueError("strategy: 'chunked' is not supported with cp_group (a chunk's "
+                         "sequence-level terms need the other ranks' tokens of the same "
+                         "chunk); use 'auto' or 'streaming'")
+    if as_op(head.hidden):
+        raise ValueError("cp_group: not supported under torch.compile or for meta/fake tensors")
+    need = Need.of(head.hidden, head.weight, head.bias)
+    with cp_context(group):
+        loss, metrics, _ = run_call(head, need, targets, old_logprobs, advantages, mask, config,
+                                    "streaming", cu_seqlens, selection_entropy, memory_budget,
+                                    tensors, loss_args, ref_args)
+        return cp_loss_value(loss), metrics

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from logitless.fused_losses.objectives import context_parallel as cp
 from logitless.fused_losses.objectives import segments
 from logitless.fused_losses.oplib import is_compiling
 
@@ -29,6 +30,9 @@ class AggCounts:
     num_pos_tokens: float
     num_neg_tokens: float
     length_power_denominator: float
+    # [B] valid tokens per sequence over every rank; only under cp_group (else the local mask
+    # gives them, so that a chunk of sequences needs no slicing)
+    lengths: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -51,10 +55,15 @@ class BatchGlobals:
 
 
 def agg_counts(m, adv, seq_count: str, length_power_alpha: float) -> AggCounts:
-    """Counts of a bool mask ``m [B, T]`` with advantages ``adv [B, T]``."""
-    lengths = m.sum(-1)
+    """Counts of a bool mask ``m [B, T]`` with advantages ``adv [B, T]`` (over every rank of
+    the cp group inside a `cp_context`, one ``all_reduce``)."""
+    if cp.current_group() is None:
+        lengths = m.sum(-1)
+        seq_adv = segments.segment_mean(adv.detach(), m)
+        pos_tokens, neg_tokens = (m & (adv > 0)).sum(), (m & (adv < 0)).sum()
+    else:
+        lengths, seq_adv, pos_tokens, neg_tokens = _cp_sequence_counts(m, adv)
     nonempty = lengths > 0
-    seq_adv = segments.segment_mean(adv.detach(), m)
     lf = lengths.to(torch.float64)
     denominator = torch.where(nonempty, lf.clamp(min=1) ** (1 - length_power_alpha), 0.0).sum()
     count = _count_of(adv.dtype)
@@ -63,10 +72,24 @@ def agg_counts(m, adv, seq_count: str, length_power_alpha: float) -> AggCounts:
         num_sequences=float(m.shape[0]) if seq_count == "all" else count(nonempty.sum()),
         num_pos_sequences=count((nonempty & (seq_adv > 0)).sum()),
         num_neg_sequences=count((nonempty & (seq_adv < 0)).sum()),
-        num_pos_tokens=count((m & (adv > 0)).sum()),
-        num_neg_tokens=count((m & (adv < 0)).sum()),
+        num_pos_tokens=count(pos_tokens),
+        num_neg_tokens=count(neg_tokens),
         length_power_denominator=count(denominator),
+        lengths=None if cp.current_group() is None else lengths,
     )
+
+
+def _cp_sequence_counts(m, adv):
+    """Per sequence over every rank (one ``all_reduce`` of ``[4, B]`` in fp64, exact for
+    counts): valid tokens (int64), mean advantage (``adv``'s dtype); and the valid tokens of
+    A > 0 and of A < 0 in the batch."""
+    a = adv.detach().to(torch.float64)
+    local = torch.stack([m.sum(-1).to(torch.float64), torch.where(m, a, 0.0).sum(-1),
+                         (m & (a > 0)).sum(-1).to(torch.float64),
+                         (m & (a < 0)).sum(-1).to(torch.float64)])
+    lengths, adv_sum, pos, neg = cp.all_reduce(local).unbind()
+    seq_adv = (adv_sum / lengths.clamp(min=1)).to(adv.dtype)
+    return lengths.long(), seq_adv, pos.sum().long(), neg.sum().long()
 
 
 def host_value(t):
@@ -144,7 +167,7 @@ def aggregate(
     """
     masked = torch.where(m, loss, torch.zeros_like(loss))
     seq_sum = masked.sum(-1)
-    lengths = m.sum(-1).to(loss.dtype)
+    lengths = (m.sum(-1) if counts.lengths is None else counts.lengths).to(loss.dtype)
     dp, ga = cfg.dp_size, cfg.grad_accum_steps
     if mode == "token-mean":
         if num_items_in_batch is not None:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from logitless.fused_losses.objectives import context_parallel as cp
 from logitless.fused_losses.objectives.aggregation import (
     BatchGlobals,
     agg_counts,
@@ -158,12 +159,14 @@ def _globals(batch: _Batch, cfg: PolicyLossConfig, kept) -> tuple[BatchGlobals, 
     if cfg.attn_entropy_weighting is not None:
         attn_stats, attn_thresholds = _attention_globals(batch, cfg, kept)
     max_len = _max_response_length(batch, cfg)
+    loss_counts = agg_counts(kept, batch.adv, cfg.seq_count, cfg.length_power_alpha)
     is_weight_mean = None
     if cfg.rollout_is is not None and cfg.rollout_is_batch_normalize:
         is_weight_mean = _is_weight_mean(batch, cfg)
     glob = BatchGlobals(
-        loss=agg_counts(kept, batch.adv, cfg.seq_count, cfg.length_power_alpha),
-        entropy=agg_counts(masks.entropy, batch.adv, cfg.seq_count, cfg.length_power_alpha),
+        loss=loss_counts,
+        entropy=loss_counts if masks.entropy is kept else agg_counts(
+            masks.entropy, batch.adv, cfg.seq_count, cfg.length_power_alpha),
         max_response_length=max_len,
         entropy_threshold=entropy_threshold,
         adv_entropy_threshold=adv_entropy_threshold,
@@ -256,6 +259,7 @@ def policy_loss(
     validate: bool = True,
     compute_metrics: bool = True,
     kl=None,
+    cp_group=None,
 ):
     """Policy loss and metrics from per-token logprobs.
 
@@ -293,6 +297,15 @@ def policy_loss(
             ref_weight, mask, beta=1, temperature=T)``); needed there when ``beta != 0``. It
             takes the place of the estimate; ``beta``, ``kl_bias_correction`` and the
             aggregation apply to it as to an estimate, ``kl_clamp`` (a guard of k3) does not.
+        cp_group: a ``torch.distributed`` process group over which every sequence is split
+            (context parallelism, docs/scale.md): each rank passes the same ``B`` sequences in
+            the same order, rank ``r`` the ``r``-th contiguous piece of each (padded
+            ``[B, T_r]``, or packed with ``cu_seqlens`` local to the rank, zero-length
+            segments where it holds none of a sequence). Every sequence-level sum, count,
+            max and scan runs over the group (`context_parallel`), so the returned loss is
+            the whole sequences' loss on every rank and each rank's gradient with respect to
+            its tokens is the whole loss's; the metrics are the rank's own tokens'. Options
+            that cannot be made exact cheaply raise ``ValueError`` (`check_cp_config`).
 
     Returns:
         ``(loss, metrics)``: a scalar (dtype of the logprobs, at least fp32) and a dict of
@@ -309,18 +322,68 @@ def policy_loss(
         raise ValueError("old_logprobs: required (pass logprobs.detach() when on-policy)")
     check_exact_kl(cfg, kl is not None, "kl", "kl (the per-token exact KL, e.g. from "
                    "linear_divergence(..., beta=1))")
+    if cp_group is not None:
+        check_cp_config(cfg, cp_group, batch_globals)
     batch = _to_batch(
         mask, advantages, cu_seqlens, _dtype(logprobs), validate, cfg, max_seqlen,
         logprobs=logprobs, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
         rollout_logprobs=rollout_logprobs, entropy=entropy, token_weights=token_weights,
         attention_entropy=attention_entropy, kl=kl,
     )
-    return _loss_of_batch(
-        batch, cfg, batch_globals, validate=validate,
-        num_items_in_batch=num_items_in_batch, global_batch_size=global_batch_size,
-        training_progress=training_progress, entropy_coef=entropy_coef,
-        compute_metrics=compute_metrics,
-    )
+    with cp.cp_context(cp_group):
+        loss, metrics = _loss_of_batch(
+            batch, cfg, batch_globals, validate=validate,
+            num_items_in_batch=num_items_in_batch, global_batch_size=global_batch_size,
+            training_progress=training_progress, entropy_coef=entropy_coef,
+            compute_metrics=compute_metrics,
+        )
+        return cp_loss_value(loss), metrics
+
+
+# What a cp_group cannot make exact without gathering every rank's tokens: (field, test, why).
+_CP_REFUSED = (
+    ("top_entropy_quantile", lambda c: c.top_entropy_quantile < 1,
+     "an entropy quantile over the batch (a sort of every rank's tokens)"),
+    ("adv_entropy_top_fraction", lambda c: c.adv_entropy_top_fraction < 1,
+     "a |A| H quantile over the batch (a sort of every rank's tokens)"),
+    ("attn_entropy_weighting", lambda c: c.attn_entropy_weighting is not None,
+     "batch quantiles and per-sequence softmaxes of attention entropies"),
+)
+
+
+def check_cp_config(cfg: PolicyLossConfig, cp_group, batch_globals=None) -> None:
+    """``ValueError`` naming the option for what ``cp_group`` refuses (docs/scale.md): the
+    objectives that select tokens from whole-batch statistics of the current logprobs
+    (``clip_cov``, ``kl_cov``), entropy and attention-entropy quantiles, attention-entropy
+    weighting, ``seq-mean-token-sum-norm`` without ``max_response_length`` (a rank's width is
+    not the sequences'), and ``batch_globals`` (computed by one rank, they are not the
+    group's)."""
+    cp.check_group(cp_group)
+    if get_objective(cfg.objective).needs_whole_batch:
+        raise ValueError(f"objective: {cfg.objective} selects tokens from statistics of the "
+                         "whole batch's current logprobs and is not supported with cp_group")
+    for name, refused, why in _CP_REFUSED:
+        if refused(cfg):
+            raise ValueError(f"{name}: not supported with cp_group ({why})")
+    norm = "seq-mean-token-sum-norm"
+    if cfg.max_response_length is None and norm in (cfg.loss_agg, cfg.entropy_agg):
+        raise ValueError(f"max_response_length: {norm} with cp_group needs "
+                         "PolicyLossConfig.max_response_length (a rank's padded width is not "
+                         "the sequences')")
+    if batch_globals is not None:
+        raise ValueError("batch_globals: not supported with cp_group (the call computes them "
+                         "over the group)")
+
+
+def cp_loss_value(share: torch.Tensor) -> torch.Tensor:
+    """Inside a `cp_context`: the rank's share of the loss with the whole loss's value (one
+    ``all_reduce`` of the shares) and the share's gradient, which is the whole loss's with
+    respect to the rank's tokens (the sequence-level reductions carry the other ranks'
+    terms). Outside: ``share``."""
+    if cp.current_group() is None:
+        return share
+    total = cp.all_reduce(share.detach())
+    return share + (total - share.detach())
 
 
 def _loss_of_batch(batch: _Batch, cfg, batch_globals, *, validate=True, num_items_in_batch=None,

@@ -56,7 +56,8 @@ def _geometric(d, lp, m, adv, cfg, eps_low, eps_high, ratio_mask):
 
 def prefix_bound_scale(m: torch.Tensor, growth: str) -> torch.Tensor:
     """CTPO's g(t) with t the 1-based index of the token among the valid tokens of its sequence."""
-    t = m.to(torch.float64).cumsum(-1).clamp(min=1)
+    # a segment scan, so that under cp_group t counts the earlier ranks' tokens too
+    t = segments.prefix_sum(m.to(torch.float64), m).clamp(min=1)
     if growth == "sqrt":
         return t.sqrt()
     if growth == "linear":

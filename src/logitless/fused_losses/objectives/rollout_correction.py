@@ -6,6 +6,7 @@ available": its token gets a zero log-ratio (weight 1, no rejection evidence), a
 
 import torch
 
+from logitless.fused_losses.objectives import context_parallel as cp
 from logitless.fused_losses.objectives import segments
 from logitless.fused_losses.oplib import is_compiling
 
@@ -42,12 +43,15 @@ def rollout_is_weight(log_ratio, m, cfg) -> torch.Tensor:
 def rollout_is_batch_mean(weight, m, level) -> float:
     """Mean of the IS weights over the batch: over valid tokens (``token``), or over non-empty
     sequences, one weight each (sequence levels). 1 when it is not positive (verl's guard).
-    A float; a 0-d tensor under ``torch.compile``."""
+    A float; a 0-d tensor under ``torch.compile``. Inside a `cp_context` over every rank's
+    tokens (one ``all_reduce``; a sequence-level weight is the same at every column of every
+    rank, so each rank reads its first column, and needs one)."""
     if level == "token":
-        n = m.sum()
-        mean = torch.where(m, weight, torch.zeros_like(weight)).sum() / n.clamp(min=1)
+        total, n = cp.reduced(torch.stack([torch.where(m, weight, torch.zeros_like(weight)).sum(),
+                                           m.sum().to(weight.dtype)])).unbind()
+        mean = total / n.clamp(min=1)
     else:
-        nonempty = m.any(-1)
+        nonempty = cp.reduced(m.sum(-1)) > 0
         first = weight[:, :1].squeeze(-1) if weight.shape[1] else weight.new_zeros(len(m))
         mean = torch.where(nonempty, first, 0.0).sum() / nonempty.sum().clamp(min=1)
     if is_compiling():  # a 0-d tensor: reading it on the host would break the graph

@@ -22,14 +22,22 @@ fp32, bf16 and fp16 only, fp64 stays on the twin), else the torch twin
 
 The Functions' backward passes are not differentiable again (``once_differentiable``); they
 accept fp64 so that ``gradcheck`` can run on them.
+
+Inside `context_parallel.cp_context` (``cp_group=`` of `policy_loss`) every reduction and scan
+here also runs over the group's ranks (``context_parallel.py``: the contract and the
+collectives): the local result first, as above, then one ``all_reduce``. Only the padded
+layout (the grid `policy_loss` works on) is taken there; ``segment_max`` and ``prefix_min``
+give values only.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
 from logitless.fused_losses.backend import triton_selected
+from logitless.fused_losses.objectives import context_parallel as cp
 from logitless.kernels import segments_torch as twin
 from logitless.kernels.segments_torch import to_packed, to_padded
 
@@ -150,49 +158,49 @@ class _BroadcastPacked(torch.autograd.Function):
         return _kernels().segment_reduce(g.contiguous(), None, cu_seqlens, "sum")[0], None, None
 
 
-def segment_sum(x, mask, cu_seqlens=None) -> torch.Tensor:
+def _local_segment_sum(x, mask, cu_seqlens=None) -> torch.Tensor:
     """``[B]``: ``sum_t m x`` per sequence."""
     if _on_triton(x):
         return _SegmentSum.apply(x, mask, cu_seqlens)
     return twin.segment_sum(x, mask, cu_seqlens)
 
 
-def segment_count(mask, cu_seqlens=None) -> torch.Tensor:
+def _local_segment_count(mask, cu_seqlens=None) -> torch.Tensor:
     """``[B]`` int64: number of valid tokens per sequence (``L_i``)."""
     if _on_triton(mask, torch.float32):
         return _kernels().segment_reduce(mask, mask, cu_seqlens, "count")[0]
     return twin.segment_count(mask, cu_seqlens)
 
 
-def segment_mean(x, mask, cu_seqlens=None) -> torch.Tensor:
+def _local_segment_mean(x, mask, cu_seqlens=None) -> torch.Tensor:
     """``[B]``: ``sum_t m x / L_i``; 0 for a sequence without valid tokens."""
     if _on_triton(x):
         return _SegmentMean.apply(x, mask, cu_seqlens)
     return twin.segment_mean(x, mask, cu_seqlens)
 
 
-def segment_max(x, mask, cu_seqlens=None, empty: float = 0.0) -> torch.Tensor:
+def _local_segment_max(x, mask, cu_seqlens=None, empty: float = 0.0) -> torch.Tensor:
     """``[B]``: max over valid tokens; ``empty`` for a sequence without valid tokens."""
     if _on_triton(x):
         return _SegmentMax.apply(x, mask, cu_seqlens, float(empty))
     return twin.segment_max(x, mask, cu_seqlens, empty)
 
 
-def prefix_sum(x, mask, cu_seqlens=None) -> torch.Tensor:
+def _local_prefix_sum(x, mask, cu_seqlens=None) -> torch.Tensor:
     """Like ``x``: ``sum_{j <= t} m_j x_j`` within each sequence."""
     if _on_triton(x):
         return _PrefixSum.apply(x, mask, cu_seqlens, False)
     return twin.prefix_sum(x, mask, cu_seqlens)
 
 
-def suffix_sum(x, mask, cu_seqlens=None) -> torch.Tensor:
+def _local_suffix_sum(x, mask, cu_seqlens=None) -> torch.Tensor:
     """Like ``x``: ``sum_{j >= t} m_j x_j`` within each sequence."""
     if _on_triton(x):
         return _PrefixSum.apply(x, mask, cu_seqlens, True)
     return twin.suffix_sum(x, mask, cu_seqlens)
 
 
-def prefix_min(x, mask, cu_seqlens=None, *, exclusive: bool = False) -> torch.Tensor:
+def _local_prefix_min(x, mask, cu_seqlens=None, *, exclusive: bool = False) -> torch.Tensor:
     """Like ``x``: ``min(x_j : j <= t, m_j)`` (``j < t`` when ``exclusive``); ``+inf`` if none.
 
     The gradient reaches the arg-min token of each prefix (``torch.cummin``).
@@ -207,3 +215,84 @@ def broadcast(values: torch.Tensor, like: torch.Tensor, cu_seqlens=None) -> torc
     if cu_seqlens is not None and _on_triton(values):
         return _BroadcastPacked.apply(values, like.shape, cu_seqlens)
     return twin.broadcast(values, like, cu_seqlens)
+
+
+def _cp_layout(x, cu_seqlens, name, grad_ok=True):
+    """Under a `cp_context`: only the padded grid, and (``grad_ok`` False) no gradient."""
+    if cu_seqlens is not None:
+        raise ValueError(f"cu_seqlens: {name} under cp_group takes the padded [B, T] grid "
+                         "(policy_loss lays a packed batch out on it first)")
+    if not grad_ok and x.requires_grad and torch.is_grad_enabled():
+        raise ValueError(f"cp_group: {name} over ranks gives values only (pass a detached x)")
+
+
+def segment_sum(x, mask, cu_seqlens=None) -> torch.Tensor:
+    """``[B]``: ``sum_t m x`` per sequence."""
+    local = _local_segment_sum(x, mask, cu_seqlens)
+    if cp.current_group() is None:
+        return local
+    _cp_layout(x, cu_seqlens, "segment_sum")
+    return cp.all_reduce(local)
+
+
+def segment_count(mask, cu_seqlens=None) -> torch.Tensor:
+    """``[B]`` int64: number of valid tokens per sequence (``L_i``)."""
+    local = _local_segment_count(mask, cu_seqlens)
+    if cp.current_group() is None:
+        return local
+    _cp_layout(mask, cu_seqlens, "segment_count")
+    return cp.all_reduce(local)
+
+
+def segment_mean(x, mask, cu_seqlens=None) -> torch.Tensor:
+    """``[B]``: ``sum_t m x / L_i``; 0 for a sequence without valid tokens."""
+    if cp.current_group() is None:
+        return _local_segment_mean(x, mask, cu_seqlens)
+    _cp_layout(x, cu_seqlens, "segment_mean")
+    total = _local_segment_sum(x, mask)
+    count = _local_segment_count(mask).to(total.dtype)
+    total, count = cp.all_reduce(torch.stack([total, count])).unbind()
+    return total / count.clamp(min=1)
+
+
+def segment_max(x, mask, cu_seqlens=None, empty: float = 0.0) -> torch.Tensor:
+    """``[B]``: max over valid tokens; ``empty`` for a sequence without valid tokens."""
+    if cp.current_group() is None:
+        return _local_segment_max(x, mask, cu_seqlens, empty)
+    _cp_layout(x, cu_seqlens, "segment_max", grad_ok=False)
+    out = cp.all_reduce(_local_segment_max(x.detach(), mask, None, -torch.inf),
+                        dist.ReduceOp.MAX)
+    return torch.where(torch.isneginf(out), torch.full_like(out, empty), out)
+
+
+def _scan_sum(x, mask, cu_seqlens, reverse):
+    local = (_local_suffix_sum if reverse else _local_prefix_sum)(x, mask, cu_seqlens)
+    if cp.current_group() is None:
+        return local
+    _cp_layout(x, cu_seqlens, "suffix_sum" if reverse else "prefix_sum")
+    totals = cp.rank_totals(_local_segment_sum(x, mask))
+    return local + cp.earlier(totals, later=reverse)[:, None]
+
+
+def prefix_sum(x, mask, cu_seqlens=None) -> torch.Tensor:
+    """Like ``x``: ``sum_{j <= t} m_j x_j`` within each sequence."""
+    return _scan_sum(x, mask, cu_seqlens, False)
+
+
+def suffix_sum(x, mask, cu_seqlens=None) -> torch.Tensor:
+    """Like ``x``: ``sum_{j >= t} m_j x_j`` within each sequence."""
+    return _scan_sum(x, mask, cu_seqlens, True)
+
+
+def prefix_min(x, mask, cu_seqlens=None, *, exclusive: bool = False) -> torch.Tensor:
+    """Like ``x``: ``min(x_j : j <= t, m_j)`` (``j < t`` when ``exclusive``); ``+inf`` if none.
+
+    The gradient reaches the arg-min token of each prefix (``torch.cummin``).
+    """
+    local = _local_prefix_min(x, mask, cu_seqlens, exclusive=exclusive)
+    if cp.current_group() is None:
+        return local
+    _cp_layout(x, cu_seqlens, "prefix_min", grad_ok=False)
+    mins = -_local_segment_max(-x.detach(), mask, None, -torch.inf)  # +inf where none
+    before = cp.earlier(cp.rank_totals(mins, dist.ReduceOp.MIN), op=dist.ReduceOp.MIN)
+    return torch.minimum(local, before[:, None])
