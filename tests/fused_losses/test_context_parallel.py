@@ -226,7 +226,7 @@ def _worker(rank, world):
     _check_fused(rank, world)
 
 
-@pytest.mark.slow
+@pytest.mark.dist  # a minute and a half on two cores: make test-dist
 @pytest.mark.parametrize("world", [2, 3])
 def test_context_parallel_matches_whole_sequences(world):
     run_on_gloo(world, _worker)

@@ -58,6 +58,7 @@ def _worker(rank, world):
         torch.testing.assert_close(w.grad, full[1].grad, rtol=1e-11, atol=1e-13)
 
 
+@pytest.mark.dist  # over a minute on two cores: make test-dist
 @pytest.mark.parametrize("world", [2, 3])
 def test_verl_ulysses_split_matches_whole_sequences(world):
     run_on_gloo(world, _worker)
