@@ -168,6 +168,20 @@ def test_replay_refuses_a_micro_batch_without_sets():
         linear_cross_entropy(torch.randn(3, D), torch.randn(V, D), torch.arange(3))
 
 
+def test_replay_leaves_a_critics_forward_alone():
+    """verl's value-head engine inherits ``prepare_model_inputs``: a critic in the replaying
+    process lays out no sets and needs none."""
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithValueHead
+
+    set_head_replay(True)
+    critic = FSDPEngineWithValueHead.__new__(FSDPEngineWithValueHead)
+    vars(critic).update(vars(engine()))
+    data = batch(drop_key=True)
+    tu.assign_non_tensor(data, use_remove_padding=True)
+    FSDPEngineWithLMHead.prepare_model_inputs(critic, data)
+    assert verl_head._pending_kept is None
+
+
 def test_replay_refuses_an_empty_set_in_the_loss():
     set_head_replay(True)
     data = batch(empty_at=(2, 4))

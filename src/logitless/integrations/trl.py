@@ -59,6 +59,7 @@ __all__ = [
     "SUPPORTED_TRL",
     "GRPOTrainer",
     "LogitlessChunkedLogProb",
+    "check_grpo_replay",
     "config_from_grpo",
     "loss_config_over_grpo",
     "patch_trl",

@@ -116,10 +116,12 @@ def head_replays() -> bool:
 
 def _replaying_prepare(self, micro_batch):
     """verl's ``prepare_model_inputs``, then the micro-batch's kept sets laid out as the rows
-    of the head call its forward makes."""
+    of the head call its forward makes (not for the value-head engine, which inherits the
+    method: a critic in the same process reads no sets)."""
     global _pending_kept
     model_inputs, output_args = _original_prepare(self, micro_batch)
-    if _replay:
+    value_head = getattr(sys.modules[_ENGINE_MODULE], "FSDPEngineWithValueHead", ())
+    if _replay and not isinstance(self, value_head):  # a critic's forward has no LM head
         if "shift_labels" in model_inputs:  # remove-padding: the packed, rolled labels
             labels = model_inputs["shift_labels"].reshape(-1)
         else:  # padded [b, S]: the fused forward rolls each row itself
