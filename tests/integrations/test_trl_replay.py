@@ -112,6 +112,10 @@ class Engine:
             out[SAMPLING_MASK_KEY][0] = out[SAMPLING_MASK_KEY][0][:-1]
         elif self.corrupt == "none":
             out[SAMPLING_MASK_KEY][0][0] = None
+        elif self.corrupt == "env":  # token 1 of completion 0 came from an environment
+            out[SAMPLING_MASK_KEY][0][1] = None
+            out["env_mask"] = [[int((b, t) != (0, 1)) for t in range(len(c))]
+                               for b, c in enumerate(out["completion_ids"])]
         self.outputs.append(out)
         return out
 
@@ -321,6 +325,22 @@ def test_replay_sets_leave_the_reward_functions_alone(tiny, tmp_path):
     assert kept.dtype == torch.int64 and kept.shape[:2] == batch["completion_ids"].shape
     # padding columns hold no set
     assert bool((kept[batch["completion_mask"] == 0] == -1).all())
+
+
+def test_replay_a_token_the_engine_did_not_sample(tiny, tmp_path):
+    """A None set where ``env_mask`` is 0 (an environment's token, out of the loss) becomes the
+    set {that token}; the other tokens keep their recorded sets."""
+    engine = Engine(corrupt="env")
+    trainer = make_trainer(tiny, grpo_args(tmp_path), cls=GRPOTrainer, engine=engine,
+                           match_sampler="replay")
+    batch = trainer._generate_and_score_completions(
+        [{"prompt": p} for p in prompt_dataset(4)["prompt"] for _ in range(2)])
+    kept = batch[KEPT_IDS_KEY]
+    token = int(batch["completion_ids"][0, 1])
+    assert kept[0, 1].tolist() == [token] + [-1] * (kept.shape[-1] - 1)
+    recorded = engine.outputs[0][SAMPLING_MASK_KEY][0][0]
+    assert kept[0, 0, :len(recorded)].tolist() == recorded
+    assert int(batch["tool_mask"][0, 1]) == 0
 
 
 # -- converters ----------------------------------------------------------------------------

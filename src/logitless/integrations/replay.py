@@ -97,32 +97,40 @@ def kept_ids_from_masks(masks: Sequence[Sequence[Sequence[int] | None]], length:
     columns, an empty set, duplicate ids, or ids outside ``[0, vocab_size)``."""
     if isinstance(length, bool) or not isinstance(length, int) or length < 0:
         raise ValueError(f"length: expected an int >= 0, got {length!r}")
-    rows = []
-    k = 1
+    flat, sizes, where = [], [], []  # every id, each set's size, each set's (completion, token)
+    count = 0
     for b, sets in enumerate(masks):
         sets = list(sets)
+        count += 1
         if len(sets) > length:
             raise ValueError(f"masks: completion {b} has {len(sets)} kept sets for {length} "
                              f"completion columns")
-        row = []
         for t, ids in enumerate(sets):
             if ids is None:
-                row.append(None)
                 continue
-            ids = [int(i) for i in ids]
+            ids = list(ids)
             if not ids:
                 raise ValueError(f"masks: completion {b}, token {t}: empty kept set")
-            if len(set(ids)) != len(ids):
-                raise ValueError(f"masks: completion {b}, token {t}: duplicate ids")
-            if min(ids) < 0 or (vocab_size is not None and max(ids) >= vocab_size):
-                raise ValueError(f"masks: completion {b}, token {t}: ids outside "
-                                 f"[0, {vocab_size if vocab_size is not None else 'V'})")
-            row.append(ids)
-            k = max(k, len(ids))
-        rows.append(row)
-    out = torch.full((len(rows), length, k), -1, dtype=torch.int64)
-    for b, row in enumerate(rows):
-        for t, ids in enumerate(row):
-            if ids is not None:
-                out[b, t, :len(ids)] = torch.tensor(ids, dtype=torch.int64)
+            flat.extend(ids)
+            sizes.append(len(ids))
+            where.append((b, t))
+    k = max(sizes, default=1)
+    out = torch.full((count, length, k), -1, dtype=torch.int64)
+    if flat:
+        ids = torch.tensor(flat, dtype=torch.int64)
+        size = torch.tensor(sizes)
+        owner = torch.repeat_interleave(torch.arange(len(sizes)), size)
+        bad = (ids < 0) | (ids >= vocab_size if vocab_size is not None else False)
+        if bool(bad.any()):
+            b, t = where[int(owner[bad.nonzero()[0]])]
+            raise ValueError(f"masks: completion {b}, token {t}: ids outside "
+                             f"[0, {vocab_size if vocab_size is not None else 'V'})")
+        column = torch.arange(len(flat)) - torch.repeat_interleave(size.cumsum(0) - size, size)
+        rows = torch.tensor(where, dtype=torch.int64).reshape(-1, 2)[owner]
+        out[rows[:, 0], rows[:, 1], column] = ids
+        ordered = out.sort(dim=-1).values
+        twice = ((ordered[..., 1:] == ordered[..., :-1]) & (ordered[..., 1:] >= 0)).any(-1)
+        if bool(twice.any()):
+            b, t = twice.nonzero()[0].tolist()
+            raise ValueError(f"masks: completion {b}, token {t}: duplicate ids")
     return out if device is None else out.to(device)
