@@ -57,3 +57,40 @@ def prompt_dataset(n: int = len(PROMPTS)):
 def vowel_reward(completions, **kwargs) -> list[float]:
     """Reward: the fraction of vowels in the completion's text (varies between samples)."""
     return [sum(c in "aeiou" for c in text) / max(len(text), 1) for text in completions]
+
+
+class RecordingHeadCalls:
+    """Mixin for a ``GRPOTrainer`` subclass: keeps, for every forward-helper call, what the
+    head returned and ``self.oracle(h, weight, bias, labels, model, kwargs)`` (a dict) of the
+    same call, computed in fp64 from the model's own final hidden states ``h`` and LM head at
+    that moment, at the completion positions (``labels`` -100 at padding)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.calls = []
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask,
+                                           logits_to_keep, batch_size=None,
+                                           compute_entropy=False, **kwargs):
+        logps, entropies, aux = super()._get_per_token_logps_and_entropies(
+            model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
+            compute_entropy=compute_entropy, **kwargs)
+        module = self.accelerator.unwrap_model(model)
+        if hasattr(module, "get_base_model"):  # PEFT: the model with its adapters injected
+            module = module.get_base_model()
+        with torch.no_grad():
+            hidden = module.model(input_ids=input_ids,
+                                  attention_mask=attention_mask).last_hidden_state[:, :-1]
+            labels = input_ids[:, 1:].masked_fill(attention_mask[:, 1:] == 0, -100)
+            keep = (slice(None), slice(-logits_to_keep, None))
+            h, y = hidden[keep].double(), labels[keep]
+            head = module.lm_head
+            bias = None if head.bias is None else head.bias.double()
+            oracle = self.oracle(h, head.weight.double(), bias, y, model,
+                                 dict(kwargs, logits_to_keep=logits_to_keep))
+        self.calls.append(dict(
+            reference=model is self.ref_model or self._reference_pass,
+            grad=torch.is_grad_enabled(),
+            logps=logps.detach(), entropy=None if entropies is None else entropies.detach(),
+            mask=y != -100, **oracle))
+        return logps, entropies, aux

@@ -163,3 +163,16 @@ def test_an_ignored_token_may_keep_nothing():
     out = logitless.linear_logprobs(hidden, weight, targets, bias=bias, kept_ids=ids,
                                     return_entropy=True)
     assert out.logprobs[5] == 0 and out.entropy[5] == 0
+
+
+def test_reference_keeps_id_zero_beside_padding():
+    """A set holding id 0 and padding: the oracle keeps 0 (padding once scattered a False
+    onto id 0, which raced with the set's own True)."""
+    torch.manual_seed(5)
+    hidden, weight = torch.randn(64, 6, dtype=torch.float64), torch.randn(9, 6, dtype=torch.float64)
+    ids = torch.tensor([[0, 4, 7] + [-1] * 13] * 64)
+    targets = torch.full((64,), 4)
+    got = reference.kept_set_logprobs(hidden, weight, targets, ids)
+    z = hidden @ weight.T
+    want = z[:, 4] - torch.logsumexp(z[:, [0, 4, 7]], -1)
+    torch.testing.assert_close(got["logprobs"], want)

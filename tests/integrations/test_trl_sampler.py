@@ -14,7 +14,13 @@ import torch
 
 from logitless.reference.sampler import sampler_logprobs
 
-from tiny_models import prompt_dataset, tiny_qwen2, tiny_tokenizer, vowel_reward
+from tiny_models import (
+    RecordingHeadCalls,
+    prompt_dataset,
+    tiny_qwen2,
+    tiny_tokenizer,
+    vowel_reward,
+)
 
 trl = pytest.importorskip("trl", reason="TRL is installed by `make test`")
 
@@ -57,42 +63,17 @@ def make_trainer(cls, tiny, args, **kwargs):
                train_dataset=prompt_dataset(4), processing_class=tokenizer, **kwargs)
 
 
-class Recording(GRPOTrainer):
+class Recording(RecordingHeadCalls, GRPOTrainer):
     """Keeps, for every forward-helper call, what the head returned and the oracle of the
     same call: the fp64 sampler-matched and full-distribution logprobs and entropies computed
     from the model's own final hidden states and LM head at that moment."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.calls = []
-
-    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask,
-                                           logits_to_keep, batch_size=None,
-                                           compute_entropy=False, **kwargs):
-        logps, entropies, aux = super()._get_per_token_logps_and_entropies(
-            model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
-            compute_entropy=compute_entropy, **kwargs)
-        module = self.accelerator.unwrap_model(model)
-        if hasattr(module, "get_base_model"):  # PEFT: the model with its adapters injected
-            module = module.get_base_model()
-        with torch.no_grad():
-            hidden = module.model(input_ids=input_ids,
-                                  attention_mask=attention_mask).last_hidden_state[:, :-1]
-            labels = input_ids[:, 1:].masked_fill(attention_mask[:, 1:] == 0, -100)
-            keep = (slice(None), slice(-logits_to_keep, None))
-            h, y = hidden[keep].double(), labels[keep]
-            w = module.lm_head.weight.double()
-            # TRL without vLLM samples with transformers' generate and its rules
-            matched = sampler_logprobs(h, w, y, temperature=TEMPERATURE, top_k=TOP_K,
-                                       top_p=TOP_P, min_p=self.args.min_p or None,
-                                       sampler="transformers")
-            full = sampler_logprobs(h, w, y, temperature=TEMPERATURE)
-        self.calls.append(dict(
-            reference=model is self.ref_model or self._reference_pass,
-            grad=torch.is_grad_enabled(),
-            logps=logps.detach(), entropy=None if entropies is None else entropies.detach(),
-            mask=y != -100, matched=matched, full=full))
-        return logps, entropies, aux
+    def oracle(self, h, w, bias, y, model, kwargs):
+        # TRL without vLLM samples with transformers' generate and its rules
+        matched = sampler_logprobs(h, w, y, temperature=TEMPERATURE, top_k=TOP_K,
+                                   top_p=TOP_P, min_p=self.args.min_p or None,
+                                   sampler="transformers")
+        return dict(matched=matched, full=sampler_logprobs(h, w, y, temperature=TEMPERATURE))
 
 
 def _close(actual, expected, mask, name):

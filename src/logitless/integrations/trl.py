@@ -36,11 +36,13 @@ from logitless.fused_losses.objectives.config import PolicyLossConfig
 from logitless.fused_losses.objectives.entropy_control import AdaptiveEntropyCoef
 from logitless.fused_losses.objectives.policy_loss import policy_loss, policy_loss_globals
 from logitless.fused_losses.objectives.ratios import compute_ratio
+from logitless.integrations.replay import KEPT_IDS_KEY, SAMPLING_MASK_KEY, kept_ids_from_masks
 from logitless.integrations.sampler_config import (
     SamplerTruncation,
     drop_outside_kept,
 )
 from logitless.integrations.trl_config import (
+    check_grpo_replay,
     config_from_grpo,
     loss_config_over_grpo,
     sampler_from_grpo,
@@ -59,6 +61,7 @@ __all__ = [
     "SUPPORTED_TRL",
     "GRPOTrainer",
     "LogitlessChunkedLogProb",
+    "check_grpo_replay",
     "config_from_grpo",
     "loss_config_over_grpo",
     "patch_trl",
@@ -76,33 +79,79 @@ _FORWARD_KEYS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attentio
 class _Head:
     """TRL's kernel contract for one forward helper call; drops the entropy when not wanted
     (TRL's policy head always computes it, even in the old-policy pass that discards it), and
-    applies the sampler's truncations when given them."""
+    applies the sampler's truncations when given them, or the recorded kept sets: ``kept``,
+    one ``(mask, kept_ids)`` per model call of the helper's batch loop, in its order (see
+    `_replay_chunks`)."""
 
-    def __init__(self, entropy: bool, sampler: SamplerTruncation | None = None):
+    def __init__(self, entropy: bool, sampler: SamplerTruncation | None = None,
+                 kept: list | None = None):
         self.entropy = entropy
         self.sampler = sampler
+        self.kept = kept
 
     def apply(self, hidden, weight, bias, targets, temperature, chunk_size,
               final_logit_softcapping=None, logit_scale=1.0, outputs=()):
         if not self.entropy:
             outputs = tuple(o for o in outputs if o != "entropy")
+        kept_ids = None if self.kept is None else self._rows(hidden.shape[0])
         return LogitlessChunkedLogProb.apply(hidden, weight, bias, targets, temperature,
                                              chunk_size, final_logit_softcapping, logit_scale,
-                                             outputs, sampler=self.sampler)
+                                             outputs, sampler=self.sampler, kept_ids=kept_ids)
+
+    def _rows(self, rows: int) -> torch.Tensor:
+        """The kept sets of the head's rows for the next model call. TRL's fused forward passes
+        the rows whose label is not -100 (``hidden[mask]``, on Triton devices) or every
+        position with the -100 labels read as 0: the rows outside the mask get the set {0}."""
+        if not self.kept:
+            raise RuntimeError("match_sampler='replay': TRL's head was called more often than "
+                               "the forward helper makes model calls")
+        mask, kept = self.kept.pop(0)
+        if rows == int(mask.sum()):
+            return kept[mask]
+        if rows == mask.numel():
+            return kept.reshape(rows, -1)
+        raise RuntimeError(f"match_sampler='replay': TRL's head got {rows} rows for a model "
+                           f"call of {tuple(mask.shape)} positions ({int(mask.sum())} scored)")
+
+
+def _replay_chunks(input_ids, attention_mask, logits_to_keep, batch_size, kept_ids):
+    """Per model call of TRL's forward-helper loop (rows ``[start, start + batch_size)``): the
+    positions TRL's fused head scores (``labels[:, 1:] != -100``, TRL's own labels) and the
+    kept sets ``[b, L - 1, K]`` at those positions, {0} elsewhere. ``kept_ids`` is
+    ``[B, logits_to_keep, K]``, aligned with the completion ids."""
+    if kept_ids.shape[:2] != (input_ids.shape[0], logits_to_keep):
+        raise ValueError(f"{KEPT_IDS_KEY}: expected shape [{input_ids.shape[0]}, "
+                         f"{logits_to_keep}, K] (the completions), got {list(kept_ids.shape)}")
+    labels = input_ids.masked_fill(attention_mask == 0, -100)
+    labels[:, :-logits_to_keep] = -100
+    mask = labels[:, 1:] != -100
+    full = kept_ids.new_full((*mask.shape, kept_ids.shape[-1]), -1)
+    full[:, -logits_to_keep:] = kept_ids.to(full.device)
+    outside = ~mask
+    full[outside] = -1
+    full[..., 0].masked_fill_(outside, 0)
+    batch_size = batch_size or input_ids.shape[0]
+    return [(mask[i:i + batch_size], full[i:i + batch_size])
+            for i in range(0, input_ids.shape[0], batch_size)]
 
 
 @contextlib.contextmanager
-def _logitless_head(entropy: bool, sampler: SamplerTruncation | None = None):
+def _logitless_head(entropy: bool, sampler: SamplerTruncation | None = None,
+                    kept: list | None = None):
     """TRL's fused head computes through logitless inside the block (TRL looks the kernel up
     at each call; the backward belongs to the returned tensors, so it needs no patch)."""
     import trl.trainer.utils as trl_utils
 
     saved = trl_utils._ChunkedLogProbFunction
-    trl_utils._ChunkedLogProbFunction = _Head(entropy, sampler)
+    head = _Head(entropy, sampler, kept)
+    trl_utils._ChunkedLogProbFunction = head
     try:
         yield
     finally:
         trl_utils._ChunkedLogProbFunction = saved
+    if kept:
+        raise RuntimeError("match_sampler='replay': TRL's head was called fewer times than "
+                           "the forward helper makes model calls")
 
 
 def _uses_kl(cfg: PolicyLossConfig) -> bool:
@@ -151,11 +200,27 @@ class GRPOTrainer(trl.GRPOTrainer):
             outside the kept set of the recomputed policy or old policy (the two engines
             disagreeing at the boundary) is left out of the loss and counted in
             ``logitless/sampler/outside_kept``. Off by default: TRL's own numbers.
+            ``"replay"``: renormalise over the kept set the engine recorded for each token
+            instead of recomputing it from the settings (no boundary rounding, no version
+            drift). The sets come from the ``rollout_func``, under the extra key
+            ``"sampling_mask"`` (`logitless.integrations.replay.SAMPLING_MASK_KEY`): per
+            completion, one list of kept vocabulary ids per completion token, or None for a
+            token the engine did not sample (those need ``env_mask`` 0 there). vLLM returns
+            them with ``return_sampling_mask=True``
+            (`logitless.integrations.replay.masks_from_request_outputs` reads its
+            ``RequestOutput``s), SGLang with the request's ``return_sampling_mask``
+            (``masks_from_sglang_outputs``). The key is taken out of the extra fields (the
+            reward functions do not see it); the generation batch carries the sets as
+            ``"kept_ids"``, int64 ``[B, T, K]`` padded with -1, aligned with
+            ``completion_ids``, and TRL's batch splitting and forward-helper chunking keep
+            them aligned. What replay cannot honour is refused at construction
+            (`check_grpo_replay`) or at the first generation (a missing key, a count that
+            differs from the completions' tokens).
         truncate_reference: with ``match_sampler``, the reference model's logprobs too are
-            those of its tempered logits under the same truncation, so that the KL compares
-            like with like (0 at step 1). A completion token outside the reference's kept set
-            is left out of the loss and counted in
-            ``logitless/sampler/outside_kept_reference``.
+            those of its tempered logits under the same truncation (with ``"replay"``: the
+            same recorded sets), so that the KL compares like with like (0 at step 1). A
+            completion token outside the reference's kept set is left out of the loss and
+            counted in ``logitless/sampler/outside_kept_reference``.
 
     Logs TRL's metric names (``kl``, ``entropy``, ``clip_ratio/*``, ``cispo_clip_ratio``,
     ``vespo/phi_seq_mean``, ``policy_loss``, ``entropy_coef``, ``aux_loss``) with TRL's values,
@@ -170,22 +235,37 @@ class GRPOTrainer(trl.GRPOTrainer):
     def __init__(self, *args, loss_config: PolicyLossConfig | None = None,
                  attention_entropy_layers: Sequence[int] | None = None,
                  attention_entropy_heads: Sequence[int] | None = None,
-                 match_sampler: bool = False, truncate_reference: bool = False, **kwargs):
+                 match_sampler: bool | str = False, truncate_reference: bool = False,
+                 **kwargs):
         trl_module, _, function = _trl_modules()
         _check_contract(trl_module, function)
+        if match_sampler not in (False, True, "replay"):
+            raise ValueError(f"match_sampler: expected False, True or 'replay', got "
+                             f"{match_sampler!r}")
         bound = inspect.signature(trl.GRPOTrainer.__init__).bind_partial(
             self, *args, **kwargs).arguments
         _check_reference_source(bound.get("model"), bound.get("args"), bound.get("peft_config"))
-        if match_sampler and bound.get("args") is not None:
-            sampler_from_grpo(bound["args"])  # refuse before TRL loads models and starts vLLM
+        replay = match_sampler == "replay"
+        if bound.get("args") is not None:  # refuse before TRL loads models and starts vLLM
+            if replay:
+                check_grpo_replay(bound["args"], bound.get("rollout_func"))
+            elif match_sampler:
+                sampler_from_grpo(bound["args"])
         if truncate_reference and not match_sampler:
             raise ValueError("truncate_reference: truncates the reference model's logprobs "
                              "as match_sampler truncates the policy's; set match_sampler=True")
         self._sampler = None
+        self._replay = False
+        self._replay_masks = None
+        self._replay_kept = None
         self._truncate_reference = truncate_reference
         self._reference_pass = False
         super().__init__(*args, **kwargs)
-        if match_sampler:
+        if replay:
+            check_grpo_replay(self.args, self.rollout_func)
+            self._replay = True
+            self._check_generation_backend()
+        elif match_sampler:
             self._sampler = sampler_from_grpo(self.args)
             self._check_generation_backend()
         cfg = (config_from_grpo(self.args) if loss_config is None
@@ -217,10 +297,12 @@ class GRPOTrainer(trl.GRPOTrainer):
         transformers' generation, the logprobs a vLLM server returns, DeepSpeed ZeRO-3."""
         from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 
-        if self._sampler.truncates and is_deepspeed_zero3_enabled():
+        if (self._replay or self._sampler.truncates) and is_deepspeed_zero3_enabled():
             raise ValueError(
                 "GRPOConfig.deepspeed: the sampler-matched head does not re-gather a ZeRO-3 "
                 "partitioned LM head in its backward (unsharded heads and FSDP2 are supported)")
+        if self._replay:
+            return  # the rollout_func generates: TRL's generation settings are not used
         if not self.use_vllm and "suppress_tokens" in getattr(self, "generation_kwargs", {}):
             raise ValueError(
                 "processing_class: TRL suppresses the image token when generating with "
@@ -238,17 +320,31 @@ class GRPOTrainer(trl.GRPOTrainer):
 
     # -- forward passes ----------------------------------------------------------------------
 
+    @property
+    def _matching(self) -> bool:
+        """Whether the head follows the sampler (its settings, or the recorded sets)."""
+        return self._sampler is not None or self._replay
+
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask,
                                            logits_to_keep, batch_size=None,
-                                           compute_entropy=False, **kwargs):
+                                           compute_entropy=False, kept_ids=None, **kwargs):
+        """TRL's, plus ``kept_ids`` (replay: the batch's recorded sets, ``[B, T, K]``; during
+        generation, TRL's old-policy and reference passes read the sets just generated)."""
         record = self._attention_pending and model is self.model
         recording = (self._recording_attention(model, logits_to_keep) if record
                      else contextlib.nullcontext())
         # the sampler drew from the policy: the reference model's logprobs stay untruncated
         # unless truncate_reference
         reference = model is self.ref_model or self._reference_pass
-        sampler = None if reference and not self._truncate_reference else self._sampler
-        with _logitless_head(compute_entropy, sampler), recording:
+        follow = not reference or self._truncate_reference
+        sampler = self._sampler if follow else None
+        kept = None
+        if self._replay and follow:
+            if kept_ids is None:
+                kept_ids = self._generation_kept_ids(logits_to_keep)
+            kept = _replay_chunks(input_ids, attention_mask, logits_to_keep, batch_size,
+                                  kept_ids.to(input_ids.device))
+        with _logitless_head(compute_entropy, sampler, kept), recording:
             return super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
                 compute_entropy=compute_entropy, **kwargs)
@@ -282,7 +378,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         ``use_adapter`` block (adapter disabled or "ref"): mark those passes for the duration."""
         import trl.trainer.grpo_trainer as grpo_module
 
-        if self._sampler is None:
+        if not self._matching:
             yield
             return
         inner = grpo_module.use_adapter
@@ -304,7 +400,63 @@ class GRPOTrainer(trl.GRPOTrainer):
 
     def _generate_and_score_completions(self, inputs):
         with self._marking_reference_passes():
-            return self._generate_and_score(inputs)
+            output = self._generate_and_score(inputs)
+        if self._replay:
+            output[KEPT_IDS_KEY] = self._generation_kept_ids(output["completion_ids"].size(1))
+            self._replay_masks = self._replay_kept = None
+        return output
+
+    def _generate(self, prompts):
+        result = super()._generate(prompts)
+        if self._replay:
+            _, completion_ids, tool_mask, _, _, extra_fields, _, _ = result
+            self._replay_masks = self._read_sampling_mask(
+                extra_fields.pop(SAMPLING_MASK_KEY, None), completion_ids, tool_mask)
+            self._replay_kept = None
+        return result
+
+    def _read_sampling_mask(self, masks, completion_ids, tool_mask):
+        """The rollout's recorded sets, checked against its completions; a None entry (a token
+        the engine did not sample) becomes the set {that token}, allowed where ``env_mask`` is
+        0 only (the token is out of the loss)."""
+        if masks is None:
+            raise ValueError(
+                f"rollout_func: match_sampler='replay' needs the kept sets the engine recorded "
+                f"under the key {SAMPLING_MASK_KEY!r} of its output (vLLM: "
+                f"return_sampling_mask=True, read with logitless.integrations.replay."
+                f"masks_from_request_outputs); the output has none")
+        if len(masks) != len(completion_ids):
+            raise ValueError(f"rollout_func: {SAMPLING_MASK_KEY!r} has {len(masks)} entries for "
+                             f"{len(completion_ids)} completions")
+        out = []
+        for b, (sets, ids) in enumerate(zip(masks, completion_ids, strict=True)):
+            sets = list(sets)
+            if len(sets) != len(ids):
+                raise ValueError(f"rollout_func: {SAMPLING_MASK_KEY!r}[{b}] has {len(sets)} kept "
+                                 f"sets for the completion's {len(ids)} tokens")
+            row = []
+            for t, kept in enumerate(sets):
+                if kept is None:
+                    if tool_mask is None or tool_mask[b][t] != 0:
+                        raise ValueError(
+                            f"rollout_func: {SAMPLING_MASK_KEY!r}[{b}][{t}] is None (no set) "
+                            f"for a token in the loss; None is for tokens with env_mask 0")
+                    kept = [int(ids[t])]
+                row.append(kept)
+            out.append(row)
+        return out
+
+    def _generation_kept_ids(self, length: int) -> torch.Tensor:
+        """The sets of the generation in progress, ``[B, length, K]`` (built once)."""
+        if self._replay_masks is None:
+            raise RuntimeError("match_sampler='replay': a forward pass needs the recorded sets "
+                               "but no generation has supplied them")
+        if self._replay_kept is None or self._replay_kept.shape[1] != length:
+            vocab = self.accelerator.unwrap_model(self.model).get_output_embeddings().weight
+            self._replay_kept = kept_ids_from_masks(self._replay_masks, length,
+                                                    vocab_size=vocab.shape[0],
+                                                    device=self.accelerator.device)
+        return self._replay_kept
 
     def _generate_and_score(self, inputs):
         if self.loss_config.attn_entropy_weighting is None:
@@ -363,7 +515,8 @@ class GRPOTrainer(trl.GRPOTrainer):
             mask = completion_mask * inputs["tool_mask"]
         logps, entropies, aux_loss = self._get_per_token_logps_and_entropies(
             model, input_ids, attention_mask, logits_to_keep, compute_entropy=True,
-            compute_aux_loss=self.aux_loss_enabled, **{k: inputs.get(k) for k in _FORWARD_KEYS})
+            compute_aux_loss=self.aux_loss_enabled, kept_ids=inputs.get(KEPT_IDS_KEY),
+            **{k: inputs.get(k) for k in _FORWARD_KEYS})
 
         mode = "train" if self.model.training else "eval"
         # TRL divides by the accumulation steps in training only (no accumulation in eval);
@@ -379,7 +532,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         old = logps.detach() if old is None else old
         outside = None
         ref = inputs.get("ref_per_token_logps")
-        if self._sampler is not None:
+        if self._matching:
             tokens = mask.sum()
             logps, old, mask, outside = drop_outside_kept(logps, old, mask)
             if ref is not None and self._truncate_reference:

@@ -10,7 +10,9 @@ import torch
 
 from logitless.fused_losses.objectives.catalog import OBJECTIVES
 from logitless.fused_losses.objectives.config import ConfigError, PolicyLossConfig
+from logitless.integrations.replay import SAMPLING_MASK_KEY
 from logitless.integrations.sampler_config import (
+    GREEDY_TEMPERATURE,
     SamplerTruncation,
     read_sampler_config,
 )
@@ -237,6 +239,33 @@ _REQUIRED_GENERATION_KWARGS = {"do_sample": True, "num_beams": 1}
 _SAMPLER_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
 
 
+def _check_distribution_settings(args, read_fields) -> None:
+    """What neither sampler matching nor replay reproduces: a repetition penalty, and
+    ``generation_kwargs`` keys that override ``read_fields`` or change the distribution
+    otherwise (``do_sample`` must stay True and ``num_beams`` 1)."""
+    if args.repetition_penalty != 1:
+        raise ValueError(
+            f"GRPOConfig.repetition_penalty: sampler matching reproduces temperature, top-k, "
+            f"top-p and min-p only; a repetition penalty depends on the tokens generated so far "
+            f"(expected 1.0, got {args.repetition_penalty!r})")
+    extra = args.generation_kwargs or {}
+    for key, value in extra.items():
+        if key in read_fields:
+            raise ValueError(
+                f"GRPOConfig.generation_kwargs[{key!r}]: overrides GRPOConfig.{key}, which "
+                f"match_sampler reads; set GRPOConfig.{key} instead")
+        if key in _REQUIRED_GENERATION_KWARGS:
+            if value != _REQUIRED_GENERATION_KWARGS[key]:
+                raise ValueError(
+                    f"GRPOConfig.generation_kwargs[{key!r}]: match_sampler needs plain sampling "
+                    f"({key}={_REQUIRED_GENERATION_KWARGS[key]!r}), got {value!r}")
+        elif key not in _NEUTRAL_GENERATION_KWARGS and key not in _SAMPLER_FIELDS:
+            raise ValueError(
+                f"GRPOConfig.generation_kwargs[{key!r}]: may change the sampling distribution, "
+                f"which match_sampler cannot reproduce (accepted keys: "
+                f"{sorted(_NEUTRAL_GENERATION_KWARGS | set(_REQUIRED_GENERATION_KWARGS))})")
+
+
 def sampler_from_grpo(args) -> SamplerTruncation:
     """The truncations TRL's generation backend samples with under ``args`` (a ``GRPOConfig``),
     for ``GRPOTrainer(match_sampler=True)``.
@@ -257,27 +286,7 @@ def sampler_from_grpo(args) -> SamplerTruncation:
     then min-p on the survivors; ``sampler="transformers"``).
     """
     names = {k: f"GRPOConfig.{k}" for k in ("temperature", "top_k", "top_p", "min_p")}
-    if args.repetition_penalty != 1:
-        raise ValueError(
-            f"GRPOConfig.repetition_penalty: sampler matching reproduces temperature, top-k, "
-            f"top-p and min-p only; a repetition penalty depends on the tokens generated so far "
-            f"(expected 1.0, got {args.repetition_penalty!r})")
-    extra = args.generation_kwargs or {}
-    for key, value in extra.items():
-        if key in _SAMPLER_FIELDS:
-            raise ValueError(
-                f"GRPOConfig.generation_kwargs[{key!r}]: overrides GRPOConfig.{key}, which "
-                f"match_sampler reads; set GRPOConfig.{key} instead")
-        if key in _REQUIRED_GENERATION_KWARGS:
-            if value != _REQUIRED_GENERATION_KWARGS[key]:
-                raise ValueError(
-                    f"GRPOConfig.generation_kwargs[{key!r}]: match_sampler needs plain sampling "
-                    f"({key}={_REQUIRED_GENERATION_KWARGS[key]!r}), got {value!r}")
-        elif key not in _NEUTRAL_GENERATION_KWARGS:
-            raise ValueError(
-                f"GRPOConfig.generation_kwargs[{key!r}]: may change the sampling distribution, "
-                f"which match_sampler cannot reproduce (accepted keys: "
-                f"{sorted(_NEUTRAL_GENERATION_KWARGS | set(_REQUIRED_GENERATION_KWARGS))})")
+    _check_distribution_settings(args, _SAMPLER_FIELDS)
     if args.use_vllm and args.vllm_structured_outputs_regex is not None:
         raise ValueError(
             "GRPOConfig.vllm_structured_outputs_regex: guided decoding masks tokens at each "
@@ -294,3 +303,44 @@ def sampler_from_grpo(args) -> SamplerTruncation:
             "top_p or min_p supports vLLM and transformers' generate, not continuous "
             "batching")
     return settings
+
+
+# Under replay the recorded set is the truncation: only the temperature (the head divides the
+# logits by GRPOConfig.temperature) and the repetition penalty are read from the settings.
+_REPLAY_FIELDS = ("temperature", "repetition_penalty")
+
+
+def check_grpo_replay(args, rollout_func) -> None:
+    """The conditions of ``GRPOTrainer(match_sampler="replay")`` that the ``GRPOConfig`` and
+    the trainer's arguments show, checked at construction.
+
+    Replay renormalises the policy's tempered logits over the set the engine recorded; that is
+    the engine's distribution when, inside the set, the engine's processed logits are the
+    model's logits over ``GRPOConfig.temperature``. The sets reach the trainer from a
+    ``rollout_func`` (TRL's own vLLM paths do not return them: TRL builds the colocated
+    ``LLM`` without ``return_sampling_mask`` and its server answers ids and logprobs only).
+    Raises ``ValueError`` naming: ``rollout_func`` when there is none; ``GRPOConfig.temperature``
+    below 1e-5 (greedy decoding; vLLM refuses replay there too);
+    ``GRPOConfig.repetition_penalty`` != 1 (it moves the logits inside the set);
+    ``GRPOConfig.generation_kwargs[...]`` for ``temperature`` or ``repetition_penalty`` (they
+    override what the head reads) or a key that may change the distribution (``top_k``,
+    ``top_p`` and ``min_p`` pass: the set records them); ``vllm_structured_outputs_regex``
+    (not verified to enter vLLM's recorded set).
+    """
+    if rollout_func is None:
+        raise ValueError(
+            "rollout_func: match_sampler='replay' renormalises over the kept sets the engine "
+            f"recorded, which reach the trainer from a rollout_func returning them under "
+            f"{SAMPLING_MASK_KEY!r} (e.g. vLLM with return_sampling_mask=True, read by "
+            "logitless.integrations.replay.masks_from_request_outputs); TRL's own generation "
+            "does not return them")
+    if args.temperature < GREEDY_TEMPERATURE:
+        raise ValueError(
+            f"GRPOConfig.temperature: replay needs a sampling temperature >= "
+            f"{GREEDY_TEMPERATURE}, got {args.temperature!r}")
+    _check_distribution_settings(args, _REPLAY_FIELDS)
+    if args.use_vllm and args.vllm_structured_outputs_regex is not None:
+        raise ValueError(
+            "GRPOConfig.vllm_structured_outputs_regex: guided decoding with "
+            "match_sampler='replay' is not supported (its token masks are not verified to "
+            "enter the recorded set)")

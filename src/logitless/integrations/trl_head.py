@@ -71,11 +71,19 @@ class LogitlessChunkedLogProb:
     @staticmethod
     def apply(hidden, weight, bias, targets, temperature, chunk_size,
               final_logit_softcapping=None, logit_scale=1.0, outputs=_TRL_OUTPUTS, *,
-              sampler=None):
+              sampler=None, kept_ids=None):
         """TRL's arguments, plus ``sampler`` (a ``SamplerTruncation``, or None): the sampler's
         top-k / top-p / min-p, which make the logprobs and entropy those of the truncated,
         renormalised distribution the sampler drew from (logitless's ``GRPOTrainer`` passes
-        it with ``match_sampler=True``)."""
+        it with ``match_sampler=True``); or ``kept_ids`` (int64 ``[N, K]``, one row per row of
+        ``hidden``, padded with -1): the sets the engine recorded, renormalised over
+        (``match_sampler="replay"``). With ``kept_ids`` only the logprobs and the entropy are
+        computed (the other outputs read None)."""
+        if kept_ids is not None:
+            if sampler is not None:
+                raise ValueError("kept_ids: the recorded kept set replaces the sampler's "
+                                 "truncations; pass one of sampler and kept_ids")
+            outputs = tuple(o for o in outputs if o == "entropy")
         del chunk_size  # logitless sizes its own tiles
         from trl.trainer.utils import maybe_gather_lm_head_ctx
 
@@ -92,8 +100,10 @@ class LogitlessChunkedLogProb:
         out = linear_logprobs(
             hidden, weight, targets, bias=bias, temperature=temperature, softcap=softcap,
             logit_scale=logit_scale, return_entropy="entropy" in outputs, stats=stats,
-            gather_weight=lambda: maybe_gather_lm_head_ctx(weight, bias),
+            **({} if kept_ids is not None
+               else {"gather_weight": lambda: maybe_gather_lm_head_ctx(weight, bias)}),
             **({} if sampler is None else sampler.kwargs()),
+            **({} if kept_ids is None else {"kept_ids": kept_ids}),
         )
         log_sum_sq = None if out.sum_p_sq is None else torch.log(out.sum_p_sq.detach())
         mean = None if out.mean_logit is None else out.mean_logit.detach()

@@ -30,6 +30,13 @@ Sampler matching: ``policy_loss.match_sampler`` set to the rollout config
 the fused head compute the logprobs of the distribution the rollout engine (vLLM or SGLang,
 from ``rollout.name``) samples from (see
 :func:`sampler_from_rollout` for what is read and refused).
+
+Replay: ``policy_loss.match_sampler=replay`` renormalises over the kept sets the rollout engine
+recorded, which the batch carries under ``"kept_ids"`` (int64 ``[batch, response_length, K]``,
+-1 padded, aligned with ``responses``; a key present without ``replay`` is not read). verl's
+rollouts do not fill it: a custom agent loop or rollout does, from vLLM's
+``return_sampling_mask`` or SGLang's (``logitless.integrations.replay``). Supported on verl's
+FSDP engine (``FSDPEngineWithLMHead``; remove-padding or not, static packing pad, Ulysses).
 """
 
 from __future__ import annotations
@@ -55,14 +62,20 @@ from logitless.integrations.verl_head import (
     disable_fused_head,
     enable_fused_head,
     fused_head_enabled,
+    head_replays,
     head_sampler,
     linear_cross_entropy,
     sampler_head_calls,
+    set_head_replay,
     set_head_sampler,
 )
 
+# ``policy_loss.match_sampler``'s value for renormalising over the recorded kept sets
+REPLAY = "replay"
+
 __all__ = [
     "LOSS_PREFIX",
+    "REPLAY",
     "LogitlessPolicyLossConfig",
     "disable_fused_head",
     "enable_fused_head",
@@ -219,10 +232,13 @@ def _apply_match_sampler(self):
     source = self.match_sampler
     if source is None or source is False:
         return
+    if source == REPLAY:
+        set_head_replay(True)
+        return
     if not hasattr(source, "get") and not hasattr(source, "top_k"):
         raise ValueError(
             f"policy_loss.match_sampler: expected the rollout config (a mapping, e.g. "
-            f"'${{actor_rollout_ref.rollout}}') or None, got {source!r}")
+            f"'${{actor_rollout_ref.rollout}}'), {REPLAY!r} or None, got {source!r}")
     # The head runs in the model forward, before any loss call: every process that builds
     # this config (the actor worker among them) truncates its fused head from now on.
     set_head_sampler(sampler_from_rollout(source))
@@ -252,7 +268,8 @@ and ``policy_loss.loss_mode=logitless_<objective>``. Its own fields:
 - ``match_sampler``: the rollout config (``'${{actor_rollout_ref.rollout}}'``) to compute the
   fused head's logprobs and entropies under the distribution the rollout engine samples from
   (its temperature, top-k, top-p, min-p, under vLLM's or SGLang's rules as ``rollout.name``
-  says; see ``sampler_from_rollout``), or None (off). Needs
+  says; see ``sampler_from_rollout``); ``replay`` to renormalise over the kept sets the
+  engine recorded, from the batch's ``kept_ids``; or None (off). Needs
   logitless's fused head (``use_fused_kernels`` with the ``triton`` backend and
   ``LOGITLESS_VERL_FUSED_HEAD=1``) and no reference KL (``use_kl_loss``): the reference
   model's head in the same process would be truncated too. Checked at the first loss call.
@@ -406,7 +423,7 @@ def _check_sampler_matching(actor_config) -> None:
             "actor.use_kl_loss: with policy_loss.match_sampler the reference model's fused head "
             "in this process is truncated too, so its KL term is not the reference's; turn "
             "one of them off")
-    if head_sampler() is None or sampler_head_calls() == 0:
+    if (head_sampler() is None and not head_replays()) or sampler_head_calls() == 0:
         raise ValueError(
             "policy_loss.match_sampler: the logprobs did not come through logitless's "
             "sampler-matched head in this process; set actor_rollout_ref.model."

@@ -18,6 +18,13 @@ logprobs and entropies of the distribution the rollout engine samples from (the 
 truncated by top-k / top-p / min-p as vLLM does, renormalised); :func:`sampler_head_calls`
 counts those calls, so the loss can check that its logprobs came through this head.
 
+Replay: after :func:`set_head_replay` (``match_sampler: replay``), every call renormalises over
+the kept sets the rollout engine recorded instead. They travel in the batch under
+``"kept_ids"`` (int64 ``[B, response_length, K]``, -1 padded, aligned with ``responses``);
+:func:`set_head_replay` wraps verl's FSDP engine's ``prepare_model_inputs`` so that each micro
+batch's sets are laid out as the head's rows (:func:`kept_rows_for_head`) and handed to the
+next head call.
+
 This module does not import verl until :func:`enable_fused_head` is called.
 """
 
@@ -28,15 +35,19 @@ import sys
 import torch
 
 from logitless.fused_losses.head.logprobs import linear_logprobs
+from logitless.integrations.replay import KEPT_IDS_KEY
 from logitless.integrations.sampler_config import SamplerTruncation
 
 __all__ = [
     "disable_fused_head",
     "enable_fused_head",
     "fused_head_enabled",
+    "head_replays",
     "head_sampler",
+    "kept_rows_for_head",
     "linear_cross_entropy",
     "sampler_head_calls",
+    "set_head_replay",
     "set_head_sampler",
 ]
 
@@ -55,16 +66,145 @@ _ATTR = "linear_cross_entropy"
 _original: object | None = None
 _sampler: SamplerTruncation | None = None
 _sampler_calls = 0
+_replay = False
+_pending_kept: torch.Tensor | None = None
+# verl's FSDP engine class whose prepare_model_inputs lays the recorded sets out, and its own
+_ENGINE_MODULE = "verl.workers.engine.fsdp.transformer_impl"
+_ENGINE_CLASS = "FSDPEngineWithLMHead"
+_original_prepare = None
 
 
 def set_head_sampler(sampler: SamplerTruncation | None) -> None:
     """Truncate every later :func:`linear_cross_entropy` call of this process as the sampler
-    does (None: the full distribution again); restarts :func:`sampler_head_calls` at 0."""
+    does (None: the full distribution again); restarts :func:`sampler_head_calls` at 0 and
+    turns replay off."""
     global _sampler, _sampler_calls
     if sampler is not None and not isinstance(sampler, SamplerTruncation):
         raise ValueError(f"sampler: expected a SamplerTruncation or None, got {sampler!r}")
+    set_head_replay(False)
     _sampler = sampler
     _sampler_calls = 0
+
+
+def set_head_replay(on: bool) -> None:
+    """Renormalise every later :func:`linear_cross_entropy` call of this process over the kept
+    sets of its micro-batch (``"kept_ids"``), or stop (False). On, it wraps verl's FSDP
+    engine's ``prepare_model_inputs`` (undone by ``set_head_replay(False)``) and drops any
+    sampler truncation; restarts :func:`sampler_head_calls` at 0."""
+    global _replay, _sampler, _sampler_calls, _pending_kept, _original_prepare
+    import importlib
+
+    _pending_kept = None
+    _sampler_calls = 0
+    if on:
+        _sampler = None
+        engine = getattr(importlib.import_module(_ENGINE_MODULE), _ENGINE_CLASS)
+        if _original_prepare is None:
+            _original_prepare = engine.prepare_model_inputs
+            engine.prepare_model_inputs = _replaying_prepare
+    elif _original_prepare is not None:
+        engine = getattr(sys.modules[_ENGINE_MODULE], _ENGINE_CLASS)
+        engine.prepare_model_inputs = _original_prepare
+        _original_prepare = None
+    _replay = bool(on)
+
+
+def head_replays() -> bool:
+    """Whether :func:`linear_cross_entropy` renormalises over recorded sets in this process."""
+    return _replay
+
+
+def _replaying_prepare(self, micro_batch):
+    """verl's ``prepare_model_inputs``, then the micro-batch's kept sets laid out as the rows
+    of the head call its forward makes (not for the value-head engine, which inherits the
+    method: a critic in the same process reads no sets)."""
+    global _pending_kept
+    model_inputs, output_args = _original_prepare(self, micro_batch)
+    value_head = getattr(sys.modules[_ENGINE_MODULE], "FSDPEngineWithValueHead", ())
+    if _replay and not isinstance(self, value_head):  # a critic's forward has no LM head
+        if "shift_labels" in model_inputs:  # remove-padding: the packed, rolled labels
+            labels = model_inputs["shift_labels"].reshape(-1)
+        else:  # padded [b, S]: the fused forward rolls each row itself
+            labels = torch.roll(model_inputs["input_ids"], shifts=-1, dims=-1).reshape(-1)
+        _pending_kept = kept_rows_for_head(micro_batch, labels,
+                                           "shift_labels" in model_inputs,
+                                           int(output_args.get("pad_size", 0) or 0))
+    return model_inputs, output_args
+
+
+def _first_rows(tensor, i: int, n: int) -> torch.Tensor:
+    """The first ``n`` rows of sample ``i`` of a padded or a jagged nested tensor."""
+    if tensor.is_nested:
+        start = int(tensor.offsets()[i])
+        return tensor.values()[start:start + n]
+    return tensor[i, :n]
+
+
+def _response_lengths(micro_batch) -> list[int]:
+    """Each sample's response length, as verl's ``no_padding_2_padding`` reads it."""
+    prompts, responses = micro_batch["prompts"], micro_batch["responses"]
+    if prompts.is_nested:
+        return responses.offsets().diff().tolist()
+    attention = micro_batch["attention_mask"]
+    return attention[:, prompts.shape[1]:].sum(1).tolist()
+
+
+def kept_rows_for_head(micro_batch, labels: torch.Tensor, packed: bool,
+                       pad_size: int = 0) -> torch.Tensor:
+    """The micro-batch's recorded sets as the head's rows ``[labels.numel(), K]``.
+
+    ``micro_batch`` is verl's no-padding TensorDict (nested ``input_ids``) with ``kept_ids``
+    (``[B, response_length, K]`` padded, or jagged nested): response token ``j`` of sample
+    ``i`` is predicted at the position before it, ``end_i - r_i - 1 + j`` of the packed
+    sequence (verl's own response slicing). ``packed``: the remove-padding layout (one
+    sequence, ``pad_size`` padding rows at its end, then this rank's Ulysses slice); else the
+    padded ``[b, S]`` one. Every other row (prompt, padding, a response token with no set whose
+    ``response_mask`` is 0) gets the set {its label}: a logprob 0 that verl discards.
+
+    Raises ``ValueError`` naming ``kept_ids`` when the micro-batch has none, it has too few
+    rows, or a response token in the loss has an empty set."""
+    kept = micro_batch.get(KEPT_IDS_KEY, None)
+    if kept is None:
+        raise ValueError(
+            f"{KEPT_IDS_KEY}: policy_loss.match_sampler='replay' needs the recorded kept sets "
+            f"in the batch under {KEPT_IDS_KEY!r} (int64 [batch, response_length, K], -1 "
+            f"padded, aligned with responses); this micro-batch has none")
+    if kept.dtype != torch.int64:
+        raise ValueError(f"{KEPT_IDS_KEY}: expected int64 ids, got {kept.dtype}")
+    offsets = micro_batch["input_ids"].offsets().tolist()
+    response_mask = micro_batch["response_mask"]
+    k = kept.shape[-1]
+    rows = torch.full((offsets[-1], k), -1, dtype=torch.int64, device=labels.device)
+    for i, r in enumerate(_response_lengths(micro_batch)):
+        sets = _first_rows(kept, i, r)
+        if sets.shape[0] != r:
+            raise ValueError(f"{KEPT_IDS_KEY}: sample {i} has {sets.shape[0]} sets for its "
+                             f"{r} response tokens")
+        in_loss = _first_rows(response_mask, i, r).bool().to(labels.device)
+        empty = (sets < 0).all(-1).to(labels.device) & in_loss
+        if bool(empty.any()):
+            raise ValueError(f"{KEPT_IDS_KEY}: sample {i}, response token "
+                             f"{int(empty.nonzero()[0])} is in the loss but has an empty set")
+        end = offsets[i + 1]
+        rows[end - r - 1:end - 1] = sets.to(labels.device)
+    if packed:
+        rows = torch.cat([rows, rows.new_full((pad_size, k), -1)])
+        if rows.shape[0] != labels.numel():  # this rank's Ulysses slice of the sequence
+            from verl.utils.ulysses import slice_input_tensor
+
+            rows = slice_input_tensor(rows.unsqueeze(0), dim=1, padding=False)[0]
+    else:
+        width = labels.numel() // (len(offsets) - 1)
+        padded = rows.new_full((len(offsets) - 1, width, k), -1)
+        for i in range(len(offsets) - 1):
+            padded[i, :offsets[i + 1] - offsets[i]] = rows[offsets[i]:offsets[i + 1]]
+        rows = padded.reshape(-1, k)
+    if rows.shape[0] != labels.numel():
+        raise ValueError(f"{KEPT_IDS_KEY}: laid out {rows.shape[0]} rows for the head's "
+                         f"{labels.numel()} labels")
+    free = (rows < 0).all(-1)
+    rows[free, 0] = labels[free]
+    return rows
 
 
 def head_sampler() -> SamplerTruncation | None:
@@ -124,6 +264,7 @@ def linear_cross_entropy(
             f"labels must have one id per row of hidden ({hidden[..., 0].numel()} for hidden "
             f"{tuple(hidden.shape)}), got shape {tuple(labels.shape)}"
         )
+    kept = _take_kept(labels)
     out = linear_logprobs(
         hidden.reshape(-1, hidden.shape[-1]),
         weight,
@@ -135,8 +276,9 @@ def linear_cross_entropy(
         # sequence-parallel gather before the head sums them in its backward reduce-scatter.
         hidden_grad="partial",
         **({} if _sampler is None else _sampler.kwargs()),
+        **({} if kept is None else {"kept_ids": kept}),
     )
-    if _sampler is not None:
+    if _sampler is not None or kept is not None:
         _sampler_calls += 1
     logprobs, entropy = out.logprobs, out.entropy
     reduction = reduction.lower()
@@ -147,6 +289,23 @@ def linear_cross_entropy(
     if not entropy_grad:
         entropy = entropy.detach()
     return logprobs, entropy
+
+
+def _take_kept(labels: torch.Tensor) -> torch.Tensor | None:
+    """Under replay, the sets laid out for this call (used once), checked against its rows."""
+    global _pending_kept
+    if not _replay:
+        return None
+    kept, _pending_kept = _pending_kept, None
+    if kept is None:
+        raise ValueError(
+            f"{KEPT_IDS_KEY}: policy_loss.match_sampler='replay' but no micro-batch sets were "
+            f"laid out for this head call (replay supports verl's FSDP engine, whose "
+            f"prepare_model_inputs reads {KEPT_IDS_KEY!r})")
+    if kept.shape[0] != labels.numel():
+        raise ValueError(f"{KEPT_IDS_KEY}: {kept.shape[0]} rows laid out for a head call of "
+                         f"{labels.numel()} labels")
+    return kept.to(labels.device)
 
 
 def _linear_cross_entropy_no_entropy_grad(

@@ -248,8 +248,11 @@ def kept_set_logprobs(
     ``log_kept_mass`` (the set's log mass under the untruncated softmax); 0 where ignored."""
     temp = temperature.unsqueeze(-1) if isinstance(temperature, torch.Tensor) else temperature
     z = linear_logits(hidden, weight, bias, softcap_value=softcap, logit_scale=logit_scale) / temp
-    keep = torch.zeros_like(z, dtype=torch.bool)
-    keep.scatter_(-1, kept_ids.clamp_min(0), kept_ids >= 0)
+    # padding (-1) scatters into one extra column: written to id 0, it would race with a real 0
+    vocab = z.shape[-1]
+    keep = torch.zeros((*z.shape[:-1], vocab + 1), dtype=torch.bool, device=z.device)
+    keep.scatter_(-1, torch.where(kept_ids >= 0, kept_ids, vocab), True)
+    keep = keep[..., :vocab]
     zk = z.masked_fill(~keep, float("-inf"))
     log_q = torch.log_softmax(zk, dim=-1)
     q = log_q.exp()

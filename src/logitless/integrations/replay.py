@@ -1,0 +1,136 @@
+"""Recorded kept sets for ``match_sampler="replay"`` (issue 25, item 3): the per-token vocabulary
+ids a rollout engine kept after its top-k / top-p / min-p, turned into the ``kept_ids`` tensor
+:func:`logitless.linear_logprobs` takes (int64 ``[B, T, K]``, padded with -1).
+
+Where the sets come from (docs/sampler.md, "Replay"):
+
+- vLLM 0.34.0, started with ``LLM(..., return_sampling_mask=True)`` (engine argument
+  ``--return-sampling-mask``; it then needs ``top_k > 0`` and a temperature > 0 per request):
+  each ``CompletionOutput`` of a ``RequestOutput`` carries ``sampling_mask``, a
+  ``SamplingMask`` whose ``token_ids`` is one list of ids per generated token
+  (``vllm/outputs.py``). :func:`masks_from_request_outputs` reads them.
+- SGLang 0.5.23, a ``/generate`` request with ``return_sampling_mask: true``: each output's
+  ``meta_info["output_token_sampling_mask"]`` is one list of ids per output token, aligned
+  with ``output_ids``. :func:`masks_from_sglang_outputs` reads them.
+
+A completion's sets are a list with one entry per completion token: the list of kept ids, or
+None for a token the engine did not sample (a tool or environment token a rollout inserted).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+__all__ = [
+    "KEPT_IDS_KEY",
+    "SAMPLING_MASK_KEY",
+    "kept_ids_from_masks",
+    "masks_from_request_outputs",
+    "masks_from_sglang_outputs",
+]
+
+# The key a TRL ``rollout_func`` returns the recorded sets under: per completion, one entry per
+# completion token (a list of kept vocabulary ids, or None for a token not sampled).
+SAMPLING_MASK_KEY = "sampling_mask"
+# The tensor key the sets travel under afterwards: TRL's generation batch, verl's DataProto.
+KEPT_IDS_KEY = "kept_ids"
+
+
+def masks_from_request_outputs(request_outputs) -> list[list[list[int]]]:
+    """The recorded sets of vLLM ``RequestOutput``s, one entry per completion, in the order of
+    ``request_outputs`` and of each request's ``outputs`` (the order TRL flattens them in).
+
+    Reads ``request.outputs[i].sampling_mask.token_ids`` and ``.token_ids`` only. Raises
+    ``ValueError`` naming ``request_outputs`` when a completion carries no set (vLLM was not
+    started with ``return_sampling_mask=True``) or its set count differs from its token
+    count."""
+    masks = []
+    for r, request in enumerate(request_outputs):
+        for c, completion in enumerate(request.outputs):
+            mask = getattr(completion, "sampling_mask", None)
+            if mask is None:
+                raise ValueError(
+                    f"request_outputs: completion {c} of request {r} has no sampling_mask; "
+                    f"start vLLM with return_sampling_mask=True (--return-sampling-mask)")
+            sets = [list(s) for s in mask.token_ids]
+            if len(sets) != len(completion.token_ids):
+                raise ValueError(
+                    f"request_outputs: completion {c} of request {r} has {len(sets)} kept "
+                    f"sets for {len(completion.token_ids)} tokens")
+            masks.append(sets)
+    return masks
+
+
+def masks_from_sglang_outputs(outputs) -> list[list[list[int]]]:
+    """The recorded sets of SGLang ``/generate`` outputs (the response's list of dicts, or one
+    dict), one entry per output: ``meta_info["output_token_sampling_mask"]``, checked against
+    ``output_ids``. Raises ``ValueError`` naming ``outputs`` when an output has no set (the
+    request lacked ``return_sampling_mask: true``) or a count differs from its tokens."""
+    if isinstance(outputs, dict):
+        outputs = [outputs]
+    masks = []
+    for i, output in enumerate(outputs):
+        meta = output.get("meta_info") or {}
+        sets = meta.get("output_token_sampling_mask")
+        if sets is None:
+            raise ValueError(
+                f"outputs: output {i} has no meta_info['output_token_sampling_mask']; send the "
+                f"request with return_sampling_mask=true")
+        ids = output.get("output_ids")
+        if ids is not None and len(sets) != len(ids):
+            raise ValueError(f"outputs: output {i} has {len(sets)} kept sets for {len(ids)} "
+                             f"output ids")
+        masks.append([list(s) for s in sets])
+    return masks
+
+
+def kept_ids_from_masks(masks: Sequence[Sequence[Sequence[int] | None]], length: int,
+                        vocab_size: int | None = None,
+                        device: torch.device | str | None = None) -> torch.Tensor:
+    """The kept sets as int64 ``[B, length, K]`` padded with -1, aligned with right-padded
+    completion ids of ``length`` columns. ``K`` is the largest set. Positions without a set
+    (past a completion's end, or a None entry) hold -1 only.
+
+    Raises ``ValueError`` naming ``masks`` for a completion with more sets than ``length``
+    columns, an empty set, duplicate ids, or ids outside ``[0, vocab_size)``."""
+    if isinstance(length, bool) or not isinstance(length, int) or length < 0:
+        raise ValueError(f"length: expected an int >= 0, got {length!r}")
+    flat, sizes, where = [], [], []  # every id, each set's size, each set's (completion, token)
+    count = 0
+    for b, sets in enumerate(masks):
+        sets = list(sets)
+        count += 1
+        if len(sets) > length:
+            raise ValueError(f"masks: completion {b} has {len(sets)} kept sets for {length} "
+                             f"completion columns")
+        for t, ids in enumerate(sets):
+            if ids is None:
+                continue
+            ids = list(ids)
+            if not ids:
+                raise ValueError(f"masks: completion {b}, token {t}: empty kept set")
+            flat.extend(ids)
+            sizes.append(len(ids))
+            where.append((b, t))
+    k = max(sizes, default=1)
+    out = torch.full((count, length, k), -1, dtype=torch.int64)
+    if flat:
+        ids = torch.tensor(flat, dtype=torch.int64)
+        size = torch.tensor(sizes)
+        owner = torch.repeat_interleave(torch.arange(len(sizes)), size)
+        bad = (ids < 0) | (ids >= vocab_size if vocab_size is not None else False)
+        if bool(bad.any()):
+            b, t = where[int(owner[bad.nonzero()[0]])]
+            raise ValueError(f"masks: completion {b}, token {t}: ids outside "
+                             f"[0, {vocab_size if vocab_size is not None else 'V'})")
+        column = torch.arange(len(flat)) - torch.repeat_interleave(size.cumsum(0) - size, size)
+        rows = torch.tensor(where, dtype=torch.int64).reshape(-1, 2)[owner]
+        out[rows[:, 0], rows[:, 1], column] = ids
+        ordered = out.sort(dim=-1).values
+        twice = ((ordered[..., 1:] == ordered[..., :-1]) & (ordered[..., 1:] >= 0)).any(-1)
+        if bool(twice.any()):
+            b, t = twice.nonzero()[0].tolist()
+            raise ValueError(f"masks: completion {b}, token {t}: duplicate ids")
+    return out if device is None else out.to(device)
