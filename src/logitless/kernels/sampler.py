@@ -44,6 +44,7 @@ shrink ``_COLS``, ``_BLOCK_V`` and ``_BLOCK_S``. The kernels use ``tl.exp`` / ``
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -53,7 +54,7 @@ import triton.language as tl
 from logitless.kernels import interpreter_compat
 from logitless.kernels.linear_softmax import _round_to, _tanh
 from logitless.kernels.linear_softmax_torch import _head_slice, _pad_rows, addmm_acc_
-from logitless.kernels.sampler_torch import ENGINES, RowParams
+from logitless.kernels.sampler_torch import ENGINES, RowParams, _key_floats, _ordered_keys
 
 interpreter_compat.apply()
 
@@ -62,23 +63,24 @@ __all__ = ["DEFAULT_TILE_BYTES", "backward", "chunk_stats", "forward", "row_args
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
-# Default budget of one chunk's buffers (and of the backward's tile): 32 MiB keeps a chunk's
-# logits inside the H200's L2 cache (50 MB) through the threshold passes; 99 rows at
-# V=151936 in bf16.
-DEFAULT_TILE_BYTES = 32 * 2**20
-# Vocabulary columns per logits GEMM (and per transform launch).
-_COLS = 16384
+# Default budget of one chunk's buffers (and of the backward's tile): at V=151936 in bf16 a
+# chunk of 1024 rows (its logits, 311 MB, and their tempered fp32 copy, 622 MB), so that every
+# GEMM is 1024 rows tall and the head is read once per 1024 rows.
+DEFAULT_TILE_BYTES = 2**30
+# Vocabulary columns per logits GEMM: the whole head at once by default (one GEMM per chunk, no
+# partial last wave of column tiles); tests shrink it.
+_COLS = 2**18
 # Most rows per chunk.
 _MAX_ROWS = 1024
-# Columns per step of the one-value-per-column passes, and their warps.
+# Vocabulary columns per program of a pass (its slice; 19 slices at V=151936, so a 1024-row
+# chunk's pass runs 19456 programs), and the columns per step and warps of the passes.
+_SLICE = 8192
 _BLOCK_V = 2048
 _WARPS = 8
 # Trial keys per search pass, and the columns per step of a search pass (a [_FAN, _BLOCK_S]
-# block of comparisons).
+# block of comparisons, kept per lane across the slice).
 _FAN = 16
 _BLOCK_S = 512
-# "Every tied token": larger than any vocabulary.
-_ALL = tl.constexpr(2**62)
 
 
 @triton.jit
@@ -120,22 +122,124 @@ def _load_z(x_row, cols, width, t, softcap, scale, HAS_SOFTCAP: tl.constexpr):
 
 
 @triton.jit
-def _max_kernel(x, stride_x, temperature, m_out, l_out, width, softcap, scale,
-                HAS_SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr):
-    """Row maximum ``m`` and ``sum exp(z - m)``, online in one pass."""
+def _transform_kernel(x, stride_x, temperature, z, stride_z, part_m, part_l, part_k, n_slices,
+                      width, softcap, scale, HAS_SOFTCAP: tl.constexpr, SLICE: tl.constexpr,
+                      BLOCK_V: tl.constexpr):
+    """Slice ``s`` of row ``r``: the tempered fp32 logits written to ``z``, and the slice's
+    maximum, ``sum exp(z - max)`` and smallest key. Per-lane running state across the column
+    loop, reduced once at the end (a fixed tree)."""
     row = tl.program_id(0).to(tl.int64)
+    s = tl.program_id(1)
     x_row = x + row * stride_x
+    z_row = z + row * stride_z
     temp = tl.load(temperature + row)
-    m = float("-inf")
-    l = 0.0
-    for c0 in range(0, width, BLOCK_V):
-        z, _ = _load_z(x_row, c0 + tl.arange(0, BLOCK_V), width, temp, softcap, scale,
-                       HAS_SOFTCAP)
-        m_new = tl.maximum(m, tl.max(z, 0))  # every block holds a real column: finite
-        l = l * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), 0)
+    c_lo = s * SLICE
+    c_hi = tl.minimum(width, c_lo + SLICE)
+    m = tl.full([BLOCK_V], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_V], dtype=tl.float32)
+    kmin = tl.full([BLOCK_V], 2147483647, tl.int32)
+    for c0 in range(c_lo, c_hi, BLOCK_V):
+        cols = c0 + tl.arange(0, BLOCK_V)
+        zz, valid = _load_z(x_row, cols, c_hi, temp, softcap, scale, HAS_SOFTCAP)
+        tl.store(z_row + cols, zz, mask=valid)
+        m_new = tl.maximum(m, zz)
+        # a lane with no real column yet keeps m = -inf and l = 0
+        alpha = tl.where(m_new == float("-inf"), 1.0, tl.exp(m - m_new))
+        l = l * alpha + tl.where(valid, tl.exp(zz - m_new), 0.0)
         m = m_new
-    tl.store(m_out + row, m)
-    tl.store(l_out + row, l)
+        kmin = tl.minimum(kmin, tl.where(valid, _keys(zz), 2147483647))
+    top = tl.max(m, 0)
+    total = tl.sum(tl.where(m == float("-inf"), 0.0, l * tl.exp(m - top)), 0)
+    at = row * n_slices + s
+    tl.store(part_m + at, top)
+    tl.store(part_l + at, total)
+    tl.store(part_k + at, tl.min(kmin, 0))
+
+
+@triton.jit
+def _fan_kernel(z, stride_z, m_in, base, step, part, n_slices, width, WEIGHTED: tl.constexpr,
+                FAN: tl.constexpr, SLICE: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Slice ``s`` of row ``r``: how many tokens (or how much ``exp(z - m)``, fp32) lie at or
+    above each of the ``FAN`` trial keys ``base + j step``; nothing is read (and nothing
+    written) for a row whose ``step`` is 0 (its search is over). Per-lane sums across the
+    column loop, one fixed tree per trial at the end."""
+    row = tl.program_id(0).to(tl.int64)
+    s = tl.program_id(1)
+    st = tl.load(step + row)
+    lo = tl.load(base + row)
+    j = tl.arange(0, FAN).to(tl.int64)
+    trial = lo + j * st
+    # the trial keys as floats (a key past the fp32 range only ever lies above the search's
+    # upper end: its count is never read)
+    trial = tl.minimum(tl.maximum(trial, -2147483647), 2147483647)
+    zt = _from_key(trial)
+    m = tl.load(m_in + row)
+    z_row = z + row * stride_z
+    c_lo = s * SLICE
+    c_hi = tl.minimum(width, c_lo + SLICE)
+    c_end = tl.where(st > 0, c_hi, c_lo)
+    f = tl.zeros([FAN, BLOCK_S], dtype=tl.float32)
+    for c0 in range(c_lo, c_end, BLOCK_S):
+        cols = c0 + tl.arange(0, BLOCK_S)
+        zz = tl.load(z_row + cols, mask=cols < c_hi, other=float("-inf"))
+        ge = zz[None, :] >= zt[:, None]
+        if WEIGHTED:
+            f += tl.where(ge, tl.exp(zz - m)[None, :], 0.0)
+        else:
+            f += ge.to(tl.float32)
+    at = (row * n_slices + s) * FAN + j
+    tl.store(part + at, tl.sum(f, 1))
+
+
+@triton.jit
+def _stats_kernel(z, stride_z, targets, m_in, t_in, part, part_k, n_slices, width,
+                  SLICE: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Slice ``s`` of row ``r`` against the cut key ``T``: the mass and ``sum e (z - m)``
+    strictly above ``T``, the tokens at ``T`` and those of them before the target, the
+    target's logit, and the smallest key above ``T`` with its count. Per-lane state, reduced
+    once at the end."""
+    row = tl.program_id(0).to(tl.int64)
+    s = tl.program_id(1)
+    m = tl.load(m_in + row)
+    t = tl.load(t_in + row).to(tl.int32)
+    y = tl.load(targets + row)
+    z_row = z + row * stride_z
+    c_lo = s * SLICE
+    c_hi = tl.minimum(width, c_lo + SLICE)
+    l_a = tl.zeros([BLOCK_V], dtype=tl.float32)
+    a_a = tl.zeros([BLOCK_V], dtype=tl.float32)
+    n_t = tl.zeros([BLOCK_V], dtype=tl.float32)
+    n_b = tl.zeros([BLOCK_V], dtype=tl.float32)
+    z_y = tl.zeros([BLOCK_V], dtype=tl.float32)
+    k_a = tl.full([BLOCK_V], 2147483647, tl.int32)
+    n_k = tl.zeros([BLOCK_V], dtype=tl.float32)
+    for c0 in range(c_lo, c_hi, BLOCK_V):
+        cols = c0 + tl.arange(0, BLOCK_V)
+        valid = cols < c_hi
+        zz = tl.load(z_row + cols, mask=valid, other=float("-inf"))
+        key = _keys(zz)
+        above = valid & (key > t)
+        d = zz - m
+        e = tl.where(above, tl.exp(d), 0.0)
+        l_a += e
+        a_a += e * tl.where(above, d, 0.0)
+        at = valid & (key == t)
+        n_t += at.to(tl.float32)
+        n_b += (at & (cols < y)).to(tl.float32)
+        z_y += tl.where(cols == y, zz, 0.0)
+        ka = tl.where(above, key, 2147483647)
+        n_k = tl.where(ka < k_a, 1.0, tl.where(above & (ka == k_a), n_k + 1.0, n_k))
+        k_a = tl.minimum(k_a, ka)
+    k_min = tl.min(k_a, 0)
+    at = row * n_slices + s
+    out = part + at * 6
+    tl.store(out, tl.sum(l_a, 0))
+    tl.store(out + 1, tl.sum(a_a, 0))
+    tl.store(out + 2, tl.sum(n_t, 0))
+    tl.store(out + 3, tl.sum(n_b, 0))
+    tl.store(out + 4, tl.sum(z_y, 0))
+    tl.store(out + 5, tl.sum(tl.where(k_a == k_min, n_k, 0.0), 0))
+    tl.store(part_k + at, k_min)
 
 
 @triton.jit
@@ -147,171 +251,6 @@ def _members(key, valid, t, c, seen):
     rank = seen + tl.cumsum(at.to(tl.int32), 0)
     member = valid & ((key > t) | (at & (rank <= c)))
     return member, seen + tl.sum(at.to(tl.int32), 0)
-
-
-@triton.jit
-def _search(x_row, width, temp, softcap, scale, m, lo, hi, target, HAS_SOFTCAP: tl.constexpr,
-            WEIGHTED: tl.constexpr, FAN: tl.constexpr, BLOCK_S: tl.constexpr):
-    """The largest key ``t`` in ``[lo, hi]`` whose tokens at or above it number (or weigh,
-    each ``exp(z - m)``) at least ``target`` (``lo`` when none does; ``lo`` itself is never
-    tested: the caller guarantees it, as the torch path's bisection assumes). Each pass tests
-    ``FAN`` evenly spaced keys; only keys above ``lo`` are tested, so every token counted is
-    in the caller's candidate set."""
-    j = tl.arange(0, FAN).to(tl.int64)
-    while lo < hi:
-        step = (hi - lo) // FAN + 1
-        trial = lo + j * step
-        if WEIGHTED:
-            f = tl.zeros([FAN], dtype=tl.float64)
-        else:
-            f = tl.zeros([FAN], dtype=tl.int32)
-        for c0 in range(0, width, BLOCK_S):
-            z, valid = _load_z(x_row, c0 + tl.arange(0, BLOCK_S), width, temp, softcap, scale,
-                               HAS_SOFTCAP)
-            ge = (_keys(z)[None, :] >= trial[:, None]) & valid[None, :]
-            if WEIGHTED:
-                w = tl.exp(z - m).to(tl.float64)
-                f += tl.sum(tl.where(ge, w[None, :], 0.0), 1)
-            else:
-                f += tl.sum(ge.to(tl.int32), 1)
-        ok = (j > 0) & (trial <= hi) & (f >= target)
-        best = tl.max(tl.where(ok, j, 0), 0)
-        new_lo = lo + best * step
-        hi = tl.minimum(hi, new_lo + step - 1)
-        lo = new_lo
-    return lo
-
-
-@triton.jit
-def _threshold_kernel(x, stride_x, temperature, m_in, log_min_p, top_k, top_p, t_out, c_out,
-                      width, softcap, scale, HAS_SOFTCAP: tl.constexpr,
-                      HAS_MIN_P: tl.constexpr, HAS_TOP_K: tl.constexpr,
-                      HAS_TOP_P: tl.constexpr, ENGINE: tl.constexpr, FAN: tl.constexpr,
-                      BLOCK_S: tl.constexpr, BLOCK_V: tl.constexpr):
-    """The kept set of row ``r`` as ``(T, C)``: min-p, then top-k, then top-p (rows with
-    ``p = 1`` untouched). ``C`` may exceed the number of tokens at ``T`` (all of them).
-    ``ENGINE`` (an index into ``sampler_torch.ENGINES``) changes the rules as that module's
-    doc says: 1 (SGLang) and 2 (transformers) keep every tie at top-k, SGLang every tie at
-    top-p, both apply min-p last, and SGLang's rows without min-p search top-p over the whole
-    row (the joint filter) and keep the intersection of the two cuts."""
-    row = tl.program_id(0).to(tl.int64)
-    x_row = x + row * stride_x
-    temp = tl.load(temperature + row)
-    m = tl.load(m_in + row)
-    hi = _keys(m).to(tl.int64)
-    # The smallest candidate key: min-p keeps z >= m + log(min_p); the smallest key of all.
-    thr = float("-inf")
-    if HAS_MIN_P:
-        thr = m + tl.load(log_min_p + row)
-    lo = hi
-    lo_all = hi
-    for c0 in range(0, width, BLOCK_V):
-        z, valid = _load_z(x_row, c0 + tl.arange(0, BLOCK_V), width, temp, softcap, scale,
-                           HAS_SOFTCAP)
-        key = _keys(z)
-        lo = tl.minimum(lo, tl.min(tl.where(valid & (z >= thr), key, 2147483647), 0)
-                        .to(tl.int64))
-        lo_all = tl.minimum(lo_all, tl.min(tl.where(valid, key, 2147483647), 0).to(tl.int64))
-    floor = lo
-    if ENGINE != 0:
-        lo = lo_all  # min-p comes last
-    t = lo
-    c = tl.full([], _ALL, tl.int64)
-    if HAS_TOP_K:
-        k = tl.load(top_k + row)
-        t = _search(x_row, width, temp, softcap, scale, m, t, hi, k, HAS_SOFTCAP, False, FAN,
-                    BLOCK_S)
-        if ENGINE == 0:
-            above = tl.zeros([], dtype=tl.int64)
-            for c0 in range(0, width, BLOCK_V):
-                z, valid = _load_z(x_row, c0 + tl.arange(0, BLOCK_V), width, temp, softcap,
-                                   scale, HAS_SOFTCAP)
-                above += tl.sum((valid & (_keys(z) > t)).to(tl.int32), 0)
-            c = k - above
-    if HAS_TOP_P:
-        p = tl.load(top_p + row)
-        if p < 1.0:
-            # where top-p starts from: the top-k survivors, or for SGLang's joint filter (a
-            # row without min-p) the whole row
-            t_0 = t
-            c_0 = c
-            if ENGINE == 1:
-                joint = thr == float("-inf")
-                t_0 = tl.where(joint, lo, t)
-            # The mass in fp64, as the torch path sums it: a row whose boundary token sits
-            # within fp32 rounding of p keeps the set the exact sums give.
-            total = tl.zeros([], dtype=tl.float64)
-            seen = tl.zeros([], dtype=tl.int64)
-            for c0 in range(0, width, BLOCK_V):
-                z, valid = _load_z(x_row, c0 + tl.arange(0, BLOCK_V), width, temp, softcap,
-                                   scale, HAS_SOFTCAP)
-                member, seen = _members(_keys(z), valid, t_0, c_0, seen)
-                total += tl.sum(tl.where(member, tl.exp(z - m).to(tl.float64), 0.0), 0)
-            target = p * total
-            t_p = _search(x_row, width, temp, softcap, scale, m, t_0, hi, target, HAS_SOFTCAP,
-                          True, FAN, BLOCK_S)
-            if ENGINE == 1:
-                t = tl.maximum(t, t_p)  # every tie kept at both cuts
-            else:
-                g = tl.zeros([], dtype=tl.float64)
-                for c0 in range(0, width, BLOCK_V):
-                    z, valid = _load_z(x_row, c0 + tl.arange(0, BLOCK_V), width, temp,
-                                       softcap, scale, HAS_SOFTCAP)
-                    g += tl.sum(tl.where(valid & (_keys(z) > t_p),
-                                         tl.exp(z - m).to(tl.float64), 0.0), 0)
-                e_t = tl.exp(_from_key(t_p) - m).to(tl.float64)
-                # ceil((target - g) / e_t), at least 1; a tied weight underflowing to 0 (or a
-                # NaN) keeps every tie.
-                q = (target - g) / e_t
-                ties = tl.where(q == q, q, float("inf"))
-                ties = tl.maximum(tl.ceil(ties), 1.0)
-                c_p = tl.where(ties < 4.0e18, ties, 4.0e18).to(tl.int64)
-                c = tl.where(t_p > t, c_p, tl.minimum(c, c_p))
-                t = t_p
-    if ENGINE != 0:
-        # min-p last: every token at or above the smallest candidate key, where that cuts
-        c = tl.where(floor > t, _ALL, c)
-        t = tl.maximum(t, floor)
-    tl.store(t_out + row, t)
-    tl.store(c_out + row, c)
-
-
-@triton.jit
-def _stats_kernel(x, stride_x, temperature, targets, m_in, l_in, t_io, c_io, lp, entropy,
-                  kept_mass, lse, lse_kept, width, softcap, scale, HAS_SOFTCAP: tl.constexpr,
-                  BLOCK_V: tl.constexpr):
-    """Statistics of the kept set ``(T, C)``; ``c_io`` becomes the kept count at ``T``."""
-    row = tl.program_id(0).to(tl.int64)
-    x_row = x + row * stride_x
-    temp = tl.load(temperature + row)
-    m = tl.load(m_in + row)
-    t = tl.load(t_io + row)
-    c = tl.load(c_io + row)
-    y = tl.load(targets + row)
-    seen = tl.zeros([], dtype=tl.int64)
-    l_k = 0.0
-    a_k = 0.0
-    z_y = 0.0
-    y_in = tl.zeros([], dtype=tl.int32)
-    for c0 in range(0, width, BLOCK_V):
-        cols = c0 + tl.arange(0, BLOCK_V)
-        z, valid = _load_z(x_row, cols, width, temp, softcap, scale, HAS_SOFTCAP)
-        member, seen = _members(_keys(z), valid, t, c, seen)
-        d = tl.where(member, z - m, 0.0)
-        e = tl.where(member, tl.exp(d), 0.0)
-        l_k += tl.sum(e, 0)
-        a_k += tl.sum(e * d, 0)
-        is_y = valid & (cols == y)
-        z_y += tl.sum(tl.where(is_y, z, 0.0), 0)
-        y_in += tl.sum((is_y & member).to(tl.int32), 0)
-    full = m + tl.log(tl.load(l_in + row))
-    kept = m + tl.log(l_k)
-    tl.store(lp + row, tl.where(y_in > 0, z_y - kept, float("-inf")))
-    tl.store(entropy + row, tl.log(l_k) - a_k / l_k)
-    tl.store(kept_mass + row, kept - full)
-    tl.store(lse + row, full)
-    tl.store(lse_kept + row, kept)
-    tl.store(c_io + row, tl.minimum(c, seen))
 
 
 @triton.jit
@@ -377,28 +316,34 @@ def _grad_kernel(x, stride_x, targets, temperature, key, count, seen, lse, lse_k
 
 def rows_per_chunk(v: int, tile_bytes: int, dtype: torch.dtype, softcap: float | None) -> int:
     """Rows per chunk so that the forward's buffers fit in ``tile_bytes``: the chunk's logits
-    and one GEMM slice, both in the compute dtype. From the vocabulary, the budget and the
-    dtype only."""
+    in the compute dtype (the GEMM's output), their tempered fp32 copy, and one GEMM slice when
+    the vocabulary takes several. From the vocabulary, the budget and the dtype only (at the
+    reference shape, V=151936 in bf16, the default budget gives ``_MAX_ROWS`` = 1024 rows: the
+    GEMMs are 1024 rows tall)."""
     del softcap  # applied as the logits are read: no buffer
-    per_row = dtype.itemsize * (v + min(v, _COLS))
+    cols = min(v, _COLS)
+    per_row = dtype.itemsize * v + 4 * v + (dtype.itemsize * cols if cols < v else 0)
     return max(1, min(_MAX_ROWS, tile_bytes // per_row))
 
 
+def search_passes(fan: int) -> int:
+    """Passes of a ``fan``-trial search over the fp32 keys: each divides the range by ``fan``,
+    and a fixed number of them (no host read) settles any range below ``2^32``."""
+    passes = 0
+    while fan ** passes < 2**32:
+        passes += 1
+    return passes
+
+
 def row_args(params: RowParams, n: int, device):
-    """Per-row kernel arguments for ``n`` rows: ``log(min_p)`` as the torch path forms it,
-    and a stand-in pointer for each setting that is off."""
-    log_min_p = None if params.min_p is None else torch.log(params.min_p.float())
-    top_k = params.top_k
-    top_p = None if params.top_p is None else params.top_p.double()
-    dummy = torch.zeros(1, dtype=torch.float32, device=device)
+    """Per-row settings as the passes take them: the temperature (fp32), ``log(min_p)`` as the
+    torch path forms it, ``top_k`` and ``top_p`` (fp64); None where off."""
     return dict(
         temperature=params.temperature.float().contiguous(),
-        log_min_p=dummy if log_min_p is None else log_min_p.contiguous(),
-        top_k=torch.zeros(1, dtype=torch.int64, device=device) if top_k is None
-        else top_k.contiguous(),
-        top_p=dummy if top_p is None else top_p.contiguous(),
-        flags=dict(HAS_MIN_P=log_min_p is not None, HAS_TOP_K=top_k is not None,
-                   HAS_TOP_P=top_p is not None, ENGINE=ENGINES.index(params.engine)),
+        log_min_p=None if params.min_p is None else torch.log(params.min_p.float()),
+        top_k=params.top_k,
+        top_p=None if params.top_p is None else params.top_p.double(),
+        engine=ENGINES.index(params.engine),
     )
 
 
@@ -424,41 +369,231 @@ def forward(hidden, weight, bias, targets, params: RowParams, *, softcap, logit_
     rows = rows_per_chunk(v, tile_bytes, hidden.dtype, softcap)
     cols = min(v, _COLS)
     chunk = torch.empty(rows, v, dtype=hidden.dtype, device=dev)
-    part = torch.empty(rows * cols, dtype=hidden.dtype, device=dev)
+    part = torch.empty(rows * cols, dtype=hidden.dtype, device=dev) if cols < v else None
+    bufs = _Buffers(rows, v, dev)
     args = row_args(params, n, dev)
     targets = targets.contiguous()
-    scratch = torch.empty(2, rows, dtype=torch.float32, device=dev)
     for r0 in range(0, n, rows):
         real = min(rows, n - r0)
         h = _pad_rows(hidden[r0:r0 + real], rows).contiguous()  # the backward's layout
         for c0 in range(0, v, cols):
             w, b = _head_slice(weight, bias, c0, cols, hidden.dtype)
-            x = part[:rows * w.shape[0]].view(rows, w.shape[0])
-            _gemm_(x, h, w, b)
-            chunk[:, c0:c0 + w.shape[0]] = x
-        chunk_stats(chunk[:real], targets[r0:r0 + real], args, r0,
-                    [o[r0:r0 + real] for o in outs], scratch, softcap, logit_scale)
+            if part is None:
+                _gemm_(chunk, h, w, b)
+            else:
+                x = part[:rows * w.shape[0]].view(rows, w.shape[0])
+                _gemm_(x, h, w, b)
+                chunk[:, c0:c0 + w.shape[0]] = x
+        # every chunk is R rows: the passes' launches do not depend on N (padding rows: the
+        # settings of row 0 of the chunk, results dropped)
+        row_set = {k: None if args[k] is None else _pad_rows(args[k][r0:r0 + real], rows, fill)
+                   for k, fill in _PADDING.items()}
+        row_set["engine"] = args["engine"]
+        res = chunk_stats(chunk, _pad_rows(targets[r0:r0 + real], rows, 0), row_set, 0, None,
+                          softcap, logit_scale, bufs)
+        for o, x in zip(outs, res):
+            o[r0:r0 + real] = x[:real]
+    # A row with a NaN or inf logit has no distribution: its logprob is NaN (as the torch
+    # path's), not the -inf that means "outside the kept set".
+    outs[0] = torch.where(torch.isfinite(outs[3]), outs[0], torch.nan)
     return tuple(outs)
 
 
-def chunk_stats(x, targets, args, r0, outs, scratch, softcap, logit_scale):
-    """Steps 2-4 of the module doc on the logits ``x [R, V]`` before the transform (row
-    stride free, unit column stride) of rows ``r0 ...`` of the call: writes ``outs``
-    (``logprobs, entropy, log_kept_mass, lse, lse_kept, key, count``, each ``[R]``) from the
-    per-row settings ``args`` (:func:`row_args`), using ``scratch`` (fp32 ``[2, >= R]``)."""
+# Padding rows' settings: no-op values (their results are dropped).
+_PADDING = dict(temperature=1.0, log_min_p=-math.inf, top_k=2**62, top_p=1.0)
+
+
+class _Buffers:
+    """One chunk's buffers for :func:`chunk_stats`: the tempered fp32 logits and the
+    per-slice partial results."""
+
+    def __init__(self, rows, v, device):
+        self.rows, self.v = rows, v
+        self.slices = -(-v // _SLICE)
+        s = self.slices
+        self.z = torch.empty(rows, v, dtype=torch.float32, device=device)
+        self.m = torch.empty(rows, s, dtype=torch.float32, device=device)
+        self.l = torch.empty(rows, s, dtype=torch.float32, device=device)
+        self.k = torch.empty(rows, s, dtype=torch.int32, device=device)
+        self.fan = torch.zeros(rows, s, _FAN, dtype=torch.float32, device=device)
+        self.stats = torch.empty(rows, s, 6, dtype=torch.float32, device=device)
+
+
+def _key_of(z: torch.Tensor) -> torch.Tensor:
+    """The ordered int64 key of fp32 ``z`` (``_keys``, in torch)."""
+    return _ordered_keys(z.float()).long()
+
+
+def _float_of(key: torch.Tensor) -> torch.Tensor:
+    """The fp32 value of an ordered key (``_from_key``, in torch)."""
+    return _key_floats(key.int(), torch.float32)
+
+
+class _Passes:
+    """The passes of :func:`chunk_stats` over one chunk's tempered logits, each a ``[R, S]``
+    launch (a program per row and vocabulary slice) and a merge of its per-slice partial
+    results in slice order (fp64 for masses) by a few ``[R]``-sized torch ops: no host read,
+    no atomics, a row's results independent of the other rows."""
+
+    def __init__(self, bufs: _Buffers, width: int, m: torch.Tensor):
+        self.b, self.width, self.m = bufs, width, m
+        self.grid = (bufs.rows, -(-width // _SLICE))
+
+    def fan(self, base, step, weighted: bool):
+        """``[R, FAN]``: count (or fp64 mass) of tokens at or above ``base + j step``."""
+        b = self.b
+        _fan_kernel[self.grid](b.z, b.z.stride(0), self.m, base, step, b.fan, b.slices,
+                               self.width, WEIGHTED=weighted, FAN=_FAN, SLICE=_SLICE,
+                               BLOCK_S=_BLOCK_S, num_warps=_WARPS)
+        return b.fan[:self.grid[0], :self.grid[1]].double().sum(1)
+
+    def search(self, lo, hi, target, weighted: bool, active=None):
+        """The largest key ``t`` in ``[lo, hi]`` whose tokens at or above it number (weigh) at
+        least ``target`` (``lo`` when none does; ``lo`` itself is never tested); rows not
+        ``active`` keep ``lo``. A fixed number of ``FAN``-trial passes."""
+        j = torch.arange(_FAN, device=lo.device)
+        if active is not None:
+            hi = torch.where(active, hi, lo)
+        for _ in range(search_passes(_FAN)):
+            step = torch.where(lo < hi, (hi - lo) // _FAN + 1, 0)
+            f = self.fan(lo, step, weighted)
+            trial = lo.unsqueeze(1) + j * step.unsqueeze(1)
+            ok = (j > 0) & (trial <= hi.unsqueeze(1)) & (f >= target.unsqueeze(1))
+            best = torch.where(ok, j, 0).amax(1)
+            new_lo = lo + best * step
+            hi = torch.where(step > 0, torch.minimum(hi, new_lo + step - 1), hi)
+            lo = torch.where(step > 0, new_lo, lo)
+        return lo
+
+    def at_and_above(self, t, weighted: bool):
+        """Per row: the count (mass) at or above key ``t`` and strictly above it."""
+        f = self.fan(t, torch.ones_like(t), weighted)
+        return f[:, 0], f[:, 1]
+
+
+def chunk_stats(x, targets, args, r0, outs, softcap, logit_scale, bufs=None):
+    """The kept set and statistics of the logits ``x [R, V]`` before the transform (row
+    stride free, unit column stride) of rows ``r0 ...`` of the per-row settings ``args``
+    (:func:`row_args`): ``(logprobs, entropy, log_kept_mass, lse, lse_kept, key, count)``,
+    each ``[R]``, written into ``outs`` when given (module doc, steps 2-4)."""
     rows, v = x.shape
-    m, l = scratch[0], scratch[1]
-    key, count = outs[5], outs[6]
-    t = args["temperature"][r0:]
-    common = dict(softcap=1.0 if softcap is None else float(softcap),
-                  scale=float(logit_scale), HAS_SOFTCAP=softcap is not None, num_warps=_WARPS)
-    _max_kernel[(rows,)](x, x.stride(0), t, m, l, v, BLOCK_V=_BLOCK_V, **common)
-    _threshold_kernel[(rows,)](
-        x, x.stride(0), t, m, args["log_min_p"][r0:], args["top_k"][r0:], args["top_p"][r0:],
-        key, count, v, **args["flags"], FAN=_FAN, BLOCK_S=_BLOCK_S, BLOCK_V=_BLOCK_V,
-        **common)
-    _stats_kernel[(rows,)](x, x.stride(0), t, targets, m, l, key, count, *outs[:5], v,
-                           BLOCK_V=_BLOCK_V, **common)
+    dev = x.device
+    if bufs is None or bufs.rows < rows or bufs.v < v:
+        bufs = _Buffers(rows, v, dev)
+    z = bufs.z[:rows, :v]
+    s = -(-v // _SLICE)
+    temp = args["temperature"][r0:r0 + rows]
+    _transform_kernel[(rows, s)](
+        x, x.stride(0), temp, z, z.stride(0), bufs.m, bufs.l, bufs.k, bufs.slices, v,
+        softcap=1.0 if softcap is None else float(softcap), scale=float(logit_scale),
+        HAS_SOFTCAP=softcap is not None, SLICE=_SLICE, BLOCK_V=_BLOCK_V, num_warps=_WARPS)
+    pm, pl, pk = bufs.m[:rows, :s], bufs.l[:rows, :s], bufs.k[:rows, :s]
+    m = pm.amax(1)
+    l_full = torch.where(pm == -math.inf, 0.0,
+                         pl.double() * torch.exp(pm.double() - m.double().unsqueeze(1))).sum(1)
+    passes = _Passes(bufs, v, m.contiguous())
+    passes.z = z
+    engine = args["engine"]
+    hi = _key_of(m)
+    lo_all = pk.amin(1).long()
+    # min-p's candidates: z >= m + log(min_p), the keys from key(m + log(min_p)) up
+    log_min_p = _rows(args["log_min_p"], r0, rows)
+    thr = None if log_min_p is None else m + log_min_p
+    floor = None if thr is None else torch.maximum(_key_of(thr), lo_all)
+    lo = floor if (floor is not None and engine == 0) else lo_all  # vLLM: min-p first
+    t = lo
+    c = torch.full_like(t, _ALL_TIES)
+    top_k = _rows(args["top_k"], r0, rows)
+    if top_k is not None:
+        t = passes.search(t, hi, top_k, weighted=False)
+        if engine == 0:
+            at_or_above, above = passes.at_and_above(t, weighted=False)
+            c = top_k - above.long()
+            ties_k = (at_or_above - above).long()
+    top_p = _rows(args["top_p"], r0, rows)
+    if top_p is not None:
+        on = top_p < 1.0
+        t_0, c_0 = t, c
+        if engine == 1:  # SGLang without min-p: top-p over the whole row (the joint filter)
+            joint = torch.ones_like(on) if thr is None else thr == -math.inf
+            t_0 = torch.where(joint, lo, t)
+            c_0 = torch.where(joint, _ALL_TIES, c)
+        # the candidates' mass in fp64: those above t_0, and the kept ties at t_0
+        at_or_above, above = passes.at_and_above(t_0, weighted=True)
+        if engine == 0 and top_k is not None:
+            n_at = torch.where(t_0 == t, ties_k, 0)
+            kept_at = torch.minimum(c_0, n_at).double()
+            total = above + kept_at * _weight(t_0, m)
+            total = torch.where(c_0 >= n_at, at_or_above, total)
+        else:
+            total = at_or_above
+        target = top_p * total
+        t_p = passes.search(t_0, hi, target, weighted=True, active=on)
+        if engine == 1:
+            t = torch.where(on, torch.maximum(t, t_p), t)  # every tie kept at both cuts
+        else:
+            _, g = passes.at_and_above(t_p, weighted=True)
+            e_t = _weight(t_p, m)
+            # ceil((target - g) / e_t), at least 1; a tied weight underflowing to 0 (or a NaN)
+            # keeps every tie
+            q = (target - g) / e_t
+            ties = torch.where(q == q, q, math.inf).ceil().clamp(min=1.0)
+            c_p = torch.where(ties < 4.0e18, ties, 4.0e18).long()
+            c_new = torch.where(t_p > t, c_p, torch.minimum(c, c_p))
+            c = torch.where(on, c_new, c)
+            t = torch.where(on, t_p, t)
+    if floor is not None and engine != 0:
+        # min-p last: every token at or above the smallest candidate key, where that cuts
+        c = torch.where(floor > t, _ALL_TIES, c)
+        t = torch.maximum(t, floor)
+    res = _final_stats(passes, targets, t.contiguous(), c, m, l_full)
+    if outs is not None:
+        for o, r in zip(outs, res):
+            o.copy_(r)
+    return res
+
+
+def _rows(x, r0, rows):
+    return None if x is None else x[r0:r0 + rows]
+
+
+def _weight(key, m):
+    """``exp(z - m)`` (fp64) of the tokens at ``key``."""
+    return torch.exp(_float_of(key) - m).double()
+
+
+# "Every tied token": larger than any vocabulary.
+_ALL_TIES = 2**62
+
+
+def _final_stats(passes: _Passes, targets, t, c, m, l_full):
+    """The statistics of the kept set ``(t, c)`` from one ``[R, S]`` pass and its merge: the
+    stored pair made canonical (the smallest kept key and the kept tokens at it)."""
+    b = passes.b
+    rows, s = passes.grid
+    _stats_kernel[passes.grid](passes.z, passes.z.stride(0), targets.contiguous(), passes.m, t,
+                               b.stats, b.k, b.slices, passes.width, SLICE=_SLICE,
+                               BLOCK_V=_BLOCK_V, num_warps=_WARPS)
+    part = b.stats[:rows, :s].double()
+    l_a, a_a, n_t, n_b, z_y = (part[:, :, i].sum(1) for i in range(5))
+    k_s = b.k[:rows, :s].long()
+    k_min = k_s.amin(1)
+    n_min = torch.where(k_s == k_min.unsqueeze(1), part[:, :, 5], 0.0).sum(1)
+    kept_t = torch.minimum(c.double(), n_t)
+    z_t = _float_of(t).double()
+    e_t = torch.exp(_float_of(t) - m).double()
+    md = m.double()
+    l_k = l_a + kept_t * e_t
+    a_k = a_a + kept_t * e_t * (z_t - md)
+    y_key = _key_of(z_y.float())
+    y_in = (y_key > t) | ((y_key == t) & (n_b + 1 <= c.double()))
+    full = md + torch.log(l_full)
+    kept = md + torch.log(l_k)
+    lp = torch.where(y_in, z_y - kept, -math.inf)
+    entropy = torch.log(l_k) - a_k / l_k
+    key = torch.where(kept_t > 0, t, k_min)
+    count = torch.where(kept_t > 0, kept_t, n_min).long()
+    return (*(x.float() for x in (lp, entropy, kept - full, full, kept)), key, count)
 
 
 def grad_meta(dtype, softcap, g_lp, g_entropy, g_kept, g_lse) -> dict:
