@@ -60,7 +60,7 @@ def test_the_report_compiles_every_variant(tmp_path):
               "warps", "elements_per_iteration", "bytes_per_element"}
     for k in kernels:
         assert fields <= k.keys()
-        assert k["role"].split("_")[0] in ("head", "fused", "divergence")
+        assert k["role"].split("_")[0] in ("head", "fused", "divergence", "sampler")
         assert (tmp_path / k["cubin"]).stat().st_size > 1000
         assert 8 <= k["registers"] <= 255 and k["spills"] >= 0
         assert 20 < k["loop_instructions"] < 5000  # a real streaming loop was found
@@ -70,6 +70,10 @@ def test_the_report_compiles_every_variant(tmp_path):
     # issue budget, without spills, at both shapes
     assert {k["role"] for k in kernels} >= {"divergence_stats", "divergence_jsd",
                                             "divergence_grad", "divergence_topk_grad"}
+    # issue 22 item 3: the sampler's passes (per-lane state, whole steps over padded rows)
+    assert {k["role"] for k in kernels} >= {"sampler_transform", "sampler_fan_mass",
+                                            "sampler_fan_count", "sampler_stats",
+                                            "sampler_cut", "sampler_grad"}
     for k in kernels:
         assert k["within_budget"] and k["spills"] == 0, k
 

@@ -1,45 +1,45 @@
 """The CUDA path of the sampler-matched logprobs: cuBLAS GEMMs into a chunk of logits in the
-compute dtype, Triton passes with one program per row over it.
+compute dtype, Triton passes with a program per row and vocabulary slice over it.
 
 The launcher contract is ``sampler_torch``'s (same ``forward`` / ``backward`` signatures and
-outputs, same per-row algorithm, same kept sets); see that module's docstring for the
-algorithm. Per chunk of ``R`` rows (``R`` from the byte budget, the vocabulary and the dtype,
-never from N; every chunk is padded to exactly ``R`` rows so that each GEMM has one shape
-whatever N is):
+outputs, same kept-set rule, same kept sets); see that module's docstring for the rule. Per
+chunk of ``R`` rows (``R`` from the byte budget, the vocabulary and the dtype, never from N;
+1024 at V=151936 in bf16 with the default budget; every chunk padded to exactly ``R`` rows):
 
-1. **Logits.** For each ``_COLS``-column vocabulary slice, one ``torch.mm`` / ``torch.addmm``
-   (cuBLAS, fp32 accumulation) writes ``x = h W^T + b`` in the compute dtype (bf16/fp16
-   rounded as PyTorch's own product rounds them) into a slice buffer, copied into the chunk
-   buffer ``[R, V]`` (compute dtype). Every pass below reads ``x`` and forms
-   ``z = logit_scale * softcap(x) / T_row`` in fp32 as it reads (``_tempered``, the division
-   correctly rounded as torch's): half the bytes of an fp32 chunk for bf16, and the same bits
-   in every pass and in the backward.
-2. ``_max_kernel``: the row maximum ``m`` and ``l = sum exp(z - m)`` (online, one pass).
-3. ``_threshold_kernel``: the kept set, as the pair ``(T, C)``: every token whose ordered
-   key is above ``T``, and the first ``C`` (lowest ids) of those at ``T``. min-p gives the
-   smallest candidate key (one pass); top-k and top-p each find their threshold key by a
-   ``_FAN``-ary search over the integer keys (each pass counts, or weighs by ``exp(z - m)``,
-   the tokens at or above ``_FAN`` trial keys at once, so a 32-bit key range takes 8 passes
-   where a bisection takes 32) and need one more pass for the tokens strictly above it;
-   top-p first sums the candidates' weights (one pass, ranks of the tied tokens by a running
-   ``cumsum``; top-p's mass in fp64, as the torch path sums it). The search finds the same
-   key as the torch path's radix select: the largest key whose count (or weight) reaches the
-   target.
-4. ``_stats_kernel``: one pass for the kept sums, the target's logit and membership, and the
-   number of tokens at ``T``; it writes ``log q_y``, the kept entropy, ``log_kept_mass``,
-   ``lse``, the kept ``lse`` and the stored pair (``T``, the kept count at ``T``).
+1. **Logits.** One ``torch.mm`` / ``torch.addmm`` (cuBLAS, fp32 accumulation) of the whole
+   head writes ``x = h W^T + b`` in the compute dtype (``_COLS``-column slices when tests
+   shrink it). ``_transform_kernel`` reads it once and writes ``z = logit_scale * softcap(x) /
+   T_row`` in fp32 (``_tempered``: the division correctly rounded, as torch's), with each
+   slice's maximum and smallest key. Every later pass reads these values: the same bits in
+   every pass.
+2. Every pass below is a ``[R, S]`` launch, one program per row and ``_SLICE``-column slice,
+   each keeping its sums per lane and reducing once at the end, writing per-slice partial
+   results; a merge then combines a row's slices in slice order (fp64 for masses). No atomics,
+   no host read: a row's results do not depend on the other rows or on its place in the chunk.
+3. **The kept set** as the pair ``(T, C)``: every token whose ordered key is above ``T``, and
+   the first ``C`` (lowest ids) of those at ``T``. min-p's floor is ``key(m + log min_p)``;
+   top-k and top-p each find their key by a fixed number of ``_FAN``-trial search passes
+   (``_fan_kernel``: the count, or fp32 mass ``exp(z - m)``, of each slice at or above 8
+   trial keys; ``_search_step_kernel`` sums them in fp64 and narrows the row's range 9-fold),
+   the largest key whose count (mass) reaches the target, as the torch path's radix select
+   finds it; one more fan pass gives the tokens (mass) at and above the key. The engines'
+   rules (SGLang's joint filter and kept ties, min-p last) follow ``sampler_torch``.
+4. ``_stats_kernel``: the kept sums, the ties at ``T`` and those before the target; the merge
+   writes ``log q_y``, the kept entropy, ``log_kept_mass``, ``lse``, the kept ``lse`` and the
+   stored pair (the smallest kept key and the kept tokens at it).
 
-Backward (:func:`backward`), vocabulary-outer: per slice, per group of whole chunks, the
-forward's GEMMs (same shapes, same bits) fill a ``[rows, cols]`` tile; ``_grad_kernel``
-overwrites it with ``dx`` in the compute dtype (``dz`` as in ``sampler_torch``'s module doc,
-times ``logit_scale / T_row * (1 - tanh^2)``; the tie ranks carried from slice to slice in a
-per-row count); then cuBLAS GEMMs give ``d_hidden`` per chunk (fp32) and ``d_weight[slice]``
-once per group (fp32), and ``d_bias`` is the fp32 column sum of ``dx``. No atomics, no
-``tl.dot``: each launch follows the last on one stream, the same inputs give the same bits.
+Backward (:func:`backward`), vocabulary-outer: per group of whole chunks, the forward's GEMMs
+(same shapes, same bits) fill a tile whose rows are padded to whole steps; ``_cut_kernel``
+finds per row the column past the last kept tie, and ``_grad_kernel`` overwrites the tile with
+``dx`` in the compute dtype (``dz`` as in ``sampler_torch``'s module doc, times ``logit_scale
+/ T_row * (1 - tanh^2)``). Without a softcap both tell the kept tokens by comparing the raw
+logit with two per-row values (:func:`_value_cuts`): no division per element. Then cuBLAS GEMMs
+give ``d_hidden`` per chunk (fp32) and ``d_weight`` once per group (fp32), and ``d_bias`` is
+the fp32 column sum of ``dx``.
 
 Under ``TRITON_INTERPRET=1`` (CPU tensors) the same code runs with torch's CPU GEMMs; tests
-shrink ``_COLS``, ``_BLOCK_V`` and ``_BLOCK_S``. The kernels use ``tl.exp`` / ``tl.log`` only
-(the interpreter has no libdevice) and bitcasts for the keys.
+shrink ``_COLS``, ``_SLICE`` and the blocks. docs/gpu.md ("Sampler-matched logprobs on the
+GPU") gives the SASS figures and the cost model's prediction.
 """
 
 from __future__ import annotations
@@ -54,7 +54,13 @@ import triton.language as tl
 from logitless.kernels import interpreter_compat
 from logitless.kernels.linear_softmax import _round_to, _tanh
 from logitless.kernels.linear_softmax_torch import _head_slice, _pad_rows, addmm_acc_
-from logitless.kernels.sampler_torch import ENGINES, RowParams, _key_floats, _ordered_keys
+from logitless.kernels.sampler_torch import (
+    ENGINES,
+    RowParams,
+    _flip_negatives,
+    _key_floats,
+    _ordered_keys,
+)
 
 interpreter_compat.apply()
 
@@ -77,10 +83,16 @@ _MAX_ROWS = 1024
 _SLICE = 8192
 _BLOCK_V = 2048
 _WARPS = 8
+# Columns per step of the transform pass (4 a thread: within its issue budget), and of the
+# backward's tie-cut pass (one block reduction per step: 16 a thread).
+_BLOCK_T = 1024
+_BLOCK_C = 4096
 # Trial keys per search pass, and the columns per step of a search pass (a [_FAN, _BLOCK_S]
 # block of comparisons, kept per lane across the slice).
-_FAN = 16
-_BLOCK_S = 512
+_FAN = 8
+_BLOCK_S = 1024
+# Rows per program of a search pass's merge.
+_BLOCK_R = 64
 
 
 @triton.jit
@@ -115,131 +127,198 @@ def _tempered(x, t, softcap, scale, HAS_SOFTCAP: tl.constexpr):
 @triton.jit
 def _load_z(x_row, cols, width, t, softcap, scale, HAS_SOFTCAP: tl.constexpr):
     """The tempered fp32 logits of columns ``cols`` of a row of the chunk (``-inf`` past
-    ``width``) and which columns are real."""
+    ``width``; the row is padded, the load unmasked) and which columns are real."""
     valid = cols < width
-    raw = tl.load(x_row + cols, mask=valid, other=0.0)
+    raw = tl.load(x_row + cols)
     return tl.where(valid, _tempered(raw, t, softcap, scale, HAS_SOFTCAP), float("-inf")), valid
 
 
 @triton.jit
-def _transform_kernel(x, stride_x, temperature, z, stride_z, part_m, part_l, part_k, n_slices,
-                      width, softcap, scale, HAS_SOFTCAP: tl.constexpr, SLICE: tl.constexpr,
+def _transform_kernel(x, stride_x, temperature, z, stride_z, part_m, part_k, n_slices, width,
+                      span, softcap, scale, HAS_SOFTCAP: tl.constexpr, SLICE: tl.constexpr,
                       BLOCK_V: tl.constexpr):
     """Slice ``s`` of row ``r``: the tempered fp32 logits written to ``z``, and the slice's
-    maximum, ``sum exp(z - max)`` and smallest key. Per-lane running state across the column
-    loop, reduced once at the end (a fixed tree)."""
+    maximum and smallest key, kept per lane across the column loop and reduced once at the
+    end."""
     row = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     x_row = x + row * stride_x
     z_row = z + row * stride_z
     temp = tl.load(temperature + row)
     c_lo = s * SLICE
-    c_hi = tl.minimum(width, c_lo + SLICE)
+    c_hi = tl.minimum(span, c_lo + SLICE)
     m = tl.full([BLOCK_V], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_V], dtype=tl.float32)
     kmin = tl.full([BLOCK_V], 2147483647, tl.int32)
     for c0 in range(c_lo, c_hi, BLOCK_V):
         cols = c0 + tl.arange(0, BLOCK_V)
-        zz, valid = _load_z(x_row, cols, c_hi, temp, softcap, scale, HAS_SOFTCAP)
-        tl.store(z_row + cols, zz, mask=valid)
-        m_new = tl.maximum(m, zz)
-        # a lane with no real column yet keeps m = -inf and l = 0
-        alpha = tl.where(m_new == float("-inf"), 1.0, tl.exp(m - m_new))
-        l = l * alpha + tl.where(valid, tl.exp(zz - m_new), 0.0)
-        m = m_new
+        zz, valid = _load_z(x_row, cols, width, temp, softcap, scale, HAS_SOFTCAP)
+        tl.store(z_row + cols, zz)  # -inf in the row's padding, up to ``span``
+        m = tl.maximum(m, zz)
         kmin = tl.minimum(kmin, tl.where(valid, _keys(zz), 2147483647))
-    top = tl.max(m, 0)
-    total = tl.sum(tl.where(m == float("-inf"), 0.0, l * tl.exp(m - top)), 0)
     at = row * n_slices + s
-    tl.store(part_m + at, top)
-    tl.store(part_l + at, total)
+    tl.store(part_m + at, tl.max(m, 0))
     tl.store(part_k + at, tl.min(kmin, 0))
 
 
 @triton.jit
-def _fan_kernel(z, stride_z, m_in, base, step, part, n_slices, width, WEIGHTED: tl.constexpr,
+def _trial_z(lo, st, j: tl.constexpr):
+    """Trial ``j``'s key ``lo + (j + 1) st`` as a float (a key past the fp32 range only ever
+    lies above the search's upper end: its count is never read)."""
+    trial = lo + (j + 1) * st
+    return _from_key(tl.minimum(tl.maximum(trial, -2147483647), 2147483647))
+
+
+@triton.jit
+def _fan_kernel(z, stride_z, m_in, base, step, part, n_slices, span, WEIGHTED: tl.constexpr,
                 FAN: tl.constexpr, SLICE: tl.constexpr, BLOCK_S: tl.constexpr):
     """Slice ``s`` of row ``r``: how many tokens (or how much ``exp(z - m)``, fp32) lie at or
-    above each of the ``FAN`` trial keys ``base + j step``; nothing is read (and nothing
-    written) for a row whose ``step`` is 0 (its search is over). Per-lane sums across the
-    column loop, one fixed tree per trial at the end."""
+    above each of the ``FAN`` (8) trial keys ``base + (j + 1) step``; nothing is read for a
+    row whose ``step`` is 0 (its search is over). Per-lane sums across the column loop, one
+    per trial (a 0/1 times the weight: two instructions per trial and element), each reduced
+    once at the end in a fixed tree."""
+    tl.static_assert(FAN == 8)
     row = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     st = tl.load(step + row)
     lo = tl.load(base + row)
-    j = tl.arange(0, FAN).to(tl.int64)
-    trial = lo + j * st
-    # the trial keys as floats (a key past the fp32 range only ever lies above the search's
-    # upper end: its count is never read)
-    trial = tl.minimum(tl.maximum(trial, -2147483647), 2147483647)
-    zt = _from_key(trial)
-    m = tl.load(m_in + row)
+    t0 = _trial_z(lo, st, 0)
+    t1 = _trial_z(lo, st, 1)
+    t2 = _trial_z(lo, st, 2)
+    t3 = _trial_z(lo, st, 3)
+    t4 = _trial_z(lo, st, 4)
+    t5 = _trial_z(lo, st, 5)
+    t6 = _trial_z(lo, st, 6)
+    t7 = _trial_z(lo, st, 7)
+    # exp(z - m) as exp2(z log2(e) - m log2(e)): one FFMA before the exp2
+    m2 = tl.load(m_in + row) * 1.4426950408889634
     z_row = z + row * stride_z
     c_lo = s * SLICE
-    c_hi = tl.minimum(width, c_lo + SLICE)
+    c_hi = tl.minimum(span, c_lo + SLICE)  # whole steps: the padding holds -inf
     c_end = tl.where(st > 0, c_hi, c_lo)
-    f = tl.zeros([FAN, BLOCK_S], dtype=tl.float32)
+    f0 = tl.zeros([BLOCK_S], dtype=tl.float32)
+    f1 = tl.zeros([BLOCK_S], dtype=tl.float32)
+    f2 = tl.zeros([BLOCK_S], dtype=tl.float32)
+    f3 = tl.zeros([BLOCK_S], dtype=tl.float32)
+    f4 = tl.zeros([BLOCK_S], dtype=tl.float32)
+    f5 = tl.zeros([BLOCK_S], dtype=tl.float32)
+    f6 = tl.zeros([BLOCK_S], dtype=tl.float32)
+    f7 = tl.zeros([BLOCK_S], dtype=tl.float32)
     for c0 in range(c_lo, c_end, BLOCK_S):
         cols = c0 + tl.arange(0, BLOCK_S)
-        zz = tl.load(z_row + cols, mask=cols < c_hi, other=float("-inf"))
-        ge = zz[None, :] >= zt[:, None]
+        zz = tl.load(z_row + cols)
         if WEIGHTED:
-            f += tl.where(ge, tl.exp(zz - m)[None, :], 0.0)
+            w = tl.exp2(zz * 1.4426950408889634 - m2)
+            f0 += (zz >= t0).to(tl.float32) * w
+            f1 += (zz >= t1).to(tl.float32) * w
+            f2 += (zz >= t2).to(tl.float32) * w
+            f3 += (zz >= t3).to(tl.float32) * w
+            f4 += (zz >= t4).to(tl.float32) * w
+            f5 += (zz >= t5).to(tl.float32) * w
+            f6 += (zz >= t6).to(tl.float32) * w
+            f7 += (zz >= t7).to(tl.float32) * w
         else:
-            f += ge.to(tl.float32)
-    at = (row * n_slices + s) * FAN + j
-    tl.store(part + at, tl.sum(f, 1))
+            f0 += (zz >= t0).to(tl.float32)
+            f1 += (zz >= t1).to(tl.float32)
+            f2 += (zz >= t2).to(tl.float32)
+            f3 += (zz >= t3).to(tl.float32)
+            f4 += (zz >= t4).to(tl.float32)
+            f5 += (zz >= t5).to(tl.float32)
+            f6 += (zz >= t6).to(tl.float32)
+            f7 += (zz >= t7).to(tl.float32)
+    out = part + (row * n_slices + s) * FAN
+    tl.store(out, tl.sum(f0, 0))
+    tl.store(out + 1, tl.sum(f1, 0))
+    tl.store(out + 2, tl.sum(f2, 0))
+    tl.store(out + 3, tl.sum(f3, 0))
+    tl.store(out + 4, tl.sum(f4, 0))
+    tl.store(out + 5, tl.sum(f5, 0))
+    tl.store(out + 6, tl.sum(f6, 0))
+    tl.store(out + 7, tl.sum(f7, 0))
 
 
 @triton.jit
-def _stats_kernel(z, stride_z, targets, m_in, t_in, part, part_k, n_slices, width,
-                  SLICE: tl.constexpr, BLOCK_V: tl.constexpr):
-    """Slice ``s`` of row ``r`` against the cut key ``T``: the mass and ``sum e (z - m)``
-    strictly above ``T``, the tokens at ``T`` and those of them before the target, the
-    target's logit, and the smallest key above ``T`` with its count. Per-lane state, reduced
-    once at the end."""
+def _search_step_kernel(part, lo, hi, step, target, n_rows, n_slices, FAN: tl.constexpr,
+                        BLOCK_R: tl.constexpr):
+    """One search pass's merge, for ``BLOCK_R`` rows: each trial's count (mass) summed over
+    the slices in slice order in fp64, then the row's range narrowed to the largest trial that
+    reaches ``target`` (``lo`` itself is never tested) and the next pass's ``step`` (0 once
+    the range is one key)."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    live = rows < n_rows
+    j = tl.arange(0, FAN)
+    f = tl.zeros([BLOCK_R, FAN], dtype=tl.float64)
+    for s in range(0, n_slices):
+        at = (rows[:, None].to(tl.int64) * n_slices + s) * FAN + j[None, :]
+        f += tl.load(part + at, mask=live[:, None], other=0.0).to(tl.float64)
+    a = tl.load(lo + rows, mask=live, other=0)
+    b = tl.load(hi + rows, mask=live, other=0)
+    st = tl.load(step + rows, mask=live, other=0)
+    goal = tl.load(target + rows, mask=live, other=0.0)
+    trial = a[:, None] + (j[None, :] + 1).to(tl.int64) * st[:, None]
+    ok = (trial <= b[:, None]) & (f >= goal[:, None])
+    best = tl.max(tl.where(ok, j[None, :] + 1, 0), 1).to(tl.int64)
+    new_lo = a + best * st
+    active = st > 0
+    b = tl.where(active, tl.minimum(b, new_lo + st - 1), b)
+    a = tl.where(active, new_lo, a)
+    st = tl.where(a < b, (b - a) // (FAN + 1) + 1, 0)
+    tl.store(lo + rows, a, mask=live)
+    tl.store(hi + rows, b, mask=live)
+    tl.store(step + rows, st, mask=live)
+
+
+@triton.jit
+def _stats_kernel(z, stride_z, targets, m_in, t_in, part, part_k, n_slices, width, span,
+                  CANONICAL: tl.constexpr, SLICE: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Slice ``s`` of row ``r`` against the cut key ``T``: ``sum exp(z - m)`` over the slice,
+    the mass and ``sum e (z - m)`` strictly above ``T``, the tokens at ``T`` and those of them
+    before the target; with ``CANONICAL`` (a cut from min-p's floor may hold no token at
+    ``T``) also the smallest key above ``T`` and its count. Per-lane state, reduced once at
+    the end."""
     row = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     m = tl.load(m_in + row)
+    m2 = m * 1.4426950408889634
     t = tl.load(t_in + row).to(tl.int32)
+    tz = _from_key(t)  # float order is key order (the stored keys are never -1, -0.0's)
     y = tl.load(targets + row)
     z_row = z + row * stride_z
     c_lo = s * SLICE
-    c_hi = tl.minimum(width, c_lo + SLICE)
+    c_hi = tl.minimum(span, c_lo + SLICE)  # whole steps: the padding holds -inf
+    l_f = tl.zeros([BLOCK_V], dtype=tl.float32)
     l_a = tl.zeros([BLOCK_V], dtype=tl.float32)
     a_a = tl.zeros([BLOCK_V], dtype=tl.float32)
     n_t = tl.zeros([BLOCK_V], dtype=tl.float32)
     n_b = tl.zeros([BLOCK_V], dtype=tl.float32)
-    z_y = tl.zeros([BLOCK_V], dtype=tl.float32)
     k_a = tl.full([BLOCK_V], 2147483647, tl.int32)
     n_k = tl.zeros([BLOCK_V], dtype=tl.float32)
     for c0 in range(c_lo, c_hi, BLOCK_V):
         cols = c0 + tl.arange(0, BLOCK_V)
-        valid = cols < c_hi
-        zz = tl.load(z_row + cols, mask=valid, other=float("-inf"))
-        key = _keys(zz)
-        above = valid & (key > t)
-        d = zz - m
-        e = tl.where(above, tl.exp(d), 0.0)
-        l_a += e
-        a_a += e * tl.where(above, d, 0.0)
-        at = valid & (key == t)
+        valid = cols < width
+        zz = tl.load(z_row + cols)
+        above = zz > tz
+        e = tl.exp2(zz * 1.4426950408889634 - m2)  # exp(z - m); 0 past the slice
+        l_f += e
+        e_a = tl.where(above, e, 0.0)
+        l_a += e_a
+        a_a += e_a * tl.where(above, zz - m, 0.0)
+        at = zz == tz  # the padding's -inf: taken off by the caller when T is -inf's key
         n_t += at.to(tl.float32)
         n_b += (at & (cols < y)).to(tl.float32)
-        z_y += tl.where(cols == y, zz, 0.0)
-        ka = tl.where(above, key, 2147483647)
-        n_k = tl.where(ka < k_a, 1.0, tl.where(above & (ka == k_a), n_k + 1.0, n_k))
-        k_a = tl.minimum(k_a, ka)
-    k_min = tl.min(k_a, 0)
-    at = row * n_slices + s
-    out = part + at * 6
-    tl.store(out, tl.sum(l_a, 0))
-    tl.store(out + 1, tl.sum(a_a, 0))
-    tl.store(out + 2, tl.sum(n_t, 0))
-    tl.store(out + 3, tl.sum(n_b, 0))
-    tl.store(out + 4, tl.sum(z_y, 0))
-    tl.store(out + 5, tl.sum(tl.where(k_a == k_min, n_k, 0.0), 0))
-    tl.store(part_k + at, k_min)
+        if CANONICAL:
+            ka = tl.where(above & valid, _keys(zz), 2147483647)
+            n_k = tl.where(ka < k_a, 1.0, tl.where(above & (ka == k_a), n_k + 1.0, n_k))
+            k_a = tl.minimum(k_a, ka)
+    out = part + (row * n_slices + s) * 6
+    tl.store(out, tl.sum(l_f, 0))
+    tl.store(out + 1, tl.sum(l_a, 0))
+    tl.store(out + 2, tl.sum(a_a, 0))
+    tl.store(out + 3, tl.sum(n_t, 0))
+    tl.store(out + 4, tl.sum(n_b, 0))
+    if CANONICAL:
+        k_min = tl.min(k_a, 0)
+        tl.store(out + 5, tl.sum(tl.where(k_a == k_min, n_k, 0.0), 0))
+        tl.store(part_k + row * n_slices + s, k_min)
 
 
 @triton.jit
@@ -254,24 +333,89 @@ def _members(key, valid, t, c, seen):
 
 
 @triton.jit
-def _grad_kernel(x, stride_x, targets, temperature, key, count, seen, lse, lse_kept, entropy,
-                 g_lp, g_entropy, g_kept, g_lse, n_rows, width, v0, softcap, scale,
-                 HAS_SOFTCAP: tl.constexpr, HAS_G_LP: tl.constexpr,
+def _at_and_above(raw, valid, temp, softcap, scale, sign, t, lo_u, hi_u,
+                  HAS_SOFTCAP: tl.constexpr):
+    """Which columns hold the kept key ``t`` and which lie above it (``_grad_kernel``'s doc)."""
+    if HAS_SOFTCAP:
+        k = _keys(_tempered(raw, temp, softcap, scale, HAS_SOFTCAP))
+        above = k > t
+        at = valid & (k == t)
+    else:
+        u = raw.to(tl.float32) * sign
+        above = u >= hi_u
+        at = valid & (u >= lo_u) & ~above
+    return at, above
+
+
+@triton.jit
+def _tile_row(x, stride_x, n_rows):
+    """This program's row of a backward tile, its start, whether it is a real row, and the
+    real row whose per-row values it reads (padding rows read the last one's)."""
+    row = tl.program_id(0).to(tl.int64)
+    return row, x + row * stride_x, row < n_rows, tl.minimum(row, n_rows - 1)
+
+
+@triton.jit
+def _cut_kernel(x, stride_x, temperature, key, count, seen, u_at, u_above, cut, n_rows,
+                width, span, softcap, scale, sign, HAS_SOFTCAP: tl.constexpr,
+                BLOCK_V: tl.constexpr):
+    """Row ``r`` of a tile: the column past the last of its kept tokens at the kept key (the
+    first ``count - seen`` of the tile's, lowest ids first; ``seen`` kept in earlier tiles) in
+    ``cut``, and ``seen`` advanced. It reads blocks only up to the one holding that token (a
+    tie count per block); the ranks inside that block are one ``cumsum`` after the loop."""
+    row, x_row, keep, r = _tile_row(x, stride_x, n_rows)
+    temp = tl.load(temperature + r)
+    s = tl.load(seen + r)
+    need = (tl.minimum(tl.load(count + r), 2**40) - s).to(tl.int32)
+    t = tl.load(key + r).to(tl.int32)
+    lo_u = tl.load(u_at + r)
+    hi_u = tl.load(u_above + r)
+    c0 = 0
+    n = tl.zeros([], dtype=tl.int32)
+    done = need <= 0
+    while (c0 < span) & (done == 0):  # whole steps: the rows are padded to ``span``
+        cols = c0 + tl.arange(0, BLOCK_V)
+        valid = cols < width
+        raw = tl.load(x_row + cols)
+        at, _ = _at_and_above(raw, valid, temp, softcap, scale, sign, t, lo_u, hi_u,
+                              HAS_SOFTCAP)
+        nb = tl.sum(at.to(tl.int32), 0)
+        done = n + nb >= need
+        n = tl.where(done, n, n + nb)
+        c0 = tl.where(done, c0, c0 + BLOCK_V)
+    cols = c0 + tl.arange(0, BLOCK_V)
+    valid = cols < width
+    raw = tl.load(x_row + cols, mask=cols < span, other=0.0)
+    at, _ = _at_and_above(raw, valid, temp, softcap, scale, sign, t, lo_u, hi_u, HAS_SOFTCAP)
+    rank = n + tl.cumsum(at.to(tl.int32), 0)
+    last = tl.min(tl.where(at & (rank >= need), cols, 2147483647), 0)
+    end = tl.where(need <= 0, 0, tl.where(done, last + 1, width))
+    tl.store(cut + row, end)
+    tl.store(seen + r, tl.where(done, s + tl.maximum(need, 0), s + n), mask=keep)
+
+
+@triton.jit
+def _grad_kernel(x, stride_x, targets, temperature, key, cut, u_at, u_above, lse,
+                 lse_kept, entropy, g_lp, g_entropy, g_kept, g_lse, n_rows, width, span, v0,
+                 softcap, scale, sign, HAS_SOFTCAP: tl.constexpr, HAS_G_LP: tl.constexpr,
                  HAS_G_ENTROPY: tl.constexpr, HAS_G_KEPT: tl.constexpr,
                  HAS_G_LSE: tl.constexpr, INTERPRET_BF16: tl.constexpr,
                  BLOCK_V: tl.constexpr):
     """Overwrite row ``r``'s logits before the transform (vocabulary columns ``v0 ...``, in
-    their dtype) with ``dx``; zeros for rows at or past ``n_rows`` (padding). ``seen[r]``
-    counts the row's tokens at its kept key in the earlier tiles (the tie ranks) and is
-    advanced. ``g_lp`` must be 0 where the target is outside the kept set."""
-    row = tl.program_id(0).to(tl.int64)
-    x_row = x + row * stride_x
-    keep = row < n_rows
-    r = tl.minimum(row, n_rows - 1)
+    their dtype) with ``dx``; zeros for rows at or past ``n_rows`` (padding). The kept tokens
+    at the kept key are those before column ``cut[r]`` (:func:`_cut_kernel`). ``g_lp`` must
+    be 0 where the target is outside the kept set.
+
+    Without a softcap the tempered logit is a nondecreasing function of ``u = sign x`` (the
+    raw logit, its sign flipped for a negative scale), so the kept key's tokens are those with
+    ``u`` in ``[u_at, u_above)`` and the tokens above it those with ``u >= u_above``
+    (:func:`_value_cuts`, the same bits as the forward's keys, without a division per
+    element); the kept distribution's ``exp(z - lse)`` is formed as one ``exp2`` of ``x`` times
+    ``scale / T log2(e)``. With a softcap every element's logit is formed as the forward's."""
+    row, x_row, keep, r = _tile_row(x, stride_x, n_rows)
     temp = tl.load(temperature + r)
-    t = tl.load(key + r)
-    c = tl.load(count + r)
-    y = tl.load(targets + r) - v0
+    end = tl.load(cut + row)
+    y = (tl.load(targets + r) - v0).to(tl.int32)
     lse_k = tl.load(lse_kept + r)
     coef = 0.0
     g_y = 0.0
@@ -290,28 +434,41 @@ def _grad_kernel(x, stride_x, targets, temperature, key, count, seen, lse, lse_k
         h = tl.load(entropy + r)
     lse_r = tl.load(lse + r)
     factor = scale / temp
-    s = tl.load(seen + r)
-    for c0 in range(0, width, BLOCK_V):
+    log2e = 1.4426950408889634
+    k2 = factor * log2e
+    lse_k2 = lse_k * log2e
+    lse_r2 = lse_r * log2e
+    t = tl.load(key + r).to(tl.int32)
+    lo_u = tl.load(u_at + r)
+    hi_u = tl.load(u_above + r)
+    for c0 in range(0, span, BLOCK_V):  # whole steps: the rows are padded to ``span``
         cols = c0 + tl.arange(0, BLOCK_V)
         valid = cols < width
-        raw = tl.load(x_row + cols, mask=valid, other=0.0)
-        z = _tempered(raw, temp, softcap, scale, HAS_SOFTCAP)
-        member, s = _members(_keys(z), valid, t, c, s)
-        log_q = z - lse_k
-        q = tl.where(member, tl.exp(log_q), 0.0)
+        raw = tl.load(x_row + cols)
+        at, above = _at_and_above(raw, valid, temp, softcap, scale, sign, t, lo_u, hi_u,
+                                  HAS_SOFTCAP)
+        if HAS_SOFTCAP:
+            z = _tempered(raw, temp, softcap, scale, HAS_SOFTCAP)
+            log2_q = z * log2e - lse_k2
+        else:
+            log2_q = raw.to(tl.float32) * k2 - lse_k2
+        member = valid & (above | (at & (cols < end)))
+        q = tl.where(member, tl.exp2(log2_q), 0.0)
         d = q * coef
         if HAS_G_ENTROPY:
-            d -= tl.where(member, q * (log_q + h), 0.0) * g_h
+            d -= tl.where(member, q * (log2_q * 0.6931471805599453 + h), 0.0) * g_h
         if HAS_G_KEPT or HAS_G_LSE:
-            d += tl.exp(z - lse_r) * g_p
+            if HAS_SOFTCAP:
+                d += tl.exp2(z * log2e - lse_r2) * g_p
+            else:
+                d += tl.exp2(raw.to(tl.float32) * k2 - lse_r2) * g_p
         d += tl.where(cols == y, g_y, 0.0)
         d *= factor
         if HAS_SOFTCAP:
             th = _tanh(tl.math.div_rn(raw.to(tl.float32), softcap))
             d *= 1.0 - th * th
         d = tl.where(keep, d, 0.0)
-        tl.store(x_row + cols, _round_to(d, x.dtype.element_ty, INTERPRET_BF16), mask=valid)
-    tl.store(seen + r, s, mask=keep)
+        tl.store(x_row + cols, _round_to(d, x.dtype.element_ty, INTERPRET_BF16))
 
 
 def rows_per_chunk(v: int, tile_bytes: int, dtype: torch.dtype, softcap: float | None) -> int:
@@ -326,11 +483,17 @@ def rows_per_chunk(v: int, tile_bytes: int, dtype: torch.dtype, softcap: float |
     return max(1, min(_MAX_ROWS, tile_bytes // per_row))
 
 
+def _span(width: int) -> int:
+    """A row's columns padded to whole steps of every pass (a multiple of 16 too)."""
+    step = max(_BLOCK_V, _BLOCK_S, _BLOCK_T, _BLOCK_C, 16)
+    return -(-width // step) * step
+
+
 def search_passes(fan: int) -> int:
-    """Passes of a ``fan``-trial search over the fp32 keys: each divides the range by ``fan``,
-    and a fixed number of them (no host read) settles any range below ``2^32``."""
+    """Passes of a ``fan``-trial search over the fp32 keys: each divides the range by
+    ``fan + 1``, and a fixed number of them (no host read) settles any range below ``2^32``."""
     passes = 0
-    while fan ** passes < 2**32:
+    while (fan + 1) ** passes < 2**32:
         passes += 1
     return passes
 
@@ -368,7 +531,8 @@ def forward(hidden, weight, bias, targets, params: RowParams, *, softcap, logit_
         return tuple(outs)
     rows = rows_per_chunk(v, tile_bytes, hidden.dtype, softcap)
     cols = min(v, _COLS)
-    chunk = torch.empty(rows, v, dtype=hidden.dtype, device=dev)
+    # rows padded to whole steps of the transform pass (unmasked loads at any V)
+    chunk = torch.empty(rows, _span(v), dtype=hidden.dtype, device=dev)[:, :v]
     part = torch.empty(rows * cols, dtype=hidden.dtype, device=dev) if cols < v else None
     bufs = _Buffers(rows, v, dev)
     args = row_args(params, n, dev)
@@ -411,9 +575,9 @@ class _Buffers:
         self.rows, self.v = rows, v
         self.slices = -(-v // _SLICE)
         s = self.slices
-        self.z = torch.empty(rows, v, dtype=torch.float32, device=device)
+        # rows padded to whole steps of every pass (the transform fills the padding with -inf)
+        self.z = torch.empty(rows, _span(v), dtype=torch.float32, device=device)[:, :v]
         self.m = torch.empty(rows, s, dtype=torch.float32, device=device)
-        self.l = torch.empty(rows, s, dtype=torch.float32, device=device)
         self.k = torch.empty(rows, s, dtype=torch.int32, device=device)
         self.fan = torch.zeros(rows, s, _FAN, dtype=torch.float32, device=device)
         self.stats = torch.empty(rows, s, 6, dtype=torch.float32, device=device)
@@ -440,10 +604,10 @@ class _Passes:
         self.grid = (bufs.rows, -(-width // _SLICE))
 
     def fan(self, base, step, weighted: bool):
-        """``[R, FAN]``: count (or fp64 mass) of tokens at or above ``base + j step``."""
+        """``[R, FAN]``: count (or fp64 mass) of tokens at or above ``base + (j + 1) step``."""
         b = self.b
         _fan_kernel[self.grid](b.z, b.z.stride(0), self.m, base, step, b.fan, b.slices,
-                               self.width, WEIGHTED=weighted, FAN=_FAN, SLICE=_SLICE,
+                               _span(self.width), WEIGHTED=weighted, FAN=_FAN, SLICE=_SLICE,
                                BLOCK_S=_BLOCK_S, num_warps=_WARPS)
         return b.fan[:self.grid[0], :self.grid[1]].double().sum(1)
 
@@ -451,23 +615,24 @@ class _Passes:
         """The largest key ``t`` in ``[lo, hi]`` whose tokens at or above it number (weigh) at
         least ``target`` (``lo`` when none does; ``lo`` itself is never tested); rows not
         ``active`` keep ``lo``. A fixed number of ``FAN``-trial passes."""
-        j = torch.arange(_FAN, device=lo.device)
-        if active is not None:
-            hi = torch.where(active, hi, lo)
+        lo = lo.clone()
+        hi = hi.clone() if active is None else torch.where(active, hi, lo)
+        step = torch.where(lo < hi, (hi - lo) // (_FAN + 1) + 1, 0)
+        target = target.double().contiguous()
+        b = self.b
+        rows = self.grid[0]
         for _ in range(search_passes(_FAN)):
-            step = torch.where(lo < hi, (hi - lo) // _FAN + 1, 0)
-            f = self.fan(lo, step, weighted)
-            trial = lo.unsqueeze(1) + j * step.unsqueeze(1)
-            ok = (j > 0) & (trial <= hi.unsqueeze(1)) & (f >= target.unsqueeze(1))
-            best = torch.where(ok, j, 0).amax(1)
-            new_lo = lo + best * step
-            hi = torch.where(step > 0, torch.minimum(hi, new_lo + step - 1), hi)
-            lo = torch.where(step > 0, new_lo, lo)
+            _fan_kernel[self.grid](b.z, b.z.stride(0), self.m, lo, step, b.fan, b.slices,
+                                   _span(self.width), WEIGHTED=weighted, FAN=_FAN, SLICE=_SLICE,
+                                   BLOCK_S=_BLOCK_S, num_warps=_WARPS)
+            _search_step_kernel[(triton.cdiv(rows, _BLOCK_R),)](
+                b.fan, lo, hi, step, target, rows, b.slices, FAN=_FAN, BLOCK_R=_BLOCK_R,
+                num_warps=4)
         return lo
 
     def at_and_above(self, t, weighted: bool):
         """Per row: the count (mass) at or above key ``t`` and strictly above it."""
-        f = self.fan(t, torch.ones_like(t), weighted)
+        f = self.fan(t - 1, torch.ones_like(t), weighted)
         return f[:, 0], f[:, 1]
 
 
@@ -478,19 +643,21 @@ def chunk_stats(x, targets, args, r0, outs, softcap, logit_scale, bufs=None):
     each ``[R]``, written into ``outs`` when given (module doc, steps 2-4)."""
     rows, v = x.shape
     dev = x.device
-    if bufs is None or bufs.rows < rows or bufs.v < v:
+    if bufs is None or bufs.rows != rows or bufs.v != v:
         bufs = _Buffers(rows, v, dev)
     z = bufs.z[:rows, :v]
+    if x.stride(0) < _span(v) or x.stride(1) != 1:  # the transform reads whole steps
+        padded = x.new_empty(rows, _span(v))
+        padded[:, :v] = x
+        x = padded[:, :v]
     s = -(-v // _SLICE)
     temp = args["temperature"][r0:r0 + rows]
     _transform_kernel[(rows, s)](
-        x, x.stride(0), temp, z, z.stride(0), bufs.m, bufs.l, bufs.k, bufs.slices, v,
+        x, x.stride(0), temp, z, z.stride(0), bufs.m, bufs.k, bufs.slices, v, _span(v),
         softcap=1.0 if softcap is None else float(softcap), scale=float(logit_scale),
-        HAS_SOFTCAP=softcap is not None, SLICE=_SLICE, BLOCK_V=_BLOCK_V, num_warps=_WARPS)
-    pm, pl, pk = bufs.m[:rows, :s], bufs.l[:rows, :s], bufs.k[:rows, :s]
+        HAS_SOFTCAP=softcap is not None, SLICE=_SLICE, BLOCK_V=_BLOCK_T, num_warps=_WARPS)
+    pm, pk = bufs.m[:rows, :s], bufs.k[:rows, :s]
     m = pm.amax(1)
-    l_full = torch.where(pm == -math.inf, 0.0,
-                         pl.double() * torch.exp(pm.double() - m.double().unsqueeze(1))).sum(1)
     passes = _Passes(bufs, v, m.contiguous())
     passes.z = z
     engine = args["engine"]
@@ -546,7 +713,7 @@ def chunk_stats(x, targets, args, r0, outs, softcap, logit_scale, bufs=None):
         # min-p last: every token at or above the smallest candidate key, where that cuts
         c = torch.where(floor > t, _ALL_TIES, c)
         t = torch.maximum(t, floor)
-    res = _final_stats(passes, targets, t.contiguous(), c, m, l_full)
+    res = _final_stats(passes, targets, t.contiguous(), c, m, canonical=floor is not None)
     if outs is not None:
         for o, r in zip(outs, res):
             o.copy_(r)
@@ -566,34 +733,75 @@ def _weight(key, m):
 _ALL_TIES = 2**62
 
 
-def _final_stats(passes: _Passes, targets, t, c, m, l_full):
-    """The statistics of the kept set ``(t, c)`` from one ``[R, S]`` pass and its merge: the
-    stored pair made canonical (the smallest kept key and the kept tokens at it)."""
+def _final_stats(passes: _Passes, targets, t, c, m, canonical: bool):
+    """The statistics of the kept set ``(t, c)`` from one ``[R, S]`` pass and its merge in
+    slice order (fp64). The kept ties at ``t`` all have ``t``'s logit, so their part of the
+    sums is a count times one weight. With ``canonical`` (a min-p floor may be a key no token
+    has) the stored pair is made the smallest kept key and the kept tokens at it."""
     b = passes.b
     rows, s = passes.grid
-    _stats_kernel[passes.grid](passes.z, passes.z.stride(0), targets.contiguous(), passes.m, t,
-                               b.stats, b.k, b.slices, passes.width, SLICE=_SLICE,
-                               BLOCK_V=_BLOCK_V, num_warps=_WARPS)
+    targets = targets.contiguous()
+    _stats_kernel[passes.grid](passes.z, passes.z.stride(0), targets, passes.m, t, b.stats,
+                               b.k, b.slices, passes.width, _span(passes.width),
+                               CANONICAL=canonical,
+                               SLICE=_SLICE, BLOCK_V=_BLOCK_V, num_warps=_WARPS)
     part = b.stats[:rows, :s].double()
-    l_a, a_a, n_t, n_b, z_y = (part[:, :, i].sum(1) for i in range(5))
-    k_s = b.k[:rows, :s].long()
-    k_min = k_s.amin(1)
-    n_min = torch.where(k_s == k_min.unsqueeze(1), part[:, :, 5], 0.0).sum(1)
+    l_f, l_a, a_a, n_t, n_b = (part[:, :, i].sum(1) for i in range(5))
+    n_t = torch.where(_float_of(t) == -math.inf, n_t - (_span(passes.width) - passes.width), n_t)
     kept_t = torch.minimum(c.double(), n_t)
-    z_t = _float_of(t).double()
-    e_t = torch.exp(_float_of(t) - m).double()
+    z_t = _float_of(t)
+    e_t = torch.exp(z_t - m).double()
     md = m.double()
     l_k = l_a + kept_t * e_t
-    a_k = a_a + kept_t * e_t * (z_t - md)
-    y_key = _key_of(z_y.float())
+    a_k = a_a + kept_t * e_t * (z_t.double() - md)
+    z_y = passes.z.gather(1, targets.clamp(0, passes.width - 1).unsqueeze(1)).squeeze(1)
+    y_key = _key_of(z_y)
     y_in = (y_key > t) | ((y_key == t) & (n_b + 1 <= c.double()))
-    full = md + torch.log(l_full)
+    full = md + torch.log(l_f)
     kept = md + torch.log(l_k)
-    lp = torch.where(y_in, z_y - kept, -math.inf)
+    lp = torch.where(y_in, z_y.double() - kept, -math.inf)
     entropy = torch.log(l_k) - a_k / l_k
-    key = torch.where(kept_t > 0, t, k_min)
-    count = torch.where(kept_t > 0, kept_t, n_min).long()
+    key, count = t, kept_t.long()
+    if canonical:
+        k_s = b.k[:rows, :s].long()
+        k_min = k_s.amin(1)
+        n_min = torch.where(k_s == k_min.unsqueeze(1), part[:, :, 5], 0.0).sum(1)
+        key = torch.where(kept_t > 0, t, k_min)
+        count = torch.where(kept_t > 0, kept_t, n_min).long()
     return (*(x.float() for x in (lp, entropy, kept - full, full, kept)), key, count)
+
+
+def _value_cuts(key, temperature, scale: float, dtype):
+    """Per row, for logits ``x`` of ``dtype`` and ``u = sign(scale) x``: the smallest ``u``
+    whose tempered logit ``fl(fl(u |scale|) / T)`` (the forward's, ``_tempered`` without a
+    softcap: nondecreasing in ``u``) has at least the key ``key``, and the smallest whose key
+    is above it (fp32 values; NaN where none is). A bisection over the ordered keys of
+    ``dtype``'s finite values and infinities, the same products and correctly rounded
+    divisions as the kernels': the backward tells the kept tokens by comparing ``u`` with
+    these two numbers, with the forward's bits."""
+    kd = torch.int16 if dtype.itemsize == 2 else torch.int32
+    # the ordered keys of -inf and +inf in ``dtype``'s own width
+    lo_key, hi_key = _flip_negatives(torch.tensor([-math.inf, math.inf], dtype=dtype)
+                                     .view(kd)).tolist()
+    mag = torch.tensor(abs(scale), dtype=torch.float32)
+    t = temperature.float()
+
+    def key_at(k):
+        u = _key_floats(k.to(kd), dtype).float()
+        return _key_of((u * mag) / t)
+
+    def first(pred):
+        lo = torch.full_like(key, lo_key)
+        hi = torch.full_like(key, hi_key + 1)  # past every value: none
+        for _ in range(8 * kd.itemsize + 1):
+            mid = (lo + hi) // 2
+            ok = pred(key_at(mid.clamp(max=hi_key)))
+            hi = torch.where(ok & (lo < hi), mid, hi)
+            lo = torch.where(~ok & (lo < hi), mid + 1, lo)
+        u = _key_floats(lo.clamp(max=hi_key).to(kd), dtype).float()
+        return torch.where(lo <= hi_key, u, math.nan).contiguous()
+
+    return first(lambda k: k >= key), first(lambda k: k > key)
 
 
 def grad_meta(dtype, softcap, g_lp, g_entropy, g_kept, g_lse) -> dict:
@@ -632,7 +840,8 @@ def backward(hidden, weight, bias, targets, params: RowParams, key, count, lse, 
     n_pad = chunks * rows
     per_group = max(1, min(chunks, tile_bytes // (rows * cols * hidden.element_size())))
     h_pad = _pad_rows(hidden, n_pad).contiguous()
-    tile = torch.empty(per_group * rows * cols, dtype=hidden.dtype, device=dev)
+    # rows padded to whole steps: the tie-cut and dx passes read and write unmasked
+    tile = torch.empty(per_group * rows * _span(cols), dtype=hidden.dtype, device=dev)
     d_hidden = torch.empty(n_pad, hidden.shape[1], dtype=torch.float32, device=dev) \
         if need_hidden else None
     d_weight = torch.empty(weight.shape, dtype=torch.float32, device=dev) if need_weight \
@@ -640,6 +849,7 @@ def backward(hidden, weight, bias, targets, params: RowParams, key, count, lse, 
     d_bias = torch.empty(v, dtype=torch.float32, device=dev) if need_bias else None
     args = row_args(params, n, dev)
     seen = torch.zeros(n, dtype=torch.int64, device=dev)
+    cut = torch.empty(per_group * rows, dtype=torch.int32, device=dev)
     per_row = [None if g is None else g.float().contiguous()
                for g in (lse, lse_kept, entropy, g_lp, g_entropy, g_kept, g_lse)]
     ptrs = [p if p is not None else per_row[0] for p in per_row]
@@ -647,18 +857,30 @@ def backward(hidden, weight, bias, targets, params: RowParams, key, count, lse, 
     scalars = dict(softcap=1.0 if softcap is None else float(softcap),
                    scale=float(logit_scale))
     targets, key, count = targets.contiguous(), key.contiguous(), count.contiguous()
+    scalars["sign"] = -1.0 if logit_scale < 0 else 1.0
+    if softcap is None:
+        u_at, u_above = _value_cuts(key, args["temperature"], float(logit_scale),
+                                    hidden.dtype)
+    else:
+        u_at = u_above = args["temperature"]  # not read: the keys are formed per element
     for c0 in range(0, v, cols):
         w, b = _head_slice(weight, bias, c0, cols, hidden.dtype)
         width = w.shape[0]
         for g0 in range(0, chunks, per_group):
             r0, g_rows = g0 * rows, min(per_group, chunks - g0) * rows
             real = max(0, min(g_rows, n - r0))
-            x = tile[:g_rows * width].view(g_rows, width)
+            x = tile[:g_rows * _span(width)].view(g_rows, _span(width))[:, :width]
             for c in range(0, g_rows, rows):
                 _gemm_(x[c:c + rows], h_pad[r0 + c:r0 + c + rows], w, b)
+            cut_meta = dict(HAS_SOFTCAP=meta["HAS_SOFTCAP"], BLOCK_V=_BLOCK_C,
+                            num_warps=meta["num_warps"])
+            rows_args = (args["temperature"][r0:], key[r0:])
+            _cut_kernel[(g_rows,)](x, x.stride(0), *rows_args, count[r0:], seen[r0:],
+                                   u_at[r0:], u_above[r0:], cut, real, width, _span(width),
+                                   **scalars, **cut_meta)
             _grad_kernel[(g_rows,)](
-                x, x.stride(0), targets[r0:], args["temperature"][r0:], key[r0:], count[r0:],
-                seen[r0:], *(p[r0:] for p in ptrs), real, width, c0, **scalars, **meta)
+                x, x.stride(0), targets[r0:], *rows_args, cut, u_at[r0:], u_above[r0:],
+                *(p[r0:] for p in ptrs), real, width, _span(width), c0, **scalars, **meta)
             if d_hidden is not None:
                 for c in range(0, g_rows, rows):
                     addmm_acc_(d_hidden[r0 + c:r0 + c + rows], x[c:c + rows], w,
