@@ -12,6 +12,7 @@ chunks, the last padded).
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -284,6 +285,17 @@ for ty, on in (("bf16", True), ("fp32", False)):
     build("_stats_kernel", dict(z="*fp32", stride_z="i32", targets="*i64", m_in="*fp32",
           t_in="*i64", part="*fp32", part_k="*i32", n_slices="i32", width="i32", span="i32"),
           dict(CANONICAL=on, SLICE=k._SLICE, BLOCK_V=k._BLOCK_V), ty)
+    build("_search_step_kernel", dict(part="*fp32", lo="*i64", hi="*i64", step="*i64",
+          target="*fp64", n_rows="i32", n_slices="i32"),
+          dict(FAN=k._FAN, BLOCK_R=k._BLOCK_R), ty)
+    import triton.language as tl
+    bits = 16 if ty == "bf16" else 32
+    build("_value_cuts_kernel", dict(key="*i64", temperature="*fp32", u_at="*fp32",
+          u_above="*fp32", like="*" + ty, n_rows="i32", mag="fp32"),
+          dict(LO=-(0x7F80 if bits == 16 else 0x7F800000) - 1,
+               HI=0x7F80 if bits == 16 else 0x7F800000, MASK=(1 << (bits - 1)) - 1,
+               KEY_TY=tl.int16 if bits == 16 else tl.int32, STEPS=bits + 1,
+               BLOCK_R=k._BLOCK_R), ty)
 for name, r in report.items():
     print(name, r)
 """
@@ -343,15 +355,21 @@ def test_chunks_at_the_reference_shape_are_1024_row_gemms():
     assert 9**11 >= 2**32 > 9**10
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("scale", [1.3, -0.7])
 def test_value_cuts_give_the_forward_keys(dtype, scale):
     """The backward tells the kept key's tokens and those above it by comparing the raw logit
     (its sign flipped for a negative scale) with two per-row values: on every finite value of
-    the dtype, the same sets as the forward's keys of ``fl(fl(x scale) / T)``."""
-    bits = torch.arange(-2**15, 2**15, dtype=torch.int32).to(torch.int16)
-    x = bits.view(dtype)
-    x = x[torch.isfinite(x.float())]
+    a 16-bit dtype (fp32: spread values, signed zeros, infinities), the same sets as the
+    forward's keys of ``fl(fl(x scale) / T)``."""
+    if dtype == torch.float32:
+        g = torch.Generator().manual_seed(2)
+        x = torch.cat([torch.randn(3000, generator=g) * 30, torch.randn(1000, generator=g),
+                       torch.tensor([0.0, -0.0, 1e-40, -1e-40, math.inf, -math.inf])])
+    else:
+        bits = torch.arange(-2**15, 2**15, dtype=torch.int32).to(torch.int16)
+        x = bits.view(dtype)
+        x = x[torch.isfinite(x.float())]
     temps = torch.tensor([1.0, 0.37, 2.9, 1e-3])
     z = (x.float().unsqueeze(0) * torch.tensor(scale, dtype=torch.float32)) \
         / temps.unsqueeze(1)

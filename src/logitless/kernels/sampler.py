@@ -57,7 +57,6 @@ from logitless.kernels.linear_softmax_torch import _head_slice, _pad_rows, addmm
 from logitless.kernels.sampler_torch import (
     ENGINES,
     RowParams,
-    _flip_negatives,
     _key_floats,
     _ordered_keys,
 )
@@ -771,37 +770,73 @@ def _final_stats(passes: _Passes, targets, t, c, m, canonical: bool):
     return (*(x.float() for x in (lp, entropy, kept - full, full, kept)), key, count)
 
 
+@triton.jit
+def _value_at(k, like, MASK: tl.constexpr, KEY_TY: tl.constexpr):
+    """The value (fp32) of ``like``'s dtype whose ordered key is ``k``."""
+    bits = tl.where(k < 0, k ^ MASK, k).to(KEY_TY)
+    return bits.to(like.dtype.element_ty, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _value_cuts_kernel(key, temperature, u_at, u_above, like, n_rows, mag, LO: tl.constexpr,
+                       HI: tl.constexpr, MASK: tl.constexpr, KEY_TY: tl.constexpr,
+                       STEPS: tl.constexpr, BLOCK_R: tl.constexpr):
+    """:func:`_value_cuts` for ``BLOCK_R`` rows: two bisections over the ordered keys
+    ``[LO, HI]`` of ``like``'s dtype (-inf to +inf), each step forming the candidate's tempered
+    logit as the forward does (``_tempered`` without a softcap)."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    live = rows < n_rows
+    k = tl.load(key + rows, mask=live, other=0).to(tl.int32)
+    t = tl.load(temperature + rows, mask=live, other=1.0)
+    for which in tl.static_range(2):
+        lo = tl.full([BLOCK_R], LO, tl.int64)  # int64: the fp32 range's ends sum past int32
+        hi = tl.full([BLOCK_R], HI + 1, tl.int64)  # past every value: none
+        for _ in tl.static_range(STEPS):
+            mid = (lo + hi) >> 1
+            zk = _keys(tl.math.div_rn(_value_at(tl.minimum(mid, HI), like, MASK, KEY_TY) * mag,
+                                      t))
+            if which == 0:
+                ok = zk >= k
+            else:
+                ok = zk > k
+            more = lo < hi
+            hi = tl.where(ok & more, mid, hi)
+            lo = tl.where(~ok & more, mid + 1, lo)
+        u = tl.where(lo <= HI, _value_at(tl.minimum(lo, HI), like, MASK, KEY_TY), float("nan"))
+        if which == 0:
+            tl.store(u_at + rows, u, mask=live)
+        else:
+            tl.store(u_above + rows, u, mask=live)
+
+
+# +inf's bit pattern per dtype (the largest ordered key of a non-NaN value).
+_INF_BITS = {torch.bfloat16: 0x7F80, torch.float16: 0x7C00, torch.float32: 0x7F800000}
+
+
 def _value_cuts(key, temperature, scale: float, dtype):
     """Per row, for logits ``x`` of ``dtype`` and ``u = sign(scale) x``: the smallest ``u``
     whose tempered logit ``fl(fl(u |scale|) / T)`` (the forward's, ``_tempered`` without a
     softcap: nondecreasing in ``u``) has at least the key ``key``, and the smallest whose key
-    is above it (fp32 values; NaN where none is). A bisection over the ordered keys of
-    ``dtype``'s finite values and infinities, the same products and correctly rounded
-    divisions as the kernels': the backward tells the kept tokens by comparing ``u`` with
-    these two numbers, with the forward's bits."""
+    is above it (fp32 values; NaN where none is). Two bisections over the ordered keys of
+    ``dtype``'s finite values and infinities in one launch (:func:`_value_cuts_kernel`), the
+    same products and correctly rounded divisions as the kernels': the backward tells the kept
+    tokens by comparing ``u`` with these two numbers, with the forward's bits."""
+    n = key.shape[0]
     kd = torch.int16 if dtype.itemsize == 2 else torch.int32
-    # the ordered keys of -inf and +inf in ``dtype``'s own width
-    lo_key, hi_key = _flip_negatives(torch.tensor([-math.inf, math.inf], dtype=dtype)
-                                     .view(kd)).tolist()
-    mag = torch.tensor(abs(scale), dtype=torch.float32)
-    t = temperature.float()
-
-    def key_at(k):
-        u = _key_floats(k.to(kd), dtype).float()
-        return _key_of((u * mag) / t)
-
-    def first(pred):
-        lo = torch.full_like(key, lo_key)
-        hi = torch.full_like(key, hi_key + 1)  # past every value: none
-        for _ in range(8 * kd.itemsize + 1):
-            mid = (lo + hi) // 2
-            ok = pred(key_at(mid.clamp(max=hi_key)))
-            hi = torch.where(ok & (lo < hi), mid, hi)
-            lo = torch.where(~ok & (lo < hi), mid + 1, lo)
-        u = _key_floats(lo.clamp(max=hi_key).to(kd), dtype).float()
-        return torch.where(lo <= hi_key, u, math.nan).contiguous()
-
-    return first(lambda k: k >= key), first(lambda k: k > key)
+    # the ordered keys of +inf and -inf in ``dtype``'s own width (+inf's bit pattern; -inf's,
+    # the sign bit set, flipped: minus the pattern, less one)
+    hi_key = _INF_BITS[dtype]
+    lo_key = -hi_key - 1
+    u_at = torch.empty(n, dtype=torch.float32, device=key.device)
+    u_above = torch.empty_like(u_at)
+    like = torch.empty(1, dtype=dtype, device=key.device)
+    bits = 8 * kd.itemsize
+    _value_cuts_kernel[(triton.cdiv(n, _BLOCK_R),)](
+        key.contiguous(), temperature.float().contiguous(), u_at, u_above, like, n,
+        abs(float(scale)), LO=lo_key, HI=hi_key, MASK=(1 << (bits - 1)) - 1,
+        KEY_TY=tl.int16 if bits == 16 else tl.int32, STEPS=bits + 1, BLOCK_R=_BLOCK_R,
+        num_warps=2)
+    return u_at, u_above
 
 
 def grad_meta(dtype, softcap, g_lp, g_entropy, g_kept, g_lse) -> dict:

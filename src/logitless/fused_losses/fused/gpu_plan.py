@@ -166,9 +166,9 @@ SAMPLER_TILE_BUDGET = 2**30
 # Small launches besides the Triton passes, counted with tools.launches.LaunchCount on CPU
 # (top-p alone, logprobs' gradient): the [R]-sized torch ops that merge the passes' partial
 # results, per chunk of the forward (the 11 search merges are Triton launches of their own),
-# and once per backward, the bisection of the two per-row value cuts (17 steps each).
+# and once per backward, the two per-row value cuts (one Triton launch) and their setup.
 SAMPLER_ROW_OPS = 120
-SAMPLER_CUT_OPS = 1550
+SAMPLER_CUT_OPS = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -561,7 +561,7 @@ def sampler_plan(n: int, d: int, v: int, dtype="bfloat16", *, hardware: Hardware
         passes.add("row merges (torch, [R]-sized)", "vector", 0, 64 * r, SAMPLER_ROW_OPS)
     per_tile = max(1, SAMPLER_TILE_BUDGET // (r * span * e))
     tiles = _even_split(chunks, math.ceil(chunks / per_tile))
-    passes.add("value cuts (torch bisection, [N])", "vector", 0, 32 * n, SAMPLER_CUT_OPS)
+    passes.add("value cuts (bisection, [N])", "vector", 0, 32 * n, SAMPLER_CUT_OPS)
     first = True
     for k, count in tiles:
         for _ in range(count):
