@@ -277,3 +277,23 @@ def test_docs_tables_are_the_models():
     assert report in doc
     assert gp.format_table(gp.reference_plans()).count("| not run |") == 5
     assert gp.format_table(gp.reference_plans(targets=True)) in doc
+
+
+def test_sampler_top_p_is_within_its_target_at_the_reference_shape():
+    """Issue 22 item 3 on the model: the sampler's top-p forward and backward at N=16384,
+    D=4096, V=151936 (1024-row chunks, one GEMM of the whole head each, the passes at today's
+    compiled figures) at most 1.5x the plain linear_logprobs forward and backward, its GEMMs
+    1024 rows tall and wave-quantised as the head's are."""
+    n, d, v = gp.REFERENCE_SHAPE
+    sp = gp.sampler_plan(n, d, v)
+    head = gp.gpu_plan(n, d, v, "bfloat16", "logprobs-fwd-bwd")
+    assert sp.seconds <= 1.5 * head.seconds
+    assert sp.chunk_rows == gp.SAMPLER_ROWS == 1024 and sp.chunks == 16
+    gemm = by_name(sp, "logits GEMM")
+    assert gemm.launches == 16 and gemm.flops == 2 * n * d * v
+    assert matmul_flops(sp) == 4 * 2 * n * d * v
+    # every pass within its instruction budget: bound by its bytes
+    for name in ("mass passes (total, 11 search passes, above the cut)", "statistics pass"):
+        p = by_name(sp, name)
+        assert p.seconds <= 1.001 * (p.bytes / gp.H200.bandwidth
+                                     + p.launches * gp.H200.launch_seconds)

@@ -1,16 +1,18 @@
 """The CUDA path of the sampler-matched logprobs (``kernels/sampler.py``: cuBLAS GEMMs into a
-chunk of fp32 logits, Triton passes one program per row) under TRITON_INTERPRET=1 on CPU
-tensors, against the fp64 reference (vLLM 0.34.0's order and tie rules, see
-``logitless.reference.sampler``) and against the torch path ``kernels/sampler_torch.py``.
+chunk of logits, Triton passes with a program per row and vocabulary slice) under
+TRITON_INTERPRET=1 on CPU tensors, against the fp64 reference (vLLM 0.34.0's order and tie
+rules, see ``logitless.reference.sampler``) and against the torch path
+``kernels/sampler_torch.py``.
 
 Shapes are tiny (the interpreter is slow); ``small`` shrinks the GEMM slice to 32 columns, the
-one-value-per-column blocks to 16 columns and the search blocks to 64, and ``TILE`` gives
-2-row chunks, so N=5, V=67 crosses every boundary (three vocabulary slices, several blocks per
-pass, three chunks, the last padded).
+passes' slices to 16 columns and their blocks to 8, and ``TILE`` gives 2-row chunks, so N=5,
+V=67 crosses every boundary (three GEMM slices, five pass slices of several blocks, three
+chunks, the last padded).
 """
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -26,15 +28,18 @@ from sm90 import run_compile_script
 from testing import assert_close_to_oracle, requires_triton, sampler_settings
 
 N, D, V = 5, 24, 67
-COLS, BLOCK_V, BLOCK_S = 32, 16, 64
-TILE = 950  # bytes: 2 rows per chunk in fp32 (396 a row), 4 in bf16 (198 a row)
+COLS, SLICE, BLOCK_V, BLOCK_S = 32, 16, 8, 8
+TILE = 1400  # bytes: 2 rows per chunk in fp32 (664 a row), 3 in bf16 (466 a row)
 OUTS = ("logprobs", "entropy", "log_kept_mass")
 
 
 @pytest.fixture
 def small(monkeypatch):
     monkeypatch.setattr(kernel, "_COLS", COLS)
+    monkeypatch.setattr(kernel, "_SLICE", SLICE)
     monkeypatch.setattr(kernel, "_BLOCK_V", BLOCK_V)
+    monkeypatch.setattr(kernel, "_BLOCK_T", BLOCK_V)
+    monkeypatch.setattr(kernel, "_BLOCK_C", BLOCK_V)
     monkeypatch.setattr(kernel, "_BLOCK_S", BLOCK_S)
     monkeypatch.setenv("LOGITLESS_BACKEND", "triton")
     calls = []
@@ -149,16 +154,12 @@ def test_kept_sets_equal_the_torch_paths_on_tied_logits(small, monkeypatch, engi
     """The Triton passes and the torch path on the same fp32 logits: identical kept sets
     (the lowest ids kept among ties at the k-th value and at the top-p boundary), identical
     stored (key, count), the same statistics; and both equal to the fp64 reference's set."""
-    # 256 trial keys a pass: 4 passes instead of 8 (the interpreter's time goes there); the
-    # search's result does not depend on the fan-out
-    monkeypatch.setattr(kernel, "_FAN", 256)
     n, v = 16, 41
     z, params = _tied_rows(n, v, seed=3, engine=engine)
     targets = torch.randint(0, v, (n,))
     outs = [torch.empty(n) for _ in range(5)] + [torch.empty(n, dtype=torch.int64)
                                                  for _ in range(2)]
-    kernel.chunk_stats(z, targets, kernel.row_args(params, n, z.device), 0, outs,
-                       torch.empty(2, n), None, 1.0)
+    kernel.chunk_stats(z, targets, kernel.row_args(params, n, z.device), 0, outs, None, 1.0)
     keys = sampler_torch._ordered_keys(z)
     want, torch_outs = sampler_torch.select(z, targets, params)
     seen = torch.zeros(n, dtype=torch.int32)
@@ -244,9 +245,8 @@ def test_rows_do_not_depend_on_the_batch(small):
 
 
 # Compiles every kernel for sm_90 with the constexprs and warps the launchers use: bf16 with
-# every flag on (the threshold pass with all three truncations), fp32 with every flag off
-# (the threshold pass with top-p alone), the threshold pass once per engine. A subprocess:
-# TRITON_INTERPRET=1 replaces the JIT.
+# every flag on (softcap, every upstream gradient, the canonical statistics pass), fp32 with
+# every flag off; both search passes. A subprocess: TRITON_INTERPRET=1 replaces the JIT.
 _COMPILE_SCRIPT = """
 import torch
 from sm90 import compile_sm90, ptxas_report
@@ -255,35 +255,47 @@ from logitless.kernels import sampler as k
 W = k._WARPS
 report = {}
 
-def build(name, sig, consts):
+def build(name, sig, consts, tag=""):
     compiled = compile_sm90(getattr(k, name), sig, consts, num_warps=W)
     assert compiled.asm["cubin"]
-    report[name] = ptxas_report(compiled)
+    report[name + tag] = ptxas_report(compiled)
 
+scal = dict(softcap="fp32", scale="fp32")
 for ty, on in (("bf16", True), ("fp32", False)):
     g = torch.zeros(1) if on else None
     meta = k.grad_meta(dict(bf16=torch.bfloat16, fp32=torch.float32)[ty],
                        3.0 if on else None, g, g, g, g)
     meta.pop("num_warps")
-    build("_grad_kernel", dict(x="*" + ty, stride_x="i32", targets="*i64",
-          temperature="*fp32", key="*i64", count="*i64", seen="*i64",
+    rows = dict(x="*" + ty, stride_x="i32", targets="*i64", temperature="*fp32", key="*i64")
+    build("_grad_kernel", dict(rows, cut="*i32", u_at="*fp32", u_above="*fp32",
           **dict.fromkeys(("lse", "lse_kept", "entropy", "g_lp", "g_entropy", "g_kept",
                            "g_lse"), "*fp32"),
-          n_rows="i32", width="i32", v0="i32", softcap="fp32", scale="fp32"), meta)
-    common = dict(x="*" + ty, stride_x="i32", temperature="*fp32")
-    scal = dict(softcap="fp32", scale="fp32")
-    build("_max_kernel", dict(**common, m_out="*fp32", l_out="*fp32", width="i32", **scal),
-          dict(HAS_SOFTCAP=on, BLOCK_V=k._BLOCK_V))
-    flags = (True, True, True) if on else (False, False, True)
-    for engine in range(len(k.ENGINES)):  # each engine's rules are their own variant
-        build("_threshold_kernel", dict(**common, m_in="*fp32", log_min_p="*fp32",
-              top_k="*i64", top_p="*fp64", t_out="*i64", c_out="*i64", width="i32", **scal),
-              dict(zip(("HAS_MIN_P", "HAS_TOP_K", "HAS_TOP_P"), flags), HAS_SOFTCAP=on,
-                   ENGINE=engine, FAN=k._FAN, BLOCK_S=k._BLOCK_S, BLOCK_V=k._BLOCK_V))
-    build("_stats_kernel", dict(**common, targets="*i64", m_in="*fp32", l_in="*fp32",
-          t_io="*i64", c_io="*i64", lp="*fp32", entropy="*fp32", kept_mass="*fp32",
-          lse="*fp32", lse_kept="*fp32", width="i32", **scal),
-          dict(HAS_SOFTCAP=on, BLOCK_V=k._BLOCK_V))
+          n_rows="i32", width="i32", span="i32", v0="i32", **scal, sign="fp32"), meta, ty)
+    rows.pop("targets")
+    build("_cut_kernel", dict(rows, count="*i64", seen="*i64", u_at="*fp32", u_above="*fp32",
+          cut="*i32", n_rows="i32", width="i32", span="i32", **scal, sign="fp32"),
+          dict(HAS_SOFTCAP=on, BLOCK_V=k._BLOCK_C), ty)
+    build("_transform_kernel", dict(x="*" + ty, stride_x="i32", temperature="*fp32",
+          z="*fp32", stride_z="i32", part_m="*fp32", part_k="*i32", n_slices="i32",
+          width="i32", span="i32", **scal),
+          dict(HAS_SOFTCAP=on, SLICE=k._SLICE, BLOCK_V=k._BLOCK_T), ty)
+    build("_fan_kernel", dict(z="*fp32", stride_z="i32", m_in="*fp32", base="*i64",
+          step="*i64", part="*fp32", n_slices="i32", span="i32"),
+          dict(WEIGHTED=on, FAN=k._FAN, SLICE=k._SLICE, BLOCK_S=k._BLOCK_S), ty)
+    build("_stats_kernel", dict(z="*fp32", stride_z="i32", targets="*i64", m_in="*fp32",
+          t_in="*i64", part="*fp32", part_k="*i32", n_slices="i32", width="i32", span="i32"),
+          dict(CANONICAL=on, SLICE=k._SLICE, BLOCK_V=k._BLOCK_V), ty)
+    build("_search_step_kernel", dict(part="*fp32", lo="*i64", hi="*i64", step="*i64",
+          target="*fp64", n_rows="i32", n_slices="i32"),
+          dict(FAN=k._FAN, BLOCK_R=k._BLOCK_R), ty)
+    import triton.language as tl
+    bits = 16 if ty == "bf16" else 32
+    build("_value_cuts_kernel", dict(key="*i64", temperature="*fp32", u_at="*fp32",
+          u_above="*fp32", like="*" + ty, n_rows="i32", mag="fp32"),
+          dict(LO=-(0x7F80 if bits == 16 else 0x7F800000) - 1,
+               HI=0x7F80 if bits == 16 else 0x7F800000, MASK=(1 << (bits - 1)) - 1,
+               KEY_TY=tl.int16 if bits == 16 else tl.int32, STEPS=bits + 1,
+               BLOCK_R=k._BLOCK_R), ty)
 for name, r in report.items():
     print(name, r)
 """
@@ -293,3 +305,81 @@ for name, r in report.items():
 def test_kernels_compile_for_sm90():
     done = run_compile_script(_COMPILE_SCRIPT)
     print(done.stdout)  # registers and spills, for -s
+
+
+@requires_triton
+def test_passes_do_not_depend_on_the_other_rows_or_the_offset(small):
+    """Issue 22 item 3: the sliced passes merge each row's per-slice partials in slice order,
+    so a row's kept set and statistics are the same bits whatever rows share its chunk and
+    wherever in the chunk it sits (every engine, per-token settings, ties)."""
+    n, v = 6, 41
+    gen = torch.Generator().manual_seed(11)
+    z = torch.randn(n, v, generator=gen) * 3
+    z[:, 5] = z[:, 7]  # a tie in every row
+    targets = torch.randint(0, v, (n,), generator=gen)
+    settings = dict(top_k=torch.randint(1, v, (n,), generator=gen),
+                    top_p=(torch.rand(n, generator=gen) * 0.9 + 0.05).double(),
+                    min_p=torch.rand(n, generator=gen) * 0.1)
+    for engine in sampler_torch.ENGINES:
+        def run(order, z=z, engine=engine):
+            temps = torch.rand(n, generator=torch.Generator().manual_seed(3)) + 0.5
+            params = RowParams(temps[order], *(settings[k][order] for k in ("top_k", "top_p",
+                                                                         "min_p")), engine)
+            return kernel.chunk_stats(z[order].contiguous(), targets[order],
+                                      kernel.row_args(params, n, z.device), 0, None, None, 1.0)
+
+        base = run(torch.arange(n))
+        shifted = torch.roll(torch.arange(n), 2)  # row i now at (i + 2) % n
+        moved = run(shifted)
+        for got, want in zip(moved, base):
+            assert torch.equal(got, want[shifted])
+        # row 0 at position 3 among other rows (fresh logits around it)
+        other = torch.randn(n, v, generator=gen) * 3
+        other[0] = z[0]
+        mixed = run(torch.tensor([1, 2, 4, 0, 5, 3]), other)
+        for got, want in zip(mixed, base):
+            assert torch.equal(got[3], want[0])
+
+
+def test_chunks_at_the_reference_shape_are_1024_row_gemms():
+    """Issue 22 item 3: at N=16384, D=4096, V=151936 in bf16 the default budget gives 1024-row
+    chunks, each one ``[1024, 4096] x [4096, V]`` GEMM (the whole head once per 1024 rows), and
+    the passes of a chunk run a program per row and vocabulary slice."""
+    v = 151936
+    for dtype in (torch.bfloat16, torch.float16):
+        assert kernel.rows_per_chunk(v, kernel.DEFAULT_TILE_BYTES, dtype, None) == 1024
+    assert min(v, kernel._COLS) == v
+    assert -(-v // kernel._SLICE) * 1024 >= 132 * 128  # many programs per SM
+    # the 8-trial search settles any fp32 key range in a fixed number of passes
+    assert kernel.search_passes(kernel._FAN) == 11
+    assert 9**11 >= 2**32 > 9**10
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("scale", [1.3, -0.7])
+def test_value_cuts_give_the_forward_keys(dtype, scale):
+    """The backward tells the kept key's tokens and those above it by comparing the raw logit
+    (its sign flipped for a negative scale) with two per-row values: on every finite value of
+    a 16-bit dtype (fp32: spread values, signed zeros, infinities), the same sets as the
+    forward's keys of ``fl(fl(x scale) / T)``."""
+    if dtype == torch.float32:
+        g = torch.Generator().manual_seed(2)
+        x = torch.cat([torch.randn(3000, generator=g) * 30, torch.randn(1000, generator=g),
+                       torch.tensor([0.0, -0.0, 1e-40, -1e-40, math.inf, -math.inf])])
+    else:
+        bits = torch.arange(-2**15, 2**15, dtype=torch.int32).to(torch.int16)
+        x = bits.view(dtype)
+        x = x[torch.isfinite(x.float())]
+    temps = torch.tensor([1.0, 0.37, 2.9, 1e-3])
+    z = (x.float().unsqueeze(0) * torch.tensor(scale, dtype=torch.float32)) \
+        / temps.unsqueeze(1)
+    keys = sampler_torch._ordered_keys(z).long()
+    gen = torch.Generator().manual_seed(5)
+    pick = keys[torch.arange(4), torch.randint(0, x.numel(), (4,), generator=gen)]
+    u_at, u_above = kernel._value_cuts(pick, temps, scale, dtype)
+    u = x.float().unsqueeze(0) * (-1.0 if scale < 0 else 1.0)
+    above = u >= u_above.unsqueeze(1)
+    at = (u >= u_at.unsqueeze(1)) & ~above
+    assert torch.equal(above, keys > pick.unsqueeze(1))
+    assert torch.equal(at, keys == pick.unsqueeze(1))
+    assert at.any(1).all() and above.any(1).any()

@@ -61,7 +61,7 @@ def test_the_report_compiles_every_variant(tmp_path):
     for k in kernels:
         assert fields <= k.keys()
         assert k["role"].split("_")[0] in ("head", "fused", "divergence", "attention",
-                                           "segments")
+                                           "segments", "sampler")
         assert (tmp_path / k["cubin"]).stat().st_size > 1000
         assert 8 <= k["registers"] <= 255 and k["spills"] >= 0
         assert 20 < k["loop_instructions"] < 5000  # a real streaming loop was found
@@ -75,6 +75,10 @@ def test_the_report_compiles_every_variant(tmp_path):
                                             "_pair_grad_kernel[kl_reverse]"}
     assert {k["role"] for k in kernels} >= {"attention", "segments_reduce", "segments_scan",
                                             "segments_spread"}
+    # issue 22 item 3: the sampler's passes (per-lane state, whole steps over padded rows)
+    assert {k["role"] for k in kernels} >= {"sampler_transform", "sampler_fan_mass",
+                                            "sampler_fan_count", "sampler_stats",
+                                            "sampler_cut", "sampler_grad"}
     for k in kernels:
         assert k["spills"] == 0, k
         # the passes that stream from memory (logits, per-token values) within the budget;

@@ -1,49 +1,50 @@
 """The CUDA path of the sampler-matched logprobs: cuBLAS GEMMs into a chunk of logits in the
-compute dtype, Triton passes with one program per row over it.
+compute dtype, Triton passes with a program per row and vocabulary slice over it.
 
 The launcher contract is ``sampler_torch``'s (same ``forward`` / ``backward`` signatures and
-outputs, same per-row algorithm, same kept sets); see that module's docstring for the
-algorithm. Per chunk of ``R`` rows (``R`` from the byte budget, the vocabulary and the dtype,
-never from N; every chunk is padded to exactly ``R`` rows so that each GEMM has one shape
-whatever N is):
+outputs, same kept-set rule, same kept sets); see that module's docstring for the rule. Per
+chunk of ``R`` rows (``R`` from the byte budget, the vocabulary and the dtype, never from N;
+1024 at V=151936 in bf16 with the default budget; every chunk padded to exactly ``R`` rows):
 
-1. **Logits.** For each ``_COLS``-column vocabulary slice, one ``torch.mm`` / ``torch.addmm``
-   (cuBLAS, fp32 accumulation) writes ``x = h W^T + b`` in the compute dtype (bf16/fp16
-   rounded as PyTorch's own product rounds them) into a slice buffer, copied into the chunk
-   buffer ``[R, V]`` (compute dtype). Every pass below reads ``x`` and forms
-   ``z = logit_scale * softcap(x) / T_row`` in fp32 as it reads (``_tempered``, the division
-   correctly rounded as torch's): half the bytes of an fp32 chunk for bf16, and the same bits
-   in every pass and in the backward.
-2. ``_max_kernel``: the row maximum ``m`` and ``l = sum exp(z - m)`` (online, one pass).
-3. ``_threshold_kernel``: the kept set, as the pair ``(T, C)``: every token whose ordered
-   key is above ``T``, and the first ``C`` (lowest ids) of those at ``T``. min-p gives the
-   smallest candidate key (one pass); top-k and top-p each find their threshold key by a
-   ``_FAN``-ary search over the integer keys (each pass counts, or weighs by ``exp(z - m)``,
-   the tokens at or above ``_FAN`` trial keys at once, so a 32-bit key range takes 8 passes
-   where a bisection takes 32) and need one more pass for the tokens strictly above it;
-   top-p first sums the candidates' weights (one pass, ranks of the tied tokens by a running
-   ``cumsum``; top-p's mass in fp64, as the torch path sums it). The search finds the same
-   key as the torch path's radix select: the largest key whose count (or weight) reaches the
-   target.
-4. ``_stats_kernel``: one pass for the kept sums, the target's logit and membership, and the
-   number of tokens at ``T``; it writes ``log q_y``, the kept entropy, ``log_kept_mass``,
-   ``lse``, the kept ``lse`` and the stored pair (``T``, the kept count at ``T``).
+1. **Logits.** One ``torch.mm`` / ``torch.addmm`` (cuBLAS, fp32 accumulation) of the whole
+   head writes ``x = h W^T + b`` in the compute dtype (``_COLS``-column slices when tests
+   shrink it). ``_transform_kernel`` reads it once and writes ``z = logit_scale * softcap(x) /
+   T_row`` in fp32 (``_tempered``: the division correctly rounded, as torch's), with each
+   slice's maximum and smallest key. Every later pass reads these values: the same bits in
+   every pass.
+2. Every pass below is a ``[R, S]`` launch, one program per row and ``_SLICE``-column slice,
+   each keeping its sums per lane and reducing once at the end, writing per-slice partial
+   results; a merge then combines a row's slices in slice order (fp64 for masses). No atomics,
+   no host read: a row's results do not depend on the other rows or on its place in the chunk.
+3. **The kept set** as the pair ``(T, C)``: every token whose ordered key is above ``T``, and
+   the first ``C`` (lowest ids) of those at ``T``. min-p's floor is ``key(m + log min_p)``;
+   top-k and top-p each find their key by a fixed number of ``_FAN``-trial search passes
+   (``_fan_kernel``: the count, or fp32 mass ``exp(z - m)``, of each slice at or above 8
+   trial keys; ``_search_step_kernel`` sums them in fp64 and narrows the row's range 9-fold),
+   the largest key whose count (mass) reaches the target, as the torch path's radix select
+   finds it; one more fan pass gives the tokens (mass) at and above the key. The engines'
+   rules (SGLang's joint filter and kept ties, min-p last) follow ``sampler_torch``.
+4. ``_stats_kernel``: the kept sums, the ties at ``T`` and those before the target; the merge
+   writes ``log q_y``, the kept entropy, ``log_kept_mass``, ``lse``, the kept ``lse`` and the
+   stored pair (the smallest kept key and the kept tokens at it).
 
-Backward (:func:`backward`), vocabulary-outer: per slice, per group of whole chunks, the
-forward's GEMMs (same shapes, same bits) fill a ``[rows, cols]`` tile; ``_grad_kernel``
-overwrites it with ``dx`` in the compute dtype (``dz`` as in ``sampler_torch``'s module doc,
-times ``logit_scale / T_row * (1 - tanh^2)``; the tie ranks carried from slice to slice in a
-per-row count); then cuBLAS GEMMs give ``d_hidden`` per chunk (fp32) and ``d_weight[slice]``
-once per group (fp32), and ``d_bias`` is the fp32 column sum of ``dx``. No atomics, no
-``tl.dot``: each launch follows the last on one stream, the same inputs give the same bits.
+Backward (:func:`backward`), vocabulary-outer: per group of whole chunks, the forward's GEMMs
+(same shapes, same bits) fill a tile whose rows are padded to whole steps; ``_cut_kernel``
+finds per row the column past the last kept tie, and ``_grad_kernel`` overwrites the tile with
+``dx`` in the compute dtype (``dz`` as in ``sampler_torch``'s module doc, times ``logit_scale
+/ T_row * (1 - tanh^2)``). Without a softcap both tell the kept tokens by comparing the raw
+logit with two per-row values (:func:`_value_cuts`): no division per element. Then cuBLAS GEMMs
+give ``d_hidden`` per chunk (fp32) and ``d_weight`` once per group (fp32), and ``d_bias`` is
+the fp32 column sum of ``dx``.
 
 Under ``TRITON_INTERPRET=1`` (CPU tensors) the same code runs with torch's CPU GEMMs; tests
-shrink ``_COLS``, ``_BLOCK_V`` and ``_BLOCK_S``. The kernels use ``tl.exp`` / ``tl.log`` only
-(the interpreter has no libdevice) and bitcasts for the keys.
+shrink ``_COLS``, ``_SLICE`` and the blocks. docs/gpu.md ("Sampler-matched logprobs on the
+GPU") gives the SASS figures and the cost model's prediction.
 """
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -53,7 +54,12 @@ import triton.language as tl
 from logitless.kernels import interpreter_compat
 from logitless.kernels.linear_softmax import _round_to, _tanh
 from logitless.kernels.linear_softmax_torch import _head_slice, _pad_rows, addmm_acc_
-from logitless.kernels.sampler_torch import ENGINES, RowParams
+from logitless.kernels.sampler_torch import (
+    ENGINES,
+    RowParams,
+    _key_floats,
+    _ordered_keys,
+)
 
 interpreter_compat.apply()
 
@@ -62,23 +68,30 @@ __all__ = ["DEFAULT_TILE_BYTES", "backward", "chunk_stats", "forward", "row_args
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
-# Default budget of one chunk's buffers (and of the backward's tile): 32 MiB keeps a chunk's
-# logits inside the H200's L2 cache (50 MB) through the threshold passes; 99 rows at
-# V=151936 in bf16.
-DEFAULT_TILE_BYTES = 32 * 2**20
-# Vocabulary columns per logits GEMM (and per transform launch).
-_COLS = 16384
+# Default budget of one chunk's buffers (and of the backward's tile): at V=151936 in bf16 a
+# chunk of 1024 rows (its logits, 311 MB, and their tempered fp32 copy, 622 MB), so that every
+# GEMM is 1024 rows tall and the head is read once per 1024 rows.
+DEFAULT_TILE_BYTES = 2**30
+# Vocabulary columns per logits GEMM: the whole head at once by default (one GEMM per chunk, no
+# partial last wave of column tiles); tests shrink it.
+_COLS = 2**18
 # Most rows per chunk.
 _MAX_ROWS = 1024
-# Columns per step of the one-value-per-column passes, and their warps.
+# Vocabulary columns per program of a pass (its slice; 19 slices at V=151936, so a 1024-row
+# chunk's pass runs 19456 programs), and the columns per step and warps of the passes.
+_SLICE = 8192
 _BLOCK_V = 2048
 _WARPS = 8
+# Columns per step of the transform pass (4 a thread: within its issue budget), and of the
+# backward's tie-cut pass (one block reduction per step: 16 a thread).
+_BLOCK_T = 1024
+_BLOCK_C = 4096
 # Trial keys per search pass, and the columns per step of a search pass (a [_FAN, _BLOCK_S]
-# block of comparisons).
-_FAN = 16
-_BLOCK_S = 512
-# "Every tied token": larger than any vocabulary.
-_ALL = tl.constexpr(2**62)
+# block of comparisons, kept per lane across the slice).
+_FAN = 8
+_BLOCK_S = 1024
+# Rows per program of a search pass's merge.
+_BLOCK_R = 64
 
 
 @triton.jit
@@ -113,29 +126,198 @@ def _tempered(x, t, softcap, scale, HAS_SOFTCAP: tl.constexpr):
 @triton.jit
 def _load_z(x_row, cols, width, t, softcap, scale, HAS_SOFTCAP: tl.constexpr):
     """The tempered fp32 logits of columns ``cols`` of a row of the chunk (``-inf`` past
-    ``width``) and which columns are real."""
+    ``width``; the row is padded, the load unmasked) and which columns are real."""
     valid = cols < width
-    raw = tl.load(x_row + cols, mask=valid, other=0.0)
+    raw = tl.load(x_row + cols)
     return tl.where(valid, _tempered(raw, t, softcap, scale, HAS_SOFTCAP), float("-inf")), valid
 
 
 @triton.jit
-def _max_kernel(x, stride_x, temperature, m_out, l_out, width, softcap, scale,
-                HAS_SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr):
-    """Row maximum ``m`` and ``sum exp(z - m)``, online in one pass."""
+def _transform_kernel(x, stride_x, temperature, z, stride_z, part_m, part_k, n_slices, width,
+                      span, softcap, scale, HAS_SOFTCAP: tl.constexpr, SLICE: tl.constexpr,
+                      BLOCK_V: tl.constexpr):
+    """Slice ``s`` of row ``r``: the tempered fp32 logits written to ``z``, and the slice's
+    maximum and smallest key, kept per lane across the column loop and reduced once at the
+    end."""
     row = tl.program_id(0).to(tl.int64)
+    s = tl.program_id(1)
     x_row = x + row * stride_x
+    z_row = z + row * stride_z
     temp = tl.load(temperature + row)
-    m = float("-inf")
-    l = 0.0
-    for c0 in range(0, width, BLOCK_V):
-        z, _ = _load_z(x_row, c0 + tl.arange(0, BLOCK_V), width, temp, softcap, scale,
-                       HAS_SOFTCAP)
-        m_new = tl.maximum(m, tl.max(z, 0))  # every block holds a real column: finite
-        l = l * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), 0)
-        m = m_new
-    tl.store(m_out + row, m)
-    tl.store(l_out + row, l)
+    c_lo = s * SLICE
+    c_hi = tl.minimum(span, c_lo + SLICE)
+    m = tl.full([BLOCK_V], float("-inf"), tl.float32)
+    kmin = tl.full([BLOCK_V], 2147483647, tl.int32)
+    for c0 in range(c_lo, c_hi, BLOCK_V):
+        cols = c0 + tl.arange(0, BLOCK_V)
+        zz, valid = _load_z(x_row, cols, width, temp, softcap, scale, HAS_SOFTCAP)
+        tl.store(z_row + cols, zz)  # -inf in the row's padding, up to ``span``
+        m = tl.maximum(m, zz)
+        kmin = tl.minimum(kmin, tl.where(valid, _keys(zz), 2147483647))
+    at = row * n_slices + s
+    tl.store(part_m + at, tl.max(m, 0))
+    tl.store(part_k + at, tl.min(kmin, 0))
+
+
+@triton.jit
+def _trial_z(lo, st, j: tl.constexpr):
+    """Trial ``j``'s key ``lo + (j + 1) st`` as a float (a key past the fp32 range only ever
+    lies above the search's upper end: its count is never read)."""
+    trial = lo + (j + 1) * st
+    return _from_key(tl.minimum(tl.maximum(trial, -2147483647), 2147483647))
+
+
+@triton.jit
+def _fan_kernel(z, stride_z, m_in, base, step, part, n_slices, span, WEIGHTED: tl.constexpr,
+                FAN: tl.constexpr, SLICE: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Slice ``s`` of row ``r``: how many tokens (or how much ``exp(z - m)``, fp32) lie at or
+    above each of the ``FAN`` (8) trial keys ``base + (j + 1) step``; nothing is read for a
+    row whose ``step`` is 0 (its search is over). Per-lane sums across the column loop, one
+    per trial (a 0/1 times the weight: two instructions per trial and element), each reduced
+    once at the end in a fixed tree."""
+    tl.static_assert(FAN == 8)
+    row = tl.program_id(0).to(tl.int64)
+    s = tl.program_id(1)
+    st = tl.load(step + row)
+    lo = tl.load(base + row)
+    t0 = _trial_z(lo, st, 0)
+    t1 = _trial_z(lo, st, 1)
+    t2 = _trial_z(lo, st, 2)
+    t3 = _trial_z(lo, st, 3)
+    t4 = _trial_z(lo, st, 4)
+    t5 = _trial_z(lo, st, 5)
+    t6 = _trial_z(lo, st, 6)
+    t7 = _trial_z(lo, st, 7)
+    # exp(z - m) as exp2(z log2(e) - m log2(e)): one FFMA before the exp2
+    m2 = tl.load(m_in + row) * 1.4426950408889634
+    z_row = z + row * stride_z
+    c_lo = s * SLICE
+    c_hi = tl.minimum(span, c_lo + SLICE)  # whole steps: the padding holds -inf
+    c_end = tl.where(st > 0, c_hi, c_lo)
+    f0 = tl.zeros([BLOCK_S], dtype=tl.float32)
+    f1 = tl.zeros([BLOCK_S], dtype=tl.float32)
+    f2 = tl.zeros([BLOCK_S], dtype=tl.float32)
+    f3 = tl.zeros([BLOCK_S], dtype=tl.float32)
+    f4 = tl.zeros([BLOCK_S], dtype=tl.float32)
+    f5 = tl.zeros([BLOCK_S], dtype=tl.float32)
+    f6 = tl.zeros([BLOCK_S], dtype=tl.float32)
+    f7 = tl.zeros([BLOCK_S], dtype=tl.float32)
+    for c0 in range(c_lo, c_end, BLOCK_S):
+        cols = c0 + tl.arange(0, BLOCK_S)
+        zz = tl.load(z_row + cols)
+        if WEIGHTED:
+            w = tl.exp2(zz * 1.4426950408889634 - m2)
+            f0 += (zz >= t0).to(tl.float32) * w
+            f1 += (zz >= t1).to(tl.float32) * w
+            f2 += (zz >= t2).to(tl.float32) * w
+            f3 += (zz >= t3).to(tl.float32) * w
+            f4 += (zz >= t4).to(tl.float32) * w
+            f5 += (zz >= t5).to(tl.float32) * w
+            f6 += (zz >= t6).to(tl.float32) * w
+            f7 += (zz >= t7).to(tl.float32) * w
+        else:
+            f0 += (zz >= t0).to(tl.float32)
+            f1 += (zz >= t1).to(tl.float32)
+            f2 += (zz >= t2).to(tl.float32)
+            f3 += (zz >= t3).to(tl.float32)
+            f4 += (zz >= t4).to(tl.float32)
+            f5 += (zz >= t5).to(tl.float32)
+            f6 += (zz >= t6).to(tl.float32)
+            f7 += (zz >= t7).to(tl.float32)
+    out = part + (row * n_slices + s) * FAN
+    tl.store(out, tl.sum(f0, 0))
+    tl.store(out + 1, tl.sum(f1, 0))
+    tl.store(out + 2, tl.sum(f2, 0))
+    tl.store(out + 3, tl.sum(f3, 0))
+    tl.store(out + 4, tl.sum(f4, 0))
+    tl.store(out + 5, tl.sum(f5, 0))
+    tl.store(out + 6, tl.sum(f6, 0))
+    tl.store(out + 7, tl.sum(f7, 0))
+
+
+@triton.jit
+def _search_step_kernel(part, lo, hi, step, target, n_rows, n_slices, FAN: tl.constexpr,
+                        BLOCK_R: tl.constexpr):
+    """One search pass's merge, for ``BLOCK_R`` rows: each trial's count (mass) summed over
+    the slices in slice order in fp64, then the row's range narrowed to the largest trial that
+    reaches ``target`` (``lo`` itself is never tested) and the next pass's ``step`` (0 once
+    the range is one key)."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    live = rows < n_rows
+    j = tl.arange(0, FAN)
+    f = tl.zeros([BLOCK_R, FAN], dtype=tl.float64)
+    for s in range(0, n_slices):
+        at = (rows[:, None].to(tl.int64) * n_slices + s) * FAN + j[None, :]
+        f += tl.load(part + at, mask=live[:, None], other=0.0).to(tl.float64)
+    a = tl.load(lo + rows, mask=live, other=0)
+    b = tl.load(hi + rows, mask=live, other=0)
+    st = tl.load(step + rows, mask=live, other=0)
+    goal = tl.load(target + rows, mask=live, other=0.0)
+    trial = a[:, None] + (j[None, :] + 1).to(tl.int64) * st[:, None]
+    ok = (trial <= b[:, None]) & (f >= goal[:, None])
+    best = tl.max(tl.where(ok, j[None, :] + 1, 0), 1).to(tl.int64)
+    new_lo = a + best * st
+    active = st > 0
+    b = tl.where(active, tl.minimum(b, new_lo + st - 1), b)
+    a = tl.where(active, new_lo, a)
+    st = tl.where(a < b, (b - a) // (FAN + 1) + 1, 0)
+    tl.store(lo + rows, a, mask=live)
+    tl.store(hi + rows, b, mask=live)
+    tl.store(step + rows, st, mask=live)
+
+
+@triton.jit
+def _stats_kernel(z, stride_z, targets, m_in, t_in, part, part_k, n_slices, width, span,
+                  CANONICAL: tl.constexpr, SLICE: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Slice ``s`` of row ``r`` against the cut key ``T``: ``sum exp(z - m)`` over the slice,
+    the mass and ``sum e (z - m)`` strictly above ``T``, the tokens at ``T`` and those of them
+    before the target; with ``CANONICAL`` (a cut from min-p's floor may hold no token at
+    ``T``) also the smallest key above ``T`` and its count. Per-lane state, reduced once at
+    the end."""
+    row = tl.program_id(0).to(tl.int64)
+    s = tl.program_id(1)
+    m = tl.load(m_in + row)
+    m2 = m * 1.4426950408889634
+    t = tl.load(t_in + row).to(tl.int32)
+    tz = _from_key(t)  # float order is key order (the stored keys are never -1, -0.0's)
+    y = tl.load(targets + row)
+    z_row = z + row * stride_z
+    c_lo = s * SLICE
+    c_hi = tl.minimum(span, c_lo + SLICE)  # whole steps: the padding holds -inf
+    l_f = tl.zeros([BLOCK_V], dtype=tl.float32)
+    l_a = tl.zeros([BLOCK_V], dtype=tl.float32)
+    a_a = tl.zeros([BLOCK_V], dtype=tl.float32)
+    n_t = tl.zeros([BLOCK_V], dtype=tl.float32)
+    n_b = tl.zeros([BLOCK_V], dtype=tl.float32)
+    k_a = tl.full([BLOCK_V], 2147483647, tl.int32)
+    n_k = tl.zeros([BLOCK_V], dtype=tl.float32)
+    for c0 in range(c_lo, c_hi, BLOCK_V):
+        cols = c0 + tl.arange(0, BLOCK_V)
+        valid = cols < width
+        zz = tl.load(z_row + cols)
+        above = zz > tz
+        e = tl.exp2(zz * 1.4426950408889634 - m2)  # exp(z - m); 0 past the slice
+        l_f += e
+        e_a = tl.where(above, e, 0.0)
+        l_a += e_a
+        a_a += e_a * tl.where(above, zz - m, 0.0)
+        at = zz == tz  # the padding's -inf: taken off by the caller when T is -inf's key
+        n_t += at.to(tl.float32)
+        n_b += (at & (cols < y)).to(tl.float32)
+        if CANONICAL:
+            ka = tl.where(above & valid, _keys(zz), 2147483647)
+            n_k = tl.where(ka < k_a, 1.0, tl.where(above & (ka == k_a), n_k + 1.0, n_k))
+            k_a = tl.minimum(k_a, ka)
+    out = part + (row * n_slices + s) * 6
+    tl.store(out, tl.sum(l_f, 0))
+    tl.store(out + 1, tl.sum(l_a, 0))
+    tl.store(out + 2, tl.sum(a_a, 0))
+    tl.store(out + 3, tl.sum(n_t, 0))
+    tl.store(out + 4, tl.sum(n_b, 0))
+    if CANONICAL:
+        k_min = tl.min(k_a, 0)
+        tl.store(out + 5, tl.sum(tl.where(k_a == k_min, n_k, 0.0), 0))
+        tl.store(part_k + row * n_slices + s, k_min)
 
 
 @triton.jit
@@ -150,189 +332,89 @@ def _members(key, valid, t, c, seen):
 
 
 @triton.jit
-def _search(x_row, width, temp, softcap, scale, m, lo, hi, target, HAS_SOFTCAP: tl.constexpr,
-            WEIGHTED: tl.constexpr, FAN: tl.constexpr, BLOCK_S: tl.constexpr):
-    """The largest key ``t`` in ``[lo, hi]`` whose tokens at or above it number (or weigh,
-    each ``exp(z - m)``) at least ``target`` (``lo`` when none does; ``lo`` itself is never
-    tested: the caller guarantees it, as the torch path's bisection assumes). Each pass tests
-    ``FAN`` evenly spaced keys; only keys above ``lo`` are tested, so every token counted is
-    in the caller's candidate set."""
-    j = tl.arange(0, FAN).to(tl.int64)
-    while lo < hi:
-        step = (hi - lo) // FAN + 1
-        trial = lo + j * step
-        if WEIGHTED:
-            f = tl.zeros([FAN], dtype=tl.float64)
-        else:
-            f = tl.zeros([FAN], dtype=tl.int32)
-        for c0 in range(0, width, BLOCK_S):
-            z, valid = _load_z(x_row, c0 + tl.arange(0, BLOCK_S), width, temp, softcap, scale,
-                               HAS_SOFTCAP)
-            ge = (_keys(z)[None, :] >= trial[:, None]) & valid[None, :]
-            if WEIGHTED:
-                w = tl.exp(z - m).to(tl.float64)
-                f += tl.sum(tl.where(ge, w[None, :], 0.0), 1)
-            else:
-                f += tl.sum(ge.to(tl.int32), 1)
-        ok = (j > 0) & (trial <= hi) & (f >= target)
-        best = tl.max(tl.where(ok, j, 0), 0)
-        new_lo = lo + best * step
-        hi = tl.minimum(hi, new_lo + step - 1)
-        lo = new_lo
-    return lo
+def _at_and_above(raw, valid, temp, softcap, scale, sign, t, lo_u, hi_u,
+                  HAS_SOFTCAP: tl.constexpr):
+    """Which columns hold the kept key ``t`` and which lie above it (``_grad_kernel``'s doc)."""
+    if HAS_SOFTCAP:
+        k = _keys(_tempered(raw, temp, softcap, scale, HAS_SOFTCAP))
+        above = k > t
+        at = valid & (k == t)
+    else:
+        u = raw.to(tl.float32) * sign
+        above = u >= hi_u
+        at = valid & (u >= lo_u) & ~above
+    return at, above
 
 
 @triton.jit
-def _threshold_kernel(x, stride_x, temperature, m_in, log_min_p, top_k, top_p, t_out, c_out,
-                      width, softcap, scale, HAS_SOFTCAP: tl.constexpr,
-                      HAS_MIN_P: tl.constexpr, HAS_TOP_K: tl.constexpr,
-                      HAS_TOP_P: tl.constexpr, ENGINE: tl.constexpr, FAN: tl.constexpr,
-                      BLOCK_S: tl.constexpr, BLOCK_V: tl.constexpr):
-    """The kept set of row ``r`` as ``(T, C)``: min-p, then top-k, then top-p (rows with
-    ``p = 1`` untouched). ``C`` may exceed the number of tokens at ``T`` (all of them).
-    ``ENGINE`` (an index into ``sampler_torch.ENGINES``) changes the rules as that module's
-    doc says: 1 (SGLang) and 2 (transformers) keep every tie at top-k, SGLang every tie at
-    top-p, both apply min-p last, and SGLang's rows without min-p search top-p over the whole
-    row (the joint filter) and keep the intersection of the two cuts."""
+def _tile_row(x, stride_x, n_rows):
+    """This program's row of a backward tile, its start, whether it is a real row, and the
+    real row whose per-row values it reads (padding rows read the last one's)."""
     row = tl.program_id(0).to(tl.int64)
-    x_row = x + row * stride_x
-    temp = tl.load(temperature + row)
-    m = tl.load(m_in + row)
-    hi = _keys(m).to(tl.int64)
-    # The smallest candidate key: min-p keeps z >= m + log(min_p); the smallest key of all.
-    thr = float("-inf")
-    if HAS_MIN_P:
-        thr = m + tl.load(log_min_p + row)
-    lo = hi
-    lo_all = hi
-    for c0 in range(0, width, BLOCK_V):
-        z, valid = _load_z(x_row, c0 + tl.arange(0, BLOCK_V), width, temp, softcap, scale,
-                           HAS_SOFTCAP)
-        key = _keys(z)
-        lo = tl.minimum(lo, tl.min(tl.where(valid & (z >= thr), key, 2147483647), 0)
-                        .to(tl.int64))
-        lo_all = tl.minimum(lo_all, tl.min(tl.where(valid, key, 2147483647), 0).to(tl.int64))
-    floor = lo
-    if ENGINE != 0:
-        lo = lo_all  # min-p comes last
-    t = lo
-    c = tl.full([], _ALL, tl.int64)
-    if HAS_TOP_K:
-        k = tl.load(top_k + row)
-        t = _search(x_row, width, temp, softcap, scale, m, t, hi, k, HAS_SOFTCAP, False, FAN,
-                    BLOCK_S)
-        if ENGINE == 0:
-            above = tl.zeros([], dtype=tl.int64)
-            for c0 in range(0, width, BLOCK_V):
-                z, valid = _load_z(x_row, c0 + tl.arange(0, BLOCK_V), width, temp, softcap,
-                                   scale, HAS_SOFTCAP)
-                above += tl.sum((valid & (_keys(z) > t)).to(tl.int32), 0)
-            c = k - above
-    if HAS_TOP_P:
-        p = tl.load(top_p + row)
-        if p < 1.0:
-            # where top-p starts from: the top-k survivors, or for SGLang's joint filter (a
-            # row without min-p) the whole row
-            t_0 = t
-            c_0 = c
-            if ENGINE == 1:
-                joint = thr == float("-inf")
-                t_0 = tl.where(joint, lo, t)
-            # The mass in fp64, as the torch path sums it: a row whose boundary token sits
-            # within fp32 rounding of p keeps the set the exact sums give.
-            total = tl.zeros([], dtype=tl.float64)
-            seen = tl.zeros([], dtype=tl.int64)
-            for c0 in range(0, width, BLOCK_V):
-                z, valid = _load_z(x_row, c0 + tl.arange(0, BLOCK_V), width, temp, softcap,
-                                   scale, HAS_SOFTCAP)
-                member, seen = _members(_keys(z), valid, t_0, c_0, seen)
-                total += tl.sum(tl.where(member, tl.exp(z - m).to(tl.float64), 0.0), 0)
-            target = p * total
-            t_p = _search(x_row, width, temp, softcap, scale, m, t_0, hi, target, HAS_SOFTCAP,
-                          True, FAN, BLOCK_S)
-            if ENGINE == 1:
-                t = tl.maximum(t, t_p)  # every tie kept at both cuts
-            else:
-                g = tl.zeros([], dtype=tl.float64)
-                for c0 in range(0, width, BLOCK_V):
-                    z, valid = _load_z(x_row, c0 + tl.arange(0, BLOCK_V), width, temp,
-                                       softcap, scale, HAS_SOFTCAP)
-                    g += tl.sum(tl.where(valid & (_keys(z) > t_p),
-                                         tl.exp(z - m).to(tl.float64), 0.0), 0)
-                e_t = tl.exp(_from_key(t_p) - m).to(tl.float64)
-                # ceil((target - g) / e_t), at least 1; a tied weight underflowing to 0 (or a
-                # NaN) keeps every tie.
-                q = (target - g) / e_t
-                ties = tl.where(q == q, q, float("inf"))
-                ties = tl.maximum(tl.ceil(ties), 1.0)
-                c_p = tl.where(ties < 4.0e18, ties, 4.0e18).to(tl.int64)
-                c = tl.where(t_p > t, c_p, tl.minimum(c, c_p))
-                t = t_p
-    if ENGINE != 0:
-        # min-p last: every token at or above the smallest candidate key, where that cuts
-        c = tl.where(floor > t, _ALL, c)
-        t = tl.maximum(t, floor)
-    tl.store(t_out + row, t)
-    tl.store(c_out + row, c)
+    return row, x + row * stride_x, row < n_rows, tl.minimum(row, n_rows - 1)
 
 
 @triton.jit
-def _stats_kernel(x, stride_x, temperature, targets, m_in, l_in, t_io, c_io, lp, entropy,
-                  kept_mass, lse, lse_kept, width, softcap, scale, HAS_SOFTCAP: tl.constexpr,
-                  BLOCK_V: tl.constexpr):
-    """Statistics of the kept set ``(T, C)``; ``c_io`` becomes the kept count at ``T``."""
-    row = tl.program_id(0).to(tl.int64)
-    x_row = x + row * stride_x
-    temp = tl.load(temperature + row)
-    m = tl.load(m_in + row)
-    t = tl.load(t_io + row)
-    c = tl.load(c_io + row)
-    y = tl.load(targets + row)
-    seen = tl.zeros([], dtype=tl.int64)
-    l_k = 0.0
-    a_k = 0.0
-    z_y = 0.0
-    y_in = tl.zeros([], dtype=tl.int32)
-    for c0 in range(0, width, BLOCK_V):
+def _cut_kernel(x, stride_x, temperature, key, count, seen, u_at, u_above, cut, n_rows,
+                width, span, softcap, scale, sign, HAS_SOFTCAP: tl.constexpr,
+                BLOCK_V: tl.constexpr):
+    """Row ``r`` of a tile: the column past the last of its kept tokens at the kept key (the
+    first ``count - seen`` of the tile's, lowest ids first; ``seen`` kept in earlier tiles) in
+    ``cut``, and ``seen`` advanced. It reads blocks only up to the one holding that token (a
+    tie count per block); the ranks inside that block are one ``cumsum`` after the loop."""
+    row, x_row, keep, r = _tile_row(x, stride_x, n_rows)
+    temp = tl.load(temperature + r)
+    s = tl.load(seen + r)
+    need = (tl.minimum(tl.load(count + r), 2**40) - s).to(tl.int32)
+    t = tl.load(key + r).to(tl.int32)
+    lo_u = tl.load(u_at + r)
+    hi_u = tl.load(u_above + r)
+    c0 = 0
+    n = tl.zeros([], dtype=tl.int32)
+    done = need <= 0
+    while (c0 < span) & (done == 0):  # whole steps: the rows are padded to ``span``
         cols = c0 + tl.arange(0, BLOCK_V)
-        z, valid = _load_z(x_row, cols, width, temp, softcap, scale, HAS_SOFTCAP)
-        member, seen = _members(_keys(z), valid, t, c, seen)
-        d = tl.where(member, z - m, 0.0)
-        e = tl.where(member, tl.exp(d), 0.0)
-        l_k += tl.sum(e, 0)
-        a_k += tl.sum(e * d, 0)
-        is_y = valid & (cols == y)
-        z_y += tl.sum(tl.where(is_y, z, 0.0), 0)
-        y_in += tl.sum((is_y & member).to(tl.int32), 0)
-    full = m + tl.log(tl.load(l_in + row))
-    kept = m + tl.log(l_k)
-    tl.store(lp + row, tl.where(y_in > 0, z_y - kept, float("-inf")))
-    tl.store(entropy + row, tl.log(l_k) - a_k / l_k)
-    tl.store(kept_mass + row, kept - full)
-    tl.store(lse + row, full)
-    tl.store(lse_kept + row, kept)
-    tl.store(c_io + row, tl.minimum(c, seen))
+        valid = cols < width
+        raw = tl.load(x_row + cols)
+        at, _ = _at_and_above(raw, valid, temp, softcap, scale, sign, t, lo_u, hi_u,
+                              HAS_SOFTCAP)
+        nb = tl.sum(at.to(tl.int32), 0)
+        done = n + nb >= need
+        n = tl.where(done, n, n + nb)
+        c0 = tl.where(done, c0, c0 + BLOCK_V)
+    cols = c0 + tl.arange(0, BLOCK_V)
+    valid = cols < width
+    raw = tl.load(x_row + cols, mask=cols < span, other=0.0)
+    at, _ = _at_and_above(raw, valid, temp, softcap, scale, sign, t, lo_u, hi_u, HAS_SOFTCAP)
+    rank = n + tl.cumsum(at.to(tl.int32), 0)
+    last = tl.min(tl.where(at & (rank >= need), cols, 2147483647), 0)
+    end = tl.where(need <= 0, 0, tl.where(done, last + 1, width))
+    tl.store(cut + row, end)
+    tl.store(seen + r, tl.where(done, s + tl.maximum(need, 0), s + n), mask=keep)
 
 
 @triton.jit
-def _grad_kernel(x, stride_x, targets, temperature, key, count, seen, lse, lse_kept, entropy,
-                 g_lp, g_entropy, g_kept, g_lse, n_rows, width, v0, softcap, scale,
-                 HAS_SOFTCAP: tl.constexpr, HAS_G_LP: tl.constexpr,
+def _grad_kernel(x, stride_x, targets, temperature, key, cut, u_at, u_above, lse,
+                 lse_kept, entropy, g_lp, g_entropy, g_kept, g_lse, n_rows, width, span, v0,
+                 softcap, scale, sign, HAS_SOFTCAP: tl.constexpr, HAS_G_LP: tl.constexpr,
                  HAS_G_ENTROPY: tl.constexpr, HAS_G_KEPT: tl.constexpr,
                  HAS_G_LSE: tl.constexpr, INTERPRET_BF16: tl.constexpr,
                  BLOCK_V: tl.constexpr):
     """Overwrite row ``r``'s logits before the transform (vocabulary columns ``v0 ...``, in
-    their dtype) with ``dx``; zeros for rows at or past ``n_rows`` (padding). ``seen[r]``
-    counts the row's tokens at its kept key in the earlier tiles (the tie ranks) and is
-    advanced. ``g_lp`` must be 0 where the target is outside the kept set."""
-    row = tl.program_id(0).to(tl.int64)
-    x_row = x + row * stride_x
-    keep = row < n_rows
-    r = tl.minimum(row, n_rows - 1)
+    their dtype) with ``dx``; zeros for rows at or past ``n_rows`` (padding). The kept tokens
+    at the kept key are those before column ``cut[r]`` (:func:`_cut_kernel`). ``g_lp`` must
+    be 0 where the target is outside the kept set.
+
+    Without a softcap the tempered logit is a nondecreasing function of ``u = sign x`` (the
+    raw logit, its sign flipped for a negative scale), so the kept key's tokens are those with
+    ``u`` in ``[u_at, u_above)`` and the tokens above it those with ``u >= u_above``
+    (:func:`_value_cuts`, the same bits as the forward's keys, without a division per
+    element); the kept distribution's ``exp(z - lse)`` is formed as one ``exp2`` of ``x`` times
+    ``scale / T log2(e)``. With a softcap every element's logit is formed as the forward's."""
+    row, x_row, keep, r = _tile_row(x, stride_x, n_rows)
     temp = tl.load(temperature + r)
-    t = tl.load(key + r)
-    c = tl.load(count + r)
-    y = tl.load(targets + r) - v0
+    end = tl.load(cut + row)
+    y = (tl.load(targets + r) - v0).to(tl.int32)
     lse_k = tl.load(lse_kept + r)
     coef = 0.0
     g_y = 0.0
@@ -351,54 +433,79 @@ def _grad_kernel(x, stride_x, targets, temperature, key, count, seen, lse, lse_k
         h = tl.load(entropy + r)
     lse_r = tl.load(lse + r)
     factor = scale / temp
-    s = tl.load(seen + r)
-    for c0 in range(0, width, BLOCK_V):
+    log2e = 1.4426950408889634
+    k2 = factor * log2e
+    lse_k2 = lse_k * log2e
+    lse_r2 = lse_r * log2e
+    t = tl.load(key + r).to(tl.int32)
+    lo_u = tl.load(u_at + r)
+    hi_u = tl.load(u_above + r)
+    for c0 in range(0, span, BLOCK_V):  # whole steps: the rows are padded to ``span``
         cols = c0 + tl.arange(0, BLOCK_V)
         valid = cols < width
-        raw = tl.load(x_row + cols, mask=valid, other=0.0)
-        z = _tempered(raw, temp, softcap, scale, HAS_SOFTCAP)
-        member, s = _members(_keys(z), valid, t, c, s)
-        log_q = z - lse_k
-        q = tl.where(member, tl.exp(log_q), 0.0)
+        raw = tl.load(x_row + cols)
+        at, above = _at_and_above(raw, valid, temp, softcap, scale, sign, t, lo_u, hi_u,
+                                  HAS_SOFTCAP)
+        if HAS_SOFTCAP:
+            z = _tempered(raw, temp, softcap, scale, HAS_SOFTCAP)
+            log2_q = z * log2e - lse_k2
+        else:
+            log2_q = raw.to(tl.float32) * k2 - lse_k2
+        member = valid & (above | (at & (cols < end)))
+        q = tl.where(member, tl.exp2(log2_q), 0.0)
         d = q * coef
         if HAS_G_ENTROPY:
-            d -= tl.where(member, q * (log_q + h), 0.0) * g_h
+            d -= tl.where(member, q * (log2_q * 0.6931471805599453 + h), 0.0) * g_h
         if HAS_G_KEPT or HAS_G_LSE:
-            d += tl.exp(z - lse_r) * g_p
+            if HAS_SOFTCAP:
+                d += tl.exp2(z * log2e - lse_r2) * g_p
+            else:
+                d += tl.exp2(raw.to(tl.float32) * k2 - lse_r2) * g_p
         d += tl.where(cols == y, g_y, 0.0)
         d *= factor
         if HAS_SOFTCAP:
             th = _tanh(tl.math.div_rn(raw.to(tl.float32), softcap))
             d *= 1.0 - th * th
         d = tl.where(keep, d, 0.0)
-        tl.store(x_row + cols, _round_to(d, x.dtype.element_ty, INTERPRET_BF16), mask=valid)
-    tl.store(seen + r, s, mask=keep)
+        tl.store(x_row + cols, _round_to(d, x.dtype.element_ty, INTERPRET_BF16))
 
 
 def rows_per_chunk(v: int, tile_bytes: int, dtype: torch.dtype, softcap: float | None) -> int:
     """Rows per chunk so that the forward's buffers fit in ``tile_bytes``: the chunk's logits
-    and one GEMM slice, both in the compute dtype. From the vocabulary, the budget and the
-    dtype only."""
+    in the compute dtype (the GEMM's output), their tempered fp32 copy, and one GEMM slice when
+    the vocabulary takes several. From the vocabulary, the budget and the dtype only (at the
+    reference shape, V=151936 in bf16, the default budget gives ``_MAX_ROWS`` = 1024 rows: the
+    GEMMs are 1024 rows tall)."""
     del softcap  # applied as the logits are read: no buffer
-    per_row = dtype.itemsize * (v + min(v, _COLS))
+    cols = min(v, _COLS)
+    per_row = dtype.itemsize * v + 4 * v + (dtype.itemsize * cols if cols < v else 0)
     return max(1, min(_MAX_ROWS, tile_bytes // per_row))
 
 
+def _span(width: int) -> int:
+    """A row's columns padded to whole steps of every pass (a multiple of 16 too)."""
+    step = max(_BLOCK_V, _BLOCK_S, _BLOCK_T, _BLOCK_C, 16)
+    return -(-width // step) * step
+
+
+def search_passes(fan: int) -> int:
+    """Passes of a ``fan``-trial search over the fp32 keys: each divides the range by
+    ``fan + 1``, and a fixed number of them (no host read) settles any range below ``2^32``."""
+    passes = 0
+    while (fan + 1) ** passes < 2**32:
+        passes += 1
+    return passes
+
+
 def row_args(params: RowParams, n: int, device):
-    """Per-row kernel arguments for ``n`` rows: ``log(min_p)`` as the torch path forms it,
-    and a stand-in pointer for each setting that is off."""
-    log_min_p = None if params.min_p is None else torch.log(params.min_p.float())
-    top_k = params.top_k
-    top_p = None if params.top_p is None else params.top_p.double()
-    dummy = torch.zeros(1, dtype=torch.float32, device=device)
+    """Per-row settings as the passes take them: the temperature (fp32), ``log(min_p)`` as the
+    torch path forms it, ``top_k`` and ``top_p`` (fp64); None where off."""
     return dict(
         temperature=params.temperature.float().contiguous(),
-        log_min_p=dummy if log_min_p is None else log_min_p.contiguous(),
-        top_k=torch.zeros(1, dtype=torch.int64, device=device) if top_k is None
-        else top_k.contiguous(),
-        top_p=dummy if top_p is None else top_p.contiguous(),
-        flags=dict(HAS_MIN_P=log_min_p is not None, HAS_TOP_K=top_k is not None,
-                   HAS_TOP_P=top_p is not None, ENGINE=ENGINES.index(params.engine)),
+        log_min_p=None if params.min_p is None else torch.log(params.min_p.float()),
+        top_k=params.top_k,
+        top_p=None if params.top_p is None else params.top_p.double(),
+        engine=ENGINES.index(params.engine),
     )
 
 
@@ -423,42 +530,313 @@ def forward(hidden, weight, bias, targets, params: RowParams, *, softcap, logit_
         return tuple(outs)
     rows = rows_per_chunk(v, tile_bytes, hidden.dtype, softcap)
     cols = min(v, _COLS)
-    chunk = torch.empty(rows, v, dtype=hidden.dtype, device=dev)
-    part = torch.empty(rows * cols, dtype=hidden.dtype, device=dev)
+    # rows padded to whole steps of the transform pass (unmasked loads at any V)
+    chunk = torch.empty(rows, _span(v), dtype=hidden.dtype, device=dev)[:, :v]
+    part = torch.empty(rows * cols, dtype=hidden.dtype, device=dev) if cols < v else None
+    bufs = _Buffers(rows, v, dev)
     args = row_args(params, n, dev)
     targets = targets.contiguous()
-    scratch = torch.empty(2, rows, dtype=torch.float32, device=dev)
     for r0 in range(0, n, rows):
         real = min(rows, n - r0)
         h = _pad_rows(hidden[r0:r0 + real], rows).contiguous()  # the backward's layout
         for c0 in range(0, v, cols):
             w, b = _head_slice(weight, bias, c0, cols, hidden.dtype)
-            x = part[:rows * w.shape[0]].view(rows, w.shape[0])
-            _gemm_(x, h, w, b)
-            chunk[:, c0:c0 + w.shape[0]] = x
-        chunk_stats(chunk[:real], targets[r0:r0 + real], args, r0,
-                    [o[r0:r0 + real] for o in outs], scratch, softcap, logit_scale)
+            if part is None:
+                _gemm_(chunk, h, w, b)
+            else:
+                x = part[:rows * w.shape[0]].view(rows, w.shape[0])
+                _gemm_(x, h, w, b)
+                chunk[:, c0:c0 + w.shape[0]] = x
+        # every chunk is R rows: the passes' launches do not depend on N (padding rows: the
+        # settings of row 0 of the chunk, results dropped)
+        row_set = {k: None if args[k] is None else _pad_rows(args[k][r0:r0 + real], rows, fill)
+                   for k, fill in _PADDING.items()}
+        row_set["engine"] = args["engine"]
+        res = chunk_stats(chunk, _pad_rows(targets[r0:r0 + real], rows, 0), row_set, 0, None,
+                          softcap, logit_scale, bufs)
+        for o, x in zip(outs, res):
+            o[r0:r0 + real] = x[:real]
+    # A row with a NaN or inf logit has no distribution: its logprob is NaN (as the torch
+    # path's), not the -inf that means "outside the kept set".
+    outs[0] = torch.where(torch.isfinite(outs[3]), outs[0], torch.nan)
     return tuple(outs)
 
 
-def chunk_stats(x, targets, args, r0, outs, scratch, softcap, logit_scale):
-    """Steps 2-4 of the module doc on the logits ``x [R, V]`` before the transform (row
-    stride free, unit column stride) of rows ``r0 ...`` of the call: writes ``outs``
-    (``logprobs, entropy, log_kept_mass, lse, lse_kept, key, count``, each ``[R]``) from the
-    per-row settings ``args`` (:func:`row_args`), using ``scratch`` (fp32 ``[2, >= R]``)."""
+# Padding rows' settings: no-op values (their results are dropped).
+_PADDING = dict(temperature=1.0, log_min_p=-math.inf, top_k=2**62, top_p=1.0)
+
+
+class _Buffers:
+    """One chunk's buffers for :func:`chunk_stats`: the tempered fp32 logits and the
+    per-slice partial results."""
+
+    def __init__(self, rows, v, device):
+        self.rows, self.v = rows, v
+        self.slices = -(-v // _SLICE)
+        s = self.slices
+        # rows padded to whole steps of every pass (the transform fills the padding with -inf)
+        self.z = torch.empty(rows, _span(v), dtype=torch.float32, device=device)[:, :v]
+        self.m = torch.empty(rows, s, dtype=torch.float32, device=device)
+        self.k = torch.empty(rows, s, dtype=torch.int32, device=device)
+        self.fan = torch.zeros(rows, s, _FAN, dtype=torch.float32, device=device)
+        self.stats = torch.empty(rows, s, 6, dtype=torch.float32, device=device)
+
+
+def _key_of(z: torch.Tensor) -> torch.Tensor:
+    """The ordered int64 key of fp32 ``z`` (``_keys``, in torch)."""
+    return _ordered_keys(z.float()).long()
+
+
+def _float_of(key: torch.Tensor) -> torch.Tensor:
+    """The fp32 value of an ordered key (``_from_key``, in torch)."""
+    return _key_floats(key.int(), torch.float32)
+
+
+class _Passes:
+    """The passes of :func:`chunk_stats` over one chunk's tempered logits, each a ``[R, S]``
+    launch (a program per row and vocabulary slice) and a merge of its per-slice partial
+    results in slice order (fp64 for masses) by a few ``[R]``-sized torch ops: no host read,
+    no atomics, a row's results independent of the other rows."""
+
+    def __init__(self, bufs: _Buffers, width: int, m: torch.Tensor):
+        self.b, self.width, self.m = bufs, width, m
+        self.grid = (bufs.rows, -(-width // _SLICE))
+
+    def fan(self, base, step, weighted: bool):
+        """``[R, FAN]``: count (or fp64 mass) of tokens at or above ``base + (j + 1) step``."""
+        b = self.b
+        _fan_kernel[self.grid](b.z, b.z.stride(0), self.m, base, step, b.fan, b.slices,
+                               _span(self.width), WEIGHTED=weighted, FAN=_FAN, SLICE=_SLICE,
+                               BLOCK_S=_BLOCK_S, num_warps=_WARPS)
+        return b.fan[:self.grid[0], :self.grid[1]].double().sum(1)
+
+    def search(self, lo, hi, target, weighted: bool, active=None):
+        """The largest key ``t`` in ``[lo, hi]`` whose tokens at or above it number (weigh) at
+        least ``target`` (``lo`` when none does; ``lo`` itself is never tested); rows not
+        ``active`` keep ``lo``. A fixed number of ``FAN``-trial passes."""
+        lo = lo.clone()
+        hi = hi.clone() if active is None else torch.where(active, hi, lo)
+        step = torch.where(lo < hi, (hi - lo) // (_FAN + 1) + 1, 0)
+        target = target.double().contiguous()
+        b = self.b
+        rows = self.grid[0]
+        for _ in range(search_passes(_FAN)):
+            _fan_kernel[self.grid](b.z, b.z.stride(0), self.m, lo, step, b.fan, b.slices,
+                                   _span(self.width), WEIGHTED=weighted, FAN=_FAN, SLICE=_SLICE,
+                                   BLOCK_S=_BLOCK_S, num_warps=_WARPS)
+            _search_step_kernel[(triton.cdiv(rows, _BLOCK_R),)](
+                b.fan, lo, hi, step, target, rows, b.slices, FAN=_FAN, BLOCK_R=_BLOCK_R,
+                num_warps=4)
+        return lo
+
+    def at_and_above(self, t, weighted: bool):
+        """Per row: the count (mass) at or above key ``t`` and strictly above it."""
+        f = self.fan(t - 1, torch.ones_like(t), weighted)
+        return f[:, 0], f[:, 1]
+
+
+def chunk_stats(x, targets, args, r0, outs, softcap, logit_scale, bufs=None):
+    """The kept set and statistics of the logits ``x [R, V]`` before the transform (row
+    stride free, unit column stride) of rows ``r0 ...`` of the per-row settings ``args``
+    (:func:`row_args`): ``(logprobs, entropy, log_kept_mass, lse, lse_kept, key, count)``,
+    each ``[R]``, written into ``outs`` when given (module doc, steps 2-4)."""
     rows, v = x.shape
-    m, l = scratch[0], scratch[1]
-    key, count = outs[5], outs[6]
-    t = args["temperature"][r0:]
-    common = dict(softcap=1.0 if softcap is None else float(softcap),
-                  scale=float(logit_scale), HAS_SOFTCAP=softcap is not None, num_warps=_WARPS)
-    _max_kernel[(rows,)](x, x.stride(0), t, m, l, v, BLOCK_V=_BLOCK_V, **common)
-    _threshold_kernel[(rows,)](
-        x, x.stride(0), t, m, args["log_min_p"][r0:], args["top_k"][r0:], args["top_p"][r0:],
-        key, count, v, **args["flags"], FAN=_FAN, BLOCK_S=_BLOCK_S, BLOCK_V=_BLOCK_V,
-        **common)
-    _stats_kernel[(rows,)](x, x.stride(0), t, targets, m, l, key, count, *outs[:5], v,
-                           BLOCK_V=_BLOCK_V, **common)
+    dev = x.device
+    if bufs is None or bufs.rows != rows or bufs.v != v:
+        bufs = _Buffers(rows, v, dev)
+    z = bufs.z[:rows, :v]
+    if x.stride(0) < _span(v) or x.stride(1) != 1:  # the transform reads whole steps
+        padded = x.new_empty(rows, _span(v))
+        padded[:, :v] = x
+        x = padded[:, :v]
+    s = -(-v // _SLICE)
+    temp = args["temperature"][r0:r0 + rows]
+    _transform_kernel[(rows, s)](
+        x, x.stride(0), temp, z, z.stride(0), bufs.m, bufs.k, bufs.slices, v, _span(v),
+        softcap=1.0 if softcap is None else float(softcap), scale=float(logit_scale),
+        HAS_SOFTCAP=softcap is not None, SLICE=_SLICE, BLOCK_V=_BLOCK_T, num_warps=_WARPS)
+    pm, pk = bufs.m[:rows, :s], bufs.k[:rows, :s]
+    m = pm.amax(1)
+    passes = _Passes(bufs, v, m.contiguous())
+    passes.z = z
+    engine = args["engine"]
+    hi = _key_of(m)
+    lo_all = pk.amin(1).long()
+    # min-p's candidates: z >= m + log(min_p), the keys from key(m + log(min_p)) up
+    log_min_p = _rows(args["log_min_p"], r0, rows)
+    thr = None if log_min_p is None else m + log_min_p
+    floor = None if thr is None else torch.maximum(_key_of(thr), lo_all)
+    lo = floor if (floor is not None and engine == 0) else lo_all  # vLLM: min-p first
+    t = lo
+    c = torch.full_like(t, _ALL_TIES)
+    top_k = _rows(args["top_k"], r0, rows)
+    if top_k is not None:
+        t = passes.search(t, hi, top_k, weighted=False)
+        if engine == 0:
+            at_or_above, above = passes.at_and_above(t, weighted=False)
+            c = top_k - above.long()
+            ties_k = (at_or_above - above).long()
+    top_p = _rows(args["top_p"], r0, rows)
+    if top_p is not None:
+        on = top_p < 1.0
+        t_0, c_0 = t, c
+        if engine == 1:  # SGLang without min-p: top-p over the whole row (the joint filter)
+            joint = torch.ones_like(on) if thr is None else thr == -math.inf
+            t_0 = torch.where(joint, lo, t)
+            c_0 = torch.where(joint, _ALL_TIES, c)
+        # the candidates' mass in fp64: those above t_0, and the kept ties at t_0
+        at_or_above, above = passes.at_and_above(t_0, weighted=True)
+        if engine == 0 and top_k is not None:
+            n_at = torch.where(t_0 == t, ties_k, 0)
+            kept_at = torch.minimum(c_0, n_at).double()
+            total = above + kept_at * _weight(t_0, m)
+            total = torch.where(c_0 >= n_at, at_or_above, total)
+        else:
+            total = at_or_above
+        target = top_p * total
+        t_p = passes.search(t_0, hi, target, weighted=True, active=on)
+        if engine == 1:
+            t = torch.where(on, torch.maximum(t, t_p), t)  # every tie kept at both cuts
+        else:
+            _, g = passes.at_and_above(t_p, weighted=True)
+            e_t = _weight(t_p, m)
+            # ceil((target - g) / e_t), at least 1; a tied weight underflowing to 0 (or a NaN)
+            # keeps every tie
+            q = (target - g) / e_t
+            ties = torch.where(q == q, q, math.inf).ceil().clamp(min=1.0)
+            c_p = torch.where(ties < 4.0e18, ties, 4.0e18).long()
+            c_new = torch.where(t_p > t, c_p, torch.minimum(c, c_p))
+            c = torch.where(on, c_new, c)
+            t = torch.where(on, t_p, t)
+    if floor is not None and engine != 0:
+        # min-p last: every token at or above the smallest candidate key, where that cuts
+        c = torch.where(floor > t, _ALL_TIES, c)
+        t = torch.maximum(t, floor)
+    res = _final_stats(passes, targets, t.contiguous(), c, m, canonical=floor is not None)
+    if outs is not None:
+        for o, r in zip(outs, res):
+            o.copy_(r)
+    return res
+
+
+def _rows(x, r0, rows):
+    return None if x is None else x[r0:r0 + rows]
+
+
+def _weight(key, m):
+    """``exp(z - m)`` (fp64) of the tokens at ``key``."""
+    return torch.exp(_float_of(key) - m).double()
+
+
+# "Every tied token": larger than any vocabulary.
+_ALL_TIES = 2**62
+
+
+def _final_stats(passes: _Passes, targets, t, c, m, canonical: bool):
+    """The statistics of the kept set ``(t, c)`` from one ``[R, S]`` pass and its merge in
+    slice order (fp64). The kept ties at ``t`` all have ``t``'s logit, so their part of the
+    sums is a count times one weight. With ``canonical`` (a min-p floor may be a key no token
+    has) the stored pair is made the smallest kept key and the kept tokens at it."""
+    b = passes.b
+    rows, s = passes.grid
+    targets = targets.contiguous()
+    _stats_kernel[passes.grid](passes.z, passes.z.stride(0), targets, passes.m, t, b.stats,
+                               b.k, b.slices, passes.width, _span(passes.width),
+                               CANONICAL=canonical,
+                               SLICE=_SLICE, BLOCK_V=_BLOCK_V, num_warps=_WARPS)
+    part = b.stats[:rows, :s].double()
+    l_f, l_a, a_a, n_t, n_b = (part[:, :, i].sum(1) for i in range(5))
+    n_t = torch.where(_float_of(t) == -math.inf, n_t - (_span(passes.width) - passes.width), n_t)
+    kept_t = torch.minimum(c.double(), n_t)
+    z_t = _float_of(t)
+    e_t = torch.exp(z_t - m).double()
+    md = m.double()
+    l_k = l_a + kept_t * e_t
+    a_k = a_a + kept_t * e_t * (z_t.double() - md)
+    z_y = passes.z.gather(1, targets.clamp(0, passes.width - 1).unsqueeze(1)).squeeze(1)
+    y_key = _key_of(z_y)
+    y_in = (y_key > t) | ((y_key == t) & (n_b + 1 <= c.double()))
+    full = md + torch.log(l_f)
+    kept = md + torch.log(l_k)
+    lp = torch.where(y_in, z_y.double() - kept, -math.inf)
+    entropy = torch.log(l_k) - a_k / l_k
+    key, count = t, kept_t.long()
+    if canonical:
+        k_s = b.k[:rows, :s].long()
+        k_min = k_s.amin(1)
+        n_min = torch.where(k_s == k_min.unsqueeze(1), part[:, :, 5], 0.0).sum(1)
+        key = torch.where(kept_t > 0, t, k_min)
+        count = torch.where(kept_t > 0, kept_t, n_min).long()
+    return (*(x.float() for x in (lp, entropy, kept - full, full, kept)), key, count)
+
+
+@triton.jit
+def _value_at(k, like, MASK: tl.constexpr, KEY_TY: tl.constexpr):
+    """The value (fp32) of ``like``'s dtype whose ordered key is ``k``."""
+    bits = tl.where(k < 0, k ^ MASK, k).to(KEY_TY)
+    return bits.to(like.dtype.element_ty, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _value_cuts_kernel(key, temperature, u_at, u_above, like, n_rows, mag, LO: tl.constexpr,
+                       HI: tl.constexpr, MASK: tl.constexpr, KEY_TY: tl.constexpr,
+                       STEPS: tl.constexpr, BLOCK_R: tl.constexpr):
+    """:func:`_value_cuts` for ``BLOCK_R`` rows: two bisections over the ordered keys
+    ``[LO, HI]`` of ``like``'s dtype (-inf to +inf), each step forming the candidate's tempered
+    logit as the forward does (``_tempered`` without a softcap)."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    live = rows < n_rows
+    k = tl.load(key + rows, mask=live, other=0).to(tl.int32)
+    t = tl.load(temperature + rows, mask=live, other=1.0)
+    for which in tl.static_range(2):
+        lo = tl.full([BLOCK_R], LO, tl.int64)  # int64: the fp32 range's ends sum past int32
+        hi = tl.full([BLOCK_R], HI + 1, tl.int64)  # past every value: none
+        for _ in tl.static_range(STEPS):
+            mid = (lo + hi) >> 1
+            zk = _keys(tl.math.div_rn(_value_at(tl.minimum(mid, HI), like, MASK, KEY_TY) * mag,
+                                      t))
+            if which == 0:
+                ok = zk >= k
+            else:
+                ok = zk > k
+            more = lo < hi
+            hi = tl.where(ok & more, mid, hi)
+            lo = tl.where(~ok & more, mid + 1, lo)
+        u = tl.where(lo <= HI, _value_at(tl.minimum(lo, HI), like, MASK, KEY_TY), float("nan"))
+        if which == 0:
+            tl.store(u_at + rows, u, mask=live)
+        else:
+            tl.store(u_above + rows, u, mask=live)
+
+
+# +inf's bit pattern per dtype (the largest ordered key of a non-NaN value).
+_INF_BITS = {torch.bfloat16: 0x7F80, torch.float16: 0x7C00, torch.float32: 0x7F800000}
+
+
+def _value_cuts(key, temperature, scale: float, dtype):
+    """Per row, for logits ``x`` of ``dtype`` and ``u = sign(scale) x``: the smallest ``u``
+    whose tempered logit ``fl(fl(u |scale|) / T)`` (the forward's, ``_tempered`` without a
+    softcap: nondecreasing in ``u``) has at least the key ``key``, and the smallest whose key
+    is above it (fp32 values; NaN where none is). Two bisections over the ordered keys of
+    ``dtype``'s finite values and infinities in one launch (:func:`_value_cuts_kernel`), the
+    same products and correctly rounded divisions as the kernels': the backward tells the kept
+    tokens by comparing ``u`` with these two numbers, with the forward's bits."""
+    n = key.shape[0]
+    kd = torch.int16 if dtype.itemsize == 2 else torch.int32
+    # the ordered keys of +inf and -inf in ``dtype``'s own width (+inf's bit pattern; -inf's,
+    # the sign bit set, flipped: minus the pattern, less one)
+    hi_key = _INF_BITS[dtype]
+    lo_key = -hi_key - 1
+    u_at = torch.empty(n, dtype=torch.float32, device=key.device)
+    u_above = torch.empty_like(u_at)
+    like = torch.empty(1, dtype=dtype, device=key.device)
+    bits = 8 * kd.itemsize
+    _value_cuts_kernel[(triton.cdiv(n, _BLOCK_R),)](
+        key.contiguous(), temperature.float().contiguous(), u_at, u_above, like, n,
+        abs(float(scale)), LO=lo_key, HI=hi_key, MASK=(1 << (bits - 1)) - 1,
+        KEY_TY=tl.int16 if bits == 16 else tl.int32, STEPS=bits + 1, BLOCK_R=_BLOCK_R,
+        num_warps=2)
+    return u_at, u_above
 
 
 def grad_meta(dtype, softcap, g_lp, g_entropy, g_kept, g_lse) -> dict:
@@ -497,7 +875,8 @@ def backward(hidden, weight, bias, targets, params: RowParams, key, count, lse, 
     n_pad = chunks * rows
     per_group = max(1, min(chunks, tile_bytes // (rows * cols * hidden.element_size())))
     h_pad = _pad_rows(hidden, n_pad).contiguous()
-    tile = torch.empty(per_group * rows * cols, dtype=hidden.dtype, device=dev)
+    # rows padded to whole steps: the tie-cut and dx passes read and write unmasked
+    tile = torch.empty(per_group * rows * _span(cols), dtype=hidden.dtype, device=dev)
     d_hidden = torch.empty(n_pad, hidden.shape[1], dtype=torch.float32, device=dev) \
         if need_hidden else None
     d_weight = torch.empty(weight.shape, dtype=torch.float32, device=dev) if need_weight \
@@ -505,6 +884,7 @@ def backward(hidden, weight, bias, targets, params: RowParams, key, count, lse, 
     d_bias = torch.empty(v, dtype=torch.float32, device=dev) if need_bias else None
     args = row_args(params, n, dev)
     seen = torch.zeros(n, dtype=torch.int64, device=dev)
+    cut = torch.empty(per_group * rows, dtype=torch.int32, device=dev)
     per_row = [None if g is None else g.float().contiguous()
                for g in (lse, lse_kept, entropy, g_lp, g_entropy, g_kept, g_lse)]
     ptrs = [p if p is not None else per_row[0] for p in per_row]
@@ -512,18 +892,30 @@ def backward(hidden, weight, bias, targets, params: RowParams, key, count, lse, 
     scalars = dict(softcap=1.0 if softcap is None else float(softcap),
                    scale=float(logit_scale))
     targets, key, count = targets.contiguous(), key.contiguous(), count.contiguous()
+    scalars["sign"] = -1.0 if logit_scale < 0 else 1.0
+    if softcap is None:
+        u_at, u_above = _value_cuts(key, args["temperature"], float(logit_scale),
+                                    hidden.dtype)
+    else:
+        u_at = u_above = args["temperature"]  # not read: the keys are formed per element
     for c0 in range(0, v, cols):
         w, b = _head_slice(weight, bias, c0, cols, hidden.dtype)
         width = w.shape[0]
         for g0 in range(0, chunks, per_group):
             r0, g_rows = g0 * rows, min(per_group, chunks - g0) * rows
             real = max(0, min(g_rows, n - r0))
-            x = tile[:g_rows * width].view(g_rows, width)
+            x = tile[:g_rows * _span(width)].view(g_rows, _span(width))[:, :width]
             for c in range(0, g_rows, rows):
                 _gemm_(x[c:c + rows], h_pad[r0 + c:r0 + c + rows], w, b)
+            cut_meta = dict(HAS_SOFTCAP=meta["HAS_SOFTCAP"], BLOCK_V=_BLOCK_C,
+                            num_warps=meta["num_warps"])
+            rows_args = (args["temperature"][r0:], key[r0:])
+            _cut_kernel[(g_rows,)](x, x.stride(0), *rows_args, count[r0:], seen[r0:],
+                                   u_at[r0:], u_above[r0:], cut, real, width, _span(width),
+                                   **scalars, **cut_meta)
             _grad_kernel[(g_rows,)](
-                x, x.stride(0), targets[r0:], args["temperature"][r0:], key[r0:], count[r0:],
-                seen[r0:], *(p[r0:] for p in ptrs), real, width, c0, **scalars, **meta)
+                x, x.stride(0), targets[r0:], *rows_args, cut, u_at[r0:], u_above[r0:],
+                *(p[r0:] for p in ptrs), real, width, _span(width), c0, **scalars, **meta)
             if d_hidden is not None:
                 for c in range(0, g_rows, rows):
                     addmm_acc_(d_hidden[r0 + c:r0 + c + rows], x[c:c + rows], w,

@@ -130,6 +130,69 @@ def variants(vocab: int) -> list[Variant]:
                             lse="*fp32", width="i32", v0="i32", z_scale="fp32"),
                        consts, warps, consts["BLOCK_V"], 4, aligned))
     out += _kl_variants(pair, pair_aligned) + _attention_variants() + _segment_variants()
+    out += sampler_variants(vocab, aligned)
+    return out
+
+
+def sampler_variants(vocab: int, aligned: tuple[str, ...]) -> list[Variant]:
+    """The sampler's streaming passes (``kernels/sampler.py``) as a top-p call launches them
+    at the reference shape (bf16, no softcap): the transform (bf16 logits read, fp32 written),
+    the search's weighted and counting passes and the statistics pass (fp32 read), and the
+    backward's ``dx`` pass (bf16 read and written). Every slice starts at a multiple of
+    ``_SLICE`` and the chunk's rows are ``V`` elements apart: ``width`` and the strides are
+    divisible by 16 when V is."""
+    import torch
+
+    from logitless.kernels import sampler as sp
+
+    # the chunk's and the tempered copy's rows are linear_softmax.row_stride apart (a multiple
+    # of 16); the width is V
+    div = ("stride_x", "stride_z", "span", *(("width",) if "width" in aligned else ()))
+    scal = dict(softcap="fp32", scale="fp32")
+    out = []
+    warps = sp._WARPS
+    out.append(Variant("_transform_kernel", "sampler_transform", "bfloat16", sp.__name__,
+                       "_transform_kernel",
+                       dict(x="*bf16", stride_x="i32", temperature="*fp32", z="*fp32",
+                            stride_z="i32", part_m="*fp32", part_k="*i32",
+                            n_slices="i32", width="i32", span="i32", **scal),
+                       dict(HAS_SOFTCAP=False, SLICE=sp._SLICE, BLOCK_V=sp._BLOCK_T), warps,
+                       sp._BLOCK_T, 6, div))
+    for weighted in (True, False):
+        out.append(Variant(f"_fan_kernel[{'mass' if weighted else 'count'}]",
+                           f"sampler_fan_{'mass' if weighted else 'count'}", "float32",
+                           sp.__name__, "_fan_kernel",
+                           dict(z="*fp32", stride_z="i32", m_in="*fp32", base="*i64",
+                                step="*i64", part="*fp32", n_slices="i32", span="i32"),
+                           dict(WEIGHTED=weighted, FAN=sp._FAN, SLICE=sp._SLICE,
+                                BLOCK_S=sp._BLOCK_S), warps, sp._BLOCK_S, 4, div))
+    out.append(Variant("_stats_kernel", "sampler_stats", "float32", sp.__name__,
+                       "_stats_kernel",
+                       dict(z="*fp32", stride_z="i32", targets="*i64", m_in="*fp32",
+                            t_in="*i64", part="*fp32", part_k="*i32", n_slices="i32",
+                            width="i32", span="i32"),
+                       dict(CANONICAL=False, SLICE=sp._SLICE, BLOCK_V=sp._BLOCK_V), warps,
+                       sp._BLOCK_V, 4, div))
+    g = torch.zeros(1)
+    meta = sp.grad_meta(torch.bfloat16, None, g, None, None, None)
+    warps_g, consts = _split(meta)
+    out.append(Variant("_grad_kernel[sampler]", "sampler_grad", "bfloat16", sp.__name__,
+                       "_grad_kernel",
+                       dict(x="*bf16", stride_x="i32", targets="*i64", temperature="*fp32",
+                            key="*i64", cut="*i32", u_at="*fp32", u_above="*fp32",
+                            **dict.fromkeys(("lse", "lse_kept", "entropy", "g_lp", "g_entropy",
+                                             "g_kept", "g_lse"), "*fp32"),
+                            n_rows="i32", width="i32", span="i32", v0="i32", **scal,
+                            sign="fp32"),
+                       consts, warps_g, consts["BLOCK_V"], 4, (div[0], *div[2:])))
+    out.append(Variant("_cut_kernel[sampler]", "sampler_cut", "bfloat16", sp.__name__,
+                       "_cut_kernel",
+                       dict(x="*bf16", stride_x="i32", temperature="*fp32", key="*i64",
+                            count="*i64", seen="*i64", u_at="*fp32", u_above="*fp32",
+                            cut="*i32", n_rows="i32", width="i32", span="i32", **scal,
+                            sign="fp32"),
+                       dict(HAS_SOFTCAP=False, BLOCK_V=sp._BLOCK_C), warps_g,
+                       sp._BLOCK_C, 2, (div[0], *div[2:])))
     return out
 
 

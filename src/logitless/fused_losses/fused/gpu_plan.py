@@ -67,6 +67,7 @@ __all__ = [
     "PATHS",
     "REFERENCE_SHAPE",
     "ROW_CHUNK",
+    "SAMPLER_ROWS",
     "TARGET_OBJECTIVE_LAUNCHES",
     "VOCAB_TILE",
     "GpuPlan",
@@ -77,6 +78,8 @@ __all__ = [
     "format_table",
     "gpu_plan",
     "reference_plans",
+    "sampler_plan",
+    "sampler_table",
     "wave_efficiency",
     "wave_rows",
 ]
@@ -134,12 +137,38 @@ EPILOGUE_INSTRUCTIONS = {
     "head_grad": 114 * 8 / 2048,
     "fused_stats": 73 * 8 / 2048,
     "fused_grad": 114 * 8 / 2048,
+    # the sampler's passes (kernels/sampler.py): the transform (bf16 read, fp32 written), the
+    # search's mass and count passes and the statistics pass (fp32 read), the backward's
+    # tie-cut pass (bf16 read) and dx pass (bf16 read and written)
+    "sampler_transform": 126 * 8 / 1024,
+    "sampler_fan_mass": 79 * 8 / 1024,
+    "sampler_fan_count": 71 * 8 / 1024,
+    "sampler_stats": 170 * 8 / 2048,
+    "sampler_cut": 159 * 8 / 4096,
+    "sampler_grad": 164 * 8 / 2048,
 }
 # The most each may issue and stay memory-bound (issue time under 75% of HBM time): 0.18 x the
 # bytes the pass moves per element, 2 for a pass that reads bf16 logits, 4 for one that reads
 # and writes them (docs/gpu.md, "SASS report"; issue 22's target).
 EPILOGUE_BUDGET = {"head_stats": 0.36, "head_grad": 0.72, "fused_stats": 0.36,
-                   "fused_grad": 0.72}
+                   "fused_grad": 0.72, "sampler_transform": 1.08, "sampler_fan_mass": 0.72,
+                   "sampler_fan_count": 0.72, "sampler_stats": 0.72, "sampler_cut": 0.36,
+                   "sampler_grad": 0.72}
+
+# The sampler's CUDA path (kernels/sampler.py): rows per chunk (one GEMM each, the whole
+# vocabulary), vocabulary columns per program of a pass, the search's trials per pass and its
+# passes (8 trials divide a 32-bit key range by 9: 11 passes), the backward's chunks per tile
+# (its 1 GiB budget over a 1024-row chunk's bf16 logits, rows padded to 4096 columns).
+SAMPLER_ROWS = 1024
+SAMPLER_SLICE = 8192
+SAMPLER_SEARCH_PASSES = 11
+SAMPLER_TILE_BUDGET = 2**30
+# Small launches besides the Triton passes, counted with tools.launches.LaunchCount on CPU
+# (top-p alone, logprobs' gradient): the [R]-sized torch ops that merge the passes' partial
+# results, per chunk of the forward (the 11 search merges are Triton launches of their own),
+# and once per backward, the two per-row value cuts (one Triton launch) and their setup.
+SAMPLER_ROW_OPS = 120
+SAMPLER_CUT_OPS = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -490,6 +519,100 @@ def _fused_plan(n, d, v, e, path, budget, tile, passes: _Passes, row_chunk) -> d
                 accumulator_bytes=accumulator)
 
 
+def sampler_plan(n: int, d: int, v: int, dtype="bfloat16", *, hardware: Hardware = H200,
+                 epilogues: dict[str, float] | None = None) -> GpuPlan:
+    """The sampler's top-p forward and backward (``linear_logprobs(top_p=...)``'s CUDA path,
+    vLLM's rules, the logprob's gradient) for ``hidden [n, d]``, ``weight [v, d]``.
+
+    Per :data:`SAMPLER_ROWS`-row chunk (rows padded to whole chunks): one GEMM of the whole
+    head, the transform pass writing the tempered fp32 logits, the candidates' mass, 11 search
+    passes and the mass above the cut (13 mass passes, each reading the fp32 logits; a pass is
+    a program per row and :data:`SAMPLER_SLICE`-column slice), the statistics pass, and the
+    small merges. Backward, per tile of chunks: the GEMMs again, the tie-cut and dx passes,
+    ``d_hidden`` per chunk into an fp32 accumulator and ``d_weight`` per tile into the fp32
+    ``[V, D]`` accumulator (written by the first tile, read and written by the others). The
+    plain GEMMs are the head's four."""
+    n, d, v = _positive_int("n", n), _positive_int("d", d), _positive_int("v", v)
+    dtype = _dtype_name(dtype)
+    e = _ELEMENT_BYTES[dtype]
+    rate = hardware.tf32_flops if dtype == "float32" else hardware.matmul_flops
+    if epilogues is not None and set(epilogues) != set(EPILOGUE_INSTRUCTIONS):
+        raise ValueError(f"epilogues must map each of {sorted(EPILOGUE_INSTRUCTIONS)} to warp "
+                         f"instructions per element, got keys {sorted(epilogues)}")
+    passes = _Passes(hardware, rate, epilogues)
+    ins = passes.epilogues
+    r = SAMPLER_ROWS
+    chunks = math.ceil(n / r)
+    n_pad = chunks * r
+    span = -(-v // 4096) * 4096
+    slices = math.ceil(v / SAMPLER_SLICE)
+    rv = r * v
+    for _ in range(chunks):
+        passes.add("logits GEMM", "matmul", 2 * r * d * v, e * (r * d + v * d + rv), out=(r, v))
+        passes.add("transform pass (tempered fp32 copy)", "vector", 4 * rv,
+                   e * rv + 4 * r * span, instructions=ins["sampler_transform"] * r * span)
+        passes.add("mass passes (total, 11 search passes, above the cut)", "vector", 12 * rv,
+                   4 * r * span, SAMPLER_SEARCH_PASSES + 2,
+                   instructions=ins["sampler_fan_mass"] * r * span)
+        passes.add("search merges (Triton, per pass)", "vector", 0, 4 * 8 * r * slices,
+                   SAMPLER_SEARCH_PASSES)
+        passes.add("statistics pass", "vector", 12 * rv, 4 * r * span,
+                   instructions=ins["sampler_stats"] * r * span)
+        passes.add("row merges (torch, [R]-sized)", "vector", 0, 64 * r, SAMPLER_ROW_OPS)
+    per_tile = max(1, SAMPLER_TILE_BUDGET // (r * span * e))
+    tiles = _even_split(chunks, math.ceil(chunks / per_tile))
+    passes.add("value cuts (bisection, [N])", "vector", 0, 32 * n, SAMPLER_CUT_OPS)
+    first = True
+    for k, count in tiles:
+        for _ in range(count):
+            g = k * r
+            passes.add("logits GEMM again", "matmul", 2 * r * d * v,
+                       e * (r * d + v * d + rv), k, out=(r, v))
+            passes.add("tie-cut pass", "vector", 2 * g * v, e * g * v,
+                       instructions=ins["sampler_cut"] * g * span)
+            passes.add("dx pass (in place)", "vector", 12 * g * v, 2 * e * g * v,
+                       instructions=ins["sampler_grad"] * g * span)
+            passes.add("d_hidden += dx @ W", "matmul", 2 * r * v * d,
+                       e * (rv + v * d) + 2 * 4 * r * d, k, out=(r, d))
+            acc = 4 * v * d if first else 2 * 4 * v * d
+            first = False
+            passes.add("d_weight += dx^T @ hidden", "matmul", 2 * g * v * d,
+                       e * (g * v + g * d) + acc, out=(v, d))
+    if n_pad != n:
+        passes.add("pad hidden to whole chunks", "vector", 0, 2 * e * n_pad * d)
+    if e < 4:
+        passes.add("d_hidden, d_weight fp32 -> dtype", "vector", 0, (4 + e) * (n * d + v * d),
+                   2)
+    floor = _Passes(hardware, rate)
+    for name, out in _FLOOR_GEMMS["logprobs-fwd-bwd"]:
+        floor.add(name, "matmul", 2 * n * d * v, e * (n * d + v * d + n * v),
+                  out={"logits": (n, v), "hidden": (n, d), "weight": (v, d)}[out])
+    k0 = tiles[0][0]
+    extra = r * span * (e + 4) + k0 * r * span * e + 4 * (n_pad * d + v * d) \
+        + _ROW_HELD_BYTES * n
+    return GpuPlan(path="sampler-top-p", n=n, d=d, v=v, dtype=dtype,
+                   memory_budget=SAMPLER_TILE_BUDGET, chunk_rows=r, chunks=chunks,
+                   vocab_tile=v, vocab_tiles=1, passes=passes.result(),
+                   gemm_floor=floor.result(), extra_bytes=extra, accumulator_bytes=4 * v * d)
+
+
+def sampler_table(hardware: Hardware = H200) -> str:
+    """The sampler's top-p row at :data:`REFERENCE_SHAPE` (bf16) beside the plain head's
+    forward and backward: its ratio to its four plain GEMMs and to the head (issue 22's
+    target: at most 1.5x the head), for today's compiled passes and at their budgets."""
+    n, d, v = REFERENCE_SHAPE
+    lines = ["| passes | sampler top-p fwd+bwd | plain GEMMs | ratio | head fwd+bwd "
+             "| sampler / head | measured |", "| --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for label, ep in (("compiled today", None), ("at their budget", EPILOGUE_BUDGET)):
+        sp = sampler_plan(n, d, v, "bfloat16", hardware=hardware, epilogues=ep)
+        head = gpu_plan(n, d, v, "bfloat16", "logprobs-fwd-bwd", hardware=hardware,
+                        epilogues=ep)
+        lines.append(f"| {label} | {sp.seconds * 1e3:.1f} ms | {sp.floor_seconds * 1e3:.1f} ms "
+                     f"| {sp.ratio:.3f}x | {head.seconds * 1e3:.1f} ms "
+                     f"| {sp.seconds / head.seconds:.3f}x | not run |")
+    return "\n".join(lines)
+
+
 def reference_plans(budgets=(256 * 2**20, CUDA_MEMORY_BUDGET, 2**30),
                     hardware: Hardware = H200, *, targets: bool = False) -> list[GpuPlan]:
     """The plans of the docs' table: at :data:`REFERENCE_SHAPE` in bf16, the head without and
@@ -560,4 +683,9 @@ def format_report(hardware: Hardware = H200) -> str:
     for plan in defaults:
         parts += ["", f"Passes of {plan.path} at its default budget "
                       f"({_mib(plan.memory_budget)}):", "", format_passes(plan)]
+    sampler = sampler_plan(n, d, v, "bfloat16", hardware=hardware)
+    parts += ["", "The sampler's top-p forward and backward (`linear_logprobs(top_p=0.9)`, "
+                  f"{sampler.chunks} chunks of {sampler.chunk_rows} rows, one GEMM of the "
+                  "whole head each):", "", sampler_table(hardware), "",
+              "Passes of sampler-top-p:", "", format_passes(sampler)]
     return "\n".join(parts)
