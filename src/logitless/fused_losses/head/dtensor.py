@@ -73,7 +73,9 @@ def sharded_head(weight, bias) -> ShardedHead | None:
 
 
 class _ScaleGrad(torch.autograd.Function):
-    """Identity forward; the gradient scaled by ``scale`` (the mean over data-parallel ranks)."""
+    """Identity forward; the gradient scaled by ``scale`` (the mean over data-parallel ranks),
+    in place: its one consumer is the vocab-parallel op, whose backward returns a fresh weight
+    gradient, and a copy would hold a second shard-sized gradient at the peak."""
 
     @staticmethod
     def forward(ctx, x, scale):
@@ -82,7 +84,7 @@ class _ScaleGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return g * ctx.scale, None
+        return g.mul_(ctx.scale), None
 
 
 class _Layout:
