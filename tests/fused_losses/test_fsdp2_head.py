@@ -199,12 +199,27 @@ def _check_refusals(rank, world):
         lp(hidden, weight, targets, bias=head.bias)  # and the other way round
 
 
+def _check_empty_shard(rank, world):
+    """A vocabulary so small that FSDP2 leaves a rank no rows: refused on every rank."""
+    v = 4 if world == 3 else 1  # torch.chunk: 2 + 2 + 0 rows; 1 + 0
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    head = torch.nn.Linear(D, v, dtype=torch.float64)
+    fully_shard(head, mesh=init_device_mesh("cpu", (world,)))
+    hidden = torch.randn(3, D, dtype=torch.float64)
+    with pytest.raises(ValueError, match="no rows"):
+        logitless.linear_logprobs(hidden, head.weight, torch.zeros(3, dtype=torch.int64),
+                                  bias=head.bias)
+
+
 def _worker(rank, world):
     for softcap in (None, 4.0):
         _check_logprobs(rank, world, softcap)
     _check_sampled(rank, world)
     _check_fused(rank, world)
     _check_refusals(rank, world)
+    _check_empty_shard(rank, world)
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -69,6 +69,13 @@ def sharded_head(weight, bias) -> ShardedHead | None:
                                  and tuple(bias.placements) == (Shard(0),)):
         raise ValueError("bias: with a DTensor weight the bias must be a DTensor on the "
                          "weight's mesh with placements (Shard(0),), or None")
+    world, v = mesh.size(), weight.shape[0]
+    chunk = -(-v // world)  # FSDP2 shards as torch.chunk: every rank's row count is known here
+    if v - (world - 1) * chunk <= 0:
+        # refused on every rank alike (a rank with no rows would leave the others waiting)
+        raise ValueError(f"weight: FSDP2's Shard(0) of a {v}-row vocabulary over {world} ranks "
+                         f"leaves a rank no rows (torch.chunk of {chunk}); a vocabulary-parallel "
+                         f"head needs at least one row a rank")
     return ShardedHead(weight, bias)
 
 
