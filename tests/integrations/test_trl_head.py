@@ -79,6 +79,7 @@ def test_is_top1_ties_match_trl(chunk_size):
 def test_patch_and_unpatch():
     import trl.trainer.distillation_trainer as distillation
     import trl.trainer.utils as trl_utils
+    from torch.distributed.tensor import DTensor
 
     original = trl_utils._ChunkedLogProbFunction
     original_divergence = distillation.ChunkedDivergenceFunction
@@ -87,11 +88,14 @@ def test_patch_and_unpatch():
         assert trl_head.trl_patched()
         assert trl_utils._ChunkedLogProbFunction is trl_head.LogitlessChunkedLogProb
         assert distillation.ChunkedDivergenceFunction is trl_head.LogitlessChunkedDivergence
+        # TRL's gather of an FSDP2 head is off while our kernel is in (it runs sharded)
+        assert trl_utils.DTensor is trl_head.KeepShardedHead
         trl_head.patch_trl()  # idempotent
     finally:
         trl_head.unpatch_trl()
     assert trl_utils._ChunkedLogProbFunction is original
     assert distillation.ChunkedDivergenceFunction is original_divergence
+    assert trl_utils.DTensor is DTensor
     assert not trl_head.trl_patched()
 
 

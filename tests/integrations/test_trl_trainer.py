@@ -517,33 +517,104 @@ def test_zero3_gather_context_in_forward_and_backward(monkeypatch, tokenizer):
     assert model.lm_head.weight.grad.abs().sum() > 0
 
 
+def _head_loss(model, ids, context):
+    """TRL's fused-head forward of ``model`` inside ``context`` and the backward of a loss on
+    its logprobs and entropies; returns the logprobs and entropies."""
+    with context:
+        out = model(input_ids=ids, labels=ids, fused_lm_head=True)
+    (out.log_probs.sum() + 0.5 * out.entropy.sum()).backward()
+    return out.log_probs.detach(), out.entropy.detach()
+
+
+class _Patched:
+    """``patch_trl()`` for the duration of the block."""
+
+    def __enter__(self):
+        trl_head.patch_trl()
+
+    def __exit__(self, *exc):
+        trl_head.unpatch_trl()
+
+
 def _fsdp2_worker(rank, world, model_dir):
+    import contextlib
+
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
     from transformers import AutoModelForCausalLM
     from trl.trainer.utils import add_fused_lm_head
 
-    torch.manual_seed(0)  # every rank scores the same batch: averaged grads are its grads
-    plain, sharded = (AutoModelForCausalLM.from_pretrained(model_dir) for _ in range(2))
-    for model in (plain, sharded):
+    from logitless.integrations.trl import _logitless_head
+
+    def load(shard):
+        model = AutoModelForCausalLM.from_pretrained(model_dir)
         add_fused_lm_head(model, outputs=("log_probs", "entropy"))
-    fully_shard(sharded.lm_head, mesh=init_device_mesh("cpu", (world,)))
-    assert type(sharded.lm_head.weight).__name__ == "DTensor"
-    ids = torch.randint(0, plain.config.vocab_size, (3, 9))
-    expected = _fused_head_grads(plain, ids)
-    got = _fused_head_grads(sharded, ids)
-    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
-    grad = sharded.lm_head.weight.grad
-    assert type(grad).__name__ == "DTensor"
-    torch.testing.assert_close(grad.full_tensor(), plain.lm_head.weight.grad,
-                               rtol=1e-5, atol=1e-7)
+        if shard:
+            fully_shard(model.lm_head, mesh=init_device_mesh("cpu", (world,)))
+            assert type(model.lm_head.weight).__name__ == "DTensor"
+        return model
+
+    gathers = []  # every full_tensor / redistribute of a DTensor (the weight gather)
+    for name in ("full_tensor", "redistribute"):
+        original = getattr(DTensor, name)
+        setattr(DTensor, name, lambda self, *a, _f=original, _n=name, **k: (
+            gathers.append(_n), _f(self, *a, **k))[1])
+
+    def shard(grad):
+        return grad.chunk(world)[rank]
+
+    v = load(False).config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, v, (2 + r, 9), generator=gen) for r in range(world)]
+    for same in (True, False):  # every rank the same batch, then a batch of its own each
+        ids = batches[0] if same else batches[rank]
+        stock = load(True)  # TRL's own kernel on the head it gathers with full_tensor()
+        expected = _head_loss(stock, ids, contextlib.nullcontext())
+        assert gathers
+        for context in (_logitless_head(entropy=True), _Patched()):
+            ours = load(True)
+            del gathers[:]
+            got = _head_loss(ours, ids, context)
+            assert not gathers, gathers  # the head ran sharded: no gather of the weight
+            for x, y in zip(got, expected):
+                torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+            grads = {n: ours.lm_head.get_parameter(n).grad for n in ("weight",)}
+            assert all(type(g).__name__ == "DTensor" for g in grads.values())
+            # The single-process reference: rank r's backbone gets d loss_r; the head
+            # d (mean_r loss_r) (FSDP2's average), so TRL's gather agrees when the batches do
+            plain = load(False)
+            head_grad = 0
+            for r in range(world):
+                plain.zero_grad()
+                _head_loss(plain, batches[0] if same else batches[r], contextlib.nullcontext())
+                head_grad = head_grad + plain.lm_head.weight.grad / world
+                if r == rank:
+                    own_head = plain.lm_head.weight.grad.clone()
+                    own_norm = plain.model.norm.weight.grad.clone()
+            torch.testing.assert_close(grads["weight"].to_local(), shard(head_grad),
+                                       rtol=1e-5, atol=1e-7)
+            torch.testing.assert_close(ours.model.norm.weight.grad, own_norm, rtol=1e-5,
+                                       atol=1e-7)
+            if same:
+                torch.testing.assert_close(grads["weight"].full_tensor(),
+                                           stock.lm_head.weight.grad.full_tensor(),
+                                           rtol=1e-5, atol=1e-7)
+        # TRL's gather keeps each rank's shard of its own loss's gradient (no reduction)
+        torch.testing.assert_close(stock.lm_head.weight.grad.to_local(), shard(own_head),
+                                   rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.slow
-def test_fsdp2_sharded_head_two_ranks(model_dir):
-    """FSDP2 (``fully_shard``) over two gloo ranks on CPU: TRL's fused forward gathers the
-    DTensor head weight and our kernel's gradient returns to the shards."""
-    run_on_gloo(2, _fsdp2_worker, model_dir)
+@pytest.mark.dist
+@pytest.mark.parametrize("world", [2, 3])
+def test_fsdp2_sharded_head(model_dir, world):
+    """FSDP2 (``fully_shard(model.lm_head)``) over gloo ranks on CPU, through TRL's fused
+    forward with logitless's kernel (our trainer's context and ``patch_trl()``): the head runs
+    sharded, never gathered; the values and the head's gradient equal TRL's gathering path's
+    when every rank scores the same batch, and the single-process reference (FSDP2's average
+    over ranks) when each scores its own."""
+    run_on_gloo(world, _fsdp2_worker, model_dir)
 
 
 def test_example_script_runs(monkeypatch, capsys):

@@ -7,16 +7,21 @@ TRL's own (`_get_per_token_logps_and_entropies` over TRL's fused LM head), with 
 kernel swapped for `linear_logprobs` during each call; the loss, its gradient-accumulation
 scaling and TRL's metrics are computed from `policy_loss`.
 
-Sharded heads. The weight reaches the kernel through TRL's fused forward, which gathers it:
-``DTensor.full_tensor()`` under FSDP2 (differentiable, so the gradient returns to the shards),
-``maybe_gather_lm_head_ctx`` under DeepSpeed ZeRO-3 around the forward; our kernel's backward,
-which recomputes the logits, re-enters that same TRL context (``gather_weight``). Verified on
-CPU: FSDP2 with the head sharded over two gloo ranks (values and the sharded weight gradient
-against the unsharded head), that the backward enters TRL's ZeRO-3 gather context, and
-DeepSpeed ZeRO-3 itself on two gloo ranks (tests/integrations/test_zero3.py: losses and
-gathered parameters equal to stock TRL's under the same config; docs/trl.md). Not verified (no
-GPUs here): ZeRO-3 over NCCL, and FSDP2 on GPUs with the whole model sharded and mixed
-precision.
+Sharded heads. Under FSDP2 a head sharded on its own (``fully_shard(model.lm_head)``) is a
+``Shard(0)`` DTensor when TRL's fused forward reads it; TRL gathers it there with
+``full_tensor()``, and our kernel swaps that gather out (`trl_head.KeepShardedHead`): the head
+runs vocabulary-parallel over its mesh, the ranks' tokens all-gathered instead of the weight,
+and the weight gradient lands sharded, the mean over ranks of each rank's loss gradient
+(FSDP2's average; `logitless.fused_losses.head.dtensor`). TRL's gather gives each rank's shard
+its own loss's gradient only, the same when every rank scores the same batch. Under DeepSpeed
+ZeRO-3 TRL gathers the weight with ``maybe_gather_lm_head_ctx`` around the forward; our
+kernel's backward, which recomputes the logits, re-enters that same TRL context
+(``gather_weight``). Verified on CPU: FSDP2 with the head sharded over two and three gloo ranks
+(values and the sharded weight gradient against the unsharded head and TRL's gathering path),
+that the backward enters TRL's ZeRO-3 gather context, and DeepSpeed ZeRO-3 itself on two gloo
+ranks (tests/integrations/test_zero3.py: losses and gathered parameters equal to stock TRL's
+under the same config; docs/trl.md). Not verified (no GPUs here): ZeRO-3 over NCCL, and FSDP2
+on GPUs with the whole model sharded and mixed precision.
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ from logitless.integrations.trl_head import (
     LogitlessChunkedLogProb,
     _check_contract,
     _trl_modules,
+    keep_sharded,
     patch_trl,
     trl_patched,
     unpatch_trl,
@@ -145,10 +151,13 @@ def _logitless_head(entropy: bool, sampler: SamplerTruncation | None = None,
     saved = trl_utils._ChunkedLogProbFunction
     head = _Head(entropy, sampler, kept)
     trl_utils._ChunkedLogProbFunction = head
+    dtensor = keep_sharded(trl_utils)  # an FSDP2 head computes sharded, without a gather
     try:
         yield
     finally:
         trl_utils._ChunkedLogProbFunction = saved
+        if dtensor is not None:
+            trl_utils.DTensor = dtensor
     if kept:
         raise RuntimeError("match_sampler='replay': TRL's head was called fewer times than "
                            "the forward helper makes model calls")

@@ -6,6 +6,11 @@ replaces that one name with an object of the same contract backed by
 :func:`logitless.linear_logprobs`, and the ``ChunkedDivergenceFunction`` that
 ``DistillationTrainer``'s loss calls (``trl.trainer.distillation_trainer``) with one backed by
 :func:`logitless.linear_divergence`; :func:`unpatch_trl` restores both.
+
+FSDP2. TRL's fused forward gathers a DTensor head (``weight.full_tensor()``) before its kernel;
+while logitless's kernel is in place, `KeepShardedHead` stands in for the ``DTensor`` name there,
+so the head reaches `linear_logprobs` sharded and runs vocabulary-parallel over its mesh, the
+ranks' tokens gathered instead of the weight (`logitless.fused_losses.head.dtensor`).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import math
 import torch
 
 from logitless.fused_losses.head.divergence import linear_divergence
+from logitless.fused_losses.head.dtensor import is_dtensor
 from logitless.fused_losses.head.logprobs import linear_logprobs
 
 __all__ = ["SUPPORTED_TRL", "patch_trl", "trl_patched", "unpatch_trl"]
@@ -32,6 +38,41 @@ _TRL_DIVERGENCE_SIGNATURE = (
     "student_final_logit_softcapping", "teacher_logit_scale", "teacher_final_logit_softcapping")
 _original = None
 _original_divergence = None
+_original_dtensor = None
+
+
+class _NeverInstance(type):
+    def __instancecheck__(cls, obj) -> bool:
+        return False
+
+
+class KeepShardedHead(metaclass=_NeverInstance):
+    """Stands in for ``DTensor`` in ``trl.trainer.utils``, whose one use of the name is the
+    ``isinstance(weight, DTensor)`` before ``weight.full_tensor()`` in ``add_fused_lm_head``'s
+    forward: no object is an instance, so an FSDP2 head reaches logitless's kernel sharded and
+    runs there as a vocabulary-parallel head over its mesh, without the gather
+    (`logitless.fused_losses.head.dtensor`). Swapped in only while logitless's kernel is."""
+
+
+def _gather_site(trl_utils) -> bool:
+    """Whether TRL's fused forward gathers a DTensor head where `KeepShardedHead` expects:
+    the module's ``DTensor`` used once, for ``weight.full_tensor()``."""
+    try:
+        source = inspect.getsource(trl_utils)
+    except (OSError, TypeError):
+        return False
+    return (source.count("DTensor)") == 1 and "isinstance(weight, DTensor)" in source
+            and "weight = weight.full_tensor()" in source)
+
+
+def keep_sharded(trl_utils):
+    """Swap `KeepShardedHead` in for TRL's ``DTensor`` name; returns what to restore (None when
+    TRL's code is not the one `_gather_site` knows: the head is then gathered, as before)."""
+    current = getattr(trl_utils, "DTensor", None)
+    if current is KeepShardedHead or not _gather_site(trl_utils):
+        return None
+    trl_utils.DTensor = KeepShardedHead
+    return current
 
 
 def _trl_modules():
@@ -97,11 +138,14 @@ class LogitlessChunkedLogProb:
         stats = tuple(name for name, wanted in (("sum_p_sq", "log_sum_sq_probs"),
                                                 ("mean_logit", "mean_logits"),
                                                 ("is_top1", "is_top1")) if wanted in outputs)
+        # An FSDP2 DTensor head (`KeepShardedHead`) is never ZeRO-3 partitioned: no gather
+        # (nor does a replayed kept set gather: its rows come from the head as it is)
+        gather = (None if is_dtensor(weight) or kept_ids is not None
+                  else lambda: maybe_gather_lm_head_ctx(weight, bias))
         out = linear_logprobs(
             hidden, weight, targets, bias=bias, temperature=temperature, softcap=softcap,
             logit_scale=logit_scale, return_entropy="entropy" in outputs, stats=stats,
-            **({} if kept_ids is not None
-               else {"gather_weight": lambda: maybe_gather_lm_head_ctx(weight, bias)}),
+            gather_weight=gather,
             **({} if sampler is None else sampler.kwargs()),
             **({} if kept_ids is None else {"kept_ids": kept_ids}),
         )
@@ -157,7 +201,7 @@ class LogitlessChunkedDivergence:
 def patch_trl() -> None:
     """Route TRL's fused LM head (all trainers that use it) and ``DistillationTrainer``'s
     divergence kernel through logitless. Idempotent."""
-    global _original, _original_divergence
+    global _original, _original_divergence, _original_dtensor
     trl, trl_utils, function = _trl_modules()
     distillation = _distillation_module()
     _check_contract(trl, function)
@@ -166,6 +210,9 @@ def patch_trl() -> None:
     if trl_utils._ChunkedLogProbFunction is not LogitlessChunkedLogProb:
         _original = trl_utils._ChunkedLogProbFunction
         trl_utils._ChunkedLogProbFunction = LogitlessChunkedLogProb
+    dtensor = keep_sharded(trl_utils)
+    if dtensor is not None:
+        _original_dtensor = dtensor
     if distillation.ChunkedDivergenceFunction is not LogitlessChunkedDivergence:
         _original_divergence = distillation.ChunkedDivergenceFunction
         distillation.ChunkedDivergenceFunction = LogitlessChunkedDivergence
@@ -173,11 +220,14 @@ def patch_trl() -> None:
 
 def unpatch_trl() -> None:
     """Restore TRL's own fused head and divergence kernel. A no-op when not patched."""
-    global _original, _original_divergence
+    global _original, _original_divergence, _original_dtensor
     _, trl_utils, _ = _trl_modules()
     if _original is not None:
         trl_utils._ChunkedLogProbFunction = _original
         _original = None
+    if _original_dtensor is not None:
+        trl_utils.DTensor = _original_dtensor
+        _original_dtensor = None
     if _original_divergence is not None:
         _distillation_module().ChunkedDivergenceFunction = _original_divergence
         _original_divergence = None

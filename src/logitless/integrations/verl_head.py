@@ -34,6 +34,7 @@ import sys
 
 import torch
 
+from logitless.fused_losses.head.dtensor import is_dtensor
 from logitless.fused_losses.head.logprobs import linear_logprobs
 from logitless.integrations.replay import KEPT_IDS_KEY
 from logitless.integrations.sampler_config import SamplerTruncation
@@ -233,7 +234,12 @@ def linear_cross_entropy(
     Args:
         hidden: ``[..., D]`` hidden states, any D (verl's kernel needs ``D % 128 == 0``).
         weight: ``[V, D]`` head weight, or this rank's ``[V_r, D]`` slice with
-            ``dist_process_group`` (contiguous slices in rank order, as Megatron shards it).
+            ``dist_process_group`` (contiguous slices in rank order, as Megatron shards it),
+            or an FSDP2 ``Shard(0)`` DTensor (verl's FSDP2 wraps ``lm_head`` on its own, and
+            the dense models' fused forward passes ``self.lm_head.weight`` as it is): no
+            gather, each rank's slice a vocabulary-parallel head over the mesh, the ranks'
+            tokens all-gathered (see ``linear_logprobs``); each rank receives its own tokens'
+            hidden gradient, the weight's lands sharded (the mean over ranks).
         labels: integer ids, one per row of ``hidden`` (both are flattened, as verl does:
             Megatron passes ``[s, 1, D]`` hidden with ``[1, s]`` labels), global vocabulary
             ids; ``-100`` rows are skipped and read 0.
@@ -265,16 +271,25 @@ def linear_cross_entropy(
             f"{tuple(hidden.shape)}), got shape {tuple(labels.shape)}"
         )
     kept = _take_kept(labels)
+    if is_dtensor(weight):
+        # verl's FSDP2 wraps lm_head on its own: its weight arrives here a Shard(0) DTensor,
+        # which runs vocabulary-parallel over its mesh, the ranks' tokens gathered (not the
+        # weight); each rank gets its own tokens' whole hidden gradient.
+        if dist_process_group is not None:
+            raise ValueError("dist_process_group: a DTensor (FSDP2) weight is sharded over its "
+                             "own mesh; pass dist_process_group=None")
+        parallel = {}
+    else:
+        # As verl's kernel: each rank's own share of the hidden gradient; Megatron's
+        # sequence-parallel gather before the head sums them in its backward reduce-scatter.
+        parallel = dict(vocab_parallel=dist_process_group, hidden_grad="partial")
     out = linear_logprobs(
         hidden.reshape(-1, hidden.shape[-1]),
         weight,
         labels.reshape(-1),
         temperature=float(temperature),
         return_entropy=True,
-        vocab_parallel=dist_process_group,
-        # As verl's kernel: each rank's own share of the hidden gradient; Megatron's
-        # sequence-parallel gather before the head sums them in its backward reduce-scatter.
-        hidden_grad="partial",
+        **parallel,
         **({} if _sampler is None else _sampler.kwargs()),
         **({} if kept is None else {"kept_ids": kept}),
     )

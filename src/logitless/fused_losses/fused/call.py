@@ -15,6 +15,7 @@ from logitless.fused_losses.head.divergence import (
     exact_kl_rows,
     reference_head,
 )
+from logitless.fused_losses.head.dtensor import is_dtensor
 from logitless.fused_losses.head.logprobs import check_byte_budget, check_head_args, compute_dtype
 from logitless.fused_losses.objectives.catalog import needs_whole_batch
 from logitless.fused_losses.objectives.config import PolicyLossConfig
@@ -166,6 +167,22 @@ def check_static(head, targets, mask, strategy, cu_seqlens, memory_budget) -> No
             f"got hidden {tuple(head.hidden.shape)}, mask {tuple(mask.shape)}")
     check_head_args(head.hidden, head.weight, targets, head.bias, head.temperature, head.softcap,
                     head.logit_scale, ())
+
+
+def check_sharded(head: Head, strategy: str, ref_args) -> bool:
+    """Whether the head is an FSDP2 DTensor (`head.dtensor`), which runs streamed, its
+    vocabulary shards a vocabulary-parallel head over the mesh: ``strategy="chunked"`` (the
+    stored logits and gradients of a whole vocabulary) and the exact KL (the two-head passes)
+    are refused (``ValueError``)."""
+    if not is_dtensor(head.weight):
+        return False
+    if strategy == "chunked":
+        raise ValueError("strategy: a DTensor (FSDP2) head runs streamed, vocabulary-parallel "
+                         "over its mesh; pass strategy='auto' or 'streaming', not 'chunked'")
+    if any(x is not None for x in ref_args):
+        raise ValueError("ref_hidden/ref_weight: the exact KL is unsupported with a DTensor "
+                         "(FSDP2) head; use a sampled kl_estimator with ref_logprobs")
+    return True
 
 
 def checked_call(head, targets, old_logprobs, advantages, mask, config, strategy, cu_seqlens,

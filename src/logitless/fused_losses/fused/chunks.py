@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import torch
 
-from logitless.fused_losses.fused.call import Call, checked_call, checked_ref
+from logitless.fused_losses.fused.call import Call, check_sharded, checked_call, checked_ref
 from logitless.fused_losses.fused.grads import Grads, Need
 from logitless.fused_losses.fused.objective import ChunkObjective
 from logitless.fused_losses.fused.plan import Chunk, make_plan, new_store
-from logitless.fused_losses.head.logprobs import _rows_logprobs
+from logitless.fused_losses.head.dtensor import is_dtensor
+from logitless.fused_losses.head.logprobs import _rows_logprobs, linear_logprobs
 from logitless.fused_losses.objectives.aggregation import check_global_counts
 from logitless.fused_losses.objectives.config import PolicyLossConfig
 from logitless.fused_losses.objectives.policy_loss import (
@@ -27,10 +28,11 @@ def run_call(head, need, targets, old_logprobs, advantages, mask, config, strate
     """The eager call: ``(loss, metrics, grads)``, ``grads`` the ``(d_hidden, d_weight,
     d_bias)`` the chunks computed in the forward (None where not ``need``-ed), or None when
     the whole batch streamed (the loss then carries its autograd graph)."""
+    sharded = check_sharded(head, strategy, ref_args)
     call = checked_call(head, targets, old_logprobs, advantages, mask, config, strategy,
                          cu_seqlens, selection_entropy, memory_budget, **tensors)
     call.ref = checked_ref(head, config, *ref_args)
-    if call.whole:
+    if call.whole or sharded:
         return (*streamed_whole(call, loss_args), None)
 
     glob, masks = _globals_and_masks(call.globals_batch(selection_entropy_of(call)), config)
@@ -57,8 +59,14 @@ def streamed_whole(call: Call, loss_args) -> tuple:
     selections (thresholds and the tokens they keep) come from it, as in the chunked path."""
     head, dtype = call.head, call.head.dtype
     hidden = head.hidden.to(dtype).reshape(-1, head.hidden.shape[-1]).index_select(0, call.rows)
-    weight, bias = head.weight.to(dtype), None if head.bias is None else head.bias.to(dtype)
-    lp, ent = _rows_logprobs(hidden, weight, call.targets, bias=bias, **head.transform())
+    if is_dtensor(head.weight):  # FSDP2: every rank's loss rows over the vocabulary shards
+        out = linear_logprobs(hidden, head.weight, call.targets, bias=head.bias,
+                              return_entropy=True, **head.transform())
+        lp, ent = out.logprobs, out.entropy
+        weight = bias = None  # no exact KL with a sharded head (`check_sharded`)
+    else:
+        weight, bias = head.weight.to(dtype), None if head.bias is None else head.bias.to(dtype)
+        lp, ent = _rows_logprobs(hidden, weight, call.targets, bias=bias, **head.transform())
     kl = None if call.ref is None else call.ref.kl(call.rows, hidden, weight, bias)
     batch = call.with_logprobs(lp, ent, kl)
     if not call.selection_entropy:

@@ -18,6 +18,7 @@ import torch
 
 from logitless.fused_losses.backend import triton_selected
 from logitless.fused_losses.head import kept, sampled
+from logitless.fused_losses.head.dtensor import sharded_head, sharded_logprobs
 from logitless.fused_losses.head.shards import resolve
 from logitless.fused_losses.head.shards import vocab_offset as _vocab_offset
 from logitless.fused_losses.oplib import (
@@ -327,6 +328,11 @@ def linear_logprobs(
             the head runs in their dtype (autocast's under ``torch.autocast``), ``weight`` and
             ``bias`` of another float dtype cast to it, their gradients in their own dtype.
         weight: ``[V, D]`` head weight (``[V_r, D]``, this rank's slice, with ``vocab_parallel``).
+            An FSDP2 DTensor (``Shard(0)`` on a 1-D mesh; ``bias`` then too) runs without a
+            gather of the weight: the ranks' tokens are all-gathered and each rank's slice is a
+            vocabulary-parallel head over the mesh's group; each rank gets its own tokens'
+            results and hidden gradient, the weight's lands sharded, the mean over ranks of
+            each rank's loss gradient (FSDP2's average; ``fused_losses/head/dtensor.py``).
         targets: integer token ids shaped ``hidden.shape[:-1]``, in ``[0, V)`` or
             ``ignore_index`` (an integer); ignored rows are dropped before any kernel runs.
         bias: optional ``[V]`` head bias.
@@ -355,6 +361,7 @@ def linear_logprobs(
         vocab_parallel: a ``torch.distributed`` process group over which the vocabulary is
             sharded in rank order (targets are global ids); every rank gets the same results
             and its slice's weight gradient; the hidden gradient is summed over the group.
+            Not with a DTensor ``weight``, whose mesh gives the group.
         max_tile_bytes: bound in bytes (an integer > 0) on temporary logits of the chunked
             torch path (default 64 MB).
         gather_weight: for sharded parameters (DeepSpeed ZeRO-3), a callable returning a
@@ -376,6 +383,14 @@ def linear_logprobs(
                     1.0 if isinstance(temperature, torch.Tensor) else temperature, softcap,
                     logit_scale, stats, zero_scale=True)
     sampled.check_sampler(sampler)
+    fsdp = sharded_head(weight, bias)
+    if fsdp is not None:  # an FSDP2 DTensor head: the tokens gathered, never the weight
+        return sharded_logprobs(
+            linear_logprobs, fsdp, hidden, targets, kept_ids=kept_ids,
+            vocab_parallel=vocab_parallel, gather_weight=gather_weight, hidden_grad=hidden_grad,
+            return_entropy=return_entropy, stats=stats, temperature=temperature, top_k=top_k,
+            top_p=top_p, min_p=min_p, sampler=sampler, softcap=softcap,
+            logit_scale=logit_scale, ignore_index=ignore_index, max_tile_bytes=max_tile_bytes)
     if kept_ids is not None:
         return _kept_set(hidden, weight, targets, kept_ids, bias, temperature, top_k, top_p,
                          min_p, softcap, logit_scale, ignore_index, return_entropy, stats,
