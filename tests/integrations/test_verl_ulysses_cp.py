@@ -12,7 +12,7 @@ from logitless.integrations.verl import ulysses_cp_seqlens
 
 from testing import run_on_gloo
 
-ulysses = pytest.importorskip("verl.utils.ulysses")
+ulysses = pytest.importorskip("verl.utils.ulysses", reason="verl is installed by `make test`")
 
 CU = torch.tensor([0, 6, 7, 19, 23, 31])  # 31 tokens: verl pads the stream to a multiple of W
 
