@@ -746,9 +746,10 @@ def _final_stats(passes: _Passes, targets, t, c, m, canonical: bool):
                                SLICE=_SLICE, BLOCK_V=_BLOCK_V, num_warps=_WARPS)
     part = b.stats[:rows, :s].double()
     l_f, l_a, a_a, n_t, n_b = (part[:, :, i].sum(1) for i in range(5))
-    n_t = torch.where(_float_of(t) == -math.inf, n_t - (_span(passes.width) - passes.width), n_t)
-    kept_t = torch.minimum(c.double(), n_t)
     z_t = _float_of(t)
+    # a cut at -inf also counted the rows' -inf padding: not tokens
+    n_t = torch.where(z_t == -math.inf, n_t - (_span(passes.width) - passes.width), n_t)
+    kept_t = torch.minimum(c.double(), n_t)
     e_t = torch.exp(z_t - m).double()
     md = m.double()
     l_k = l_a + kept_t * e_t

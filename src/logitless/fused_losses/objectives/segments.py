@@ -270,7 +270,12 @@ def _scan_sum(x, mask, cu_seqlens, reverse):
     if cp.current_group() is None:
         return local
     _cp_layout(x, cu_seqlens, "suffix_sum" if reverse else "prefix_sum")
-    totals = cp.rank_totals(_local_segment_sum(x, mask))
+    # this rank's totals are the scan's last prefix (first suffix): no second pass
+    if local.shape[-1] == 0:
+        mine = local.new_zeros(local.shape[:-1])
+    else:
+        mine = local[:, 0] if reverse else local[:, -1]
+    totals = cp.rank_totals(mine)
     return local + cp.earlier(totals, later=reverse)[:, None]
 
 
