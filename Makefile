@@ -26,7 +26,8 @@ DEEPSPEED_STAMP := $(DEEPSPEED)/.installed
 # make test-compat: the suite on the lent H200's stack, in .venv-compat: Python 3.12, torch
 # 2.11.0 (from the registry a CUDA build of a few GB, which runs on the CPU), triton 3.6.0,
 # numpy 2.5, transformers 5.17, TRL 1.16; no verl (its tests skip). Never part of make setup.
-COMPAT_PYTHON ?= python3.12
+# pyenv's python3.12 shim fails unless 3.12 is a global version: take the interpreter itself.
+COMPAT_PYTHON ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) python3.12)
 COMPAT := .venv-compat
 COMPAT_PY := $(COMPAT)/bin/python
 COMPAT_STAMP := $(COMPAT)/.installed
