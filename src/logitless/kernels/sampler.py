@@ -4,7 +4,9 @@ compute dtype, Triton passes with a program per row and vocabulary slice over it
 The launcher contract is ``sampler_torch``'s (same ``forward`` / ``backward`` signatures and
 outputs, same kept-set rule, same kept sets); see that module's docstring for the rule. Per
 chunk of ``R`` rows (``R`` from the byte budget, the vocabulary and the dtype, never from N;
-1024 at V=151936 in bf16 with the default budget; every chunk padded to exactly ``R`` rows):
+1024 at V=151936 in bf16 with the default budget; every chunk's GEMM padded to exactly ``R``
+rows, so that a row's logits have the same bits wherever it lies; the Triton passes run over
+the chunk's real rows only):
 
 1. **Logits.** One ``torch.mm`` / ``torch.addmm`` (cuBLAS, fp32 accumulation) of the whole
    head writes ``x = h W^T + b`` in the compute dtype (``_COLS``-column slices when tests
@@ -12,7 +14,8 @@ chunk of ``R`` rows (``R`` from the byte budget, the vocabulary and the dtype, n
    T_row`` in fp32 (``_tempered``: the division correctly rounded, as torch's), with each
    slice's maximum and smallest key. Every later pass reads these values: the same bits in
    every pass.
-2. Every pass below is a ``[R, S]`` launch, one program per row and ``_SLICE``-column slice,
+2. Every pass below is a ``[rows, S]`` launch, one program per real row and ``_SLICE``-column
+   slice,
    each keeping its sums per lane and reducing once at the end, writing per-slice partial
    results; a merge then combines a row's slices in slice order (fp64 for masses). No atomics,
    no host read: a row's results do not depend on the other rows or on its place in the chunk.
@@ -547,28 +550,22 @@ def forward(hidden, weight, bias, targets, params: RowParams, *, softcap, logit_
                 x = part[:rows * w.shape[0]].view(rows, w.shape[0])
                 _gemm_(x, h, w, b)
                 chunk[:, c0:c0 + w.shape[0]] = x
-        # every chunk is R rows: the passes' launches do not depend on N (padding rows: the
-        # settings of row 0 of the chunk, results dropped)
-        row_set = {k: None if args[k] is None else _pad_rows(args[k][r0:r0 + real], rows, fill)
-                   for k, fill in _PADDING.items()}
-        row_set["engine"] = args["engine"]
-        res = chunk_stats(chunk, _pad_rows(targets[r0:r0 + real], rows, 0), row_set, 0, None,
-                          softcap, logit_scale, bufs)
+        # The GEMM is R rows tall (the same bits for a row wherever it lies), the passes run
+        # over the real rows only: as many launches for every N, and no program spent on a
+        # padding row (a row's results never depend on the others')
+        res = chunk_stats(chunk[:real], targets[r0:r0 + real], args, r0, None, softcap,
+                          logit_scale, bufs)
         for o, x in zip(outs, res):
-            o[r0:r0 + real] = x[:real]
+            o[r0:r0 + real] = x
     # A row with a NaN or inf logit has no distribution: its logprob is NaN (as the torch
     # path's), not the -inf that means "outside the kept set".
     outs[0] = torch.where(torch.isfinite(outs[3]), outs[0], torch.nan)
     return tuple(outs)
 
 
-# Padding rows' settings: no-op values (their results are dropped).
-_PADDING = dict(temperature=1.0, log_min_p=-math.inf, top_k=2**62, top_p=1.0)
-
-
 class _Buffers:
-    """One chunk's buffers for :func:`chunk_stats`: the tempered fp32 logits and the
-    per-slice partial results."""
+    """One chunk's buffers for :func:`chunk_stats` (for up to ``rows`` rows): the tempered
+    fp32 logits and the per-slice partial results."""
 
     def __init__(self, rows, v, device):
         self.rows, self.v = rows, v
@@ -600,7 +597,7 @@ class _Passes:
 
     def __init__(self, bufs: _Buffers, width: int, m: torch.Tensor):
         self.b, self.width, self.m = bufs, width, m
-        self.grid = (bufs.rows, -(-width // _SLICE))
+        self.grid = (m.shape[0], -(-width // _SLICE))  # the chunk's rows, its slices
 
     def fan(self, base, step, weighted: bool):
         """``[R, FAN]``: count (or fp64 mass) of tokens at or above ``base + (j + 1) step``."""
@@ -642,7 +639,7 @@ def chunk_stats(x, targets, args, r0, outs, softcap, logit_scale, bufs=None):
     each ``[R]``, written into ``outs`` when given (module doc, steps 2-4)."""
     rows, v = x.shape
     dev = x.device
-    if bufs is None or bufs.rows != rows or bufs.v != v:
+    if bufs is None or bufs.rows < rows or bufs.v != v:
         bufs = _Buffers(rows, v, dev)
     z = bufs.z[:rows, :v]
     if x.stride(0) < _span(v) or x.stride(1) != 1:  # the transform reads whole steps
@@ -911,10 +908,14 @@ def backward(hidden, weight, bias, targets, params: RowParams, key, count, lse, 
             cut_meta = dict(HAS_SOFTCAP=meta["HAS_SOFTCAP"], BLOCK_V=_BLOCK_C,
                             num_warps=meta["num_warps"])
             rows_args = (args["temperature"][r0:], key[r0:])
-            _cut_kernel[(g_rows,)](x, x.stride(0), *rows_args, count[r0:], seen[r0:],
+            # the passes run over the real rows; the padding rows of the tile (the GEMM's, for
+            # its bits) are zeroed for the column sum and the GEMMs below
+            if real < g_rows:
+                x[real:].zero_()
+            _cut_kernel[(real,)](x, x.stride(0), *rows_args, count[r0:], seen[r0:],
                                    u_at[r0:], u_above[r0:], cut, real, width, _span(width),
                                    **scalars, **cut_meta)
-            _grad_kernel[(g_rows,)](
+            _grad_kernel[(real,)](
                 x, x.stride(0), targets[r0:], *rows_args, cut, u_at[r0:], u_above[r0:],
                 *(p[r0:] for p in ptrs), real, width, _span(width), c0, **scalars, **meta)
             if d_hidden is not None:
