@@ -12,6 +12,9 @@ import pytest
 
 from logitless.kernels import interpreter_compat
 
+triton = pytest.importorskip("triton")
+tl = triton.language
+
 ROOT = Path(__file__).resolve().parents[2]
 TRITON36 = ROOT / ".venv" / "triton-3.6.0"
 
@@ -56,3 +59,50 @@ def test_segment_and_head_kernels_run_under_the_triton_3_6_interpreter():
     )
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
     assert " passed" in done.stdout and " failed" not in done.stdout, done.stdout[-2000:]
+
+
+@triton.jit
+def _twice(x):
+    return x * 2.0
+
+
+@triton.jit
+def _plain_kernel(x_ptr, out_ptr, BLOCK: tl.constexpr):
+    cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out_ptr + cols, tl.load(x_ptr + cols) * 2.0)
+
+
+@triton.jit
+def _nested_kernel(x_ptr, out_ptr, BLOCK: tl.constexpr):
+    cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = _twice(tl.load(x_ptr + cols))
+    tl.store(out_ptr + cols, _twice(x) * 0.5 + tl.max(x, 0) * 0.0)
+
+
+def test_nested_device_calls_do_not_repatch_the_language(monkeypatch):
+    """Under the interpreter a launch patches ``triton.language`` once; the helpers it calls
+    (ours and triton's own ``tl.max``) reuse that patch instead of listing every member of the
+    language modules again per program and call. The results are the same, and the language
+    is restored after the launch."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the interpreter runs only under TRITON_INTERPRET=1 (make test sets it)")
+    import torch
+    from triton.runtime import interpreter
+
+    assert interpreter_compat.apply()
+    patched = []
+    builtin = interpreter._patch_builtin
+    monkeypatch.setattr(interpreter, "_patch_builtin",
+                        lambda *a, **k: patched.append(1) or builtin(*a, **k))
+    x = torch.randn(64)
+    counts = []
+    for kernel in (_plain_kernel, _nested_kernel):
+        out = torch.empty_like(x)
+        before = len(patched)
+        kernel[(8,)](x, out, BLOCK=8)
+        counts.append(len(patched) - before)
+        torch.testing.assert_close(out, x * 2.0, rtol=0, atol=0)
+    # the nested kernel's helpers (3 calls in each of 8 programs) patch nothing more than the
+    # launch does (only tl.max's module, tl.core, once)
+    assert counts[1] <= counts[0] + 5, counts
+    assert tl.core.is_builtin(tl.load) and tl.core.is_builtin(tl.core.tensor.__add__)
