@@ -3,16 +3,17 @@ sliced by verl's own ``ulysses_pad_and_slice_inputs``, each rank's ``cu_seqlens`
 `ulysses_cp_seqlens`, on gloo ranks: the loss and gradients of the whole sequences."""
 
 import pytest
-import torch
-import torch.distributed as dist
-
-import logitless
-from logitless.fused_losses.objectives.config import PolicyLossConfig
-from logitless.integrations.verl import ulysses_cp_seqlens
-
-from testing import run_on_gloo
 
 ulysses = pytest.importorskip("verl.utils.ulysses", reason="verl is installed by `make test`")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import logitless  # noqa: E402
+from logitless.fused_losses.objectives.config import PolicyLossConfig  # noqa: E402
+from logitless.integrations.verl import ulysses_cp_seqlens  # noqa: E402
+
+from testing import run_on_gloo  # noqa: E402
 
 CU = torch.tensor([0, 6, 7, 19, 23, 31])  # 31 tokens: verl pads the stream to a multiple of W
 
