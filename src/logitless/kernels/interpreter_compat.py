@@ -31,13 +31,6 @@ def _index(self) -> int:
     return int(data.reshape(-1)[0]) if data.size == 1 else int(data)
 
 
-class _Unpatched:
-    """The scope a skipped patch returns: nothing to restore."""
-
-    def restore(self) -> None:
-        pass
-
-
 def _skip_nested_patches(interpreter) -> None:
     """Wrap the interpreter's launch (``GridExecutor.__call__``) and its ``_patch_lang``: inside
     a launch, after the launch's own patch, a device call whose language modules are already
@@ -61,7 +54,7 @@ def _skip_nested_patches(interpreter) -> None:
         langs = {id(v) for v in fn.__globals__.values()
                  if inspect.ismodule(v) and (v is tl or v is tl.core)}
         if launches and launches[-1] and langs <= launches[-1]:
-            return _Unpatched()
+            return interpreter._LangPatchScope()  # empty: nothing to restore
         scope = original(fn)
         if launches:
             launches[-1] |= langs
