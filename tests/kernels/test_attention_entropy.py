@@ -155,6 +155,98 @@ def test_triton_other_block_shapes(block_m, block_n, opts):
     torch.testing.assert_close(out[0].T.double(), ref, atol=TOL, rtol=0)
 
 
+def test_key_span_is_each_rows_valid_range_and_whether_it_is_whole():
+    from logitless.kernels.attention_entropy import key_span
+
+    mask = torch.ones(5, 9, dtype=torch.bool)
+    mask[0, :3] = False  # left padding
+    mask[1, 6:] = False  # right padding
+    mask[2, [0, 4, 8]] = False  # holes
+    mask[3] = False  # no valid key
+    got = key_span(mask.view(torch.uint8))
+    assert got.dtype == torch.int32 and got.is_contiguous()
+    assert got.tolist() == [[3, 9, 1], [0, 6, 1], [1, 8, 0], [9, 0, 0], [0, 9, 1]]
+
+
+@requires_triton
+@pytest.mark.parametrize(
+    "opts", [{"causal": True}, {"causal": False}, {"causal": True, "window": 37},
+             {"causal": False, "softcap": 3.0}],
+    ids=["causal", "bidir", "window37", "bidir-softcap"],
+)
+def test_triton_padding_spans_and_holes(opts):
+    """Rows padded on the left and on the right (a contiguous span: the wholly visible blocks
+    take no select), rows with holes (one select per score), a row with no valid key, and NaN
+    in every padded key: 16-key blocks put the span's ends and the holes inside whole blocks
+    and across their edges."""
+    from logitless.kernels.attention_entropy import BlockConfig, attention_entropy_triton
+
+    t = 101
+    q, k = problem(b=5, t=t)
+    mask = torch.ones(5, t, dtype=torch.bool)
+    mask[0, :37] = False
+    mask[1, 70:] = False
+    mask[2, 20:23] = False
+    mask[2, 50:51] = False
+    mask[2, 64:80] = False
+    mask[3] = False
+    mask[4, :5] = False
+    mask[4, 90:] = False
+    mask[4, 40:44] = False
+    k_bad = k.clone()
+    k_bad.transpose(1, 2)[~mask] = float("nan")
+    out = attention_entropy_triton(q, k_bad, scale=0.2, key_valid=mask.view(torch.uint8),
+                                   query_valid=mask.view(torch.uint8),
+                                   config=BlockConfig(32, 16, 4, 1), **opts)
+    ref = reference.attention_entropy(q.double(), k.double(), scale=0.2, attention_mask=mask,
+                                      **opts)
+    torch.testing.assert_close(out.double(), ref, atol=TOL, rtol=0)
+
+
+@requires_triton
+def test_triton_a_query_that_sees_only_padding_gets_zero():
+    """Every query computed (no query mask), a window of 60 and a 61-key hole: query 64's
+    window holds only padding, across whole key blocks that take the per-score select, so its
+    running max stays at its floor and it must come out 0, not the log of the keys it
+    skipped. The other queries, padded ones included, against the torch twin in fp64."""
+    from logitless.kernels.attention_entropy import BlockConfig, attention_entropy_triton
+
+    t = 101
+    q, k = problem(b=1, t=t)
+    mask = torch.ones(1, t, dtype=torch.bool)
+    mask[0, 4:65] = False
+    mask[0, 90:93] = False
+    k_bad = k.clone()
+    k_bad.transpose(1, 2)[~mask] = float("nan")
+    out = attention_entropy_triton(q, k_bad, scale=0.2, causal=True, window=60,
+                                   key_valid=mask.view(torch.uint8),
+                                   config=BlockConfig(32, 16, 4, 1))
+    assert (out[0, :, 64] == 0).all()
+    want = attention_entropy_chunked(q.double(), k.double(), scale=0.2, causal=True, window=60,
+                                     key_valid=mask, query_valid=None, block_q=16, block_k=16)
+    torch.testing.assert_close(out.double(), want.double(), atol=TOL, rtol=0)
+
+
+@requires_triton
+def test_triton_tiny_scale_scales_scores_before_the_padding_select():
+    """Below qk_scale 1e-8 the invisible score before the scale (-2e30 / qk_scale) would not
+    be a finite fp32: the kernel scales the scores first. Entropies are then log(visible)."""
+    from logitless.kernels.attention_entropy import BlockConfig, attention_entropy_triton
+
+    q, k = problem(b=2, t=67)
+    mask = torch.ones(2, 67, dtype=torch.bool)
+    mask[0, 10:14] = False
+    mask[1, :20] = False
+    for scale in (5e-9, 0.2):
+        out = attention_entropy_triton(q, k, scale=scale, causal=False,
+                                       key_valid=mask.view(torch.uint8),
+                                       query_valid=mask.view(torch.uint8),
+                                       config=BlockConfig(32, 16, 4, 1))
+        ref = reference.attention_entropy(q.double(), k.double(), scale=scale, causal=False,
+                                          attention_mask=mask)
+        torch.testing.assert_close(out.double(), ref, atol=TOL, rtol=0)
+
+
 def test_grid_is_one_dimensional_for_any_batch_times_heads():
     """B * Hq folded into grid dimension 0 (up to 2^31 - 1 programs), so B * Hq above 65535
     (the limit of grid dimensions 1 and 2) launches."""
@@ -209,9 +301,10 @@ def test_kernel_compiles_for_sm90_without_spills(dtype, head_dim, flags):
     ints = ["stride_qb", "stride_qh", "stride_qt", "stride_kb", "stride_kh", "stride_kt", "T",
             "HQ", "BH", "GROUP", "D", "window"]
     signature = {"Q": f"*{ty}", "K": f"*{ty}", "OUT": "*fp32", "SEG_START": "*i32",
-                 "SEG_END": "*i32", "KEY_VALID": "*u8", "QUERY_VALID": "*u8",
-                 "qk_scale": "fp32", "cap2": "fp32", **dict.fromkeys(ints, "i32")}
-    constexprs = dict(flags, EVEN_D=True, UPCAST_DOT=False, BLOCK_D=head_dim,
+                 "SEG_END": "*i32", "KEY_VALID": "*u8", "QUERY_VALID": "*u8", "KEY_SPAN": "*i32",
+                 "qk_scale": "fp32", "cap2": "fp32", "key_floor": "fp32",
+                 **dict.fromkeys(ints, "i32")}
+    constexprs = dict(flags, FOLD_SCALE=True, EVEN_D=True, UPCAST_DOT=False, BLOCK_D=head_dim,
                       BLOCK_M=config.block_m, BLOCK_N=config.block_n, stride_qd=1, stride_kd=1)
     compiled = compile_sm90(ae._attention_entropy_fwd, signature, constexprs,
                             config.num_warps, config.num_stages)

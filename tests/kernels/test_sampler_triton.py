@@ -288,6 +288,12 @@ for ty, on in (("bf16", True), ("fp32", False)):
     build("_search_step_kernel", dict(part="*fp32", lo="*i64", hi="*i64", step="*i64",
           target="*fp64", n_rows="i32", n_slices="i32"),
           dict(FAN=k._FAN, BLOCK_R=k._BLOCK_R), ty)
+    build("_finish_kernel", dict(part="*fp32", part_k="*i32", n_slices="i32", m_in="*fp32",
+          t_in="*i64", c_in="*i64", z="*fp32", stride_z="i32", targets="*i64",
+          n_rows="i32", width="i32", pad="fp32", lp_out="*fp32", ent_out="*fp32",
+          lkm_out="*fp32", lse_out="*fp32", lsek_out="*fp32", key_out="*i64",
+          count_out="*i64"),
+          dict(CANONICAL=on, BLOCK_R=k._BLOCK_R), ty)
     import triton.language as tl
     bits = 16 if ty == "bf16" else 32
     build("_value_cuts_kernel", dict(key="*i64", temperature="*fp32", u_at="*fp32",
@@ -383,3 +389,23 @@ def test_value_cuts_give_the_forward_keys(dtype, scale):
     assert torch.equal(above, keys > pick.unsqueeze(1))
     assert torch.equal(at, keys == pick.unsqueeze(1))
     assert at.any(1).all() and above.any(1).any()
+
+
+@requires_triton
+def test_a_chunk_is_its_passes_and_one_merge_launch_with_no_host_read():
+    """One more chunk of the top-p forward adds its GEMM, its Triton passes (the transform,
+    13 mass passes, 11 search merges, the statistics), one launch that merges the statistics
+    and writes the outputs (``_finish_kernel``: about 60 ``[R]``-sized torch ops and 7 copies
+    before), and the top-p cut's small torch ops: the count the cost model prices
+    (``gpu_plan.SAMPLER_ROW_OPS``), no host read and no tensor from Python data."""
+    from logitless.fused_losses.fused import gpu_plan
+    from logitless.tools.launches import sampler_extra_chunk
+
+    extra = sampler_extra_chunk()
+    assert extra["host_reads"] == 0 and extra["python_data"] == 0, extra
+    assert extra["triton"] == {"_transform_kernel": 1, "_fan_kernel": 13,
+                               "_search_step_kernel": 11, "_stats_kernel": 1,
+                               "_finish_kernel": 1}, extra
+    assert extra["ops"].pop("aten.mm.out") == 1  # the chunk's GEMM, priced on its own
+    small = sum(extra["ops"].values()) + extra["triton"]["_finish_kernel"]
+    assert small == gpu_plan.SAMPLER_ROW_OPS, extra

@@ -11,10 +11,18 @@ Work layout (GPU):
 - ``log2(e)`` is folded into the score scale on the host, so the exponentials are ``exp2``
   (one ``ex2`` instruction each) and the scores need one multiply.
 - Key blocks come in three ranges: blocks that every query of the block sees (no mask: below
-  the causal diagonal, inside the window and the packed sequence of every query; a padding
-  mask costs one column select there), and the boundary blocks before and after them
-  (the causal diagonal, the window's far edge, sequence edges, the tail past ``T``), which
-  build the full ``[BLOCK_M, BLOCK_N]`` visibility mask.
+  the causal diagonal, inside the window and the packed sequence of every query), and the
+  boundary blocks before and after them (the causal diagonal, the window's far edge,
+  sequence edges, the tail past ``T``), which build the full ``[BLOCK_M, BLOCK_N]``
+  visibility mask.
+- A padding mask (``key_valid``) comes with each batch row's span, ``key_span``: the first
+  valid key, one past the last, and whether every key between them is valid. No block
+  outside the span is visited, and the blocks across its ends are boundary blocks. Where
+  the span is whole (left or right padding) the wholly visible blocks run as without a mask;
+  a row with holes takes one select per score there.
+- An invisible key's score becomes ``-2e30`` (``m`` starts at ``-1e30`` and never falls), so
+  its weight ``2^(t - m)`` is 0 and so is its share of ``a``, in one select and whatever the
+  score was: no ``-inf`` times 0 to guard against.
 - One 1-D grid of ``cdiv(T, BLOCK_M) * B * Hq`` programs (grid dimension 0 holds up to
   ``2^31 - 1``, so any ``B * Hq`` works); query blocks are handed out last block first, the
   heaviest under a causal mask, so the short ones fill the tail of the schedule; the heads
@@ -118,14 +126,20 @@ def _scores(q, kt, qk_scale, cap2, HAS_SOFTCAP: tl.constexpr):
 @triton.jit
 def _visit(
     q, k_base, m, l, a, start_n, offs_m, offs_d, d_ok, seg_lo, seg_hi, KEY_VALID, row0,
-    stride_kt, stride_kd, T, qk_scale, cap2, window,
+    stride_kt, stride_kd, T, qk_scale, cap2, key_floor, window,
     MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_SEG: tl.constexpr, HAS_KEY_VALID: tl.constexpr,
-    EVEN_D: tl.constexpr, UPCAST_DOT: tl.constexpr, BLOCK_N: tl.constexpr,
+    FOLD_SCALE: tl.constexpr, EVEN_D: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     """Fold key block ``[start_n, start_n + BLOCK_N)`` into ``(m, l, a)``. Unmasked blocks
     (``MASKED`` False) are wholly visible to every query of the block, up to the padding
-    mask; masked ones build the full visibility tile."""
+    mask; masked ones build the full visibility tile.
+
+    A key the query cannot see gets the score ``-2e30`` (in base-2 units) by one select: ``m``
+    never falls below ``-1e30``, so its shift is at most ``-1e30``, its ``2^shift`` is 0 and
+    so is its share ``2^shift * shift`` of ``a``, whatever its score was (inf or NaN garbage
+    in padding included). No second select, and no ``-inf`` times 0."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     kt_ptrs = k_base + offs_n[None, :].to(tl.int64) * stride_kt + offs_d[:, None] * stride_kd
     if MASKED:
@@ -139,13 +153,8 @@ def _visit(
         # The interpreter stores bf16 as uint16 and would multiply the raw bits; exact fp32
         # copies give the product a GPU forms with fp32 accumulation.
         kt = kt.to(tl.float32)
-    if MASKED or HAS_SOFTCAP:
-        t = _scores(q, kt, qk_scale, cap2, HAS_SOFTCAP)
-    else:
-        # The scale is folded into the shift: max(s x) = s max(x) exactly (s > 0, rounding
-        # is monotone), and x s - m' is one FMA per score, not a product and a difference.
-        t = tl.dot(q, kt, input_precision="ieee")
     if MASKED:
+        t = _scores(q, kt, qk_scale, cap2, HAS_SOFTCAP)
         vis = col_ok[None, :] & (offs_m[:, None] >= 0)
         if HAS_KEY_VALID:
             kv = tl.load(KEY_VALID + row0 + offs_n, mask=col_ok, other=0)
@@ -158,30 +167,27 @@ def _visit(
             vis = vis & (offs_m[:, None] - offs_n[None, :] < window)
             if not IS_CAUSAL:
                 vis = vis & (offs_n[None, :] - offs_m[:, None] < window)
-        t_vis = tl.where(vis, t, float("-inf"))
-        m_new = tl.maximum(m, tl.max(t_vis, axis=1))
-        p = tl.exp2(t_vis - m_new[:, None])
-        # where, not p * (t - m'): a key the row cannot see must not matter even if its score
-        # is inf or NaN (garbage in padding).
-        shifted = tl.where(vis, t - m_new[:, None], 0.0)
-    elif HAS_SOFTCAP:
-        if HAS_KEY_VALID:
-            kv = tl.load(KEY_VALID + row0 + offs_n) != 0
-            t = tl.where(kv[None, :], t, float("-inf"))
+        t = tl.where(vis, t, -2.0e30)
         m_new = tl.maximum(m, tl.max(t, axis=1))
         shifted = t - m_new[:, None]
-        p = tl.exp2(shifted)
-        if HAS_KEY_VALID:
-            shifted = tl.where(kv[None, :], shifted, 0.0)
-    else:
+    elif HAS_SOFTCAP or not FOLD_SCALE:
+        t = _scores(q, kt, qk_scale, cap2, HAS_SOFTCAP)
         if HAS_KEY_VALID:
             kv = tl.load(KEY_VALID + row0 + offs_n) != 0
-            t = tl.where(kv[None, :], t, float("-inf"))
+            t = tl.where(kv[None, :], t, -2.0e30)
+        m_new = tl.maximum(m, tl.max(t, axis=1))
+        shifted = t - m_new[:, None]
+    else:
+        # The scale is folded into the shift: max(s x) = s max(x) exactly (s > 0, rounding
+        # is monotone), and x s - m' is one FMA per score, not a product and a difference.
+        # ``key_floor`` is -2e30 / s: the invisible score before the scale.
+        t = tl.dot(q, kt, input_precision="ieee")
+        if HAS_KEY_VALID:
+            kv = tl.load(KEY_VALID + row0 + offs_n) != 0
+            t = tl.where(kv[None, :], t, key_floor)
         m_new = tl.maximum(m, tl.max(t, axis=1) * qk_scale)
         shifted = t * qk_scale - m_new[:, None]
-        p = tl.exp2(shifted)
-        if HAS_KEY_VALID:
-            shifted = tl.where(kv[None, :], shifted, 0.0)
+    p = tl.exp2(shifted)
     alpha = tl.exp2(m - m_new)
     a = alpha * (a + l * (m - m_new)) + tl.sum(p * shifted, axis=1)
     l = alpha * l + tl.sum(p, axis=1)
@@ -190,16 +196,17 @@ def _visit(
 
 @triton.jit
 def _attention_entropy_fwd(
-    Q, K, OUT, SEG_START, SEG_END, KEY_VALID, QUERY_VALID,
+    Q, K, OUT, SEG_START, SEG_END, KEY_VALID, QUERY_VALID, KEY_SPAN,
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_kb, stride_kh, stride_kt, stride_kd,
-    T, HQ, BH, GROUP, D, qk_scale, cap2, window,
+    T, HQ, BH, GROUP, D, qk_scale, cap2, key_floor, window,
     IS_CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     HAS_SEG: tl.constexpr,
     HAS_KEY_VALID: tl.constexpr,
     HAS_QUERY_VALID: tl.constexpr,
+    FOLD_SCALE: tl.constexpr,
     EVEN_D: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -260,6 +267,19 @@ def _attention_entropy_fwd(
         if not IS_CAUSAL:
             hi = tl.minimum(hi, last + window)
             full_hi = tl.minimum(full_hi, first + window)
+    contiguous = lo == lo  # True (a runtime scalar) unless the padding mask says otherwise
+    if HAS_KEY_VALID:
+        # The row's valid keys lie in [span_lo, span_hi): no block outside is visited, and
+        # the blocks that straddle its ends are boundary blocks. Where the valid keys fill
+        # the span (left or right padding: ``contiguous``), the wholly visible blocks need no
+        # per-key select.
+        span_lo = tl.load(KEY_SPAN + 3 * b)
+        span_hi = tl.load(KEY_SPAN + 3 * b + 1)
+        contiguous = tl.load(KEY_SPAN + 3 * b + 2) != 0
+        lo = tl.maximum(lo, span_lo)
+        hi = tl.minimum(hi, span_hi)
+        full_lo = tl.maximum(full_lo, span_lo)
+        full_hi = tl.minimum(full_hi, span_hi)
     lo = (lo // BLOCK_N) * BLOCK_N
     full_lo = tl.cdiv(full_lo, BLOCK_N) * BLOCK_N
     full_hi = (full_hi // BLOCK_N) * BLOCK_N
@@ -282,24 +302,29 @@ def _attention_entropy_fwd(
     l = tl.zeros([BLOCK_M], dtype=tl.float32)
     a = tl.zeros([BLOCK_M], dtype=tl.float32)
     k_base = K + b * stride_kb + hk * stride_kh
-    for start_n in range(lo, full_lo, BLOCK_N):  # leading boundary (window, sequence start)
-        m, l, a = _visit(
-            q, k_base, m, l, a, start_n, offs_m, offs_d, d_ok, seg_lo, seg_hi, KEY_VALID, row0,
-            stride_kt, stride_kd, T, qk_scale, cap2, window, True, IS_CAUSAL, HAS_WINDOW,
-            HAS_SOFTCAP, HAS_SEG, HAS_KEY_VALID, EVEN_D, UPCAST_DOT, BLOCK_N,
-        )
-    for start_n in range(full_lo, full_hi, BLOCK_N):  # wholly visible
-        m, l, a = _visit(
-            q, k_base, m, l, a, start_n, offs_m, offs_d, d_ok, seg_lo, seg_hi, KEY_VALID, row0,
-            stride_kt, stride_kd, T, qk_scale, cap2, window, False, IS_CAUSAL, HAS_WINDOW,
-            HAS_SOFTCAP, HAS_SEG, HAS_KEY_VALID, EVEN_D, UPCAST_DOT, BLOCK_N,
-        )
-    for start_n in range(full_hi, hi, BLOCK_N):  # trailing boundary (diagonal, ends, tail)
-        m, l, a = _visit(
-            q, k_base, m, l, a, start_n, offs_m, offs_d, d_ok, seg_lo, seg_hi, KEY_VALID, row0,
-            stride_kt, stride_kd, T, qk_scale, cap2, window, True, IS_CAUSAL, HAS_WINDOW,
-            HAS_SOFTCAP, HAS_SEG, HAS_KEY_VALID, EVEN_D, UPCAST_DOT, BLOCK_N,
-        )
+    # The key ranges in order. 0: the leading boundary blocks (window, sequence or span
+    # start); 1: the wholly visible blocks of a row whose valid keys fill its span, or with
+    # no padding mask (no select); 2: those of a row with holes in its mask (a select per
+    # score); 3: the trailing boundary blocks (diagonal, ends, tail). Ranges 0 and 3 build
+    # the visibility tile.
+    mid = tl.where(contiguous, full_hi, full_lo)
+    for phase in tl.static_range(4):
+        if phase == 0:
+            start, end = lo, full_lo
+        elif phase == 1:
+            start, end = full_lo, mid
+        elif phase == 2:
+            start, end = mid, full_hi
+        else:
+            start, end = full_hi, hi
+        if phase != 2 or HAS_KEY_VALID:
+            for start_n in range(start, end, BLOCK_N):
+                m, l, a = _visit(
+                    q, k_base, m, l, a, start_n, offs_m, offs_d, d_ok, seg_lo, seg_hi,
+                    KEY_VALID, row0, stride_kt, stride_kd, T, qk_scale, cap2, key_floor,
+                    window, phase % 3 == 0, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_SEG,
+                    HAS_KEY_VALID and phase != 1, FOLD_SCALE, EVEN_D, UPCAST_DOT, BLOCK_N,
+                )
 
     seen = row_sel & (l != 0)  # a NaN l (the row saw a NaN) stays NaN
     l_safe = tl.where(seen, l, 1.0)
@@ -318,6 +343,19 @@ def kernel_scalars(scale: float, softcap: float | None) -> tuple[float, float]:
     if softcap is None:
         return scale * _LOG2E, 1.0
     return 2.0 * _LOG2E * scale / softcap, _LOG2E * softcap
+
+
+def key_span(key_valid: torch.Tensor) -> torch.Tensor:
+    """Per batch row of ``key_valid`` ``[B, T]``, int32 ``[B, 3]``: the first valid key, one
+    past the last, and 1 where every key between them is valid (0 otherwise, and for a row
+    with no valid key, whose span is empty). A few small device ops, no host read."""
+    valid = key_valid != 0
+    t = valid.shape[1]
+    idx = torch.arange(t, device=valid.device, dtype=torch.int32)
+    first = torch.where(valid, idx, t).amin(1)
+    end = torch.where(valid, idx + 1, 0).amax(1)
+    contiguous = valid.sum(1, dtype=torch.int32) == end - first
+    return torch.stack([first, end, contiguous.to(torch.int32)], 1).to(torch.int32).contiguous()
 
 
 def attention_entropy_triton(
@@ -350,10 +388,15 @@ def attention_entropy_triton(
         config = block_config(d, q.dtype, interpret)
     block_d = padded_head_dim(d)
     qk_scale, cap2 = kernel_scalars(float(scale), softcap)
+    span = None if key_valid is None else key_span(key_valid)
+    # Folding the scale into the shift takes the invisible score -2e30 / qk_scale, finite in
+    # fp32 for qk_scale >= 1e-8; below that (no real model's scale) the scores are scaled first.
+    fold = softcap is None and qk_scale >= 1e-8
+    key_floor = -2.0e30 / qk_scale if fold else -2.0e30
     _attention_entropy_fwd[grid_size(b, hq, t, config.block_m)](
-        q, k, out, seg_start, seg_end, key_valid, query_valid,
+        q, k, out, seg_start, seg_end, key_valid, query_valid, span,
         *q.stride(), *k.stride(),
-        t, hq, b * hq, hq // hk, d, qk_scale, cap2,
+        t, hq, b * hq, hq // hk, d, qk_scale, cap2, key_floor,
         int(window) if window is not None else 0,
         IS_CAUSAL=causal,
         HAS_WINDOW=window is not None,
@@ -361,6 +404,7 @@ def attention_entropy_triton(
         HAS_SEG=seg_start is not None,
         HAS_KEY_VALID=key_valid is not None,
         HAS_QUERY_VALID=query_valid is not None,
+        FOLD_SCALE=fold,
         EVEN_D=block_d == d,
         UPCAST_DOT=interpret and q.dtype == torch.bfloat16,
         BLOCK_D=block_d,

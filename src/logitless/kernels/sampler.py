@@ -27,9 +27,10 @@ the chunk's real rows only):
    the largest key whose count (mass) reaches the target, as the torch path's radix select
    finds it; one more fan pass gives the tokens (mass) at and above the key. The engines'
    rules (SGLang's joint filter and kept ties, min-p last) follow ``sampler_torch``.
-4. ``_stats_kernel``: the kept sums, the ties at ``T`` and those before the target; the merge
-   writes ``log q_y``, the kept entropy, ``log_kept_mass``, ``lse``, the kept ``lse`` and the
-   stored pair (the smallest kept key and the kept tokens at it).
+4. ``_stats_kernel``: the kept sums, the ties at ``T`` and those before the target; the merge,
+   one launch of ``_finish_kernel``, writes the chunk's rows of ``log q_y``, the kept
+   entropy, ``log_kept_mass``, ``lse``, the kept ``lse`` and the stored pair (the smallest
+   kept key and the kept tokens at it).
 
 Backward (:func:`backward`), vocabulary-outer: per group of whole chunks, the forward's GEMMs
 (same shapes, same bits) fill a tile whose rows are padded to whole steps; ``_cut_kernel``
@@ -324,6 +325,71 @@ def _stats_kernel(z, stride_z, targets, m_in, t_in, part, part_k, n_slices, widt
 
 
 @triton.jit
+def _finish_kernel(part, part_k, n_slices, m_in, t_in, c_in, z, stride_z, targets, n_rows,
+                   width, pad, lp_out, ent_out, lkm_out, lse_out, lsek_out, key_out,
+                   count_out, CANONICAL: tl.constexpr, BLOCK_R: tl.constexpr):
+    """The statistics pass's merge and the chunk's results, for ``BLOCK_R`` rows: the
+    slices' partial sums added in slice order in fp64, the kept ties at ``T`` (a count times
+    one weight), the target's membership, and ``log q_y``, the kept entropy,
+    ``log_kept_mass``, ``lse``, the kept ``lse`` and the stored pair written straight into
+    the outputs. With ``CANONICAL`` (a min-p floor may be a key no token has) the stored pair
+    is the smallest kept key and the kept tokens at it."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    live = rows < n_rows
+    r64 = rows.to(tl.int64)
+    # the pass's first five fields (l_f, l_a, a_a, n_t, n_b), summed over the slices
+    f = tl.arange(0, 8)
+    sums = tl.zeros([BLOCK_R, 8], dtype=tl.float64)
+    k_min = tl.full([BLOCK_R], 2147483647, tl.int32)
+    for s in range(0, n_slices):
+        at = part + (r64 * n_slices + s)[:, None] * 6 + f[None, :]
+        sums += tl.load(at, mask=live[:, None] & (f < 5)[None, :], other=0.0).to(tl.float64)
+        if CANONICAL:
+            k_min = tl.minimum(k_min, tl.load(part_k + r64 * n_slices + s, mask=live, other=0))
+    l_f = tl.sum(tl.where(f == 0, sums, 0.0), 1)
+    l_a = tl.sum(tl.where(f == 1, sums, 0.0), 1)
+    a_a = tl.sum(tl.where(f == 2, sums, 0.0), 1)
+    n_t = tl.sum(tl.where(f == 3, sums, 0.0), 1)
+    n_b = tl.sum(tl.where(f == 4, sums, 0.0), 1)
+    m = tl.load(m_in + rows, mask=live, other=0.0)
+    t = tl.load(t_in + rows, mask=live, other=0)
+    c = tl.load(c_in + rows, mask=live, other=0)
+    z_t = _from_key(t)
+    # a cut at -inf also counted the rows' -inf padding: not tokens
+    n_t = tl.where(z_t == float("-inf"), n_t - pad, n_t)
+    kept_t = tl.minimum(c.to(tl.float64), n_t)
+    e_t = tl.exp(z_t - m).to(tl.float64)
+    md = m.to(tl.float64)
+    l_k = l_a + kept_t * e_t
+    a_k = a_a + kept_t * e_t * (z_t.to(tl.float64) - md)
+    y = tl.minimum(tl.maximum(tl.load(targets + rows, mask=live, other=0), 0), width - 1)
+    z_y = tl.load(z + r64 * stride_z + y, mask=live, other=0.0)
+    y_key = _keys(z_y).to(tl.int64)
+    y_in = (y_key > t) | ((y_key == t) & (n_b + 1.0 <= c.to(tl.float64)))
+    full = md + tl.log(l_f)
+    kept = md + tl.log(l_k)
+    lp = tl.where(y_in, z_y.to(tl.float64) - kept, float("-inf"))
+    entropy = tl.log(l_k) - a_k / l_k
+    key = t
+    count = kept_t.to(tl.int64)
+    if CANONICAL:
+        n_min = tl.zeros([BLOCK_R], dtype=tl.float64)
+        for s in range(0, n_slices):
+            k_s = tl.load(part_k + r64 * n_slices + s, mask=live, other=0)
+            n_s = tl.load(part + (r64 * n_slices + s) * 6 + 5, mask=live, other=0.0)
+            n_min += tl.where(k_s == k_min, n_s.to(tl.float64), 0.0)
+        key = tl.where(kept_t > 0, t, k_min.to(tl.int64))
+        count = tl.where(kept_t > 0, kept_t, n_min).to(tl.int64)
+    tl.store(lp_out + rows, lp.to(tl.float32), mask=live)
+    tl.store(ent_out + rows, entropy.to(tl.float32), mask=live)
+    tl.store(lkm_out + rows, (kept - full).to(tl.float32), mask=live)
+    tl.store(lse_out + rows, full.to(tl.float32), mask=live)
+    tl.store(lsek_out + rows, kept.to(tl.float32), mask=live)
+    tl.store(key_out + rows, key, mask=live)
+    tl.store(count_out + rows, count, mask=live)
+
+
+@triton.jit
 def _members(key, valid, t, c, seen):
     """Which columns of a block are in the set ``(t, c)`` (keys above ``t``, and the first
     ``c`` at ``t``), given ``seen`` tokens at ``t`` in the earlier blocks; and the new
@@ -553,10 +619,8 @@ def forward(hidden, weight, bias, targets, params: RowParams, *, softcap, logit_
         # The GEMM is R rows tall (the same bits for a row wherever it lies), the passes run
         # over the real rows only: as many launches for every N, and no program spent on a
         # padding row (a row's results never depend on the others')
-        res = chunk_stats(chunk[:real], targets[r0:r0 + real], args, r0, None, softcap,
-                          logit_scale, bufs)
-        for o, x in zip(outs, res):
-            o[r0:r0 + real] = x
+        chunk_stats(chunk[:real], targets[r0:r0 + real], args, r0,
+                    [o[r0:r0 + real] for o in outs], softcap, logit_scale, bufs)
     # A row with a NaN or inf logit has no distribution: its logprob is NaN (as the torch
     # path's), not the -inf that means "outside the kept set".
     outs[0] = torch.where(torch.isfinite(outs[3]), outs[0], torch.nan)
@@ -709,11 +773,10 @@ def chunk_stats(x, targets, args, r0, outs, softcap, logit_scale, bufs=None):
         # min-p last: every token at or above the smallest candidate key, where that cuts
         c = torch.where(floor > t, _ALL_TIES, c)
         t = torch.maximum(t, floor)
-    res = _final_stats(passes, targets, t.contiguous(), c, m, canonical=floor is not None)
-    if outs is not None:
-        for o, r in zip(outs, res):
-            o.copy_(r)
-    return res
+    if outs is None:
+        outs = [torch.empty(rows, dtype=torch.float32, device=dev) for _ in range(5)]
+        outs += [torch.empty(rows, dtype=torch.int64, device=dev) for _ in range(2)]
+    return _final_stats(passes, targets, t.contiguous(), c, m, floor is not None, outs)
 
 
 def _rows(x, r0, rows):
@@ -729,43 +792,21 @@ def _weight(key, m):
 _ALL_TIES = 2**62
 
 
-def _final_stats(passes: _Passes, targets, t, c, m, canonical: bool):
-    """The statistics of the kept set ``(t, c)`` from one ``[R, S]`` pass and its merge in
-    slice order (fp64). The kept ties at ``t`` all have ``t``'s logit, so their part of the
-    sums is a count times one weight. With ``canonical`` (a min-p floor may be a key no token
-    has) the stored pair is made the smallest kept key and the kept tokens at it."""
+def _final_stats(passes: _Passes, targets, t, c, m, canonical: bool, outs):
+    """The statistics of the kept set ``(t, c)``: one ``[R, S]`` pass and one merge launch
+    (``_finish_kernel``) that writes ``outs``."""
     b = passes.b
-    rows, s = passes.grid
+    rows = passes.grid[0]
     targets = targets.contiguous()
     _stats_kernel[passes.grid](passes.z, passes.z.stride(0), targets, passes.m, t, b.stats,
                                b.k, b.slices, passes.width, _span(passes.width),
                                CANONICAL=canonical,
                                SLICE=_SLICE, BLOCK_V=_BLOCK_V, num_warps=_WARPS)
-    part = b.stats[:rows, :s].double()
-    l_f, l_a, a_a, n_t, n_b = (part[:, :, i].sum(1) for i in range(5))
-    z_t = _float_of(t)
-    # a cut at -inf also counted the rows' -inf padding: not tokens
-    n_t = torch.where(z_t == -math.inf, n_t - (_span(passes.width) - passes.width), n_t)
-    kept_t = torch.minimum(c.double(), n_t)
-    e_t = torch.exp(z_t - m).double()
-    md = m.double()
-    l_k = l_a + kept_t * e_t
-    a_k = a_a + kept_t * e_t * (z_t.double() - md)
-    z_y = passes.z.gather(1, targets.clamp(0, passes.width - 1).unsqueeze(1)).squeeze(1)
-    y_key = _key_of(z_y)
-    y_in = (y_key > t) | ((y_key == t) & (n_b + 1 <= c.double()))
-    full = md + torch.log(l_f)
-    kept = md + torch.log(l_k)
-    lp = torch.where(y_in, z_y.double() - kept, -math.inf)
-    entropy = torch.log(l_k) - a_k / l_k
-    key, count = t, kept_t.long()
-    if canonical:
-        k_s = b.k[:rows, :s].long()
-        k_min = k_s.amin(1)
-        n_min = torch.where(k_s == k_min.unsqueeze(1), part[:, :, 5], 0.0).sum(1)
-        key = torch.where(kept_t > 0, t, k_min)
-        count = torch.where(kept_t > 0, kept_t, n_min).long()
-    return (*(x.float() for x in (lp, entropy, kept - full, full, kept)), key, count)
+    _finish_kernel[(triton.cdiv(rows, _BLOCK_R),)](
+        b.stats, b.k, b.slices, passes.m, t, c.contiguous(), passes.z, passes.z.stride(0),
+        targets, rows, passes.width, float(_span(passes.width) - passes.width), *outs,
+        CANONICAL=canonical, BLOCK_R=_BLOCK_R, num_warps=4)
+    return tuple(outs)
 
 
 @triton.jit

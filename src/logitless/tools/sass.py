@@ -56,7 +56,9 @@ class Variant:
     stages: int = 3
     # Which loop is the streaming one: the longest, or (the attention kernel) the shortest,
     # its loop over the key blocks every query of the block sees; the boundary blocks' loops
-    # add the visibility mask and run on a few blocks per query block.
+    # add the visibility mask and run on a few blocks per query block. With a padding mask
+    # the attention kernel has two such loops: the shortest for rows whose valid keys are
+    # contiguous (left or right padding), "next_shortest" (one select per score) for others.
     loop: str = "longest"
     # What the budget is relative to: HBM bytes ("memory"), or the tensor cores' time
     # expressed as the bytes HBM moves in it ("tensor", the attention kernel).
@@ -229,6 +231,9 @@ SEQ_LEN = 1024
 def _attention_variants() -> list[Variant]:
     """``_attention_entropy_fwd`` as ``attention_entropy_triton`` launches it for causal bf16
     attention at d=128 (no window, softcap or segments; with and without a padding mask).
+    With a padding mask there are two rows of the same kernel: ``causal_padded`` is the main
+    loop of a row whose valid keys are contiguous (left or right padding), and
+    ``causal_scattered`` that of a row with holes in its mask (a select per score).
 
     It streams no logits from memory: each score tile comes from a wgmma of a query block and
     a key block and is used once. Its clock is the tensor cores' ``2 d`` FLOPs per score;
@@ -242,31 +247,35 @@ def _attention_variants() -> list[Variant]:
     cfg = ae.block_config(HEAD_DIM, torch.bfloat16)
     equivalent = round(2 * HEAD_DIM * 4.3 / 790, 3)
     sig = dict(Q="*bf16", K="*bf16", OUT="*fp32", SEG_START="constexpr", SEG_END="constexpr",
-               KEY_VALID="*i8", QUERY_VALID="*i8",
+               KEY_VALID="*i8", QUERY_VALID="*i8", KEY_SPAN="*i32",
                **dict.fromkeys(("stride_qb", "stride_qh", "stride_qt", "stride_kb",
                                 "stride_kh", "stride_kt", "T", "HQ", "BH", "GROUP", "D"),
                                "i32"),
                # the head dim is contiguous: strides of 1 are constexprs at run time
                stride_qd="constexpr", stride_kd="constexpr",
-               qk_scale="fp32", cap2="fp32", window="i32")
+               qk_scale="fp32", cap2="fp32", key_floor="fp32", window="i32")
     # [B, H, T, d] contiguous: every stride but the last and T, D are multiples of 16
     divisible = ("stride_qb", "stride_qh", "stride_qt", "stride_kb", "stride_kh", "stride_kt",
                  "T", "D")
     out = []
-    for tag, padded in (("causal", False), ("causal_padded", True)):
+    for tag, padded, loop in (("causal", False, "shortest"),
+                              ("causal_padded", True, "shortest"),
+                              ("causal_scattered", True, "next_shortest")):
         consts = dict(SEG_START=None, SEG_END=None, stride_qd=1, stride_kd=1, IS_CAUSAL=True,
                       HAS_WINDOW=False, HAS_SOFTCAP=False, HAS_SEG=False, HAS_KEY_VALID=padded,
-                      HAS_QUERY_VALID=padded, EVEN_D=True, UPCAST_DOT=False,
+                      HAS_QUERY_VALID=padded, FOLD_SCALE=True, EVEN_D=True,
+                      UPCAST_DOT=False,
                       BLOCK_D=ae.padded_head_dim(HEAD_DIM), BLOCK_M=cfg.block_m,
                       BLOCK_N=cfg.block_n)
         signature = dict(sig)
         if not padded:
-            signature.update(KEY_VALID="constexpr", QUERY_VALID="constexpr")
-            consts.update(KEY_VALID=None, QUERY_VALID=None)
+            signature.update(KEY_VALID="constexpr", QUERY_VALID="constexpr",
+                             KEY_SPAN="constexpr")
+            consts.update(KEY_VALID=None, QUERY_VALID=None, KEY_SPAN=None)
         out.append(Variant(f"_attention_entropy_fwd[{tag}]", "attention", "bfloat16",
                            ae.__name__, "_attention_entropy_fwd", signature, consts,
                            cfg.num_warps, cfg.block_m * cfg.block_n, equivalent, divisible,
-                           stages=cfg.num_stages, loop="shortest", bound="tensor"))
+                           stages=cfg.num_stages, loop=loop, bound="tensor"))
     return out
 
 
@@ -416,7 +425,8 @@ def report(out_dir: Path, shapes=SHAPES) -> dict:
             # a loop of a few instructions is a trap or a spin, not a pass
             found = [n for n in loops(text) if n >= 8]
             res = ptxas_resources(compiled.asm["ptx"])
-            length = (found[0] if v.loop == "longest" else found[-1]) if found else 0
+            pick = {"longest": 0, "shortest": -1, "next_shortest": -2}[v.loop]
+            length = found[pick] if len(found) >= 1 + (pick == -2) else 0
             per_element = length * v.warps / v.elements_per_iteration
             rows.append({
                 "name": v.name, "role": v.role, "dtype": v.dtype, "shape": shape,

@@ -164,10 +164,11 @@ SAMPLER_SLICE = 8192
 SAMPLER_SEARCH_PASSES = 11
 SAMPLER_TILE_BUDGET = 2**30
 # Small launches besides the Triton passes, counted with tools.launches.LaunchCount on CPU
-# (top-p alone, logprobs' gradient): the [R]-sized torch ops that merge the passes' partial
-# results, per chunk of the forward (the 11 search merges are Triton launches of their own),
-# and once per backward, the two per-row value cuts (one Triton launch) and their setup.
-SAMPLER_ROW_OPS = 120
+# (top-p alone, logprobs' gradient): per chunk of the forward, the [R]-sized torch ops of the
+# top-p cut and the one launch that merges the statistics pass and writes the outputs
+# (``sampler_extra_chunk``; the 11 search merges are Triton launches of their own), and once
+# per backward, the two per-row value cuts (one Triton launch) and their setup.
+SAMPLER_ROW_OPS = 51
 SAMPLER_CUT_OPS = 4
 
 
