@@ -279,9 +279,17 @@ for ty, on in (("bf16", True), ("fp32", False)):
           z="*fp32", stride_z="i32", part_m="*fp32", part_k="*i32", n_slices="i32",
           width="i32", span="i32", **scal),
           dict(HAS_SOFTCAP=on, SLICE=k._SLICE, BLOCK_V=k._BLOCK_T), ty)
-    build("_fan_kernel", dict(z="*fp32", stride_z="i32", m_in="*fp32", base="*i64",
-          step="*i64", part="*fp32", n_slices="i32", span="i32"),
-          dict(WEIGHTED=on, FAN=k._FAN, SLICE=k._SLICE, BLOCK_S=k._BLOCK_S), ty)
+    import triton.language as tl
+    for keys in (True, False):
+        build("_fan_kernel", dict(z="*fp32", stride_z="i32", m_in="*fp32", base="*i64",
+              step="*i64", part="*fp32", n_slices="i32", span="i32", temperature="*fp32",
+              mag="fp32", like="*" + (ty if keys else "fp32")),
+              dict(WEIGHTED=on, VALUE_KEYS=keys and ty != "fp32", MASK=0x7FFF,
+                   KEY_TY=tl.int16, HI=0x7F80, FAN=k._FAN, SLICE=k._SLICE,
+                   BLOCK_S=k._BLOCK_S), ty + str(keys))
+    build("_settle_kernel", dict(found="*i64", lo="*i64", hi="*i64", temperature="*fp32",
+          mag="fp32", like="*bf16", n_rows="i32"),
+          dict(MASK=0x7FFF, KEY_TY=tl.int16, HI=0x7F80, BLOCK_R=k._BLOCK_R), ty)
     build("_stats_kernel", dict(z="*fp32", stride_z="i32", targets="*i64", m_in="*fp32",
           t_in="*i64", part="*fp32", part_k="*i32", n_slices="i32", width="i32", span="i32"),
           dict(CANONICAL=on, SLICE=k._SLICE, BLOCK_V=k._BLOCK_V), ty)
@@ -294,7 +302,6 @@ for ty, on in (("bf16", True), ("fp32", False)):
           lkm_out="*fp32", lse_out="*fp32", lsek_out="*fp32", key_out="*i64",
           count_out="*i64"),
           dict(CANONICAL=on, BLOCK_R=k._BLOCK_R), ty)
-    import triton.language as tl
     bits = 16 if ty == "bf16" else 32
     build("_value_cuts_kernel", dict(key="*i64", temperature="*fp32", u_at="*fp32",
           u_above="*fp32", like="*" + ty, n_rows="i32", mag="fp32"),
@@ -393,19 +400,58 @@ def test_value_cuts_give_the_forward_keys(dtype, scale):
 
 @requires_triton
 def test_a_chunk_is_its_passes_and_one_merge_launch_with_no_host_read():
-    """One more chunk of the top-p forward adds its GEMM, its Triton passes (the transform,
-    13 mass passes, 11 search merges, the statistics), one launch that merges the statistics
-    and writes the outputs (``_finish_kernel``: about 60 ``[R]``-sized torch ops and 7 copies
-    before), and the top-p cut's small torch ops: the count the cost model prices
-    (``gpu_plan.SAMPLER_ROW_OPS``), no host read and no tensor from Python data."""
+    """One more chunk of the bf16 top-p forward adds its GEMM, its Triton passes (the
+    transform, 8 mass passes: the candidates' total, 6 search passes in the bf16 values and
+    the mass above the cut; 6 search merges and the search's settle launch; the statistics),
+    one launch that merges the statistics and writes the outputs (``_finish_kernel``: about
+    60 ``[R]``-sized torch ops and 7 copies before), and the top-p cut's small torch ops: the
+    counts the cost model prices (``gpu_plan.SAMPLER_SEARCH_PASSES``,
+    ``gpu_plan.SAMPLER_ROW_OPS``), no host read and no tensor from Python data."""
     from logitless.fused_losses.fused import gpu_plan
     from logitless.tools.launches import sampler_extra_chunk
 
     extra = sampler_extra_chunk()
     assert extra["host_reads"] == 0 and extra["python_data"] == 0, extra
-    assert extra["triton"] == {"_transform_kernel": 1, "_fan_kernel": 13,
-                               "_search_step_kernel": 11, "_stats_kernel": 1,
-                               "_finish_kernel": 1}, extra
+    passes = gpu_plan.SAMPLER_SEARCH_PASSES["bfloat16"]
+    assert passes == kernel.search_passes(kernel._FAN, 16) == 6
+    assert extra["triton"] == {"_transform_kernel": 1, "_fan_kernel": passes + 2,
+                               "_search_step_kernel": passes, "_settle_kernel": 1,
+                               "_stats_kernel": 1, "_finish_kernel": 1}, extra
     assert extra["ops"].pop("aten.mm.out") == 1  # the chunk's GEMM, priced on its own
-    small = sum(extra["ops"].values()) + extra["triton"]["_finish_kernel"]
+    small = sum(extra["ops"].values()) + extra["triton"]["_finish_kernel"] \
+        + extra["triton"]["_settle_kernel"]
     assert small == gpu_plan.SAMPLER_ROW_OPS, extra
+
+
+@requires_triton
+@pytest.mark.parametrize("engine,dtype", [("vllm", torch.bfloat16), ("sglang", torch.float16),
+                                          ("transformers", torch.bfloat16)])
+def test_the_search_in_16_bit_values_gives_the_fp32_key_search_bits(small, monkeypatch, engine,
+                                                                    dtype):
+    """16-bit logits without a softcap search their own values (6 passes and a settle launch)
+    instead of the fp32 keys of the tempered copy (11 passes): every output is the same bits.
+    Ties at the cuts, per-row temperatures, a negative logit scale, tokens whose tempered
+    logit overflows to -inf beside the rows' -inf padding, each truncation on and off."""
+    from logitless.tools.launches import LaunchCount
+
+    n, v = 16, 41
+    z, params = _tied_rows(n, v, seed=11, engine=engine)
+    gen = torch.Generator().manual_seed(12)
+    big = torch.finfo(dtype).max
+    x = torch.where(torch.rand(n, v, generator=gen) < 0.5, z * 0.75,
+                    torch.randn(n, v, generator=gen) * 3).to(dtype)
+    x[3, :5] = -big  # over a temperature below 1: -inf
+    x[4, 7] = big / 2
+    params.temperature = torch.rand(n, generator=gen) * 1.5 + 0.3
+    params.temperature[3] = 0.5
+    targets = torch.randint(0, v, (n,), generator=gen)
+    args = kernel.row_args(params, n, x.device)
+    for scale in (-0.7, 1.3):
+        runs = []
+        for search_values in (True, False):
+            monkeypatch.setattr(kernel, "_VALUE_SEARCH", search_values)
+            with LaunchCount() as count:
+                runs.append(kernel.chunk_stats(x, targets, args, 0, None, None, scale))
+            assert (count.triton["_settle_kernel"] > 0) == search_values, count.triton
+        for got, want in zip(*runs):
+            torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)

@@ -25,7 +25,9 @@ the chunk's real rows only):
    (``_fan_kernel``: the count, or fp32 mass ``exp(z - m)``, of each slice at or above 8
    trial keys; ``_search_step_kernel`` sums them in fp64 and narrows the row's range 9-fold),
    the largest key whose count (mass) reaches the target, as the torch path's radix select
-   finds it; one more fan pass gives the tokens (mass) at and above the key. The engines'
+   finds it: 11 passes over the fp32 keys, or, for 16-bit logits without a softcap, 6 over
+   the logits' own values and a ``_settle_kernel`` (``_Passes.search``); one more fan pass
+   gives the tokens (mass) at and above the key. The engines'
    rules (SGLang's joint filter and kept ties, min-p last) follow ``sampler_torch``.
 4. ``_stats_kernel``: the kept sums, the ties at ``T`` and those before the target; the merge,
    one launch of ``_finish_kernel``, writes the chunk's rows of ``log q_y``, the kept
@@ -96,6 +98,9 @@ _FAN = 8
 _BLOCK_S = 1024
 # Rows per program of a search pass's merge.
 _BLOCK_R = 64
+# Searches over a 16-bit dtype's values where the logits allow it (tests turn it off to
+# compare with the search over the fp32 keys).
+_VALUE_SEARCH = True
 
 
 @triton.jit
@@ -172,26 +177,46 @@ def _trial_z(lo, st, j: tl.constexpr):
 
 
 @triton.jit
-def _fan_kernel(z, stride_z, m_in, base, step, part, n_slices, span, WEIGHTED: tl.constexpr,
-                FAN: tl.constexpr, SLICE: tl.constexpr, BLOCK_S: tl.constexpr):
+def _trial(lo, st, j: tl.constexpr, t_row, mag, like, VALUE_KEYS: tl.constexpr,
+           MASK: tl.constexpr, KEY_TY: tl.constexpr, HI: tl.constexpr):
+    """Trial ``j``'s threshold on the tempered logits. With ``VALUE_KEYS`` the trial key is
+    an ordered key of the logits' own 16-bit values ``u = sign(scale) x`` (``[-HI - 1, HI]``,
+    -inf to +inf), and the threshold is its tempered logit, formed as the transform forms it
+    (``fl(fl(u |scale|) / T)``, nondecreasing in ``u``); otherwise ``_trial_z``."""
+    if VALUE_KEYS:
+        trial = tl.minimum(tl.maximum(lo + (j + 1) * st, -HI - 1), HI)
+        return tl.math.div_rn(_value_at(trial, like, MASK, KEY_TY) * mag, t_row)
+    else:
+        return _trial_z(lo, st, j)
+
+
+@triton.jit
+def _fan_kernel(z, stride_z, m_in, base, step, part, n_slices, span, temperature, mag, like,
+                WEIGHTED: tl.constexpr, VALUE_KEYS: tl.constexpr, MASK: tl.constexpr,
+                KEY_TY: tl.constexpr, HI: tl.constexpr, FAN: tl.constexpr,
+                SLICE: tl.constexpr, BLOCK_S: tl.constexpr):
     """Slice ``s`` of row ``r``: how many tokens (or how much ``exp(z - m)``, fp32) lie at or
-    above each of the ``FAN`` (8) trial keys ``base + (j + 1) step``; nothing is read for a
-    row whose ``step`` is 0 (its search is over). Per-lane sums across the column loop, one
-    per trial (a 0/1 times the weight: two instructions per trial and element), each reduced
-    once at the end in a fixed tree."""
+    above each of the ``FAN`` (8) trial keys ``base + (j + 1) step`` (fp32 keys of ``z``, or
+    with ``VALUE_KEYS`` keys of the 16-bit logits: ``_trial``); nothing is read for a row
+    whose ``step`` is 0 (its search is over). Per-lane sums across the column loop, one per
+    trial (a 0/1 times the weight: two instructions per trial and element), each reduced once
+    at the end in a fixed tree."""
     tl.static_assert(FAN == 8)
     row = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     st = tl.load(step + row)
     lo = tl.load(base + row)
-    t0 = _trial_z(lo, st, 0)
-    t1 = _trial_z(lo, st, 1)
-    t2 = _trial_z(lo, st, 2)
-    t3 = _trial_z(lo, st, 3)
-    t4 = _trial_z(lo, st, 4)
-    t5 = _trial_z(lo, st, 5)
-    t6 = _trial_z(lo, st, 6)
-    t7 = _trial_z(lo, st, 7)
+    t_row = 1.0
+    if VALUE_KEYS:
+        t_row = tl.load(temperature + row)
+    t0 = _trial(lo, st, 0, t_row, mag, like, VALUE_KEYS, MASK, KEY_TY, HI)
+    t1 = _trial(lo, st, 1, t_row, mag, like, VALUE_KEYS, MASK, KEY_TY, HI)
+    t2 = _trial(lo, st, 2, t_row, mag, like, VALUE_KEYS, MASK, KEY_TY, HI)
+    t3 = _trial(lo, st, 3, t_row, mag, like, VALUE_KEYS, MASK, KEY_TY, HI)
+    t4 = _trial(lo, st, 4, t_row, mag, like, VALUE_KEYS, MASK, KEY_TY, HI)
+    t5 = _trial(lo, st, 5, t_row, mag, like, VALUE_KEYS, MASK, KEY_TY, HI)
+    t6 = _trial(lo, st, 6, t_row, mag, like, VALUE_KEYS, MASK, KEY_TY, HI)
+    t7 = _trial(lo, st, 7, t_row, mag, like, VALUE_KEYS, MASK, KEY_TY, HI)
     # exp(z - m) as exp2(z log2(e) - m log2(e)): one FFMA before the exp2
     m2 = tl.load(m_in + row) * 1.4426950408889634
     z_row = z + row * stride_z
@@ -268,6 +293,26 @@ def _search_step_kernel(part, lo, hi, step, target, n_rows, n_slices, FAN: tl.co
     tl.store(lo + rows, a, mask=live)
     tl.store(hi + rows, b, mask=live)
     tl.store(step + rows, st, mask=live)
+
+
+@triton.jit
+def _settle_kernel(found, lo, hi, temperature, mag, like, n_rows, MASK: tl.constexpr,
+                   KEY_TY: tl.constexpr, HI: tl.constexpr, BLOCK_R: tl.constexpr):
+    """The end of a search in the 16-bit values: ``found`` holds the largest value key whose
+    tempered logit's tokens reach the target (``-HI - 1``, -inf's, when none does). That
+    logit is the largest fp32 key that reaches it; clamped to the row's ``[lo, hi]`` it is the
+    fp32 search's answer, written over ``lo`` (kept where nothing was found)."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    live = rows < n_rows
+    k = tl.load(found + rows, mask=live, other=0)
+    a = tl.load(lo + rows, mask=live, other=0)
+    b = tl.load(hi + rows, mask=live, other=0)
+    t = tl.load(temperature + rows, mask=live, other=1.0)
+    z = tl.math.div_rn(_value_at(tl.minimum(tl.maximum(k, -HI - 1), HI), like, MASK, KEY_TY)
+                       * mag, t)
+    key = _keys(z).to(tl.int64)
+    key = tl.where(k > -HI - 1, tl.minimum(tl.maximum(key, a), b), a)
+    tl.store(lo + rows, key, mask=live)
 
 
 @triton.jit
@@ -557,11 +602,12 @@ def _span(width: int) -> int:
     return -(-width // step) * step
 
 
-def search_passes(fan: int) -> int:
-    """Passes of a ``fan``-trial search over the fp32 keys: each divides the range by
-    ``fan + 1``, and a fixed number of them (no host read) settles any range below ``2^32``."""
+def search_passes(fan: int, bits: int = 32) -> int:
+    """Passes of a ``fan``-trial search over ``bits``-bit keys (the fp32 keys, or a 16-bit
+    dtype's values): each divides the range by ``fan + 1``, and a fixed number of them (no
+    host read) settles any range below ``2^bits``."""
     passes = 0
-    while (fan + 1) ** passes < 2**32:
+    while (fan + 1) ** passes < 2**bits:
         passes += 1
     return passes
 
@@ -659,35 +705,61 @@ class _Passes:
     results in slice order (fp64 for masses) by a few ``[R]``-sized torch ops: no host read,
     no atomics, a row's results independent of the other rows."""
 
-    def __init__(self, bufs: _Buffers, width: int, m: torch.Tensor):
+    def __init__(self, bufs: _Buffers, width: int, m: torch.Tensor, values=None):
         self.b, self.width, self.m = bufs, width, m
         self.grid = (m.shape[0], -(-width // _SLICE))  # the chunk's rows, its slices
+        # (logits, temperature, |scale|) where the search runs in the 16-bit logits' values
+        self.values = values
+
+    def _fan(self, base, step, weighted: bool, values: bool):
+        b = self.b
+        x, temp, mag = self.values if values else (b.z, self.m, 1.0)
+        bits = 8 * x.element_size()
+        _fan_kernel[self.grid](b.z, b.z.stride(0), self.m, base, step, b.fan, b.slices,
+                               _span(self.width), temp, mag, x, WEIGHTED=weighted,
+                               VALUE_KEYS=values, MASK=(1 << (bits - 1)) - 1,
+                               KEY_TY=tl.int16 if bits == 16 else tl.int32,
+                               HI=_INF_BITS[x.dtype], FAN=_FAN, SLICE=_SLICE,
+                               BLOCK_S=_BLOCK_S, num_warps=_WARPS)
 
     def fan(self, base, step, weighted: bool):
         """``[R, FAN]``: count (or fp64 mass) of tokens at or above ``base + (j + 1) step``."""
-        b = self.b
-        _fan_kernel[self.grid](b.z, b.z.stride(0), self.m, base, step, b.fan, b.slices,
-                               _span(self.width), WEIGHTED=weighted, FAN=_FAN, SLICE=_SLICE,
-                               BLOCK_S=_BLOCK_S, num_warps=_WARPS)
-        return b.fan[:self.grid[0], :self.grid[1]].double().sum(1)
+        self._fan(base, step, weighted, values=False)
+        return self.b.fan[:self.grid[0], :self.grid[1]].double().sum(1)
 
     def search(self, lo, hi, target, weighted: bool, active=None):
         """The largest key ``t`` in ``[lo, hi]`` whose tokens at or above it number (weigh) at
         least ``target`` (``lo`` when none does; ``lo`` itself is never tested); rows not
-        ``active`` keep ``lo``. A fixed number of ``FAN``-trial passes."""
-        lo = lo.clone()
-        hi = hi.clone() if active is None else torch.where(active, hi, lo)
-        step = torch.where(lo < hi, (hi - lo) // (_FAN + 1) + 1, 0)
+        ``active`` keep ``lo``. A fixed number of ``FAN``-trial passes: 11 over the fp32 keys,
+        or, for 16-bit logits without a softcap, 6 over the logits' own values (the count at
+        a tempered logit changes only at the row's logits, all of which are the tempered
+        16-bit values: the largest value that reaches the target gives the largest key) and
+        one ``_settle_kernel``."""
         target = target.double().contiguous()
         b = self.b
         rows = self.grid[0]
-        for _ in range(search_passes(_FAN)):
-            _fan_kernel[self.grid](b.z, b.z.stride(0), self.m, lo, step, b.fan, b.slices,
-                                   _span(self.width), WEIGHTED=weighted, FAN=_FAN, SLICE=_SLICE,
-                                   BLOCK_S=_BLOCK_S, num_warps=_WARPS)
+        if self.values is None:
+            bits, start, end = 32, lo.clone(), hi.clone()
+        else:
+            bits = 16
+            top = _INF_BITS[self.values[0].dtype]
+            start = torch.full_like(lo, -top - 1)
+            end = torch.full_like(hi, top)
+        if active is not None:
+            end = torch.where(active, end, start)
+        step = torch.where(start < end, (end - start) // (_FAN + 1) + 1, 0)
+        for _ in range(search_passes(_FAN, bits)):
+            self._fan(start, step, weighted, values=self.values is not None)
             _search_step_kernel[(triton.cdiv(rows, _BLOCK_R),)](
-                b.fan, lo, hi, step, target, rows, b.slices, FAN=_FAN, BLOCK_R=_BLOCK_R,
+                b.fan, start, end, step, target, rows, b.slices, FAN=_FAN, BLOCK_R=_BLOCK_R,
                 num_warps=4)
+        if self.values is None:
+            return start
+        x, temp, mag = self.values
+        found, lo = start, lo.clone()
+        _settle_kernel[(triton.cdiv(rows, _BLOCK_R),)](
+            found, lo, hi.contiguous(), temp, mag, x, rows, MASK=0x7FFF, KEY_TY=tl.int16,
+            HI=_INF_BITS[x.dtype], BLOCK_R=_BLOCK_R, num_warps=4)
         return lo
 
     def at_and_above(self, t, weighted: bool):
@@ -718,7 +790,11 @@ def chunk_stats(x, targets, args, r0, outs, softcap, logit_scale, bufs=None):
         HAS_SOFTCAP=softcap is not None, SLICE=_SLICE, BLOCK_V=_BLOCK_T, num_warps=_WARPS)
     pm, pk = bufs.m[:rows, :s], bufs.k[:rows, :s]
     m = pm.amax(1)
-    passes = _Passes(bufs, v, m.contiguous())
+    # 16-bit logits without a softcap: the searches run over their own values (6 passes)
+    values = None
+    if _VALUE_SEARCH and x.element_size() == 2 and softcap is None:
+        values = (x, temp, abs(float(logit_scale)))
+    passes = _Passes(bufs, v, m.contiguous(), values)
     passes.z = z
     engine = args["engine"]
     hi = _key_of(m)

@@ -192,19 +192,19 @@ def extra_chunk(config: str = "grpo", compiled: bool = True, chunks: int = 2) ->
 
 def sampler_call_count(chunks: int, rows: int = 4, d: int = 16, v: int = 300) -> LaunchCount:
     """`LaunchCount` of the sampler's top-p forward (``kernels.sampler.forward``, vLLM's rules,
-    top-p 0.9, fp32) over ``chunks`` chunks of ``rows`` rows: the CUDA path's passes and
-    merges, run under ``TRITON_INTERPRET=1`` on CPU tensors."""
+    top-p 0.9, bf16 as at the reference shape) over ``chunks`` chunks of ``rows`` rows: the
+    CUDA path's passes and merges, run under ``TRITON_INTERPRET=1`` on CPU tensors."""
     from logitless.kernels import sampler
     from logitless.kernels.sampler_torch import RowParams
 
     g = torch.Generator().manual_seed(0)
     n = chunks * rows
-    hidden = torch.randn(n, d, generator=g)
-    weight = torch.randn(v, d, generator=g) / d**0.5
+    hidden = torch.randn(n, d, generator=g).bfloat16()
+    weight = (torch.randn(v, d, generator=g) / d**0.5).bfloat16()
     targets = torch.randint(0, v, (n,), generator=g)
     params = RowParams(torch.ones(n), top_p=torch.full((n,), 0.9, dtype=torch.float64))
-    # the chunk's logits and their tempered fp32 copy: 8 bytes a column
-    budget = rows * 8 * v
+    # the chunk's logits and their tempered fp32 copy: 6 bytes a column
+    budget = rows * 6 * v
     assert sampler.rows_per_chunk(v, budget, hidden.dtype, None) == rows
     with LaunchCount() as count:
         sampler.forward(hidden, weight, None, targets, params, softcap=None, logit_scale=1.0,

@@ -160,13 +160,19 @@ def sampler_variants(vocab: int, aligned: tuple[str, ...]) -> list[Variant]:
                             n_slices="i32", width="i32", span="i32", **scal),
                        dict(HAS_SOFTCAP=False, SLICE=sp._SLICE, BLOCK_V=sp._BLOCK_T), warps,
                        sp._BLOCK_T, 6, div))
+    import triton.language as tl
+
+    # the search passes, their trials in the bf16 logits' own values (the loop is the same
+    # with fp32 keys: the trials are formed before it)
     for weighted in (True, False):
         out.append(Variant(f"_fan_kernel[{'mass' if weighted else 'count'}]",
                            f"sampler_fan_{'mass' if weighted else 'count'}", "float32",
                            sp.__name__, "_fan_kernel",
                            dict(z="*fp32", stride_z="i32", m_in="*fp32", base="*i64",
-                                step="*i64", part="*fp32", n_slices="i32", span="i32"),
-                           dict(WEIGHTED=weighted, FAN=sp._FAN, SLICE=sp._SLICE,
+                                step="*i64", part="*fp32", n_slices="i32", span="i32",
+                                temperature="*fp32", mag="fp32", like="*bf16"),
+                           dict(WEIGHTED=weighted, VALUE_KEYS=True, MASK=0x7FFF,
+                                KEY_TY=tl.int16, HI=0x7F80, FAN=sp._FAN, SLICE=sp._SLICE,
                                 BLOCK_S=sp._BLOCK_S), warps, sp._BLOCK_S, 4, div))
     out.append(Variant("_stats_kernel", "sampler_stats", "float32", sp.__name__,
                        "_stats_kernel",

@@ -141,8 +141,8 @@ EPILOGUE_INSTRUCTIONS = {
     # search's mass and count passes and the statistics pass (fp32 read), the backward's
     # tie-cut pass (bf16 read) and dx pass (bf16 read and written)
     "sampler_transform": 126 * 8 / 1024,
-    "sampler_fan_mass": 79 * 8 / 1024,
-    "sampler_fan_count": 71 * 8 / 1024,
+    "sampler_fan_mass": 80 * 8 / 1024,
+    "sampler_fan_count": 72 * 8 / 1024,
     "sampler_stats": 170 * 8 / 2048,
     "sampler_cut": 159 * 8 / 4096,
     "sampler_grad": 164 * 8 / 2048,
@@ -156,19 +156,21 @@ EPILOGUE_BUDGET = {"head_stats": 0.36, "head_grad": 0.72, "fused_stats": 0.36,
                    "sampler_grad": 0.72}
 
 # The sampler's CUDA path (kernels/sampler.py): rows per chunk (one GEMM each, the whole
-# vocabulary), vocabulary columns per program of a pass, the search's trials per pass and its
-# passes (8 trials divide a 32-bit key range by 9: 11 passes), the backward's chunks per tile
-# (its 1 GiB budget over a 1024-row chunk's bf16 logits, rows padded to 4096 columns).
+# vocabulary), vocabulary columns per program of a pass, the search's passes per dtype (8
+# trials a pass divide the range by 9: 11 passes over fp32 keys; 16-bit logits without a
+# softcap search their own values, 6 passes), the backward's chunks per tile (its 1 GiB budget
+# over a 1024-row chunk's bf16 logits, rows padded to 4096 columns).
 SAMPLER_ROWS = 1024
 SAMPLER_SLICE = 8192
-SAMPLER_SEARCH_PASSES = 11
+SAMPLER_SEARCH_PASSES = {"bfloat16": 6, "float16": 6, "float32": 11}
 SAMPLER_TILE_BUDGET = 2**30
 # Small launches besides the Triton passes, counted with tools.launches.LaunchCount on CPU
-# (top-p alone, logprobs' gradient): per chunk of the forward, the [R]-sized torch ops of the
-# top-p cut and the one launch that merges the statistics pass and writes the outputs
-# (``sampler_extra_chunk``; the 11 search merges are Triton launches of their own), and once
-# per backward, the two per-row value cuts (one Triton launch) and their setup.
-SAMPLER_ROW_OPS = 51
+# (bf16, top-p alone, logprobs' gradient): per chunk of the forward, the [R]-sized torch ops
+# of the top-p cut, the search's settle launch and the one launch that merges the statistics
+# pass and writes the outputs (``sampler_extra_chunk``; the search merges are Triton launches
+# of their own), and once per backward, the two per-row value cuts (one Triton launch) and
+# their setup.
+SAMPLER_ROW_OPS = 54
 SAMPLER_CUT_OPS = 4
 
 
@@ -526,10 +528,11 @@ def sampler_plan(n: int, d: int, v: int, dtype="bfloat16", *, hardware: Hardware
     vLLM's rules, the logprob's gradient) for ``hidden [n, d]``, ``weight [v, d]``.
 
     Per :data:`SAMPLER_ROWS`-row chunk (rows padded to whole chunks): one GEMM of the whole
-    head, the transform pass writing the tempered fp32 logits, the candidates' mass, 11 search
-    passes and the mass above the cut (13 mass passes, each reading the fp32 logits; a pass is
-    a program per row and :data:`SAMPLER_SLICE`-column slice), the statistics pass, and the
-    small merges. Backward, per tile of chunks: the GEMMs again, the tie-cut and dx passes,
+    head, the transform pass writing the tempered fp32 logits, the candidates' mass, the
+    search passes (:data:`SAMPLER_SEARCH_PASSES`: 6 in a 16-bit dtype's own values, 11 over
+    fp32 keys) and the mass above the cut (8 or 13 mass passes, each reading the fp32 logits;
+    a pass is a program per row and :data:`SAMPLER_SLICE`-column slice), the statistics pass,
+    and the small merges. Backward, per tile of chunks: the GEMMs again, the tie-cut and dx passes,
     ``d_hidden`` per chunk into an fp32 accumulator and ``d_weight`` per tile into the fp32
     ``[V, D]`` accumulator (written by the first tile, read and written by the others). The
     plain GEMMs are the head's four."""
@@ -548,15 +551,16 @@ def sampler_plan(n: int, d: int, v: int, dtype="bfloat16", *, hardware: Hardware
     span = -(-v // 4096) * 4096
     slices = math.ceil(v / SAMPLER_SLICE)
     rv = r * v
+    search = SAMPLER_SEARCH_PASSES[dtype]
     for _ in range(chunks):
         passes.add("logits GEMM", "matmul", 2 * r * d * v, e * (r * d + v * d + rv), out=(r, v))
         passes.add("transform pass (tempered fp32 copy)", "vector", 4 * rv,
                    e * rv + 4 * r * span, instructions=ins["sampler_transform"] * r * span)
-        passes.add("mass passes (total, 11 search passes, above the cut)", "vector", 12 * rv,
-                   4 * r * span, SAMPLER_SEARCH_PASSES + 2,
+        passes.add(f"mass passes (total, {search} search passes, above the cut)", "vector",
+                   12 * rv, 4 * r * span, search + 2,
                    instructions=ins["sampler_fan_mass"] * r * span)
         passes.add("search merges (Triton, per pass)", "vector", 0, 4 * 8 * r * slices,
-                   SAMPLER_SEARCH_PASSES)
+                   search)
         passes.add("statistics pass", "vector", 12 * rv, 4 * r * span,
                    instructions=ins["sampler_stats"] * r * span)
         passes.add("row merges (torch, [R]-sized)", "vector", 0, 64 * r, SAMPLER_ROW_OPS)
