@@ -132,3 +132,42 @@ def test_a_chunk_makes_no_tensor_from_python_data_and_reads_nothing_back(monkeyp
                             want_hidden=True)
     assert watch.bad == []
     assert torch.isfinite(lp).all() and torch.isfinite(d_weight).all()
+
+
+@requires_triton
+def test_nan_left_in_the_row_padding_never_reaches_the_gradients():
+    """The store's rows are 16-aligned (509 columns, 512 apart). torch's CPU GEMM in bf16
+    reads an operand's row padding (times zero; torch 2.13), so NaN that the allocator or an
+    earlier use left there gave NaN rows of ``dx @ W`` (seen in CI after another test had
+    freed a NaN-filled tensor). The padding is zeroed on CPU: the results are those of a
+    store whose buffer held zeros."""
+    from logitless.kernels.stored_logits_triton import StoredLogitsTriton
+
+    n, d, v = 37, 64, 509
+    hidden = torch.randn(n, d).bfloat16()
+    weight = (0.3 * torch.randn(v, d)).bfloat16()
+    targets = torch.randint(0, v, (n,))
+    g_lp, g_ent = torch.randn(n), torch.randn(n)
+    runs = []
+    for fill in (0.0, float("nan")):
+        store = StoredLogitsTriton(v, n, torch.bfloat16, "cpu", None)
+        store._logits.fill_(fill)
+        lp, ent, lse = store.forward(hidden, weight, None, targets, temperature=1.0,
+                                     softcap=None, logit_scale=1.0)
+        d_weight = torch.zeros(v, d)
+        d_hidden = store.backward_(hidden, weight, lse, ent, g_lp, g_ent, d_weight, None,
+                                   want_hidden=True)
+        runs.append((lp, ent, lse, d_hidden, d_weight))
+    assert torch.isfinite(runs[1][3]).all()
+    for got, want in zip(runs[1], runs[0]):
+        assert torch.equal(got, want)
+
+
+def test_tile_rows_zero_the_row_padding_on_cpu():
+    buf = torch.full((4 * 32,), float("nan"), dtype=torch.bfloat16)
+    x = linear_softmax.tile_rows(buf, 4, 30)
+    assert x.shape == (4, 30) and x.stride() == (32, 1)
+    assert (buf.view(4, 32)[:, 30:] == 0).all() and x.isnan().all()
+    w = torch.randn(30, 8).bfloat16()
+    x.copy_(torch.randn(4, 30))
+    assert torch.equal(torch.mm(x, w), torch.mm(x.contiguous(), w))

@@ -432,8 +432,7 @@ class _Fp32Plan(_Plan):
     def logits(self, weight, bias, v0, v1, r0, rows) -> torch.Tensor:
         """The untransformed fp32 logits ``[rows, v1 - v0]`` of a group, one GEMM per
         chunk (rows :func:`head.row_stride` apart, as the head's)."""
-        ld = head.row_stride(v1 - v0)
-        z = self.tile[:rows * ld].view(rows, ld)[:, :v1 - v0]
+        z = head.tile_rows(self.tile, rows, v1 - v0)
         w_t, b = weight[v0:v1].t(), None if bias is None else bias[v0:v1].float()
         if weight.dtype != torch.float32 and not self.direct:
             w_t = w_t.float()

@@ -348,6 +348,19 @@ def row_stride(width: int) -> int:
     return -(-int(width) // _ROW_ALIGN) * _ROW_ALIGN
 
 
+def tile_rows(buf: torch.Tensor, rows: int, width: int, ld: int | None = None) -> torch.Tensor:
+    """The first ``rows`` rows of ``width`` columns of the flat buffer ``buf``, ``ld``
+    (:func:`row_stride`) elements apart. On CPU the columns past ``width`` are zeroed: torch's
+    CPU GEMM in bf16 reads an operand's row padding (times zero; torch 2.13), so a NaN left
+    there by the allocator or by earlier use would reach the product. cuBLAS reads only the
+    ``width`` columns: nothing is filled on CUDA."""
+    ld = row_stride(width) if ld is None else ld
+    full = buf[:rows * ld].view(rows, ld)
+    if ld > width and buf.device.type == "cpu":
+        full[:, width:].zero_()
+    return full[:, :width]
+
+
 def stats_meta(dtype: torch.dtype, softcap, want_s2: bool, want_sum_z: bool,
                negative_scale: bool = False) -> dict:
     """The constexprs and warps ``forward`` launches ``_tile_stats_kernel`` with
@@ -430,8 +443,7 @@ class _Plan:
     def logits(self, weight, bias, v0, v1, r0, rows) -> torch.Tensor:
         """The untransformed logits ``[rows, v1 - v0]`` of a group, one GEMM per chunk (rows
         :func:`row_stride` apart)."""
-        ld = row_stride(v1 - v0)
-        z = self.tile[:rows * ld].view(rows, ld)[:, :v1 - v0]
+        z = tile_rows(self.tile, rows, v1 - v0)
         w_t = weight[v0:v1].t()
         for c in range(0, rows, ROW_CHUNK):
             h = self.hidden[r0 + c:r0 + c + ROW_CHUNK]

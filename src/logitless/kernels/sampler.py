@@ -58,7 +58,7 @@ import triton
 import triton.language as tl
 
 from logitless.kernels import interpreter_compat
-from logitless.kernels.linear_softmax import _round_to, _tanh
+from logitless.kernels.linear_softmax import _round_to, _tanh, tile_rows
 from logitless.kernels.linear_softmax_torch import _head_slice, _pad_rows, addmm_acc_
 from logitless.kernels.sampler_torch import (
     ENGINES,
@@ -1019,7 +1019,7 @@ def backward(hidden, weight, bias, targets, params: RowParams, key, count, lse, 
         for g0 in range(0, chunks, per_group):
             r0, g_rows = g0 * rows, min(per_group, chunks - g0) * rows
             real = max(0, min(g_rows, n - r0))
-            x = tile[:g_rows * _span(width)].view(g_rows, _span(width))[:, :width]
+            x = tile_rows(tile, g_rows, width, _span(width))
             for c in range(0, g_rows, rows):
                 _gemm_(x[c:c + rows], h_pad[r0 + c:r0 + c + rows], w, b)
             cut_meta = dict(HAS_SOFTCAP=meta["HAS_SOFTCAP"], BLOCK_V=_BLOCK_C,

@@ -87,7 +87,7 @@ class StoredLogitsTriton:
         self.scalars = dict(softcap=1.0 if softcap is None else float(softcap),
                             z_scale=float(logit_scale) / float(temperature))
         self.softcap = softcap
-        x = self._logits[:rows * self.ld].view(rows, self.ld)[:, :self.vocab]
+        x = head.tile_rows(self._logits, rows, self.vocab, self.ld)
         if bias is None:
             torch.mm(hidden, weight.t(), out=x)
         else:
@@ -106,7 +106,7 @@ class StoredLogitsTriton:
         ``d_bias`` (either may be None); return ``dx @ W`` in the input dtype when
         ``want_hidden``. ``g_lp``, ``g_entropy``: per-token upstream gradients (None: zero)."""
         rows = self.rows
-        dx = self._logits[:rows * self.ld].view(rows, self.ld)[:, :self.vocab]
+        dx = self._logits[:rows * self.ld].view(rows, self.ld)[:, :self.vocab]  # padding: 0
         lse = lse.float().contiguous()
         entropy, g_lp, g_entropy = (None if t is None else t.float().contiguous()
                                     for t in (entropy, g_lp, g_entropy))
