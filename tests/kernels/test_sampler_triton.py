@@ -424,10 +424,11 @@ def test_a_chunk_is_its_passes_and_one_merge_launch_with_no_host_read():
 
 
 @requires_triton
-@pytest.mark.parametrize("engine,dtype", [("vllm", torch.bfloat16), ("sglang", torch.float16),
-                                          ("transformers", torch.bfloat16)])
+@pytest.mark.parametrize("engine,dtype,scale", [("vllm", torch.bfloat16, 1.3),
+                                                ("sglang", torch.float16, -0.7),
+                                                ("transformers", torch.bfloat16, -1.0)])
 def test_the_search_in_16_bit_values_gives_the_fp32_key_search_bits(small, monkeypatch, engine,
-                                                                    dtype):
+                                                                    dtype, scale):
     """16-bit logits without a softcap search their own values (6 passes and a settle launch)
     instead of the fp32 keys of the tempered copy (11 passes): every output is the same bits.
     Ties at the cuts, per-row temperatures, a negative logit scale, tokens whose tempered
@@ -446,12 +447,11 @@ def test_the_search_in_16_bit_values_gives_the_fp32_key_search_bits(small, monke
     params.temperature[3] = 0.5
     targets = torch.randint(0, v, (n,), generator=gen)
     args = kernel.row_args(params, n, x.device)
-    for scale in (-0.7, 1.3):
-        runs = []
-        for search_values in (True, False):
-            monkeypatch.setattr(kernel, "_VALUE_SEARCH", search_values)
-            with LaunchCount() as count:
-                runs.append(kernel.chunk_stats(x, targets, args, 0, None, None, scale))
-            assert (count.triton["_settle_kernel"] > 0) == search_values, count.triton
-        for got, want in zip(*runs):
-            torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+    runs = []
+    for search_values in (True, False):
+        monkeypatch.setattr(kernel, "_VALUE_SEARCH", search_values)
+        with LaunchCount() as count:
+            runs.append(kernel.chunk_stats(x, targets, args, 0, None, None, scale))
+        assert (count.triton["_settle_kernel"] > 0) == search_values, count.triton
+    for got, want in zip(*runs):
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)

@@ -190,7 +190,7 @@ def extra_chunk(config: str = "grpo", compiled: bool = True, chunks: int = 2) ->
 
 # --- the sampler's forward ------------------------------------------------------------------
 
-def sampler_call_count(chunks: int, rows: int = 4, d: int = 16, v: int = 300) -> LaunchCount:
+def sampler_call_count(chunks: int, rows: int = 2, d: int = 16, v: int = 300) -> LaunchCount:
     """`LaunchCount` of the sampler's top-p forward (``kernels.sampler.forward``, vLLM's rules,
     top-p 0.9, bf16 as at the reference shape) over ``chunks`` chunks of ``rows`` rows: the
     CUDA path's passes and merges, run under ``TRITON_INTERPRET=1`` on CPU tensors."""
