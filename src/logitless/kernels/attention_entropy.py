@@ -355,7 +355,7 @@ def key_span(key_valid: torch.Tensor) -> torch.Tensor:
     first = torch.where(valid, idx, t).amin(1)
     end = torch.where(valid, idx + 1, 0).amax(1)
     contiguous = valid.sum(1, dtype=torch.int32) == end - first
-    return torch.stack([first, end, contiguous.to(torch.int32)], 1).to(torch.int32).contiguous()
+    return torch.stack([first, end, contiguous.to(torch.int32)], 1)
 
 
 def attention_entropy_triton(

@@ -308,8 +308,7 @@ def _settle_kernel(found, lo, hi, temperature, mag, like, n_rows, MASK: tl.const
     a = tl.load(lo + rows, mask=live, other=0)
     b = tl.load(hi + rows, mask=live, other=0)
     t = tl.load(temperature + rows, mask=live, other=1.0)
-    z = tl.math.div_rn(_value_at(tl.minimum(tl.maximum(k, -HI - 1), HI), like, MASK, KEY_TY)
-                       * mag, t)
+    z = tl.math.div_rn(_value_at(k, like, MASK, KEY_TY) * mag, t)  # k lies in [-HI - 1, HI]
     key = _keys(z).to(tl.int64)
     key = tl.where(k > -HI - 1, tl.minimum(tl.maximum(key, a), b), a)
     tl.store(lo + rows, key, mask=live)
