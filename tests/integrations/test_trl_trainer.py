@@ -9,6 +9,7 @@ ulp-level differences between the two heads into steps of the learning rate's si
 
 import math
 import os
+import re
 
 import pytest
 import torch
@@ -428,6 +429,25 @@ def test_loss_config_conflicts_with_grpo_config(grpo, config, message, tmp_path)
     PolicyLossConfig's passed to it) to different values is refused, naming both."""
     with pytest.raises(ValueError, match=message):
         loss_config_over_grpo(grpo_args(tmp_path, **grpo), config)
+
+
+@pytest.mark.parametrize("field,argument", [
+    ("sapo_tau_pos", "sapo_temperature_pos"), ("sapo_tau_neg", "sapo_temperature_neg"),
+    ("vespo_k_pos", "vespo_k_pos"), ("vespo_lambda_pos", "vespo_lambda_pos"),
+    ("vespo_k_neg", "vespo_k_neg"), ("vespo_lambda_neg", "vespo_lambda_neg"),
+])
+def test_loss_config_agrees_with_grpo_config_at_trls_precision(field, argument, tmp_path):
+    """TRL reads the sapo and vespo parameters in fp32 (``torch.where`` on python floats): the
+    same value set in both configs is no conflict, although the GRPOConfig's reads as its fp32
+    rounding; values that differ in fp32 still are."""
+    args = grpo_args(tmp_path, **{argument: 0.7})
+    assert getattr(config_from_grpo(args), field) == float(torch.tensor(0.7)) != 0.7
+    merged = loss_config_over_grpo(args, PolicyLossConfig(**{field: 0.7}))
+    assert getattr(merged, field) == 0.7
+    with pytest.raises(ValueError, match=re.escape(
+            f"GRPOConfig.{argument}=0.7 (which makes {field}={float(torch.tensor(0.7))!r}) but "
+            f"loss_config.{field}=0.71")):
+        loss_config_over_grpo(args, PolicyLossConfig(**{field: 0.71}))
 
 
 def test_loss_config_overrides_grpo_config(tmp_path):

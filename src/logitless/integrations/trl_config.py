@@ -5,6 +5,7 @@ every ``loss_type``) and the sampler's truncations (`sampler_from_grpo`, for
 from __future__ import annotations
 
 import dataclasses
+import numbers
 
 import torch
 
@@ -17,9 +18,19 @@ from logitless.integrations.sampler_config import (
     read_sampler_config,
 )
 
+# The PolicyLossConfig fields whose GRPOConfig argument TRL's loss reads in fp32: it builds
+# them with ``torch.where`` on python floats, a tensor of the default dtype.
+_TRL_FP32 = frozenset({"sapo_tau_pos", "sapo_tau_neg", "vespo_k_pos", "vespo_lambda_pos",
+                       "vespo_k_neg", "vespo_lambda_neg"})
 
-def _fp32(x: float) -> float:
-    return float(torch.tensor(x, dtype=torch.float32))
+
+def _as_trl_reads(field_name: str, value):
+    """``value`` of ``field_name`` at the precision TRL's loss reads it (fp32 for
+    `_TRL_FP32`, as is for the others)."""
+    if field_name not in _TRL_FP32 or isinstance(value, bool) or not isinstance(
+            value, numbers.Real):
+        return value
+    return float(torch.tensor(value, dtype=torch.float32))
 
 
 # Each PolicyLossConfig field config_from_grpo sets, and the GRPOConfig argument it comes from
@@ -90,17 +101,18 @@ def _grpo_fields(args) -> dict:
         entropy_agg="bnpo",
         top_entropy_quantile=args.top_entropy_quantile,
         opsm_threshold=args.off_policy_mask_threshold,
-        sapo_tau_pos=_fp32(args.sapo_temperature_pos),
-        sapo_tau_neg=_fp32(args.sapo_temperature_neg),
-        vespo_k_pos=_fp32(args.vespo_k_pos),
-        vespo_lambda_pos=_fp32(args.vespo_lambda_pos),
-        vespo_k_neg=_fp32(args.vespo_k_neg),
-        vespo_lambda_neg=_fp32(args.vespo_lambda_neg),
+        sapo_tau_pos=args.sapo_temperature_pos,
+        sapo_tau_neg=args.sapo_temperature_neg,
+        vespo_k_pos=args.vespo_k_pos,
+        vespo_lambda_pos=args.vespo_lambda_pos,
+        vespo_k_neg=args.vespo_k_neg,
+        vespo_lambda_neg=args.vespo_lambda_neg,
         max_response_length=args.max_completion_length,
         grad_accum_steps=args.gradient_accumulation_steps,
         dp_size=getattr(args, "world_size", 1),
         seq_count="all",
     )
+    fields = {k: _as_trl_reads(k, v) for k, v in fields.items()}
     spec = OBJECTIVES.get(loss_type)  # an unknown name: PolicyLossConfig reports it
     if spec is not None:
         fields.update(spec.trl_fields)  # e.g. vespo's token level and log-ratio clamp
@@ -210,7 +222,7 @@ def loss_config_over_grpo(args, loss_config: PolicyLossConfig) -> PolicyLossConf
     for name, value in given.items():
         set_sources = [a for a in _sources(name, args) if a in set_in_grpo]
         theirs = getattr(base, name)
-        if set_sources and not _same(theirs, value):
+        if set_sources and not _same(theirs, _as_trl_reads(name, value)):
             arg = set_sources[0]
             shown = getattr(args, arg)
             note = "" if _same(shown, theirs) else f" (which makes {name}={theirs!r})"
