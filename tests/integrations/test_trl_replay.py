@@ -374,6 +374,34 @@ def test_masks_from_request_outputs_refuses():
         masks_from_request_outputs([SimpleNamespace(outputs=[completion([1, 2], [[1]])])])
 
 
+@pytest.mark.parametrize(("request_outputs", "message"), [
+    (SimpleNamespace(outputs=[completion([1], [[1]])]),
+     "request_outputs: expected a list of vLLM RequestOutputs, got a SimpleNamespace"),
+    (None, "request_outputs: expected a list of vLLM RequestOutputs, got None"),
+    ([[completion([1], [[1]])]], "request_outputs: request 0: expected a vLLM RequestOutput"),
+    ([SimpleNamespace(outputs=[completion([1], None)])], "has no sampling_mask"),
+    ([SimpleNamespace(outputs=[SimpleNamespace(token_ids=[1], sampling_mask=SimpleNamespace(
+        token_ids=None))])],
+     "request_outputs: completion 0 of request 0: expected sampling_mask.token_ids"),
+    ([SimpleNamespace(outputs=[completion(None, [[1]])])],
+     "request_outputs: completion 0 of request 0: expected token_ids"),
+    ([SimpleNamespace(outputs=[completion([1], [[1.7]])])],
+     "request_outputs: completion 0 of request 0, token 0: ids must be ints"),
+    ([SimpleNamespace(outputs=[completion([1], [[True]])])],
+     "request_outputs: completion 0 of request 0, token 0: ids must be ints"),
+    ([SimpleNamespace(outputs=[completion([1], [["3"]])])],
+     "request_outputs: completion 0 of request 0, token 0: ids must be ints"),
+    ([SimpleNamespace(outputs=[completion([1], [4])])],
+     "request_outputs: completion 0 of request 0, token 0: expected a list of kept"),
+], ids=["one-request", "none", "not-a-request", "no-mask", "token-ids-none", "completion-ids-none",
+        "float-id", "bool-id", "string-id", "flat"])
+def test_masks_from_request_outputs_refuses_malformed(request_outputs, message):
+    """What is not a list of RequestOutputs with integer sets is a ValueError naming
+    ``request_outputs``, not an AttributeError / TypeError or a truncated id."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        masks_from_request_outputs(request_outputs)
+
+
 def test_masks_from_sglang_outputs():
     # SGLang 0.5.23's /generate: meta_info["output_token_sampling_mask"], one list per output id
     outputs = [{"output_ids": [3, 1], "meta_info": {"output_token_sampling_mask": [[3, 2], [1]]}},
@@ -387,7 +415,36 @@ def test_masks_from_sglang_outputs():
                                     "meta_info": {"output_token_sampling_mask": [[1]]}}])
 
 
+@pytest.mark.parametrize(("outputs", "message"), [
+    ([[3, 1]], "outputs: output 0: expected a dict"),
+    (["text"], "outputs: output 0: expected a dict"),
+    (None, "outputs: expected SGLang's /generate answer"),
+    ([{"output_ids": [1], "meta_info": [[1]]}], "outputs: output 0: expected meta_info"),
+    ([{"output_ids": [1], "meta_info": {"output_token_sampling_mask": [[1.7]]}}],
+     "outputs: output 0, token 0: ids must be ints"),
+    ([{"output_ids": [1], "meta_info": {"output_token_sampling_mask": [[False]]}}],
+     "outputs: output 0, token 0: ids must be ints"),
+    ([{"output_ids": [1], "meta_info": {"output_token_sampling_mask": [["1"]]}}],
+     "outputs: output 0, token 0: ids must be ints"),
+    ([{"output_ids": [1], "meta_info": {"output_token_sampling_mask": [1]}}],
+     "outputs: output 0, token 0: expected a list of kept vocabulary ids"),
+], ids=["list-entry", "string-entry", "none", "meta-not-dict", "float-id", "bool-id",
+        "string-id", "flat"])
+def test_masks_from_sglang_outputs_refuses_malformed(outputs, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        masks_from_sglang_outputs(outputs)
+
+
 @pytest.mark.parametrize(("masks", "length", "message"), [
+    ([[[1.7]]], 3, "masks: completion 0, token 0: ids must be ints"),
+    ([[[2.0]]], 3, "masks: completion 0, token 0: ids must be ints"),
+    ([[[1, True]]], 3, "masks: completion 0, token 0: ids must be ints"),
+    ([[[torch.tensor(1.0)]]], 3, "masks: completion 0, token 0: ids must be ints"),
+    ([[["3"]]], 3, "masks: completion 0, token 0: ids must be ints"),
+    ([[[1], "ab"]], 3, "masks: completion 0, token 1: expected a list of kept vocabulary ids"),
+    ([[[1], 4]], 3, "masks: completion 0, token 1: expected a list of kept vocabulary ids"),
+    ([1, 2, 3], 3, "masks: completion 0: expected a list of kept sets"),
+    (None, 3, "masks: expected a list of completions"),
     ([[[1], []]], 3, "masks: completion 0, token 1: empty kept set"),
     ([[[1, 1]]], 3, "masks: completion 0, token 0: duplicate ids"),
     ([[[1, 10]]], 3, "ids outside [0, 10)"),
@@ -398,3 +455,19 @@ def test_masks_from_sglang_outputs():
 def test_kept_ids_from_masks_refuses(masks, length, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         kept_ids_from_masks(masks, length, vocab_size=10)
+
+
+def test_kept_ids_from_masks_takes_integer_ids_of_any_kind():
+    """numpy integers, 0-d integer tensors and 1-D integer tensors read as the python ints."""
+    import numpy as np
+
+    g = torch.Generator().manual_seed(3)
+    sets = [[torch.randperm(13, generator=g)[:int(torch.randint(1, 6, (1,), generator=g))]
+             for _ in range(4)] for _ in range(3)]
+    plain = [[s.tolist() for s in row] for row in sets]
+    expected = kept_ids_from_masks(plain, 5, vocab_size=13)
+    assert expected[:, :4].max() >= 0 and (expected[:, 4] == -1).all()
+    for kind in (lambda s: s, lambda s: list(s), lambda s: [np.int32(i) for i in s.tolist()],
+                 lambda s: s.numpy()):
+        kept = kept_ids_from_masks([[kind(s) for s in row] for row in sets], 5, vocab_size=13)
+        assert torch.equal(kept, expected)
