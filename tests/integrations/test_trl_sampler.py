@@ -215,3 +215,97 @@ def test_truncate_reference(tiny, tmp_path):
 def test_truncate_reference_needs_match_sampler(tiny, tmp_path):
     with pytest.raises(ValueError, match=r"truncate_reference.*match_sampler=True"):
         make_trainer(GRPOTrainer, tiny, grpo_args(tmp_path, beta=0.05), truncate_reference=True)
+
+
+# -- the model's own generation config (generation_config.json) ------------------------------
+
+def tiny_with_generation_config(tiny, path, **settings):
+    """The tiny model saved with ``settings`` in its generation_config.json (which
+    transformers writes only for a sampling config), its LM head scaled up so that the
+    next-token distributions are peaked enough for min-p to cut (the initialised head's
+    logits are nearly flat)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny[0])
+    with torch.no_grad():
+        model.lm_head.weight.mul_(40.0)
+    model.generation_config.update(do_sample=True, **settings)
+    model.save_pretrained(path)
+    return str(path), tiny[1]
+
+
+class RecordingWarpers(RecordingHeadCalls, GRPOTrainer):
+    """Keeps, for every forward-helper call, what the head returned and the fp64 distribution
+    of transformers' own logits processors: the ``LogitsProcessorList`` that ``generate``
+    built for the latest generation (``processors``, filled by the test's spy) applied to the
+    model's own logits."""
+
+    processors = None
+
+    def oracle(self, h, w, bias, y, model, kwargs):
+        logits = h @ w.T if bias is None else h @ w.T + bias
+        rows = logits.reshape(-1, logits.shape[-1])
+        no_ids = torch.zeros(rows.shape[0], 1, dtype=torch.long)  # the warpers read no ids
+        scores = self.processors(no_ids, rows.clone()).view_as(logits)
+        logp = torch.log_softmax(scores, -1)
+        p = logp.exp()
+        entropy = -torch.where(p > 0, p * logp, torch.zeros_like(p)).sum(-1)
+        full = torch.log_softmax(logits / TEMPERATURE, -1)
+        at = y.clamp(min=0)[..., None]
+        return dict(warped=dict(logprobs=logp.gather(-1, at)[..., 0], entropy=entropy),
+                    full=full.gather(-1, at)[..., 0])
+
+
+def test_match_sampler_follows_the_models_generation_config(tiny, tmp_path, monkeypatch):
+    """TRL passes ``min_p=None`` to ``generate``, which then takes ``min_p`` from the model's
+    generation_config.json: the head follows what generate samples with, checked against the
+    processors generate itself built (spied on), applied to the model's own logits. TRL's
+    defaults otherwise (no top-k, no top-p), as in the report: min-p alone cuts deep."""
+    from transformers.generation.logits_process import MinPLogitsWarper
+    from transformers.generation.utils import GenerationMixin
+
+    model = tiny_with_generation_config(tiny, tmp_path / "model", min_p=0.3)
+    args = grpo_args(tmp_path, top_k=0, top_p=1.0)
+    trainer = make_trainer(RecordingWarpers, model, args, match_sampler=True)
+    build = GenerationMixin._get_logits_processor
+
+    def spy(self, *args, **kwargs):
+        trainer.processors = build(self, *args, **kwargs)
+        return trainer.processors
+
+    monkeypatch.setattr(GenerationMixin, "_get_logits_processor", spy)
+    trainer.train()
+    assert any(isinstance(p, MinPLogitsWarper) and p.min_p == 0.3 for p in trainer.processors)
+    calls = [c for c in trainer.calls if not c["reference"]]
+    assert calls
+    for c in calls:
+        _close(c["logps"], c["warped"]["logprobs"], c["mask"], "logprobs")
+        if c["entropy"] is not None:
+            _close(c["entropy"], c["warped"]["entropy"], c["mask"], "entropy")
+    # min-p moved the numbers: the untempered-only distribution is far from generate's
+    c = calls[0]
+    assert float((c["warped"]["logprobs"] - c["full"])[c["mask"]].abs().max()) > 0.1
+    assert trainer.state.log_history[0]["logitless/sampler/outside_kept"] == 0.0
+
+
+def test_grpo_config_min_p_wins_over_the_models(tiny, tmp_path):
+    """A setting TRL passes (GRPOConfig.min_p) overrides the model's, as in generate."""
+    model = tiny_with_generation_config(tiny, tmp_path / "model", min_p=0.3)
+    trainer = make_trainer(GRPOTrainer, model, grpo_args(tmp_path, min_p=0.1),
+                           match_sampler=True)
+    assert trainer._sampler == SamplerTruncation(top_k=TOP_K, top_p=TOP_P, min_p=0.1,
+                                                 engine="transformers")
+
+
+@pytest.mark.parametrize(("settings", "named"), [
+    (dict(typical_p=0.9), "model.generation_config.typical_p=0.9"),
+    (dict(epsilon_cutoff=3e-4), "model.generation_config.epsilon_cutoff"),
+    (dict(no_repeat_ngram_size=2), "model.generation_config.no_repeat_ngram_size"),
+    (dict(num_beams=2), "model.generation_config.num_beams"),
+])
+def test_match_sampler_refuses_what_the_models_generation_config_adds(tiny, tmp_path,
+                                                                      settings, named):
+    model = tiny_with_generation_config(tiny, tmp_path / "model", **settings)
+    with pytest.raises(ValueError, match=re.escape(named)):
+        make_trainer(GRPOTrainer, model, grpo_args(tmp_path), match_sampler=True)
+    make_trainer(GRPOTrainer, model, grpo_args(tmp_path))  # without match_sampler: TRL's own

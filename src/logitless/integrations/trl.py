@@ -50,6 +50,7 @@ from logitless.integrations.trl_config import (
     check_grpo_replay,
     config_from_grpo,
     loss_config_over_grpo,
+    sampler_from_generate,
     sampler_from_grpo,
 )
 from logitless.integrations.trl_head import (
@@ -71,6 +72,7 @@ __all__ = [
     "config_from_grpo",
     "loss_config_over_grpo",
     "patch_trl",
+    "sampler_from_generate",
     "sampler_from_grpo",
     "trl_patched",
     "unpatch_trl",
@@ -201,7 +203,9 @@ class GRPOTrainer(trl.GRPOTrainer):
             truncated by the ``GRPOConfig``'s ``top_k`` / ``top_p`` / ``min_p`` under the rules
             of the engine that generates (vLLM's with ``use_vllm``, transformers' ``generate``'s
             otherwise), renormalised (see :func:`sampler_from_grpo` for what is read and refused, at
-            construction). The reference model's logprobs stay untruncated (the KL then
+            construction; with ``generate``, :func:`sampler_from_generate`: the settings
+            merged with the model's own generation config, as ``generate`` merges them).
+            The reference model's logprobs stay untruncated (the KL then
             compares a truncated policy with a full reference: 2.3 at step 1, where the policy
             is the reference, on the tiny model of tests/integrations/test_trl_sampler.py
             with temperature 0.7, top_k 8, top_p 0.9) unless ``truncate_reference``. A
@@ -309,20 +313,26 @@ class GRPOTrainer(trl.GRPOTrainer):
 
     def _check_generation_backend(self) -> None:
         """match_sampler's checks that need the built trainer: tokens TRL itself suppresses in
-        transformers' generation, the logprobs a vLLM server returns, DeepSpeed ZeRO-3."""
+        transformers' generation, the settings ``generate`` takes from the model's own
+        generation config (`sampler_from_generate`, which replaces the ``GRPOConfig``'s), the
+        logprobs a vLLM server returns, DeepSpeed ZeRO-3."""
         from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 
+        if not (self._replay or self.use_vllm):
+            if "suppress_tokens" in getattr(self, "generation_kwargs", {}):
+                raise ValueError(
+                    "processing_class: TRL suppresses the image token when generating with "
+                    "transformers for a vision-language model, which match_sampler cannot "
+                    "reproduce; generate with vLLM (use_vllm=True)")
+            if not self.args.use_transformers_continuous_batching:
+                self._sampler = sampler_from_generate(
+                    self.accelerator.unwrap_model(self.model), self.generation_config)
         if (self._replay or self._sampler.truncates) and is_deepspeed_zero3_enabled():
             raise ValueError(
                 "GRPOConfig.deepspeed: the sampler-matched head does not re-gather a ZeRO-3 "
                 "partitioned LM head in its backward (unsharded heads and FSDP2 are supported)")
         if self._replay:
             return  # the rollout_func generates: TRL's generation settings are not used
-        if not self.use_vllm and "suppress_tokens" in getattr(self, "generation_kwargs", {}):
-            raise ValueError(
-                "processing_class: TRL suppresses the image token when generating with "
-                "transformers for a vision-language model, which match_sampler cannot "
-                "reproduce; generate with vLLM (use_vllm=True)")
         server = self.use_vllm and self.vllm_mode == "server"
         if server and self.vllm_importance_sampling_correction and self.accelerator.is_main_process:
             info = self.vllm_generation.vllm_client.get_server_info()

@@ -4,6 +4,7 @@ every ``loss_type``) and the sampler's truncations (`sampler_from_grpo`, for
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import numbers
 
@@ -295,7 +296,9 @@ def sampler_from_grpo(args) -> SamplerTruncation:
 
     The rules follow the engine: vLLM's with ``use_vllm`` (either ``vllm_mode``), else
     transformers' ``generate`` (temperature, top-k keeping every tie at the k-th value, top-p,
-    then min-p on the survivors; ``sampler="transformers"``).
+    then min-p on the survivors; ``sampler="transformers"``). ``generate`` also takes what TRL
+    leaves None from the model's own generation config: the trainer, once built, reads those
+    merged settings instead (:func:`sampler_from_generate`).
     """
     names = {k: f"GRPOConfig.{k}" for k in ("temperature", "top_k", "top_p", "min_p")}
     _check_distribution_settings(args, _SAMPLER_FIELDS)
@@ -315,6 +318,90 @@ def sampler_from_grpo(args) -> SamplerTruncation:
             "top_p or min_p supports vLLM and transformers' generate, not continuous "
             "batching")
     return settings
+
+
+# The logits processors of transformers' sampling that the head reproduces (the temperature
+# and the truncations; LogitNormalization is a log-softmax, which leaves the distribution alone).
+_GENERATE_REPRODUCED = frozenset({"TemperatureLogitsWarper", "TopKLogitsWarper",
+                                  "TopPLogitsWarper", "MinPLogitsWarper", "LogitNormalization"})
+# The generation-config setting behind each other processor transformers builds (5.17 - 5.25),
+# for the error message; a processor not listed is named by its class.
+_GENERATE_SETTINGS = {
+    "TypicalLogitsWarper": "typical_p", "EpsilonLogitsWarper": "epsilon_cutoff",
+    "EtaLogitsWarper": "eta_cutoff", "TopHLogitsWarper": "top_h",
+    "RepetitionPenaltyLogitsProcessor": "repetition_penalty",
+    "EncoderRepetitionPenaltyLogitsProcessor": "encoder_repetition_penalty",
+    "NoRepeatNGramLogitsProcessor": "no_repeat_ngram_size",
+    "EncoderNoRepeatNGramLogitsProcessor": "encoder_no_repeat_ngram_size",
+    "NoBadWordsLogitsProcessor": "bad_words_ids", "SequenceBiasLogitsProcessor": "sequence_bias",
+    "MinLengthLogitsProcessor": "min_length", "MinNewTokensLengthLogitsProcessor": "min_new_tokens",
+    "ForcedBOSTokenLogitsProcessor": "forced_bos_token_id",
+    "ForcedEOSTokenLogitsProcessor": "forced_eos_token_id",
+    "InfNanRemoveLogitsProcessor": "remove_invalid_values",
+    "ExponentialDecayLengthPenalty": "exponential_decay_length_penalty",
+    "SuppressTokensLogitsProcessor": "suppress_tokens",
+    "SuppressTokensAtBeginLogitsProcessor": "begin_suppress_tokens",
+    "UnbatchedClassifierFreeGuidanceLogitsProcessor": "guidance_scale",
+    "WatermarkLogitsProcessor": "watermarking_config",
+    "SynthIDTextWatermarkLogitsProcessor": "watermarking_config",
+}
+# The settings that choose generate's decoding mode (GenerationConfig.get_generation_mode).
+_GENERATE_MODE_SETTINGS = ("num_beams", "num_beam_groups", "constraints",
+                           "force_words_ids", "use_mtp", "prompt_lookup_num_tokens",
+                           "assistant_early_exit")
+
+
+def sampler_from_generate(model, generation_config) -> SamplerTruncation:
+    """The truncations transformers' ``generate`` really samples with when TRL calls it
+    (``use_vllm=False``): ``generation_config`` (the trainer's, built from the ``GRPOConfig``)
+    merged with the model's own ``model.generation_config`` (its generation_config.json) by
+    transformers' ``_prepare_generation_config``, the merge ``generate`` makes. A setting TRL
+    passes as None (``min_p`` when ``GRPOConfig.min_p`` is None) or not at all (``typical_p``,
+    ``epsilon_cutoff``, ...) takes the model's value there.
+
+    The logits processors ``generate`` builds from the merged config
+    (``_get_logits_processor``) must be the temperature, top-k, top-p and min-p only, and its
+    decoding mode plain sampling; anything else raises ``ValueError`` naming the setting
+    (``model.generation_config.<name>`` when it comes from the model, ``GRPOConfig.<name>``
+    when TRL passes it)."""
+    from transformers.generation import GenerationMode
+
+    if hasattr(model, "get_base_model"):  # PEFT: the model whose generate runs
+        model = model.get_base_model()
+    merged, _ = model._prepare_generation_config(generation_config)
+
+    def where(name: str) -> str:
+        ours = getattr(generation_config, name, None)
+        return f"model.generation_config.{name}" if ours is None else f"GRPOConfig.{name}"
+
+    mode = merged.get_generation_mode()
+    if mode != GenerationMode.SAMPLE:
+        default = type(merged)()
+        moved = [n for n in _GENERATE_MODE_SETTINGS
+                 if getattr(merged, n, None) not in (None, getattr(default, n, None), 1)]
+        shown = ", ".join(f"{where(n)}={getattr(merged, n)!r}" for n in moved) or "its settings"
+        raise ValueError(
+            f"{shown}: transformers' generate then decodes by {mode.value!r}, not plain "
+            f"sampling, which match_sampler cannot reproduce")
+    merged = copy.deepcopy(merged)  # _prepare_special_tokens writes tensors into it
+    model._prepare_special_tokens(merged, True, device=model.device)
+    processors = model._get_logits_processor(merged, input_ids_seq_length=1,
+                                             device=model.device)
+    for processor in processors:
+        kind = type(processor).__name__
+        if kind in _GENERATE_REPRODUCED:
+            continue
+        name = _GENERATE_SETTINGS.get(kind)
+        setting = (f"{where(name)}={getattr(merged, name, None)!r}" if name is not None
+                   else f"the generation config's {kind}")
+        raise ValueError(
+            f"{setting}: transformers' generate applies it when sampling ({kind}), which "
+            f"match_sampler cannot reproduce (it reproduces temperature, top_k, top_p and "
+            f"min_p); unset it in the model's generation_config.json, or generate with vLLM")
+    names = {k: where(k) for k in ("temperature", "top_k", "top_p", "min_p")}
+    return read_sampler_config(temperature=merged.temperature, top_k=merged.top_k,
+                               top_p=merged.top_p, min_p=merged.min_p, names=names,
+                               top_k_off=(0,), engine="transformers")
 
 
 # Under replay the recorded set is the truncation: only the temperature (the head divides the
