@@ -265,7 +265,7 @@ def check_head_args(hidden, weight, targets, bias, temperature, softcap, logit_s
 
 def _kept_set(hidden, weight, targets, kept_ids, bias, temperature, top_k, top_p, min_p,
               softcap, logit_scale, ignore_index, return_entropy, stats, vocab_parallel,
-              max_tile_bytes) -> LogprobOutput:
+              max_tile_bytes, gather_weight) -> LogprobOutput:
     """``linear_logprobs(kept_ids=...)``: the checks of the combination, then `kept`."""
     given = [n for n, v in (("top_k", top_k), ("top_p", top_p), ("min_p", min_p)) if v is not None]
     if given:
@@ -285,13 +285,14 @@ def _kept_set(hidden, weight, targets, kept_ids, bias, temperature, top_k, top_p
         return linear_logprobs(hidden, weight, targets, bias=bias, temperature=temperature,
                                softcap=softcap, logit_scale=logit_scale,
                                ignore_index=ignore_index, stats=("lse",),
-                               max_tile_bytes=max_tile_bytes).lse
+                               max_tile_bytes=max_tile_bytes, gather_weight=gather_weight).lse
 
     lp, ent, mass = kept.kept_logprobs(
         hidden, weight, targets, kept_ids, bias=bias, temperature=temperature,
         softcap=None if logit_scale == 0 else softcap, logit_scale=logit_scale,
         ignore_index=ignore_index, dtype=compute_dtype(hidden), return_entropy=return_entropy,
-        want_mass=want_mass, full_lse=full_lse, max_tile_bytes=max_tile_bytes)
+        want_mass=want_mass, full_lse=full_lse, max_tile_bytes=max_tile_bytes,
+        gather_weight=gather_weight)
     return LogprobOutput(logprobs=lp, entropy=ent, log_kept_mass=mass)
 
 
@@ -394,7 +395,7 @@ def linear_logprobs(
     if kept_ids is not None:
         return _kept_set(hidden, weight, targets, kept_ids, bias, temperature, top_k, top_p,
                          min_p, softcap, logit_scale, ignore_index, return_entropy, stats,
-                         vocab_parallel, max_tile_bytes)
+                         vocab_parallel, max_tile_bytes, gather_weight)
     # with vocab_parallel the whole vocabulary's size is known inside the op only
     sampler = sampled.sampler_settings(targets, None if vocab_parallel is not None
                                        else weight.shape[0], temperature, top_k, top_p, min_p,
