@@ -288,3 +288,31 @@ def test_a_non_finite_row_reads_nan_not_outside_the_set():
     others[rows] = False
     torch.testing.assert_close(out.logprobs[others], clean.logprobs[others], rtol=0, atol=0)
 
+
+def test_gather_weight_is_entered_by_the_backward():
+    """``gather_weight`` (the ZeRO-3 hook): the caller runs the forward inside it, the
+    backward enters it again before it reads the weight (the kept set's rows and, for
+    ``log_kept_mass``, the untruncated pass's); outside it the weight holds NaN here. The
+    backward ignored the hook and read the partitioned weight."""
+    from testing import PartitionedHead
+
+    hidden, weight, bias, targets, ids = _inputs(15)
+    temperature = torch.rand(N, dtype=torch.float64) + 0.5  # the lse by the sampler path
+    head = PartitionedHead(weight, bias)
+    h = hidden.clone().requires_grad_()
+    with head.gather():
+        ours = logitless.linear_logprobs(h, head.weight, targets, bias=head.bias, kept_ids=ids,
+                                         temperature=temperature, return_entropy=True,
+                                         stats=("log_kept_mass",), gather_weight=head.gather)
+    head.phase = "backward"
+    got = {"logprobs": ours.logprobs, "entropy": ours.entropy,
+           "log_kept_mass": ours.log_kept_mass}
+    grads = _grads(got, (h, head.weight, head.bias), targets, 16)
+    assert head.entries == ["forward", "backward", "backward"]
+    ref_leaves = _leaves(hidden, weight, bias)
+    want = reference.linear_logprobs(*ref_leaves[:2], targets, ref_leaves[2], kept_ids=ids,
+                                     temperature=temperature)
+    for key in got:
+        torch.testing.assert_close(got[key], want[key], rtol=1e-10, atol=1e-10, msg=key)
+    for g, r in zip(grads, _grads(want, ref_leaves, targets, 16)):
+        torch.testing.assert_close(g, r, rtol=1e-9, atol=1e-11)

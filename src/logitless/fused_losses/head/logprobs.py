@@ -367,8 +367,9 @@ def linear_logprobs(
             torch path (default 64 MB).
         gather_weight: for sharded parameters (DeepSpeed ZeRO-3), a callable returning a
             context manager under which ``weight`` and ``bias`` hold their full values; the
-            backward, which recomputes the logits, runs inside it. The caller runs the forward
-            inside the same context.
+            backward, which recomputes the logits, runs inside it (on every path: plain,
+            ``top_k`` / ``top_p`` / ``min_p``, a per-token temperature, ``kept_ids``; eager
+            only). The caller runs the forward inside the same context.
         hidden_grad: with ``vocab_parallel``, ``"sum"`` returns the hidden gradient summed over
             the group; ``"partial"`` returns this rank's slice's contribution only, for callers
             whose own communication sums it (Megatron's sequence-parallel reduce-scatter).
@@ -422,8 +423,11 @@ def linear_logprobs(
     kept_mass = None
     if sampler is not None:
         # One graph node too: the settings' values are checked inside the op (requires
-        # torch >= 2.4, as the package does).
-        lp, ent, kept_mass, lse, *_ = torch.ops.logitless.sampled_logprobs(
+        # torch >= 2.4, as the package does). A gather callable does not fit the op's
+        # schema: the op's own forward and backward then run eagerly, the backward inside it.
+        run = (torch.ops.logitless.sampled_logprobs if gather_weight is None
+               else sampled.gathered(gather_weight))
+        lp, ent, kept_mass, lse, *_ = run(
             hidden, weight, bias, targets,
             *sampled.per_token(sampler, targets, float(temperature), dtype),
             None if softcap is None else float(softcap), float(logit_scale), int(ignore_index),
