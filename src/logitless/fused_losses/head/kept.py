@@ -8,7 +8,8 @@ boundary rounding and no version drift.
 Per token with kept ids ``S`` (``[..., K]``, padded with -1): the logits of ``S`` only,
 ``z_S = logit_scale * softcap(h . W_S + b_S) / T``, from a gather of at most ``K`` weight rows,
 in row chunks whose gathered rows stay under ``max_tile_bytes``. Outputs: ``log q(y) = z_y -
-logsumexp(z_S)`` (``-inf`` when ``y`` is not in ``S``), the entropy of ``q`` and, on request,
+logsumexp(z_S)`` (``-inf`` when ``y`` is not in ``S``, NaN when a logit of ``S`` is not
+finite), the entropy of ``q`` and, on request,
 ``log_kept_mass = logsumexp(z_S) - logsumexp(z)``, whose second term is one streamed pass of
 the whole head (the plain ``linear_logprobs``'s ``lse``). The backward regathers each chunk's
 rows: nothing of size ``K x D`` per token is kept between forward and backward.
