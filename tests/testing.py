@@ -1,5 +1,6 @@
 """Shared test helpers (importable as `testing` because pytest puts tests/ on sys.path)."""
 
+import contextlib
 import os
 import socket
 
@@ -104,6 +105,32 @@ def sampler_settings(n, max_k, seed=1):
                 top_k=torch.randint(1, max_k, (n,), generator=gen),
                 top_p=torch.rand(n, generator=gen, dtype=torch.float64) * 0.9 + 0.1,
                 min_p=torch.rand(n, generator=gen, dtype=torch.float64) * 0.2)
+
+
+class PartitionedHead:
+    """A ZeRO-3 stand-in for ``gather_weight``: leaf ``weight`` and ``bias`` that hold NaN
+    outside ``gather()`` and their values inside it (DeepSpeed swaps a partitioned parameter's
+    data the same way); ``entries`` records ``phase`` at each entry."""
+
+    def __init__(self, weight, bias):
+        self.full = [weight.detach().clone(), bias.detach().clone()]
+        self.weight, self.bias = (x.detach().clone().requires_grad_() for x in self.full)
+        self.phase, self.entries = "forward", []
+        self._partition()
+
+    def _partition(self):
+        for p, full in zip((self.weight, self.bias), self.full):
+            p.data = torch.full_like(full, float("nan"))
+
+    @contextlib.contextmanager
+    def gather(self):
+        self.entries.append(self.phase)
+        for p, full in zip((self.weight, self.bias), self.full):
+            p.data = full
+        try:
+            yield
+        finally:
+            self._partition()
 
 
 class SequenceParallelGather(torch.autograd.Function):

@@ -176,3 +176,143 @@ def test_reference_keeps_id_zero_beside_padding():
     z = hidden @ weight.T
     want = z[:, 4] - torch.logsumexp(z[:, [0, 4, 7]], -1)
     torch.testing.assert_close(got["logprobs"], want)
+
+
+def _live_logprobs(out, want, targets):
+    """The logprobs of the tokens inside their set and the entropies of the live tokens."""
+    inside = torch.isfinite(want["logprobs"]) & (targets != -100)
+    assert bool(inside.any()) and bool(torch.isneginf(out.logprobs).any())
+    assert torch.equal(torch.isneginf(out.logprobs), torch.isneginf(want["logprobs"]))
+    return out.logprobs[inside].double(), want["logprobs"][inside]
+
+
+@pytest.mark.parametrize("per_token", [False, True], ids=["number", "fp32-tensor"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_inputs_take_the_temperature_as_given(dtype, per_token):
+    """0.7 is no bf16 or fp16 number: the temperature enters the fp32 logits as given, so the
+    results equal the fp64 oracle's on the same rounded inputs at that temperature to fp32
+    rounding (rounded to the inputs' dtype, 0.69921875 in bf16, it moved them by ~1e-3)."""
+    hidden, weight, bias, targets, ids = _inputs(9)
+    low = [x.to(dtype) for x in (hidden, weight, bias)]
+    temperature = 0.7
+    if per_token:
+        temperature = torch.rand(N, generator=torch.Generator().manual_seed(9)) * 0.4 + 0.55
+    ours = logitless.linear_logprobs(low[0], low[1], targets, bias=low[2], kept_ids=ids,
+                                     temperature=temperature, return_entropy=True)
+    want = reference.linear_logprobs(*(x.double() for x in low[:2]), targets, low[2].double(),
+                                     kept_ids=ids, temperature=temperature if not per_token
+                                     else temperature.double())
+    torch.testing.assert_close(*_live_logprobs(ours, want, targets), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ours.entropy.double(), want["entropy"], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_a_set_of_the_whole_vocabulary_keeps_the_plain_lse(dtype):
+    """``log_kept_mass`` of a set holding every id is the set's lse minus the untruncated
+    pass's, at the same temperature: it is off 0 by no more than that pass's own lse is off
+    the oracle (its 16-bit GEMM output rounds the logits), where the set's lse at a
+    temperature rounded to bf16 read +0.018 and more."""
+    hidden, weight, bias, targets, _ = _inputs(10)
+    low = [x.to(dtype) for x in (hidden, weight, bias)]
+    every = torch.arange(V).expand(N, V).contiguous()
+    ours = logitless.linear_logprobs(low[0], low[1], targets, bias=low[2], kept_ids=every,
+                                     temperature=0.7, stats=("log_kept_mass",))
+    plain = logitless.linear_logprobs(low[0], low[1], targets, bias=low[2], temperature=0.7,
+                                      stats=("lse",))
+    exact = reference.linear_logprobs(*(x.double() for x in low[:2]), targets, low[2].double(),
+                                      temperature=0.7)
+    bound = (plain.lse.double() - exact["lse"]).abs() + 2e-5 * (1 + exact["lse"].abs())
+    assert bool((ours.log_kept_mass.double().abs() <= bound).all())
+
+
+def _upstream(out, targets, seed):
+    """A loss on the logprobs inside the sets and the entropies, with random weights."""
+    g = torch.Generator().manual_seed(seed)
+    inside = torch.isfinite(out["logprobs"]) & (targets != -100)
+    up = [torch.randn(targets.shape, generator=g, dtype=torch.float64) for _ in range(2)]
+    return ((torch.where(inside, out["logprobs"].double(), 0.0) * up[0]).sum()
+            + (out["entropy"].double() * up[1]).sum())
+
+
+def test_autocast_gives_fp32_logits_and_their_own_gradient():
+    """Under ``torch.autocast`` (``GRPOConfig(bf16=True)``) the head runs in bf16 (hidden
+    rounded to it) with fp32 kept logits in the forward and the same logits in the backward:
+    the values and the gradients of fp32 hidden, weight and bias equal the fp64 oracle's on
+    the rounded hidden states, and the bias gradient sums to 0 over the vocabulary. The
+    forward's bmm ran in bf16 (errors 1e-2) and the backward recomputed fp32 logits against
+    its normaliser (d_hidden off 8e-3, the bias gradient summing to -2e-3)."""
+    hidden, weight, bias, targets, ids = _inputs(11)
+    leaves = _leaves(hidden.float(), weight.float(), bias.float())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ours = logitless.linear_logprobs(*leaves[:2], targets, bias=leaves[2], kept_ids=ids,
+                                         temperature=0.7, return_entropy=True)
+    assert ours.logprobs.dtype == torch.float32
+    ref_leaves = _leaves(leaves[0].bfloat16().double(), *(x.double() for x in leaves[1:]))
+    want = reference.linear_logprobs(*ref_leaves[:2], targets, ref_leaves[2], kept_ids=ids,
+                                     temperature=0.7)
+    torch.testing.assert_close(*_live_logprobs(ours, want, targets), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ours.entropy.double(), want["entropy"], rtol=1e-5, atol=1e-5)
+    got = {"logprobs": ours.logprobs, "entropy": ours.entropy}
+    grads = torch.autograd.grad(_upstream(got, targets, 12), leaves)
+    ref_grads = torch.autograd.grad(_upstream(want, targets, 12), ref_leaves)
+    for name, g, r in zip(("hidden", "weight", "bias"), grads, ref_grads):
+        assert g.dtype == torch.float32, name
+        torch.testing.assert_close(g.double(), r, rtol=0, atol=1e-5 * float(r.abs().max()),
+                                   msg=name)
+    assert abs(float(grads[2].sum())) < 1e-5
+
+
+@pytest.mark.parametrize("bad", [V, V + 9, -1])
+def test_a_target_outside_the_vocabulary_raises(bad):
+    """As on every other path, not a logprob of -inf."""
+    hidden, weight, bias, targets, ids = _inputs(13, dtype=torch.float32)
+    targets[3] = bad
+    with pytest.raises(ValueError, match=r"targets must lie in \[0, 1007\)"):
+        logitless.linear_logprobs(hidden, weight, targets, bias=bias, kept_ids=ids)
+
+
+def test_a_non_finite_row_reads_nan_not_outside_the_set():
+    """A NaN or inf hidden row has no distribution: its logprob is NaN whether its target is
+    in the set or not (as on the sampler path), never the -inf that ``drop_outside_kept``
+    reads as a target outside the set. The other rows keep their values."""
+    hidden, weight, bias, targets, ids = _inputs(14, dtype=torch.float32)
+    outside = [i for i in range(N) if targets[i] != -100 and not bool((ids[i] == targets[i]).any())]
+    inside = [i for i in range(N) if bool((ids[i] == targets[i]).any())]
+    rows = [outside[0], outside[1], inside[0]]
+    clean = logitless.linear_logprobs(hidden, weight, targets, bias=bias, kept_ids=ids)
+    hidden[rows[0], 3], hidden[rows[1], 5], hidden[rows[2], 0] = float("nan"), float("inf"), \
+        float("nan")
+    out = logitless.linear_logprobs(hidden, weight, targets, bias=bias, kept_ids=ids)
+    assert bool(out.logprobs[rows].isnan().all())
+    others = torch.ones(N, dtype=torch.bool)
+    others[rows] = False
+    torch.testing.assert_close(out.logprobs[others], clean.logprobs[others], rtol=0, atol=0)
+
+
+def test_gather_weight_is_entered_by_the_backward():
+    """``gather_weight`` (the ZeRO-3 hook): the caller runs the forward inside it, the
+    backward enters it again before it reads the weight (the kept set's rows and, for
+    ``log_kept_mass``, the untruncated pass's); outside it the weight holds NaN here. The
+    backward ignored the hook and read the partitioned weight."""
+    from testing import PartitionedHead
+
+    hidden, weight, bias, targets, ids = _inputs(15)
+    temperature = torch.rand(N, dtype=torch.float64) + 0.5  # the lse by the sampler path
+    head = PartitionedHead(weight, bias)
+    h = hidden.clone().requires_grad_()
+    with head.gather():
+        ours = logitless.linear_logprobs(h, head.weight, targets, bias=head.bias, kept_ids=ids,
+                                         temperature=temperature, return_entropy=True,
+                                         stats=("log_kept_mass",), gather_weight=head.gather)
+    head.phase = "backward"
+    got = {"logprobs": ours.logprobs, "entropy": ours.entropy,
+           "log_kept_mass": ours.log_kept_mass}
+    grads = _grads(got, (h, head.weight, head.bias), targets, 16)
+    assert head.entries == ["forward", "backward", "backward"]
+    ref_leaves = _leaves(hidden, weight, bias)
+    want = reference.linear_logprobs(*ref_leaves[:2], targets, ref_leaves[2], kept_ids=ids,
+                                     temperature=temperature)
+    for key in got:
+        torch.testing.assert_close(got[key], want[key], rtol=1e-10, atol=1e-10, msg=key)
+    for g, r in zip(grads, _grads(want, ref_leaves, targets, 16)):
+        torch.testing.assert_close(g, r, rtol=1e-9, atol=1e-11)

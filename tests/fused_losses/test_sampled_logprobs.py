@@ -15,7 +15,13 @@ import logitless
 from logitless.kernels import sampler_torch
 from logitless.reference.sampler import sampler_kept_mask, sampler_logprobs
 
-from testing import assert_close_to_oracle, assert_sampler_matches, sampler_settings, scaled_head
+from testing import (
+    PartitionedHead,
+    assert_close_to_oracle,
+    assert_sampler_matches,
+    sampler_settings,
+    scaled_head,
+)
 
 N, D, V = 37, 96, 1007
 OUTS = ("logprobs", "entropy", "log_kept_mass")
@@ -83,6 +89,26 @@ def test_matches_reference_fp32(case):
     # targets inside and outside the kept set both occur
     assert (finite & valid).any() and (~finite).any()
     assert_sampler_matches(out, ref, leaves, ref_leaves)
+
+
+@pytest.mark.parametrize("case", ["top_k", "top_p", "min_p", "per_token"])
+def test_gather_weight_is_entered_by_the_backward(case):
+    """``gather_weight`` (the ZeRO-3 hook) with top-k, top-p, min-p or a per-token
+    temperature: the caller runs the forward inside it, the backward enters it again before
+    it reads the head, which holds NaN outside it here (`PartitionedHead`). The backward
+    ignored the hook and read the partitioned head."""
+    kw = CASES[case]
+    h, w, b, t = make_inputs()
+    head = PartitionedHead(w.float(), b.float())
+    hidden = h.float().requires_grad_()
+    with head.gather():
+        out = _run(hidden, head.weight, head.bias, t, gather_weight=head.gather,
+                   **_cast(kw, torch.float32))
+    head.phase = "backward"
+    ref_leaves = [x.clone().requires_grad_() for x in (h, w, b)]
+    ref = sampler_logprobs(ref_leaves[0], ref_leaves[1], t, ref_leaves[2], **kw)
+    assert_sampler_matches(out, ref, [hidden, head.weight, head.bias], ref_leaves)
+    assert head.entries == ["forward", "backward"]
 
 
 def test_gradcheck_fp64_with_softcap_and_scale():

@@ -204,19 +204,35 @@ def test_replay_truncates_the_reference_with_the_same_sets(tiny, tmp_path):
     assert abs(trainer.state.log_history[0]["kl"]) < 1e-6
 
 
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16-autocast"])
 @pytest.mark.parametrize("compact", [False, True], ids=["every-position", "scored-rows"])
 def test_replay_head_gradients_through_trls_chunked_forward(tiny, tmp_path, monkeypatch,
-                                                            compact):
+                                                            compact, bf16):
     """TRL's forward helper over 5 sequences in chunks of 2: values, entropy and the gradients
     of the final hidden states, the head weight and its bias equal the fp64 oracle over the
     given sets, a target outside its set reading -inf as the oracle does. TRL's fused head
     passes every position off Triton devices and only the scored rows on them (``compact``:
-    its Triton-device path, forced here on the CPU)."""
+    its Triton-device path, forced here on the CPU). ``bf16``: ``GRPOConfig(bf16=True)``,
+    whose autocast makes the head run in bf16 (the oracle takes the hidden states rounded to
+    it) with fp32 kept logits, the bias gradient then summing to 0 over the vocabulary as
+    the oracle's does (the forward's bf16 logits made it read -2e-3). The backward enters
+    TRL's ZeRO-3 gather (``maybe_gather_lm_head_ctx``, recorded here) as TRL's forward does
+    around each chunk; it read the head outside it."""
+    import contextlib
+
     import trl.trainer.utils as trl_utils
 
+    phases, phase = [], ["forward"]
+
+    @contextlib.contextmanager
+    def gather(*params):
+        phases.append(phase[0])
+        yield
+
     monkeypatch.setattr(trl_utils, "_use_triton", lambda device: compact)
+    monkeypatch.setattr(trl_utils, "maybe_gather_lm_head_ctx", gather)
     trainer = make_trainer(tiny, grpo_args(tmp_path, num_iterations=1,
-                                           gradient_accumulation_steps=1),
+                                           gradient_accumulation_steps=1, bf16=bf16),
                            cls=GRPOTrainer, match_sampler="replay")
     model = with_bias(trainer.model)
     g = torch.Generator().manual_seed(3)
@@ -247,6 +263,7 @@ def test_replay_head_gradients_through_trls_chunked_forward(tiny, tmp_path, monk
     finite = mask & torch.isfinite(logps.detach())
     wl = torch.randn(b, t, generator=g, dtype=torch.float64)
     we = torch.randn(b, t, generator=g, dtype=torch.float64)
+    phase[0] = "backward"
     (torch.where(finite, logps, 0).double() * wl).sum().add(
         (torch.where(mask, entropy, 0).double() * we).sum()).backward()
 
@@ -254,7 +271,9 @@ def test_replay_head_gradients_through_trls_chunked_forward(tiny, tmp_path, monk
     w = model.lm_head.weight.detach().double().requires_grad_()
     bias = model.lm_head.bias.detach().double().requires_grad_()
     labels = input_ids[:, prompt:].masked_fill(~mask, -100)
-    ref = kept_set_logprobs(hidden, w, labels, kept, bias, temperature=TEMPERATURE)
+    # the head's input, with the gradient of the hidden states as they are
+    rounded = hidden + (hidden.bfloat16().double() - hidden).detach() if bf16 else hidden
+    ref = kept_set_logprobs(rounded, w, labels, kept, bias, temperature=TEMPERATURE)
     assert torch.isneginf(ref["logprobs"][2, 3]) and torch.isneginf(logps[2, 3].detach())
     assert int((mask & ~finite).sum()) == 1
     _close(logps.detach(), ref["logprobs"], finite, "logprobs")
@@ -267,6 +286,8 @@ def test_replay_head_gradients_through_trls_chunked_forward(tiny, tmp_path, monk
     assert float(got_h[:, :prompt - 1].abs().max()) == 0.0
     torch.testing.assert_close(model.lm_head.weight.grad.double(), w.grad, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(model.lm_head.bias.grad.double(), bias.grad, rtol=1e-5, atol=1e-6)
+    assert abs(float(model.lm_head.bias.grad.sum())) < 1e-5
+    assert phases == ["forward"] * 3 + ["backward"] * 3
 
 
 @pytest.mark.parametrize(("overrides", "trainer_kwargs", "named"), [

@@ -25,7 +25,13 @@ from logitless.kernels.sampler_torch import RowParams
 from logitless.reference.sampler import sampler_kept_mask, sampler_logprobs
 
 from sm90 import run_compile_script
-from testing import assert_close_to_oracle, requires_triton, sampler_settings
+from testing import (
+    PartitionedHead,
+    assert_close_to_oracle,
+    assert_sampler_matches,
+    requires_triton,
+    sampler_settings,
+)
 
 N, D, V = 5, 24, 67
 COLS, SLICE, BLOCK_V, BLOCK_S = 32, 16, 8, 8
@@ -133,6 +139,26 @@ def test_matches_reference_and_torch_path(small, engine, case):
     assert small.count("forward") == 1
     for name in OUTS:
         torch.testing.assert_close(getattr(out, name), getattr(twin, name), rtol=0, atol=1e-5)
+
+
+@requires_triton
+def test_gather_weight_is_entered_by_the_backward(small):
+    """``gather_weight`` (the ZeRO-3 hook) on the Triton path: the backward enters it before
+    it reads the head, which holds NaN outside it here (`PartitionedHead`; the caller runs
+    the forward inside it). The backward ignored the hook and read the partitioned head."""
+    kw = CASES["combined-per-token"]
+    h, w, b, t = _inputs()
+    head = PartitionedHead(w.float(), b.float())
+    hidden = h.float().requires_grad_()
+    with head.gather():
+        out = _run(hidden, head.weight, head.bias, t, gather_weight=head.gather,
+                   **_cast(kw, torch.float32))
+    head.phase = "backward"
+    ref_leaves = [x.clone().requires_grad_() for x in (h, w, b)]
+    ref = sampler_logprobs(*ref_leaves[:2], t, ref_leaves[2], **kw)
+    assert_sampler_matches(out, ref, [hidden, head.weight, head.bias], ref_leaves)
+    assert head.entries == ["forward", "backward"]
+    assert small == ["forward", "backward"]
 
 
 def _tied_rows(n, v, seed, engine="vllm"):

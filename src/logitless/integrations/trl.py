@@ -329,8 +329,9 @@ class GRPOTrainer(trl.GRPOTrainer):
                     self.accelerator.unwrap_model(self.model), self.generation_config)
         if (self._replay or self._sampler.truncates) and is_deepspeed_zero3_enabled():
             raise ValueError(
-                "GRPOConfig.deepspeed: the sampler-matched head does not re-gather a ZeRO-3 "
-                "partitioned LM head in its backward (unsharded heads and FSDP2 are supported)")
+                "GRPOConfig.deepspeed: the sampler-matched head has not been run under DeepSpeed "
+                "ZeRO-3 (its backward re-enters TRL's gather, tested without DeepSpeed only); "
+                "unsharded heads and FSDP2 are supported")
         if self._replay:
             return  # the rollout_func generates: TRL's generation settings are not used
         server = self.use_vllm and self.vllm_mode == "server"

@@ -139,9 +139,7 @@ class LogitlessChunkedLogProb:
                                                 ("mean_logit", "mean_logits"),
                                                 ("is_top1", "is_top1")) if wanted in outputs)
         # An FSDP2 DTensor head (`KeepShardedHead`) is never ZeRO-3 partitioned: no gather
-        # (nor does a replayed kept set gather: its rows come from the head as it is)
-        gather = (None if is_dtensor(weight) or kept_ids is not None
-                  else lambda: maybe_gather_lm_head_ctx(weight, bias))
+        gather = None if is_dtensor(weight) else lambda: maybe_gather_lm_head_ctx(weight, bias)
         out = linear_logprobs(
             hidden, weight, targets, bias=bias, temperature=temperature, softcap=softcap,
             logit_scale=logit_scale, return_entropy="entropy" in outputs, stats=stats,

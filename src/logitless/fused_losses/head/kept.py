@@ -8,7 +8,8 @@ boundary rounding and no version drift.
 Per token with kept ids ``S`` (``[..., K]``, padded with -1): the logits of ``S`` only,
 ``z_S = logit_scale * softcap(h . W_S + b_S) / T``, from a gather of at most ``K`` weight rows,
 in row chunks whose gathered rows stay under ``max_tile_bytes``. Outputs: ``log q(y) = z_y -
-logsumexp(z_S)`` (``-inf`` when ``y`` is not in ``S``), the entropy of ``q`` and, on request,
+logsumexp(z_S)`` (``-inf`` when ``y`` is not in ``S``, NaN when a logit of ``S`` is not
+finite), the entropy of ``q`` and, on request,
 ``log_kept_mass = logsumexp(z_S) - logsumexp(z)``, whose second term is one streamed pass of
 the whole head (the plain ``linear_logprobs``'s ``lse``). The backward regathers each chunk's
 rows: nothing of size ``K x D`` per token is kept between forward and backward.
@@ -16,9 +17,12 @@ rows: nothing of size ``K x D`` per token is kept between forward and backward.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 
-from logitless.fused_losses.oplib import is_compiling
+from logitless.fused_losses.oplib import compact_rows, is_compiling, put_rows, take_rows
+from logitless.kernels.linear_softmax_torch import acc_dtype
 
 DEFAULT_GATHER_BYTES = 64 * 2**20
 
@@ -65,18 +69,20 @@ def _rows_per_chunk(k: int, d: int, itemsize: int, budget: int) -> int:
 
 def _kept_logits(h, weight, bias, ids, temp, softcap, scale):
     """``(z, raw, valid, w)`` for one chunk: the transformed logits of the kept ids ``[n, K]``
-    (-inf at padding), the pre-transform logits, the padding mask and the gathered rows."""
+    (-inf at padding), the pre-transform logits, the padding mask and the gathered rows, in
+    the accumulation dtype, ``h`` (``[n, D]``, the rows in the compute dtype) and ``temp``
+    (``[n]``)'s."""
     valid = ids >= 0
     safe = ids.clamp_min(0)
     # The gathered rows in the accumulation dtype: K rows per token are a matrix-vector product
     # bound by the gather, so fp32 costs nothing and no logit is rounded to bf16.
-    acc = torch.float64 if h.dtype == torch.float64 else torch.float32
+    acc = h.dtype
     w = weight.index_select(0, safe.reshape(-1)).view(*safe.shape, -1).to(acc)  # [n, K, D]
-    raw = torch.bmm(w, h.to(acc).unsqueeze(-1)).squeeze(-1)
+    raw = torch.bmm(w, h.unsqueeze(-1)).squeeze(-1)
     if bias is not None:
         raw = raw + bias.index_select(0, safe.reshape(-1)).view(safe.shape).to(acc)
     z = raw if softcap is None else softcap * torch.tanh(raw / softcap)
-    z = z * (scale / temp.to(acc).unsqueeze(-1))
+    z = z * (scale / temp.unsqueeze(-1))
     return z.masked_fill(~valid, float("-inf")), raw, valid, w
 
 
@@ -94,100 +100,121 @@ def check_kept_temperature(temperature, targets: torch.Tensor) -> None:
 
 class _KeptLogprobs(torch.autograd.Function):
     """Rows ``[n, D]`` with their kept ids ``[n, K]`` and targets ``[n]`` (all live) ->
-    ``(lp, entropy, lse_kept)`` in the accumulation dtype; the backward regathers by chunk."""
+    ``(lp, entropy, lse_kept)`` in the accumulation dtype; the backward regathers by chunk.
+    ``hidden`` is cast to the compute ``dtype`` here, inside, so that its gradient comes back in
+    its own dtype from the fp32 accumulator (as on the plain path)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, ids, targets, temp, softcap, scale, budget):
-        acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    def forward(ctx, hidden, weight, bias, ids, targets, temp, dtype, softcap, scale, budget,
+                gather):
+        acc = acc_dtype(dtype)
         n, k = ids.shape
         step = _rows_per_chunk(k, hidden.shape[-1], 8 if acc == torch.float64 else 4, budget)
         lp = torch.empty(n, dtype=acc, device=hidden.device)
         ent, lse_k = torch.empty_like(lp), torch.empty_like(lp)
         hit = ids == targets.unsqueeze(-1)
-        for s in range(0, n, step):
-            e = min(n, s + step)
-            z, _, valid, _ = _kept_logits(hidden[s:e], weight, bias, ids[s:e], temp[s:e],
-                                          softcap, scale)
-            z = z.to(acc)
-            lse = torch.logsumexp(z, dim=-1)
-            log_p = (z - lse.unsqueeze(-1)).masked_fill(~valid, 0.0)
-            p = torch.exp(log_p).masked_fill(~valid, 0.0)
-            ent[s:e] = -(p * log_p).sum(-1)
-            z_y = torch.where(hit[s:e], z, torch.zeros((), dtype=acc, device=z.device)).sum(-1)
-            lp[s:e] = torch.where(hit[s:e].any(-1), z_y - lse,
-                                  torch.full((), float("-inf"), dtype=acc, device=z.device))
-            lse_k[s:e] = lse
+        # Autocast off, as on the plain path: the logits are fp32 (not autocast's bf16 from
+        # bmm), the same ones the backward recomputes.
+        with torch.autocast(hidden.device.type, enabled=False):
+            for s in range(0, n, step):
+                e = min(n, s + step)
+                z, _, valid, _ = _kept_logits(hidden[s:e].to(dtype).to(acc), weight, bias,
+                                              ids[s:e], temp[s:e], softcap, scale)
+                lse = torch.logsumexp(z, dim=-1)
+                log_p = (z - lse.unsqueeze(-1)).masked_fill(~valid, 0.0)
+                p = torch.exp(log_p).masked_fill(~valid, 0.0)
+                ent[s:e] = -(p * log_p).sum(-1)
+                z_y = torch.where(hit[s:e], z, torch.zeros((), dtype=acc, device=z.device))
+                lp[s:e] = torch.where(hit[s:e].any(-1), z_y.sum(-1) - lse,
+                                      torch.full((), float("-inf"), dtype=acc, device=z.device))
+                lse_k[s:e] = lse
+        # A row with a NaN or inf logit in its set has no distribution: NaN (as the sampler
+        # path's), not the -inf that means "outside the kept set".
+        lp = torch.where(torch.isfinite(lse_k), lp, torch.nan)
         ctx.save_for_backward(hidden, weight, bias, ids, temp, lp, ent, lse_k, hit)
-        ctx.transform = (softcap, scale, step, acc)
+        ctx.transform = (dtype, softcap, scale, step, acc, gather)
         return lp, ent, lse_k
 
     @staticmethod
     def backward(ctx, g_lp, g_ent, g_lse):
         hidden, weight, bias, ids, temp, lp, ent, lse_k, hit = ctx.saved_tensors
-        softcap, scale, step, acc = ctx.transform
-        need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        n = ids.shape[0]
-        d_h = torch.zeros(hidden.shape, dtype=acc, device=hidden.device) if need_h else None
-        d_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
-        d_b = (torch.zeros(bias.shape, dtype=acc, device=bias.device)
-               if need_b and bias is not None else None)
-        zero = torch.zeros((), dtype=acc, device=hidden.device)
-        g_lp = zero.expand(n) if g_lp is None else torch.where(torch.isinf(lp), zero, g_lp)
-        g_ent = zero.expand(n) if g_ent is None else g_ent
-        g_lse = zero.expand(n) if g_lse is None else g_lse
-        for s in range(0, n, step):
-            e = min(n, s + step)
-            z, raw, valid, w = _kept_logits(hidden[s:e], weight, bias, ids[s:e], temp[s:e],
-                                            softcap, scale)
-            z = z.to(acc)
-            log_p = (z - lse_k[s:e].unsqueeze(-1)).masked_fill(~valid, 0.0)
-            p = torch.exp(log_p).masked_fill(~valid, 0.0)
-            # d lp / dz = 1[j = y] - p;  d H / dz = -p (log p + H);  d lse / dz = p
-            gl, gh, gs = g_lp[s:e, None], g_ent[s:e, None], g_lse[s:e, None]
-            dz = gl * (hit[s:e].to(acc) - p) - gh * p * (log_p + ent[s:e, None]) + gs * p
-            dz = dz.masked_fill(~valid, 0.0) * (scale / temp[s:e, None].to(acc))
-            if softcap is not None:
-                dz = dz * (1 - torch.tanh(raw.to(acc) / softcap) ** 2)
-            safe = ids[s:e].clamp_min(0).reshape(-1)
-            if d_h is not None:
-                d_h[s:e] = torch.bmm(dz.unsqueeze(1), w).squeeze(1)
-            if d_w is not None:
-                rows = dz.unsqueeze(-1) * hidden[s:e].to(acc).unsqueeze(1)  # [n, K, D]
-                d_w.index_add_(0, safe, rows.reshape(-1, rows.shape[-1]))
-            if d_b is not None:
-                d_b.index_add_(0, safe, dz.reshape(-1))
-        return (None if d_h is None else d_h.to(hidden.dtype),
-                None if d_w is None else d_w.to(weight.dtype),
-                None if d_b is None else d_b.to(bias.dtype),
-                None, None, None, None, None, None)
+        dtype, softcap, scale, step, acc, gather = ctx.transform
+        # The same fp32 logits as the forward's (autocast off), from the weight as the gather
+        # makes it available (the caller ran the forward inside the same context).
+        with torch.autocast(hidden.device.type, enabled=False), \
+                (nullcontext() if gather is None else gather()):
+            grads = _kept_grads(hidden, weight, bias, ids, temp, lp, ent, lse_k, hit,
+                                (g_lp, g_ent, g_lse), ctx.needs_input_grad[:3], dtype, softcap,
+                                scale, step, acc)
+        return (*grads, *(None,) * 8)
+
+
+def _kept_grads(hidden, weight, bias, ids, temp, lp, ent, lse_k, hit, grads, needs, dtype,
+                softcap, scale, step, acc):
+    """``(d_hidden, d_weight, d_bias)`` of `_KeptLogprobs`, each in its input's dtype (None
+    where ``needs`` says it is not wanted), regathering the rows chunk by chunk."""
+    g_lp, g_ent, g_lse = grads
+    need_h, need_w, need_b = needs
+    n = ids.shape[0]
+    d_h = torch.zeros(hidden.shape, dtype=acc, device=hidden.device) if need_h else None
+    d_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+    d_b = (torch.zeros(bias.shape, dtype=acc, device=bias.device)
+           if need_b and bias is not None else None)
+    zero = torch.zeros((), dtype=acc, device=hidden.device)
+    g_lp = zero.expand(n) if g_lp is None else torch.where(torch.isinf(lp), zero, g_lp)
+    g_ent = zero.expand(n) if g_ent is None else g_ent
+    g_lse = zero.expand(n) if g_lse is None else g_lse
+    for s in range(0, n, step):
+        e = min(n, s + step)
+        h = hidden[s:e].to(dtype).to(acc)
+        z, raw, valid, w = _kept_logits(h, weight, bias, ids[s:e], temp[s:e], softcap, scale)
+        log_p = (z - lse_k[s:e].unsqueeze(-1)).masked_fill(~valid, 0.0)
+        p = torch.exp(log_p).masked_fill(~valid, 0.0)
+        # d lp / dz = 1[j = y] - p;  d H / dz = -p (log p + H);  d lse / dz = p
+        gl, gh, gs = g_lp[s:e, None], g_ent[s:e, None], g_lse[s:e, None]
+        dz = gl * (hit[s:e].to(acc) - p) - gh * p * (log_p + ent[s:e, None]) + gs * p
+        dz = dz.masked_fill(~valid, 0.0) * (scale / temp[s:e, None])
+        if softcap is not None:
+            dz = dz * (1 - torch.tanh(raw.to(acc) / softcap) ** 2)
+        safe = ids[s:e].clamp_min(0).reshape(-1)
+        if d_h is not None:
+            d_h[s:e] = torch.bmm(dz.unsqueeze(1), w).squeeze(1)
+        if d_w is not None:
+            rows = dz.unsqueeze(-1) * h.unsqueeze(1)  # [n, K, D]
+            d_w.index_add_(0, safe, rows.reshape(-1, rows.shape[-1]))
+        if d_b is not None:
+            d_b.index_add_(0, safe, dz.reshape(-1))
+    return (None if d_h is None else d_h.to(hidden.dtype),
+            None if d_w is None else d_w.to(weight.dtype),
+            None if d_b is None else d_b.to(bias.dtype))
 
 
 def kept_logprobs(hidden, weight, targets, kept_ids, *, bias, temperature, softcap,
                   logit_scale, ignore_index, dtype, return_entropy, want_mass, full_lse,
-                  max_tile_bytes):
+                  max_tile_bytes, gather_weight=None):
     """The results of ``linear_logprobs(kept_ids=...)`` as ``(logprobs, entropy,
     log_kept_mass)`` shaped like ``targets`` (0 at ignored positions; None where not asked
-    for). ``full_lse`` gives the untruncated head's per-token lse when ``want_mass``."""
+    for). ``full_lse`` gives the untruncated head's per-token lse when ``want_mass``;
+    ``gather_weight``, the ZeRO-3 hook, is entered by the backward."""
+    flat_t, rows = compact_rows(targets, ignore_index, weight.shape[0])
     check_kept_ids(kept_ids, targets, weight.shape[0], ignore_index)
-    shape = targets.shape
-    flat_t = targets.reshape(-1)
-    rows = (flat_t != ignore_index).nonzero().squeeze(-1)
-    h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows).to(dtype)
-    ids = kept_ids.reshape(-1, kept_ids.shape[-1]).index_select(0, rows)
+    h = take_rows(hidden, rows, hidden.shape[-1])
+    ids = take_rows(kept_ids, rows, kept_ids.shape[-1])
+    # The temperature enters in the accumulation dtype, never rounded to a 16-bit input
+    # dtype (0.7 would read 0.69921875 in bf16): a per-token tensor cast once, a number from
+    # its Python float.
+    acc = acc_dtype(dtype)
     if isinstance(temperature, torch.Tensor):
-        temp = temperature.reshape(-1).index_select(0, rows).to(dtype)
+        temp = take_rows(temperature, rows).to(acc)
     else:
-        temp = torch.full((rows.numel(),), float(temperature), dtype=dtype, device=h.device)
+        temp = torch.full((h.shape[0],), float(temperature), dtype=acc, device=h.device)
     budget = DEFAULT_GATHER_BYTES if max_tile_bytes is None else max_tile_bytes
-    lp, ent, lse_k = _KeptLogprobs.apply(h, weight, bias, ids, flat_t.index_select(0, rows), temp,
-                                         softcap, logit_scale, budget)
-
-    def scatter(x):
-        out = x.new_zeros(flat_t.shape)
-        return out.index_put((rows,), x).view(shape)
-
+    lp, ent, lse_k = _KeptLogprobs.apply(h, weight, bias, ids, take_rows(flat_t, rows), temp,
+                                         dtype, softcap, logit_scale, budget, gather_weight)
     mass = None
     if want_mass:
-        mass = scatter(lse_k) - torch.where(flat_t.view(shape) != ignore_index, full_lse(),
-                                            0.0).to(lse_k.dtype)
-    return scatter(lp), scatter(ent) if return_entropy else None, mass
+        live = (flat_t != ignore_index).view(targets.shape)
+        full = torch.where(live, full_lse(), 0.0).to(lse_k.dtype)
+        mass = put_rows(lse_k, rows, targets.shape) - full
+    return (put_rows(lp, rows, targets.shape),
+            put_rows(ent, rows, targets.shape) if return_entropy else None, mass)

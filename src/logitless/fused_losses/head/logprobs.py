@@ -265,7 +265,7 @@ def check_head_args(hidden, weight, targets, bias, temperature, softcap, logit_s
 
 def _kept_set(hidden, weight, targets, kept_ids, bias, temperature, top_k, top_p, min_p,
               softcap, logit_scale, ignore_index, return_entropy, stats, vocab_parallel,
-              max_tile_bytes) -> LogprobOutput:
+              max_tile_bytes, gather_weight) -> LogprobOutput:
     """``linear_logprobs(kept_ids=...)``: the checks of the combination, then `kept`."""
     given = [n for n, v in (("top_k", top_k), ("top_p", top_p), ("min_p", min_p)) if v is not None]
     if given:
@@ -285,13 +285,14 @@ def _kept_set(hidden, weight, targets, kept_ids, bias, temperature, top_k, top_p
         return linear_logprobs(hidden, weight, targets, bias=bias, temperature=temperature,
                                softcap=softcap, logit_scale=logit_scale,
                                ignore_index=ignore_index, stats=("lse",),
-                               max_tile_bytes=max_tile_bytes).lse
+                               max_tile_bytes=max_tile_bytes, gather_weight=gather_weight).lse
 
     lp, ent, mass = kept.kept_logprobs(
         hidden, weight, targets, kept_ids, bias=bias, temperature=temperature,
         softcap=None if logit_scale == 0 else softcap, logit_scale=logit_scale,
         ignore_index=ignore_index, dtype=compute_dtype(hidden), return_entropy=return_entropy,
-        want_mass=want_mass, full_lse=full_lse, max_tile_bytes=max_tile_bytes)
+        want_mass=want_mass, full_lse=full_lse, max_tile_bytes=max_tile_bytes,
+        gather_weight=gather_weight)
     return LogprobOutput(logprobs=lp, entropy=ent, log_kept_mass=mass)
 
 
@@ -366,8 +367,9 @@ def linear_logprobs(
             torch path (default 64 MB).
         gather_weight: for sharded parameters (DeepSpeed ZeRO-3), a callable returning a
             context manager under which ``weight`` and ``bias`` hold their full values; the
-            backward, which recomputes the logits, runs inside it. The caller runs the forward
-            inside the same context.
+            backward, which recomputes the logits, runs inside it (on every path: plain,
+            ``top_k`` / ``top_p`` / ``min_p``, a per-token temperature, ``kept_ids``; eager
+            only). The caller runs the forward inside the same context.
         hidden_grad: with ``vocab_parallel``, ``"sum"`` returns the hidden gradient summed over
             the group; ``"partial"`` returns this rank's slice's contribution only, for callers
             whose own communication sums it (Megatron's sequence-parallel reduce-scatter).
@@ -394,7 +396,7 @@ def linear_logprobs(
     if kept_ids is not None:
         return _kept_set(hidden, weight, targets, kept_ids, bias, temperature, top_k, top_p,
                          min_p, softcap, logit_scale, ignore_index, return_entropy, stats,
-                         vocab_parallel, max_tile_bytes)
+                         vocab_parallel, max_tile_bytes, gather_weight)
     # with vocab_parallel the whole vocabulary's size is known inside the op only
     sampler = sampled.sampler_settings(targets, None if vocab_parallel is not None
                                        else weight.shape[0], temperature, top_k, top_p, min_p,
@@ -421,8 +423,11 @@ def linear_logprobs(
     kept_mass = None
     if sampler is not None:
         # One graph node too: the settings' values are checked inside the op (requires
-        # torch >= 2.4, as the package does).
-        lp, ent, kept_mass, lse, *_ = torch.ops.logitless.sampled_logprobs(
+        # torch >= 2.4, as the package does). A gather callable does not fit the op's
+        # schema: the op's own forward and backward then run eagerly, the backward inside it.
+        run = (torch.ops.logitless.sampled_logprobs if gather_weight is None
+               else sampled.gathered(gather_weight))
+        lp, ent, kept_mass, lse, *_ = run(
             hidden, weight, bias, targets,
             *sampled.per_token(sampler, targets, float(temperature), dtype),
             None if softcap is None else float(softcap), float(logit_scale), int(ignore_index),

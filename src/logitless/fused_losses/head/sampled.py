@@ -323,3 +323,29 @@ sampled_logprobs = define(
     "Tensor, Tensor, Tensor)",
     _sp_forward, _sp_forward_fake)
 sampled_logprobs.register_autograd(_sp_backward, setup_context=_sp_setup_context)
+
+
+class _Gathered(torch.autograd.Function):
+    """``sampled_logprobs`` with a ``gather_weight`` callable (the ZeRO-3 hook, which does not
+    fit an op's schema; eager only): the op's forward and backward implementations, the
+    backward inside the gather, as on the plain path (the caller runs the forward inside
+    the same context)."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        inputs, ctx.gather = inputs[:-1], inputs[-1]
+        outs = _sp_forward(*inputs)
+        _sp_setup_context(ctx, inputs, outs)
+        ctx.mark_non_differentiable(*outs[5:])
+        return outs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        with ctx.gather():
+            return (*_sp_backward(ctx, *grads), None)
+
+
+def gathered(gather_weight):
+    """``sampled_logprobs``'s arguments -> its outputs, with the backward inside
+    ``gather_weight()`` (see `_Gathered`)."""
+    return lambda *args: _Gathered.apply(*args, gather_weight)
