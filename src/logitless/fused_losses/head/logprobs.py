@@ -336,7 +336,9 @@ def linear_logprobs(
         targets: integer token ids shaped ``hidden.shape[:-1]``, in ``[0, V)`` or
             ``ignore_index`` (an integer); ignored rows are dropped before any kernel runs.
         bias: optional ``[V]`` head bias.
-        temperature: a number > 0 or a tensor of ``targets``' shape (one per token).
+        temperature: a number or a float tensor of ``targets``' shape (one per token), a
+            normal number of the accumulation dtype (``[tiny, max]`` of fp32, of fp64 for
+            fp64 inputs; `check_temperature`), on every path alike.
         top_k, top_p, min_p: vLLM's truncations (a number or a tensor of ``targets``' shape;
             None: off; ``top_k >= V``, ``top_p == 1``, ``min_p == 0`` are no-ops): the
             results are then those of the distribution vLLM samples from, the tempered logits
