@@ -416,8 +416,8 @@ def test_topk_bad_input(change, match):
 
 def test_numpy_scalars_and_real_masks_accepted():
     """As `linear_logprobs` and `fused_policy_loss` take them: numpy scalars for beta,
-    temperature and the clamps, and a float or integer mask (nonzero: kept), which gives what
-    the bool mask gives."""
+    temperature and the clamps, and a float or integer mask of 0 and 1 (1: kept), which gives
+    what the bool mask gives."""
     np = pytest.importorskip("numpy")
     args = _div_args(beta=np.float32(0.25), temperature=np.float64(0.7))
     plain = logitless.linear_divergence(**_div_args(beta=0.25, temperature=0.7))
@@ -425,7 +425,7 @@ def test_numpy_scalars_and_real_masks_accepted():
     keep = torch.tensor([True, False, True, True])
     want = logitless.linear_divergence(**_div_args(mask=keep))
     assert float(want[1]) == 0.0 and float(want.abs().min()) == 0.0
-    for mask in (keep.double(), keep.int(), keep.float() * 0.5):
+    for mask in (keep.double(), keep.int(), keep.float()):
         got = logitless.linear_divergence(**_div_args(mask=mask))
         torch.testing.assert_close(got, want, rtol=0, atol=0)
     topk = dict(temperature=np.float32(0.5), log_prob_min_clamp=np.float64(-8.0),
@@ -433,6 +433,44 @@ def test_numpy_scalars_and_real_masks_accepted():
     want = logitless.linear_topk_distill(**_topk_args(mask=keep, **topk))
     got = logitless.linear_topk_distill(**_topk_args(mask=keep.float(), **topk))
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=requires_triton)])
+@pytest.mark.parametrize("bad", [0.5, 2.0, -1.0, math.nan, "int 2"])
+def test_real_mask_other_than_0_or_1_refused(bad, backend, monkeypatch):
+    """A float or integer mask holds 0 and 1 only, as documented: one token at 0.5, 2, -1 or
+    NaN (or an integer 2) is refused by both ops, naming ``mask``. Before, every nonzero value,
+    NaN included, read as kept."""
+    monkeypatch.setenv("LOGITLESS_BACKEND", backend)
+    x = {k: t.float() for k, t in heads(n=4, v=9, seed=12).items()}
+    mask = torch.tensor([1.0, 0.0, 1.0, 1.0])
+    mask = mask.long().index_fill(0, torch.tensor([2]), 2) if bad == "int 2" else \
+        mask.index_fill(0, torch.tensor([2]), bad)
+    match = r"mask must be bool or hold 0 and 1 only \(1: kept\), got"
+    with pytest.raises(ValueError, match=match):
+        logitless.linear_divergence(**_div_args(**x, mask=mask))
+    x.pop("teacher_hidden"), x.pop("teacher_weight"), x.pop("teacher_bias")
+    with pytest.raises(ValueError, match=match):
+        logitless.linear_topk_distill(**_topk_args(**x, mask=mask))
+
+
+@pytest.mark.parametrize("temperature", [1e300, 1e-300, 1e-40])
+def test_temperature_outside_the_accumulation_dtype_refused(temperature):
+    """Both ops take `linear_logprobs`'s temperature range: fp32 heads refuse a temperature
+    that is not a normal fp32 number, stating the range (before, 1e-300 and 1e-40 gave NaN
+    silently and 1e300 was taken); fp64 heads take it and match the fp64 reference."""
+    x = heads(n=4, v=9, seed=12)
+    x32 = {k: t.float() for k, t in x.items()}
+    match = r"temperature must be a number in \[1\.1754943508222875e-38, 3\.40282346"
+    with pytest.raises(ValueError, match=match):
+        logitless.linear_divergence(**_div_args(**x32, temperature=temperature))
+    with pytest.raises(ValueError, match=match):
+        logitless.linear_topk_distill(**_topk_args(hidden=x32["hidden"], weight=x32["weight"],
+                                                   temperature=temperature))
+    got = logitless.linear_divergence(**_div_args(temperature=temperature))
+    want = reference.linear_divergence(x["hidden"], x["weight"], x["teacher_hidden"],
+                                       x["teacher_weight"], beta=0.5, temperature=temperature)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
 def _disjoint_heads(seed):

@@ -392,6 +392,78 @@ def test_bad_input_names_the_argument(name, change):
         logitless.linear_logprobs(**args)
 
 
+# --- the temperature's range: one rule on every path (issue 40, items 8 and 12) ----------
+
+FP32_RANGE = (r"temperature must be a number in \[1\.1754943508222875e-38, "
+              r"3\.4028234663852886e\+38\] \(the normal numbers of torch\.float32")
+# A kept set per token: the target and the next four ids.
+TEMPERATURE_PATHS = {
+    "plain": lambda targets, v: {},
+    "top_k": lambda targets, v: dict(top_k=5),
+    "kept_ids": lambda targets, v: dict(kept_ids=(targets[:, None] + torch.arange(5)) % v),
+}
+
+
+def _one_token_at(value, dtype):
+    """A per-token temperature, all in range but token 3, which holds ``value``."""
+    t = torch.rand(9, dtype=torch.float64) + 0.5
+    t[3] = value
+    return t.to(dtype)
+
+
+OUT_OF_FP32 = {
+    "1e300": lambda: 1e300,
+    "1e-300": lambda: 1e-300,
+    "denormal": lambda: 1e-40,
+    "per-token-denormal": lambda: _one_token_at(1e-40, torch.float32),
+    "per-token-fp64-1e-50": lambda: _one_token_at(1e-50, torch.float64),
+    "per-token-fp64-1e300": lambda: _one_token_at(1e300, torch.float64),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("path", list(TEMPERATURE_PATHS))
+@pytest.mark.parametrize("temperature", list(OUT_OF_FP32))
+def test_temperature_outside_fp32_refused_alike_on_every_path(backend, path, temperature,
+                                                              monkeypatch):
+    """An fp32 head (fp32 accumulation) refuses, on every path and with the range in the
+    message, a temperature that is not a normal fp32 number: a denormal, one below the smallest
+    normal (which the cast flushes to 0, or whose 1/T overflows) or one past the largest.
+    Before: the plain path gave NaN at 1e-300 and 1e-40; top_k refused 1e-300 as "must be >
+    0" and raised an overflow RuntimeError at 1e300; a per-token 1e-40 passed and gave NaN;
+    kept_ids gave NaN or -inf for 1e-300 and a per-token fp64 1e-50, and a RuntimeError for
+    1e300."""
+    monkeypatch.setenv("LOGITLESS_BACKEND", backend)
+    hidden, weight, bias, targets = make_inputs(n=9, d=16, v=53, ignore=0.0)
+    args = TEMPERATURE_PATHS[path](targets, 53)
+    with pytest.raises(ValueError, match=FP32_RANGE):
+        logitless.linear_logprobs(hidden, weight, targets, bias=bias,
+                                  temperature=OUT_OF_FP32[temperature](), **args)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("path", list(TEMPERATURE_PATHS))
+def test_temperature_at_the_range_ends_accepted_alike_on_every_path(backend, path, monkeypatch):
+    """The ends of the range run on every path: an fp32 head at T = the largest fp32 (every
+    tempered logit about 0: the uniform distribution over the kept set, which the fp64
+    reference also gives), and an fp64 head (fp64 accumulation) at T = 1e-300 and 1e300,
+    which fp32 refuses; each against the fp64 reference."""
+    monkeypatch.setenv("LOGITLESS_BACKEND", backend)
+    hidden, weight, bias, targets = make_inputs(n=9, d=16, v=53, ignore=0.0)
+    args = TEMPERATURE_PATHS[path](targets, 53)
+    cases = [(torch.float32, float(torch.finfo(torch.float32).max)),
+             (torch.float64, 1e-300), (torch.float64, 1e300)]
+    for dtype, t in cases:
+        h, w, b = (x.to(dtype) for x in (hidden, weight, bias))
+        out = logitless.linear_logprobs(h, w, targets, bias=b, temperature=t,
+                                        return_entropy=True, **args)
+        ref = reference.linear_logprobs(h.double(), w.double(), targets, b.double(),
+                                        temperature=t, **args)
+        for name in ("logprobs", "entropy"):
+            torch.testing.assert_close(getattr(out, name).double(), ref[name], rtol=1e-6,
+                                       atol=1e-6, msg=f"{name} at T={t} ({dtype})")
+
+
 def test_backend_env_is_validated(monkeypatch):
     hidden, weight, _bias, targets = make_inputs(n=4)
     monkeypatch.setenv("LOGITLESS_BACKEND", "cuda-please")

@@ -30,9 +30,11 @@ import typing
 
 import torch
 
-__all__ = ["OPS", "compact_rows", "config_args", "config_from_args", "config_layout", "define",
-           "distinct", "grads_fake", "grads_or_empty", "is_compiling", "none_grads", "put_rows",
-           "take_rows"]
+from logitless.kernels.linear_softmax_torch import acc_dtype
+
+__all__ = ["OPS", "check_temperature", "compact_rows", "config_args", "config_from_args",
+           "config_layout", "define", "distinct", "grads_fake", "grads_or_empty", "is_compiling",
+           "none_grads", "put_rows", "take_rows"]
 
 
 def is_compiling() -> bool:
@@ -184,6 +186,32 @@ def check_positive_number(name: str, value) -> None:
     infinite scale or softcap would make every row one-hot or the cap vanish, silently."""
     if not (is_number(value) and math.isfinite(value) and value > 0):
         raise ValueError(f"{name} must be a finite number > 0 or None, got {value!r}")
+
+
+def check_temperature(temperature, dtype: torch.dtype) -> None:
+    """The temperature of a head computing in ``dtype``, a number or a tensor of per-token
+    values (read here, as given: before any cast), must lie in ``[tiny, max]`` of the
+    accumulation dtype (fp32 for bf16/fp16/fp32, fp64 for fp64), the normal numbers there: it
+    then stays finite, > 0 and no denormal in the kernels, and ``1 / T`` is finite, so ``T``
+    alone turns no logit inf or NaN. Every path of the head (plain, sampler-matched,
+    ``kept_ids``) and of the divergences takes the same values (``ValueError`` stating the
+    range)."""
+    acc = acc_dtype(dtype)
+    info = torch.finfo(acc)
+    low, high = float(info.tiny), float(info.max)
+    if isinstance(temperature, torch.Tensor):
+        # compared in a dtype holding both bounds (fp16 rounds them to 0 and inf)
+        t = temperature.to(torch.promote_types(temperature.dtype, acc))
+        bad = ~((t >= low) & (t <= high))  # NaN fails both
+        if not bool(bad.any()):
+            return
+        got, where = temperature[bad].reshape(-1)[0].item(), " at every token"
+    elif is_number(temperature) and low <= float(temperature) <= high:  # numpy's too
+        return
+    else:
+        got, where = temperature, ""
+    raise ValueError(f"temperature must be a number in [{low!r}, {high!r}] (the normal numbers "
+                     f"of {acc}, the accumulation dtype){where}, got {got!r}")
 
 
 def is_number(x) -> bool:

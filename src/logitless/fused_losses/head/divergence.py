@@ -18,6 +18,7 @@ import torch
 from logitless.fused_losses.backend import triton_selected
 from logitless.fused_losses.head.logprobs import check_byte_budget, compute_dtype
 from logitless.fused_losses.oplib import (
+    check_temperature,
     define,
     distinct,
     grads_fake,
@@ -171,32 +172,37 @@ def _check_head(prefix: str, hidden, weight, bias, lead=None):
 
 
 def _check_common(hidden, tensors, mask, temperature):
-    """Devices, the temperature and the mask; returns the mask as bool (None: every row)."""
+    """Devices, the temperature (`check_temperature`, for hidden's compute dtype) and the
+    mask's type, shape and device; its values are read inside the ops (`_rows`)."""
     for name, t in tensors:
         if t is not None and t.device != hidden.device:
             raise ValueError(f"{name} is on {t.device} but hidden is on {hidden.device}")
-    if not (is_number(temperature) and math.isfinite(temperature) and temperature > 0):
-        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+    check_temperature(temperature, hidden.dtype)
     lead = tuple(hidden.shape[:-1])
     if mask is None:
-        return None
-    # any dtype, nonzero = kept (as fused_policy_loss and policy_loss read a mask)
+        return
     if not isinstance(mask, torch.Tensor) or mask.dtype.is_complex \
             or tuple(mask.shape) != lead:
         raise ValueError(f"mask must be None or a bool or real tensor of hidden's token shape "
-                         f"{lead} (nonzero: kept), got "
+                         f"{lead} (1: kept, 0: dropped), got "
                          f"{getattr(mask, 'dtype', type(mask).__name__)} "
                          f"{tuple(getattr(mask, 'shape', ()))}")
     if mask.device != hidden.device:
         raise ValueError(f"mask is on {mask.device} but hidden is on {hidden.device}")
-    return mask if mask.dtype == torch.bool else mask != 0
 
 
 def _rows(mask, n):
-    """Indices of the kept rows of ``n`` flattened tokens (None: all)."""
+    """Indices of the kept rows of ``n`` flattened tokens (None: all); a mask that is not bool
+    must hold 0 and 1 only (``ValueError``: 0.5, 2 or NaN would otherwise read as kept)."""
     if mask is None:
         return None
     flat = mask.reshape(-1)
+    if flat.dtype != torch.bool:
+        bad = (flat != 0) & (flat != 1)
+        if bool(bad.any()):
+            raise ValueError(f"mask must be bool or hold 0 and 1 only (1: kept), got "
+                             f"{flat[bad][0].item()!r}")
+        flat = flat != 0
     return None if bool(flat.all()) else torch.nonzero(flat).squeeze(1)
 
 
@@ -240,10 +246,11 @@ def linear_divergence(
         weight: ``[V, D]`` the student's head.
         teacher_hidden: ``[..., D_t]`` with the student's token shape; ``D_t`` may differ.
         teacher_weight: ``[V, D_t]``, the same vocabulary as the student's.
-        mask: optional tensor of the token shape, bool or real (nonzero: kept, as
-            `fused_policy_loss` reads it); the other rows are skipped and hold 0.
+        mask: optional tensor of the token shape, bool, or real holding 0 and 1 only (1:
+            kept; other values raise ``ValueError``); the other rows are skipped and hold 0.
         beta: in ``[0, 1]``.
-        temperature: finite, > 0; divides both heads' logits.
+        temperature: a normal number of the accumulation dtype (fp32, fp64 for fp64
+            inputs), as ``linear_logprobs`` takes; divides both heads' logits.
         bias, teacher_bias: optional ``[V]`` biases.
         return_entropy: also return the student's per-token entropy of ``p_s`` (folded into
             the first pass; no gradient, 0 where ``mask`` is False).
@@ -257,10 +264,10 @@ def linear_divergence(
     lead = tuple(hidden.shape[:-1])
     teacher_hidden, teacher_weight, teacher_bias = _check_head(
         "teacher_", teacher_hidden, teacher_weight, teacher_bias, lead)
-    mask = _check_common(hidden, (("weight", weight), ("bias", bias),
-                                  ("teacher_hidden", teacher_hidden),
-                                  ("teacher_weight", teacher_weight),
-                                  ("teacher_bias", teacher_bias)), mask, temperature)
+    _check_common(hidden, (("weight", weight), ("bias", bias),
+                           ("teacher_hidden", teacher_hidden),
+                           ("teacher_weight", teacher_weight),
+                           ("teacher_bias", teacher_bias)), mask, temperature)
     if teacher_weight.shape[0] != weight.shape[0]:
         raise ValueError(f"teacher_weight must have the student's vocabulary size "
                          f"{weight.shape[0]} rows, got {teacher_weight.shape[0]}")
@@ -348,17 +355,16 @@ def linear_topk_distill(
         teacher_ids: integer ``[..., k]`` in ``[0, V)``, the token shape then k.
         teacher_logprobs: float ``[..., k]``, the teacher's log-probabilities at those ids
             (no gradient).
-        mask: optional tensor of the token shape, bool or real (nonzero: kept, as
-            `fused_policy_loss` reads it); the other rows are skipped and hold 0.
+        mask: optional tensor of the token shape, bool, or real holding 0 and 1 only (1:
+            kept; other values raise ``ValueError``); the other rows are skipped and hold 0.
 
     Returns:
         fp32 tensor (fp64 for fp64 inputs) of the token shape.
     """
     hidden, weight, bias = _check_head("", hidden, weight, bias)
     lead = tuple(hidden.shape[:-1])
-    mask = _check_common(hidden, (("weight", weight), ("bias", bias),
-                                  ("teacher_ids", teacher_ids),
-                                  ("teacher_logprobs", teacher_logprobs)), mask, temperature)
+    _check_common(hidden, (("weight", weight), ("bias", bias), ("teacher_ids", teacher_ids),
+                           ("teacher_logprobs", teacher_logprobs)), mask, temperature)
     if not isinstance(teacher_ids, torch.Tensor) or teacher_ids.dtype.is_floating_point \
             or teacher_ids.dtype.is_complex or teacher_ids.dtype == torch.bool \
             or teacher_ids.dim() != len(lead) + 1 or tuple(teacher_ids.shape[:-1]) != lead \
@@ -388,7 +394,7 @@ def linear_topk_distill(
     # Dropped rows: log q = log t = 0 below, so their loss is 0 (and gets no gradient).
     log_t = teacher_logprobs.detach().to(log_q.dtype)
     if mask is not None:
-        log_t = torch.where(mask[..., None], log_t, 0.0)
+        log_t = torch.where(mask[..., None] != 0, log_t, 0.0)  # 0/1, checked by the op
     if log_prob_min_clamp is not None:
         log_q, log_t = log_q.clamp_min(log_prob_min_clamp), log_t.clamp_min(log_prob_min_clamp)
     loss = (log_t.exp() * (log_t - log_q)).sum(-1).clamp_min(0.0)

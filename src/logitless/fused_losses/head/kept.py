@@ -21,7 +21,13 @@ from contextlib import nullcontext
 
 import torch
 
-from logitless.fused_losses.oplib import compact_rows, is_compiling, put_rows, take_rows
+from logitless.fused_losses.oplib import (
+    check_temperature,
+    compact_rows,
+    is_compiling,
+    put_rows,
+    take_rows,
+)
 from logitless.kernels.linear_softmax_torch import acc_dtype
 
 DEFAULT_GATHER_BYTES = 64 * 2**20
@@ -86,16 +92,17 @@ def _kept_logits(h, weight, bias, ids, temp, softcap, scale):
     return z.masked_fill(~valid, float("-inf")), raw, valid, w
 
 
-def check_kept_temperature(temperature, targets: torch.Tensor) -> None:
-    """A per-token temperature with ``kept_ids``: ``targets``' shape, finite and > 0."""
+def check_kept_temperature(temperature, targets: torch.Tensor, dtype: torch.dtype) -> None:
+    """A per-token temperature with ``kept_ids``: ``targets``' shape, floating point, values
+    in the range every path takes (`check_temperature`, for the compute dtype ``dtype``)."""
     if not isinstance(temperature, torch.Tensor):
         return
     if temperature.shape != targets.shape or not temperature.is_floating_point():
         raise ValueError(f"temperature as a tensor must be floating point with targets' shape "
                          f"{tuple(targets.shape)}, got {temperature.dtype} "
                          f"{tuple(temperature.shape)}")
-    if not is_compiling() and not bool((torch.isfinite(temperature) & (temperature > 0)).all()):
-        raise ValueError("temperature must be finite and > 0 for every token")
+    if not is_compiling():
+        check_temperature(temperature, dtype)
 
 
 class _KeptLogprobs(torch.autograd.Function):

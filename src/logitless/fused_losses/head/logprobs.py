@@ -22,6 +22,7 @@ from logitless.fused_losses.head.dtensor import sharded_head, sharded_logprobs
 from logitless.fused_losses.head.shards import resolve
 from logitless.fused_losses.head.shards import vocab_offset as _vocab_offset
 from logitless.fused_losses.oplib import (
+    check_temperature,
     compact_rows,
     define,
     distinct,
@@ -249,8 +250,7 @@ def check_head_args(hidden, weight, targets, bias, temperature, softcap, logit_s
     for name, t in (("weight", weight), ("targets", targets), ("bias", bias)):
         if t is not None and t.device != hidden.device:
             raise ValueError(f"{name} is on {t.device} but hidden is on {hidden.device}")
-    if not (is_number(temperature) and _finite(temperature) and temperature > 0):
-        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+    check_temperature(temperature, compute_dtype(hidden))
     if softcap is not None and not (is_number(softcap) and _finite(softcap)
                                     and softcap > 0):
         raise ValueError(f"softcap must be None or a finite number > 0, got {softcap!r}")
@@ -278,7 +278,7 @@ def _kept_set(hidden, weight, targets, kept_ids, bias, temperature, top_k, top_p
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
         raise ValueError(f"ignore_index must be an integer token id, got {ignore_index!r}")
     check_byte_budget("max_tile_bytes", max_tile_bytes)
-    kept.check_kept_temperature(temperature, targets)
+    kept.check_kept_temperature(temperature, targets, compute_dtype(hidden))
     want_mass = "log_kept_mass" in stats
 
     def full_lse():
@@ -337,7 +337,9 @@ def linear_logprobs(
         targets: integer token ids shaped ``hidden.shape[:-1]``, in ``[0, V)`` or
             ``ignore_index`` (an integer); ignored rows are dropped before any kernel runs.
         bias: optional ``[V]`` head bias.
-        temperature: a number > 0 or a tensor of ``targets``' shape (one per token).
+        temperature: a number or a float tensor of ``targets``' shape (one per token), a
+            normal number of the accumulation dtype (``[tiny, max]`` of fp32, of fp64 for
+            fp64 inputs; `check_temperature`), on every path alike.
         top_k, top_p, min_p: vLLM's truncations (a number or a tensor of ``targets``' shape;
             None: off; ``top_k >= V``, ``top_p == 1``, ``min_p == 0`` are no-ops): the
             results are then those of the distribution vLLM samples from, the tempered logits

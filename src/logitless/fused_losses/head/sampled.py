@@ -22,6 +22,7 @@ import torch
 from logitless.fused_losses.backend import triton_selected
 from logitless.fused_losses.head import shards
 from logitless.fused_losses.oplib import (
+    check_temperature,
     compact_rows,
     define,
     distinct,
@@ -63,14 +64,15 @@ def _check_tensor(name, x, targets, integer: bool):
         raise ValueError(f"{name} as a tensor must be floating point, got {x.dtype}")
 
 
-def check_values(temperature, top_k, top_p, min_p) -> None:
-    """The checks that read the per-token settings' values (``ValueError`` naming the
-    argument); each a tensor or None. Run inside the custom op (under ``torch.compile`` too)."""
-    for name, x in (("temperature", temperature), ("top_p", top_p), ("min_p", min_p)):
+def check_values(temperature, top_k, top_p, min_p, dtype) -> None:
+    """The checks that read the per-token settings' values as given, before any cast
+    (``ValueError`` naming the argument); each a tensor or None, ``temperature`` in the range
+    of `check_temperature` for the compute dtype ``dtype``. Run inside the custom op (under
+    ``torch.compile`` too)."""
+    check_temperature(temperature, dtype)
+    for name, x in (("top_p", top_p), ("min_p", min_p)):
         if x is not None and not bool(torch.isfinite(x).all()):
             raise ValueError(f"{name} must be finite, found a non-finite value")
-    if temperature is not None and not bool((temperature > 0).all()):
-        raise ValueError("temperature must be > 0 at every token")
     if top_k is not None and not bool((top_k >= 1).all()):
         raise ValueError("top_k must be >= 1 at every token (None turns it off; "
                          "vLLM's 0 and -1 are spelled None here)")
@@ -142,7 +144,7 @@ def per_token(settings: SamplerSettings, targets, temperature: float, dtype):
     times the scalar ``temperature``, ``top_k`` int64, ``top_p`` fp64, ``min_p``; None where
     off. ``temperature`` and ``min_p`` are in the accumulation dtype of ``dtype`` or, given as
     wider tensors, in their own dtype: the op checks their values before it casts them
-    (`check_values`, then `_in_acc`)."""
+    (`check_values`)."""
     acc = acc_dtype(dtype)
 
     def full(x, tensor_dtype):
@@ -217,17 +219,11 @@ def _shards(group_name, weight, device):
     return offset, shards.GroupReduction(group, v_total)
 
 
-def _in_acc(temperature, min_p, dtype, check: bool = False):
-    """``temperature`` and ``min_p`` in the accumulation dtype of ``dtype`` (the kernels');
-    ``check``: refuse a temperature that the cast takes to 0 or inf (checked > 0 and finite
-    before it, by `check_values`)."""
+def _in_acc(temperature, min_p, dtype):
+    """``temperature`` and ``min_p`` in the accumulation dtype of ``dtype`` (the kernels'; a
+    temperature checked by `check_values` stays a normal number there)."""
     acc = acc_dtype(dtype)
-    t = temperature.to(acc)
-    if check and not bool((torch.isfinite(t) & (t > 0)).all()):
-        worst = temperature[~(torch.isfinite(t) & (t > 0))].reshape(-1)[0].item()
-        raise ValueError(f"temperature must stay finite and > 0 in {acc} (the accumulation "
-                         f"dtype), got {worst!r}")
-    return t, None if min_p is None else min_p.to(acc)
+    return temperature.to(acc), None if min_p is None else min_p.to(acc)
 
 
 def _sp_rows(targets, temperature, top_k, top_p, min_p, weight, ignore_index, dtype, sampler,
@@ -245,8 +241,7 @@ def _sp_rows(targets, temperature, top_k, top_p, min_p, weight, ignore_index, dt
 def _sp_forward(hidden, weight, bias, targets, temperature, top_k, top_p, min_p, softcap,
                 logit_scale, ignore_index, tile_bytes, dtype, sampler, group_name=None,
                 hidden_grad="sum"):
-    check_values(temperature, top_k, top_p, min_p)  # the values as given, before any cast
-    _in_acc(temperature, min_p, dtype, check=True)
+    check_values(temperature, top_k, top_p, min_p, dtype)  # the values as given, before any cast
     offset, reduce = _shards(group_name, weight, hidden.device)
     t, rows, params = _sp_rows(targets, temperature, top_k, top_p, min_p, weight, ignore_index,
                                dtype, sampler, offset, reduce)
