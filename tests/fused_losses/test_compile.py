@@ -390,9 +390,9 @@ def _opcheck_args(name):
                     targets, *settings, *config)
         outs = torch.ops.logitless.sampled_logprobs(hidden, weight, bias, targets, *settings,
                                                     *config)
-        lp, ent, _, lse, lse_kept, key, count = outs
-        return (hidden, weight, bias, targets, *settings, key, count, lse, lse_kept, ent, lp,
-                randn(2, 3), randn(2, 3), None, randn(2, 3), *config, True, True, True)
+        lp, ent, kept_mass, _, m, log_kept, key, count = outs
+        return (hidden, weight, bias, targets, *settings, key, count, m, log_kept, kept_mass,
+                ent, lp, randn(2, 3), randn(2, 3), None, randn(2, 3), *config, True, True, True)
     valid = torch.tensor([[True, True, False], [True, True, True]])
     if name == "logitless::cov_drop_mask":
         return (valid & torch.tensor([[True, False, True], [True, True, False]]), valid, 0.5, 3)

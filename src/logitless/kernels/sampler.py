@@ -31,8 +31,9 @@ the chunk's real rows only):
    rules (SGLang's joint filter and kept ties, min-p last) follow ``sampler_torch``.
 4. ``_stats_kernel``: the kept sums, the ties at ``T`` and those before the target; the merge,
    one launch of ``_finish_kernel``, writes the chunk's rows of ``log q_y``, the kept
-   entropy, ``log_kept_mass``, ``lse``, the kept ``lse`` and the stored pair (the smallest
-   kept key and the kept tokens at it).
+   entropy, ``log_kept_mass``, ``lse``, the row maximum ``m`` and the kept set's normaliser
+   relative to it (``log sum_K exp(z - m)``, what the backward takes) and the stored pair
+   (the smallest kept key and the kept tokens at it).
 
 Backward (:func:`backward`), vocabulary-outer: per group of whole chunks, the forward's GEMMs
 (same shapes, same bits) fill a tile whose rows are padded to whole steps; ``_cut_kernel``
@@ -370,14 +371,15 @@ def _stats_kernel(z, stride_z, targets, m_in, t_in, part, part_k, n_slices, widt
 
 @triton.jit
 def _finish_kernel(part, part_k, n_slices, m_in, t_in, c_in, z, stride_z, targets, n_rows,
-                   width, pad, lp_out, ent_out, lkm_out, lse_out, lsek_out, key_out,
+                   width, pad, lp_out, ent_out, lkm_out, lse_out, m_out, logk_out, key_out,
                    count_out, CANONICAL: tl.constexpr, BLOCK_R: tl.constexpr):
     """The statistics pass's merge and the chunk's results, for ``BLOCK_R`` rows: the
     slices' partial sums added in slice order in fp64, the kept ties at ``T`` (a count times
     one weight), the target's membership, and ``log q_y``, the kept entropy,
-    ``log_kept_mass``, ``lse``, the kept ``lse`` and the stored pair written straight into
-    the outputs. With ``CANONICAL`` (a min-p floor may be a key no token has) the stored pair
-    is the smallest kept key and the kept tokens at it."""
+    ``log_kept_mass``, ``lse``, the row maximum ``m``, the kept set's normaliser relative to
+    it (``log sum_K exp(z - m)``) and the stored pair written straight into the outputs.
+    With ``CANONICAL`` (a min-p floor may be a key no token has) the stored pair is the
+    smallest kept key and the kept tokens at it."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     live = rows < n_rows
     r64 = rows.to(tl.int64)
@@ -410,10 +412,10 @@ def _finish_kernel(part, part_k, n_slices, m_in, t_in, c_in, z, stride_z, target
     z_y = tl.load(z + r64 * stride_z + y, mask=live, other=0.0)
     y_key = _keys(z_y).to(tl.int64)
     y_in = (y_key > t) | ((y_key == t) & (n_b + 1.0 <= c.to(tl.float64)))
-    full = md + tl.log(l_f)
-    kept = md + tl.log(l_k)
-    lp = tl.where(y_in, z_y.to(tl.float64) - kept, float("-inf"))
-    entropy = tl.log(l_k) - a_k / l_k
+    log_f = tl.log(l_f)
+    log_k = tl.log(l_k)
+    lp = tl.where(y_in, (z_y.to(tl.float64) - md) - log_k, float("-inf"))
+    entropy = log_k - a_k / l_k
     key = t
     count = kept_t.to(tl.int64)
     if CANONICAL:
@@ -426,9 +428,10 @@ def _finish_kernel(part, part_k, n_slices, m_in, t_in, c_in, z, stride_z, target
         count = tl.where(kept_t > 0, kept_t, n_min).to(tl.int64)
     tl.store(lp_out + rows, lp.to(tl.float32), mask=live)
     tl.store(ent_out + rows, entropy.to(tl.float32), mask=live)
-    tl.store(lkm_out + rows, (kept - full).to(tl.float32), mask=live)
-    tl.store(lse_out + rows, full.to(tl.float32), mask=live)
-    tl.store(lsek_out + rows, kept.to(tl.float32), mask=live)
+    tl.store(lkm_out + rows, (log_k - log_f).to(tl.float32), mask=live)
+    tl.store(lse_out + rows, (md + log_f).to(tl.float32), mask=live)
+    tl.store(m_out + rows, m, mask=live)
+    tl.store(logk_out + rows, log_k.to(tl.float32), mask=live)
     tl.store(key_out + rows, key, mask=live)
     tl.store(count_out + rows, count, mask=live)
 
@@ -507,12 +510,12 @@ def _cut_kernel(x, stride_x, temperature, key, count, seen, u_at, u_above, cut, 
 
 
 @triton.jit
-def _grad_kernel(x, stride_x, targets, temperature, key, cut, u_at, u_above, lse,
-                 lse_kept, entropy, g_lp, g_entropy, g_kept, g_lse, n_rows, width, span, v0,
-                 softcap, scale, sign, HAS_SOFTCAP: tl.constexpr, HAS_G_LP: tl.constexpr,
-                 HAS_G_ENTROPY: tl.constexpr, HAS_G_KEPT: tl.constexpr,
-                 HAS_G_LSE: tl.constexpr, INTERPRET_BF16: tl.constexpr,
-                 BLOCK_V: tl.constexpr):
+def _grad_kernel(x, stride_x, targets, temperature, key, cut, u_at, u_above, top, log_kept,
+                 log_full, entropy, g_lp, g_entropy, g_kept, g_lse, n_rows, width, span, v0,
+                 softcap, scale, sign, HAS_SOFTCAP: tl.constexpr, CLAMP: tl.constexpr,
+                 HAS_G_LP: tl.constexpr, HAS_G_ENTROPY: tl.constexpr,
+                 HAS_G_KEPT: tl.constexpr, HAS_G_LSE: tl.constexpr,
+                 INTERPRET_BF16: tl.constexpr, BLOCK_V: tl.constexpr):
     """Overwrite row ``r``'s logits before the transform (vocabulary columns ``v0 ...``, in
     their dtype) with ``dx``; zeros for rows at or past ``n_rows`` (padding). The kept tokens
     at the kept key are those before column ``cut[r]`` (:func:`_cut_kernel`). ``g_lp`` must
@@ -522,13 +525,18 @@ def _grad_kernel(x, stride_x, targets, temperature, key, cut, u_at, u_above, lse
     raw logit, its sign flipped for a negative scale), so the kept key's tokens are those with
     ``u`` in ``[u_at, u_above)`` and the tokens above it those with ``u >= u_above``
     (:func:`_value_cuts`, the same bits as the forward's keys, without a division per
-    element); the kept distribution's ``exp(z - lse)`` is formed as one ``exp2`` of ``x`` times
-    ``scale / T log2(e)``. With a softcap every element's logit is formed as the forward's."""
+    element). ``log q = (z - m) - log_kept`` (``log p`` with ``log_full``) is formed without a
+    number of ``m``'s size: ``z - m`` as ``(x - x_top) scale / T`` from the raw logits, where
+    ``x_top = sign top`` is a raw logit whose tempered logit is ``m`` (exact in fp32 for 16-bit
+    logits, near ``m`` for fp32 ones), then one ``exp2``. With ``CLAMP`` (fp32 logits, where
+    several raw values may give the tempered ``m``) it is capped at 0, so that every token at
+    ``m`` has ``q = exp(-log_kept)`` as in the forward (a one-token set: ``q = 1``, its
+    gradient 0). With a softcap every element's logit is formed as the forward's, and ``top``
+    is ``m``."""
     row, x_row, keep, r = _tile_row(x, stride_x, n_rows)
     temp = tl.load(temperature + r)
     end = tl.load(cut + row)
     y = (tl.load(targets + r) - v0).to(tl.int32)
-    lse_k = tl.load(lse_kept + r)
     coef = 0.0
     g_y = 0.0
     if HAS_G_LP:
@@ -544,12 +552,16 @@ def _grad_kernel(x, stride_x, targets, temperature, key, cut, u_at, u_above, lse
     if HAS_G_ENTROPY:
         g_h = tl.load(g_entropy + r)
         h = tl.load(entropy + r)
-    lse_r = tl.load(lse + r)
     factor = scale / temp
     log2e = 1.4426950408889634
-    k2 = factor * log2e
-    lse_k2 = lse_k * log2e
-    lse_r2 = lse_r * log2e
+    lk2 = tl.load(log_kept + r) * log2e
+    lf2 = tl.load(log_full + r) * log2e
+    if HAS_SOFTCAP:
+        k2 = log2e
+        x_top = tl.load(top + r)  # m
+    else:
+        k2 = factor * log2e
+        x_top = tl.load(top + r) * sign
     t = tl.load(key + r).to(tl.int32)
     lo_u = tl.load(u_at + r)
     hi_u = tl.load(u_above + r)
@@ -561,19 +573,22 @@ def _grad_kernel(x, stride_x, targets, temperature, key, cut, u_at, u_above, lse
                                   HAS_SOFTCAP)
         if HAS_SOFTCAP:
             z = _tempered(raw, temp, softcap, scale, HAS_SOFTCAP)
-            log2_q = z * log2e - lse_k2
+            dz = z - x_top  # z - m
         else:
-            log2_q = raw.to(tl.float32) * k2 - lse_k2
+            dz = raw.to(tl.float32) - x_top  # (z - m) T / scale
+        log2_q = dz * k2 - lk2
+        if CLAMP:
+            log2_q = tl.minimum(log2_q, -lk2)
         member = valid & (above | (at & (cols < end)))
         q = tl.where(member, tl.exp2(log2_q), 0.0)
         d = q * coef
         if HAS_G_ENTROPY:
             d -= tl.where(member, q * (log2_q * 0.6931471805599453 + h), 0.0) * g_h
         if HAS_G_KEPT or HAS_G_LSE:
-            if HAS_SOFTCAP:
-                d += tl.exp2(z * log2e - lse_r2) * g_p
-            else:
-                d += tl.exp2(raw.to(tl.float32) * k2 - lse_r2) * g_p
+            log2_p = dz * k2 - lf2
+            if CLAMP:
+                log2_p = tl.minimum(log2_p, -lf2)
+            d += tl.exp2(log2_p) * g_p
         d += tl.where(cols == y, g_y, 0.0)
         d *= factor
         if HAS_SOFTCAP:
@@ -634,11 +649,11 @@ def _gemm_(out, h, w, b):
 
 def forward(hidden, weight, bias, targets, params: RowParams, *, softcap, logit_scale,
             tile_bytes: int = DEFAULT_TILE_BYTES):
-    """``sampler_torch.forward``'s contract: ``(logprobs, entropy, log_kept_mass, lse,
-    lse_kept, key, count)``, each ``[N]`` (fp32; key and count int64)."""
+    """``sampler_torch.forward``'s contract: ``(logprobs, entropy, log_kept_mass, lse, m,
+    log_kept, key, count)``, each ``[N]`` (fp32; key and count int64)."""
     n, v = hidden.shape[0], weight.shape[0]
     dev = hidden.device
-    outs = [torch.empty(n, dtype=torch.float32, device=dev) for _ in range(5)]
+    outs = [torch.empty(n, dtype=torch.float32, device=dev) for _ in range(6)]
     outs += [torch.empty(n, dtype=torch.int64, device=dev) for _ in range(2)]
     if n == 0:
         return tuple(outs)
@@ -770,8 +785,8 @@ class _Passes:
 def chunk_stats(x, targets, args, r0, outs, softcap, logit_scale, bufs=None):
     """The kept set and statistics of the logits ``x [R, V]`` before the transform (row
     stride free, unit column stride) of rows ``r0 ...`` of the per-row settings ``args``
-    (:func:`row_args`): ``(logprobs, entropy, log_kept_mass, lse, lse_kept, key, count)``,
-    each ``[R]``, written into ``outs`` when given (module doc, steps 2-4)."""
+    (:func:`row_args`): ``(logprobs, entropy, log_kept_mass, lse, m, log_kept, key,
+    count)``, each ``[R]``, written into ``outs`` when given (module doc, steps 2-4)."""
     rows, v = x.shape
     dev = x.device
     if bufs is None or bufs.rows < rows or bufs.v != v:
@@ -849,7 +864,7 @@ def chunk_stats(x, targets, args, r0, outs, softcap, logit_scale, bufs=None):
         c = torch.where(floor > t, _ALL_TIES, c)
         t = torch.maximum(t, floor)
     if outs is None:
-        outs = [torch.empty(rows, dtype=torch.float32, device=dev) for _ in range(5)]
+        outs = [torch.empty(rows, dtype=torch.float32, device=dev) for _ in range(6)]
         outs += [torch.empty(rows, dtype=torch.int64, device=dev) for _ in range(2)]
     return _final_stats(passes, targets, t.contiguous(), c, m, floor is not None, outs)
 
@@ -892,17 +907,18 @@ def _value_at(k, like, MASK: tl.constexpr, KEY_TY: tl.constexpr):
 
 
 @triton.jit
-def _value_cuts_kernel(key, temperature, u_at, u_above, like, n_rows, mag, LO: tl.constexpr,
-                       HI: tl.constexpr, MASK: tl.constexpr, KEY_TY: tl.constexpr,
-                       STEPS: tl.constexpr, BLOCK_R: tl.constexpr):
-    """:func:`_value_cuts` for ``BLOCK_R`` rows: two bisections over the ordered keys
+def _value_cuts_kernel(key, top, temperature, u_at, u_above, u_top, like, n_rows, mag,
+                       LO: tl.constexpr, HI: tl.constexpr, MASK: tl.constexpr,
+                       KEY_TY: tl.constexpr, STEPS: tl.constexpr, BLOCK_R: tl.constexpr):
+    """:func:`_value_cuts` for ``BLOCK_R`` rows: three bisections over the ordered keys
     ``[LO, HI]`` of ``like``'s dtype (-inf to +inf), each step forming the candidate's tempered
     logit as the forward does (``_tempered`` without a softcap)."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     live = rows < n_rows
     k = tl.load(key + rows, mask=live, other=0).to(tl.int32)
+    k_top = _keys(tl.load(top + rows, mask=live, other=0.0))
     t = tl.load(temperature + rows, mask=live, other=1.0)
-    for which in tl.static_range(2):
+    for which in tl.static_range(3):
         lo = tl.full([BLOCK_R], LO, tl.int64)  # int64: the fp32 range's ends sum past int32
         hi = tl.full([BLOCK_R], HI + 1, tl.int64)  # past every value: none
         for _ in tl.static_range(STEPS):
@@ -911,30 +927,36 @@ def _value_cuts_kernel(key, temperature, u_at, u_above, like, n_rows, mag, LO: t
                                       t))
             if which == 0:
                 ok = zk >= k
-            else:
+            elif which == 1:
                 ok = zk > k
+            else:
+                ok = zk >= k_top
             more = lo < hi
             hi = tl.where(ok & more, mid, hi)
             lo = tl.where(~ok & more, mid + 1, lo)
         u = tl.where(lo <= HI, _value_at(tl.minimum(lo, HI), like, MASK, KEY_TY), float("nan"))
         if which == 0:
             tl.store(u_at + rows, u, mask=live)
-        else:
+        elif which == 1:
             tl.store(u_above + rows, u, mask=live)
+        else:
+            tl.store(u_top + rows, u, mask=live)
 
 
 # +inf's bit pattern per dtype (the largest ordered key of a non-NaN value).
 _INF_BITS = {torch.bfloat16: 0x7F80, torch.float16: 0x7C00, torch.float32: 0x7F800000}
 
 
-def _value_cuts(key, temperature, scale: float, dtype):
+def _value_cuts(key, top, temperature, scale: float, dtype):
     """Per row, for logits ``x`` of ``dtype`` and ``u = sign(scale) x``: the smallest ``u``
     whose tempered logit ``fl(fl(u |scale|) / T)`` (the forward's, ``_tempered`` without a
-    softcap: nondecreasing in ``u``) has at least the key ``key``, and the smallest whose key
-    is above it (fp32 values; NaN where none is). Two bisections over the ordered keys of
-    ``dtype``'s finite values and infinities in one launch (:func:`_value_cuts_kernel`), the
-    same products and correctly rounded divisions as the kernels': the backward tells the kept
-    tokens by comparing ``u`` with these two numbers, with the forward's bits."""
+    softcap: nondecreasing in ``u``) has at least the key ``key``, the smallest whose key is
+    above it, and the smallest whose tempered logit is the row maximum ``top`` (fp32 values;
+    NaN where none is). Three bisections over the ordered keys of ``dtype``'s finite values
+    and infinities in one launch (:func:`_value_cuts_kernel`), the same products and correctly
+    rounded divisions as the kernels': the backward tells the kept tokens by comparing ``u``
+    with the first two numbers, with the forward's bits, and forms ``z - m`` from ``u`` minus
+    the third (``_grad_kernel``)."""
     n = key.shape[0]
     kd = torch.int16 if dtype.itemsize == 2 else torch.int32
     # the ordered keys of +inf and -inf in ``dtype``'s own width (+inf's bit pattern; -inf's,
@@ -943,28 +965,31 @@ def _value_cuts(key, temperature, scale: float, dtype):
     lo_key = -hi_key - 1
     u_at = torch.empty(n, dtype=torch.float32, device=key.device)
     u_above = torch.empty_like(u_at)
+    u_top = torch.empty_like(u_at)
     like = torch.empty(1, dtype=dtype, device=key.device)
     bits = 8 * kd.itemsize
     _value_cuts_kernel[(triton.cdiv(n, _BLOCK_R),)](
-        key.contiguous(), temperature.float().contiguous(), u_at, u_above, like, n,
+        key.contiguous(), top.contiguous(), temperature.float().contiguous(), u_at, u_above,
+        u_top, like, n,
         abs(float(scale)), LO=lo_key, HI=hi_key, MASK=(1 << (bits - 1)) - 1,
         KEY_TY=tl.int16 if bits == 16 else tl.int32, STEPS=bits + 1, BLOCK_R=_BLOCK_R,
         num_warps=2)
-    return u_at, u_above
+    return u_at, u_above, u_top
 
 
 def grad_meta(dtype, softcap, g_lp, g_entropy, g_kept, g_lse) -> dict:
     """The constexprs and warps ``backward`` launches ``_grad_kernel`` with."""
-    return dict(HAS_SOFTCAP=softcap is not None, HAS_G_LP=g_lp is not None,
+    return dict(HAS_SOFTCAP=softcap is not None,
+                CLAMP=softcap is None and dtype.itemsize > 2, HAS_G_LP=g_lp is not None,
                 HAS_G_ENTROPY=g_entropy is not None, HAS_G_KEPT=g_kept is not None,
                 HAS_G_LSE=g_lse is not None,
                 INTERPRET_BF16=_INTERPRET and dtype == torch.bfloat16, BLOCK_V=_BLOCK_V,
                 num_warps=_WARPS)
 
 
-def backward(hidden, weight, bias, targets, params: RowParams, key, count, lse, lse_kept,
-             entropy, g_lp, g_entropy, g_kept, g_lse, *, softcap, logit_scale, need_hidden,
-             need_weight, need_bias, tile_bytes: int = DEFAULT_TILE_BYTES):
+def backward(hidden, weight, bias, targets, params: RowParams, key, count, m, log_kept,
+             log_kept_mass, entropy, g_lp, g_entropy, g_kept, g_lse, *, softcap, logit_scale,
+             need_hidden, need_weight, need_bias, tile_bytes: int = DEFAULT_TILE_BYTES):
     """``sampler_torch.backward``'s contract: fp32 gradients of hidden, weight and bias (None
     where not needed) from the per-row upstream gradients (``[N]`` or None), except that
     ``g_lp`` must already be 0 on rows whose target is outside the kept set (``sampled.py``
@@ -1000,18 +1025,22 @@ def backward(hidden, weight, bias, targets, params: RowParams, key, count, lse, 
     seen = torch.zeros(n, dtype=torch.int64, device=dev)
     cut = torch.empty(per_group * rows, dtype=torch.int32, device=dev)
     per_row = [None if g is None else g.float().contiguous()
-               for g in (lse, lse_kept, entropy, g_lp, g_entropy, g_kept, g_lse)]
+               for g in (log_kept, log_kept - log_kept_mass, entropy, g_lp, g_entropy, g_kept,
+                         g_lse)]
     ptrs = [p if p is not None else per_row[0] for p in per_row]
     meta = grad_meta(hidden.dtype, softcap, *per_row[3:])
     scalars = dict(softcap=1.0 if softcap is None else float(softcap),
                    scale=float(logit_scale))
     targets, key, count = targets.contiguous(), key.contiguous(), count.contiguous()
     scalars["sign"] = -1.0 if logit_scale < 0 else 1.0
+    m = m.float().contiguous()
     if softcap is None:
-        u_at, u_above = _value_cuts(key, args["temperature"], float(logit_scale),
-                                    hidden.dtype)
+        # top: the smallest u whose tempered logit is m (``z - m`` from ``u - top``)
+        u_at, u_above, top = _value_cuts(key, m, args["temperature"], float(logit_scale),
+                                         hidden.dtype)
     else:
         u_at = u_above = args["temperature"]  # not read: the keys are formed per element
+        top = m
     for c0 in range(0, v, cols):
         w, b = _head_slice(weight, bias, c0, cols, hidden.dtype)
         width = w.shape[0]
@@ -1033,7 +1062,8 @@ def backward(hidden, weight, bias, targets, params: RowParams, key, count, lse, 
                                    **scalars, **cut_meta)
             _grad_kernel[(real,)](
                 x, x.stride(0), targets[r0:], *rows_args, cut, u_at[r0:], u_above[r0:],
-                *(p[r0:] for p in ptrs), real, width, _span(width), c0, **scalars, **meta)
+                top[r0:], *(p[r0:] for p in ptrs), real, width, _span(width), c0, **scalars,
+                **meta)
             if d_hidden is not None:
                 for c in range(0, g_rows, rows):
                     addmm_acc_(d_hidden[r0 + c:r0 + c + rows], x[c:c + rows], w,

@@ -349,9 +349,10 @@ class _Selection:
 
 
 def _chunk_stats(sel: _Selection, targets):
-    """Steps 5 and 6 in one pass: per row ``(logprobs, entropy, log_kept_mass, lse, lse_kept,
-    key, count)``. ``targets`` are ids in the slice (outside ``[0, V_slice)``: on another
-    rank's); ``count`` is the slice's own kept tokens at ``key``."""
+    """Steps 5 and 6 in one pass: per row ``(logprobs, entropy, log_kept_mass, lse, m,
+    log_kept, key, count)`` (``m``: the row maximum, ``log_kept``: ``log sum_K exp(z -
+    m)``). ``targets`` are ids in the slice (outside ``[0, V_slice)``: on another rank's);
+    ``count`` is the slice's own kept tokens at ``key``."""
     z, m = sel.z, sel.m
     rows = z.shape[1]
     cols = torch.arange(rows, device=z.device)
@@ -390,16 +391,17 @@ def _chunk_stats(sel: _Selection, targets):
         total = sel.reduce.min(key)
         count = torch.where(key == total, count, 0)
         key = total
-    entropy = torch.log(l_kept) - s_kept / l_kept
-    lse_full = m + torch.log(l_full)
-    lse_kept = m + torch.log(l_kept)
-    lp = torch.where(y_kept, z_y - lse_kept, -math.inf)
-    return lp, entropy, lse_kept - lse_full, lse_full, lse_kept, key.long(), count
+    log_kept = torch.log(l_kept)
+    log_full = torch.log(l_full)
+    entropy = log_kept - s_kept / l_kept
+    # relative to m: no rounding of a number of m's size (``m + log l``) in log q or the mass
+    lp = torch.where(y_kept, (z_y - m) - log_kept, -math.inf)
+    return lp, entropy, log_kept - log_full, m + log_full, m, log_kept, key.long(), count
 
 
 def select(z: torch.Tensor, targets: torch.Tensor, params: RowParams):
     """The kept set (bool ``[R, V]``) and the per-row results ``(logprobs, entropy,
-    log_kept_mass, lse, lse_kept, key, count)`` of tempered logits ``z`` ``[R, V]`` (row-major,
+    log_kept_mass, lse, m, log_kept, key, count)`` of tempered logits ``z`` ``[R, V]`` (row-major,
     as a reference would hold them), by the chunk algorithm above."""
     sel = _Selection(z.t().contiguous(), params, min(z.shape[1], _COLS))
     kept = torch.cat([torch.ones_like(zs, dtype=torch.bool) if c is None else c
@@ -412,15 +414,17 @@ def forward(hidden, weight, bias, targets, params: RowParams, *, softcap, logit_
     """Sampler-matched statistics of ``z = logit_scale * softcap(hidden W^T + b) / T_row``.
 
     hidden ``[N, D]`` in the compute dtype, weight ``[V, D]`` and bias in any float dtype,
-    targets int64 ``[N]`` in ``[0, V)``. Returns ``(logprobs, entropy, log_kept_mass, lse,
-    lse_kept, key, count)``, each ``[N]``: the last two describe the kept set (step 5).
+    targets int64 ``[N]`` in ``[0, V)``. Returns ``(logprobs, entropy, log_kept_mass, lse, m,
+    log_kept, key, count)``, each ``[N]``: ``m`` is the row maximum of ``z`` and ``log_kept``
+    is ``log sum_K exp(z - m)`` (the kept set's normaliser relative to ``m``, what the backward
+    takes); the last two describe the kept set (step 5).
     ``reduce``: with a sharded vocabulary, weight and bias are this rank's slice, targets are
     ids in it (outside ``[0, V_slice)`` on other ranks) and ``count`` is the slice's own (what
     ``backward`` on the slice takes); see the module doc."""
     n, v = hidden.shape[0], weight.shape[0]
     acc = acc_dtype(hidden.dtype)
     dev = hidden.device
-    outs = [torch.empty(n, dtype=acc, device=dev) for _ in range(5)]
+    outs = [torch.empty(n, dtype=acc, device=dev) for _ in range(6)]
     outs += [torch.empty(n, dtype=torch.int64, device=dev) for _ in range(2)]
     if n == 0:
         return tuple(outs)
@@ -447,12 +451,12 @@ def forward(hidden, weight, bias, targets, params: RowParams, *, softcap, logit_
     return tuple(outs)
 
 
-def backward(hidden, weight, bias, targets, params: RowParams, key, count, lse, lse_kept,
-             entropy, g_lp, g_entropy, g_kept, g_lse, *, softcap, logit_scale, need_hidden,
-             need_weight, need_bias, tile_bytes: int = DEFAULT_TILE_BYTES):
+def backward(hidden, weight, bias, targets, params: RowParams, key, count, m, log_kept,
+             log_kept_mass, entropy, g_lp, g_entropy, g_kept, g_lse, *, softcap, logit_scale,
+             need_hidden, need_weight, need_bias, tile_bytes: int = DEFAULT_TILE_BYTES):
     """Gradients of hidden, weight and bias (fp32; fp64 for fp64 inputs) from the per-row
     upstream gradients (``[N]`` or None; ``g_lp`` 0 where the target is outside the kept
-    set); see the module doc."""
+    set) and the forward's ``m``, ``log_kept`` and ``log_kept_mass``; see the module doc."""
     n, v = hidden.shape[0], weight.shape[0]
     acc = acc_dtype(hidden.dtype)
     dev = hidden.device
@@ -467,8 +471,9 @@ def backward(hidden, weight, bias, targets, params: RowParams, key, count, lse, 
     for r0, real, padded in _row_blocks(n, rows):
         sl = slice(r0, r0 + real)
         per_row = [None if g is None else _pad_rows(g[sl], padded)
-                   for g in (targets, key.to(_key_dtype(acc)), lse, lse_kept, entropy, g_lp,
-                             g_entropy, g_kept, g_lse)]
+                   for g in (targets, key.to(_key_dtype(acc)), m, log_kept,
+                             log_kept - log_kept_mass, entropy, g_lp, g_entropy, g_kept,
+                             g_lse)]
         c = _pad_rows(count[sl].clamp(max=v + 1).int(), padded)
         blocks.append((sl, real, _pad_rows(hidden[sl], padded).contiguous(),
                        params.rows(sl, padded).temperature, c, per_row))
@@ -504,11 +509,16 @@ def _key_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.int64 if dtype == torch.float64 else torch.int32
 
 
-def _logit_grad_(z, local_targets, kept, lse, lse_kept, entropy, g_lp, g_entropy, g_kept,
-                 g_lse):
+def _logit_grad_(z, local_targets, kept, m, log_kept, log_full, entropy, g_lp, g_entropy,
+                 g_kept, g_lse):
     """``d loss / d z`` of one slice ``[cols, R]`` (vocab-major; ``z`` is overwritten);
-    ``local_targets``: the targets' positions in the slice (outside ``[0, cols)``: not in it)."""
-    log_q = z - lse_kept
+    ``local_targets``: the targets' positions in the slice (outside ``[0, cols)``: not in it).
+    ``log q = (z - m) - log_kept`` and ``log p = (z - m) - log_full``: each formed from the
+    forward's own ``z`` and ``m`` (the same bits) and a normaliser of the size of a log-count,
+    never through a number of ``m``'s size (``lse``), whose fp32 rounding, times ``1 / T``,
+    would be the gradient's error at a low temperature (a one-token set: ``q = 1`` exactly)."""
+    z.sub_(m)
+    log_q = z - log_kept
     q = torch.exp(log_q).mul_(kept)  # at most 1: the kept set holds the largest logits
     coef = None  # of q: -g_lp + g_kept
     if g_lp is not None:
@@ -522,7 +532,7 @@ def _logit_grad_(z, local_targets, kept, lse, lse_kept, entropy, g_lp, g_entropy
         g_p = g_lse if g_p is None else g_p + g_lse
     dz = z
     if g_p is not None:
-        dz.sub_(lse).exp_().mul_(g_p)
+        dz.sub_(log_full).exp_().mul_(g_p)
     else:
         dz.zero_()
     if coef is not None:

@@ -188,8 +188,8 @@ def sampler_variants(vocab: int, aligned: tuple[str, ...]) -> list[Variant]:
                        "_grad_kernel",
                        dict(x="*bf16", stride_x="i32", targets="*i64", temperature="*fp32",
                             key="*i64", cut="*i32", u_at="*fp32", u_above="*fp32",
-                            **dict.fromkeys(("lse", "lse_kept", "entropy", "g_lp", "g_entropy",
-                                             "g_kept", "g_lse"), "*fp32"),
+                            **dict.fromkeys(("top", "log_kept", "log_full", "entropy", "g_lp",
+                                             "g_entropy", "g_kept", "g_lse"), "*fp32"),
                             n_rows="i32", width="i32", span="i32", v0="i32", **scal,
                             sign="fp32"),
                        consts, warps_g, consts["BLOCK_V"], 4, (div[0], *div[2:])))

@@ -145,7 +145,7 @@ EPILOGUE_INSTRUCTIONS = {
     "sampler_fan_count": 72 * 8 / 1024,
     "sampler_stats": 170 * 8 / 2048,
     "sampler_cut": 159 * 8 / 4096,
-    "sampler_grad": 164 * 8 / 2048,
+    "sampler_grad": 172 * 8 / 2048,
 }
 # The most each may issue and stay memory-bound (issue time under 75% of HBM time): 0.18 x the
 # bytes the pass moves per element, 2 for a pass that reads bf16 logits, 4 for one that reads

@@ -168,8 +168,9 @@ def _kw(backend, softcap, logit_scale, tile_bytes):
 
 def rows_forward(hidden, weight, bias, targets, params: RowParams, softcap, logit_scale,
                  tile_bytes, dtype, reduce: Reduction = LOCAL):
-    """``(logprobs, entropy, log_kept_mass, lse, lse_kept, key, count)`` of compacted rows
-    (targets in ``[0, V)``), no autograd; the last two describe the kept set. ``reduce``: a
+    """``(logprobs, entropy, log_kept_mass, lse, m, log_kept, key, count)`` of compacted rows
+    (targets in ``[0, V)``), no autograd; ``m`` and ``log_kept`` are the row maximum and the
+    kept set's normaliser relative to it, the last two describe the kept set. ``reduce``: a
     sharded vocabulary's (targets then ids in this rank's slice, ``count`` the slice's own)."""
     backend = _backend_for(hidden.device, dtype, reduce.sharded)
     kw = _kw(backend, softcap, logit_scale, tile_bytes)
@@ -179,8 +180,8 @@ def rows_forward(hidden, weight, bias, targets, params: RowParams, softcap, logi
         return backend.forward(hidden.to(dtype), weight, bias, targets, params, **kw)
 
 
-def rows_backward(hidden, weight, bias, targets, params: RowParams, key, count, lse, lse_kept,
-                  ent, lp, grads, need, softcap, logit_scale, tile_bytes, dtype,
+def rows_backward(hidden, weight, bias, targets, params: RowParams, key, count, m, log_kept,
+                  log_kept_mass, ent, lp, grads, need, softcap, logit_scale, tile_bytes, dtype,
                   sharded: bool = False):
     """Gradients of compacted rows (None where ``need`` says not wanted), in input dtypes,
     from the upstream ``grads`` of (logprobs, entropy, log_kept_mass, lse) (None: none).
@@ -190,10 +191,11 @@ def rows_backward(hidden, weight, bias, targets, params: RowParams, key, count, 
     g_lp, *rest = grads
     if g_lp is not None:  # a target outside the kept set has logprob -inf: no gradient
         g_lp = torch.where(torch.isfinite(lp), g_lp, 0.0)
-    acc = lse.dtype
+    acc = m.dtype
     with torch.autocast(hidden.device.type, enabled=False):
         d_h, d_w, d_b = backend.backward(
-            hidden.to(dtype), weight, bias, targets, params, key, count, lse, lse_kept, ent,
+            hidden.to(dtype), weight, bias, targets, params, key, count, m, log_kept,
+            log_kept_mass, ent,
             *(None if g is None else g.to(acc) for g in (g_lp, *rest)),
             need_hidden=need[0], need_weight=need[1], need_bias=need[2],
             **_kw(backend, softcap, logit_scale, tile_bytes))
@@ -254,18 +256,20 @@ def _sp_forward_fake(hidden, weight, bias, targets, temperature, top_k, top_p, m
                      logit_scale, ignore_index, tile_bytes, dtype, sampler, group_name=None,
                      hidden_grad="sum"):
     acc = acc_dtype(dtype)
-    floats = [hidden.new_empty(targets.shape, dtype=acc) for _ in range(5)]
+    floats = [hidden.new_empty(targets.shape, dtype=acc) for _ in range(6)]
     return (*floats, *(hidden.new_empty(targets.shape, dtype=torch.int64) for _ in range(2)))
 
 
 def _sp_backward_impl(hidden, weight, bias, targets, temperature, top_k, top_p, min_p, key,
-                      count, lse, lse_kept, entropy, logprobs, g_lp, g_entropy, g_kept, g_lse,
-                      softcap, logit_scale, ignore_index, tile_bytes, dtype, sampler,
-                      need_hidden, need_weight, need_bias, group_name=None, hidden_grad="sum"):
+                      count, m, log_kept, log_kept_mass, entropy, logprobs, g_lp, g_entropy,
+                      g_kept, g_lse, softcap, logit_scale, ignore_index, tile_bytes, dtype,
+                      sampler, need_hidden, need_weight, need_bias, group_name=None,
+                      hidden_grad="sum"):
     offset, reduce = _shards(group_name, weight, hidden.device)
     t, rows, params = _sp_rows(targets, temperature, top_k, top_p, min_p, weight, ignore_index,
                                dtype, sampler, offset, reduce)
-    saved = [take_rows(x, rows) for x in (key, count, lse, lse_kept, entropy, logprobs)]
+    saved = [take_rows(x, rows) for x in (key, count, m, log_kept, log_kept_mass, entropy,
+                                          logprobs)]
     grads = tuple(take_rows(g, rows) for g in (g_lp, g_entropy, g_kept, g_lse))
     d_hidden, d_weight, d_bias = rows_backward(
         take_rows(hidden, rows, hidden.shape[-1]), weight, bias, t, params, *saved, grads,
@@ -278,17 +282,18 @@ def _sp_backward_impl(hidden, weight, bias, targets, temperature, top_k, top_p, 
 
 
 def _sp_backward_fake(hidden, weight, bias, targets, temperature, top_k, top_p, min_p, key,
-                      count, lse, lse_kept, entropy, logprobs, g_lp, g_entropy, g_kept, g_lse,
-                      softcap, logit_scale, ignore_index, tile_bytes, dtype, sampler,
-                      need_hidden, need_weight, need_bias, group_name=None, hidden_grad="sum"):
+                      count, m, log_kept, log_kept_mass, entropy, logprobs, g_lp, g_entropy,
+                      g_kept, g_lse, softcap, logit_scale, ignore_index, tile_bytes, dtype,
+                      sampler, need_hidden, need_weight, need_bias, group_name=None,
+                      hidden_grad="sum"):
     return grads_fake(hidden, weight, bias, need_hidden, need_weight, need_bias)
 
 
 def _sp_setup_context(ctx, inputs, output):
     ctx.config, ctx.group = inputs[8:14], inputs[14:16]  # (group_name, hidden_grad)
     ctx.set_materialize_grads(False)
-    lp_, ent, _, lse, lse_kept, key, count = output
-    ctx.save_for_backward(*inputs[:8], key, count, lse, lse_kept, ent, lp_)
+    lp_, ent, kept_mass, _, m, log_kept, key, count = output
+    ctx.save_for_backward(*inputs[:8], key, count, m, log_kept, kept_mass, ent, lp_)
 
 
 def _sp_backward(ctx, g_lp, g_entropy, g_kept, g_lse, *_):
@@ -307,15 +312,15 @@ _SP_INPUTS = ("Tensor hidden, Tensor weight, Tensor? bias, Tensor targets, "
               "Tensor temperature, Tensor? top_k, Tensor? top_p, Tensor? min_p, ")
 sampled_logprobs_backward = define(
     "sampled_logprobs_backward",
-    "(" + _SP_INPUTS + "Tensor key, Tensor count, Tensor lse, Tensor lse_kept, "
-    "Tensor entropy, Tensor logprobs, Tensor? g_lp, Tensor? g_entropy, Tensor? g_kept, "
-    "Tensor? g_lse, " + _SP_CONFIG + ", bool need_hidden, bool need_weight, "
+    "(" + _SP_INPUTS + "Tensor key, Tensor count, Tensor m, Tensor log_kept, "
+    "Tensor log_kept_mass, Tensor entropy, Tensor logprobs, Tensor? g_lp, Tensor? g_entropy, "
+    "Tensor? g_kept, Tensor? g_lse, " + _SP_CONFIG + ", bool need_hidden, bool need_weight, "
     "bool need_bias, " + _SP_GROUP + ") -> (Tensor, Tensor, Tensor)",
     _sp_backward_impl, _sp_backward_fake)
 sampled_logprobs = define(
     "sampled_logprobs",
     "(" + _SP_INPUTS + _SP_CONFIG + ", " + _SP_GROUP + ") -> (Tensor, Tensor, Tensor, Tensor, "
-    "Tensor, Tensor, Tensor)",
+    "Tensor, Tensor, Tensor, Tensor)",
     _sp_forward, _sp_forward_fake)
 sampled_logprobs.register_autograd(_sp_backward, setup_context=_sp_setup_context)
 
