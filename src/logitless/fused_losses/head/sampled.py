@@ -336,7 +336,7 @@ class _Gathered(torch.autograd.Function):
         inputs, ctx.gather = inputs[:-1], inputs[-1]
         outs = _sp_forward(*inputs)
         _sp_setup_context(ctx, inputs, outs)
-        ctx.mark_non_differentiable(*outs[5:])
+        ctx.mark_non_differentiable(*outs[4:])  # m, log_kept, key, count
         return outs
 
     @staticmethod
