@@ -133,6 +133,24 @@ class PartitionedHead:
             self._partition()
 
 
+def assert_backward_enters_gather(run, h, w, b, t, kw):
+    """``run(hidden, weight, bias, t, gather_weight=...)`` (a sampler-matched head with the
+    settings ``kw``) on a `PartitionedHead` of ``w``, ``b``: the forward inside the gather as a
+    caller runs it, then the values and gradients against the fp64 reference, which the
+    backward reaches only if it enters the gather again."""
+    from logitless.reference.sampler import sampler_logprobs
+
+    head = PartitionedHead(w.float(), b.float())
+    hidden = h.float().requires_grad_()
+    with head.gather():
+        out = run(hidden, head.weight, head.bias, t, gather_weight=head.gather)
+    head.phase = "backward"
+    ref_leaves = [x.clone().requires_grad_() for x in (h, w, b)]
+    ref = sampler_logprobs(ref_leaves[0], ref_leaves[1], t, ref_leaves[2], **kw)
+    assert_sampler_matches(out, ref, [hidden, head.weight, head.bias], ref_leaves)
+    assert head.entries == ["forward", "backward"]
+
+
 class SequenceParallelGather(torch.autograd.Function):
     """Megatron's gather_from_sequence_parallel_region: all-gather the sequence shards along
     dim 0; backward reduce-scatters (gloo has no reduce_scatter: all-reduce, keep our shard)."""

@@ -16,7 +16,7 @@ from logitless.kernels import sampler_torch
 from logitless.reference.sampler import sampler_kept_mask, sampler_logprobs
 
 from testing import (
-    PartitionedHead,
+    assert_backward_enters_gather,
     assert_close_to_oracle,
     assert_sampler_matches,
     sampler_settings,
@@ -98,17 +98,8 @@ def test_gather_weight_is_entered_by_the_backward(case):
     it reads the head, which holds NaN outside it here (`PartitionedHead`). The backward
     ignored the hook and read the partitioned head."""
     kw = CASES[case]
-    h, w, b, t = make_inputs()
-    head = PartitionedHead(w.float(), b.float())
-    hidden = h.float().requires_grad_()
-    with head.gather():
-        out = _run(hidden, head.weight, head.bias, t, gather_weight=head.gather,
-                   **_cast(kw, torch.float32))
-    head.phase = "backward"
-    ref_leaves = [x.clone().requires_grad_() for x in (h, w, b)]
-    ref = sampler_logprobs(ref_leaves[0], ref_leaves[1], t, ref_leaves[2], **kw)
-    assert_sampler_matches(out, ref, [hidden, head.weight, head.bias], ref_leaves)
-    assert head.entries == ["forward", "backward"]
+    assert_backward_enters_gather(
+        lambda *args, **g: _run(*args, **g, **_cast(kw, torch.float32)), *make_inputs(), kw)
 
 
 def test_gradcheck_fp64_with_softcap_and_scale():

@@ -26,9 +26,8 @@ from logitless.reference.sampler import sampler_kept_mask, sampler_logprobs
 
 from sm90 import run_compile_script
 from testing import (
-    PartitionedHead,
+    assert_backward_enters_gather,
     assert_close_to_oracle,
-    assert_sampler_matches,
     requires_triton,
     sampler_settings,
 )
@@ -147,17 +146,8 @@ def test_gather_weight_is_entered_by_the_backward(small):
     it reads the head, which holds NaN outside it here (`PartitionedHead`; the caller runs
     the forward inside it). The backward ignored the hook and read the partitioned head."""
     kw = CASES["combined-per-token"]
-    h, w, b, t = _inputs()
-    head = PartitionedHead(w.float(), b.float())
-    hidden = h.float().requires_grad_()
-    with head.gather():
-        out = _run(hidden, head.weight, head.bias, t, gather_weight=head.gather,
-                   **_cast(kw, torch.float32))
-    head.phase = "backward"
-    ref_leaves = [x.clone().requires_grad_() for x in (h, w, b)]
-    ref = sampler_logprobs(*ref_leaves[:2], t, ref_leaves[2], **kw)
-    assert_sampler_matches(out, ref, [hidden, head.weight, head.bias], ref_leaves)
-    assert head.entries == ["forward", "backward"]
+    assert_backward_enters_gather(
+        lambda *args, **g: _run(*args, **g, **_cast(kw, torch.float32)), *_inputs(), kw)
     assert small == ["forward", "backward"]
 
 
