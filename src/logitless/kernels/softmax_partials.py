@@ -100,12 +100,14 @@ def normaliser(parts: Partials) -> tuple[torch.Tensor, torch.Tensor]:
     return (parts.m if parts.top is None else parts.top), torch.log(parts.l)
 
 
-def finish_logprobs(parts: Partials) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def finish_logprobs(parts: Partials, log_l: torch.Tensor | None = None,
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(logprobs, entropy, lse)`` per token from fully merged partials: the three statistics
-    a loss reads, in four ops (a chunk loop's share of `finish`). The entropy ``log l - a / l``
-    as one ``addcdiv``: the same bits (``-1 * a`` is exact, then one division and one
-    subtraction, each rounded once)."""
-    log_l = torch.log(parts.l)
+    a loss reads, in four ops (a chunk loop's share of `finish`; ``log_l``: ``log l`` where
+    the caller has it already, from :func:`normaliser`). The entropy ``log l - a / l`` as one
+    ``addcdiv``: the same bits (``-1 * a`` is exact, then one division and one subtraction,
+    each rounded once)."""
+    log_l = torch.log(parts.l) if log_l is None else log_l
     lse = parts.m + log_l
     return parts.z_y - lse, torch.addcdiv(log_l, parts.a, parts.l, value=-1), lse
 

@@ -97,8 +97,8 @@ class StoredLogitsTriton:
         parts = Partials(*state)
         # The normaliser as the dz pass reads it (``softmax_partials.normaliser``), kept with
         # the logits it belongs to.
-        self.top, self.log_l = (t.contiguous() for t in normaliser(parts))
-        return finish_logprobs(parts)
+        self.top, self.log_l = normaliser(parts)  # rows of the state: contiguous
+        return finish_logprobs(parts, self.log_l)
 
     def backward_(self, hidden, weight, lse, entropy, g_lp, g_entropy, d_weight, d_bias,
                   want_hidden: bool, weight_beta: float = 1.0):
