@@ -352,9 +352,9 @@ def _opcheck_args(name):
         return (hidden.requires_grad_(), weight.requires_grad_(), bias.requires_grad_(), targets,
                 *config, True, True)
     if name == "logitless::linear_logprobs_backward":
-        lse, ent, s2, g_lp, g_ent = (randn(2, 3) for _ in range(5))
-        return (hidden, weight, bias, targets, lse + 3, ent.abs(), s2.abs(), g_lp, g_ent, None,
-                None, None, *config, True, True, True)
+        top, log_l, ent, s2, g_lp, g_ent = (randn(2, 3) for _ in range(6))
+        return (hidden, weight, bias, targets, top + 3, log_l.abs(), ent.abs(), s2.abs(), g_lp,
+                g_ent, None, None, None, *config, True, True, True)
     if name.startswith("logitless::linear_divergence"):
         t_hidden, t_weight = randn(2, 3, 5), randn(11, 5)
         mask = torch.tensor([[True, False, True], [True, True, True]])

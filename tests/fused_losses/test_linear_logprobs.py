@@ -228,9 +228,9 @@ def test_frozen_weight_and_unused_outputs_cost_nothing(monkeypatch):
     out.logprobs.sum().backward()
     args, kw = calls[0]
     assert kw["need_hidden"] and not kw["need_weight"] and not kw["need_bias"]
-    g_entropy, g_sum_p_sq, g_mean = args[8], args[9], args[10]
+    g_entropy, g_sum_p_sq, g_mean = args[9], args[10], args[11]
     assert g_entropy is None and g_sum_p_sq is None and g_mean is None and kw["g_lse"] is None
-    assert args[5] is None  # the entropy is not even handed to the backward
+    assert args[6] is None  # the entropy is not even handed to the backward
 
 
 def test_no_grad_saves_nothing():

@@ -124,12 +124,13 @@ def _check_compiled(rank, world):
     torch.library.opcheck(torch.ops.logitless.linear_logprobs.default,
                           (hidden.requires_grad_(), weight.requires_grad_(),
                            bias.requires_grad_(), targets, *config, True, True, name, "sum"))
-    lp, ent, s2, _, _, lse = torch.ops.logitless.linear_logprobs(
+    lp, ent, s2, _, _, _, top, log_l = torch.ops.logitless.linear_logprobs(
         hidden, weight, bias, targets, *config, True, True, name, "sum")
     # "sum" ran in the forward op's autograd check
     torch.library.opcheck(torch.ops.logitless.linear_logprobs_backward.default,
                           (hidden.detach(), weight.detach(), bias.detach(), targets,
-                           lse.detach(), ent.detach(), s2.detach(), torch.ones_like(lp),
+                           top.detach(), log_l.detach(), ent.detach(), s2.detach(),
+                           torch.ones_like(lp),
                            torch.ones_like(lp), None, None, None, *config, True, True, True,
                            name, "partial"))
 

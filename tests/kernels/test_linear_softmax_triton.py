@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from logitless.kernels import linear_softmax as kernel
-from logitless.kernels.softmax_partials import finish
+from logitless.kernels.softmax_partials import finish, normaliser
 from logitless.reference.linear_softmax import linear_logits, linear_softmax_stats
 
 from sm90 import run_compile_script
@@ -115,7 +115,7 @@ def test_forward_fp32_matches_reference(small_tiles, option, bias, outside, cont
     hidden, weight, b, targets = _problem(N, torch.float32, bias=bias, outside=outside,
                                           contiguous=contiguous, **opts)
     parts = _forward(hidden, weight, b, targets, want, tile_bytes=tile_bytes, **opts)
-    assert len(parts) == 7 and all(f.dtype == torch.float32 and f.shape == (N,) for f in parts)
+    assert len(parts) == 8 and all(f.dtype == torch.float32 and f.shape == (N,) for f in parts)
     got = finish(parts, V)
     ref = _reference(hidden, weight, b, targets, **opts)
     for name in STATS if want else ("lse", "logprobs", "entropy"):
@@ -209,11 +209,13 @@ def _reference_grads(hidden, weight, bias, targets, upstream, dtype=torch.float6
 
 def _kernel_grads(hidden, weight, bias, targets, upstream, need, tile_bytes=None, **opts):
     # The statistics the backward consumes come from the fp64 reference rounded to fp32, so
-    # the backward is tested on its own.
+    # the backward is tested on its own; the normaliser's parts from the forward, whose
+    # maximum they must be (``top``).
     stats = {k: v.float() for k, v in _reference(hidden, weight, bias, targets, **opts).items()}
+    parts = _forward(hidden, weight, bias, targets, want=False, tile_bytes=tile_bytes, **opts)
     g = dict(upstream)
     return kernel.backward(
-        hidden, weight, bias, targets, stats["lse"],
+        hidden, weight, bias, targets, *normaliser(parts),
         stats["entropy"] if g["g_entropy"] is not None else None,
         stats["sum_p_sq"] if g["g_sum_p_sq"] is not None else None,
         g["g_lp"], g["g_entropy"], g["g_sum_p_sq"], g["g_mean_logit"], g_lse=g["g_lse"],
@@ -311,7 +313,7 @@ def _run(hidden, weight, bias, targets, upstream, tile_bytes=None):
     parts = _forward(hidden, weight, bias, targets, tile_bytes=tile_bytes, **opts)
     stats = finish(parts, V)
     grads = kernel.backward(
-        hidden, weight, bias, targets, stats["lse"], stats["entropy"], stats["sum_p_sq"],
+        hidden, weight, bias, targets, *normaliser(parts), stats["entropy"], stats["sum_p_sq"],
         *(upstream[k] for k in GRADS[:4]), g_lse=upstream["g_lse"], vocab_total=V,
         need_hidden=True, need_weight=True, need_bias=bias is not None, tile_bytes=tile_bytes,
         **opts)
@@ -391,9 +393,9 @@ def test_empty_batch():
     weight = torch.randn(V, D, device=_device())
     targets = torch.zeros(0, dtype=torch.int64, device=_device())
     parts = _forward(hidden, weight, None, targets, **OPTIONS["plain"])
-    assert len(parts) == 7 and all(field.shape == (0,) for field in parts)
+    assert len(parts) == 8 and all(field.shape == (0,) for field in parts)
     d_hidden, d_weight, _ = kernel.backward(
-        hidden, weight, None, targets, parts.l, None, None, parts.l, None, None, None,
+        hidden, weight, None, targets, parts.top, parts.l, None, None, parts.l, None, None, None,
         vocab_total=V, need_hidden=True, need_weight=True, need_bias=False, **OPTIONS["plain"],
     )
     assert d_hidden.shape == (0, D) and torch.equal(d_weight, torch.zeros_like(d_weight))
@@ -464,8 +466,8 @@ for dtype, ty in (("bfloat16", "bf16"), ("float16", "fp16"), ("float32", "fp32")
         g = torch.zeros(1) if on else None
         warps, consts = split(k.grad_meta(dt, 3.0 if on else None, g, g, g, g, g))
         sig = dict(logits="*" + ty, stride_row="i32", targets="*i64",
-                   **dict.fromkeys(("lse", "entropy", "sum_p_sq", "g_lp", "g_entropy",
-                                    "g_sum_p_sq", "g_mean_logit", "g_lse"), "*fp32"),
+                   **dict.fromkeys(("top", "log_l", "entropy", "sum_p_sq", "g_lp",
+                                    "g_entropy", "g_sum_p_sq", "g_mean_logit", "g_lse"), "*fp32"),
                    n_rows="i32", width="i32", v0="i32", softcap="fp32", z_scale="fp32",
                    inv_vocab_total="fp32")
         assert compile_sm90(k._tile_grad_kernel, sig, consts, num_warps=warps).asm["cubin"]

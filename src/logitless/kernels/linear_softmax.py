@@ -114,10 +114,11 @@ def _store_cols(z_row, cols, dx, width, MASKED: tl.constexpr):
 
 @triton.jit
 def _transform(x, softcap, HAS_SOFTCAP: tl.constexpr, FLIP: tl.constexpr):
-    """``w = +-softcap(x)``: the logit is ``z = w * |z_scale|``, signed so that the row's
-    largest ``w`` is its largest logit."""
+    """``w = +-u``, ``u = tanh(x / c)`` when soft-capping, else ``x``: the logit is ``z = w *
+    |z_scale| (* c)``, signed so that the row's largest ``w`` is its largest logit. ``u`` is
+    what the backward recomputes before any product (``_grad_step``)."""
     if HAS_SOFTCAP:
-        x = softcap * _tanh(x / softcap)
+        x = _tanh(x / softcap)
     if FLIP:
         x = -x
     return x
@@ -144,17 +145,19 @@ def _fold_step(z_row, c0, width, tgt, m, l, a, s2, sum_w, m_before, softcap, k2,
         w = tl.where(valid, w, float("-inf"))
     w_max = tl.max(w, 1)
     m_new = tl.maximum(m, w_max)
-    ref = m_new * k2
+    ref = m_new
     if MASKED:
         # exp2(-inf - -inf) would be NaN: a lane that has seen nothing keeps l = a = 0.
         had = m > float("-inf")
         ref = tl.where(m_new > float("-inf"), ref, 0.0)
-        shift = tl.where(had, m * k2 - ref, 0.0)
+        shift = tl.where(had, (m - ref) * k2, 0.0)
         alpha = tl.where(had, tl.exp2(shift), 0.0)
     else:
-        shift = m * k2 - ref
+        shift = (m - ref) * k2
         alpha = tl.exp2(shift)
-    t = w * k2 - ref[:, None]
+    # The difference first, then the product: exact near the maximum, where the logits' own
+    # size (1e4 at T = 1e-3) would round ``w k2`` and ``m k2`` by 1e-3 each.
+    t = (w - ref[:, None]) * k2
     if MASKED:
         # Past the width t = -inf (NaN when logit_scale = 0): e = 0 and t = 0 there, so that
         # e * t is 0, not NaN.
@@ -182,10 +185,14 @@ def _tile_stats_kernel(
 ):
     """Fold row ``r``'s ``width`` logits (vocabulary columns ``v0 ...``) into its statistics.
 
-    ``state`` is fp32 ``[7, plane]`` (m, l, a, s2, sum_z, z_y, m_before, relative to the running
-    max ``m``), read and written at column ``r``; ``targets[r]`` is the row's target index in
-    this weight's vocabulary (below 0 or past the end when it lies in another slice).
-    ``FLIP``: ``z_scale < 0``.
+    ``state`` is fp32 ``[8, plane]`` (m, l, a, s2, sum_z, z_y, m_before, relative to the running
+    max ``m``, and ``top``, the largest ``w`` of ``_transform``: ``m = top * unit``), read and
+    written at column ``r``; ``targets[r]`` is the row's target index in this weight's
+    vocabulary (below 0 or past the end when it lies in another slice). ``FLIP``: ``z_scale <
+    0``. Tiles are merged by ``top``, in ``w`` units, so the shift of the tile that holds the
+    maximum is exactly 0 and ``l`` is exact relative to ``top`` (natural units would round
+    ``top * unit`` apart from ``top * unit * log2(e)``: a relative error of ``l`` of 1e-3 for
+    logits of 1e4, at T = 1e-3, that the backward's ``p`` would inherit).
 
     The column loop keeps its state per lane (``_fold_step``); the lanes are reduced once, at
     the end, in a fixed tree and merged into ``state``. The order of every sum depends only on
@@ -198,7 +205,9 @@ def _tile_stats_kernel(
     tgt_raw = tl.load(targets + row) - v0
     has_t = (tgt_raw >= 0) & (tgt_raw < width)
     tgt = tl.minimum(tl.maximum(tgt_raw, 0), width).to(tl.int32)
-    scale = tl.abs(z_scale)
+    scale = tl.abs(z_scale)  # the unit of w: z = w * scale
+    if HAS_SOFTCAP:
+        scale = scale * softcap
     k2 = scale * 1.4426950408889634  # log2(e)
     neg = tl.full((LANES,), float("-inf"), tl.float32)
     zero = tl.zeros((LANES,), tl.float32)
@@ -217,9 +226,8 @@ def _tile_stats_kernel(
             HAS_SOFTCAP, FLIP, WANT_S2, WANT_SUM_Z, True, LANES, LANE)
     # The lanes, reduced once: to the slice's max, in log2 units.
     w_top = tl.max(m, 0)
-    ref = w_top * k2
     live = l > 0  # the lane has seen a column (its max counts 2^0 = 1)
-    shift = tl.where(live, m * k2 - ref, 0.0)
+    shift = tl.where(live, (m - w_top) * k2, 0.0)
     sc = tl.where(live, tl.exp2(shift), 0.0)
     l_t = tl.sum(l * sc, 0)
     a_t = tl.sum((a + l * shift) * sc, 0)
@@ -231,19 +239,19 @@ def _tile_stats_kernel(
     w_p = tl.where(before, _transform(x_p, softcap, HAS_SOFTCAP, FLIP), float("-inf"))
     w_before = tl.maximum(tl.max(m_lane, 0), tl.max(w_p, 0))
     x_y = tl.load(z_row + tl.where(has_t, tgt, 0), mask=has_t, other=0.0).to(tl.float32)
-    # Merged into the row's state (natural units; m the exact largest logit).
+    # Merged into the row's state by ``top`` (w units; m = top * scale, the exact largest
+    # logit): the shift of the tile that holds the maximum is exactly 0.
     s = state + row
-    m0 = tl.load(s)
+    top0 = tl.load(s + 7 * plane)
     l0 = tl.load(s + plane)
-    m_t = w_top * scale
-    m_new = tl.maximum(m0, m_t)
-    ref = m_new * 1.4426950408889634
-    first = l0 == 0  # m0 = -inf
-    shift0 = tl.where(first, 0.0, m0 * 1.4426950408889634 - ref)
+    top = tl.maximum(top0, w_top)
+    first = l0 == 0  # top0 = -inf
+    shift0 = tl.where(first, 0.0, (top0 - top) * k2)
     alpha0 = tl.where(first, 0.0, tl.exp2(shift0))
-    shift_t = w_top * k2 - ref
+    shift_t = (w_top - top) * k2
     alpha_t = tl.exp2(shift_t)
-    tl.store(s, m_new)
+    tl.store(s + 7 * plane, top)
+    tl.store(s, top * scale)
     tl.store(s + plane, l0 * alpha0 + l_t * alpha_t)
     a_new = (tl.load(s + 2 * plane) + l0 * shift0 * 0.6931471805599453) * alpha0 \
         + (a_t + l_t * shift_t) * (0.6931471805599453 * alpha_t)
@@ -261,19 +269,22 @@ def _tile_stats_kernel(
 
 
 @triton.jit
-def _grad_step(z_row, c0, width, tgt, lse2, coef, g_y, g_h2, two_g_s2, shift, softcap, k2,
-               dx_scale, HAS_SOFTCAP: tl.constexpr, HAS_G_ENTROPY: tl.constexpr,
+def _grad_step(z_row, c0, width, tgt, top, log_l2, coef, g_y, g_h2, two_g_s2, shift, softcap,
+               k2, dx_scale, HAS_SOFTCAP: tl.constexpr, HAS_G_ENTROPY: tl.constexpr,
                HAS_G_SUM_P_SQ: tl.constexpr, MASKED: tl.constexpr,
                INTERPRET_BF16: tl.constexpr, BLOCK_V: tl.constexpr):
     """Columns ``c0 ... c0 + BLOCK_V`` of one row, logits -> ``dx`` in place (``MASKED``: the
-    columns at or past ``width`` are left alone). In log2 units: ``q = log2 p``."""
+    columns at or past ``width`` are left alone). In log2 units: ``q = log2 p = (u - top) k2 -
+    log2 l``, ``u`` as ``_transform`` makes it (unsigned: ``top`` and ``k2`` carry the sign);
+    ``u - top`` is a difference of two numbers the forward saw, exact at the maximum, and no
+    product comes before it for the compiler to fuse into it."""
     cols = c0 + tl.arange(0, BLOCK_V)
     x = _load_cols(z_row, cols, width, MASKED)
     if HAS_SOFTCAP:
         t = _tanh(x / softcap)
-        q = t * (softcap * k2) - lse2
+        q = (t - top) * k2 - log_l2
     else:
-        q = x * k2 - lse2
+        q = (x - top) * k2 - log_l2
     p = tl.exp2(q)
     c = coef
     if HAS_G_ENTROPY:
@@ -290,7 +301,7 @@ def _grad_step(z_row, c0, width, tgt, lse2, coef, g_y, g_h2, two_g_s2, shift, so
 
 @triton.jit
 def _tile_grad_kernel(
-    logits, stride_row, targets, lse, entropy, sum_p_sq,
+    logits, stride_row, targets, top, log_l, entropy, sum_p_sq,
     g_lp, g_entropy, g_sum_p_sq, g_mean_logit, g_lse,
     n_rows, width, v0, softcap, z_scale, inv_vocab_total,
     HAS_SOFTCAP: tl.constexpr, HAS_G_LP: tl.constexpr, HAS_G_ENTROPY: tl.constexpr,
@@ -300,15 +311,20 @@ def _tile_grad_kernel(
     """Overwrite row ``r``'s logits (before the transform) with ``dL/dx``, in their dtype.
 
     With ``p = exp(z - lse)``: ``dz = p (-g_lp + g_lse - g_H (log p + H) + 2 g_S2 (p - S2))
-    + g_lp 1[j = y] + g_mean / V``, then ``dx = dz z_scale (1 - tanh(x / c)^2)``. Rows at or
-    past ``n_rows`` (the padding of the last chunk) are written as zeros. Whole steps of
+    + g_lp 1[j = y] + g_mean / V``, then ``dx = dz z_scale (1 - tanh(x / c)^2)``. The
+    normaliser comes in two parts, ``lse = top * |z_scale| (* c) + log_l``: ``top`` from the
+    forward's state (its plane 7, w units) and ``log_l``, so that ``p`` is recomputed from a
+    difference of the logits as the forward saw them (see ``_grad_step``). Rows at or past
+    ``n_rows`` (the padding of the last chunk) are written as zeros. Whole steps of
     ``BLOCK_V`` columns run unmasked; the last partial one is masked.
     """
     row = tl.program_id(0).to(tl.int64)
     z_row = logits + row * stride_row
     keep = row < n_rows
     r = tl.minimum(row, n_rows - 1)  # padding rows load the last real row's scalars
-    lse2 = tl.load(lse + r) * 1.4426950408889634  # log2(e): p = 2^(z log2(e) - lse2)
+    log_l2 = tl.load(log_l + r) * 1.4426950408889634  # log2(e): p = 2^((u - top) k2 - log_l2)
+    top_r = tl.load(top + r)
+    top_r = tl.where(z_scale < 0, -top_r, top_r)  # w = -u when the scale is negative
     # The target relative to this slice, as int32 in [-1, width] (outside: never matched).
     tgt = tl.minimum(tl.maximum(tl.load(targets + r) - v0, -1), width).to(tl.int32)
     coef = 0.0
@@ -331,15 +347,17 @@ def _tile_grad_kernel(
     if HAS_G_MEAN:
         shift = tl.load(g_mean_logit + r) * inv_vocab_total
     k2 = z_scale * 1.4426950408889634
+    if HAS_SOFTCAP:
+        k2 = z_scale * softcap * 1.4426950408889634  # u = tanh(x / c), z = u c z_scale
     dx_scale = tl.where(keep, z_scale, 0.0)  # padding rows: dx = 0
     whole = width // BLOCK_V * BLOCK_V
     for c0 in range(0, whole, BLOCK_V):
-        _grad_step(z_row, c0, width, tgt, lse2, coef, g_y, g_h2, two_g_s2, shift, softcap, k2,
-                   dx_scale, HAS_SOFTCAP, HAS_G_ENTROPY, HAS_G_SUM_P_SQ, False,
+        _grad_step(z_row, c0, width, tgt, top_r, log_l2, coef, g_y, g_h2, two_g_s2, shift,
+                   softcap, k2, dx_scale, HAS_SOFTCAP, HAS_G_ENTROPY, HAS_G_SUM_P_SQ, False,
                    INTERPRET_BF16, BLOCK_V)
     if whole < width:
-        _grad_step(z_row, whole, width, tgt, lse2, coef, g_y, g_h2, two_g_s2, shift, softcap,
-                   k2, dx_scale, HAS_SOFTCAP, HAS_G_ENTROPY, HAS_G_SUM_P_SQ, True,
+        _grad_step(z_row, whole, width, tgt, top_r, log_l2, coef, g_y, g_h2, two_g_s2, shift,
+                   softcap, k2, dx_scale, HAS_SOFTCAP, HAS_G_ENTROPY, HAS_G_SUM_P_SQ, True,
                    INTERPRET_BF16, BLOCK_V)
 
 
@@ -531,15 +549,14 @@ def forward(hidden, weight, bias, targets, *, temperature: float, softcap: float
     at least V when the target lies in a slice before or after it (``z_y = 0``; ``m_before``
     -inf or the slice's max). ``tile_bytes`` bounds the logits tile (default
     :data:`TILE_BYTES`; at least one ``ROW_CHUNK``-row chunk). Returns fp32 ``[N]`` partials
-    (m, l, a, s2, sum_z, z_y, m_before; ``s2`` / ``sum_z`` zeros unless asked for).
+    (m, l, a, s2, sum_z, z_y, m_before, top; ``s2`` / ``sum_z`` zeros unless asked for;
+    ``top`` the largest logit in the units of ``_transform``, which :func:`backward` reads).
     """
     _check_inputs(hidden, weight, bias, targets)
     n = hidden.shape[0]
-    state = torch.zeros(7, n, dtype=torch.float32, device=hidden.device)
+    state = new_state(n, hidden.device)
     if n == 0:
         return Partials(*state)
-    state[0].fill_(float("-inf"))
-    state[6].fill_(float("-inf"))
     plan = _Plan(hidden, weight, tile_bytes)
     targets = targets.contiguous()
     scalars = dict(softcap=1.0 if softcap is None else float(softcap),
@@ -554,7 +571,20 @@ def forward(hidden, weight, bias, targets, *, temperature: float, softcap: float
     return Partials(*state)
 
 
-def backward(hidden, weight, bias, targets, lse, entropy, sum_p_sq,
+# The planes of ``_tile_stats_kernel``'s state that start at -inf (m, m_before, top); the
+# others start at 0.
+NEG_INF_PLANES = (0, 6, 7)
+
+
+def new_state(n: int, device) -> torch.Tensor:
+    """The starting state of ``_tile_stats_kernel``, fp32 ``[8, n]``."""
+    state = torch.zeros(8, n, dtype=torch.float32, device=device)
+    for plane in NEG_INF_PLANES:
+        state[plane].fill_(float("-inf"))
+    return state
+
+
+def backward(hidden, weight, bias, targets, top, log_l, entropy, sum_p_sq,
              g_lp, g_entropy, g_sum_p_sq, g_mean_logit, *, temperature: float,
              softcap: float | None, logit_scale: float, vocab_total: int,
              need_hidden: bool, need_weight: bool, need_bias: bool,
@@ -562,10 +592,11 @@ def backward(hidden, weight, bias, targets, lse, entropy, sum_p_sq,
              ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Gradients of hidden, weight and bias from per-token upstream gradients.
 
-    lse, entropy, sum_p_sq: fp32 ``[N]`` statistics of the whole vocabulary (entropy /
-    sum_p_sq may be None when their upstream gradient is). g_*: ``[N]`` or None (that term is
-    skipped; the entropy term costs nothing unless ``g_entropy`` is given). With ``p = exp(z -
-    lse)`` recomputed per tile,
+    top, log_l, entropy, sum_p_sq: fp32 ``[N]`` statistics of the whole vocabulary, the first
+    two the normaliser ``lse`` in the parts :func:`forward` gives (its partials' ``top`` and
+    ``log l``; ``softmax_partials.normaliser``), entropy / sum_p_sq None when their upstream
+    gradient is. g_*: ``[N]`` or None (that term is skipped; the entropy term costs nothing
+    unless ``g_entropy`` is given). With ``p = exp(z - lse)`` recomputed per tile,
     ``dz = g_lp (1[j=y] - p) - g_entropy p (log p + H) + 2 g_sum_p_sq p (p - S2)
     + g_mean_logit / vocab_total + g_lse p``, ``dx = dz * logit_scale / T * (1 - tanh(x/c)^2)``.
 
@@ -590,11 +621,11 @@ def backward(hidden, weight, bias, targets, lse, entropy, sum_p_sq,
     plan = _Plan(hidden, weight, tile_bytes)
     grads = TileGrads(plan, weight, need_hidden, need_weight, need_bias)
     per_row = lambda t: None if t is None else t.float().contiguous()
-    rows_args = [per_row(t) for t in (lse, entropy, sum_p_sq, g_lp, g_entropy, g_sum_p_sq,
-                                      g_mean_logit, g_lse)]
-    # Unused pointers still need a tensor: lse stands in for them (never read).
+    rows_args = [per_row(t) for t in (top, log_l, entropy, sum_p_sq, g_lp, g_entropy,
+                                      g_sum_p_sq, g_mean_logit, g_lse)]
+    # Unused pointers still need a tensor: top stands in for them (never read).
     ptrs = [t if t is not None else rows_args[0] for t in rows_args]
-    meta = grad_meta(hidden.dtype, softcap, *rows_args[3:])
+    meta = grad_meta(hidden.dtype, softcap, *rows_args[4:])
     scalars = dict(softcap=1.0 if softcap is None else float(softcap),
                    z_scale=float(logit_scale) / float(temperature),
                    inv_vocab_total=1.0 / vocab_total)

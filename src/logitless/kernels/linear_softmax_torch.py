@@ -5,11 +5,13 @@ through ``torch.mm`` and keeps only per-token partial statistics; the backward r
 tile, turns it into the logit gradient in place, and feeds it to two GEMMs. At no point does
 more than one tile of logits (plus its in-place transforms) exist.
 
-The backward's tiles are **vocab-major**, ``[cols, rows]`` (``W_c @ h^T``): the vocabulary is
-the GEMMs' long side, the side CPU BLAS handles at full speed for any number of tokens. The
-forward's stay token-major (see ``forward``). The tile buffers are allocated once per call and
-every elementwise step writes into them: no tile-sized temporaries, so glibc does not map and
-fault in fresh pages for each tile.
+The backward recomputes each tile with the forward's own GEMM (token-major, ``h @ W_c^T``, the
+same shapes), so its logits are the forward's bits: ``z - m`` is then exactly 0 at each row's
+maximum, and ``p = exp((z - m) - log l)`` as accurate as ``log_softmax`` on the materialised
+logits at any temperature (``softmax_partials.normaliser``). It works on the tile through its
+**vocab-major** view, ``[cols, rows]``, which the gradient GEMMs read as a transposed operand.
+The tile buffers are allocated once per call and every elementwise step writes into them: no
+tile-sized temporaries, so glibc does not map and fault in fresh pages for each tile.
 """
 
 from __future__ import annotations
@@ -233,17 +235,21 @@ def forward(hidden, weight, bias, targets, *, temperature, softcap, logit_scale,
             parts.append(tile_partials(z, tgt - c0, want_s2, want_sum_z, scratch, vocab_dim=1,
                                        mask=tiles.mask))
         merged = parts[0] if len(parts) == 1 else merge(stack(parts))
-        out.append(Partials(*(f[:real] for f in merged)))
+        out.append([f[:real] for f in merged[:7]])  # no ``top``: the backward reads ``m``
     return Partials(*(torch.cat(f) for f in zip(*out)))
 
 
-def backward(hidden, weight, bias, targets, lse, entropy, sum_p_sq, g_lp, g_entropy, g_sum_p_sq,
-             g_mean_logit, *, temperature, softcap, logit_scale, vocab_total, need_hidden,
-             need_weight, need_bias, g_lse=None, tile_bytes: int = DEFAULT_TILE_BYTES):
+def backward(hidden, weight, bias, targets, top, log_l, entropy, sum_p_sq, g_lp, g_entropy,
+             g_sum_p_sq, g_mean_logit, *, temperature, softcap, logit_scale, vocab_total,
+             need_hidden, need_weight, need_bias, g_lse=None,
+             tile_bytes: int = DEFAULT_TILE_BYTES):
     """Gradients of hidden, weight and bias from per-token upstream gradients (fp32 results;
     hidden in the compute dtype, the head in any float dtype, as in ``forward``).
 
-    With ``p = exp(z - lse)`` recomputed per tile:
+    ``top``, ``log_l``: the normaliser ``lse = top + log_l`` in two parts
+    (``softmax_partials.normaliser``), ``top`` the row's largest logit as ``forward`` found it
+    (its ``m``, at the same ``tile_bytes``). With ``p = exp((z - top) - log_l)`` recomputed per
+    tile:
     ``dz = g_lp (1[j=y] - p) - g_entropy p (log p + H) + g_sum_p_sq 2 p (p - S2) + g_mean / V
     + g_lse p``,
     then through the logit transform, then ``d_hidden = dx^T @ W``, ``d_weight = dx @ hidden``,
@@ -268,19 +274,21 @@ def backward(hidden, weight, bias, targets, lse, entropy, sum_p_sq, g_lp, g_entr
         h = _pad_rows(hidden[sl], padded)
         tgt = _pad_rows(targets[sl], padded, -1)
         per_row = [None if g is None else _pad_rows(g[sl], padded)
-                   for g in (lse, entropy, sum_p_sq, g_lp, g_entropy, g_sum_p_sq, g_mean_logit,
-                             g_lse)]
+                   for g in (top, log_l, entropy, sum_p_sq, g_lp, g_entropy, g_sum_p_sq,
+                             g_mean_logit, g_lse)]
         # The hidden gradient of a padded block goes through a padded accumulator.
         dh = None if d_hidden is None else _pad_rows(d_hidden[sl], padded)
         for c0 in range(0, v, cols):
             w, b = _head_slice(weight, bias, c0, cols, hidden.dtype)
-            z, t = tiles.logits(h, w, b, temperature, softcap, logit_scale)
-            scratch = tiles.view(tiles.scratch, *z.shape)
+            # The forward's GEMM (the forward's bits), then its vocab-major view.
+            z, t = tiles.logits(h, w, b, temperature, softcap, logit_scale, vocab_major=False)
+            z, t = z.t(), None if t is None else t.t()
+            scratch = tiles.view(tiles.scratch, *z.shape[::-1]).t()
             dz = logit_grad_(z, tgt - c0, *per_row, vocab_total, scratch)
             dz[:, real:] = 0.0  # padding rows: whatever their statistics, no gradient
             dx = through_transform_(dz, t, logit_scale, temperature)
             if tiles.low is not None:
-                dx = tiles.view(tiles.low, *dx.shape).copy_(dx)
+                dx = tiles.view(tiles.low, *dx.shape[::-1]).copy_(dx.t()).t()
             if dh is not None:
                 addmm_acc_(dh, dx.t(), w, beta=0.0 if c0 == 0 else 1.0)
             if d_weight is not None:
@@ -343,15 +351,17 @@ def through_transform_(dz, t, logit_scale, temperature):
     return dz
 
 
-def logit_grad_(z, local_targets, lse, entropy, sum_p_sq, g_lp, g_entropy, g_sum_p_sq,
+def logit_grad_(z, local_targets, top, log_l, entropy, sum_p_sq, g_lp, g_entropy, g_sum_p_sq,
                 g_mean_logit, g_lse, vocab_total, scratch):
     """Overwrite the logits tile ``z [cols, rows]`` with ``d loss / d z`` and return it.
 
     ``dz = p (g_lse - g_lp - g_H (log p + H) + 2 g_S2 (p - S2)) + g_lp 1[j=y] + g_mean / V``: the
     per-element coefficient is built in ``scratch``, then multiplied into ``p``. Per-token
-    arguments are ``[rows]`` (None: zero).
+    arguments are ``[rows]`` (None: zero); ``log p = (z - top) - log_l``, in that order (see
+    ``backward``).
     """
-    z -= lse  # log p
+    z -= top
+    z -= log_l  # log p
     coef = None
     if g_entropy is not None:
         coef = torch.add(z, entropy, out=scratch).mul_(-g_entropy)

@@ -31,12 +31,11 @@ from __future__ import annotations
 import torch
 
 from logitless.kernels import linear_softmax as head
-from logitless.kernels.softmax_partials import Partials, finish_logprobs
+from logitless.kernels.softmax_partials import Partials, finish_logprobs, normaliser
 
 __all__ = ["StoredLogitsTriton", "grad_meta", "stats_meta"]
 
 # The partials' planes that start at -inf (the running max and the max before the target).
-_NEG_INF_PLANES = (0, 6)
 
 
 def stats_meta(dtype: torch.dtype, softcap: float | None, negative_scale: bool = False) -> dict:
@@ -62,12 +61,10 @@ class StoredLogitsTriton:
         self.vocab, self.dtype = vocab, dtype
         self.ld = head.row_stride(vocab)  # rows 16-element aligned: the passes' vector loads
         self._logits = torch.empty(max_rows * self.ld, dtype=dtype, device=device)
-        self._state = torch.empty(7, max_rows, dtype=torch.float32, device=device)
+        self._state = torch.empty(8, max_rows, dtype=torch.float32, device=device)
         # The partials' starting values, made once: each chunk copies them in with one op (an
         # index by a Python list would copy that list to the device and wait for it).
-        self._state_init = torch.zeros(7, 1, dtype=torch.float32, device=device)
-        for plane in _NEG_INF_PLANES:
-            self._state_init[plane].fill_(float("-inf"))
+        self._state_init = head.new_state(1, device)
 
     @staticmethod
     def bytes_per_row(vocab: int, dtype: torch.dtype, softcap: float | None,
@@ -97,26 +94,33 @@ class StoredLogitsTriton:
         head._tile_stats_kernel[(rows,)](
             x, x.stride(0), self.targets, state, state.stride(0), self.vocab, 0,
             **self.scalars, **stats_meta(self.dtype, softcap, self.scalars["z_scale"] < 0))
-        return finish_logprobs(Partials(*state))
+        parts = Partials(*state)
+        # The normaliser as the dz pass reads it (``softmax_partials.normaliser``), kept with
+        # the logits it belongs to.
+        self.top, self.log_l = normaliser(parts)  # rows of the state: contiguous
+        return finish_logprobs(parts, self.log_l)
 
     def backward_(self, hidden, weight, lse, entropy, g_lp, g_entropy, d_weight, d_bias,
                   want_hidden: bool, weight_beta: float = 1.0):
         """Turn the stored logits into ``dx = d loss / d x`` in place, add ``dx^T @ hidden``
         to the fp32 ``d_weight`` (``weight_beta=0``: overwrite it) and ``dx``'s column sum to
         ``d_bias`` (either may be None); return ``dx @ W`` in the input dtype when
-        ``want_hidden``. ``g_lp``, ``g_entropy``: per-token upstream gradients (None: zero)."""
+        ``want_hidden``. ``g_lp``, ``g_entropy``: per-token upstream gradients (None: zero).
+        ``lse`` is not read: ``p`` is recomputed from the normaliser in the two parts the
+        forward kept (``top`` and ``log l``), exact at low temperatures where ``lse`` is not."""
+        del lse
         rows = self.rows
         dx = self._logits[:rows * self.ld].view(rows, self.ld)[:, :self.vocab]  # padding: 0
-        lse = lse.float().contiguous()
+        top = self.top
         entropy, g_lp, g_entropy = (None if t is None else t.float().contiguous()
                                     for t in (entropy, g_lp, g_entropy))
         meta = grad_meta(self.dtype, self.softcap, g_lp, g_entropy)
-        # A pointer whose term is off is never read: lse stands in for it.
-        ptr = lambda t: lse if t is None else t
+        # A pointer whose term is off is never read: top stands in for it.
+        ptr = lambda t: top if t is None else t
         head._tile_grad_kernel[(rows,)](
-            dx, dx.stride(0), self.targets, lse, ptr(entropy), lse, ptr(g_lp), ptr(g_entropy),
-            lse, lse, lse, rows, self.vocab, 0, **self.scalars, inv_vocab_total=1.0 / self.vocab,
-            **meta)
+            dx, dx.stride(0), self.targets, top, self.log_l, ptr(entropy), top, ptr(g_lp),
+            ptr(g_entropy), top, top, top, rows, self.vocab, 0, **self.scalars,
+            inv_vocab_total=1.0 / self.vocab, **meta)
         if d_bias is not None:
             d_bias += dx.sum(0, dtype=d_bias.dtype)
         if d_weight is not None:

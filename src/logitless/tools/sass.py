@@ -89,8 +89,9 @@ def variants(vocab: int) -> list[Variant]:
     head_stats_sig = dict(logits="*bf16", stride_row="i32", targets="*i64", state="*fp32",
                           plane="i32", width="i32", v0="i32", softcap="fp32", z_scale="fp32")
     head_grad_sig = dict(logits="*bf16", stride_row="i32", targets="*i64",
-                         **dict.fromkeys(("lse", "entropy", "sum_p_sq", "g_lp", "g_entropy",
-                                          "g_sum_p_sq", "g_mean_logit", "g_lse"), "*fp32"),
+                         **dict.fromkeys(("top", "log_l", "entropy", "sum_p_sq", "g_lp",
+                                          "g_entropy", "g_sum_p_sq", "g_mean_logit", "g_lse"),
+                                         "*fp32"),
                          n_rows="i32", width="i32", v0="i32", softcap="fp32", z_scale="fp32",
                          inv_vocab_total="fp32")
     for role, meta, sig, nbytes in (

@@ -35,7 +35,7 @@ from logitless.fused_losses.oplib import (
 )
 from logitless.kernels import linear_softmax_torch
 from logitless.kernels.linear_softmax_torch import acc_dtype
-from logitless.kernels.softmax_partials import Partials, empty, finish, rescale_to
+from logitless.kernels.softmax_partials import Partials, empty, finish, normaliser, rescale_to
 
 __all__ = ["STATS", "LogprobOutput", "linear_logprobs"]
 
@@ -92,16 +92,17 @@ class _LinearSoftmax(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         stats = _rows_forward(spec, hidden, weight, bias, targets)
         ctx.spec = spec
-        ctx.save_for_backward(hidden, weight, bias, targets, stats[5], stats[1], stats[2])
-        ctx.mark_non_differentiable(stats[4])
+        ctx.save_for_backward(hidden, weight, bias, targets, *stats[6:], stats[1], stats[2])
+        ctx.mark_non_differentiable(*stats[4:5], *stats[6:])
         return stats
 
     @staticmethod
-    def backward(ctx, g_lp, g_entropy, g_sum_p_sq, g_mean_logit, _g_top1, g_lse):
+    def backward(ctx, g_lp, g_entropy, g_sum_p_sq, g_mean_logit, _g_top1, g_lse, *_g_norm):
         if all(g is None for g in (g_lp, g_entropy, g_sum_p_sq, g_mean_logit, g_lse)):
             return None, None, None, None, None
-        hidden, weight, bias, targets, lse, entropy, sum_p_sq = ctx.saved_tensors
-        grads = _rows_backward(ctx.spec, hidden, weight, bias, targets, lse, entropy, sum_p_sq,
+        hidden, weight, bias, targets, top, log_l, entropy, sum_p_sq = ctx.saved_tensors
+        grads = _rows_backward(ctx.spec, hidden, weight, bias, targets, top, log_l, entropy,
+                               sum_p_sq,
                                (g_lp, g_entropy, g_sum_p_sq, g_mean_logit, g_lse),
                                ctx.needs_input_grad[:3])
         return (*grads, None, None)
@@ -116,7 +117,8 @@ def _kernel_kw(spec: _Spec) -> dict:
 
 def _rows_forward(spec: _Spec, hidden, weight, bias, targets) -> tuple[torch.Tensor, ...]:
     """The statistics of compacted rows (no autograd): ``(logprobs, entropy, sum_p_sq,
-    mean_logit, is_top1, lse)``, each ``[N]``."""
+    mean_logit, is_top1, lse, top, log_l)``, each ``[N]``; the last two are the normaliser as
+    the backward reads it (``softmax_partials.normaliser``)."""
     with torch.autocast(hidden.device.type, enabled=False):
         if hidden.shape[0]:
             parts = spec.backend.forward(*_operands(spec, hidden, weight, bias), targets,
@@ -128,11 +130,11 @@ def _rows_forward(spec: _Spec, hidden, weight, bias, targets) -> tuple[torch.Ten
             parts = _all_reduce_partials(parts, spec.group)
         stats = finish(parts, spec.vocab_total)
     return (stats["logprobs"], stats["entropy"], stats["sum_p_sq"], stats["mean_logit"],
-            stats["is_top1"], stats["lse"])
+            stats["is_top1"], stats["lse"], *normaliser(parts))
 
 
-def _rows_backward(spec: _Spec, hidden, weight, bias, targets, lse, entropy, sum_p_sq, grads,
-                   needs) -> tuple[torch.Tensor | None, ...]:
+def _rows_backward(spec: _Spec, hidden, weight, bias, targets, top, log_l, entropy, sum_p_sq,
+                   grads, needs) -> tuple[torch.Tensor | None, ...]:
     """Gradients ``(d_hidden, d_weight, d_bias)`` of compacted rows, each in its input's dtype
     (None where ``needs`` says it is not wanted). ``grads``: the gradients of ``(logprobs,
     entropy, sum_p_sq, mean_logit, lse)``, None for outputs that received none."""
@@ -142,11 +144,11 @@ def _rows_backward(spec: _Spec, hidden, weight, bias, targets, lse, entropy, sum
     with torch.autocast(hidden.device.type, enabled=False), gather:
         if hidden.shape[0]:
             d_hidden, d_weight, d_bias = spec.backend.backward(
-                *_operands(spec, hidden, weight, bias), targets, lse,
+                *_operands(spec, hidden, weight, bias), targets, top, log_l,
                 entropy if g_entropy is not None else None,
                 sum_p_sq if g_sum_p_sq is not None else None,
-                _acc(g_lp, lse), _acc(g_entropy, lse), _acc(g_sum_p_sq, lse),
-                _acc(g_mean_logit, lse), g_lse=_acc(g_lse, lse),
+                _acc(g_lp, log_l), _acc(g_entropy, log_l), _acc(g_sum_p_sq, log_l),
+                _acc(g_mean_logit, log_l), g_lse=_acc(g_lse, log_l),
                 vocab_total=spec.vocab_total, need_hidden=need_hidden,
                 need_weight=need_weight, need_bias=need_bias, **_kernel_kw(spec))
         else:
@@ -179,16 +181,16 @@ def _acc(g, like):
 
 
 def _all_reduce_partials(parts: Partials, group) -> Partials:
-    """Combine per-rank partials: max of the maxima (and of the maxima before the target),
-    then sums rescaled to the common maximum."""
+    """Combine per-rank partials: max of the maxima (of the maxima before the target, and of
+    a kernel's ``top``), then sums rescaled to the common maximum."""
     dist = torch.distributed
-    maxima = torch.stack([parts.m, parts.m_before])
+    maxima = torch.stack([parts.m, parts.m_before, *(() if parts.top is None else (parts.top,))])
     dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group)
-    m, m_before = maxima.unbind(0)
+    m, m_before, *top = maxima.unbind(0)
     local = rescale_to(parts, m)
     sums = torch.stack([local.l, local.a, local.s2, local.sum_z, local.z_y])
     dist.all_reduce(sums, group=group)
-    return Partials(m, *sums.unbind(0), m_before)
+    return Partials(m, *sums.unbind(0), m_before, *top)
 
 
 # The device types torch.autocast knows (torch.amp's list); "meta" and the others have none.
@@ -457,7 +459,7 @@ def linear_logprobs(
                      gather_weight, dtype)
         outs = _logprobs_impl(hidden, weight, bias, targets, spec, ignore_index, offset,
                               _LinearSoftmax.apply)
-    lp, ent, s2, mean, top1, lse = outs
+    lp, ent, s2, mean, top1, lse = outs[:6]
     if kept_mass is None and "log_kept_mass" in stats:
         kept_mass = torch.zeros_like(lp)
     return LogprobOutput(
@@ -482,8 +484,8 @@ def _local_spec(hidden, weight, temperature, softcap, logit_scale, want_s2=False
 
 def _logprobs_impl(hidden, weight, bias, targets, spec: _Spec, ignore_index: int, offset: int,
                    run) -> tuple[torch.Tensor, ...]:
-    """Validate and compact the rows, ``run(h, weight, bias, t, spec)`` on them and scatter the
-    six statistics back to ``targets``' shape (0 at ignored positions)."""
+    """Validate and compact the rows, ``run(h, weight, bias, t, spec)`` on them and scatter its
+    statistics back to ``targets``' shape (0 at ignored positions)."""
     flat_t, rows = compact_rows(targets, ignore_index, spec.vocab_total)
     h = take_rows(hidden, rows, hidden.shape[-1])
     # With vocab_parallel, local ids lie outside [0, v_local) when the target is in another
@@ -544,27 +546,29 @@ def _lp_forward_fake(hidden, weight, bias, targets, temperature, softcap, logit_
     acc = acc_dtype(dtype)
     floats = [hidden.new_empty(targets.shape, dtype=acc) for _ in range(4)]
     top1 = hidden.new_empty(targets.shape, dtype=torch.bool)
-    return (*floats, top1, hidden.new_empty(targets.shape, dtype=acc))
+    return (*floats, top1, *(hidden.new_empty(targets.shape, dtype=acc) for _ in range(3)))
 
 
-def _lp_backward_impl(hidden, weight, bias, targets, lse, entropy, sum_p_sq, g_lp, g_entropy,
-                      g_sum_p_sq, g_mean_logit, g_lse, temperature, softcap, logit_scale,
-                      ignore_index, tile_bytes, dtype, need_hidden, need_weight, need_bias,
+def _lp_backward_impl(hidden, weight, bias, targets, top, log_l, entropy, sum_p_sq, g_lp,
+                      g_entropy, g_sum_p_sq, g_mean_logit, g_lse, temperature, softcap,
+                      logit_scale, ignore_index, tile_bytes, dtype, need_hidden, need_weight,
+                      need_bias,
                       group_name=None, hidden_grad="sum"):
     spec, offset = _lp_spec(hidden, weight, temperature, softcap, logit_scale, tile_bytes, dtype,
                             False, False, group_name, hidden_grad)
     flat_t, rows = compact_rows(targets, ignore_index, spec.vocab_total)
-    per_row = [take_rows(x, rows) for x in (flat_t - offset, lse, entropy, sum_p_sq, g_lp,
+    per_row = [take_rows(x, rows) for x in (flat_t - offset, top, log_l, entropy, sum_p_sq, g_lp,
                                                g_entropy, g_sum_p_sq, g_mean_logit, g_lse)]
     d_hidden, d_weight, d_bias = _rows_backward(
-        spec, take_rows(hidden, rows, hidden.shape[-1]), weight, bias, *per_row[:4],
-        tuple(per_row[4:]), (need_hidden, need_weight, need_bias))
+        spec, take_rows(hidden, rows, hidden.shape[-1]), weight, bias, *per_row[:5],
+        tuple(per_row[5:]), (need_hidden, need_weight, need_bias))
     return grads_or_empty(hidden, weight, rows, d_hidden, d_weight, d_bias)
 
 
-def _lp_backward_fake(hidden, weight, bias, targets, lse, entropy, sum_p_sq, g_lp, g_entropy,
-                      g_sum_p_sq, g_mean_logit, g_lse, temperature, softcap, logit_scale,
-                      ignore_index, tile_bytes, dtype, need_hidden, need_weight, need_bias,
+def _lp_backward_fake(hidden, weight, bias, targets, top, log_l, entropy, sum_p_sq, g_lp,
+                      g_entropy, g_sum_p_sq, g_mean_logit, g_lse, temperature, softcap,
+                      logit_scale, ignore_index, tile_bytes, dtype, need_hidden, need_weight,
+                      need_bias,
                       group_name=None, hidden_grad="sum"):
     return grads_fake(hidden, weight, bias, need_hidden, need_weight, need_bias)
 
@@ -573,18 +577,18 @@ def _lp_setup_context(ctx, inputs, output):
     hidden, weight, bias, targets = inputs[:4]
     ctx.config, ctx.group = inputs[4:10], inputs[12:14]  # (group_name, hidden_grad)
     ctx.set_materialize_grads(False)
-    ctx.save_for_backward(hidden, weight, bias, targets, output[5], output[1], output[2])
+    ctx.save_for_backward(hidden, weight, bias, targets, *output[6:], output[1], output[2])
 
 
-def _lp_backward(ctx, g_lp, g_entropy, g_sum_p_sq, g_mean_logit, _g_top1, g_lse):
+def _lp_backward(ctx, g_lp, g_entropy, g_sum_p_sq, g_mean_logit, _g_top1, g_lse, *_g_norm):
     n_inputs = 14
     if all(g is None for g in (g_lp, g_entropy, g_sum_p_sq, g_mean_logit, g_lse)):
         return none_grads(n_inputs)
-    hidden, weight, bias, targets, lse, entropy, sum_p_sq = ctx.saved_tensors
+    hidden, weight, bias, targets, top, log_l, entropy, sum_p_sq = ctx.saved_tensors
     need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
     need_bias = need_bias and bias is not None
     d_hidden, d_weight, d_bias = linear_logprobs_backward(
-        hidden, weight, bias, targets, lse, entropy if g_entropy is not None else None,
+        hidden, weight, bias, targets, top, log_l, entropy if g_entropy is not None else None,
         sum_p_sq if g_sum_p_sq is not None else None, g_lp, g_entropy, g_sum_p_sq, g_mean_logit,
         g_lse, *ctx.config, need_hidden, need_weight, need_bias, *ctx.group)
     return (d_hidden if need_hidden else None, d_weight if need_weight else None,
@@ -593,7 +597,7 @@ def _lp_backward(ctx, g_lp, g_entropy, g_sum_p_sq, g_mean_logit, _g_top1, g_lse)
 
 linear_logprobs_backward = define(
     "linear_logprobs_backward",
-    "(Tensor hidden, Tensor weight, Tensor? bias, Tensor targets, Tensor lse, "
+    "(Tensor hidden, Tensor weight, Tensor? bias, Tensor targets, Tensor top, Tensor log_l, "
     "Tensor? entropy, Tensor? sum_p_sq, Tensor? g_lp, Tensor? g_entropy, "
     "Tensor? g_sum_p_sq, Tensor? g_mean_logit, Tensor? g_lse, " + _LP_CONFIG
     + ", bool need_hidden, bool need_weight, bool need_bias, " + _LP_GROUP
@@ -603,6 +607,6 @@ _linear_logprobs_op = define(
     "linear_logprobs",
     "(Tensor hidden, Tensor weight, Tensor? bias, Tensor targets, " + _LP_CONFIG
     + ", bool want_s2, bool want_sum_z, " + _LP_GROUP
-    + ") -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+    + ") -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
     _lp_forward, _lp_forward_fake)
 _linear_logprobs_op.register_autograd(_lp_backward, setup_context=_lp_setup_context)
