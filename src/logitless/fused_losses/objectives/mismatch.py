@@ -1,5 +1,5 @@
 """Train-inference mismatch: how far the trainer's logprobs of the sampled tokens are from the
-engine's (docs/objectives.md#mismatch-metrics)."""
+engine's (docs/mismatch.md)."""
 
 from __future__ import annotations
 
