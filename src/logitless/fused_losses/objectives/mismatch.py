@@ -102,7 +102,8 @@ def mismatch_metrics(trainer_logprobs: torch.Tensor, engine_logprobs: torch.Tens
 def logged_mismatch(trainer_logprobs: torch.Tensor, engine_logprobs: torch.Tensor,
                     mask: torch.Tensor) -> dict[str, torch.Tensor]:
     """`mismatch_metrics` as the adapters log it: keys under ``mismatch/``, and the tokens the
-    engine did not score (NaN, as TRL stores them) left out of the mask."""
-    measured = mask.bool() & ~torch.isnan(engine_logprobs)
+    engine did not score (NaN, as TRL stores them) or scored non-finite left out of the mask
+    (a diagnostic does not stop the run)."""
+    measured = mask.bool() & torch.isfinite(engine_logprobs)
     metrics = mismatch_metrics(trainer_logprobs, engine_logprobs, measured)
     return {f"mismatch/{name}": value for name, value in metrics.items()}
