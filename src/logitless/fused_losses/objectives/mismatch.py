@@ -57,7 +57,7 @@ def mismatch_metrics(trainer_logprobs: torch.Tensor, engine_logprobs: torch.Tens
     - ``ratio_outside``: the fraction of tokens with ``r`` outside ``[0.9, 1.1]``.
     - ``kept_mass/mean`` (only with ``log_kept_mass``): the mean of ``exp(log_kept_mass)``, the
       full softmax's mass on the sampler's kept set (``linear_logprobs(...,
-      stats=("log_kept_mass",))``): how much probability the truncation cut away.
+      stats=("log_kept_mass",))``): how much probability the truncation keeps.
 
     Args:
         trainer_logprobs, engine_logprobs: ``[...]`` floating tensors, the same shape as
