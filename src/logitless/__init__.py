@@ -9,6 +9,7 @@ from logitless.fused_losses.head.logprobs import LogprobOutput, linear_logprobs
 from logitless.fused_losses.objectives.catalog import register_objective
 from logitless.fused_losses.objectives.config import PolicyLossConfig
 from logitless.fused_losses.objectives.entropy_control import AdaptiveEntropyCoef
+from logitless.fused_losses.objectives.mismatch import mismatch_metrics
 from logitless.fused_losses.objectives.policy_inputs import check_policy_inputs
 from logitless.fused_losses.objectives.policy_loss import policy_loss, policy_loss_globals
 
@@ -22,6 +23,7 @@ __all__ = [
     "linear_divergence",
     "linear_logprobs",
     "linear_topk_distill",
+    "mismatch_metrics",
     "policy_loss",
     "policy_loss_globals",
     "register_objective",

@@ -5,6 +5,7 @@ The trainer is an uninitialised instance (no model, no accelerate launch) carryi
 attributes `_compute_loss` reads; its forward helper is replaced by one returning our tensors.
 """
 
+import math
 import zlib
 from collections import defaultdict
 from types import SimpleNamespace
@@ -492,6 +493,66 @@ def check_vllm_importance_sampling(loss_type, mode, clip_min, clip_max):
     for stat in ("min", "mean", "max"):
         theirs = logged[f"sampling/importance_sampling_ratio/{stat}"]
         assert abs(float(ours[f"is_weight/{stat}"]) - theirs) <= 1e-6, stat
+
+
+def _our_loss_metrics(batch, fields, **extra_inputs):
+    """logitless's GRPOTrainer._compute_loss (dapo, TRL's ``fields``) on ``batch``; its log."""
+    from logitless.integrations.trl import GRPOTrainer as OurTrainer
+
+    ours = make_trainer(OurTrainer, loss_type="dapo", epsilon_high=0.28, **fields)
+    ours.args.gradient_accumulation_steps = GA
+    ours.__dict__.update(
+        loss_config=our_config("dapo", epsilon_high=0.28, **fields), _configs={},
+        _entropy_control=None, _sampler=None, state=SimpleNamespace(max_steps=1, global_step=0))
+    lp = batch.lp.clone().requires_grad_()
+    ours._get_per_token_logps_and_entropies = lambda *a, **k: (lp, batch.entropy, None)
+    inputs = loss_inputs(batch, batch.mask.sum())
+    inputs.update(extra_inputs)
+    OurTrainer._compute_loss(ours, None, inputs).backward()
+    return {k: v[-1] for k, v in ours._metrics["train"].items()}
+
+
+def test_adapter_logs_mismatch_metrics():
+    """With vLLM's logprobs in the batch (TRL's ``sampling_per_token_logps``, NaN where vLLM
+    did not score a token), logitless's GRPOTrainer logs ``logitless/mismatch/*`` from the old
+    policy's logprobs (the trainer's, at the weights that generated) against vLLM's, over the
+    loss mask less the NaN tokens; the mean and max |d| are TRL's own
+    ``sampling/sampling_logp_difference``."""
+    batch = make_batch(17)
+    batch.mask[0] = 1  # a full-length completion: TRL pads the generation to T
+    batch.sampling = (batch.old + 0.08 * torch.randn_like(batch.old)).float().double()
+    vllm = dict(use_vllm=True, vllm_importance_sampling_correction=True,
+                vllm_importance_sampling_mode="token_truncate",
+                vllm_importance_sampling_clip_min=0.0, vllm_importance_sampling_clip_max=2.0)
+    trainer = make_trainer(loss_type="dapo", epsilon_high=0.28, **vllm)
+    nan_tokens = {(0, 0), (3, 1)}
+    out = trl_generation(trainer, batch, nan_tokens)
+    theirs = {k: v[-1] for k, v in trainer._metrics["train"].items()}
+    logged = _our_loss_metrics(batch, vllm,
+                               importance_sampling_ratio=out["importance_sampling_ratio"],
+                               sampling_per_token_logps=out["sampling_per_token_logps"])
+
+    ds = [float(batch.old[i, j]) - float(batch.sampling[i, j])
+          for i, j in batch.mask.nonzero().tolist() if (i, j) not in nan_tokens]
+    want = {
+        "abs_diff/mean": sum(abs(d) for d in ds) / len(ds),
+        "abs_diff/max": max(abs(d) for d in ds),
+        "kl_k1": sum(-d for d in ds) / len(ds),
+        "kl_k3": sum(math.exp(d) - 1 - d for d in ds) / len(ds),
+        "ratio_outside": sum(not 0.9 <= math.exp(d) <= 1.1 for d in ds) / len(ds),
+    }
+    assert 0 < want["ratio_outside"] < 1
+    for name, value in want.items():
+        assert logged[f"logitless/mismatch/{name}"] == pytest.approx(value, rel=1e-6), name
+    for stat in ("mean", "max"):
+        assert logged[f"logitless/mismatch/abs_diff/{stat}"] == pytest.approx(
+            theirs[f"sampling/sampling_logp_difference/{stat}"], rel=1e-6), stat
+
+
+def test_adapter_logs_no_mismatch_metrics_without_engine_logprobs():
+    logged = _our_loss_metrics(make_batch(18), {})
+    assert "logitless/approx_kl" in logged
+    assert not any(k.startswith("logitless/mismatch/") for k in logged)
 
 
 def test_adaptive_entropy_coefficient():

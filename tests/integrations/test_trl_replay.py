@@ -191,6 +191,25 @@ def test_replay_trains_on_the_recorded_sets(tiny, tmp_path):
     logged = trainer.state.log_history[0]
     assert logged["logitless/sampler/outside_kept"] == 0.0
     assert math.isfinite(logged["loss"])
+    # the engine's logprobs are the replayed distribution's: no mismatch beyond fp32 rounding
+    assert logged["logitless/mismatch/abs_diff/max"] < 1e-4
+    assert 0 <= logged["logitless/mismatch/kl_k3"] < 1e-8
+    assert logged["logitless/mismatch/ratio_outside"] == 0.0
+
+
+def test_mismatch_without_replay_is_the_truncation(tiny, tmp_path):
+    """The same engine without replay: the trainer scores the full tempered softmax, the
+    engine's logprobs are renormalised over sets far smaller than the vocabulary, so every
+    token's d is the set's log mass (< -0.5): |d| = -d, k1 = mean |d|, and every ratio is
+    outside [0.9, 1.1] (docs/mismatch.md)."""
+    trainer = make_trainer(tiny, grpo_args(tmp_path), cls=GRPOTrainer)
+    trainer.train()
+    logged = trainer.state.log_history[0]
+    k1, mean = logged["logitless/mismatch/kl_k1"], logged["logitless/mismatch/abs_diff/mean"]
+    assert k1 > 0.5
+    assert k1 == pytest.approx(mean, rel=1e-6)
+    assert logged["logitless/mismatch/ratio_outside"] == 1.0
+    assert logged["logitless/mismatch/kl_k3"] > 0
 
 
 def test_replay_truncates_the_reference_with_the_same_sets(tiny, tmp_path):

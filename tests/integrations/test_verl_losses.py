@@ -5,6 +5,7 @@ Every call goes through ``verl.trainer.ppo.core_algos.get_policy_loss_fn`` with 
 configured only through verl configuration (``LogitlessPolicyLossConfig``).
 """
 
+import math
 import os
 import pickle
 import subprocess
@@ -134,6 +135,48 @@ def test_logitless_loss_mode_equals_verl_builtin(case, agg, info):
     assert all(isinstance(v, float) for v in o_metrics.values())
     assert {"actor/ppo_kl", "actor/logitless/approx_kl",
             "actor/logitless/masked_fraction"} <= set(o_metrics)
+
+
+@pytest.mark.parametrize("mode", ["logitless_ppo", "logitless_cispo"])
+def test_mismatch_metrics_with_rollout_log_probs(mode):
+    """Given the rollout engine's logprobs (``rollout_log_probs``, the argument verl's
+    ``PolicyLossFn`` names), the loss returns ``actor/logitless/mismatch/*`` from verl's
+    ``old_log_prob`` (the trainer's, at the weights the rollout sampled with) against them,
+    over the response mask less a token whose engine logprob is not finite; the k1 and k3 KLs
+    are verl's own ``rollout_corr/kl`` and ``rollout_corr/k3_kl`` over the same tokens."""
+    from verl.trainer.ppo.rollout_corr_helper import compute_offpolicy_metrics
+
+    lp, old, adv, mask = _batch(seed=21)
+    g = torch.Generator().manual_seed(22)
+    rollout = old + 0.07 * torch.randn(old.shape, generator=g, dtype=torch.float64)
+    assert mask[0, 0]
+    measured = mask.clone()
+    measured[0, 0] = False  # a token without a finite engine logprob is left out
+    scored = rollout.clone()
+    rollout[0, 0] = float("-inf")
+    actor = _actor(LogitlessPolicyLossConfig(loss_mode=mode), BATCH_INFOS["local"])
+    fn = core_algos.get_policy_loss_fn(mode)
+    kwargs = dict(old_log_prob=old, log_prob=lp, advantages=adv, response_mask=mask,
+                  loss_agg_mode="token-mean", config=actor)
+    loss, metrics = fn(**kwargs, rollout_log_probs=rollout)
+    plain_loss, plain = fn(**kwargs)
+    assert loss == plain_loss
+    assert not any("mismatch" in k for k in plain)
+
+    theirs = compute_offpolicy_metrics(old, scored, measured)
+    ds = (old - rollout)[measured].tolist()
+    want = {
+        "abs_diff/mean": sum(abs(d) for d in ds) / len(ds),
+        "abs_diff/max": max(abs(d) for d in ds),
+        "kl_k1": theirs["kl"],
+        "kl_k3": theirs["k3_kl"],
+        "ratio_outside": sum(not 0.9 <= math.exp(d) <= 1.1 for d in ds) / len(ds),
+    }
+    assert 0 < want["ratio_outside"] < 1
+    assert {k for k in metrics if "mismatch" in k} == {f"actor/logitless/mismatch/{k}"
+                                                        for k in want}
+    for name, value in want.items():
+        assert metrics[f"actor/logitless/mismatch/{name}"] == pytest.approx(value, rel=1e-7), name
 
 
 def test_defaults_follow_the_paper_where_verl_differs():

@@ -39,6 +39,7 @@ from logitless.fused_losses.objectives.aggregation import agg_counts
 from logitless.fused_losses.objectives.catalog import CLIPPED_SURROGATE, OBJECTIVES, clip_flags
 from logitless.fused_losses.objectives.config import PolicyLossConfig
 from logitless.fused_losses.objectives.entropy_control import AdaptiveEntropyCoef
+from logitless.fused_losses.objectives.mismatch import logged_mismatch
 from logitless.fused_losses.objectives.policy_loss import policy_loss, policy_loss_globals
 from logitless.fused_losses.objectives.ratios import compute_ratio
 from logitless.integrations.replay import KEPT_IDS_KEY, SAMPLING_MASK_KEY, kept_ids_from_masks
@@ -588,6 +589,9 @@ class GRPOTrainer(trl.GRPOTrainer):
             entropy_coef=coef,
         )
         self._log_entropy_bonus(mode, loss, metrics, coef, cfg, grad_accum)
+        if batch["rollout_logprobs"] is not None:
+            # the old policy's logprobs are the trainer's at the weights that generated
+            metrics.update(logged_mismatch(old, batch["rollout_logprobs"], mask))
         if self.aux_loss_enabled:
             loss = loss + self.router_aux_loss_coef * aux_loss / grad_accum
             self._metrics[mode]["aux_loss"].append(

@@ -51,6 +51,7 @@ from verl.workers.config import PolicyLossConfig as VerlPolicyLossConfig
 
 from logitless.fused_losses.objectives.catalog import OBJECTIVES, get_objective
 from logitless.fused_losses.objectives.config import PolicyLossConfig
+from logitless.fused_losses.objectives.mismatch import logged_mismatch
 from logitless.fused_losses.objectives.policy_loss import policy_loss
 from logitless.integrations.sampler_config import (
     SamplerTruncation,
@@ -385,6 +386,7 @@ def _verl_policy_loss(objective: str):
         loss_agg_mode: str = "token-mean",
         config=None,
         rollout_is_weights: torch.Tensor | None = None,
+        rollout_log_probs: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, float]]:
         if config is None:
             raise ValueError(f"config: {LOSS_PREFIX}{objective} needs verl's actor config")
@@ -405,6 +407,9 @@ def _verl_policy_loss(objective: str):
                                     token_weights=rollout_is_weights, **normalisers)
         if outside is not None:
             metrics["sampler/outside_kept"] = outside
+        if rollout_log_probs is not None:
+            # old_log_prob: the trainer's logprobs at the weights the rollout sampled with
+            metrics.update(logged_mismatch(old_log_prob, rollout_log_probs, response_mask))
         return loss, _verl_metrics(metrics)
 
     compute_policy_loss.__name__ = f"compute_policy_loss_{LOSS_PREFIX}{objective}"
