@@ -13,6 +13,7 @@ from logitless.reference.divergence import (
     linear_divergence,
     linear_topk_distill,
     topk_forward_kl,
+    topk_reverse_kl,
 )
 from logitless.reference.linear_softmax import linear_logits, linear_softmax_stats, softcap
 from logitless.reference.objectives import (
@@ -58,4 +59,5 @@ __all__ = [
     "softcap",
     "suffix_sum_loop",
     "topk_forward_kl",
+    "topk_reverse_kl",
 ]

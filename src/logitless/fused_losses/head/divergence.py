@@ -16,6 +16,7 @@ from types import ModuleType
 import torch
 
 from logitless.fused_losses.backend import triton_selected
+from logitless.fused_losses.head import kept
 from logitless.fused_losses.head.logprobs import check_byte_budget, compute_dtype
 from logitless.fused_losses.oplib import (
     check_temperature,
@@ -330,8 +331,8 @@ def exact_kl_rows(hidden, weight, bias, ref_hidden, ref_weight, ref_bias, temper
 def linear_topk_distill(
     hidden: torch.Tensor,
     weight: torch.Tensor,
-    teacher_ids: torch.Tensor,
-    teacher_logprobs: torch.Tensor,
+    teacher_ids: torch.Tensor | None = None,
+    teacher_logprobs: torch.Tensor | None = None,
     mask: torch.Tensor | None = None,
     *,
     temperature: float = 1.0,
@@ -339,8 +340,15 @@ def linear_topk_distill(
     log_prob_min_clamp: float | None = -10.0,
     loss_max_clamp: float | None = 10.0,
     max_tile_bytes: int | None = None,
+    direction: str = "forward",
+    k: int | None = None,
+    teacher_hidden: torch.Tensor | None = None,
+    teacher_weight: torch.Tensor | None = None,
+    teacher_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Per-token top-k forward KL to a teacher known only by its top-k log-probabilities.
+    """Per-token top-k KL to a teacher: forward over the teacher's top-k log-probabilities
+    (``direction="forward"``), or reverse over the student's top-k, renormalised
+    (``direction="reverse"``).
 
     verl 0.9.1's ``forward_kl_topk`` distillation loss, from hidden states and the head:
     with ``log q`` the student's log-softmax of ``(hidden @ weight^T + bias) / T`` at the
@@ -357,12 +365,37 @@ def linear_topk_distill(
             (no gradient).
         mask: optional tensor of the token shape, bool, or real holding 0 and 1 only (1:
             kept; other values raise ``ValueError``); the other rows are skipped and hold 0.
+        direction: ``"forward"`` (the above; needs ``teacher_ids`` and ``teacher_logprobs``)
+            or ``"reverse"``: verl's student-top-k renormalised reverse KL (issue #6676, PRs
+            #7590 / #7806), ``sum_{i in S} s_i (log s_i - log t_i)`` with ``S`` the student's
+            ``k`` largest logits, ``log s = log_softmax`` of the student's tempered logits
+            over ``S`` and ``log t`` the teacher's, over the same ``S``. Needs ``k`` and the
+            teacher head (``teacher_hidden [..., D_t]``, ``teacher_weight [V, D_t]``,
+            optional ``teacher_bias``, detached, tempered by the same ``temperature``), whose
+            logits at ``S`` are gathered; ``teacher_ids`` / ``teacher_logprobs`` are refused.
+            The clamps apply as in the forward direction (to the renormalised log-probs,
+            then to the loss). ``S`` is selected without gradient; the gradient reaches the
+            student's ``hidden``, ``weight`` and ``bias`` only. See ``docs/distillation.md``.
 
     Returns:
         fp32 tensor (fp64 for fp64 inputs) of the token shape.
     """
+    if direction not in ("forward", "reverse"):
+        raise ValueError(f"direction must be 'forward' or 'reverse', got {direction!r}")
     hidden, weight, bias = _check_head("", hidden, weight, bias)
     lead = tuple(hidden.shape[:-1])
+    _check_clamps(log_prob_min_clamp, loss_max_clamp)
+    check_byte_budget("max_tile_bytes", max_tile_bytes)
+    if direction == "reverse":
+        return _reverse_topk(hidden, weight, bias, teacher_ids, teacher_logprobs, mask, k,
+                             teacher_hidden, teacher_weight, teacher_bias, temperature,
+                             log_prob_min_clamp, loss_max_clamp, max_tile_bytes)
+    given = [n for n, v in (("k", k), ("teacher_hidden", teacher_hidden),
+                            ("teacher_weight", teacher_weight),
+                            ("teacher_bias", teacher_bias)) if v is not None]
+    if given:
+        raise ValueError(f"{given} belong to direction='reverse'; the forward direction takes "
+                         f"teacher_ids and teacher_logprobs")
     _check_common(hidden, (("weight", weight), ("bias", bias), ("teacher_ids", teacher_ids),
                            ("teacher_logprobs", teacher_logprobs)), mask, temperature)
     if not isinstance(teacher_ids, torch.Tensor) or teacher_ids.dtype.is_floating_point \
@@ -380,14 +413,6 @@ def linear_topk_distill(
                          f"{tuple(teacher_ids.shape)}, got "
                          f"{getattr(teacher_logprobs, 'dtype', type(teacher_logprobs).__name__)}"
                          f" {tuple(getattr(teacher_logprobs, 'shape', ()))}")
-    # a floor of log-probabilities is <= 0 (-inf: none); a cap of the loss is > 0 (inf: none)
-    if log_prob_min_clamp is not None and not (is_number(log_prob_min_clamp)
-                                               and log_prob_min_clamp <= 0):
-        raise ValueError(f"log_prob_min_clamp must be None or a number <= 0, got "
-                         f"{log_prob_min_clamp!r}")
-    if loss_max_clamp is not None and not (is_number(loss_max_clamp) and loss_max_clamp > 0):
-        raise ValueError(f"loss_max_clamp must be None or a number > 0, got {loss_max_clamp!r}")
-    check_byte_budget("max_tile_bytes", max_tile_bytes)
     # One graph node under torch.compile (the op defined at the end of this module).
     log_q = torch.ops.logitless.linear_topk_logprobs(hidden, weight, bias, teacher_ids, mask,
                                                      float(temperature), max_tile_bytes)[0]
@@ -395,12 +420,79 @@ def linear_topk_distill(
     log_t = teacher_logprobs.detach().to(log_q.dtype)
     if mask is not None:
         log_t = torch.where(mask[..., None] != 0, log_t, 0.0)  # 0/1, checked by the op
+    return _clamped_kl(log_t, log_q, log_prob_min_clamp, loss_max_clamp)
+
+
+def _check_clamps(log_prob_min_clamp, loss_max_clamp):
+    # a floor of log-probabilities is <= 0 (-inf: none); a cap of the loss is > 0 (inf: none)
+    if log_prob_min_clamp is not None and not (is_number(log_prob_min_clamp)
+                                               and log_prob_min_clamp <= 0):
+        raise ValueError(f"log_prob_min_clamp must be None or a number <= 0, got "
+                         f"{log_prob_min_clamp!r}")
+    if loss_max_clamp is not None and not (is_number(loss_max_clamp) and loss_max_clamp > 0):
+        raise ValueError(f"loss_max_clamp must be None or a number > 0, got {loss_max_clamp!r}")
+
+
+def _clamped_kl(log_p, log_q, log_prob_min_clamp, loss_max_clamp):
+    """verl's clamped ``KL(p || q)`` over the last dimension: both log-probs floored at
+    ``log_prob_min_clamp``, ``sum exp(log p) (log p - log q)`` floored at 0 and capped at
+    ``loss_max_clamp`` (None: no clamp)."""
     if log_prob_min_clamp is not None:
-        log_q, log_t = log_q.clamp_min(log_prob_min_clamp), log_t.clamp_min(log_prob_min_clamp)
-    loss = (log_t.exp() * (log_t - log_q)).sum(-1).clamp_min(0.0)
+        log_p, log_q = log_p.clamp_min(log_prob_min_clamp), log_q.clamp_min(log_prob_min_clamp)
+    loss = (log_p.exp() * (log_p - log_q)).sum(-1).clamp_min(0.0)
     if loss_max_clamp is not None:
         loss = loss.clamp(max=loss_max_clamp)
     return loss
+
+
+def _reverse_topk(hidden, weight, bias, teacher_ids, teacher_logprobs, mask, k, t_hidden,
+                  t_weight, t_bias, temperature, log_prob_min_clamp, loss_max_clamp,
+                  max_tile_bytes):
+    """``linear_topk_distill(direction="reverse")`` on checked student tensors: the student's
+    top-k ids streamed through its tiles (no gradient), both heads' logits gathered at them
+    (`kept.gathered_logits`; the teacher's detached), renormalised over the set, verl's
+    clamped KL(student || teacher)."""
+    given = [n for n, v in (("teacher_ids", teacher_ids),
+                            ("teacher_logprobs", teacher_logprobs)) if v is not None]
+    if given:
+        raise ValueError(f"{given} belong to direction='forward'; the reverse direction "
+                         f"gathers the teacher's logits at the student's top-k from "
+                         f"teacher_hidden and teacher_weight")
+    if t_hidden is None or t_weight is None:
+        raise ValueError("direction='reverse' needs the teacher head: teacher_hidden and "
+                         "teacher_weight (teacher_bias optional)")
+    lead = tuple(hidden.shape[:-1])
+    t_hidden, t_weight, t_bias = _check_head("teacher_", t_hidden, t_weight, t_bias, lead)
+    if t_weight.shape[0] != weight.shape[0]:
+        raise ValueError(f"teacher_weight must have the student's vocabulary of "
+                         f"{weight.shape[0]} rows, got {t_weight.shape[0]}")
+    _check_common(hidden, (("weight", weight), ("bias", bias), ("teacher_hidden", t_hidden),
+                           ("teacher_weight", t_weight), ("teacher_bias", t_bias)), mask,
+                  temperature)
+    v = weight.shape[0]
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= v:
+        raise ValueError(f"k must be an integer in [1, V] = [1, {v}] with direction='reverse', "
+                         f"got {k!r}")
+    n = math.prod(lead)
+    rows = _rows(mask, n)
+    h = take_rows(hidden, rows, hidden.shape[-1])
+    th = take_rows(t_hidden.detach(), rows, t_hidden.shape[-1])
+    dtype = hidden.dtype
+    tile = {} if max_tile_bytes is None else {"tile_bytes": max_tile_bytes}
+    with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
+        ids = divergence_torch.topk_ids(h.detach(), weight.detach(),
+                                        None if bias is None else bias.detach(), k,
+                                        temperature=float(temperature), **tile)
+        z_t = kept.gathered_logits(th, t_weight.detach(),
+                                   None if t_bias is None else t_bias.detach(), ids,
+                                   temperature=float(temperature), dtype=t_hidden.dtype,
+                                   max_tile_bytes=max_tile_bytes)
+    z_s = kept.gathered_logits(h, weight, bias, ids, temperature=float(temperature),
+                               dtype=dtype, max_tile_bytes=max_tile_bytes)
+    log_s = torch.log_softmax(z_s, dim=-1)
+    log_t = torch.log_softmax(z_t.to(z_s.dtype), dim=-1)
+    loss = _clamped_kl(log_s, log_t, log_prob_min_clamp, loss_max_clamp)
+    return _expand(loss, rows, n, lead)
 
 
 # --- linear_divergence ----------------------------------------------------------------------

@@ -294,8 +294,22 @@ def id_logits(hidden, weight, targets, ids, *, bias, temperature, softcap, logit
     _, rows = compact_rows(targets, ignore_index, weight.shape[0])
     h = take_rows(hidden, rows, hidden.shape[-1])
     at = take_rows(ids, rows, ids.shape[-1])
-    temp = _row_temperature(temperature, rows, h.shape[0], acc_dtype(dtype), h.device)
-    budget = DEFAULT_GATHER_BYTES if max_tile_bytes is None else max_tile_bytes
-    z = _IdLogits.apply(h, weight, bias, at, temp, dtype, softcap, logit_scale, budget,
-                        gather_weight)
+    z = gathered_logits(h, weight, bias, at, temperature=_row_temperature(
+        temperature, rows, h.shape[0], acc_dtype(dtype), h.device), dtype=dtype,
+        softcap=softcap, logit_scale=logit_scale, max_tile_bytes=max_tile_bytes,
+        gather_weight=gather_weight)
     return put_rows(z, rows, ids.shape)
+
+
+def gathered_logits(hidden, weight, bias, ids, *, temperature, dtype, softcap=None,
+                    logit_scale=1.0, max_tile_bytes=None, gather_weight=None):
+    """The transformed logits of rows ``hidden [n, D]`` (checked, compacted) at ``ids [n, K]``
+    (in ``[0, V)`` or -1), ``[n, K]`` in the accumulation dtype of ``dtype`` with gradient
+    (-inf at padding): a gather of the ids' weight rows by chunk, never the logits.
+    ``temperature``: a number or ``[n]``, entering in the accumulation dtype."""
+    acc = acc_dtype(dtype)
+    if not isinstance(temperature, torch.Tensor):
+        temperature = _row_temperature(temperature, None, hidden.shape[0], acc, hidden.device)
+    budget = DEFAULT_GATHER_BYTES if max_tile_bytes is None else max_tile_bytes
+    return _IdLogits.apply(hidden, weight, bias, ids, temperature.to(acc), dtype, softcap,
+                           logit_scale, budget, gather_weight)
