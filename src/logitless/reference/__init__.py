@@ -12,6 +12,7 @@ from logitless.reference.divergence import (
     generalized_jsd,
     linear_divergence,
     linear_topk_distill,
+    mtp_draft_loss,
     topk_forward_kl,
     topk_reverse_kl,
 )
@@ -46,6 +47,7 @@ __all__ = [
     "linear_logprobs",
     "linear_softmax_stats",
     "linear_topk_distill",
+    "mtp_draft_loss",
     "policy_loss",
     "policy_loss_reference",
     "prefix_min_loop",

@@ -5,7 +5,9 @@
 teacher), anything between the mixture divergence
 ``beta KL(teacher || m) + (1 - beta) KL(student || m)`` with ``m = beta p_t + (1 - beta) p_s``.
 ``topk_forward_kl`` is verl 0.9.1's top-k forward KL, with its clamps; ``topk_reverse_kl`` the
-student-top-k renormalised reverse KL (verl #6676), with the same clamps.
+student-top-k renormalised reverse KL (verl #6676), with the same clamps; ``mtp_draft_loss``
+the soft cross-entropy of a draft head against the detached main head (SkyRL's
+``draft_soft_ce``), optionally against the main head's top-k renormalised.
 """
 
 from __future__ import annotations
@@ -16,8 +18,8 @@ import torch
 
 from logitless.reference.linear_softmax import linear_logits
 
-__all__ = ["generalized_jsd", "linear_divergence", "linear_topk_distill", "topk_forward_kl",
-           "topk_reverse_kl"]
+__all__ = ["generalized_jsd", "linear_divergence", "linear_topk_distill", "mtp_draft_loss",
+           "topk_forward_kl", "topk_reverse_kl"]
 
 
 def generalized_jsd(student_logits: torch.Tensor, teacher_logits: torch.Tensor, beta: float,
@@ -93,4 +95,22 @@ def linear_topk_distill(hidden, weight, teacher_ids=None, teacher_logprobs=None,
     log_q = torch.log_softmax(linear_logits(hidden, weight, bias, temperature=temperature), -1)
     out = topk_forward_kl(log_q.gather(-1, teacher_ids.long()), teacher_logprobs.to(log_q.dtype),
                           log_prob_min_clamp, loss_max_clamp)
+    return out if mask is None else torch.where(mask, out, 0.0)
+
+
+def mtp_draft_loss(hidden, weight, main_hidden, mask=None, *, bias=None, main_weight=None,
+                   main_bias=None, top_k=None, temperature=1.0) -> torch.Tensor:
+    """``-sum_v p_main(v) log_softmax(draft logits / T)(v)`` per token on the materialised
+    logits, the main head detached (``weight``/``bias`` when ``main_weight`` is None);
+    with ``top_k``, ``p_main`` truncated to its ``top_k`` largest logits and renormalised."""
+    if main_weight is None:
+        main_weight, main_bias = weight, bias
+    z_main = linear_logits(main_hidden, main_weight, main_bias,
+                           temperature=temperature).detach()
+    p = torch.softmax(z_main, dim=-1)
+    if top_k is not None:
+        ids = z_main.topk(top_k, dim=-1).indices
+        p = torch.zeros_like(p).scatter(-1, ids, torch.softmax(z_main.gather(-1, ids), -1))
+    log_s = torch.log_softmax(linear_logits(hidden, weight, bias, temperature=temperature), -1)
+    out = -(p * log_s).sum(-1)
     return out if mask is None else torch.where(mask, out, 0.0)

@@ -1,4 +1,5 @@
-"""Two-head divergences for distillation: ``linear_divergence`` and ``linear_topk_distill``.
+"""Two-head divergences for distillation: ``linear_divergence``, ``linear_topk_distill`` and
+the MTP draft loss ``mtp_draft_loss`` built on them.
 
 Input checks, compaction of masked rows and result shaping live here; the tiled math in
 ``kernels/divergence.py`` (cuBLAS tiles and Triton epilogues, where ``triton_selected``) or its
@@ -17,7 +18,11 @@ import torch
 
 from logitless.fused_losses.backend import triton_selected
 from logitless.fused_losses.head import kept
-from logitless.fused_losses.head.logprobs import check_byte_budget, compute_dtype
+from logitless.fused_losses.head.logprobs import (
+    check_byte_budget,
+    compute_dtype,
+    linear_logprobs,
+)
 from logitless.fused_losses.oplib import (
     check_temperature,
     define,
@@ -32,7 +37,8 @@ from logitless.fused_losses.oplib import (
 from logitless.kernels import divergence_torch
 from logitless.kernels.linear_softmax_torch import acc_dtype
 
-__all__ = ["exact_kl_rows", "linear_divergence", "linear_topk_distill", "reference_head"]
+__all__ = ["exact_kl_rows", "linear_divergence", "linear_topk_distill", "mtp_draft_loss",
+           "reference_head"]
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -630,3 +636,105 @@ _linear_topk_logprobs_op = define(
     "float temperature, int? tile_bytes) -> (Tensor, Tensor)",
     _topk_forward, _topk_forward_fake)
 _linear_topk_logprobs_op.register_autograd(_topk_backward, setup_context=_topk_setup_context)
+
+
+# --- the MTP draft loss ---------------------------------------------------------------------
+
+
+def mtp_draft_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    main_hidden: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    *,
+    bias: torch.Tensor | None = None,
+    main_weight: torch.Tensor | None = None,
+    main_bias: torch.Tensor | None = None,
+    top_k: int | None = None,
+    temperature: float = 1.0,
+    max_tile_bytes: int | None = None,
+) -> torch.Tensor:
+    """Per-token soft cross-entropy of a multi-token-prediction (draft) head against the
+    detached main head's next-token distribution: the draft loss that keeps a speculative
+    decoding head fresh during RL (SkyRL's ``draft_soft_ce``, Megatron-LM's
+    ``mtp_isolated_loss``), from hidden states, never the logits.
+
+    ``-sum_v p_main(v) log p_mtp(v)`` with ``p_mtp = softmax((hidden @ weight^T + bias) / T)``
+    and ``p_main = softmax((main_hidden @ main_weight^T + main_bias) / T)`` at the same row:
+    the caller aligns them (for MTP depth ``d``, the draft's row ``t`` with the main head's
+    row ``t + d + 1``, e.g. ``hidden[:, :-(d + 1)]`` against ``main_hidden[:, d + 1:]``).
+    It is ``linear_divergence(beta=0)``'s KL(p_main || p_mtp) plus the main head's entropy
+    (one streamed pass of the main head more, no gradient); the gradient, ``p_mtp - p_main``
+    per logit, is the KL's.
+
+    With ``top_k``, the main distribution is truncated to its ``top_k`` largest logits and
+    renormalised there, ``q``, and the loss is ``-sum_{i in top-k} q_i log p_mtp(i)`` with
+    the draft's full-vocabulary log-probs (``linear_logprobs(ids=...)``): two gathers of
+    ``top_k`` rows and the draft head's lse pass, after a streamed top-k of the main head.
+
+    Args:
+        hidden: ``[..., D]`` the draft head's hidden states (the MTP block's output).
+        weight, bias: the draft head (``[V, D]``, optional ``[V]``); gradients reach them
+            and ``hidden``. Pass ``weight.detach()`` for Megatron's isolated loss, which
+            trains only the MTP block through ``hidden``.
+        main_hidden: ``[..., D_main]`` with ``hidden``'s token shape; detached.
+        main_weight, main_bias: the main head (detached); None: the draft head's own
+            (``weight``, ``bias``: one shared output layer, as DeepSeek-V3's MTP).
+            ``main_bias`` without ``main_weight`` is refused.
+        mask: as ``linear_divergence``'s; dropped rows hold 0.
+        top_k: None (the whole vocabulary) or an integer in ``[1, V]``.
+        temperature: divides both heads' logits (1 for SkyRL's loss).
+
+    Returns:
+        fp32 tensor (fp64 for fp64 inputs) of the token shape; see docs/distillation.md.
+    """
+    if main_weight is None:
+        if main_bias is not None:
+            raise ValueError("main_bias needs main_weight (without it the main head is the "
+                             "draft head itself, weight and bias)")
+        main_weight, main_bias = weight, bias
+    hidden, weight, bias = _check_head("", hidden, weight, bias)
+    lead = tuple(hidden.shape[:-1])
+    main_hidden, main_weight, main_bias = _check_head("main_", main_hidden, main_weight,
+                                                      main_bias, lead)
+    _check_common(hidden, (("weight", weight), ("bias", bias), ("main_hidden", main_hidden),
+                           ("main_weight", main_weight), ("main_bias", main_bias)), mask,
+                  temperature)
+    v = weight.shape[0]
+    if main_weight.shape[0] != v:
+        raise ValueError(f"main_weight must have the draft head's vocabulary of {v} rows, got "
+                         f"{main_weight.shape[0]}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int)
+                              or not 1 <= top_k <= v):
+        raise ValueError(f"top_k must be None or an integer in [1, V] = [1, {v}], got "
+                         f"{top_k!r}")
+    check_byte_budget("max_tile_bytes", max_tile_bytes)
+    main = (main_hidden.detach(), main_weight.detach(),
+            None if main_bias is None else main_bias.detach())
+    n = math.prod(lead)
+    rows = _rows(mask, n)
+    targets = torch.zeros(lead, dtype=torch.int64, device=hidden.device)
+    if rows is not None:  # the dropped rows are ignored by linear_logprobs
+        targets = targets.masked_fill(mask == 0, -100)
+    if top_k is None:
+        kl = linear_divergence(hidden, weight, *main[:2], mask, beta=0.0,
+                               temperature=temperature, bias=bias, teacher_bias=main[2],
+                               max_tile_bytes=max_tile_bytes)
+        with torch.no_grad():
+            entropy = linear_logprobs(main[0], main[1], targets, bias=main[2],
+                                      temperature=temperature, return_entropy=True,
+                                      max_tile_bytes=max_tile_bytes).entropy
+        return kl + entropy.to(kl.dtype)
+    h_main = take_rows(main[0], rows, main[0].shape[-1])
+    tile = {} if max_tile_bytes is None else {"tile_bytes": max_tile_bytes}
+    with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
+        ids = divergence_torch.topk_ids(h_main, main[1], main[2], top_k,
+                                        temperature=float(temperature), **tile)
+        z_main = kept.gathered_logits(h_main, main[1], main[2], ids,
+                                      temperature=float(temperature), dtype=main[0].dtype,
+                                      max_tile_bytes=max_tile_bytes)
+    lp = linear_logprobs(hidden, weight, targets, bias=bias, temperature=temperature,
+                         ids=put_rows(ids, rows, (*lead, top_k)),
+                         max_tile_bytes=max_tile_bytes).id_logprobs
+    q = torch.softmax(z_main, dim=-1).to(lp.dtype)
+    return _expand(-(q * take_rows(lp, rows, top_k)).sum(-1), rows, n, lead)
