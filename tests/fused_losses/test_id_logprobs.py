@@ -198,3 +198,13 @@ def test_bad_input_raises_value_error(change, match):
     hidden, weight, bias, targets, ids = _inputs(11, dtype=torch.float32)
     with pytest.raises(ValueError, match=match):
         logitless.linear_logprobs(hidden, weight, targets, bias=bias, **change(ids))
+
+
+def test_a_batched_token_shape():
+    """``[B, T]`` targets and ``[B, T, K]`` ids: the same numbers as the flattened call."""
+    hidden, weight, bias, targets, ids = _inputs(12, n=36)
+    flat = logitless.linear_logprobs(hidden, weight, targets, bias=bias, ids=ids)
+    out = logitless.linear_logprobs(hidden.view(4, 9, D), weight, targets.view(4, 9), bias=bias,
+                                    ids=ids.view(4, 9, K))
+    assert out.id_logprobs.shape == (4, 9, K)
+    torch.testing.assert_close(out.id_logprobs.reshape(36, K), flat.id_logprobs, rtol=0, atol=0)

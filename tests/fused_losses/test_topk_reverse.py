@@ -74,6 +74,28 @@ def test_the_set_is_the_students_top_k():
     assert not torch.allclose(ours.detach(), teacher_set, rtol=1e-3, atol=1e-3)
 
 
+@pytest.mark.parametrize("given", ["logprobs", "logits"])
+def test_a_recorded_set_with_the_teachers_scores(given):
+    """The rollout's recorded student top-k (``teacher_ids``) with the teacher's log-probs
+    there (verl #7806's fixed-token scoring) gives what the teacher head gives; raw teacher
+    logits at the set give the same, the renormalisation cancels their normaliser."""
+    x = _heads(10, batch=2)
+    mask = torch.rand(2, N, generator=torch.Generator().manual_seed(11)) < 0.8
+    zs = reference.linear_logits(x["hidden"], x["weight"], x["bias"], temperature=0.9)
+    zt = reference.linear_logits(x["teacher_hidden"], x["teacher_weight"], x["teacher_bias"],
+                                 temperature=0.9)
+    ids = zs.topk(K, dim=-1).indices
+    scores = (torch.log_softmax(zt, -1) if given == "logprobs" else zt).gather(-1, ids)
+    leaves, ref_leaves = _student_leaves(x), _student_leaves(x)
+    ours = logitless.linear_topk_distill(leaves[0], leaves[1], ids, scores, mask, bias=leaves[2],
+                                         direction="reverse", temperature=0.9)
+    want = _run(reference.linear_topk_distill, x, ref_leaves, k=K, temperature=0.9, mask=mask)
+    torch.testing.assert_close(ours, want, rtol=1e-10, atol=1e-12)
+    for g, r in zip(torch.autograd.grad(ours.sum(), leaves),
+                    torch.autograd.grad(want.sum(), ref_leaves)):
+        torch.testing.assert_close(g, r, rtol=1e-9, atol=1e-11)
+
+
 def test_k_equal_to_the_vocabulary_is_the_full_reverse_kl():
     """With ``S`` the whole vocabulary nothing is renormalised: KL(student || teacher), as
     ``linear_divergence(beta=1)`` gives it."""
@@ -141,11 +163,18 @@ def _bad(**change):
     (dict(k=2.0), r"k must be an integer in \[1, V\]"),
     (dict(k=None), r"k must be an integer in \[1, V\]"),
     (dict(teacher_weight=None), "needs the teacher head"),
+    (dict(teacher_weight=None, teacher_hidden=None, teacher_bias=None, k=None),
+     "needs the teacher head"),
     (dict(teacher_hidden=torch.randn(N - 1, D_T)), "teacher_hidden must have hidden's token"),
     (dict(teacher_weight=torch.randn(V - 1, D_T), teacher_bias=None),
      "teacher_weight must have the student's"),
-    (dict(teacher_ids=torch.zeros(N, K, dtype=torch.long)), r"\['teacher_ids'\] belong to "
-                                                            "direction='forward'"),
+    (dict(teacher_ids=torch.zeros(N, K, dtype=torch.long), teacher_logprobs=torch.zeros(N, K)),
+     r"either a recorded set .* not both: drop \['k', 'teacher_hidden'"),
+    (dict(k=None, teacher_hidden=None, teacher_weight=None, teacher_bias=None,
+          teacher_ids=torch.zeros(N, K, dtype=torch.long)), "teacher_logprobs must be a float"),
+    (dict(k=None, teacher_hidden=None, teacher_weight=None, teacher_bias=None,
+          teacher_ids=torch.full((N, K), V), teacher_logprobs=torch.zeros(N, K)),
+     r"teacher_ids must lie in \[0, 1007\)"),
     (dict(direction="forward", teacher_ids=torch.zeros(N, K, dtype=torch.long),
           teacher_logprobs=torch.zeros(N, K)), r"\['k', 'teacher_hidden'"),
     (dict(loss_max_clamp=0.0), "loss_max_clamp must be None or a number > 0"),

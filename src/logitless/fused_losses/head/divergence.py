@@ -378,7 +378,9 @@ def linear_topk_distill(
             over ``S`` and ``log t`` the teacher's, over the same ``S``. Needs ``k`` and the
             teacher head (``teacher_hidden [..., D_t]``, ``teacher_weight [V, D_t]``,
             optional ``teacher_bias``, detached, tempered by the same ``temperature``), whose
-            logits at ``S`` are gathered; ``teacher_ids`` / ``teacher_logprobs`` are refused.
+            logits at ``S`` are gathered; or, instead, a recorded set: ``teacher_ids`` the
+            student's top-k as the rollout recorded it and ``teacher_logprobs`` the teacher's
+            log-probs there (verl #7806's fixed-token scoring; taken as given, not tempered).
             The clamps apply as in the forward direction (to the renormalised log-probs,
             then to the loss). ``S`` is selected without gradient; the gradient reaches the
             student's ``hidden``, ``weight`` and ``bias`` only. See ``docs/distillation.md``.
@@ -389,7 +391,6 @@ def linear_topk_distill(
     if direction not in ("forward", "reverse"):
         raise ValueError(f"direction must be 'forward' or 'reverse', got {direction!r}")
     hidden, weight, bias = _check_head("", hidden, weight, bias)
-    lead = tuple(hidden.shape[:-1])
     _check_clamps(log_prob_min_clamp, loss_max_clamp)
     check_byte_budget("max_tile_bytes", max_tile_bytes)
     if direction == "reverse":
@@ -402,6 +403,22 @@ def linear_topk_distill(
     if given:
         raise ValueError(f"{given} belong to direction='reverse'; the forward direction takes "
                          f"teacher_ids and teacher_logprobs")
+    _check_teacher_topk(hidden, weight, bias, teacher_ids, teacher_logprobs, mask, temperature)
+    # One graph node under torch.compile (the op defined at the end of this module).
+    log_q = torch.ops.logitless.linear_topk_logprobs(hidden, weight, bias, teacher_ids, mask,
+                                                     float(temperature), max_tile_bytes)[0]
+    # Dropped rows: log q = log t = 0 below, so their loss is 0 (and gets no gradient).
+    log_t = teacher_logprobs.detach().to(log_q.dtype)
+    if mask is not None:
+        log_t = torch.where(mask[..., None] != 0, log_t, 0.0)  # 0/1, checked by the op
+    return _clamped_kl(log_t, log_q, log_prob_min_clamp, loss_max_clamp)
+
+
+def _check_teacher_topk(hidden, weight, bias, teacher_ids, teacher_logprobs, mask, temperature):
+    """Devices, mask and temperature (`_check_common`), then ``teacher_ids`` integer
+    ``[..., k]`` of hidden's token shape and ``teacher_logprobs`` a float tensor shaped like
+    it (their values: `_topk_ids`, inside)."""
+    lead = tuple(hidden.shape[:-1])
     _check_common(hidden, (("weight", weight), ("bias", bias), ("teacher_ids", teacher_ids),
                            ("teacher_logprobs", teacher_logprobs)), mask, temperature)
     if not isinstance(teacher_ids, torch.Tensor) or teacher_ids.dtype.is_floating_point \
@@ -419,14 +436,6 @@ def linear_topk_distill(
                          f"{tuple(teacher_ids.shape)}, got "
                          f"{getattr(teacher_logprobs, 'dtype', type(teacher_logprobs).__name__)}"
                          f" {tuple(getattr(teacher_logprobs, 'shape', ()))}")
-    # One graph node under torch.compile (the op defined at the end of this module).
-    log_q = torch.ops.logitless.linear_topk_logprobs(hidden, weight, bias, teacher_ids, mask,
-                                                     float(temperature), max_tile_bytes)[0]
-    # Dropped rows: log q = log t = 0 below, so their loss is 0 (and gets no gradient).
-    log_t = teacher_logprobs.detach().to(log_q.dtype)
-    if mask is not None:
-        log_t = torch.where(mask[..., None] != 0, log_t, 0.0)  # 0/1, checked by the op
-    return _clamped_kl(log_t, log_q, log_prob_min_clamp, loss_max_clamp)
 
 
 def _check_clamps(log_prob_min_clamp, loss_max_clamp):
@@ -455,19 +464,30 @@ def _reverse_topk(hidden, weight, bias, teacher_ids, teacher_logprobs, mask, k, 
                   t_weight, t_bias, temperature, log_prob_min_clamp, loss_max_clamp,
                   max_tile_bytes):
     """``linear_topk_distill(direction="reverse")`` on checked student tensors: the student's
-    top-k ids streamed through its tiles (no gradient), both heads' logits gathered at them
-    (`kept.gathered_logits`; the teacher's detached), renormalised over the set, verl's
-    clamped KL(student || teacher)."""
-    given = [n for n, v in (("teacher_ids", teacher_ids),
-                            ("teacher_logprobs", teacher_logprobs)) if v is not None]
-    if given:
-        raise ValueError(f"{given} belong to direction='forward'; the reverse direction "
-                         f"gathers the teacher's logits at the student's top-k from "
-                         f"teacher_hidden and teacher_weight")
-    if t_hidden is None or t_weight is None:
-        raise ValueError("direction='reverse' needs the teacher head: teacher_hidden and "
-                         "teacher_weight (teacher_bias optional)")
+    top-k ids streamed through its tiles (no gradient) and the teacher head's logits gathered
+    at them (`kept.gathered_logits`, detached), or a recorded set ``teacher_ids`` with the
+    teacher's log-probs there; the student's logits gathered at the set, both renormalised
+    over it, verl's clamped KL(student || teacher)."""
     lead = tuple(hidden.shape[:-1])
+    head = [n for n, x in (("k", k), ("teacher_hidden", t_hidden), ("teacher_weight", t_weight),
+                           ("teacher_bias", t_bias)) if x is not None]
+    if teacher_ids is not None or teacher_logprobs is not None:
+        if head:
+            raise ValueError(f"direction='reverse' takes either a recorded set (teacher_ids, "
+                             f"teacher_logprobs) or k and the teacher head, not both: drop "
+                             f"{head}")
+        _check_teacher_topk(hidden, weight, bias, teacher_ids, teacher_logprobs, mask,
+                            temperature)
+        n = math.prod(lead)
+        rows = _rows(mask, n)
+        ids = _topk_ids(teacher_ids, rows, weight.shape[0])
+        z_t = _take(teacher_logprobs.detach(), rows)
+        return _reverse_rows(hidden, weight, bias, ids, z_t, rows, n, lead, temperature,
+                             log_prob_min_clamp, loss_max_clamp, max_tile_bytes)
+    if t_hidden is None or t_weight is None:
+        raise ValueError("direction='reverse' needs the teacher head (teacher_hidden and "
+                         "teacher_weight, teacher_bias optional) with k, or a recorded set "
+                         "(teacher_ids and teacher_logprobs)")
     t_hidden, t_weight, t_bias = _check_head("teacher_", t_hidden, t_weight, t_bias, lead)
     if t_weight.shape[0] != weight.shape[0]:
         raise ValueError(f"teacher_weight must have the student's vocabulary of "
@@ -483,7 +503,6 @@ def _reverse_topk(hidden, weight, bias, teacher_ids, teacher_logprobs, mask, k, 
     rows = _rows(mask, n)
     h = take_rows(hidden, rows, hidden.shape[-1])
     th = take_rows(t_hidden.detach(), rows, t_hidden.shape[-1])
-    dtype = hidden.dtype
     tile = {} if max_tile_bytes is None else {"tile_bytes": max_tile_bytes}
     with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
         ids = divergence_torch.topk_ids(h.detach(), weight.detach(),
@@ -493,8 +512,17 @@ def _reverse_topk(hidden, weight, bias, teacher_ids, teacher_logprobs, mask, k, 
                                    None if t_bias is None else t_bias.detach(), ids,
                                    temperature=float(temperature), dtype=t_hidden.dtype,
                                    max_tile_bytes=max_tile_bytes)
+    return _reverse_rows(hidden, weight, bias, ids, z_t, rows, n, lead, temperature,
+                         log_prob_min_clamp, loss_max_clamp, max_tile_bytes)
+
+
+def _reverse_rows(hidden, weight, bias, ids, z_t, rows, n, lead, temperature,
+                  log_prob_min_clamp, loss_max_clamp, max_tile_bytes):
+    """The reverse KL of the kept ``rows`` over their sets ``ids [n_kept, k]``, the teacher's
+    logits (or log-probs: the same once renormalised) ``z_t`` there, scattered to ``lead``."""
+    h = take_rows(hidden, rows, hidden.shape[-1])
     z_s = kept.gathered_logits(h, weight, bias, ids, temperature=float(temperature),
-                               dtype=dtype, max_tile_bytes=max_tile_bytes)
+                               dtype=hidden.dtype, max_tile_bytes=max_tile_bytes)
     log_s = torch.log_softmax(z_s, dim=-1)
     log_t = torch.log_softmax(z_t.to(z_s.dtype), dim=-1)
     loss = _clamped_kl(log_s, log_t, log_prob_min_clamp, loss_max_clamp)
