@@ -4,7 +4,11 @@ __version__ = "0.1.0"
 
 from logitless.fused_losses.fused.fused_policy_loss import fused_policy_loss
 from logitless.fused_losses.head.attention_entropy import attention_entropy
-from logitless.fused_losses.head.divergence import linear_divergence, linear_topk_distill
+from logitless.fused_losses.head.divergence import (
+    linear_divergence,
+    linear_topk_distill,
+    mtp_draft_loss,
+)
 from logitless.fused_losses.head.logprobs import LogprobOutput, linear_logprobs
 from logitless.fused_losses.objectives.catalog import register_objective
 from logitless.fused_losses.objectives.config import PolicyLossConfig
@@ -24,6 +28,7 @@ __all__ = [
     "linear_logprobs",
     "linear_topk_distill",
     "mismatch_metrics",
+    "mtp_draft_loss",
     "policy_loss",
     "policy_loss_globals",
     "register_objective",

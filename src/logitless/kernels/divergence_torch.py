@@ -328,3 +328,24 @@ def topk_backward(hidden, weight, bias, ids, lse, grad, *, temperature: float, n
         dz.scatter_add_(1, local.clamp(0, dz.shape[1] - 1), torch.where(inside, grad[rows], 0.0))
         heads.accumulate(dz, hidden, weight, d_hidden, d_weight, d_bias, rows, cols)
     return d_hidden, d_weight, d_bias
+
+
+def topk_ids(hidden, weight, bias, k: int, *, temperature: float,
+             tile_bytes: int = DEFAULT_TILE_BYTES):
+    """The ids of the ``k`` largest tempered logits of each row of ``hidden [N, D]``, int64
+    ``[N, k]`` in descending order of logit, streamed through the tiles (a running top-k
+    merged with each tile's; fp32 logits for bf16/fp16 inputs, as every pass here); no
+    gradient. Ties fall as ``torch.topk`` breaks them."""
+    n, v = hidden.shape[0], weight.shape[0]
+    acc = acc_dtype(hidden.dtype)
+    vals = hidden.new_full((n, k), -math.inf, dtype=acc)
+    ids = torch.zeros(n, k, dtype=torch.int64, device=hidden.device)
+    heads = _Heads(n, v, hidden, None, tile_bytes)
+    for rows, cols in heads.blocks(n, v):
+        z, _ = heads.logits(heads.s, hidden, weight, bias, rows, cols, temperature)
+        top = z.topk(min(k, z.shape[1]), dim=1)
+        cand = torch.cat([vals[rows], top.values], 1)
+        cand_ids = torch.cat([ids[rows], top.indices + cols.start], 1)
+        best = cand.topk(k, dim=1)
+        vals[rows], ids[rows] = best.values, cand_ids.gather(1, best.indices)
+    return ids

@@ -12,7 +12,9 @@ from logitless.reference.divergence import (
     generalized_jsd,
     linear_divergence,
     linear_topk_distill,
+    mtp_draft_loss,
     topk_forward_kl,
+    topk_reverse_kl,
 )
 from logitless.reference.linear_softmax import linear_logits, linear_softmax_stats, softcap
 from logitless.reference.objectives import (
@@ -45,6 +47,7 @@ __all__ = [
     "linear_logprobs",
     "linear_softmax_stats",
     "linear_topk_distill",
+    "mtp_draft_loss",
     "policy_loss",
     "policy_loss_reference",
     "prefix_min_loop",
@@ -58,4 +61,5 @@ __all__ = [
     "softcap",
     "suffix_sum_loop",
     "topk_forward_kl",
+    "topk_reverse_kl",
 ]

@@ -1,4 +1,5 @@
-"""Two-head divergences for distillation: ``linear_divergence`` and ``linear_topk_distill``.
+"""Two-head divergences for distillation: ``linear_divergence``, ``linear_topk_distill`` and
+the MTP draft loss ``mtp_draft_loss`` built on them.
 
 Input checks, compaction of masked rows and result shaping live here; the tiled math in
 ``kernels/divergence.py`` (cuBLAS tiles and Triton epilogues, where ``triton_selected``) or its
@@ -16,7 +17,12 @@ from types import ModuleType
 import torch
 
 from logitless.fused_losses.backend import triton_selected
-from logitless.fused_losses.head.logprobs import check_byte_budget, compute_dtype
+from logitless.fused_losses.head import kept
+from logitless.fused_losses.head.logprobs import (
+    check_byte_budget,
+    compute_dtype,
+    linear_logprobs,
+)
 from logitless.fused_losses.oplib import (
     check_temperature,
     define,
@@ -31,7 +37,8 @@ from logitless.fused_losses.oplib import (
 from logitless.kernels import divergence_torch
 from logitless.kernels.linear_softmax_torch import acc_dtype
 
-__all__ = ["exact_kl_rows", "linear_divergence", "linear_topk_distill", "reference_head"]
+__all__ = ["exact_kl_rows", "linear_divergence", "linear_topk_distill", "mtp_draft_loss",
+           "reference_head"]
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -330,8 +337,8 @@ def exact_kl_rows(hidden, weight, bias, ref_hidden, ref_weight, ref_bias, temper
 def linear_topk_distill(
     hidden: torch.Tensor,
     weight: torch.Tensor,
-    teacher_ids: torch.Tensor,
-    teacher_logprobs: torch.Tensor,
+    teacher_ids: torch.Tensor | None = None,
+    teacher_logprobs: torch.Tensor | None = None,
     mask: torch.Tensor | None = None,
     *,
     temperature: float = 1.0,
@@ -339,8 +346,15 @@ def linear_topk_distill(
     log_prob_min_clamp: float | None = -10.0,
     loss_max_clamp: float | None = 10.0,
     max_tile_bytes: int | None = None,
+    direction: str = "forward",
+    k: int | None = None,
+    teacher_hidden: torch.Tensor | None = None,
+    teacher_weight: torch.Tensor | None = None,
+    teacher_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Per-token top-k forward KL to a teacher known only by its top-k log-probabilities.
+    """Per-token top-k KL to a teacher: forward over the teacher's top-k log-probabilities
+    (``direction="forward"``), or reverse over the student's top-k, renormalised
+    (``direction="reverse"``).
 
     verl 0.9.1's ``forward_kl_topk`` distillation loss, from hidden states and the head:
     with ``log q`` the student's log-softmax of ``(hidden @ weight^T + bias) / T`` at the
@@ -357,11 +371,53 @@ def linear_topk_distill(
             (no gradient).
         mask: optional tensor of the token shape, bool, or real holding 0 and 1 only (1:
             kept; other values raise ``ValueError``); the other rows are skipped and hold 0.
+        direction: ``"forward"`` (the above; needs ``teacher_ids`` and ``teacher_logprobs``)
+            or ``"reverse"``: verl's student-top-k renormalised reverse KL (issue #6676, PRs
+            #7590 / #7806), ``sum_{i in S} s_i (log s_i - log t_i)`` with ``S`` the student's
+            ``k`` largest logits, ``log s = log_softmax`` of the student's tempered logits
+            over ``S`` and ``log t`` the teacher's, over the same ``S``. Needs ``k`` and the
+            teacher head (``teacher_hidden [..., D_t]``, ``teacher_weight [V, D_t]``,
+            optional ``teacher_bias``, detached, tempered by the same ``temperature``), whose
+            logits at ``S`` are gathered; or, instead, a recorded set: ``teacher_ids`` the
+            student's top-k as the rollout recorded it and ``teacher_logprobs`` the teacher's
+            log-probs there (verl #7806's fixed-token scoring; taken as given, not tempered).
+            The clamps apply as in the forward direction (to the renormalised log-probs,
+            then to the loss). ``S`` is selected without gradient; the gradient reaches the
+            student's ``hidden``, ``weight`` and ``bias`` only. See ``docs/distillation.md``.
 
     Returns:
         fp32 tensor (fp64 for fp64 inputs) of the token shape.
     """
+    if direction not in ("forward", "reverse"):
+        raise ValueError(f"direction must be 'forward' or 'reverse', got {direction!r}")
     hidden, weight, bias = _check_head("", hidden, weight, bias)
+    _check_clamps(log_prob_min_clamp, loss_max_clamp)
+    check_byte_budget("max_tile_bytes", max_tile_bytes)
+    if direction == "reverse":
+        return _reverse_topk(hidden, weight, bias, teacher_ids, teacher_logprobs, mask, k,
+                             teacher_hidden, teacher_weight, teacher_bias, temperature,
+                             log_prob_min_clamp, loss_max_clamp, max_tile_bytes)
+    given = [n for n, v in (("k", k), ("teacher_hidden", teacher_hidden),
+                            ("teacher_weight", teacher_weight),
+                            ("teacher_bias", teacher_bias)) if v is not None]
+    if given:
+        raise ValueError(f"{given} belong to direction='reverse'; the forward direction takes "
+                         f"teacher_ids and teacher_logprobs")
+    _check_teacher_topk(hidden, weight, bias, teacher_ids, teacher_logprobs, mask, temperature)
+    # One graph node under torch.compile (the op defined at the end of this module).
+    log_q = torch.ops.logitless.linear_topk_logprobs(hidden, weight, bias, teacher_ids, mask,
+                                                     float(temperature), max_tile_bytes)[0]
+    # Dropped rows: log q = log t = 0 below, so their loss is 0 (and gets no gradient).
+    log_t = teacher_logprobs.detach().to(log_q.dtype)
+    if mask is not None:
+        log_t = torch.where(mask[..., None] != 0, log_t, 0.0)  # 0/1, checked by the op
+    return _clamped_kl(log_t, log_q, log_prob_min_clamp, loss_max_clamp)
+
+
+def _check_teacher_topk(hidden, weight, bias, teacher_ids, teacher_logprobs, mask, temperature):
+    """Devices, mask and temperature (`_check_common`), then ``teacher_ids`` integer
+    ``[..., k]`` of hidden's token shape and ``teacher_logprobs`` a float tensor shaped like
+    it (their values: `_topk_ids`, inside)."""
     lead = tuple(hidden.shape[:-1])
     _check_common(hidden, (("weight", weight), ("bias", bias), ("teacher_ids", teacher_ids),
                            ("teacher_logprobs", teacher_logprobs)), mask, temperature)
@@ -380,6 +436,9 @@ def linear_topk_distill(
                          f"{tuple(teacher_ids.shape)}, got "
                          f"{getattr(teacher_logprobs, 'dtype', type(teacher_logprobs).__name__)}"
                          f" {tuple(getattr(teacher_logprobs, 'shape', ()))}")
+
+
+def _check_clamps(log_prob_min_clamp, loss_max_clamp):
     # a floor of log-probabilities is <= 0 (-inf: none); a cap of the loss is > 0 (inf: none)
     if log_prob_min_clamp is not None and not (is_number(log_prob_min_clamp)
                                                and log_prob_min_clamp <= 0):
@@ -387,20 +446,87 @@ def linear_topk_distill(
                          f"{log_prob_min_clamp!r}")
     if loss_max_clamp is not None and not (is_number(loss_max_clamp) and loss_max_clamp > 0):
         raise ValueError(f"loss_max_clamp must be None or a number > 0, got {loss_max_clamp!r}")
-    check_byte_budget("max_tile_bytes", max_tile_bytes)
-    # One graph node under torch.compile (the op defined at the end of this module).
-    log_q = torch.ops.logitless.linear_topk_logprobs(hidden, weight, bias, teacher_ids, mask,
-                                                     float(temperature), max_tile_bytes)[0]
-    # Dropped rows: log q = log t = 0 below, so their loss is 0 (and gets no gradient).
-    log_t = teacher_logprobs.detach().to(log_q.dtype)
-    if mask is not None:
-        log_t = torch.where(mask[..., None] != 0, log_t, 0.0)  # 0/1, checked by the op
+
+
+def _clamped_kl(log_p, log_q, log_prob_min_clamp, loss_max_clamp):
+    """verl's clamped ``KL(p || q)`` over the last dimension: both log-probs floored at
+    ``log_prob_min_clamp``, ``sum exp(log p) (log p - log q)`` floored at 0 and capped at
+    ``loss_max_clamp`` (None: no clamp)."""
     if log_prob_min_clamp is not None:
-        log_q, log_t = log_q.clamp_min(log_prob_min_clamp), log_t.clamp_min(log_prob_min_clamp)
-    loss = (log_t.exp() * (log_t - log_q)).sum(-1).clamp_min(0.0)
+        log_p, log_q = log_p.clamp_min(log_prob_min_clamp), log_q.clamp_min(log_prob_min_clamp)
+    loss = (log_p.exp() * (log_p - log_q)).sum(-1).clamp_min(0.0)
     if loss_max_clamp is not None:
         loss = loss.clamp(max=loss_max_clamp)
     return loss
+
+
+def _reverse_topk(hidden, weight, bias, teacher_ids, teacher_logprobs, mask, k, t_hidden,
+                  t_weight, t_bias, temperature, log_prob_min_clamp, loss_max_clamp,
+                  max_tile_bytes):
+    """``linear_topk_distill(direction="reverse")`` on checked student tensors: the student's
+    top-k ids streamed through its tiles (no gradient) and the teacher head's logits gathered
+    at them (`kept.gathered_logits`, detached), or a recorded set ``teacher_ids`` with the
+    teacher's log-probs there; the student's logits gathered at the set, both renormalised
+    over it, verl's clamped KL(student || teacher)."""
+    lead = tuple(hidden.shape[:-1])
+    head = [n for n, x in (("k", k), ("teacher_hidden", t_hidden), ("teacher_weight", t_weight),
+                           ("teacher_bias", t_bias)) if x is not None]
+    if teacher_ids is not None or teacher_logprobs is not None:
+        if head:
+            raise ValueError(f"direction='reverse' takes either a recorded set (teacher_ids, "
+                             f"teacher_logprobs) or k and the teacher head, not both: drop "
+                             f"{head}")
+        _check_teacher_topk(hidden, weight, bias, teacher_ids, teacher_logprobs, mask,
+                            temperature)
+        n = math.prod(lead)
+        rows = _rows(mask, n)
+        ids = _topk_ids(teacher_ids, rows, weight.shape[0])
+        z_t = _take(teacher_logprobs.detach(), rows)
+        return _reverse_rows(hidden, weight, bias, ids, z_t, rows, n, lead, temperature,
+                             log_prob_min_clamp, loss_max_clamp, max_tile_bytes)
+    if t_hidden is None or t_weight is None:
+        raise ValueError("direction='reverse' needs the teacher head (teacher_hidden and "
+                         "teacher_weight, teacher_bias optional) with k, or a recorded set "
+                         "(teacher_ids and teacher_logprobs)")
+    t_hidden, t_weight, t_bias = _check_head("teacher_", t_hidden, t_weight, t_bias, lead)
+    if t_weight.shape[0] != weight.shape[0]:
+        raise ValueError(f"teacher_weight must have the student's vocabulary of "
+                         f"{weight.shape[0]} rows, got {t_weight.shape[0]}")
+    _check_common(hidden, (("weight", weight), ("bias", bias), ("teacher_hidden", t_hidden),
+                           ("teacher_weight", t_weight), ("teacher_bias", t_bias)), mask,
+                  temperature)
+    v = weight.shape[0]
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= v:
+        raise ValueError(f"k must be an integer in [1, V] = [1, {v}] with direction='reverse', "
+                         f"got {k!r}")
+    n = math.prod(lead)
+    rows = _rows(mask, n)
+    h = take_rows(hidden, rows, hidden.shape[-1])
+    th = take_rows(t_hidden.detach(), rows, t_hidden.shape[-1])
+    tile = {} if max_tile_bytes is None else {"tile_bytes": max_tile_bytes}
+    with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
+        ids = divergence_torch.topk_ids(h.detach(), weight.detach(),
+                                        None if bias is None else bias.detach(), k,
+                                        temperature=float(temperature), **tile)
+        z_t = kept.gathered_logits(th, t_weight.detach(),
+                                   None if t_bias is None else t_bias.detach(), ids,
+                                   temperature=float(temperature), dtype=t_hidden.dtype,
+                                   max_tile_bytes=max_tile_bytes)
+    return _reverse_rows(hidden, weight, bias, ids, z_t, rows, n, lead, temperature,
+                         log_prob_min_clamp, loss_max_clamp, max_tile_bytes)
+
+
+def _reverse_rows(hidden, weight, bias, ids, z_t, rows, n, lead, temperature,
+                  log_prob_min_clamp, loss_max_clamp, max_tile_bytes):
+    """The reverse KL of the kept ``rows`` over their sets ``ids [n_kept, k]``, the teacher's
+    logits (or log-probs: the same once renormalised) ``z_t`` there, scattered to ``lead``."""
+    h = take_rows(hidden, rows, hidden.shape[-1])
+    z_s = kept.gathered_logits(h, weight, bias, ids, temperature=float(temperature),
+                               dtype=hidden.dtype, max_tile_bytes=max_tile_bytes)
+    log_s = torch.log_softmax(z_s, dim=-1)
+    log_t = torch.log_softmax(z_t.to(z_s.dtype), dim=-1)
+    loss = _clamped_kl(log_s, log_t, log_prob_min_clamp, loss_max_clamp)
+    return _expand(loss, rows, n, lead)
 
 
 # --- linear_divergence ----------------------------------------------------------------------
@@ -538,3 +664,105 @@ _linear_topk_logprobs_op = define(
     "float temperature, int? tile_bytes) -> (Tensor, Tensor)",
     _topk_forward, _topk_forward_fake)
 _linear_topk_logprobs_op.register_autograd(_topk_backward, setup_context=_topk_setup_context)
+
+
+# --- the MTP draft loss ---------------------------------------------------------------------
+
+
+def mtp_draft_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    main_hidden: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    *,
+    bias: torch.Tensor | None = None,
+    main_weight: torch.Tensor | None = None,
+    main_bias: torch.Tensor | None = None,
+    top_k: int | None = None,
+    temperature: float = 1.0,
+    max_tile_bytes: int | None = None,
+) -> torch.Tensor:
+    """Per-token soft cross-entropy of a multi-token-prediction (draft) head against the
+    detached main head's next-token distribution: the draft loss that keeps a speculative
+    decoding head fresh during RL (SkyRL's ``draft_soft_ce``, Megatron-LM's
+    ``mtp_isolated_loss``), from hidden states, never the logits.
+
+    ``-sum_v p_main(v) log p_mtp(v)`` with ``p_mtp = softmax((hidden @ weight^T + bias) / T)``
+    and ``p_main = softmax((main_hidden @ main_weight^T + main_bias) / T)`` at the same row:
+    the caller aligns them (for MTP depth ``d``, the draft's row ``t`` with the main head's
+    row ``t + d + 1``, e.g. ``hidden[:, :-(d + 1)]`` against ``main_hidden[:, d + 1:]``).
+    It is ``linear_divergence(beta=0)``'s KL(p_main || p_mtp) plus the main head's entropy
+    (one streamed pass of the main head more, no gradient); the gradient, ``p_mtp - p_main``
+    per logit, is the KL's.
+
+    With ``top_k``, the main distribution is truncated to its ``top_k`` largest logits and
+    renormalised there, ``q``, and the loss is ``-sum_{i in top-k} q_i log p_mtp(i)`` with
+    the draft's full-vocabulary log-probs (``linear_logprobs(ids=...)``): two gathers of
+    ``top_k`` rows and the draft head's lse pass, after a streamed top-k of the main head.
+
+    Args:
+        hidden: ``[..., D]`` the draft head's hidden states (the MTP block's output).
+        weight, bias: the draft head (``[V, D]``, optional ``[V]``); gradients reach them
+            and ``hidden``. Pass ``weight.detach()`` for Megatron's isolated loss, which
+            trains only the MTP block through ``hidden``.
+        main_hidden: ``[..., D_main]`` with ``hidden``'s token shape; detached.
+        main_weight, main_bias: the main head (detached); None: the draft head's own
+            (``weight``, ``bias``: one shared output layer, as DeepSeek-V3's MTP).
+            ``main_bias`` without ``main_weight`` is refused.
+        mask: as ``linear_divergence``'s; dropped rows hold 0.
+        top_k: None (the whole vocabulary) or an integer in ``[1, V]``.
+        temperature: divides both heads' logits (1 for SkyRL's loss).
+
+    Returns:
+        fp32 tensor (fp64 for fp64 inputs) of the token shape; see docs/distillation.md.
+    """
+    if main_weight is None:
+        if main_bias is not None:
+            raise ValueError("main_bias needs main_weight (without it the main head is the "
+                             "draft head itself, weight and bias)")
+        main_weight, main_bias = weight, bias
+    hidden, weight, bias = _check_head("", hidden, weight, bias)
+    lead = tuple(hidden.shape[:-1])
+    main_hidden, main_weight, main_bias = _check_head("main_", main_hidden, main_weight,
+                                                      main_bias, lead)
+    _check_common(hidden, (("weight", weight), ("bias", bias), ("main_hidden", main_hidden),
+                           ("main_weight", main_weight), ("main_bias", main_bias)), mask,
+                  temperature)
+    v = weight.shape[0]
+    if main_weight.shape[0] != v:
+        raise ValueError(f"main_weight must have the draft head's vocabulary of {v} rows, got "
+                         f"{main_weight.shape[0]}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int)
+                              or not 1 <= top_k <= v):
+        raise ValueError(f"top_k must be None or an integer in [1, V] = [1, {v}], got "
+                         f"{top_k!r}")
+    check_byte_budget("max_tile_bytes", max_tile_bytes)
+    main = (main_hidden.detach(), main_weight.detach(),
+            None if main_bias is None else main_bias.detach())
+    n = math.prod(lead)
+    rows = _rows(mask, n)
+    targets = torch.zeros(lead, dtype=torch.int64, device=hidden.device)
+    if rows is not None:  # the dropped rows are ignored by linear_logprobs
+        targets = targets.masked_fill(mask == 0, -100)
+    if top_k is None:
+        kl = linear_divergence(hidden, weight, *main[:2], mask, beta=0.0,
+                               temperature=temperature, bias=bias, teacher_bias=main[2],
+                               max_tile_bytes=max_tile_bytes)
+        with torch.no_grad():
+            entropy = linear_logprobs(main[0], main[1], targets, bias=main[2],
+                                      temperature=temperature, return_entropy=True,
+                                      max_tile_bytes=max_tile_bytes).entropy
+        return kl + entropy.to(kl.dtype)
+    h_main = take_rows(main[0], rows, main[0].shape[-1])
+    tile = {} if max_tile_bytes is None else {"tile_bytes": max_tile_bytes}
+    with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
+        ids = divergence_torch.topk_ids(h_main, main[1], main[2], top_k,
+                                        temperature=float(temperature), **tile)
+        z_main = kept.gathered_logits(h_main, main[1], main[2], ids,
+                                      temperature=float(temperature), dtype=main[0].dtype,
+                                      max_tile_bytes=max_tile_bytes)
+    lp = linear_logprobs(hidden, weight, targets, bias=bias, temperature=temperature,
+                         ids=put_rows(ids, rows, (*lead, top_k)),
+                         max_tile_bytes=max_tile_bytes).id_logprobs
+    q = torch.softmax(z_main, dim=-1).to(lp.dtype)
+    return _expand(-(q * take_rows(lp, rows, top_k)).sum(-1), rows, n, lead)

@@ -13,6 +13,9 @@ finite), the entropy of ``q`` and, on request,
 ``log_kept_mass = logsumexp(z_S) - logsumexp(z)``, whose second term is one streamed pass of
 the whole head (the plain ``linear_logprobs``'s ``lse``). The backward regathers each chunk's
 rows: nothing of size ``K x D`` per token is kept between forward and backward.
+
+The same gather gives ``linear_logprobs(ids=...)`` its logits at given ids (`id_logits`), from
+which the caller subtracts the whole head's lse.
 """
 
 from __future__ import annotations
@@ -33,39 +36,43 @@ from logitless.kernels.linear_softmax_torch import acc_dtype
 DEFAULT_GATHER_BYTES = 64 * 2**20
 
 
-def check_kept_ids(kept_ids, targets: torch.Tensor, vocab: int, ignore_index: int):
+def check_kept_ids(kept_ids, targets: torch.Tensor, vocab: int, ignore_index: int, *,
+                   name: str = "kept_ids", as_set: bool = True):
     """``kept_ids`` must be an int64 tensor ``[*targets.shape, K]`` (``K >= 1``) of ids in
-    ``[0, V)`` or -1 (padding), no id twice for a token, and at least one id for every token
-    whose target is not ``ignore_index``. Reads the values (eager calls only)."""
+    ``[0, V)`` or -1 (padding); ``as_set`` (a kept set): no id twice for a token, and at least
+    one id for every token whose target is not ``ignore_index``. Errors name ``name``. Reads
+    the values (eager calls only)."""
     if not isinstance(kept_ids, torch.Tensor) or kept_ids.dtype != torch.int64:
         got = type(kept_ids).__name__ if not isinstance(kept_ids, torch.Tensor) else kept_ids.dtype
-        raise ValueError(f"kept_ids must be an int64 tensor, got {got}")
+        raise ValueError(f"{name} must be an int64 tensor, got {got}")
     if kept_ids.dim() != targets.dim() + 1 or kept_ids.shape[:-1] != targets.shape:
-        raise ValueError(f"kept_ids must have shape [*targets.shape, K] = "
+        raise ValueError(f"{name} must have shape [*targets.shape, K] = "
                          f"[{', '.join(map(str, targets.shape))}, K], got "
                          f"{list(kept_ids.shape)}")
     if kept_ids.shape[-1] < 1:
-        raise ValueError("kept_ids must hold at least one id per token (K >= 1), got K = 0")
+        raise ValueError(f"{name} must hold at least one id per token (K >= 1), got K = 0")
     if kept_ids.device != targets.device:
-        raise ValueError(f"kept_ids must be on targets' device {targets.device}, got "
+        raise ValueError(f"{name} must be on targets' device {targets.device}, got "
                          f"{kept_ids.device}")
     if is_compiling():
         return
     ids = kept_ids.reshape(-1, kept_ids.shape[-1])
     bad = (ids < -1) | (ids >= vocab)
     if bool(bad.any()):
-        raise ValueError(f"kept_ids must be vocabulary ids in [0, {vocab}) or -1 (padding), got "
+        raise ValueError(f"{name} must be vocabulary ids in [0, {vocab}) or -1 (padding), got "
                          f"{int(ids[bad][0])}")
+    if not as_set:
+        return
     ordered = ids.sort(dim=-1).values
     twice = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)
     if bool(twice.any()):
         row = int(twice.any(-1).nonzero()[0])
-        raise ValueError(f"kept_ids must name each id at most once per token; token {row} "
+        raise ValueError(f"{name} must name each id at most once per token; token {row} "
                          f"holds id {int(ordered[row, 1:][twice[row]][0])} twice")
     live = targets.reshape(-1) != ignore_index
     empty = live & (ids < 0).all(-1)
     if bool(empty.any()):
-        raise ValueError(f"kept_ids must hold at least one id for every token whose target is "
+        raise ValueError(f"{name} must hold at least one id for every token whose target is "
                          f"not ignore_index; token {int(empty.nonzero()[0])} has none")
 
 
@@ -161,25 +168,39 @@ def _kept_grads(hidden, weight, bias, ids, temp, lp, ent, lse_k, hit, grads, nee
     """``(d_hidden, d_weight, d_bias)`` of `_KeptLogprobs`, each in its input's dtype (None
     where ``needs`` says it is not wanted), regathering the rows chunk by chunk."""
     g_lp, g_ent, g_lse = grads
-    need_h, need_w, need_b = needs
     n = ids.shape[0]
-    d_h = torch.zeros(hidden.shape, dtype=acc, device=hidden.device) if need_h else None
-    d_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
-    d_b = (torch.zeros(bias.shape, dtype=acc, device=bias.device)
-           if need_b and bias is not None else None)
     zero = torch.zeros((), dtype=acc, device=hidden.device)
     g_lp = zero.expand(n) if g_lp is None else torch.where(torch.isinf(lp), zero, g_lp)
     g_ent = zero.expand(n) if g_ent is None else g_ent
     g_lse = zero.expand(n) if g_lse is None else g_lse
-    for s in range(0, n, step):
-        e = min(n, s + step)
-        h = hidden[s:e].to(dtype).to(acc)
-        z, raw, valid, w = _kept_logits(h, weight, bias, ids[s:e], temp[s:e], softcap, scale)
+
+    def dz_of(s, e, z, valid):
         log_p = (z - lse_k[s:e].unsqueeze(-1)).masked_fill(~valid, 0.0)
         p = torch.exp(log_p).masked_fill(~valid, 0.0)
         # d lp / dz = 1[j = y] - p;  d H / dz = -p (log p + H);  d lse / dz = p
         gl, gh, gs = g_lp[s:e, None], g_ent[s:e, None], g_lse[s:e, None]
-        dz = gl * (hit[s:e].to(acc) - p) - gh * p * (log_p + ent[s:e, None]) + gs * p
+        return gl * (hit[s:e].to(acc) - p) - gh * p * (log_p + ent[s:e, None]) + gs * p
+
+    return _gathered_grads(hidden, weight, bias, ids, temp, dz_of, needs, dtype, softcap, scale,
+                           step, acc)
+
+
+def _gathered_grads(hidden, weight, bias, ids, temp, dz_of, needs, dtype, softcap, scale, step,
+                    acc):
+    """``(d_hidden, d_weight, d_bias)`` from the gradients with respect to the transformed
+    logits of gathered ids, ``dz_of(s, e, z, valid) -> [e - s, K]`` for each chunk of rows
+    ``s:e`` (given its logits ``z`` and padding mask), regathering the rows chunk by chunk;
+    each in its input's dtype, None where ``needs`` says it is not wanted."""
+    need_h, need_w, need_b = needs
+    d_h = torch.zeros(hidden.shape, dtype=acc, device=hidden.device) if need_h else None
+    d_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+    d_b = (torch.zeros(bias.shape, dtype=acc, device=bias.device)
+           if need_b and bias is not None else None)
+    for s in range(0, ids.shape[0], step):
+        e = min(ids.shape[0], s + step)
+        h = hidden[s:e].to(dtype).to(acc)
+        z, raw, valid, w = _kept_logits(h, weight, bias, ids[s:e], temp[s:e], softcap, scale)
+        dz = dz_of(s, e, z, valid)
         dz = dz.masked_fill(~valid, 0.0) * (scale / temp[s:e, None])
         if softcap is not None:
             dz = dz * (1 - torch.tanh(raw.to(acc) / softcap) ** 2)
@@ -196,6 +217,15 @@ def _kept_grads(hidden, weight, bias, ids, temp, lp, ent, lse_k, hit, grads, nee
             None if d_b is None else d_b.to(bias.dtype))
 
 
+def _row_temperature(temperature, rows, n: int, acc: torch.dtype, device) -> torch.Tensor:
+    """The temperature of each of the ``n`` kept rows, ``[n]`` in the accumulation dtype,
+    never rounded to a 16-bit input dtype (0.7 would read 0.69921875 in bf16): a per-token
+    tensor cast once, a number from its Python float."""
+    if isinstance(temperature, torch.Tensor):
+        return take_rows(temperature, rows).to(acc)
+    return torch.full((n,), float(temperature), dtype=acc, device=device)
+
+
 def kept_logprobs(hidden, weight, targets, kept_ids, *, bias, temperature, softcap,
                   logit_scale, ignore_index, dtype, return_entropy, want_mass, full_lse,
                   max_tile_bytes, gather_weight=None):
@@ -207,14 +237,7 @@ def kept_logprobs(hidden, weight, targets, kept_ids, *, bias, temperature, softc
     check_kept_ids(kept_ids, targets, weight.shape[0], ignore_index)
     h = take_rows(hidden, rows, hidden.shape[-1])
     ids = take_rows(kept_ids, rows, kept_ids.shape[-1])
-    # The temperature enters in the accumulation dtype, never rounded to a 16-bit input
-    # dtype (0.7 would read 0.69921875 in bf16): a per-token tensor cast once, a number from
-    # its Python float.
-    acc = acc_dtype(dtype)
-    if isinstance(temperature, torch.Tensor):
-        temp = take_rows(temperature, rows).to(acc)
-    else:
-        temp = torch.full((h.shape[0],), float(temperature), dtype=acc, device=h.device)
+    temp = _row_temperature(temperature, rows, h.shape[0], acc_dtype(dtype), h.device)
     budget = DEFAULT_GATHER_BYTES if max_tile_bytes is None else max_tile_bytes
     lp, ent, lse_k = _KeptLogprobs.apply(h, weight, bias, ids, take_rows(flat_t, rows), temp,
                                          dtype, softcap, logit_scale, budget, gather_weight)
@@ -225,3 +248,68 @@ def kept_logprobs(hidden, weight, targets, kept_ids, *, bias, temperature, softc
         mass = put_rows(lse_k, rows, targets.shape) - full
     return (put_rows(lp, rows, targets.shape),
             put_rows(ent, rows, targets.shape) if return_entropy else None, mass)
+
+
+class _IdLogits(torch.autograd.Function):
+    """Rows ``[n, D]`` with ids ``[n, K]`` (-1: padding) -> their transformed logits ``[n, K]``
+    in the accumulation dtype (-inf at padding), from a gather of their weight rows by chunk;
+    the backward regathers (`_gathered_grads`), inside ``gather`` when given."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, ids, temp, dtype, softcap, scale, budget, gather):
+        acc = acc_dtype(dtype)
+        n, k = ids.shape
+        step = _rows_per_chunk(k, hidden.shape[-1], 8 if acc == torch.float64 else 4, budget)
+        z = torch.empty(n, k, dtype=acc, device=hidden.device)
+        # Autocast off: fp32 logits (not autocast's bf16 from bmm), as the backward's.
+        with torch.autocast(hidden.device.type, enabled=False):
+            for s in range(0, n, step):
+                e = min(n, s + step)
+                z[s:e] = _kept_logits(hidden[s:e].to(dtype).to(acc), weight, bias, ids[s:e],
+                                      temp[s:e], softcap, scale)[0]
+        ctx.save_for_backward(hidden, weight, bias, ids, temp)
+        ctx.transform = (dtype, softcap, scale, step, acc, gather)
+        return z
+
+    @staticmethod
+    def backward(ctx, g_z):
+        hidden, weight, bias, ids, temp = ctx.saved_tensors
+        dtype, softcap, scale, step, acc, gather = ctx.transform
+        g_z = g_z.to(acc)
+        with torch.autocast(hidden.device.type, enabled=False), \
+                (nullcontext() if gather is None else gather()):
+            grads = _gathered_grads(hidden, weight, bias, ids, temp,
+                                    lambda s, e, z, valid: g_z[s:e], ctx.needs_input_grad[:3],
+                                    dtype, softcap, scale, step, acc)
+        return (*grads, *(None,) * 7)
+
+
+def id_logits(hidden, weight, targets, ids, *, bias, temperature, softcap, logit_scale,
+              ignore_index, dtype, max_tile_bytes, gather_weight=None):
+    """The transformed logits ``z = logit_scale * softcap(h . W_i + b_i) / T`` at the given
+    ``ids`` (``[*targets.shape, K]``, -1 padding, repeats allowed), ``[*targets.shape, K]`` in
+    the accumulation dtype with gradient: -inf at padding, 0 on rows whose target is
+    ``ignore_index``. ``linear_logprobs(ids=...)`` subtracts the plain path's lse."""
+    check_kept_ids(ids, targets, weight.shape[0], ignore_index, name="ids", as_set=False)
+    _, rows = compact_rows(targets, ignore_index, weight.shape[0])
+    h = take_rows(hidden, rows, hidden.shape[-1])
+    at = take_rows(ids, rows, ids.shape[-1])
+    z = gathered_logits(h, weight, bias, at, temperature=_row_temperature(
+        temperature, rows, h.shape[0], acc_dtype(dtype), h.device), dtype=dtype,
+        softcap=softcap, logit_scale=logit_scale, max_tile_bytes=max_tile_bytes,
+        gather_weight=gather_weight)
+    return put_rows(z, rows, ids.shape)
+
+
+def gathered_logits(hidden, weight, bias, ids, *, temperature, dtype, softcap=None,
+                    logit_scale=1.0, max_tile_bytes=None, gather_weight=None):
+    """The transformed logits of rows ``hidden [n, D]`` (checked, compacted) at ``ids [n, K]``
+    (in ``[0, V)`` or -1), ``[n, K]`` in the accumulation dtype of ``dtype`` with gradient
+    (-inf at padding): a gather of the ids' weight rows by chunk, never the logits.
+    ``temperature``: a number or ``[n]``, entering in the accumulation dtype."""
+    acc = acc_dtype(dtype)
+    if not isinstance(temperature, torch.Tensor):
+        temperature = _row_temperature(temperature, None, hidden.shape[0], acc, hidden.device)
+    budget = DEFAULT_GATHER_BYTES if max_tile_bytes is None else max_tile_bytes
+    return _IdLogits.apply(hidden, weight, bias, ids, temperature.to(acc), dtype, softcap,
+                           logit_scale, budget, gather_weight)

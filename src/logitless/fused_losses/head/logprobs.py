@@ -47,7 +47,8 @@ _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 class LogprobOutput:
     """Per-token results of :func:`linear_logprobs`, each fp32 (fp64 for fp64 inputs; bool for
     ``is_top1``) and shaped like ``targets``; 0 (False) where the target is ``ignore_index``.
-    Statistics not requested are None."""
+    Statistics not requested are None. ``id_logprobs`` (with ``ids``) is ``[*targets.shape,
+    K]``: the full-vocabulary logprobs at the given ids."""
 
     logprobs: torch.Tensor
     entropy: torch.Tensor | None = None
@@ -56,6 +57,7 @@ class LogprobOutput:
     is_top1: torch.Tensor | None = None
     lse: torch.Tensor | None = None
     log_kept_mass: torch.Tensor | None = None
+    id_logprobs: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -298,6 +300,42 @@ def _kept_set(hidden, weight, targets, kept_ids, bias, temperature, top_k, top_p
     return LogprobOutput(logprobs=lp, entropy=ent, log_kept_mass=mass)
 
 
+def _at_ids(hidden, weight, targets, ids, bias, temperature, top_k, top_p, min_p, kept_ids,
+            sampler, softcap, logit_scale, ignore_index, return_entropy, stats, vocab_parallel,
+            max_tile_bytes, gather_weight, hidden_grad) -> LogprobOutput:
+    """``linear_logprobs(ids=...)``: the plain call (with ``"lse"``, one streamed pass of the
+    whole head, on its backend) and the logits at ``ids`` from a gather of their rows
+    (`kept.id_logits`); ``id_logprobs = z_ids - lse``, -inf at padding (where no gradient
+    flows), 0 on ignored rows."""
+    given = [n for n, v in (("top_k", top_k), ("top_p", top_p), ("min_p", min_p),
+                            ("kept_ids", kept_ids)) if v is not None]
+    if given:
+        raise ValueError(f"ids reads full-vocabulary logprobs, which a truncation does not "
+                         f"define: pass it without {given}")
+    if vocab_parallel is not None or sharded_head(weight, bias) is not None:
+        raise ValueError("ids is unsupported with vocab_parallel or a DTensor weight "
+                         "(the ids' rows lie in other ranks' slices)")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
+        raise ValueError(f"ignore_index must be an integer token id, got {ignore_index!r}")
+    check_byte_budget("max_tile_bytes", max_tile_bytes)
+    kept.check_kept_temperature(temperature, targets, compute_dtype(hidden))
+    want = tuple(stats) if "lse" in stats else (*stats, "lse")
+    out = linear_logprobs(hidden, weight, targets, bias=bias, temperature=temperature,
+                          sampler=sampler, softcap=softcap, logit_scale=logit_scale,
+                          ignore_index=ignore_index, return_entropy=return_entropy, stats=want,
+                          max_tile_bytes=max_tile_bytes, gather_weight=gather_weight,
+                          hidden_grad=hidden_grad)
+    z = kept.id_logits(hidden, weight, targets, ids, bias=bias, temperature=temperature,
+                       softcap=None if logit_scale == 0 else softcap, logit_scale=logit_scale,
+                       ignore_index=ignore_index, dtype=compute_dtype(hidden),
+                       max_tile_bytes=max_tile_bytes, gather_weight=gather_weight)
+    lp = torch.where(ids >= 0, z - out.lse.unsqueeze(-1).to(z.dtype), -math.inf)
+    out.id_logprobs = torch.where((targets != ignore_index).unsqueeze(-1), lp, 0.0)
+    if "lse" not in stats:
+        out.lse = None
+    return out
+
+
 def linear_logprobs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -309,6 +347,7 @@ def linear_logprobs(
     top_p: float | torch.Tensor | None = None,
     min_p: float | torch.Tensor | None = None,
     kept_ids: torch.Tensor | None = None,
+    ids: torch.Tensor | None = None,
     sampler: str = "vllm",
     softcap: float | None = None,
     logit_scale: float = 1.0,
@@ -358,6 +397,15 @@ def linear_logprobs(
             softmax renormalised over the set, from a gather of its weight rows in bounded
             chunks (``stats`` may ask for ``"log_kept_mass"`` only, one streamed pass more).
             Not with ``vocab_parallel`` nor under ``torch.compile``.
+        ids: ids to read logprobs at, an int64 tensor ``[*targets.shape, K]`` (a teacher's
+            top-k ids, the rollout's top-k, offline soft labels' ids; -1 pads, repeats
+            allowed): ``id_logprobs`` holds ``z_i - logsumexp(z)``, the full-vocabulary
+            logprobs of those ids under the same transformed logits, with gradients; -inf at
+            padding (where no gradient flows), 0 on ignored rows. From a gather of ``K``
+            weight rows per token and the plain path's ``lse`` (one streamed pass), never
+            the logits; see ``docs/distillation.md``. Combines with the plain call's outputs
+            and a per-token temperature; not with ``top_k`` / ``top_p`` / ``min_p`` /
+            ``kept_ids``, ``vocab_parallel`` or a DTensor head, nor under ``torch.compile``.
         return_entropy: also return ``H = -sum_j p_j log p_j``.
         stats: any of ``"sum_p_sq"`` (``sum_j p_j^2``), ``"mean_logit"``, ``"is_top1"``
             (target is an argmax), ``"lse"`` (``log sum_j exp z_j``), ``"log_kept_mass"``
@@ -389,6 +437,10 @@ def linear_logprobs(
                     1.0 if isinstance(temperature, torch.Tensor) else temperature, softcap,
                     logit_scale, stats, zero_scale=True)
     sampled.check_sampler(sampler)
+    if ids is not None:
+        return _at_ids(hidden, weight, targets, ids, bias, temperature, top_k, top_p, min_p,
+                       kept_ids, sampler, softcap, logit_scale, ignore_index, return_entropy,
+                       stats, vocab_parallel, max_tile_bytes, gather_weight, hidden_grad)
     fsdp = sharded_head(weight, bias)
     if fsdp is not None:  # an FSDP2 DTensor head: the tokens gathered, never the weight
         return sharded_logprobs(
