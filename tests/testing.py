@@ -151,6 +151,19 @@ def assert_backward_enters_gather(run, h, w, b, t, kw):
     assert head.entries == ["forward", "backward"]
 
 
+def divergence_heads(n, d, d_t, v, *, batch=None, dtype=torch.float64, seed=0):
+    """Student and teacher head inputs (fp64 draws cast to ``dtype``): ``hidden``, ``weight``,
+    ``bias`` and their ``teacher_`` twins on a teacher hidden size ``d_t``, scaled so that the
+    divergences between the heads are neither 0 nor huge."""
+    gen = torch.Generator().manual_seed(seed)
+    shape = (n,) if batch is None else (batch, n)
+    r = lambda *s: torch.randn(*s, dtype=torch.float64, generator=gen)
+    out = dict(hidden=r(*shape, d), weight=r(v, d) * 2 / d**0.5, bias=r(v) * 0.5,
+               teacher_hidden=r(*shape, d_t), teacher_weight=r(v, d_t) * 2 / d_t**0.5,
+               teacher_bias=r(v) * 0.5)
+    return {k: t.to(dtype) for k, t in out.items()}
+
+
 class SequenceParallelGather(torch.autograd.Function):
     """Megatron's gather_from_sequence_parallel_region: all-gather the sequence shards along
     dim 0; backward reduce-scatters (gloo has no reduce_scatter: all-reduce, keep our shard)."""

@@ -14,7 +14,7 @@ import torch
 import logitless
 from logitless import reference
 
-from testing import assert_close_to_oracle, requires_triton
+from testing import assert_close_to_oracle, divergence_heads, requires_triton
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 gkd = pytest.importorskip("trl.experimental.gkd.gkd_trainer")
@@ -25,15 +25,8 @@ BETAS = [0.0, 0.1, 0.5, 1.0]
 
 
 def heads(n=N, d=D, d_t=D_T, v=V, batch=None, dtype=torch.float64, seed=0):
-    """Student and teacher head inputs (fp64 draws cast to ``dtype``); the teacher is a
-    perturbed student on a different hidden size, so the divergences are neither 0 nor huge."""
-    gen = torch.Generator().manual_seed(seed)
-    shape = (n,) if batch is None else (batch, n)
-    r = lambda *s: torch.randn(*s, dtype=torch.float64, generator=gen)
-    out = dict(hidden=r(*shape, d), weight=r(v, d) * 2 / d**0.5, bias=r(v) * 0.5,
-               teacher_hidden=r(*shape, d_t), teacher_weight=r(v, d_t) * 2 / d_t**0.5,
-               teacher_bias=r(v) * 0.5)
-    return {k: t.to(dtype) for k, t in out.items()}
+    """`divergence_heads` at this file's sizes."""
+    return divergence_heads(n, d, d_t, v, batch=batch, dtype=dtype, seed=seed)
 
 
 def scale(oracle):

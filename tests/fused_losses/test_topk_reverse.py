@@ -10,18 +10,14 @@ import torch
 import logitless
 from logitless import reference
 
+from testing import divergence_heads
+
 N, D, D_T, V, K = 37, 48, 40, 1007, 13
 TILE = 48 * 1024  # small tiles: the streamed top-k crosses several row and vocabulary tiles
 
 
 def _heads(seed=0, n=N, d=D, d_t=D_T, v=V, batch=None, dtype=torch.float64):
-    g = torch.Generator().manual_seed(seed)
-    shape = (n,) if batch is None else (batch, n)
-    r = lambda *s: torch.randn(*s, dtype=torch.float64, generator=g)
-    out = dict(hidden=r(*shape, d), weight=r(v, d) * 2 / d**0.5, bias=r(v) * 0.5,
-               teacher_hidden=r(*shape, d_t), teacher_weight=r(v, d_t) * 2 / d_t**0.5,
-               teacher_bias=r(v) * 0.5)
-    return {key: t.to(dtype) for key, t in out.items()}
+    return divergence_heads(n, d, d_t, v, batch=batch, dtype=dtype, seed=seed)
 
 
 def _student_leaves(x):
