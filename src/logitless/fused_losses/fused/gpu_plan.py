@@ -133,10 +133,10 @@ _OBJECTIVE_BYTES_PER_ROW = 256
 # V=151936 under triton 3.6.0 (``python -m logitless.tools.sass``; docs/gpu.md, "SASS
 # report"). tests/tools/test_sass.py checks them against a fresh compile.
 EPILOGUE_INSTRUCTIONS = {
-    "head_stats": 73 * 8 / 2048,
-    "head_grad": 114 * 8 / 2048,
-    "fused_stats": 73 * 8 / 2048,
-    "fused_grad": 114 * 8 / 2048,
+    "head_stats": 81 * 8 / 2048,
+    "head_grad": 120 * 8 / 2048,
+    "fused_stats": 81 * 8 / 2048,
+    "fused_grad": 120 * 8 / 2048,
     # the sampler's passes (kernels/sampler.py): the transform (bf16 read, fp32 written), the
     # search's mass and count passes and the statistics pass (fp32 read), the backward's
     # tie-cut pass (bf16 read) and dx pass (bf16 read and written)
