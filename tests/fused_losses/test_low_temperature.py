@@ -195,3 +195,36 @@ def test_topk_distill_gradients_as_accurate_as_fp32_autograd(backend, temperatur
                                                      loss_max_clamp=None))
 
     _check_like_fp32_autograd(loss, (hidden, weight, b), fused)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("temperature", TEMPERATURES, ids=lambda t: f"T{t:.3g}")
+def test_fused_policy_loss_gradients_as_accurate_as_fp32_autograd(backend, temperature,
+                                                                  monkeypatch):
+    """``fused_policy_loss``, whose chunks keep their logits (``stored_logits``): the torch
+    store's backward took ``p = e exp(m_b - lse)`` with an fp32 ``lse`` of the logits' size,
+    as the head's did. REINFORCE with an entropy bonus: a loss linear in the logprobs and the
+    entropies, so the gradients measure the backward alone (a ratio's ``exp(lp - old)`` would
+    add the forward logprobs' own rounding, the same on every path)."""
+    monkeypatch.setenv("LOGITLESS_BACKEND", backend)
+    hidden, weight, b, targets, upstream = _problem(2, 3.0, temperature)
+    cfg = logitless.PolicyLossConfig(objective="reinforce", entropy_coef=0.01)
+    gen = torch.Generator().manual_seed(3)
+    z = reference.linear_logits(hidden.double(), weight.double(), b.double(),
+                                temperature=temperature)
+    old = (torch.log_softmax(z, -1).gather(-1, targets[:, None])[:, 0]
+           + 0.1 * torch.rand(N, generator=gen, dtype=torch.float64) - 0.05).float()[None]
+    adv, mask = upstream[:1], torch.ones(1, N, dtype=torch.bool)
+
+    def loss(logits):
+        logp = torch.log_softmax(logits / temperature, -1)
+        lp = logp.gather(-1, targets[:, None])[:, 0]
+        entropy = -(logp.exp() * logp).sum(-1)
+        return logitless.policy_loss(lp[None], old.to(lp.dtype), adv.to(lp.dtype), mask, cfg,
+                                     entropy=entropy[None])[0]
+
+    def fused(h, w, bias_):
+        return logitless.fused_policy_loss(h[None], w, targets[None], old, adv, mask, cfg,
+                                           bias=bias_, temperature=temperature)[0]
+
+    _check_like_fp32_autograd(loss, (hidden, weight, b), fused)
