@@ -36,7 +36,7 @@ from logitless.kernels.linear_softmax_torch import (
     logits_into,
     tile_partials,
 )
-from logitless.kernels.softmax_partials import finish, merge, normaliser, stack
+from logitless.kernels.softmax_partials import finish_logprobs, merge, normaliser, stack
 
 # Vocabulary rows per block: 4096 x 384 tokens x 4 bytes is 6 MB, within the last-level cache.
 VOCAB_BLOCK = 4096
@@ -112,8 +112,7 @@ class StoredLogits:
         merged = merge(stacked)
         self.z_y = merged.z_y
         self.top, self.log_l = normaliser(merged)
-        stats = finish(merged, self.vocab)
-        return stats["logprobs"], stats["entropy"], stats["lse"]
+        return finish_logprobs(merged, self.log_l)
 
     def backward_(self, hidden, weight, lse, entropy, g_lp, g_entropy, d_weight, d_bias,
                   want_hidden: bool, weight_beta: float = 1.0):
