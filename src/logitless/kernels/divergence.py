@@ -20,8 +20,13 @@ docs/gpu.md).
 - ``divergence_backward``: per tile the GEMMs recompute both heads' logits (the same bits),
   ``_pair_grad_kernel`` overwrites the student's tile with ``dL/dz`` and the head's
   ``TileGrads`` turns it into the hidden, weight and bias gradients.
-- ``topk_forward``: the student's logsumexp from the head's own forward (``linear_softmax``,
-  no target), the k logits by a gather of k weight rows per token.
+- ``topk_forward``: the student's normaliser ``(top, log l)`` from the head's own forward
+  (``linear_softmax``, no target), the k logits by a gather of k weight rows per token.
+
+Every pass forms ``log p`` as ``(x - top) k - log l`` from each head's max untempered logit
+``top`` and ``log l`` kept by the forward, the difference before the product, never as
+``x k - lse``: at a low temperature an ``lse`` is of the logits' size and its rounding would be
+an error of every ``p`` that ``1 / T`` multiplies (``divergence_torch.log_softmax_``).
 - ``topk_backward``: ``_topk_grad_kernel`` writes ``sum_i g_i 1[j = id_i] - p_j sum_i g_i``
   into the recomputed tile, then ``TileGrads``.
 
