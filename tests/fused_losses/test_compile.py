@@ -361,17 +361,17 @@ def _opcheck_args(name):
         if name == "logitless::linear_divergence":
             return (hidden.requires_grad_(), weight.requires_grad_(), bias.requires_grad_(),
                     t_hidden, t_weight, None, mask, 0.3, 0.9, None, True)
-        lse_s, lse_t, aux, grad = (randn(2, 3) for _ in range(4))
-        return (hidden, weight, bias, t_hidden, t_weight, None, mask, lse_s + 3, lse_t + 3,
-                aux.abs(), grad, 0.3, 0.9, None, True, True, True)
+        top_s, log_l_s, top_t, log_l_t, aux, grad = (randn(2, 3) for _ in range(6))
+        return (hidden, weight, bias, t_hidden, t_weight, None, mask, top_s + 3, log_l_s.abs(),
+                top_t + 3, log_l_t.abs(), aux.abs(), grad, 0.3, 0.9, None, True, True, True)
     if name.startswith("logitless::linear_topk_logprobs"):
         ids = torch.tensor([[[1, 4], [0, 99], [10, 3]], [[2, 2], [5, 6], [7, 0]]])
         mask = torch.tensor([[True, False, True], [True, True, True]])  # 99: dropped row
         if name == "logitless::linear_topk_logprobs":
             return (hidden.requires_grad_(), weight.requires_grad_(), bias.requires_grad_(), ids,
                     mask, 0.9, None)
-        return (hidden, weight, bias, ids, mask, randn(2, 3) + 3, randn(2, 3, 2), 0.9, None,
-                True, True, True)
+        return (hidden, weight, bias, ids, mask, randn(2, 3) + 3, randn(2, 3).abs(),
+                randn(2, 3, 2), 0.9, None, True, True, True)
     if name == "logitless::fused_policy_loss":
         cfg = PolicyLossConfig(objective="grpo", beta=0.04, entropy_coef=0.01,
                                eps_low=0.1 + 0.1 * randn(2, 3).abs())  # a tensor knob too

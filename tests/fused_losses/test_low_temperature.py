@@ -5,7 +5,8 @@ the materialised logits (``log_softmax``), on both backends.
 The backward recomputes ``p``; it used to take it as ``exp(z - lse)`` with an fp32 ``lse`` of
 the logits' size (1e4 for logits of 10 at T = 1e-3), whose rounding is an error of every ``p``
 that the chain factor ``1 / T`` multiplies: ``d_hidden`` off by 1.4 (Triton) and 0.18 (torch)
-at T = 1e-3 where fp32 autograd is off by 1e-5.
+at T = 1e-3 where fp32 autograd is off by 1e-5. The same held for the two-head divergences,
+``linear_topk_distill`` and ``fused_policy_loss``'s torch chunk store (the tests below).
 
 The inputs are multiples of 1/64 and the temperatures powers of two, so every logit ``x / T``
 is exact in fp32 whatever the GEMM: the three-way check then measures the softmax's
@@ -94,3 +95,135 @@ def test_low_temperature_gradients_as_accurate_as_fp32_autograd(backend, tempera
         err, err_same = float((g - e).abs().max()), float((s - e).abs().max())
         assert err <= 2 * err_same + tol, \
             f"{name}: {err:.2e} vs fp32 autograd {err_same:.2e} (+ {float(tol):.1e})"
+
+
+def _distill_problem(seed, scale, temperature):
+    """`_problem`'s student and a teacher of its own hidden size: the student's head with its
+    bias moved by 1/4 to 4 temperatures either way per column, so that the two distributions
+    overlap at every temperature (each token's top tokens are near ties in both heads)."""
+    hidden, weight, bias, targets, upstream = _problem(seed, scale, temperature)
+    gen = torch.Generator().manual_seed(seed + 100)
+    shift = 2.0 ** torch.randint(-2, 3, (V,), generator=gen) * temperature
+    sign = torch.randint(0, 2, (V,), generator=gen) * 2.0 - 1.0
+    t_weight = torch.cat([weight, _dyadic(torch.randn(V, 8, generator=gen) * 0.25)], 1)
+    t_hidden = torch.cat([hidden, torch.zeros(N, 8)], 1)  # the teacher's extra features: 0
+    return hidden, weight, bias, t_hidden, t_weight, bias + sign * shift, targets, upstream
+
+
+def _check_like_fp32_autograd(loss, inputs, fused, roundings=1):
+    """``fused``'s gradients of ``(hidden, weight, bias)`` within twice fp32 autograd's error
+    on ``loss(logits)`` (the student's materialised logits before the temperature) plus
+    ``roundings`` fp32 roundings of every logit gradient. The slack: a two-head gradient's
+    error is a few roundings of each element, whose sum through the GEMMs cancels by luck
+    more in one order than in another (the KLs: the same elementwise error as fp32 autograd,
+    0.5-4x its error after the GEMMs), while the errors this guards against are 10-1e4x."""
+    hidden, weight, bias = inputs
+
+    def materialised(h, w, b):
+        return loss(reference.linear_logits(h, w, b))
+
+    exact = _leaves_grads(materialised, inputs, torch.float64)
+    same = _leaves_grads(materialised, inputs, torch.float32)
+    got = _leaves_grads(fused, inputs, torch.float32)
+    z = reference.linear_logits(hidden.double(), weight.double(), bias.double())
+    dz = torch.autograd.grad(loss(z.requires_grad_()), z)[0].abs()
+    eps = torch.finfo(torch.float32).eps
+    slack = [roundings * eps * t.max()
+             for t in (dz @ weight.double().abs(), dz.t() @ hidden.double().abs(), dz.sum(0))]
+    for name, g, s, e, tol in zip(("d_hidden", "d_weight", "d_bias"), got, same, exact, slack):
+        err, err_same = float((g - e).abs().max()), float((s - e).abs().max())
+        assert err <= 2 * err_same + tol, \
+            f"{name}: {err:.2e} vs fp32 autograd {err_same:.2e} (+ {float(tol):.1e})"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("temperature", TEMPERATURES, ids=lambda t: f"T{t:.3g}")
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_divergence_gradients_as_accurate_as_fp32_autograd(backend, temperature, beta,
+                                                           monkeypatch):
+    """``linear_divergence`` (forward KL, JSD, reverse KL): the student's gradients against
+    ``reference.generalized_jsd`` (``log_softmax`` of both heads' materialised logits) in fp32
+    autograd, from the fp64 one. Its backward used to recompute ``p_s`` and ``p_t`` from fp32
+    ``lse``s of the logits' size (and the Triton passes folded ``x k - m k``): the reverse KL's
+    ``d_hidden`` was 5.7-7.5x fp32 autograd's error at T = 0.03."""
+    monkeypatch.setenv("LOGITLESS_BACKEND", backend)
+    hidden, weight, b, t_hidden, t_weight, t_bias, _, upstream = _distill_problem(
+        0, 3.0, temperature)
+
+    def loss(zs):
+        zt = reference.linear_logits(*(x.to(zs.dtype) for x in (t_hidden, t_weight, t_bias)))
+        div = reference.generalized_jsd(zs, zt, beta, temperature)
+        return (div * upstream[0].to(div.dtype)).sum()
+
+    def fused(h, w, bias_):
+        div = logitless.linear_divergence(h, w, t_hidden, t_weight, beta=beta,
+                                          temperature=temperature, bias=bias_,
+                                          teacher_bias=t_bias)
+        return (div * upstream[0].to(div.dtype)).sum()
+
+    # The JSD's logit gradient (1 - beta) p_s (w - E_s[w]) takes log p_s, log p_t, the
+    # softplus w and the mean E_s[w] each rounded once, then the difference w - E_s[w]
+    # (a few tenths where w is -0.6): that formula in fp32 on materialised logits is 2.7x
+    # fp32 autograd's elementwise error at T = 1/8, so four roundings, not one.
+    _check_like_fp32_autograd(loss, (hidden, weight, b), fused, 1 if beta in (0.0, 1.0) else 4)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("temperature", TEMPERATURES, ids=lambda t: f"T{t:.3g}")
+def test_topk_distill_gradients_as_accurate_as_fp32_autograd(backend, temperature,
+                                                             monkeypatch):
+    """``linear_topk_distill``: its backward recomputed ``p`` as ``exp(z - lse)`` too."""
+    monkeypatch.setenv("LOGITLESS_BACKEND", backend)
+    hidden, weight, b, t_hidden, t_weight, t_bias, _, upstream = _distill_problem(
+        1, 3.0, temperature)
+    zt = reference.linear_logits(t_hidden.double(), t_weight.double(), t_bias.double(),
+                                 temperature=temperature)
+    t_logp, ids = torch.log_softmax(zt, -1).topk(4, -1)
+    t_logp = t_logp.float()
+
+    def loss_of(loss):
+        return (loss * upstream[0].to(loss.dtype)).sum()
+
+    def loss(z):
+        log_q = torch.log_softmax(z / temperature, -1).gather(-1, ids)
+        return loss_of(reference.topk_forward_kl(log_q, t_logp.to(z.dtype), None, None))
+
+    def fused(h, w, bias_):
+        return loss_of(logitless.linear_topk_distill(h, w, ids, t_logp, temperature=temperature,
+                                                     bias=bias_, log_prob_min_clamp=None,
+                                                     loss_max_clamp=None))
+
+    _check_like_fp32_autograd(loss, (hidden, weight, b), fused)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("temperature", TEMPERATURES, ids=lambda t: f"T{t:.3g}")
+def test_fused_policy_loss_gradients_as_accurate_as_fp32_autograd(backend, temperature,
+                                                                  monkeypatch):
+    """``fused_policy_loss``, whose chunks keep their logits (``stored_logits``): the torch
+    store's backward took ``p = e exp(m_b - lse)`` with an fp32 ``lse`` of the logits' size,
+    as the head's did. REINFORCE with an entropy bonus: a loss linear in the logprobs and the
+    entropies, so the gradients measure the backward alone (a ratio's ``exp(lp - old)`` would
+    add the forward logprobs' own rounding, the same on every path)."""
+    monkeypatch.setenv("LOGITLESS_BACKEND", backend)
+    hidden, weight, b, targets, upstream = _problem(2, 3.0, temperature)
+    cfg = logitless.PolicyLossConfig(objective="reinforce", entropy_coef=0.01)
+    gen = torch.Generator().manual_seed(3)
+    z = reference.linear_logits(hidden.double(), weight.double(), b.double(),
+                                temperature=temperature)
+    old = (torch.log_softmax(z, -1).gather(-1, targets[:, None])[:, 0]
+           + 0.1 * torch.rand(N, generator=gen, dtype=torch.float64) - 0.05).float()[None]
+    adv, mask = upstream[:1], torch.ones(1, N, dtype=torch.bool)
+
+    def loss(logits):
+        logp = torch.log_softmax(logits / temperature, -1)
+        lp = logp.gather(-1, targets[:, None])[:, 0]
+        entropy = -(logp.exp() * logp).sum(-1)
+        return logitless.policy_loss(lp[None], old.to(lp.dtype), adv.to(lp.dtype), mask, cfg,
+                                     entropy=entropy[None])[0]
+
+    def fused(h, w, bias_):
+        return logitless.fused_policy_loss(h[None], w, targets[None], old, adv, mask, cfg,
+                                           bias=bias_, temperature=temperature)[0]
+
+    _check_like_fp32_autograd(loss, (hidden, weight, b), fused)

@@ -27,11 +27,13 @@ def inputs(seed=0):
 def test_forward_statistics(beta, tile_bytes):
     h, w, b, th, tw, tb = inputs()
     temperature = 0.7
-    div, lse_s, lse_t, aux = divergence_torch.divergence_forward(
+    div, top_s, log_l_s, top_t, log_l_t, aux = divergence_torch.divergence_forward(
         h, w, b, th, tw, tb, beta=beta, temperature=temperature, tile_bytes=tile_bytes)
     zs, zt = (h @ w.t() + b) / temperature, (th @ tw.t() + tb) / temperature
-    torch.testing.assert_close(lse_s, zs.logsumexp(-1), rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(lse_t, zt.logsumexp(-1), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(top_s, zs.amax(-1), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(top_t, zt.amax(-1), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(top_s + log_l_s, zs.logsumexp(-1), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(top_t + log_l_t, zt.logsumexp(-1), rtol=1e-12, atol=1e-12)
     log_s, log_t = zs.log_softmax(-1), zt.log_softmax(-1)
     if 0 < beta < 1:
         log_m = torch.log(beta * log_t.exp() + (1 - beta) * log_s.exp())
@@ -50,10 +52,10 @@ def test_topk_logprobs(tile_bytes):
     h, w, b, *_ = inputs(1)
     ids = torch.randint(0, V, (N, 5), generator=torch.Generator().manual_seed(2))
     ids[:, -1] = ids[:, 0]  # a repeated id
-    logprobs, lse = divergence_torch.topk_forward(h, w, b, ids, temperature=1.3,
-                                                  tile_bytes=tile_bytes)
+    logprobs, top, log_l = divergence_torch.topk_forward(h, w, b, ids, temperature=1.3,
+                                                         tile_bytes=tile_bytes)
     z = (h @ w.t() + b) / 1.3
-    torch.testing.assert_close(lse, z.logsumexp(-1), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(top + log_l, z.logsumexp(-1), rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(logprobs, z.log_softmax(-1).gather(-1, ids), rtol=1e-12,
                                atol=1e-12)
 

@@ -245,19 +245,21 @@ for dtype, ty, beta in CASES:
     sig = dict(pair, state="*fp32", plane="i32", width="i32", z_scale="fp32")
     assert compile_sm90(k._pair_stats_kernel, sig, consts, num_warps=warps).asm["cubin"]
     warps, consts = split(k.grad_meta(beta, torch.float32))
-    sig = dict(pair, **dict.fromkeys(("lse_s", "lse_t", "aux", "grad"), "*fp32"),
+    sig = dict(pair, **dict.fromkeys(("top_s", "log_l_s", "top_t", "log_l_t", "aux", "grad"),
+                                     "*fp32"),
                width="i32", z_scale="fp32", log_b="fp32", log_1mb="fp32",
                one_minus_beta="fp32")
     assert compile_sm90(k._pair_grad_kernel, sig, consts, num_warps=warps).asm["cubin"]
     if beta != 0.5:
         continue
     warps, consts = split(k.jsd_meta())
-    sig = dict(pair, lse_s="*fp32", lse_t="*fp32", acc="*fp32", plane="i32", width="i32",
-               z_scale="fp32", log_b="fp32", log_1mb="fp32")
+    sig = dict(pair, **dict.fromkeys(("top_s", "log_l_s", "top_t", "log_l_t"), "*fp32"),
+               acc="*fp32", plane="i32", width="i32", z_scale="fp32", log_b="fp32",
+               log_1mb="fp32")
     assert compile_sm90(k._pair_jsd_kernel, sig, consts, num_warps=warps).asm["cubin"]
     warps, consts = split(k.topk_grad_meta(dt))
     sig = dict(z_ptr="*" + ty, stride_row="i32", ids="*i64", grad="*fp32", k="i32",
-               lse="*fp32", width="i32", v0="i32", z_scale="fp32")
+               top="*fp32", log_l="*fp32", width="i32", v0="i32", z_scale="fp32")
     assert compile_sm90(k._topk_grad_kernel, sig, consts, num_warps=warps).asm["cubin"]
 """
 

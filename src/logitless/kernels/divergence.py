@@ -20,8 +20,13 @@ docs/gpu.md).
 - ``divergence_backward``: per tile the GEMMs recompute both heads' logits (the same bits),
   ``_pair_grad_kernel`` overwrites the student's tile with ``dL/dz`` and the head's
   ``TileGrads`` turns it into the hidden, weight and bias gradients.
-- ``topk_forward``: the student's logsumexp from the head's own forward (``linear_softmax``,
-  no target), the k logits by a gather of k weight rows per token.
+- ``topk_forward``: the student's normaliser ``(top, log l)`` from the head's own forward
+  (``linear_softmax``, no target), the k logits by a gather of k weight rows per token.
+
+Every pass forms ``log p`` as ``(x - top) k - log l`` from each head's max untempered logit
+``top`` and ``log l`` kept by the forward, the difference before the product, never as
+``x k - lse``: at a low temperature an ``lse`` is of the logits' size and its rounding would be
+an error of every ``p`` that ``1 / T`` multiplies (``divergence_torch.log_softmax_``).
 - ``topk_backward``: ``_topk_grad_kernel`` writes ``sum_i g_i 1[j = id_i] - p_j sum_i g_i``
   into the recomputed tile, then ``TileGrads``.
 
@@ -48,6 +53,7 @@ from logitless.kernels.linear_softmax import (
     _store_cols,
 )
 from logitless.kernels.linear_softmax_torch import mm_out_dtype
+from logitless.kernels.softmax_partials import normaliser
 
 interpreter_compat.apply()
 
@@ -119,23 +125,26 @@ def _pair_fold_step(zs_row, zt_row, c0, width, m_s, l_s, m_t, l_t, gap, a_s, k2,
         wt = xt
     ms_new = tl.maximum(m_s, tl.max(ws, 1))
     mt_new = tl.maximum(m_t, tl.max(wt, 1))
-    ref_s = ms_new * k2
-    ref_t = mt_new * k2
+    ref_s = ms_new
+    ref_t = mt_new
+    # Every exponent is a difference taken before the product by k2: ``x k2 - m k2`` would
+    # round two numbers of the tempered logits' size (1e4 at T = 1e-3), an error of every
+    # exponential (see the head's ``_fold_step``).
     if MASKED:
         # exp2(-inf - -inf) would be NaN: a lane that has seen nothing keeps its sums 0.
         had = m_s > float("-inf")
         ref_s = tl.where(ms_new > float("-inf"), ref_s, 0.0)
         ref_t = tl.where(mt_new > float("-inf"), ref_t, 0.0)
-        shift_s = tl.where(had, m_s * k2 - ref_s, 0.0)
+        shift_s = tl.where(had, (m_s - ref_s) * k2, 0.0)
         alpha_s = tl.where(had, tl.exp2(shift_s), 0.0)
-        alpha_t = tl.where(had, tl.exp2(m_t * k2 - ref_t), 0.0)
+        alpha_t = tl.where(had, tl.exp2((m_t - ref_t) * k2), 0.0)
     else:
-        shift_s = m_s * k2 - ref_s
+        shift_s = (m_s - ref_s) * k2
         alpha_s = tl.exp2(shift_s)
-        alpha_t = tl.exp2(m_t * k2 - ref_t)
-    ts = xs * k2 - ref_s[:, None]
+        alpha_t = tl.exp2((m_t - ref_t) * k2)
+    ts = (xs - ref_s[:, None]) * k2
     es = tl.exp2(ts)
-    et = tl.exp2(xt * k2 - ref_t[:, None])
+    et = tl.exp2((xt - ref_t[:, None]) * k2)
     if MASKED:
         es = tl.where(valid, es, 0.0)
         et = tl.where(valid, et, 0.0)
@@ -157,20 +166,22 @@ def _lanes_reduce(m, l, k2):
     and ``shift = (m - top) k2`` (0 for a lane that has seen no column), and ``sum l sc``."""
     top = tl.max(m, 0)
     live = l > 0  # the lane has seen a column
-    shift = tl.where(live, m * k2 - top * k2, 0.0)
+    shift = tl.where(live, (m - top) * k2, 0.0)
     sc = tl.where(live, tl.exp2(shift), 0.0)
     return top, sc, shift, tl.sum(l * sc, 0)
 
 
 @triton.jit
-def _merge_factors(m0, l0, m_tile):
-    """The row's new max (natural units) and the factors and shifts that bring the old state
-    (``m0, l0``; ``l0 = 0``: none yet) and this tile's (max ``m_tile``) to it."""
+def _merge_factors(m0, l0, m_tile, z_scale):
+    """The row's new max (untempered units, as the kernels load the logits) and the factors
+    and shifts (natural units: the differences of maxima times ``z_scale``, taken in that
+    order) that bring the old state (``m0, l0``; ``l0 = 0``: none yet) and this tile's (max
+    ``m_tile``) to it. The tile that holds the max gets a shift of exactly 0."""
     m_new = tl.maximum(m0, m_tile)
     first = l0 == 0  # m0 = -inf
-    shift0 = tl.where(first, 0.0, m0 - m_new)
+    shift0 = tl.where(first, 0.0, (m0 - m_new) * z_scale)
     alpha0 = tl.where(first, 0.0, tl.exp(shift0))
-    shift = m_tile - m_new
+    shift = (m_tile - m_new) * z_scale
     return m_new, alpha0, shift0, tl.exp(shift), shift
 
 
@@ -180,7 +191,8 @@ def _pair_stats_kernel(
     GAP: tl.constexpr, BLOCK_V: tl.constexpr, LANE: tl.constexpr,
 ):
     """Fold row ``r``'s ``width`` columns of both heads' logits into its fp32 state ``[6,
-    plane]``: ``m_s, l_s, m_t, l_t`` (running max, sum of ``exp(z - m)``), ``gap`` (``sum
+    plane]``: ``top_s, l_s, top_t, l_t`` (running max of the untempered logits ``x``, sum of
+    ``exp(z - top z_scale)``), ``gap`` (``sum
     e_t (z_t - z_s)`` for ``GAP`` 0, ``sum e_s (z_s - z_t)`` for ``GAP`` 1, relative to that
     head's max) and ``a_s = sum e_s (z_s - m_s)``.
 
@@ -217,8 +229,8 @@ def _pair_stats_kernel(
     l0_s = tl.load(s + plane)
     m0_t = tl.load(s + 2 * plane)
     l0_t = tl.load(s + 3 * plane)
-    ms_new, alpha0_s, shift0_s, alpha_s, shift_s = _merge_factors(m0_s, l0_s, top_s * z_scale)
-    mt_new, alpha0_t, _, alpha_t, _ = _merge_factors(m0_t, l0_t, top_t * z_scale)
+    ms_new, alpha0_s, shift0_s, alpha_s, shift_s = _merge_factors(m0_s, l0_s, top_s, z_scale)
+    mt_new, alpha0_t, _, alpha_t, _ = _merge_factors(m0_t, l0_t, top_t, z_scale)
     tl.store(s, ms_new)
     tl.store(s + plane, l0_s * alpha0_s + l_s_tile * alpha_s)
     tl.store(s + 2 * plane, mt_new)
@@ -235,8 +247,8 @@ def _pair_stats_kernel(
 
 
 @triton.jit
-def _pair_jsd_step(zs_row, zt_row, c0, width, acc_t, acc_s, k2, off_s, off_t, log2_b,
-                   MASKED: tl.constexpr, BLOCK_V: tl.constexpr):
+def _pair_jsd_step(zs_row, zt_row, c0, width, acc_t, acc_s, k2, top_s, top_t, off_s, off_t,
+                   log2_b, MASKED: tl.constexpr, BLOCK_V: tl.constexpr):
     """Columns ``c0 ... c0 + BLOCK_V`` added into the per-column sums, in log2 units: ``acc_t
     += b p_t (log2 b + sp(-d))`` and ``acc_s += (1 - b) p_s sp(d)``, with ``d = log2(b p_t)
     - log2((1 - b) p_s)`` and ``sp(d) = log2(1 + 2^d)``: ``log(p_t / m) = -ln 2 (log2 b +
@@ -244,8 +256,8 @@ def _pair_jsd_step(zs_row, zt_row, c0, width, acc_t, acc_s, k2, off_s, off_t, lo
     ``b p_t`` is one ``exp2``, the smaller that times ``2^-|d|``, which the softplus needs
     anyway; ``log2(1 + 2^-|d|)`` is a polynomial (`_log2_1p`)."""
     cols = c0 + tl.arange(0, BLOCK_V)
-    la = _load_cols(zs_row, cols, width, MASKED) * k2 + off_s  # log2((1 - b) p_s)
-    lb = _load_cols(zt_row, cols, width, MASKED) * k2 + off_t  # log2(b p_t)
+    la = (_load_cols(zs_row, cols, width, MASKED) - top_s) * k2 + off_s  # log2((1 - b) p_s)
+    lb = (_load_cols(zt_row, cols, width, MASKED) - top_t) * k2 + off_t  # log2(b p_t)
     d = lb - la
     e = tl.exp2(-tl.abs(d))
     soft = _log2_1p(e)
@@ -264,8 +276,8 @@ def _pair_jsd_step(zs_row, zt_row, c0, width, acc_t, acc_s, k2, off_s, off_t, lo
 
 @triton.jit
 def _pair_jsd_kernel(
-    zs_ptr, stride_s, zt_ptr, stride_t, lse_s, lse_t, acc, plane, width, z_scale, log_b,
-    log_1mb, BLOCK_V: tl.constexpr,
+    zs_ptr, stride_s, zt_ptr, stride_t, top_s, log_l_s, top_t, log_l_t, acc, plane, width,
+    z_scale, log_b, log_1mb, BLOCK_V: tl.constexpr,
 ):
     """Add row ``r``'s ``sum p_t (log p_t - log m)`` and ``sum p_s w`` (``w`` as
     `_student_share`) over ``width`` columns into ``acc[0, r]`` and ``acc[1, r]`` (fp32,
@@ -278,18 +290,22 @@ def _pair_jsd_kernel(
     zt_row = zt_ptr + row * stride_t
     log2e = 1.4426950408889634
     k2 = z_scale * log2e
-    off_s = (log_1mb - tl.load(lse_s + row)) * log2e
-    off_t = (log_b - tl.load(lse_t + row)) * log2e
+    # log2 p = (x - top) k2 - log2 l: the normaliser in parts, never an lse of the logits'
+    # size (see ``divergence_torch.log_softmax_``)
+    off_s = (log_1mb - tl.load(log_l_s + row)) * log2e
+    off_t = (log_b - tl.load(log_l_t + row)) * log2e
+    tops = tl.load(top_s + row)
+    topt = tl.load(top_t + row)
     log2_b = log_b * log2e
     acc_t = tl.zeros((BLOCK_V,), tl.float32)
     acc_s = tl.zeros((BLOCK_V,), tl.float32)
     whole = width // BLOCK_V * BLOCK_V
     for c0 in range(0, whole, BLOCK_V):
-        acc_t, acc_s = _pair_jsd_step(zs_row, zt_row, c0, width, acc_t, acc_s, k2, off_s,
-                                      off_t, log2_b, False, BLOCK_V)
+        acc_t, acc_s = _pair_jsd_step(zs_row, zt_row, c0, width, acc_t, acc_s, k2, tops, topt,
+                                      off_s, off_t, log2_b, False, BLOCK_V)
     if whole < width:
-        acc_t, acc_s = _pair_jsd_step(zs_row, zt_row, whole, width, acc_t, acc_s, k2, off_s,
-                                      off_t, log2_b, True, BLOCK_V)
+        acc_t, acc_s = _pair_jsd_step(zs_row, zt_row, whole, width, acc_t, acc_s, k2, tops,
+                                      topt, off_s, off_t, log2_b, True, BLOCK_V)
     # acc_t sums b p_t (log2 b + sp(-d)) = -b p_t log2(p_t / m); acc_s (1 - b) p_s (-w / ln 2)
     ln2 = 0.6931471805599453
     tl.store(acc + row, tl.load(acc + row) - tl.sum(acc_t, 0) * (ln2 * tl.exp(-log_b)))
@@ -299,19 +315,22 @@ def _pair_jsd_kernel(
 
 @triton.jit
 def _pair_grad_kernel(
-    zs_ptr, stride_s, zt_ptr, stride_t, lse_s, lse_t, aux, grad, width, z_scale,
-    log_b, log_1mb, one_minus_beta,
+    zs_ptr, stride_s, zt_ptr, stride_t, top_s, log_l_s, top_t, log_l_t, aux, grad, width,
+    z_scale, log_b, log_1mb, one_minus_beta,
     MODE: tl.constexpr, INTERPRET_BF16: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     """Overwrite row ``r`` of the student's tile with ``dL/dx`` (``x`` its logits before the
     temperature), in its dtype: ``dz = p_s - p_t`` (``MODE`` 0), ``p_s (log p_s - log p_t -
     aux)`` (1), ``(1 - beta) p_s (w - aux)`` (2, ``aux = E_s[w]``), times ``grad[r] / T``. One
-    program per real row: the launcher zeroes the last chunk's padding rows."""
+    program per real row: the launcher zeroes the last chunk's padding rows. ``log p = (x -
+    top) z_scale - log l``, the difference first (the forward's normalisers in parts)."""
     r = tl.program_id(0).to(tl.int64)
     zs_row = zs_ptr + r * stride_s
     zt_row = zt_ptr + r * stride_t
-    lse_s_r = tl.load(lse_s + r)
-    lse_t_r = tl.load(lse_t + r)
+    top_s_r = tl.load(top_s + r)
+    top_t_r = tl.load(top_t + r)
+    log_l_s_r = tl.load(log_l_s + r)
+    log_l_t_r = tl.load(log_l_t + r)
     aux_r = tl.load(aux + r)
     coef = tl.load(grad + r) * z_scale
     if MODE == 2:
@@ -319,8 +338,10 @@ def _pair_grad_kernel(
     for c0 in range(0, width, BLOCK_V):
         cols = c0 + tl.arange(0, BLOCK_V)
         valid = cols < width
-        ls = tl.load(zs_row + cols, mask=valid, other=0.0).to(tl.float32) * z_scale - lse_s_r
-        lt = tl.load(zt_row + cols, mask=valid, other=0.0).to(tl.float32) * z_scale - lse_t_r
+        xs = tl.load(zs_row + cols, mask=valid, other=0.0).to(tl.float32)
+        xt = tl.load(zt_row + cols, mask=valid, other=0.0).to(tl.float32)
+        ls = (xs - top_s_r) * z_scale - log_l_s_r
+        lt = (xt - top_t_r) * z_scale - log_l_t_r
         p_s = tl.exp(ls)
         if MODE == 0:
             dz = p_s - tl.exp(lt)
@@ -333,19 +354,20 @@ def _pair_grad_kernel(
 
 
 @triton.jit
-def _topk_sweep_step(z_row, c0, width, factor, lse2, k2, MASKED: tl.constexpr,
+def _topk_sweep_step(z_row, c0, width, factor, top, log2_l, k2, MASKED: tl.constexpr,
                      INTERPRET_BF16: tl.constexpr, BLOCK_V: tl.constexpr):
     """Columns ``c0 ... c0 + BLOCK_V``: logits -> ``factor p_j`` in place (``factor = -sum_i
-    g_i / T``)."""
+    g_i / T``, ``p = 2^((x - top) k2 - log2 l)``)."""
     cols = c0 + tl.arange(0, BLOCK_V)
     x = _load_cols(z_row, cols, width, MASKED)
-    dx = _round_to(factor * tl.exp2(x * k2 - lse2), z_row.dtype.element_ty, INTERPRET_BF16)
+    dx = _round_to(factor * tl.exp2((x - top) * k2 - log2_l), z_row.dtype.element_ty,
+                   INTERPRET_BF16)
     _store_cols(z_row, cols, dx, width, MASKED)
 
 
 @triton.jit
 def _topk_grad_kernel(
-    z_ptr, stride_row, ids, grad, k, lse, width, v0, z_scale,
+    z_ptr, stride_row, ids, grad, k, top, log_l, width, v0, z_scale,
     INTERPRET_BF16: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """Overwrite row ``r``'s logits (before the temperature) with ``dL/dx = (sum_i g_i 1[j =
@@ -355,10 +377,13 @@ def _topk_grad_kernel(
 
     The picked columns' gradients are formed first, from their logits, in a ``BLOCK_K``
     vector; the sweep then writes ``-p_j sum_i g_i`` over the whole row with no per-id work;
-    last, after a barrier, the picked columns are overwritten with theirs."""
+    last, after a barrier, the picked columns are overwritten with theirs. ``p = 2^((x - top)
+    k2 - log2 l)`` from the forward's normaliser in parts (``top`` the row's max logit as the
+    head's forward loaded it), the difference first."""
     r = tl.program_id(0).to(tl.int64)
     z_row = z_ptr + r * stride_row
-    lse2 = tl.load(lse + r) * 1.4426950408889634  # log2(e): p = 2^(x z_scale log2(e) - lse2)
+    top_r = tl.load(top + r)
+    log2_l = tl.load(log_l + r) * 1.4426950408889634  # log2(e)
     k2 = z_scale * 1.4426950408889634
     slot = tl.arange(0, BLOCK_K)
     in_k = slot < k
@@ -371,15 +396,17 @@ def _topk_grad_kernel(
     for i in range(0, k):  # in the order of the ids: a repeated id sums its gradients
         g_at += tl.where(at == tl.load(ids + r * k + i) - v0, tl.load(grad + r * k + i), 0.0)
     x_at = tl.load(z_row + col, mask=hit, other=0.0).to(tl.float32)
-    dx_at = _round_to((g_at + minus_total * tl.exp2(x_at * k2 - lse2)) * z_scale,
+    dx_at = _round_to((g_at + minus_total * tl.exp2((x_at - top_r) * k2 - log2_l)) * z_scale,
                       z_ptr.dtype.element_ty, INTERPRET_BF16)
     tl.debug_barrier()  # the picked logits are read before the sweep overwrites them
     factor = minus_total * z_scale
     whole = width // BLOCK_V * BLOCK_V
     for c0 in range(0, whole, BLOCK_V):
-        _topk_sweep_step(z_row, c0, width, factor, lse2, k2, False, INTERPRET_BF16, BLOCK_V)
+        _topk_sweep_step(z_row, c0, width, factor, top_r, log2_l, k2, False, INTERPRET_BF16,
+                         BLOCK_V)
     if whole < width:
-        _topk_sweep_step(z_row, whole, width, factor, lse2, k2, True, INTERPRET_BF16, BLOCK_V)
+        _topk_sweep_step(z_row, whole, width, factor, top_r, log2_l, k2, True, INTERPRET_BF16,
+                         BLOCK_V)
     tl.debug_barrier()  # the sweep's stores land before the picked columns' (one value each)
     tl.store(z_row + col, dx_at, mask=hit)
 
@@ -483,7 +510,8 @@ def divergence_forward(hidden, weight, bias, t_hidden, t_weight, t_bias, *, beta
                        temperature: float, tile_bytes: int | None = None,
                        entropy: bool = False):
     """Per-token generalized JSD, as ``divergence_torch.divergence_forward`` (fp32 results):
-    ``(divergence, lse_s, lse_t, aux)`` and, with ``entropy``, the student's entropy.
+    ``(divergence, top_s, log_l_s, top_t, log_l_t, aux)`` and, with ``entropy``, the student's
+    entropy; ``top``: each head's maximum untempered logit, as the kernels load them.
     ``tile_bytes`` bounds both heads' logits tiles together (default the head's
     ``TILE_BYTES``)."""
     n = hidden.shape[0]
@@ -498,22 +526,22 @@ def divergence_forward(hidden, weight, bias, t_hidden, t_weight, t_bias, *, beta
                                                         (bias, t_bias)):
             _pair_stats_kernel[(plans[0].real_rows(r0, rows),)](
                 zs, zs.stride(0), zt, zt.stride(0), state[:, r0:], n, v1 - v0, z_scale, **meta)
-    m_s, l_s, m_t, l_t, gap, a_s = state
-    lse_s, lse_t = m_s + l_s.log(), m_t + l_t.log()
-    extra = (l_s.log() - a_s / l_s,) if entropy else ()
+    top_s, l_s, top_t, l_t, gap, a_s = state
+    norm = (top_s, l_s.log(), top_t, l_t.log())
+    extra = (norm[1] - a_s / l_s,) if entropy else ()
     if beta in (0.0, 1.0):
-        div = finish_kl(beta, gap, l_s, l_t, lse_s, lse_t)
-        return div, lse_s, lse_t, div, *extra
+        div = finish_kl(beta, gap, l_s, l_t, (top_s - top_t) * z_scale, norm[1], norm[3])
+        return div, *norm, div, *extra
     acc = torch.zeros(2, n, dtype=torch.float32, device=hidden.device)
     if n:
         for v0, v1, _, r0, rows, zs, zt in _pair_tiles(plans, (weight, t_weight),
                                                         (bias, t_bias)):
             _pair_jsd_kernel[(plans[0].real_rows(r0, rows),)](
-                zs, zs.stride(0), zt, zt.stride(0), lse_s[r0:], lse_t[r0:], acc[:, r0:], n,
+                zs, zs.stride(0), zt, zt.stride(0), *(x[r0:] for x in norm), acc[:, r0:], n,
                 v1 - v0, z_scale, math.log(beta), math.log1p(-beta), **jsd_meta())
     kl_t, share = acc  # share: E_s[w]; KL(s || m) = E_s[w] - log(1 - beta)
     div = beta * kl_t + (1.0 - beta) * (share - math.log1p(-beta))
-    return div, lse_s, lse_t, share, *extra
+    return div, *norm, share, *extra
 
 
 def _no_rows(hidden, weight, need_hidden, need_weight, need_bias):
@@ -525,10 +553,10 @@ def _no_rows(hidden, weight, need_hidden, need_weight, need_bias):
             make(need_bias, weight.shape[0], torch.float32))
 
 
-def divergence_backward(hidden, weight, bias, t_hidden, t_weight, t_bias, lse_s, lse_t, aux,
-                        grad, *, beta: float, temperature: float, need_hidden: bool,
-                        need_weight: bool, need_bias: bool, tile_bytes: int | None = None,
-                        d_weight=None, d_bias=None):
+def divergence_backward(hidden, weight, bias, t_hidden, t_weight, t_bias, top_s, log_l_s, top_t,
+                        log_l_t, aux, grad, *, beta: float, temperature: float,
+                        need_hidden: bool, need_weight: bool, need_bias: bool,
+                        tile_bytes: int | None = None, d_weight=None, d_bias=None):
     """Gradients of the student's hidden (fp32), weight (its dtype) and bias (fp32) from the
     per-token upstream ``grad``, as ``divergence_torch.divergence_backward``; with
     ``d_weight`` / ``d_bias`` (fp32 accumulators) the weight's and bias's are added into them
@@ -544,7 +572,7 @@ def divergence_backward(hidden, weight, bias, t_hidden, t_weight, t_bias, lse_s,
     scalars = dict(z_scale=1.0 / float(temperature),
                    log_b=math.log(beta) if mixed else 0.0,
                    log_1mb=math.log1p(-beta) if mixed else 0.0, one_minus_beta=1.0 - beta)
-    per_row = [t.float().contiguous() for t in (lse_s, lse_t, aux, grad)]
+    per_row = [t.float().contiguous() for t in (top_s, log_l_s, top_t, log_l_t, aux, grad)]
     meta = grad_meta(beta, plans[0].tile.dtype)  # fp32: the gradient is rounded by plans[0].dx
     for v0, v1, gi, r0, rows, zs, zt in _pair_tiles(plans, (weight, t_weight), (bias, t_bias)):
         real = plans[0].real_rows(r0, rows)
@@ -561,15 +589,16 @@ def divergence_backward(hidden, weight, bias, t_hidden, t_weight, t_bias, lse_s,
 def topk_forward(hidden, weight, bias, ids, *, temperature: float,
                  tile_bytes: int | None = None):
     """The student's tempered log-softmax at ``ids [N, k]`` (int64 in ``[0, V)``) and its
-    logsumexp, fp32: ``(logprobs [N, k], lse [N])``. The logsumexp is the head's own forward
-    pass (no target); the k logits are gathered, ``h . W[id] + b[id]`` rounded to the input
-    dtype as the head's GEMM rounds them."""
+    normaliser as `topk_backward` reads it, fp32: ``(logprobs [N, k], top [N], log_l [N])``
+    (``softmax_partials.normaliser`` of the head's own forward pass, no target; ``top`` the max
+    of the untempered logits). The k logits are gathered, ``h . W[id] + b[id]`` rounded to the
+    input dtype as the head's GEMM rounds them; ``log q = (z - top) / T - log l``."""
     n, d = hidden.shape
     no_target = torch.full((n,), -1, dtype=torch.int64, device=hidden.device)
     parts = head.forward(hidden, weight, bias, no_target, temperature=temperature,
                          softcap=None, logit_scale=1.0, want_s2=False, want_sum_z=False,
                          tile_bytes=tile_bytes)
-    lse = parts.m + parts.l.log()
+    top, log_l = normaliser(parts)
     k = ids.shape[1]
     z = torch.empty(n, k, dtype=torch.float32, device=hidden.device)
     step = max(1, _GATHER_BYTES // (k * d * hidden.element_size()))
@@ -581,11 +610,13 @@ def topk_forward(hidden, weight, bias, ids, *, temperature: float,
         else:
             picked = torch.baddbmm(bias[sel].unsqueeze(2), weight[sel], h)
         z[r0:r0 + step] = picked.squeeze(2)
-    return z.div_(float(temperature)).sub_(lse.unsqueeze(1)), lse
+    logprobs = z.sub_(top.unsqueeze(1)).div_(float(temperature)).sub_(log_l.unsqueeze(1))
+    return logprobs, top, log_l
 
 
-def topk_backward(hidden, weight, bias, ids, lse, grad, *, temperature: float, need_hidden: bool,
-                  need_weight: bool, need_bias: bool, tile_bytes: int | None = None):
+def topk_backward(hidden, weight, bias, ids, top, log_l, grad, *, temperature: float,
+                  need_hidden: bool, need_weight: bool, need_bias: bool,
+                  tile_bytes: int | None = None):
     """Gradients from ``grad [N, k]`` on the top-k log-probs, as
     ``divergence_torch.topk_backward``: ``d z_j = sum_i g_i 1[j = id_i] - p_j sum_i g_i``."""
     n, k = ids.shape
@@ -593,14 +624,15 @@ def topk_backward(hidden, weight, bias, ids, lse, grad, *, temperature: float, n
         return _no_rows(hidden, weight, need_hidden, need_weight, need_bias)
     plan = _Plan(hidden, weight, tile_bytes)
     grads = TileGrads(plan, weight, need_hidden, need_weight, need_bias)
-    ids, grad, lse = ids.contiguous(), grad.float().contiguous(), lse.float().contiguous()
+    ids, grad = ids.contiguous(), grad.float().contiguous()
+    top, log_l = top.float().contiguous(), log_l.float().contiguous()
     meta = topk_grad_meta(hidden.dtype, k)
     for v0, v1 in plan.tiles():
         for gi, (r0, rows) in enumerate(plan.groups):
             dx = plan.logits(weight, bias, v0, v1, r0, rows)
             real = plan.real_rows(r0, rows)
             _topk_grad_kernel[(real,)](
-                dx, dx.stride(0), ids[r0:], grad[r0:], k, lse[r0:], v1 - v0, v0,
+                dx, dx.stride(0), ids[r0:], grad[r0:], k, top[r0:], log_l[r0:], v1 - v0, v0,
                 1.0 / float(temperature), **meta)
             dx[real:].zero_()
             grads.add(dx, weight[v0:v1], v0, v1, gi, r0, rows)

@@ -165,10 +165,12 @@ def divergence_forward(hidden, weight, bias, t_hidden, t_weight, t_bias, *, beta
     """Per-token generalized JSD and what the backward needs.
 
     hidden ``[N, D]``, weight ``[V, D]``, bias ``[V]`` or None; the teacher's the same with its
-    own ``D_t``. Returns ``(divergence, lse_s, lse_t, aux)``, each ``[N]`` fp32 (fp64 for fp64
-    inputs); ``aux`` is the per-token ``E_s[log((1 - beta) p_s / m)]`` (KL(student || m) plus
+    own ``D_t``. Returns ``(divergence, top_s, log_l_s, top_t, log_l_t, aux)``, each ``[N]``
+    fp32 (fp64 for fp64 inputs): each head's normaliser as the backward reads it (its maximum
+    tempered logit ``top`` and ``log l``, ``lse = top + log l``; see `log_softmax_`); ``aux``
+    is the per-token ``E_s[log((1 - beta) p_s / m)]`` (KL(student || m) plus
     ``log(1 - beta)``, formed without cancelling) for ``0 < beta < 1`` and the divergence
-    itself otherwise. With ``entropy``, a fifth tensor: the student's entropy
+    itself otherwise. With ``entropy``, a seventh tensor: the student's entropy
     ``lse_s - E_s[z_s]``, its expected logit folded in pass 1.
     """
     n, v = hidden.shape[0], weight.shape[0]
@@ -190,33 +192,37 @@ def divergence_forward(hidden, weight, bias, t_hidden, t_weight, t_bias, *, beta
             gap[rows] = gap[rows] * scale_t + et.mul_(zt.sub_(zs)).sum(1)
         elif beta == 1.0:
             gap[rows] = gap[rows] * scale_s + es.mul_(zs.sub_(zt)).sum(1)
-    lse_s, lse_t = m_s + l_s.log(), m_t + l_t.log()
-    extra = () if x_s is None else (lse_s - x_s / l_s,)
+    norm = (m_s, l_s.log(), m_t, l_t.log())
+    extra = () if x_s is None else (m_s + norm[1] - x_s / l_s,)
     if beta in (0.0, 1.0):
-        div = finish_kl(beta, gap, l_s, l_t, lse_s, lse_t)
-        return div, lse_s, lse_t, div, *extra
+        div = finish_kl(beta, gap, l_s, l_t, m_s - m_t, norm[1], norm[3])
+        return div, *norm, div, *extra
     log_b, log_1mb = math.log(beta), math.log1p(-beta)
     kl_t, share = hidden.new_zeros(n, dtype=acc), hidden.new_zeros(n, dtype=acc)
     for rows, cols in heads.blocks(n, v):
         zs, scr_s = heads.logits(heads.s, hidden, weight, bias, rows, cols, temperature)
         zt, scr_t = heads.logits(heads.t, t_hidden, t_weight, t_bias, rows, cols, temperature)
-        log_m = _log_mixture_(zs, zt, lse_s[rows], lse_t[rows], log_b, log_1mb, scr_s, scr_t)
+        log_m = _log_mixture_(zs, zt, [x[rows] for x in norm], log_b, log_1mb, scr_s, scr_t)
         # E_s[w], w = log((1 - beta) p_s / m), each w from its softplus (see _student_share)
         share[rows] += _student_share(zs, zt, log_b, log_1mb).mul_(zs.exp()).sum(1)
         # KL(t || m)'s terms p_t (log p_t - log m), formed in scratch
         kl_t[rows] += torch.exp(zt, out=scr_s).mul_(zt.sub_(log_m)).sum(1)
     # KL(s || m) = E_s[w] - log(1 - beta)
     div = beta * kl_t + (1.0 - beta) * (share - log_1mb)
-    return div, lse_s, lse_t, share, *extra
+    return div, *norm, share, *extra
 
 
-def finish_kl(beta: float, gap, l_s, l_t, lse_s, lse_t):
+def finish_kl(beta: float, gap, l_s, l_t, top_gap, log_l_s, log_l_t):
     """The KL of ``beta`` 0 or 1 from pass 1: the expected gap ``gap / l`` (``l`` the sum of
     exponentials it was folded with) is ``E_t[z_t - z_s]`` for the forward KL, which is then
-    ``E_t[z_t - z_s] - lse_t + lse_s``, or ``E_s[z_s - z_t]`` for the reverse one."""
+    ``E_t[z_t - z_s] - lse_t + lse_s``, or ``E_s[z_s - z_t]`` for the reverse one. The
+    logsumexps' difference is taken in parts, ``top_gap = top_s - top_t`` (the heads' maximum
+    tempered logits, an exact difference near a tie) and ``log l_s - log l_t``: at a low
+    temperature each ``lse`` is of the logits' size and its rounding would be the KL's error
+    (which the reverse KL's gradient reads back)."""
     if beta == 0.0:
-        return gap / l_t - lse_t + lse_s
-    return gap / l_s - lse_s + lse_t
+        return gap / l_t + top_gap - (log_l_t - log_l_s)
+    return gap / l_s - top_gap - (log_l_s - log_l_t)
 
 
 def _student_share(log_ps, log_pt, log_b, log_1mb):
@@ -231,19 +237,30 @@ def _student_share(log_ps, log_pt, log_b, log_1mb):
     return d.clamp_(min=0.0).add_(tail).neg_()
 
 
-def _log_mixture_(zs, zt, lse_s, lse_t, log_b, log_1mb, scr_s, scr_t):
-    """Turn the logits tiles into ``log p_s`` and ``log p_t`` in place and return
-    ``log m = logaddexp(log p_s + log(1 - beta), log p_t + log beta)`` (in ``scr_t``)."""
-    zs.sub_(lse_s.unsqueeze(1))
-    zt.sub_(lse_t.unsqueeze(1))
+def log_softmax_(z, top, log_l):
+    """Turn tempered logits ``z [rows, cols]`` into ``log p = (z - top) - log l`` in place, from
+    the normaliser in parts (``top``: the row's maximum logit, the same bits as ``z``'s, and
+    ``log l``). Never ``z - lse``: at a low temperature ``lse`` is of the logits' size (1e4 at
+    T = 1e-3) and its rounding would be an error of every ``p`` that the chain factor ``1 / T``
+    multiplies; ``z - top`` is exact near the maximum, as ``log_softmax`` on materialised logits
+    is."""
+    return z.sub_(top.unsqueeze(1)).sub_(log_l.unsqueeze(1))
+
+
+def _log_mixture_(zs, zt, norm, log_b, log_1mb, scr_s, scr_t):
+    """Turn the logits tiles into ``log p_s`` and ``log p_t`` in place (``norm``: ``(top_s,
+    log_l_s, top_t, log_l_t)`` of the tile's rows) and return ``log m = logaddexp(log p_s +
+    log(1 - beta), log p_t + log beta)`` (in ``scr_t``)."""
+    log_softmax_(zs, *norm[:2])
+    log_softmax_(zt, *norm[2:])
     torch.add(zs, log_1mb, out=scr_s)
     torch.add(zt, log_b, out=scr_t)
     return torch.logaddexp(scr_s, scr_t, out=scr_t)
 
 
-def divergence_backward(hidden, weight, bias, t_hidden, t_weight, t_bias, lse_s, lse_t, aux,
-                        grad, *, beta: float, temperature: float, need_hidden: bool,
-                        need_weight: bool, need_bias: bool,
+def divergence_backward(hidden, weight, bias, t_hidden, t_weight, t_bias, top_s, log_l_s, top_t,
+                        log_l_t, aux, grad, *, beta: float, temperature: float,
+                        need_hidden: bool, need_weight: bool, need_bias: bool,
                         tile_bytes: int = DEFAULT_TILE_BYTES, d_weight=None, d_bias=None):
     """Gradients of the student's hidden, weight and bias (fp32; fp64 for fp64 inputs) from
     the per-token upstream ``grad``. With ``p_s``, ``p_t``, ``m`` recomputed per tile, the
@@ -253,7 +270,8 @@ def divergence_backward(hidden, weight, bias, t_hidden, t_weight, t_bias, lse_s,
     ``w = log((1 - beta) p_s / m)`` (`_student_share`); it is scaled by ``grad / T``.
 
     ``d_weight`` / ``d_bias``: accumulators (in the accumulation dtype) to add the weight and
-    bias gradients to, instead of fresh zeroed ones (a caller summing over chunks)."""
+    bias gradients to, instead of fresh zeroed ones (a caller summing over chunks). ``top_s``
+    ... ``log_l_t``: the heads' normalisers from `divergence_forward`."""
     n, v = hidden.shape[0], weight.shape[0]
     acc = acc_dtype(hidden.dtype)
     d_hidden = hidden.new_empty(hidden.shape, dtype=acc) if need_hidden else None
@@ -268,17 +286,14 @@ def divergence_backward(hidden, weight, bias, t_hidden, t_weight, t_bias, lse_s,
     for rows, cols in heads.blocks(n, v):
         zs, scr_s = heads.logits(heads.s, hidden, weight, bias, rows, cols, temperature)
         zt, _ = heads.logits(heads.t, t_hidden, t_weight, t_bias, rows, cols, temperature)
+        log_softmax_(zs, top_s[rows], log_l_s[rows])
+        log_softmax_(zt, top_t[rows], log_l_t[rows])
         if beta == 0.0:
-            zs.sub_(lse_s[rows].unsqueeze(1)).exp_()
-            dz = zs.sub_(zt.sub_(lse_t[rows].unsqueeze(1)).exp_())
+            dz = zs.exp_().sub_(zt.exp_())
         elif beta == 1.0:
-            zs.sub_(lse_s[rows].unsqueeze(1))
-            zt.sub_(lse_t[rows].unsqueeze(1))
             ps = torch.exp(zs, out=scr_s)
             dz = ps.mul_(zs.sub_(zt).sub_(aux[rows].unsqueeze(1)))
         else:  # aux: E_s[w] (divergence_forward), so dz = (1 - beta) p_s (w - E_s[w])
-            zs.sub_(lse_s[rows].unsqueeze(1))
-            zt.sub_(lse_t[rows].unsqueeze(1))
             share = _student_share(zs, zt, log_b, log_1mb)
             ps = torch.exp(zs, out=scr_s)
             dz = ps.mul_(share.sub_(aux[rows].unsqueeze(1))).mul_(1.0 - beta)
@@ -290,7 +305,8 @@ def divergence_backward(hidden, weight, bias, t_hidden, t_weight, t_bias, lse_s,
 def topk_forward(hidden, weight, bias, ids, *, temperature: float,
                  tile_bytes: int = DEFAULT_TILE_BYTES):
     """The student's tempered log-softmax at ``ids [N, k]`` (int64 in ``[0, V)``) and its
-    per-token logsumexp: ``(logprobs [N, k], lse [N])``, fp32 (fp64 for fp64 inputs)."""
+    per-token normaliser as `topk_backward` reads it (`log_softmax_`): ``(logprobs [N, k], top
+    [N], log_l [N])``, fp32 (fp64 for fp64 inputs)."""
     n, v = hidden.shape[0], weight.shape[0]
     acc = acc_dtype(hidden.dtype)
     m = hidden.new_full((n,), -math.inf, dtype=acc)
@@ -304,12 +320,13 @@ def topk_forward(hidden, weight, bias, ids, *, temperature: float,
         picked = z.gather(1, local.clamp(0, z.shape[1] - 1))
         z_ids[rows] += torch.where(inside, picked, 0.0)
         _fold(m[rows], l[rows], z, scratch)
-    lse = m + l.log()
-    return z_ids - lse.unsqueeze(1), lse
+    log_l = l.log()
+    return log_softmax_(z_ids, m, log_l), m, log_l
 
 
-def topk_backward(hidden, weight, bias, ids, lse, grad, *, temperature: float, need_hidden: bool,
-                  need_weight: bool, need_bias: bool, tile_bytes: int = DEFAULT_TILE_BYTES):
+def topk_backward(hidden, weight, bias, ids, top, log_l, grad, *, temperature: float,
+                  need_hidden: bool, need_weight: bool,
+                  need_bias: bool, tile_bytes: int = DEFAULT_TILE_BYTES):
     """Gradients from ``grad [N, k]`` on the top-k logprobs: with ``p`` the student's softmax,
     ``d z_j = (sum_i grad_i 1[j = id_i] - p_j sum_i grad_i) / T``."""
     n, v = hidden.shape[0], weight.shape[0]
@@ -322,7 +339,7 @@ def topk_backward(hidden, weight, bias, ids, lse, grad, *, temperature: float, n
     heads = _Heads(n, v, hidden, None, tile_bytes)
     for rows, cols in heads.blocks(n, v):
         z, _ = heads.logits(heads.s, hidden, weight, bias, rows, cols, temperature)
-        dz = z.sub_(lse[rows].unsqueeze(1)).exp_().mul_(-total[rows].unsqueeze(1))
+        dz = log_softmax_(z, top[rows], log_l[rows]).exp_().mul_(-total[rows].unsqueeze(1))
         local = ids[rows] - cols.start
         inside = (local >= 0) & (local < dz.shape[1])
         dz.scatter_add_(1, local.clamp(0, dz.shape[1] - 1), torch.where(inside, grad[rows], 0.0))

@@ -12,9 +12,12 @@ full-batch GEMM on CPU BLAS, while ``h @ W^T`` with 128 to 384 rows runs 15 to 5
 cache; in the backward it becomes ``dz`` and feeds its two GEMMs in one visit.
 
 What is kept: each block's **exponentials** ``e = exp(z - m_b)`` relative to the block's
-per-token maximum ``m_b``, and the maxima. Then ``p = e * exp(m_b - lse)`` is one multiply per
-element, and the common gradient (no entropy term, no soft-capping),
-``dz = p * (-g_lp) + g_lp 1[j = y]``, is that same multiply with a per-token factor: the
+per-token maximum ``m_b``, the maxima and the normaliser ``(top, log l)`` (``lse = top + log l``,
+``top`` the largest ``m_b``). Then ``p = e * exp((m_b - top) - log l)`` is one multiply per
+element (never ``m_b - lse``: at a low temperature ``lse`` is of the logits' size, 1e4 at
+T = 1e-3, and its rounding would be an error of every ``p`` that ``1 / T`` multiplies), and
+the common gradient (no entropy term, no soft-capping), ``dz = p * (-g_lp) + g_lp 1[j = y]``,
+is that same multiply with a per-token factor: the
 backward touches each element once, with no second ``exp``. The entropy term and the
 soft-cap derivative need ``log p`` and ``z``, taken back from ``log e`` (a zero ``e`` is a zero
 ``p``, whose term is zero whatever its logarithm). The forward writes each block's
@@ -33,7 +36,7 @@ from logitless.kernels.linear_softmax_torch import (
     logits_into,
     tile_partials,
 )
-from logitless.kernels.softmax_partials import finish, merge, stack
+from logitless.kernels.softmax_partials import finish_logprobs, merge, normaliser, stack
 
 # Vocabulary rows per block: 4096 x 384 tokens x 4 bytes is 6 MB, within the last-level cache.
 VOCAB_BLOCK = 4096
@@ -108,8 +111,8 @@ class StoredLogits:
         self.block_max = stacked.m
         merged = merge(stacked)
         self.z_y = merged.z_y
-        stats = finish(merged, self.vocab)
-        return stats["logprobs"], stats["entropy"], stats["lse"]
+        self.top, self.log_l = normaliser(merged)
+        return finish_logprobs(merged, self.log_l)
 
     def backward_(self, hidden, weight, lse, entropy, g_lp, g_entropy, d_weight, d_bias,
                   want_hidden: bool, weight_beta: float = 1.0):
@@ -118,20 +121,22 @@ class StoredLogits:
         and ``dx`` summed to ``d_bias`` (either may be None), and return ``dx^T W`` when
         ``want_hidden`` (fp32; fp64 for fp64 inputs).
 
-        ``g_lp``, ``g_entropy``: per-token upstream gradients (None: zero). With
-        ``p = e exp(m_b - lse)`` and ``f = scale / T``:
+        ``g_lp``, ``g_entropy``: per-token upstream gradients (None: zero). ``lse`` is not
+        read: with ``p = e exp((m_b - top) - log l)`` (the forward's normaliser) and
+        ``f = scale / T``:
         ``dz = f p (-g_lp - g_H (log p + H)) + f g_lp 1[j = y]``, times ``1 - tanh^2`` when
         soft-capping (at the target, from its exact logit).
         """
+        del lse
         temperature, softcap, logit_scale = self.head
         f = logit_scale / temperature
-        shift = self.block_max - lse  # [blocks, rows]: log p = log e + shift
+        shift = (self.block_max - self.top) - self.log_l  # [blocks, rows]: log p = log e + shift
         scale = torch.exp(shift)  # p = e * scale
-        g_lp = torch.zeros_like(lse) if g_lp is None else g_lp.to(lse.dtype)
+        g_lp = torch.zeros_like(self.log_l) if g_lp is None else g_lp.to(self.log_l.dtype)
         if g_entropy is None:  # dz = e * k0
             k1, k0 = None, scale * (-g_lp * f)
         else:  # dz = e * (k1 log e + k0)
-            g_entropy = g_entropy.to(lse.dtype)
+            g_entropy = g_entropy.to(self.log_l.dtype)
             k1 = scale * (-g_entropy * f)
             k0 = scale * ((-g_lp - g_entropy * (shift + entropy)) * f)
         one_hot = g_lp * f

@@ -36,6 +36,8 @@ from pathlib import Path
 
 ISSUE_BUDGET = 0.18  # warp instructions per element, per byte moved per element
 SHAPES = {"V=151936": 151936, "V=151655": 151655}  # divisible by 16, and not
+# The pair kernels' per-row normalisers (each head's max logit and log of its sum).
+NORMALISERS = ("top_s", "log_l_s", "top_t", "log_l_t")
 
 
 @dataclasses.dataclass
@@ -116,13 +118,14 @@ def variants(vocab: int) -> list[Variant]:
     warps, consts = _split(dv.jsd_meta())
     out.append(Variant("_pair_jsd_kernel", "divergence_jsd", "float32", dv.__name__,
                        "_pair_jsd_kernel",
-                       dict(pair, lse_s="*fp32", lse_t="*fp32", acc="*fp32", plane="i32",
-                            width="i32", z_scale="fp32", log_b="fp32", log_1mb="fp32"),
+                       dict(pair, **dict.fromkeys(NORMALISERS, "*fp32"), acc="*fp32",
+                            plane="i32", width="i32", z_scale="fp32", log_b="fp32",
+                            log_1mb="fp32"),
                        consts, warps, consts["BLOCK_V"], 8, pair_aligned))
     warps, consts = _split(dv.grad_meta(0.5, torch.bfloat16))
     out.append(Variant("_pair_grad_kernel[jsd]", "divergence_grad", "float32", dv.__name__,
                        "_pair_grad_kernel",
-                       dict(pair, **dict.fromkeys(("lse_s", "lse_t", "aux", "grad"), "*fp32"),
+                       dict(pair, **dict.fromkeys((*NORMALISERS, "aux", "grad"), "*fp32"),
                             width="i32", z_scale="fp32", log_b="fp32", log_1mb="fp32",
                             one_minus_beta="fp32"),
                        consts, warps, consts["BLOCK_V"], 12, pair_aligned))
@@ -130,7 +133,8 @@ def variants(vocab: int) -> list[Variant]:
     out.append(Variant("_topk_grad_kernel", "divergence_topk_grad", "bfloat16", dv.__name__,
                        "_topk_grad_kernel",
                        dict(z_ptr="*bf16", stride_row="i32", ids="*i64", grad="*fp32", k="i32",
-                            lse="*fp32", width="i32", v0="i32", z_scale="fp32"),
+                            top="*fp32", log_l="*fp32", width="i32", v0="i32",
+                            z_scale="fp32"),
                        consts, warps, consts["BLOCK_V"], 4, aligned))
     out += _kl_variants(pair, pair_aligned) + _attention_variants() + _segment_variants()
     out += sampler_variants(vocab, aligned)
@@ -222,7 +226,7 @@ def _kl_variants(pair: dict, pair_aligned: tuple[str, ...]) -> list[Variant]:
         warps, consts = _split(dv.grad_meta(beta, torch.bfloat16))
         out.append(Variant(f"_pair_grad_kernel[{tag}]", "divergence_grad", "float32",
                            dv.__name__, "_pair_grad_kernel",
-                           dict(pair, **dict.fromkeys(("lse_s", "lse_t", "aux", "grad"), "*fp32"),
+                           dict(pair, **dict.fromkeys((*NORMALISERS, "aux", "grad"), "*fp32"),
                                 width="i32", z_scale="fp32", log_b="fp32", log_1mb="fp32",
                                 one_minus_beta="fp32"),
                            consts, warps, consts["BLOCK_V"], 12, pair_aligned))

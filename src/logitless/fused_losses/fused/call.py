@@ -123,22 +123,22 @@ class RefHead:
         """The KL of the loss rows ``rows`` without a graph, and what `kl_backward` needs."""
         ref = self.hidden.index_select(0, rows)
         kernels = divergence_kernels(hidden.device, hidden.dtype, ref.dtype)
-        kl, lse_s, lse_t, aux = kernels.divergence_forward(
+        kl, *norm = kernels.divergence_forward(
             hidden, weight, bias, ref, self.weight, self.bias, beta=1.0,
             temperature=self.temperature)
-        return kl, (kernels, ref, lse_s, lse_t, aux)
+        return kl, (kernels, ref, *norm)
 
     def kl_backward(self, saved, grad, hidden, weight, bias, grads: Grads, need: Need):
         """The KL's gradients from the per-row upstream ``grad``: the weight's and the bias's
         added to the call's fp32 accumulators in place (no ``[V, D]`` temporary), the hidden
         rows returned (or None)."""
-        kernels, ref, lse_s, lse_t, aux = saved
+        kernels, ref, *norm = saved  # (top_s, log_l_s, top_t, log_l_t, aux)
         d_weight = grads.weight.t if need.weight else None
         if need.weight and grads.weight.fresh:  # nothing written yet: the GEMMs add
             d_weight.zero_()
             grads.weight.fresh = False
         d_hidden, _, _ = kernels.divergence_backward(
-            hidden, weight, bias, ref, self.weight, self.bias, lse_s, lse_t, aux,
+            hidden, weight, bias, ref, self.weight, self.bias, *norm,
             grad.contiguous(), beta=1.0, temperature=self.temperature, need_hidden=need.hidden,
             need_weight=need.weight, need_bias=need.bias, d_weight=d_weight, d_bias=grads.bias)
         return d_hidden

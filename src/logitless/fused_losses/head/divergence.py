@@ -79,10 +79,10 @@ class _Divergence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, t_hidden, t_weight, t_bias, spec: _Spec):
         ctx.set_materialize_grads(False)
-        div, entropy, lse_s, lse_t, aux = _divergence_rows(spec, hidden, weight, bias, t_hidden,
-                                                           t_weight, t_bias)
+        div, entropy, *saved = _divergence_rows(spec, hidden, weight, bias, t_hidden, t_weight,
+                                                t_bias)
         ctx.spec = spec
-        ctx.save_for_backward(hidden, weight, bias, t_hidden, t_weight, t_bias, lse_s, lse_t, aux)
+        ctx.save_for_backward(hidden, weight, bias, t_hidden, t_weight, t_bias, *saved)
         ctx.mark_non_differentiable(entropy)
         return div, entropy
 
@@ -96,37 +96,40 @@ class _Divergence(torch.autograd.Function):
 
 
 def _divergence_rows(spec: _Spec, hidden, weight, bias, t_hidden, t_weight, t_bias):
-    """``(divergence, entropy, lse_s, lse_t, aux)`` of compacted rows, no autograd; the
-    entropy is empty unless ``spec.entropy``."""
+    """``(divergence, entropy, top_s, log_l_s, top_t, log_l_t, aux)`` of compacted rows, no
+    autograd: the heads' normalisers as the backward reads them (never ``lse``, see
+    ``divergence_torch.log_softmax_``). The entropy is empty unless ``spec.entropy``."""
     with torch.autocast(hidden.device.type, enabled=False):
-        div, lse_s, lse_t, aux, *ent = spec.backend.divergence_forward(
+        out = spec.backend.divergence_forward(
             hidden, weight, bias, t_hidden, t_weight, t_bias, beta=spec.beta,
             temperature=spec.temperature, entropy=spec.entropy, **spec.kw())
-    return div, ent[0] if ent else div.new_empty(0), lse_s, lse_t, aux
+    div, saved, ent = out[0], out[1:6], out[6:]
+    return div, ent[0] if ent else div.new_empty(0), *saved
 
 
 def _divergence_rows_backward(spec: _Spec, hidden, weight, bias, t_hidden, t_weight, t_bias,
-                              lse_s, lse_t, aux, grad, need):
+                              top_s, log_l_s, top_t, log_l_t, aux, grad, need):
     """Gradients of compacted rows (None where ``need`` says not wanted), in input dtypes."""
     with torch.autocast(hidden.device.type, enabled=False):
         grads = spec.backend.divergence_backward(
-            hidden, weight, bias, t_hidden, t_weight, t_bias, lse_s, lse_t, aux,
+            hidden, weight, bias, t_hidden, t_weight, t_bias, top_s, log_l_s, top_t, log_l_t, aux,
             grad.contiguous(), beta=spec.beta, temperature=spec.temperature,
             need_hidden=need[0], need_weight=need[1], need_bias=need[2], **spec.kw())
     return _cast(grads, (hidden, weight, bias))
 
 
 def _topk_rows(spec: _Spec, hidden, weight, bias, ids):
-    """``(logprobs [n, k], lse [n])`` of compacted rows, no autograd."""
+    """``(logprobs [n, k], top [n], log_l [n])`` of compacted rows, no autograd (the
+    normaliser as the backward reads it)."""
     with torch.autocast(hidden.device.type, enabled=False):
         return spec.backend.topk_forward(hidden, weight, bias, ids,
                                          temperature=spec.temperature, **spec.kw())
 
 
-def _topk_rows_backward(spec: _Spec, hidden, weight, bias, ids, lse, grad, need):
+def _topk_rows_backward(spec: _Spec, hidden, weight, bias, ids, top, log_l, grad, need):
     with torch.autocast(hidden.device.type, enabled=False):
         grads = spec.backend.topk_backward(
-            hidden, weight, bias, ids, lse, grad.contiguous(), temperature=spec.temperature,
+            hidden, weight, bias, ids, top, log_l, grad.contiguous(), temperature=spec.temperature,
             need_hidden=need[0], need_weight=need[1], need_bias=need[2], **spec.kw())
     return _cast(grads, (hidden, weight, bias))
 
@@ -548,13 +551,14 @@ def _div_forward(hidden, weight, bias, t_hidden, t_weight, t_bias, mask, beta, t
 def _div_forward_fake(hidden, weight, bias, t_hidden, t_weight, t_bias, mask, beta,
                       temperature, tile_bytes, entropy):
     acc = acc_dtype(hidden.dtype)
-    return tuple(hidden.new_empty(hidden.shape[:-1], dtype=acc) for _ in range(5))
+    return tuple(hidden.new_empty(hidden.shape[:-1], dtype=acc) for _ in range(7))
 
 
-def _div_backward_impl(hidden, weight, bias, t_hidden, t_weight, t_bias, mask, lse_s, lse_t, aux,
-                       grad, beta, temperature, tile_bytes, need_hidden, need_weight, need_bias):
+def _div_backward_impl(hidden, weight, bias, t_hidden, t_weight, t_bias, mask, top_s, log_l_s,
+                       top_t, log_l_t, aux, grad, beta, temperature, tile_bytes, need_hidden,
+                       need_weight, need_bias):
     rows = _rows(mask, grad.numel())
-    per_row = [take_rows(x, rows) for x in (lse_s, lse_t, aux, grad)]
+    per_row = [take_rows(x, rows) for x in (top_s, log_l_s, top_t, log_l_t, aux, grad)]
     d_hidden, d_weight, d_bias = _divergence_rows_backward(
         _div_spec(beta, temperature, tile_bytes, hidden, t_hidden),
         take_rows(hidden, rows, hidden.shape[-1]),
@@ -563,8 +567,9 @@ def _div_backward_impl(hidden, weight, bias, t_hidden, t_weight, t_bias, mask, l
     return grads_or_empty(hidden, weight, rows, d_hidden, d_weight, d_bias)
 
 
-def _div_backward_fake(hidden, weight, bias, t_hidden, t_weight, t_bias, mask, lse_s, lse_t, aux,
-                       grad, beta, temperature, tile_bytes, need_hidden, need_weight, need_bias):
+def _div_backward_fake(hidden, weight, bias, t_hidden, t_weight, t_bias, mask, top_s, log_l_s,
+                       top_t, log_l_t, aux, grad, beta, temperature, tile_bytes, need_hidden,
+                       need_weight, need_bias):
     return grads_fake(hidden, weight, bias, need_hidden, need_weight, need_bias)
 
 
@@ -588,7 +593,8 @@ def _div_backward(ctx, grad, *_):
 linear_divergence_backward = define(
     "linear_divergence_backward",
     "(Tensor hidden, Tensor weight, Tensor? bias, Tensor t_hidden, Tensor t_weight, "
-    "Tensor? t_bias, Tensor? mask, Tensor lse_s, Tensor lse_t, Tensor aux, Tensor grad, "
+    "Tensor? t_bias, Tensor? mask, Tensor top_s, Tensor log_l_s, Tensor top_t, "
+    "Tensor log_l_t, Tensor aux, Tensor grad, "
     + _DIV_CONFIG + ", bool need_hidden, bool need_weight, bool need_bias) "
     "-> (Tensor, Tensor, Tensor)",
     _div_backward_impl, _div_backward_fake)
@@ -596,7 +602,7 @@ _linear_divergence_op = define(
     "linear_divergence",
     "(Tensor hidden, Tensor weight, Tensor? bias, Tensor t_hidden, Tensor t_weight, "
     "Tensor? t_bias, Tensor? mask, " + _DIV_CONFIG + ", bool entropy) "
-    "-> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+    "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
     _div_forward, _div_forward_fake)
 _linear_divergence_op.register_autograd(_div_backward, setup_context=_div_setup_context)
 
@@ -606,41 +612,44 @@ _linear_divergence_op.register_autograd(_div_backward, setup_context=_div_setup_
 
 def _topk_forward(hidden, weight, bias, ids, mask, temperature, tile_bytes):
     rows = _rows(mask, ids.numel() // max(ids.shape[-1], 1))
-    logprobs, lse = _topk_rows(_div_spec(0.0, temperature, tile_bytes, hidden),
-                                  take_rows(hidden, rows, hidden.shape[-1]), weight, bias,
-                                  _topk_ids(ids, rows, weight.shape[0]))
-    return put_rows(logprobs, rows, ids.shape), put_rows(lse, rows, ids.shape[:-1])
+    logprobs, *norm = _topk_rows(_div_spec(0.0, temperature, tile_bytes, hidden),
+                                 take_rows(hidden, rows, hidden.shape[-1]), weight, bias,
+                                 _topk_ids(ids, rows, weight.shape[0]))
+    return put_rows(logprobs, rows, ids.shape), *(put_rows(x, rows, ids.shape[:-1])
+                                                  for x in norm)
 
 
 def _topk_forward_fake(hidden, weight, bias, ids, mask, temperature, tile_bytes):
     acc = acc_dtype(hidden.dtype)
-    return hidden.new_empty(ids.shape, dtype=acc), hidden.new_empty(ids.shape[:-1], dtype=acc)
+    return hidden.new_empty(ids.shape, dtype=acc), *(hidden.new_empty(ids.shape[:-1], dtype=acc)
+                                                     for _ in range(2))
 
 
-def _topk_backward_impl(hidden, weight, bias, ids, mask, lse, grad, temperature, tile_bytes,
-                        need_hidden, need_weight, need_bias):
+def _topk_backward_impl(hidden, weight, bias, ids, mask, top, log_l, grad, temperature,
+                        tile_bytes, need_hidden, need_weight, need_bias):
     rows = _rows(mask, ids.numel() // max(ids.shape[-1], 1))
     spec = _div_spec(0.0, temperature, tile_bytes, hidden)
     h = take_rows(hidden, rows, hidden.shape[-1])
     t = _topk_ids(ids, rows, weight.shape[0])
-    grads = _topk_rows_backward(spec, h, weight, bias, t, take_rows(lse, rows),
+    grads = _topk_rows_backward(spec, h, weight, bias, t, take_rows(top, rows),
+                                   take_rows(log_l, rows),
                                    take_rows(grad, rows, ids.shape[-1]),
                                    (need_hidden, need_weight, need_bias))
     return grads_or_empty(hidden, weight, rows, *grads)
 
 
-def _topk_backward_fake(hidden, weight, bias, ids, mask, lse, grad, temperature, tile_bytes,
-                        need_hidden, need_weight, need_bias):
+def _topk_backward_fake(hidden, weight, bias, ids, mask, top, log_l, grad, temperature,
+                        tile_bytes, need_hidden, need_weight, need_bias):
     return grads_fake(hidden, weight, bias, need_hidden, need_weight, need_bias)
 
 
 def _topk_setup_context(ctx, inputs, output):
     ctx.config = inputs[5:7]
     ctx.set_materialize_grads(False)
-    ctx.save_for_backward(*inputs[:5], output[1])
+    ctx.save_for_backward(*inputs[:5], *output[1:])
 
 
-def _topk_backward(ctx, grad, _):
+def _topk_backward(ctx, grad, *_):
     n_inputs = 7
     need = ctx.needs_input_grad[:3]
     if grad is None or not any(need):
@@ -653,15 +662,15 @@ def _topk_backward(ctx, grad, _):
 
 linear_topk_logprobs_backward = define(
     "linear_topk_logprobs_backward",
-    "(Tensor hidden, Tensor weight, Tensor? bias, Tensor ids, Tensor? mask, Tensor lse, "
-    "Tensor grad, "
+    "(Tensor hidden, Tensor weight, Tensor? bias, Tensor ids, Tensor? mask, Tensor top, "
+    "Tensor log_l, Tensor grad, "
     "float temperature, int? tile_bytes, bool need_hidden, bool need_weight, "
     "bool need_bias) -> (Tensor, Tensor, Tensor)",
     _topk_backward_impl, _topk_backward_fake)
 _linear_topk_logprobs_op = define(
     "linear_topk_logprobs",
     "(Tensor hidden, Tensor weight, Tensor? bias, Tensor ids, Tensor? mask, "
-    "float temperature, int? tile_bytes) -> (Tensor, Tensor)",
+    "float temperature, int? tile_bytes) -> (Tensor, Tensor, Tensor)",
     _topk_forward, _topk_forward_fake)
 _linear_topk_logprobs_op.register_autograd(_topk_backward, setup_context=_topk_setup_context)
 
