@@ -260,6 +260,8 @@ def policy_loss(
     compute_metrics: bool = True,
     kl=None,
     cp_group=None,
+    topk_logprobs=None,
+    old_topk_logprobs=None,
 ):
     """Policy loss and metrics from per-token logprobs.
 
@@ -306,6 +308,11 @@ def policy_loss(
             the whole sequences' loss on every rank and each rank's gradient with respect to
             its tokens is the whole loss's; the metrics are the rank's own tokens'. Options
             that cannot be made exact cheaply raise ``ValueError`` (`check_cp_config`).
+        topk_logprobs, old_topk_logprobs: ``[*logprobs.shape, K]``, for the DPPO top-k
+            objectives only (``dppo_topk_tv``, ``dppo_topk_kl``): the trainer's logprobs at
+            the rollout's top-k token ids and the rollout's own logprobs there (tempered like
+            ``logprobs``). Both are read without gradient (they only select tokens); the
+            caller computes the first, e.g. with ``linear_logprobs`` at the given ids.
 
     Returns:
         ``(loss, metrics)``: a scalar (dtype of the logprobs, at least fp32) and a dict of
@@ -328,7 +335,8 @@ def policy_loss(
         mask, advantages, cu_seqlens, _dtype(logprobs), validate, cfg, max_seqlen,
         logprobs=logprobs, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
         rollout_logprobs=rollout_logprobs, entropy=entropy, token_weights=token_weights,
-        attention_entropy=attention_entropy, kl=kl,
+        attention_entropy=attention_entropy, kl=kl, **check_topk_inputs(
+            cfg, topk_logprobs=topk_logprobs, old_topk_logprobs=old_topk_logprobs),
     )
     with cp.cp_context(cp_group):
         loss, metrics = _loss_of_batch(
@@ -384,6 +392,24 @@ def cp_loss_value(share: torch.Tensor) -> torch.Tensor:
         return share
     total = cp.all_reduce(share.detach())
     return share + (total - share.detach())
+
+
+def check_topk_inputs(cfg: PolicyLossConfig, **topk) -> dict:
+    """The top-k tensors (``topk_logprobs``, ``old_topk_logprobs``) are given exactly when the
+    objective reads them (``needs_topk``): ``ValueError`` naming them otherwise. Returns them,
+    only when given (the batch carries no entry for them otherwise)."""
+    given = [name for name, t in topk.items() if t is not None]
+    if not isinstance(cfg, PolicyLossConfig):  # refused by the caller's own check
+        return {name: topk[name] for name in given}
+    if get_objective(cfg.objective).needs_topk:
+        if len(given) != len(topk):
+            raise ValueError(f"topk_logprobs: {cfg.objective} needs topk_logprobs and "
+                             "old_topk_logprobs (the trainer's and the rollout's logprobs at the "
+                             "rollout's top-k ids)")
+    elif given:
+        raise ValueError(f"{given[0]}: given, but {cfg.objective} does not read the top-k "
+                         "logprobs (dppo_topk_tv and dppo_topk_kl do)")
+    return {name: topk[name] for name in given}
 
 
 def _loss_of_batch(batch: _Batch, cfg, batch_globals, *, validate=True, num_items_in_batch=None,
@@ -534,6 +560,7 @@ def _policy_term(batch, cfg, spec, adv, masks: _Masks, factor, is_weight) -> _Po
         ObjectiveInputs(
             lp, old_lp, d, adv, m, ratio, cfg, eps_low, eps_high, batch["entropy"],
             is_weight if spec.folds_rollout_is else None,
+            batch["topk_logprobs"], batch["old_topk_logprobs"],
         )
     )
     pg = out.loss * factor
