@@ -281,13 +281,19 @@ def _dppo(x: ObjectiveInputs, divergence: torch.Tensor) -> ObjectiveOutput:
     """DPPO's loss ``-A sg(min(r, dppo_ratio_cap)) lp`` on the tokens inside the trust region:
     a token is out when its ``divergence`` (detached) exceeds ``eps_high`` while the sampled
     token's probability rose (A > 0), or ``eps_low`` while it fell (A <= 0)."""
-    p, p_old = torch.exp(x.lp.detach()), torch.exp(x.old_lp)
-    divergence = divergence.detach()
-    valid = torch.where(x.adv > 0, (divergence <= x.eps_high) | (p <= p_old),
-                        (divergence <= x.eps_low) | (p >= p_old))
+    valid = _inside_trust_region(x, divergence)
     r = torch.exp(x.d.detach())
     loss = -x.adv * torch.clamp(r, max=x.cfg.dppo_ratio_cap) * x.lp * valid.to(x.lp.dtype)
     return ObjectiveOutput(loss, ~valid & (x.adv <= 0), ~valid & (x.adv > 0))
+
+
+def _inside_trust_region(x: ObjectiveInputs, divergence: torch.Tensor) -> torch.Tensor:
+    """DPPO's trust region (bool ``[B, T]``): out where ``divergence`` exceeds ``eps_high``
+    and the sampled token's probability rose (A > 0), or ``eps_low`` and it fell (A <= 0)."""
+    p, p_old = torch.exp(x.lp.detach()), torch.exp(x.old_lp)
+    divergence = divergence.detach()
+    return torch.where(x.adv > 0, (divergence <= x.eps_high) | (p <= p_old),
+                       (divergence <= x.eps_low) | (p >= p_old))
 
 
 def tv_trust_region(lp, old_lp) -> torch.Tensor:
@@ -328,6 +334,17 @@ def dppo_kl(x: ObjectiveInputs) -> ObjectiveOutput:
     """DPPO-Binary-KL (verl ``dppo_kl``, TRL ``binary_kl``): the trust region is the binary KL
     of the sampled token's probability."""
     return _dppo(x, binary_kl_trust_region(x.lp.detach(), x.old_lp))
+
+
+@register_objective("prime_rl", ratio_levels=("token",))
+def prime_rl(x: ObjectiveInputs) -> ObjectiveOutput:
+    """prime-rl's default loss: ``-A r`` (the ratio with its gradient, uncapped) on the tokens
+    inside DPPO-Binary-TV's trust region, plus ``sq_log_ratio_coef d^2`` (Kimi K2.5's
+    squared log-ratio) on every token."""
+    valid = _inside_trust_region(x, tv_trust_region(x.lp.detach(), x.old_lp))
+    pg = -x.adv * torch.exp(x.d) * valid.to(x.lp.dtype)
+    loss = pg + x.cfg.sq_log_ratio_coef * x.d.square()
+    return ObjectiveOutput(loss, ~valid & (x.adv < 0), ~valid & (x.adv > 0))
 
 
 def _dppo_topk(kind):

@@ -221,6 +221,7 @@ class PolicyLossConfig:
             ``loss_type="cispo"``, any value, below 1 included); ``None``: ``1 + eps_high``.
         sapo_tau_pos, sapo_tau_neg; vespo_k_pos, vespo_lambda_pos, vespo_k_neg,
             vespo_lambda_neg; dro_beta; dppo_ratio_cap (verl ``clip_ratio_c`` of DPPO);
+            sq_log_ratio_coef (``prime_rl``'s squared log-ratio term, prime-rl ``kl_tau``);
             cov_fraction, clip_cov_lb, clip_cov_ub, kl_cov_coef, cov_seed (``clip_cov``,
             ``kl_cov``; ``cov_seed=None`` draws from torch's global generator like verl);
             dhpo_mix (float in [0, 1] or ``"entropy"``), seq_eps_low, seq_eps_high (DHPO's
@@ -282,6 +283,7 @@ class PolicyLossConfig:
     vespo_lambda_neg: float = 2.0
     dro_beta: float = 1.0
     dppo_ratio_cap: float = 20.0
+    sq_log_ratio_coef: float = 1e-3
     cov_fraction: float = 2e-4
     clip_cov_lb: float = 1.0
     clip_cov_ub: float = 5.0
@@ -416,6 +418,7 @@ class PolicyLossConfig:
             "length_power_alpha",
             "log_ratio_clamp",
             "delight_eta",
+            "sq_log_ratio_coef",
         ):
             _check_nonneg(name, getattr(self, name))
         if not 0.0 <= self.top_entropy_quantile <= 1.0:
