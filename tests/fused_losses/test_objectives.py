@@ -120,7 +120,8 @@ def test_objective_matches_reference(objective, extra, per_token_adv):
 def test_aggregations_match_reference(agg):
     d = make(21, per_token_adv=agg == "balanced")
     cfg = PolicyLossConfig(
-        objective="grpo", loss_agg=agg, max_response_length=T + 4, length_power_alpha=0.7
+        objective="grpo", loss_agg=agg, max_response_length=T + 4, length_power_alpha=0.7,
+        prompt_group_size=1, loss_agg_divisor=T + 1.5,
     )
     lp = d["lp"].clone().requires_grad_()
     want = ref.policy_loss_reference(lp, d["old"], d["adv"], d["mask"], cfg)

@@ -15,6 +15,7 @@ and so do their gradients. Exceptions: ``clip_cov`` and ``kl_cov`` select tokens
 statistics of the current logprobs (verl's definition) and need the whole batch in one call.
 """
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +27,7 @@ from logitless.fused_losses.objectives.aggregation import (
     aggregate,
     check_global_counts,
     host_value,
+    prompt_weights,
 )
 from logitless.fused_losses.objectives.catalog import (
     ObjectiveInputs,
@@ -86,11 +88,16 @@ class _Masks:
     kept: torch.Tensor
     entropy: torch.Tensor
     select: torch.Tensor
+    # prompt-mean's per-token weights over ``kept`` and over ``entropy`` (`prompt_weights`),
+    # None unless the loss / entropy aggregation is prompt-mean
+    loss_weight: torch.Tensor | None = None
+    entropy_weight: torch.Tensor | None = None
 
     def rows(self, s0: int, s1: int, width: int) -> "_Masks":
         """Sequences ``s0:s1``, positions ``:width`` (as `_Batch.rows`)."""
-        return _Masks(*(t[s0:s1, :width] for t in (self.given, self.kept, self.entropy,
-                                                     self.select)))
+        return _Masks(*(None if t is None else t[s0:s1, :width]
+                        for t in (self.given, self.kept, self.entropy, self.select,
+                                  self.loss_weight, self.entropy_weight)))
 
 
 def _selection_masks(batch, cfg, kept, entropy_threshold, adv_entropy_threshold) -> _Masks:
@@ -155,6 +162,7 @@ def _globals(batch: _Batch, cfg: PolicyLossConfig, kept) -> tuple[BatchGlobals, 
         thr = top_fraction_threshold(batch.adv.abs() * entropy, kept, cfg.adv_entropy_top_fraction)
         adv_entropy_threshold = host_value(thr)
     masks = _selection_masks(batch, cfg, kept, entropy_threshold, adv_entropy_threshold)
+    masks = _with_prompt_weights(masks, cfg, batch.adv.dtype)
     attn_stats = attn_thresholds = None
     if cfg.attn_entropy_weighting is not None:
         attn_stats, attn_thresholds = _attention_globals(batch, cfg, kept)
@@ -173,8 +181,25 @@ def _globals(batch: _Batch, cfg: PolicyLossConfig, kept) -> tuple[BatchGlobals, 
         attn_stats=attn_stats,
         attn_thresholds=attn_thresholds,
         is_weight_mean=is_weight_mean,
+        num_prompts=float(batch.m.shape[0] // cfg.prompt_group_size)
+        if cfg.prompt_group_size else None,
     )
     return glob, masks
+
+
+def _with_prompt_weights(masks: _Masks, cfg: PolicyLossConfig, dtype,
+                         num_prompts=None) -> _Masks:
+    """The masks with prompt-mean's weights, where an aggregation is prompt-mean: over the
+    call's groups, ``num_prompts`` of them in the whole batch (`BatchGlobals`; None: this
+    batch is the whole batch)."""
+    def weights(mode, m):
+        if mode != "prompt-mean":
+            return None
+        return prompt_weights(m, cfg.prompt_group_size, num_prompts).to(dtype)
+
+    return dataclasses.replace(
+        masks, loss_weight=weights(cfg.loss_agg, masks.kept),
+        entropy_weight=weights(cfg.entropy_agg or cfg.loss_agg, masks.entropy))
 
 
 def _globals_and_masks(batch: _Batch, cfg: PolicyLossConfig) -> tuple[BatchGlobals, _Masks]:
@@ -356,6 +381,8 @@ _CP_REFUSED = (
      "a |A| H quantile over the batch (a sort of every rank's tokens)"),
     ("attn_entropy_weighting", lambda c: c.attn_entropy_weighting is not None,
      "batch quantiles and per-sequence softmaxes of attention entropies"),
+    ("loss_agg", lambda c: "prompt-mean" in (c.loss_agg, c.entropy_agg),
+     "prompt-mean: token counts of prompt groups over every rank"),
 )
 
 
@@ -436,7 +463,9 @@ def _loss_of_batch(batch: _Batch, cfg, batch_globals, *, validate=True, num_item
 def _call_masks(batch, cfg, glob: BatchGlobals, kept=None) -> _Masks:
     """The masks of a call given the batch's `BatchGlobals` (their thresholds)."""
     kept = _kept_mask(batch, cfg) if kept is None else kept
-    return _selection_masks(batch, cfg, kept, glob.entropy_threshold, glob.adv_entropy_threshold)
+    masks = _selection_masks(batch, cfg, kept, glob.entropy_threshold,
+                             glob.adv_entropy_threshold)
+    return _with_prompt_weights(masks, cfg, batch.adv.dtype, glob.num_prompts)
 
 
 def _policy_loss(batch: _Batch, cfg: PolicyLossConfig, glob: BatchGlobals, *,
@@ -593,7 +622,8 @@ def _kl(batch: _Batch, cfg: PolicyLossConfig, ratio) -> torch.Tensor | None:
 def _aggregate(per_token, batch, cfg, glob, masks: _Masks, entropy_coef, counts):
     """The aggregated loss minus the aggregated entropy bonus."""
     agg_args = dict(max_response_length=glob.max_response_length, **counts)
-    loss = aggregate(per_token, masks.kept, batch.adv, cfg.loss_agg, glob.loss, cfg, **agg_args)
+    loss = aggregate(per_token, masks.kept, batch.adv, cfg.loss_agg, glob.loss, cfg,
+                     prompt_weight=masks.loss_weight, **agg_args)
     coef = cfg.entropy_coef if entropy_coef is None else entropy_coef
     if coef:
         ent = batch["entropy"]
@@ -601,7 +631,8 @@ def _aggregate(per_token, batch, cfg, glob, masks: _Masks, entropy_coef, counts)
             raise ValueError("entropy: entropy_coef != 0 needs entropy")
         mode = cfg.entropy_agg or cfg.loss_agg
         loss = loss - coef * aggregate(
-            ent, masks.entropy, batch.adv, mode, glob.entropy, cfg, **agg_args
+            ent, masks.entropy, batch.adv, mode, glob.entropy, cfg,
+            prompt_weight=masks.entropy_weight, **agg_args
         )
     return loss
 
