@@ -28,7 +28,10 @@ from logitless.fused_losses.objectives.config import (
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 # Objectives the plain-loop reference covers (clip_cov / kl_cov draw tokens at random).
-REFERENCE_OBJECTIVES = sorted(o for o in OBJECTIVES if o not in ("clip_cov", "kl_cov"))
+# clip_cov, kl_cov: whole-batch selections; the DPPO top-k objectives read top-k inputs
+# (tests/fused_losses/test_dppo.py)
+REFERENCE_OBJECTIVES = sorted(o for o, spec in OBJECTIVES.items()
+                              if o not in ("clip_cov", "kl_cov") and not spec.needs_topk)
 seeds = st.integers(0, 2**31 - 1)
 
 
@@ -202,6 +205,8 @@ def policy_configs(draw, *, objectives=REFERENCE_OBJECTIVES):
     kw["ratio_level"] = draw(st.none() | st.sampled_from(spec.ratio_levels or RATIO_LEVELS))
     kw["loss_agg"] = draw(st.none() | st.sampled_from(LOSS_AGGS))
     kw["max_response_length"] = draw(st.none() | st.integers(7, 12))
+    kw["loss_agg_divisor"] = draw(finite(1.0, 20.0))  # read by "constant" only
+    kw["prompt_group_size"] = 1  # "prompt-mean": one group per sequence, whatever B
     kw["length_power_alpha"] = draw(finite(0.0, 1.0))
     if draw(st.booleans()):
         kw["eps_low"], kw["eps_high"] = draw(finite(0.05, 0.4)), draw(finite(0.05, 0.4))

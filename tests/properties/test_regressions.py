@@ -60,7 +60,8 @@ def test_aggregations_over_a_batch_without_loss_tokens(batch):
     """Every aggregation of no token is 0 (the reference divided by a length-power sum of 0)."""
     batch.mask[:] = False
     for agg in LOSS_AGGS:
-        assert _compare(batch, objective="grpo", loss_agg=agg, entropy_coef=0.01) == 0
+        assert _compare(batch, objective="grpo", loss_agg=agg, entropy_coef=0.01,
+                        prompt_group_size=1, loss_agg_divisor=3.0) == 0
 
 
 @given(policy_batches(layouts(min_b=2, packed=False)))

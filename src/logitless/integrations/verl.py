@@ -454,5 +454,7 @@ register_verl_distillation_loss()
 if os.environ.get("LOGITLESS_VERL_FUSED_HEAD", "").strip().lower() in ("1", "true", "yes"):
     enable_fused_head(
         entropy_grad=os.environ.get("LOGITLESS_VERL_ENTROPY_GRAD", "1").strip().lower()
-        not in ("0", "false", "no")
+        not in ("0", "false", "no"),
+        sum_pi_squared=os.environ.get("LOGITLESS_VERL_SUM_PI_SQUARED", "").strip().lower()
+        in ("1", "true", "yes"),
     )

@@ -25,6 +25,15 @@ the kept sets the rollout engine recorded instead. They travel in the batch unde
 batch's sets are laid out as the head's rows (:func:`kept_rows_for_head`) and handed to the
 next head call.
 
+Optimal token baseline: verl's ``optimal_token_baseline`` and ``tir_optimal_token_baseline``
+advantage estimators read ``sum_pi_squared`` (the sum of the squared token probabilities,
+``sum_j p_j^2``, per position) from the actor, which verl computes only from materialised
+logits (``calculate_sum_pi_squared=True`` raises with ``use_fused_kernels=True``). After
+``enable_fused_head(sum_pi_squared=True)`` every head call also keeps its rows' ``sum_p_sq``
+(a statistic of the same vocabulary pass), and verl's FSDP engine's
+``prepare_model_outputs`` is wrapped so that a micro batch asking for it gets it, laid out
+by verl's own code exactly as the entropy is.
+
 This module does not import verl until :func:`enable_fused_head` is called.
 """
 
@@ -73,6 +82,12 @@ _pending_kept: torch.Tensor | None = None
 _ENGINE_MODULE = "verl.workers.engine.fsdp.transformer_impl"
 _ENGINE_CLASS = "FSDPEngineWithLMHead"
 _original_prepare = None
+# enable_fused_head(sum_pi_squared=True): the head keeps its latest call's sum_p_sq, and the
+# engine's prepare_model_outputs (its own, kept here) lays it out
+SUM_PI_SQUARED_KEY = "sum_pi_squared"
+_keep_sum_p_sq = False
+_pending_sum_p_sq: torch.Tensor | None = None
+_original_outputs = None
 
 
 def set_head_sampler(sampler: SamplerTruncation | None) -> None:
@@ -289,6 +304,7 @@ def linear_cross_entropy(
         labels.reshape(-1),
         temperature=float(temperature),
         return_entropy=True,
+        stats=("sum_p_sq",) if _keep_sum_p_sq else (),
         **parallel,
         **({} if _sampler is None else _sampler.kwargs()),
         **({} if kept is None else {"kept_ids": kept}),
@@ -296,6 +312,9 @@ def linear_cross_entropy(
     if _sampler is not None or kept is not None:
         _sampler_calls += 1
     logprobs, entropy = out.logprobs, out.entropy
+    if _keep_sum_p_sq:
+        global _pending_sum_p_sq
+        _pending_sum_p_sq = out.sum_p_sq.detach().reshape(entropy.shape)
     reduction = reduction.lower()
     if reduction == "sum":
         logprobs = logprobs.sum()
@@ -333,17 +352,26 @@ def _linear_cross_entropy_no_entropy_grad(
 _DROP_INS = (linear_cross_entropy, _linear_cross_entropy_no_entropy_grad)
 
 
-def enable_fused_head(*, entropy_grad: bool = True) -> None:
+def enable_fused_head(*, entropy_grad: bool = True, sum_pi_squared: bool = False) -> None:
     """Route verl's fused head (``use_fused_kernels`` with the ``triton`` backend, and the
     Megatron fused forwards) to :func:`linear_cross_entropy`. Idempotent; undone by
     :func:`disable_fused_head`. Call it in every worker process: the ``verl.plugins`` entry
     point does so when ``LOGITLESS_VERL_FUSED_HEAD=1`` is in the worker's environment.
 
     ``entropy_grad=False`` detaches the entropy (use it when ``entropy_coeff`` is 0 and the
-    entropy is only logged).
+    entropy is only logged). ``sum_pi_squared=True`` gives verl's FSDP engine
+    ``sum_pi_squared`` with fused kernels (``actor.calculate_sum_pi_squared=True``, for the
+    optimal-token-baseline estimators; module docstring).
     """
-    global _original
+    global _original, _keep_sum_p_sq, _original_outputs
     import importlib
+
+    if sum_pi_squared:
+        engine = getattr(importlib.import_module(_ENGINE_MODULE), _ENGINE_CLASS)
+        if _original_outputs is None:
+            _original_outputs = engine.prepare_model_outputs
+            engine.prepare_model_outputs = _prepare_outputs_with_sum_p_sq
+        _keep_sum_p_sq = True
 
     kernel = importlib.import_module(_KERNEL_MODULE)
     current = getattr(kernel, _ATTR)
@@ -359,7 +387,12 @@ def enable_fused_head(*, entropy_grad: bool = True) -> None:
 def disable_fused_head() -> None:
     """Give verl back its own ``linear_cross_entropy`` everywhere it was bound (a no-op when
     :func:`enable_fused_head` was never called)."""
-    global _original
+    global _original, _keep_sum_p_sq, _pending_sum_p_sq, _original_outputs
+    if _original_outputs is not None:
+        engine = getattr(sys.modules[_ENGINE_MODULE], _ENGINE_CLASS)
+        engine.prepare_model_outputs = _original_outputs
+        _original_outputs = None
+    _keep_sum_p_sq, _pending_sum_p_sq = False, None
     if _original is None:
         return
     for name in _BINDING_MODULES:
@@ -367,6 +400,45 @@ def disable_fused_head() -> None:
         if module is not None and getattr(module, _ATTR, None) in _DROP_INS:
             setattr(module, _ATTR, _original)
     _original = None
+
+
+def _prepare_outputs_with_sum_p_sq(self, output, output_args, micro_batch,
+                                   logits_processor_func):
+    """verl's ``prepare_model_outputs``; for a micro batch with ``calculate_sum_pi_squared``
+    and ``use_fused_kernels``, plus ``sum_pi_squared`` from this forward's head call, laid out
+    by verl's own code run once more with it in the entropy's place (the same rows, the same
+    Ulysses gather, the same nested layout)."""
+    import copy
+
+    from verl.utils import tensordict_utils as tu
+
+    def flag(key):
+        return tu.get_non_tensor_data(data=micro_batch, key=key, default=False)
+
+    global _pending_sum_p_sq
+    if not (flag("calculate_sum_pi_squared") and flag("use_fused_kernels")):
+        return _original_outputs(self, output, output_args, micro_batch, logits_processor_func)
+    s2, _pending_sum_p_sq = _pending_sum_p_sq, None
+    if s2 is None or output.entropy is None or s2.shape != output.entropy.shape:
+        raise ValueError(f"{SUM_PI_SQUARED_KEY}: calculate_sum_pi_squared with fused kernels "
+                         "needs the forward's head call to run through logitless "
+                         "(enable_fused_head(sum_pi_squared=True) in this process)")
+    keys = ("calculate_sum_pi_squared", "calculate_entropy", "distillation_only",
+            "distillation_use_topk")
+    saved = {k: flag(k) for k in keys}
+    try:
+        tu.assign_non_tensor(micro_batch, calculate_sum_pi_squared=False)
+        model_output = _original_outputs(self, output, output_args, micro_batch,
+                                         logits_processor_func)
+        tu.assign_non_tensor(micro_batch, calculate_entropy=True, distillation_only=True,
+                             distillation_use_topk=False)
+        in_place = copy.copy(output)
+        in_place["entropy"] = s2
+        laid = _original_outputs(self, in_place, output_args, micro_batch, None)
+    finally:
+        tu.assign_non_tensor(micro_batch, **saved)
+    model_output[SUM_PI_SQUARED_KEY] = laid["entropy"]
+    return model_output
 
 
 def fused_head_enabled() -> bool:

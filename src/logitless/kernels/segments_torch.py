@@ -30,8 +30,9 @@ class PackedIndex(NamedTuple):
     shape: tuple[int, int]
 
     def pad(self, x: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
-        """Packed ``x [N]`` on the grid ``[B, width]``, ``fill`` after each sequence."""
-        return x.new_full(self.shape, fill).index_put((self.row, self.col), x)
+        """Packed ``x [N, ...]`` on the grid ``[B, width, ...]``, ``fill`` after each
+        sequence."""
+        return x.new_full((*self.shape, *x.shape[1:]), fill).index_put((self.row, self.col), x)
 
     def unpad(self, y: torch.Tensor) -> torch.Tensor:
         """Grid ``y [B, T]`` (``T >= width``) back to packed ``[N]``."""

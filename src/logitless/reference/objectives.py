@@ -76,8 +76,10 @@ def ratio_loop(
     return rho, low, high
 
 
-def aggregate_loop(loss, mask, adv, mode, *, max_len=None, length_power_alpha=0.5):
-    """One scalar from ``loss [B, T]``; local normalisers, every sequence counted (TRL)."""
+def aggregate_loop(loss, mask, adv, mode, *, max_len=None, length_power_alpha=0.5,
+                   group_size=None, divisor=None):
+    """One scalar from ``loss [B, T]``; local normalisers, every sequence counted (TRL);
+    ``group_size`` the prompt groups of ``prompt-mean``, ``divisor`` that of ``constant``."""
     B = loss.shape[0]
     sums, lens, seq_adv = [], [], []
     for i in range(B):
@@ -96,6 +98,12 @@ def aggregate_loop(loss, mask, adv, mode, *, max_len=None, length_power_alpha=0.
         return total / B
     if mode == "seq-mean-token-sum-norm":
         return total / (B * max_len)
+    if mode == "constant":
+        return total / (B * divisor)
+    if mode == "prompt-mean":
+        groups = [range(g, g + group_size) for g in range(0, B, group_size)]
+        return sum(sum(sums[i] for i in g) / max(sum(lens[i] for i in g), 1)
+                   for g in groups) / len(groups)
     if mode == "balanced":
         pos = [(i, t) for i in range(B) for t in _valid(mask, i) if adv[i, t] > 0]
         neg = [(i, t) for i in range(B) for t in _valid(mask, i) if adv[i, t] < 0]
@@ -401,7 +409,8 @@ def policy_loss_reference(
         loss = loss + _kl_term_loop(lp, ref, ratio, cfg, kl)
     max_len = cfg.max_response_length or T
     total = aggregate_loop(
-        loss, mask, adv, cfg.loss_agg, max_len=max_len, length_power_alpha=cfg.length_power_alpha
+        loss, mask, adv, cfg.loss_agg, max_len=max_len, length_power_alpha=cfg.length_power_alpha,
+        group_size=cfg.prompt_group_size, divisor=cfg.loss_agg_divisor
     )
     if cfg.entropy_coef:
         total = total - cfg.entropy_coef * aggregate_loop(
@@ -411,5 +420,7 @@ def policy_loss_reference(
             cfg.entropy_agg or cfg.loss_agg,
             max_len=max_len,
             length_power_alpha=cfg.length_power_alpha,
+            group_size=cfg.prompt_group_size,
+            divisor=cfg.loss_agg_divisor,
         )
     return total

@@ -107,6 +107,13 @@ def _dppo_kl(k: _Token, cfg):
     return _dppo(k, cfg, bkl <= e_lo or p >= p_old)
 
 
+def _prime_rl(k: _Token, cfg):
+    change = math.exp(float(k.x.detach())) - math.exp(k.old)
+    e_lo, e_hi = _at(cfg.eps_low, k.i, k.t), _at(cfg.eps_high, k.i, k.t)
+    inside = change <= e_hi if k.a > 0 else change >= -e_lo
+    return -k.a * k.r * float(inside) + cfg.sq_log_ratio_coef * (k.x - k.old) ** 2
+
+
 def _aspo(k: _Token, cfg):
     r = float(k.r.detach())
     if k.a > 0:
@@ -141,6 +148,7 @@ _TOKEN_LOSSES = {
     "dro": _dro,
     "dppo_tv": _dppo_tv,
     "dppo_kl": _dppo_kl,
+    "prime_rl": _prime_rl,
     "aspo": _aspo,
     "dhpo": _dhpo,
     "delight": _delight,

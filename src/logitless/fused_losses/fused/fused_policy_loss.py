@@ -41,7 +41,11 @@ from logitless.fused_losses.fused.op import as_op, metric_names, op_call
 from logitless.fused_losses.fused.plan import CPU_MEMORY_BUDGET, ChunkStore, plan_chunks
 from logitless.fused_losses.objectives.config import PolicyLossConfig
 from logitless.fused_losses.objectives.context_parallel import cp_context
-from logitless.fused_losses.objectives.policy_loss import check_cp_config, cp_loss_value
+from logitless.fused_losses.objectives.policy_loss import (
+    check_cp_config,
+    check_topk_inputs,
+    cp_loss_value,
+)
 
 __all__ = ["CPU_MEMORY_BUDGET", "ChunkStore", "fused_policy_loss", "metric_names", "plan_chunks"]
 
@@ -108,6 +112,8 @@ def fused_policy_loss(
     ref_weight=None,
     ref_bias=None,
     cp_group=None,
+    topk_logprobs=None,
+    old_topk_logprobs=None,
 ):
     """The policy loss from hidden states and the LM head, without the full logits.
 
@@ -149,6 +155,11 @@ def fused_policy_loss(
             the whole loss's for the rank's tokens, and ``weight``'s and ``bias``'s are the
             rank's tokens' part of it (summed over the group they are the whole loss's, as
             for any sequence-split model). Not under ``torch.compile``.
+        topk_logprobs, old_topk_logprobs: ``[*mask.shape, K]``, for ``dppo_topk_tv`` and
+            ``dppo_topk_kl`` only, as in :func:`policy_loss`. They select tokens and get no
+            gradient, so the caller computes the trainer's (e.g. ``linear_logprobs`` at the
+            rollout's top-k ids under ``torch.no_grad()``, same head and temperature). Not
+            under ``torch.compile``.
 
     Returns:
         ``(loss, metrics)`` as :func:`policy_loss`.
@@ -175,7 +186,9 @@ def fused_policy_loss(
     """
     head = Head(hidden, weight, bias, temperature, softcap, logit_scale)
     tensors = dict(ref_logprobs=ref_logprobs, rollout_logprobs=rollout_logprobs,
-                   token_weights=token_weights, attention_entropy=attention_entropy)
+                   token_weights=token_weights, attention_entropy=attention_entropy,
+                   **check_topk_inputs(config, topk_logprobs=topk_logprobs,
+                                       old_topk_logprobs=old_topk_logprobs))
     loss_args = dict(num_items_in_batch=num_items_in_batch, global_batch_size=global_batch_size,
                      training_progress=training_progress, entropy_coef=entropy_coef)
     ref_args = (ref_hidden, ref_weight, ref_bias)
@@ -184,6 +197,9 @@ def fused_policy_loss(
                                  config, strategy, cu_seqlens, selection_entropy,
                                  memory_budget, tensors, loss_args, ref_args)
     if as_op(hidden):
+        if "topk_logprobs" in tensors:
+            raise ValueError("topk_logprobs: the DPPO top-k objectives are not supported under "
+                             "torch.compile or for meta/fake tensors")
         return op_call(head, targets, old_logprobs, advantages, mask, config, strategy,
                         cu_seqlens, selection_entropy, memory_budget, tensors, loss_args,
                         ref_args)

@@ -52,6 +52,7 @@ class BatchGlobals:
     attn_stats: tuple[float, float] | None = None
     attn_thresholds: tuple[float, float] | None = None
     is_weight_mean: float | None = None  # batch mean of the rollout IS weights (normalising)
+    num_prompts: float | None = None  # prompt-mean's groups in the whole batch
 
 
 def agg_counts(m, adv, seq_count: str, length_power_alpha: float) -> AggCounts:
@@ -90,6 +91,24 @@ def _cp_sequence_counts(m, adv):
     lengths, adv_sum, pos, neg = cp.all_reduce(local).unbind()
     seq_adv = (adv_sum / lengths.clamp(min=1)).to(adv.dtype)
     return lengths.long(), seq_adv, pos.sum().long(), neg.sum().long()
+
+
+def prompt_weights(m, group_size: int, num_prompts: float | None = None) -> torch.Tensor:
+    """``prompt-mean``'s per-token weights ``[B, T]``: ``1 / (P n_g)`` at every position of
+    the sequences of group ``g``, the groups ``group_size`` consecutive sequences (one
+    prompt's responses), ``n_g`` the valid tokens of ``m`` in the group (at least 1), ``P``
+    the batch's groups (``num_prompts``, from `BatchGlobals` for a part of whole groups;
+    default: ``m``'s). ``sum m l w`` is then the mean over groups of each group's token mean
+    (AReaL, SkyRL, miles ``prompt_mean``)."""
+    b = m.shape[0]
+    if b % group_size:
+        raise ValueError(f"prompt_group_size: the batch's {b} sequences are not whole groups "
+                         f"of {group_size}")
+    groups = b // group_size
+    per_group = m.reshape(max(groups, 1), -1).sum(-1).clamp(min=1).to(torch.float64)
+    p = groups if num_prompts is None else num_prompts
+    w = (1.0 / (max(p, 1) * per_group)).repeat_interleave(group_size)
+    return w[:b, None].expand(m.shape)
 
 
 def host_value(t):
@@ -156,6 +175,7 @@ def aggregate(
     max_response_length,
     num_items_in_batch=None,
     global_batch_size=None,
+    prompt_weight=None,
 ):
     """Scalar from per-token ``loss [B, T]`` over bool ``m [B, T]``.
 
@@ -164,6 +184,9 @@ def aggregate(
     over every rank and micro-batch; ``global_batch_size``: its sequences; both > 0, see
     `check_global_counts`) are exact already; the loss is multiplied by ``cfg.dp_size`` because
     data parallelism averages gradients.
+
+    ``prompt-mean`` weighs each token by ``prompt_weight [B, T]`` (`prompt_weights`: the
+    whole batch's prompt groups, so that a chunk of whole sequences gets its exact share).
     """
     masked = torch.where(m, loss, torch.zeros_like(loss))
     seq_sum = masked.sum(-1)
@@ -177,11 +200,17 @@ def aggregate(
         return seq_sum.sum() * dp
     if mode == "bnpo":
         return _div(seq_sum.sum(), counts.num_tokens) / ga
-    if mode.startswith("seq-mean"):
+    if mode == "prompt-mean":
+        if prompt_weight is None:
+            raise ValueError("prompt_group_size: prompt-mean needs the batch's prompt weights")
+        return torch.where(m, loss * prompt_weight, torch.zeros_like(loss)).sum() / ga
+    if mode.startswith("seq-mean") or mode == "constant":
         if mode == "seq-mean-token-mean":
             per_seq = seq_sum / lengths.clamp(min=1)
         elif mode == "seq-mean-token-sum":
             per_seq = seq_sum
+        elif mode == "constant":
+            per_seq = seq_sum / cfg.loss_agg_divisor
         else:
             per_seq = seq_sum / max_response_length
         if global_batch_size is not None:

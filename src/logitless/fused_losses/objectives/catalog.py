@@ -38,6 +38,10 @@ class ObjectiveInputs:
     eps_high: torch.Tensor
     entropy: torch.Tensor | None
     rollout_is_weight: torch.Tensor | None  # only for objectives that fold it in (vespo)
+    # ``[B, T, K]`` each: the trainer's logprobs at the rollout's top-k ids and the rollout's
+    # own (no gradient); only for objectives registered with ``needs_topk``
+    topk_logprobs: torch.Tensor | None = None
+    old_topk_logprobs: torch.Tensor | None = None
 
 
 @dataclass
@@ -73,6 +77,8 @@ class ObjectiveSpec:
     # Selects tokens from statistics of the whole batch's current logprobs: one call over the
     # whole batch (no chunks, no batch_globals).
     needs_whole_batch: bool = False
+    # Reads the rollout's top-k logprobs and the trainer's at the same ids (`ObjectiveInputs`).
+    needs_topk: bool = False
     verl_dual_clip: bool = False  # verl's matching loss applies clip_ratio_c as a dual clip
     # PolicyLossConfig field -> the key of verl's policy_loss config it is read from, where
     # that key depends on the objective.
@@ -97,6 +103,7 @@ def register_objective(
     folds_rollout_is=False,
     selects_in_ratio=False,
     needs_whole_batch=False,
+    needs_topk=False,
     verl_dual_clip=False,
     verl_keys=None,
     trl_fields=None,
@@ -119,6 +126,7 @@ def register_objective(
             folds_rollout_is=folds_rollout_is,
             selects_in_ratio=selects_in_ratio,
             needs_whole_batch=needs_whole_batch,
+            needs_topk=needs_topk,
             verl_dual_clip=verl_dual_clip,
             verl_keys=MappingProxyType(dict(verl_keys or {})),
             trl_fields=MappingProxyType(dict(trl_fields or {})),
@@ -269,30 +277,91 @@ def dro(x: ObjectiveInputs) -> ObjectiveOutput:
     return ObjectiveOutput(-(x.lp * x.adv - 0.5 * x.cfg.dro_beta * x.d.square()))
 
 
-def _dppo(x: ObjectiveInputs, valid: torch.Tensor) -> ObjectiveOutput:
+def _dppo(x: ObjectiveInputs, divergence: torch.Tensor) -> ObjectiveOutput:
+    """DPPO's loss ``-A sg(min(r, dppo_ratio_cap)) lp`` on the tokens inside the trust region:
+    a token is out when its ``divergence`` (detached) exceeds ``eps_high`` while the sampled
+    token's probability rose (A > 0), or ``eps_low`` while it fell (A <= 0)."""
+    valid = _inside_trust_region(x, divergence)
     r = torch.exp(x.d.detach())
-    valid = valid.detach()
     loss = -x.adv * torch.clamp(r, max=x.cfg.dppo_ratio_cap) * x.lp * valid.to(x.lp.dtype)
     return ObjectiveOutput(loss, ~valid & (x.adv <= 0), ~valid & (x.adv > 0))
 
 
+def _inside_trust_region(x: ObjectiveInputs, divergence: torch.Tensor) -> torch.Tensor:
+    """DPPO's trust region (bool ``[B, T]``): out where ``divergence`` exceeds ``eps_high``
+    and the sampled token's probability rose (A > 0), or ``eps_low`` and it fell (A <= 0)."""
+    p, p_old = torch.exp(x.lp.detach()), torch.exp(x.old_lp)
+    divergence = divergence.detach()
+    return torch.where(x.adv > 0, (divergence <= x.eps_high) | (p <= p_old),
+                       (divergence <= x.eps_low) | (p >= p_old))
+
+
+def tv_trust_region(lp, old_lp) -> torch.Tensor:
+    """DPPO-Binary-TV's divergence: ``|p - p_old|`` of the sampled token."""
+    return (torch.exp(lp) - torch.exp(old_lp)).abs()
+
+
+def binary_kl_trust_region(lp, old_lp) -> torch.Tensor:
+    """DPPO-Binary-KL's divergence: the KL of the Bernoulli(sampled token or not) of the old
+    policy to the current one, ``p_old log(p_old / p) + (1 - p_old) log((1 - p_old) / (1 - p))``,
+    the second log guarded by 1e-8 as verl's (TRL clamps both probabilities at ``1 - 1e-7``)."""
+    p, p_old = torch.exp(lp), torch.exp(old_lp)
+    return p_old * (old_lp - lp) + (1 - p_old) * torch.log((1.0 - p_old + 1e-8) / (1.0 - p + 1e-8))
+
+
+def topk_trust_region(topk_lp, old_topk_lp, kind: str) -> torch.Tensor:
+    """DPPO top-k's divergence over the rollout's top-k ids plus one bucket for the rest of
+    the vocabulary (``1 - sum_k p_k``, at least 1e-12), as TRL's experimental DPPO trainer:
+    ``kind="tv"``: half the L1 distance of the two ``K + 1``-bucket distributions;
+    ``kind="kl"``: ``KL(old || current)`` over them. ``[..., K]`` in, ``[...]`` out."""
+    p, p_old = torch.exp(topk_lp), torch.exp(old_topk_lp)
+    rest = (1.0 - p.sum(-1)).clamp(min=1e-12)
+    rest_old = (1.0 - p_old.sum(-1)).clamp(min=1e-12)
+    if kind == "tv":
+        return ((p - p_old).abs().sum(-1) + (rest - rest_old).abs()) / 2
+    return (p_old * (old_topk_lp - topk_lp)).sum(-1) + rest_old * (rest_old.log() - rest.log())
+
+
 @register_objective("dppo_tv", ratio_levels=("token",))
 def dppo_tv(x: ObjectiveInputs) -> ObjectiveOutput:
-    """verl DPPO-Binary-TV: tokens whose probability moved by more than eps (TV) get no loss."""
-    change = torch.exp(x.lp.detach()) - torch.exp(x.old_lp)
-    return _dppo(x, torch.where(x.adv > 0, change <= x.eps_high, change >= -x.eps_low))
+    """DPPO-Binary-TV (verl ``dppo_tv``, TRL ``binary_tv``): the trust region bounds how far
+    the sampled token's probability moved."""
+    return _dppo(x, tv_trust_region(x.lp.detach(), x.old_lp))
 
 
 @register_objective("dppo_kl", ratio_levels=("token",))
 def dppo_kl(x: ObjectiveInputs) -> ObjectiveOutput:
-    """verl DPPO-Binary-KL: the trust region is the binary KL of the sampled token's probability."""
-    p, p_old = torch.exp(x.lp.detach()), torch.exp(x.old_lp)
-    bkl = p_old * (x.old_lp - x.lp.detach()) + (1 - p_old) * torch.log(
-        (1.0 - p_old + 1e-8) / (1.0 - p + 1e-8)
-    )
-    valid_pos = (bkl <= x.eps_high) | (p <= p_old)
-    valid_neg = (bkl <= x.eps_low) | (p >= p_old)
-    return _dppo(x, torch.where(x.adv > 0, valid_pos, valid_neg))
+    """DPPO-Binary-KL (verl ``dppo_kl``, TRL ``binary_kl``): the trust region is the binary KL
+    of the sampled token's probability."""
+    return _dppo(x, binary_kl_trust_region(x.lp.detach(), x.old_lp))
+
+
+@register_objective("prime_rl", ratio_levels=("token",))
+def prime_rl(x: ObjectiveInputs) -> ObjectiveOutput:
+    """prime-rl's default loss: ``-A r`` (the ratio with its gradient, uncapped) on the tokens
+    inside DPPO-Binary-TV's trust region, plus ``sq_log_ratio_coef d^2`` (Kimi K2.5's
+    squared log-ratio) on every token."""
+    valid = _inside_trust_region(x, tv_trust_region(x.lp.detach(), x.old_lp))
+    pg = -x.adv * torch.exp(x.d) * valid.to(x.lp.dtype)
+    loss = pg + x.cfg.sq_log_ratio_coef * x.d.square()
+    return ObjectiveOutput(loss, ~valid & (x.adv < 0), ~valid & (x.adv > 0))
+
+
+def _dppo_topk(kind):
+    def objective(x: ObjectiveInputs) -> ObjectiveOutput:
+        if x.topk_logprobs is None or x.old_topk_logprobs is None:
+            raise ValueError(f"topk_logprobs: {x.cfg.objective} needs topk_logprobs and "
+                             "old_topk_logprobs")
+        return _dppo(x, topk_trust_region(x.topk_logprobs.detach(), x.old_topk_logprobs, kind))
+
+    objective.__doc__ = (f"DPPO-TopK-{kind.upper()} (TRL ``topk_{kind}``): the trust region on "
+                         "the rollout's top-k distribution (`topk_trust_region`).")
+    return objective
+
+
+for _kind in ("tv", "kl"):
+    register_objective(f"dppo_topk_{_kind}", ratio_levels=("token",), needs_topk=True)(
+        _dppo_topk(_kind))
 
 
 def _covariance(x: ObjectiveInputs) -> torch.Tensor:

@@ -25,7 +25,11 @@ LOSS_AGGS = (
     "bnpo",
     "balanced",
     "length-power",
+    "prompt-mean",
+    "constant",
 )
+# Aggregations that need a config field: the field, and what it is.
+_AGG_FIELDS = {"prompt-mean": "prompt_group_size", "constant": "loss_agg_divisor"}
 # verl's names are accepted as aliases of the k-names.
 KL_ESTIMATORS = (
     "k1",
@@ -65,7 +69,7 @@ INF_ALLOWED = frozenset({
 
 
 # Sizes and counts: integers >= 1 (max_response_length may also be None).
-POSITIVE_INT_FIELDS = ("max_response_length", "dp_size", "grad_accum_steps")
+POSITIVE_INT_FIELDS = ("max_response_length", "dp_size", "grad_accum_steps", "prompt_group_size")
 
 
 class ConfigError(ValueError):
@@ -221,6 +225,7 @@ class PolicyLossConfig:
             ``loss_type="cispo"``, any value, below 1 included); ``None``: ``1 + eps_high``.
         sapo_tau_pos, sapo_tau_neg; vespo_k_pos, vespo_lambda_pos, vespo_k_neg,
             vespo_lambda_neg; dro_beta; dppo_ratio_cap (verl ``clip_ratio_c`` of DPPO);
+            sq_log_ratio_coef (``prime_rl``'s squared log-ratio term, prime-rl ``kl_tau``);
             cov_fraction, clip_cov_lb, clip_cov_ub, kl_cov_coef, cov_seed (``clip_cov``,
             ``kl_cov``; ``cov_seed=None`` draws from torch's global generator like verl);
             dhpo_mix (float in [0, 1] or ``"entropy"``), seq_eps_low, seq_eps_high (DHPO's
@@ -255,7 +260,9 @@ class PolicyLossConfig:
         loss_agg, max_response_length (``L_max`` of seq-mean-token-sum-norm; default: the padded
         width), length_power_alpha, dp_size and grad_accum_steps (positive integers),
         seq_count (``all``: every sequence counts in seq-mean denominators, as TRL;
-        ``nonempty``: as verl).
+        ``nonempty``: as verl); prompt_group_size (``prompt-mean``: the batch is groups of
+        this many consecutive sequences, one prompt's responses); loss_agg_divisor
+        (``constant``: the fixed divisor of each sequence's token sum, > 0).
     """
 
     objective: str = "grpo"
@@ -282,6 +289,7 @@ class PolicyLossConfig:
     vespo_lambda_neg: float = 2.0
     dro_beta: float = 1.0
     dppo_ratio_cap: float = 20.0
+    sq_log_ratio_coef: float = 1e-3
     cov_fraction: float = 2e-4
     clip_cov_lb: float = 1.0
     clip_cov_ub: float = 5.0
@@ -325,6 +333,8 @@ class PolicyLossConfig:
     dp_size: int = 1
     grad_accum_steps: int = 1
     seq_count: str = "all"
+    prompt_group_size: int | None = None
+    loss_agg_divisor: float | None = None
 
     rollout_rs_parsed: tuple = field(init=False, repr=False, compare=False, default=())
 
@@ -416,6 +426,7 @@ class PolicyLossConfig:
             "length_power_alpha",
             "log_ratio_clamp",
             "delight_eta",
+            "sq_log_ratio_coef",
         ):
             _check_nonneg(name, getattr(self, name))
         if not 0.0 <= self.top_entropy_quantile <= 1.0:
@@ -461,10 +472,15 @@ class PolicyLossConfig:
             _fail("stapo_prob_threshold", f"must be in (0, 1], got {self.stapo_prob_threshold}")
 
     def _check_aggregation(self):
-        """Aggregation sizes."""
+        """Aggregation sizes, and the fields ``prompt-mean`` and ``constant`` need."""
         for name in POSITIVE_INT_FIELDS:
             if getattr(self, name) is not None:
                 _check_positive_int(name, getattr(self, name))
+        if self.loss_agg_divisor is not None and not self.loss_agg_divisor > 0:
+            _fail("loss_agg_divisor", f"must be > 0, got {self.loss_agg_divisor}")
+        for mode in {self.loss_agg, self.entropy_agg} & set(_AGG_FIELDS):
+            if getattr(self, _AGG_FIELDS[mode]) is None:
+                _fail(_AGG_FIELDS[mode], f"loss_agg / entropy_agg {mode!r} needs it")
 
     def _check_cispo_cap(self):
         if self.cispo_cap is None:

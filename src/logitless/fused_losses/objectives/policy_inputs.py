@@ -12,7 +12,10 @@ from logitless.fused_losses.oplib import is_compiling
 from logitless.kernels.segments_torch import PackedIndex, packed_index
 
 _POLICY_TENSORS = ("logprobs", "old_logprobs", "ref_logprobs", "rollout_logprobs", "entropy",
-                   "token_weights", "attention_entropy", "kl")
+                   "token_weights", "attention_entropy", "kl", "topk_logprobs",
+                   "old_topk_logprobs")
+# Per-token tensors with a trailing ``K`` axis: ``[*mask.shape, K]`` (DPPO top-k).
+_TOPK_TENSORS = ("topk_logprobs", "old_topk_logprobs")
 _KNOBS = ("beta", "eps_low", "eps_high")  # config fields that may be per-token tensors
 
 
@@ -115,10 +118,11 @@ def _check_shapes(mask, advantages, cu_seqlens, validate, tensors, max_seqlen=No
         if validate:
             _check_cu_seqlens(cu_seqlens, shape[0])
         num_seqs = cu_seqlens.numel() - 1
+    _check_topk_shapes(shape, tensors)
     for name, t in tensors.items():
         if t is None:
             continue
-        if t.shape != shape:
+        if name not in _TOPK_TENSORS and t.shape != shape:
             raise ValueError(
                 f"{name}: expected shape {tuple(shape)} like mask, got {tuple(t.shape)}"
             )
@@ -128,6 +132,22 @@ def _check_shapes(mask, advantages, cu_seqlens, validate, tensors, max_seqlen=No
         raise ValueError("advantages: contains NaN")
     _check_max_seqlen(max_seqlen, cu_seqlens, validate)
     return _advantages_per_sequence(advantages.shape, shape, num_seqs)
+
+
+def _check_topk_shapes(shape, tensors) -> None:
+    """The top-k tensors, when given, are ``[*mask.shape, K]`` with one ``K >= 1``."""
+    ks = set()
+    for name in _TOPK_TENSORS:
+        t = tensors.get(name)
+        if t is None:
+            continue
+        if t.dim() != len(shape) + 1 or t.shape[:-1] != shape or t.shape[-1] < 1:
+            raise ValueError(f"{name}: expected shape {(*tuple(shape), 'K')} (mask's shape and "
+                             f"K >= 1 top-k entries), got {tuple(t.shape)}")
+        ks.add(t.shape[-1])
+    if len(ks) > 1:
+        raise ValueError(f"old_topk_logprobs: expected the K of topk_logprobs, got K in "
+                         f"{sorted(ks)}")
 
 
 def _advantages_per_sequence(adv_shape, mask_shape, num_seqs) -> bool:

@@ -15,6 +15,7 @@ and so do their gradients. Exceptions: ``clip_cov`` and ``kl_cov`` select tokens
 statistics of the current logprobs (verl's definition) and need the whole batch in one call.
 """
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +27,7 @@ from logitless.fused_losses.objectives.aggregation import (
     aggregate,
     check_global_counts,
     host_value,
+    prompt_weights,
 )
 from logitless.fused_losses.objectives.catalog import (
     ObjectiveInputs,
@@ -86,11 +88,16 @@ class _Masks:
     kept: torch.Tensor
     entropy: torch.Tensor
     select: torch.Tensor
+    # prompt-mean's per-token weights over ``kept`` and over ``entropy`` (`prompt_weights`),
+    # None unless the loss / entropy aggregation is prompt-mean
+    loss_weight: torch.Tensor | None = None
+    entropy_weight: torch.Tensor | None = None
 
     def rows(self, s0: int, s1: int, width: int) -> "_Masks":
         """Sequences ``s0:s1``, positions ``:width`` (as `_Batch.rows`)."""
-        return _Masks(*(t[s0:s1, :width] for t in (self.given, self.kept, self.entropy,
-                                                     self.select)))
+        return _Masks(*(None if t is None else t[s0:s1, :width]
+                        for t in (self.given, self.kept, self.entropy, self.select,
+                                  self.loss_weight, self.entropy_weight)))
 
 
 def _selection_masks(batch, cfg, kept, entropy_threshold, adv_entropy_threshold) -> _Masks:
@@ -155,6 +162,7 @@ def _globals(batch: _Batch, cfg: PolicyLossConfig, kept) -> tuple[BatchGlobals, 
         thr = top_fraction_threshold(batch.adv.abs() * entropy, kept, cfg.adv_entropy_top_fraction)
         adv_entropy_threshold = host_value(thr)
     masks = _selection_masks(batch, cfg, kept, entropy_threshold, adv_entropy_threshold)
+    masks = _with_prompt_weights(masks, cfg, batch.adv.dtype)
     attn_stats = attn_thresholds = None
     if cfg.attn_entropy_weighting is not None:
         attn_stats, attn_thresholds = _attention_globals(batch, cfg, kept)
@@ -173,8 +181,25 @@ def _globals(batch: _Batch, cfg: PolicyLossConfig, kept) -> tuple[BatchGlobals, 
         attn_stats=attn_stats,
         attn_thresholds=attn_thresholds,
         is_weight_mean=is_weight_mean,
+        num_prompts=float(batch.m.shape[0] // cfg.prompt_group_size)
+        if cfg.prompt_group_size else None,
     )
     return glob, masks
+
+
+def _with_prompt_weights(masks: _Masks, cfg: PolicyLossConfig, dtype,
+                         num_prompts=None) -> _Masks:
+    """The masks with prompt-mean's weights, where an aggregation is prompt-mean: over the
+    call's groups, ``num_prompts`` of them in the whole batch (`BatchGlobals`; None: this
+    batch is the whole batch)."""
+    def weights(mode, m):
+        if mode != "prompt-mean":
+            return None
+        return prompt_weights(m, cfg.prompt_group_size, num_prompts).to(dtype)
+
+    return dataclasses.replace(
+        masks, loss_weight=weights(cfg.loss_agg, masks.kept),
+        entropy_weight=weights(cfg.entropy_agg or cfg.loss_agg, masks.entropy))
 
 
 def _globals_and_masks(batch: _Batch, cfg: PolicyLossConfig) -> tuple[BatchGlobals, _Masks]:
@@ -260,6 +285,8 @@ def policy_loss(
     compute_metrics: bool = True,
     kl=None,
     cp_group=None,
+    topk_logprobs=None,
+    old_topk_logprobs=None,
 ):
     """Policy loss and metrics from per-token logprobs.
 
@@ -306,6 +333,11 @@ def policy_loss(
             the whole sequences' loss on every rank and each rank's gradient with respect to
             its tokens is the whole loss's; the metrics are the rank's own tokens'. Options
             that cannot be made exact cheaply raise ``ValueError`` (`check_cp_config`).
+        topk_logprobs, old_topk_logprobs: ``[*logprobs.shape, K]``, for the DPPO top-k
+            objectives only (``dppo_topk_tv``, ``dppo_topk_kl``): the trainer's logprobs at
+            the rollout's top-k token ids and the rollout's own logprobs there (tempered like
+            ``logprobs``). Both are read without gradient (they only select tokens); the
+            caller computes the first, e.g. with ``linear_logprobs`` at the given ids.
 
     Returns:
         ``(loss, metrics)``: a scalar (dtype of the logprobs, at least fp32) and a dict of
@@ -328,7 +360,8 @@ def policy_loss(
         mask, advantages, cu_seqlens, _dtype(logprobs), validate, cfg, max_seqlen,
         logprobs=logprobs, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
         rollout_logprobs=rollout_logprobs, entropy=entropy, token_weights=token_weights,
-        attention_entropy=attention_entropy, kl=kl,
+        attention_entropy=attention_entropy, kl=kl, **check_topk_inputs(
+            cfg, topk_logprobs=topk_logprobs, old_topk_logprobs=old_topk_logprobs),
     )
     with cp.cp_context(cp_group):
         loss, metrics = _loss_of_batch(
@@ -348,6 +381,8 @@ _CP_REFUSED = (
      "a |A| H quantile over the batch (a sort of every rank's tokens)"),
     ("attn_entropy_weighting", lambda c: c.attn_entropy_weighting is not None,
      "batch quantiles and per-sequence softmaxes of attention entropies"),
+    ("loss_agg", lambda c: "prompt-mean" in (c.loss_agg, c.entropy_agg),
+     "prompt-mean: token counts of prompt groups over every rank"),
 )
 
 
@@ -386,6 +421,24 @@ def cp_loss_value(share: torch.Tensor) -> torch.Tensor:
     return share + (total - share.detach())
 
 
+def check_topk_inputs(cfg: PolicyLossConfig, **topk) -> dict:
+    """The top-k tensors (``topk_logprobs``, ``old_topk_logprobs``) are given exactly when the
+    objective reads them (``needs_topk``): ``ValueError`` naming them otherwise. Returns them,
+    only when given (the batch carries no entry for them otherwise)."""
+    given = [name for name, t in topk.items() if t is not None]
+    if not isinstance(cfg, PolicyLossConfig):  # refused by the caller's own check
+        return {name: topk[name] for name in given}
+    if get_objective(cfg.objective).needs_topk:
+        if len(given) != len(topk):
+            raise ValueError(f"topk_logprobs: {cfg.objective} needs topk_logprobs and "
+                             "old_topk_logprobs (the trainer's and the rollout's logprobs at the "
+                             "rollout's top-k ids)")
+    elif given:
+        raise ValueError(f"{given[0]}: given, but {cfg.objective} does not read the top-k "
+                         "logprobs (dppo_topk_tv and dppo_topk_kl do)")
+    return {name: topk[name] for name in given}
+
+
 def _loss_of_batch(batch: _Batch, cfg, batch_globals, *, validate=True, num_items_in_batch=None,
                    global_batch_size=None, **kw):
     """`policy_loss` of a batch on the grid: its `BatchGlobals` when not given (the kept mask
@@ -410,7 +463,9 @@ def _loss_of_batch(batch: _Batch, cfg, batch_globals, *, validate=True, num_item
 def _call_masks(batch, cfg, glob: BatchGlobals, kept=None) -> _Masks:
     """The masks of a call given the batch's `BatchGlobals` (their thresholds)."""
     kept = _kept_mask(batch, cfg) if kept is None else kept
-    return _selection_masks(batch, cfg, kept, glob.entropy_threshold, glob.adv_entropy_threshold)
+    masks = _selection_masks(batch, cfg, kept, glob.entropy_threshold,
+                             glob.adv_entropy_threshold)
+    return _with_prompt_weights(masks, cfg, batch.adv.dtype, glob.num_prompts)
 
 
 def _policy_loss(batch: _Batch, cfg: PolicyLossConfig, glob: BatchGlobals, *,
@@ -534,6 +589,7 @@ def _policy_term(batch, cfg, spec, adv, masks: _Masks, factor, is_weight) -> _Po
         ObjectiveInputs(
             lp, old_lp, d, adv, m, ratio, cfg, eps_low, eps_high, batch["entropy"],
             is_weight if spec.folds_rollout_is else None,
+            batch["topk_logprobs"], batch["old_topk_logprobs"],
         )
     )
     pg = out.loss * factor
@@ -566,7 +622,8 @@ def _kl(batch: _Batch, cfg: PolicyLossConfig, ratio) -> torch.Tensor | None:
 def _aggregate(per_token, batch, cfg, glob, masks: _Masks, entropy_coef, counts):
     """The aggregated loss minus the aggregated entropy bonus."""
     agg_args = dict(max_response_length=glob.max_response_length, **counts)
-    loss = aggregate(per_token, masks.kept, batch.adv, cfg.loss_agg, glob.loss, cfg, **agg_args)
+    loss = aggregate(per_token, masks.kept, batch.adv, cfg.loss_agg, glob.loss, cfg,
+                     prompt_weight=masks.loss_weight, **agg_args)
     coef = cfg.entropy_coef if entropy_coef is None else entropy_coef
     if coef:
         ent = batch["entropy"]
@@ -574,7 +631,8 @@ def _aggregate(per_token, batch, cfg, glob, masks: _Masks, entropy_coef, counts)
             raise ValueError("entropy: entropy_coef != 0 needs entropy")
         mode = cfg.entropy_agg or cfg.loss_agg
         loss = loss - coef * aggregate(
-            ent, masks.entropy, batch.adv, mode, glob.entropy, cfg, **agg_args
+            ent, masks.entropy, batch.adv, mode, glob.entropy, cfg,
+            prompt_weight=masks.entropy_weight, **agg_args
         )
     return loss
 
