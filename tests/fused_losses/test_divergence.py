@@ -17,7 +17,6 @@ from logitless import reference
 from testing import assert_close_to_oracle, divergence_heads, requires_triton
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
-gkd = pytest.importorskip("trl.experimental.gkd.gkd_trainer")
 
 N, D, D_T, V = 37, 96, 64, 1007
 TILE = 96 * 1024  # bytes: tiles of 24 x 256, so 2 row blocks x 4 vocab tiles at these sizes
@@ -38,7 +37,9 @@ def leaf(t):
 
 
 def trl_jsd(x, beta, temperature, mask=None):
-    """TRL's generalized_jsd_loss on the materialised logits of ``x``, per token."""
+    """TRL's generalized_jsd_loss on the materialised logits of ``x``, per token (the tests
+    that call it skip where TRL is not installed, e.g. verl's environment; the others run)."""
+    gkd = pytest.importorskip("trl.experimental.gkd.gkd_trainer")
     s = reference.linear_logits(x["hidden"], x["weight"], x["bias"])
     t = reference.linear_logits(x["teacher_hidden"], x["teacher_weight"], x["teacher_bias"])
     per_token = gkd.GKDTrainer.generalized_jsd_loss(s, t, beta=beta, temperature=temperature,

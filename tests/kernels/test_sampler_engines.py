@@ -20,8 +20,6 @@ import types
 
 import pytest
 import torch
-from transformers import GenerationConfig
-from transformers.generation.utils import GenerationMixin
 
 import logitless
 from logitless.kernels import sampler_torch
@@ -109,7 +107,10 @@ def sglang_kept(z, top_k, top_p, min_p):
 def transformers_scores(scores, top_k, top_p, min_p):
     """transformers' processed scores of each row (``-inf`` outside the kept set), from the
     processor list ``GenerationMixin._get_logits_processor`` builds for ``do_sample=True``
-    (no model: the list builder only merges with the caller's processors)."""
+    (no model: the list builder only merges with the caller's processors). The tests that
+    call it skip where transformers is not installed; the SGLang ones run."""
+    generation = pytest.importorskip("transformers.generation.utils")
+    GenerationConfig, GenerationMixin = generation.GenerationConfig, generation.GenerationMixin
     me = types.SimpleNamespace(_merge_criteria_processor_list=lambda procs, extra: procs)
     out = []
     for r in range(scores.shape[0]):
