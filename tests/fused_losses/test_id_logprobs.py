@@ -122,12 +122,19 @@ def test_gradcheck_tiny():
     torch.autograd.gradcheck(fn, _leaves(hidden, weight, bias))
 
 
+def _rounded_logits(hidden, weight, bias, dtype):
+    """The plain path's logits of 16-bit inputs: ``h . W + b`` of the inputs in ``dtype``,
+    exact in fp64, rounded once to ``dtype`` (the GEMM's output), as fp64."""
+    low = [x.to(dtype).double() for x in (hidden, weight, bias)]
+    return reference.linear_logits(*low).to(dtype).double()
+
+
 @pytest.mark.parametrize("per_token", [False, True], ids=["number", "fp32-tensor"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_16_bit_inputs_take_the_temperature_as_given(dtype, per_token):
-    """The gathered logits are fp32 at the temperature as given (0.7 is no bf16 number):
-    ``id_logprobs + lse`` equals the fp64 tempered logits of the same rounded inputs to fp32
-    rounding (the lse pass is the plain path's, whose own accuracy its tests cover)."""
+    """The gathered logits are the plain path's (``h . W + b`` rounded to the 16-bit dtype,
+    as its GEMM rounds them), then divided in fp32 by the temperature as given (0.7 is no
+    bf16 number): ``id_logprobs + lse`` equals those logits to fp32 rounding."""
     hidden, weight, bias, targets, ids = _inputs(6)
     low = [x.to(dtype) for x in (hidden, weight, bias)]
     temperature = 0.7
@@ -136,29 +143,64 @@ def test_16_bit_inputs_take_the_temperature_as_given(dtype, per_token):
     out = logitless.linear_logprobs(low[0], low[1], targets, bias=low[2], ids=ids,
                                     temperature=temperature, stats=("lse",))
     t = temperature.double().unsqueeze(-1) if per_token else temperature
-    z = (reference.linear_logits(*(x.double() for x in low)) / t).gather(-1, ids.clamp_min(0))
+    z = (_rounded_logits(*low, dtype) / t).gather(-1, ids.clamp_min(0))
     live = _live(targets, ids)
     got = (out.id_logprobs + out.lse.unsqueeze(-1)).double()
     torch.testing.assert_close(got[live], z[live], rtol=1e-5, atol=1e-5)
 
 
 def test_autocast_gives_fp32_gathered_logits():
-    """Under ``torch.autocast`` the head runs in bf16 (hidden rounded to it) and the gathered
-    logits stay fp32, the gradients in each leaf's dtype."""
+    """Under ``torch.autocast`` the head runs in bf16 (hidden, weight and bias cast to it,
+    the logits rounded to it as the plain path's GEMM does), the gathered logits fp32 from
+    there, the gradients in each leaf's dtype."""
     hidden, weight, bias, targets, ids = _inputs(7)
     leaves = _leaves(hidden.float(), weight.float(), bias.float())
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = logitless.linear_logprobs(leaves[0], leaves[1], targets, bias=leaves[2], ids=ids,
                                         temperature=0.7, stats=("lse",))
     assert out.id_logprobs.dtype == torch.float32
-    z = (reference.linear_logits(leaves[0].detach().bfloat16().double(),
-                                 weight.float().double(), bias.float().double()) / 0.7)
+    z = _rounded_logits(*(x.detach() for x in leaves), torch.bfloat16) / 0.7
     live = _live(targets, ids)
     got = (out.id_logprobs + out.lse.unsqueeze(-1)).double()
     torch.testing.assert_close(got[live], z.gather(-1, ids.clamp_min(0))[live], rtol=1e-5,
                                atol=1e-5)
     grads = torch.autograd.grad(_loss(out.id_logprobs, live, 8), leaves)
     assert all(g.dtype == torch.float32 and bool(torch.isfinite(g).all()) for g in grads)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("mode", ["bfloat16", "float16", "autocast"])
+def test_16_bit_id_logprobs_are_normalised_by_the_plain_lse(backend, mode, monkeypatch):
+    """For 16-bit inputs (and under autocast, fp32 weights) the plain path's ``lse`` is that
+    of logits rounded to 16 bits, so the gathered logits must be the same ones: at every id
+    of the vocabulary the probabilities sum to 1, the id of the target reads the plain
+    ``logprobs``, and no logprob is above 0. Fp32 logits against that lse read sums off by
+    up to 2e-2 here (1.06 and top-1 logprobs of +0.06 for logits near 30, bf16 steps of
+    0.125)."""
+    monkeypatch.setenv("LOGITLESS_BACKEND", backend)
+    n, d, v = 13, 64, 257
+    g = torch.Generator().manual_seed(21)
+    # Multiples of 1/4 and 1/128, exact in 16 bits, whose fp32 dot products are exact in any
+    # order: the GEMM's one rounding to 16 bits is then the same whatever its kernel. Logits
+    # up to about 7, most of them not bf16 numbers.
+    hidden = torch.randint(-12, 13, (n, d), generator=g).float() / 4
+    weight = torch.randint(-32, 33, (v, d), generator=g).float() / 128
+    bias = torch.randint(-64, 65, (v,), generator=g).float() / 128
+    ids = torch.arange(v).expand(n, v).contiguous()
+    targets = reference.linear_logits(hidden.double(), weight.double(), bias.double()).argmax(-1)
+    if mode == "autocast":
+        ctx, leaves = torch.autocast("cpu", dtype=torch.bfloat16), (hidden, weight, bias)
+    else:
+        dtype = getattr(torch, mode)
+        ctx = torch.autocast("cpu", enabled=False)
+        leaves = (hidden.to(dtype), weight, bias.to(dtype))  # an fp32 weight is cast
+    with ctx:
+        out = logitless.linear_logprobs(leaves[0], leaves[1], targets, bias=leaves[2], ids=ids)
+    total = out.id_logprobs.double().exp().sum(-1)
+    torch.testing.assert_close(total, torch.ones_like(total), rtol=0, atol=1e-5)
+    torch.testing.assert_close(out.id_logprobs.gather(-1, targets[:, None])[:, 0],
+                               out.logprobs, rtol=0, atol=1e-5)
+    assert float(out.id_logprobs.max()) <= 0.0
 
 
 def test_gather_weight_is_entered_by_the_backward():

@@ -486,7 +486,13 @@ def test_loss_config_keeps_grpo_config_kl(tmp_path, model_dir, tokenizer):
     (PolicyLossConfig(beta=0.1), {}, r"GRPOConfig\.beta"),
     (PolicyLossConfig(attn_entropy_weighting="tanh"), dict(attention_entropy_layers=[2]),
      r"layers must be distinct indices in \[0, 2\)"),
-], ids=["kl-without-reference", "attention-layer-out-of-range"])
+    # TRL shuffles the generation batch: a micro-batch's neighbours are not one prompt's
+    (PolicyLossConfig(loss_agg="prompt-mean", prompt_group_size=4), {},
+     r"loss_config\.loss_agg: prompt-mean groups .* TRL shuffles"),
+    (PolicyLossConfig(entropy_coef=0.01, entropy_agg="prompt-mean", prompt_group_size=4), {},
+     r"loss_config\.entropy_agg: prompt-mean groups .* TRL shuffles"),
+], ids=["kl-without-reference", "attention-layer-out-of-range", "prompt-mean",
+        "entropy-prompt-mean"])
 def test_bad_configuration_fails_at_construction(config, kwargs, message, tmp_path, model_dir,
                                                  tokenizer):
     with pytest.raises(ValueError, match=message):

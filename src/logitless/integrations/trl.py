@@ -295,6 +295,14 @@ class GRPOTrainer(trl.GRPOTrainer):
                 "loss_config: a KL term (beta or future_kl_coef) needs the reference logprobs, "
                 "which TRL computes only with GRPOConfig.beta != 0; set GRPOConfig.beta too"
             )
+        for field in ("loss_agg", "entropy_agg"):
+            if getattr(cfg, field) == "prompt-mean":
+                raise ValueError(
+                    f"loss_config.{field}: prompt-mean groups prompt_group_size consecutive "
+                    "sequences, but TRL shuffles each generation batch before splitting it "
+                    "into micro-batches (and splits a prompt's completions over processes), so "
+                    "a micro-batch's consecutive sequences are not one prompt's; choose "
+                    "another aggregation")
         self.loss_config = cfg
         self._configs: dict[tuple[int, int], PolicyLossConfig] = {}
         self._entropy_control = None

@@ -80,20 +80,26 @@ def _rows_per_chunk(k: int, d: int, itemsize: int, budget: int) -> int:
     return max(1, budget // max(1, k * d * itemsize * 3))
 
 
-def _kept_logits(h, weight, bias, ids, temp, softcap, scale):
+def _kept_logits(h, weight, bias, ids, temp, softcap, scale, low=None):
     """``(z, raw, valid, w)`` for one chunk: the transformed logits of the kept ids ``[n, K]``
     (-inf at padding), the pre-transform logits, the padding mask and the gathered rows, in
     the accumulation dtype, ``h`` (``[n, D]``, the rows in the compute dtype) and ``temp``
-    (``[n]``)'s."""
+    (``[n]``)'s. ``low``: a 16-bit compute dtype whose GEMM the logits copy (the weight and
+    bias rows cast to it, the pre-transform logits rounded to it, as the plain path's tiles
+    are), for logits that meet the plain path's ``lse``; None: fp32 from the rows as given."""
     valid = ids >= 0
     safe = ids.clamp_min(0)
     # The gathered rows in the accumulation dtype: K rows per token are a matrix-vector product
-    # bound by the gather, so fp32 costs nothing and no logit is rounded to bf16.
+    # bound by the gather, so fp32 costs nothing and no logit is rounded to bf16 (unless
+    # ``low`` asks for the plain path's rounding).
     acc = h.dtype
-    w = weight.index_select(0, safe.reshape(-1)).view(*safe.shape, -1).to(acc)  # [n, K, D]
+    cast = (lambda x: x.to(acc)) if low is None else (lambda x: x.to(low).to(acc))
+    w = cast(weight.index_select(0, safe.reshape(-1)).view(*safe.shape, -1))  # [n, K, D]
     raw = torch.bmm(w, h.unsqueeze(-1)).squeeze(-1)
     if bias is not None:
-        raw = raw + bias.index_select(0, safe.reshape(-1)).view(safe.shape).to(acc)
+        raw = raw + cast(bias.index_select(0, safe.reshape(-1)).view(safe.shape))
+    if low is not None:
+        raw = raw.to(low).to(acc)
     z = raw if softcap is None else softcap * torch.tanh(raw / softcap)
     z = z * (scale / temp.unsqueeze(-1))
     return z.masked_fill(~valid, float("-inf")), raw, valid, w
@@ -186,11 +192,12 @@ def _kept_grads(hidden, weight, bias, ids, temp, lp, ent, lse_k, hit, grads, nee
 
 
 def _gathered_grads(hidden, weight, bias, ids, temp, dz_of, needs, dtype, softcap, scale, step,
-                    acc):
+                    acc, low=None):
     """``(d_hidden, d_weight, d_bias)`` from the gradients with respect to the transformed
     logits of gathered ids, ``dz_of(s, e, z, valid) -> [e - s, K]`` for each chunk of rows
     ``s:e`` (given its logits ``z`` and padding mask), regathering the rows chunk by chunk;
-    each in its input's dtype, None where ``needs`` says it is not wanted."""
+    each in its input's dtype, None where ``needs`` says it is not wanted. ``low``: as
+    `_kept_logits`' (the logits the forward gathered)."""
     need_h, need_w, need_b = needs
     d_h = torch.zeros(hidden.shape, dtype=acc, device=hidden.device) if need_h else None
     d_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
@@ -199,7 +206,8 @@ def _gathered_grads(hidden, weight, bias, ids, temp, dz_of, needs, dtype, softca
     for s in range(0, ids.shape[0], step):
         e = min(ids.shape[0], s + step)
         h = hidden[s:e].to(dtype).to(acc)
-        z, raw, valid, w = _kept_logits(h, weight, bias, ids[s:e], temp[s:e], softcap, scale)
+        z, raw, valid, w = _kept_logits(h, weight, bias, ids[s:e], temp[s:e], softcap, scale,
+                                        low)
         dz = dz_of(s, e, z, valid)
         dz = dz.masked_fill(~valid, 0.0) * (scale / temp[s:e, None])
         if softcap is not None:
@@ -253,10 +261,12 @@ def kept_logprobs(hidden, weight, targets, kept_ids, *, bias, temperature, softc
 class _IdLogits(torch.autograd.Function):
     """Rows ``[n, D]`` with ids ``[n, K]`` (-1: padding) -> their transformed logits ``[n, K]``
     in the accumulation dtype (-inf at padding), from a gather of their weight rows by chunk;
-    the backward regathers (`_gathered_grads`), inside ``gather`` when given."""
+    the backward regathers (`_gathered_grads`), inside ``gather`` when given. ``low``: as
+    `_kept_logits`'."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, ids, temp, dtype, softcap, scale, budget, gather):
+    def forward(ctx, hidden, weight, bias, ids, temp, dtype, softcap, scale, budget, gather,
+                low):
         acc = acc_dtype(dtype)
         n, k = ids.shape
         step = _rows_per_chunk(k, hidden.shape[-1], 8 if acc == torch.float64 else 4, budget)
@@ -266,22 +276,22 @@ class _IdLogits(torch.autograd.Function):
             for s in range(0, n, step):
                 e = min(n, s + step)
                 z[s:e] = _kept_logits(hidden[s:e].to(dtype).to(acc), weight, bias, ids[s:e],
-                                      temp[s:e], softcap, scale)[0]
+                                      temp[s:e], softcap, scale, low)[0]
         ctx.save_for_backward(hidden, weight, bias, ids, temp)
-        ctx.transform = (dtype, softcap, scale, step, acc, gather)
+        ctx.transform = (dtype, softcap, scale, step, acc, gather, low)
         return z
 
     @staticmethod
     def backward(ctx, g_z):
         hidden, weight, bias, ids, temp = ctx.saved_tensors
-        dtype, softcap, scale, step, acc, gather = ctx.transform
+        dtype, softcap, scale, step, acc, gather, low = ctx.transform
         g_z = g_z.to(acc)
         with torch.autocast(hidden.device.type, enabled=False), \
                 (nullcontext() if gather is None else gather()):
             grads = _gathered_grads(hidden, weight, bias, ids, temp,
                                     lambda s, e, z, valid: g_z[s:e], ctx.needs_input_grad[:3],
-                                    dtype, softcap, scale, step, acc)
-        return (*grads, *(None,) * 7)
+                                    dtype, softcap, scale, step, acc, low)
+        return (*grads, *(None,) * 8)
 
 
 def id_logits(hidden, weight, targets, ids, *, bias, temperature, softcap, logit_scale,
@@ -289,7 +299,9 @@ def id_logits(hidden, weight, targets, ids, *, bias, temperature, softcap, logit
     """The transformed logits ``z = logit_scale * softcap(h . W_i + b_i) / T`` at the given
     ``ids`` (``[*targets.shape, K]``, -1 padding, repeats allowed), ``[*targets.shape, K]`` in
     the accumulation dtype with gradient: -inf at padding, 0 on rows whose target is
-    ``ignore_index``. ``linear_logprobs(ids=...)`` subtracts the plain path's lse."""
+    ``ignore_index``. ``linear_logprobs(ids=...)`` subtracts the plain path's lse, so for
+    16-bit inputs the logits are rounded as that path's tiles round them (`_kept_logits`'
+    ``low``): fp32 logits against the lse of rounded ones would read probabilities above 1."""
     check_kept_ids(ids, targets, weight.shape[0], ignore_index, name="ids", as_set=False)
     _, rows = compact_rows(targets, ignore_index, weight.shape[0])
     h = take_rows(hidden, rows, hidden.shape[-1])
@@ -297,19 +309,24 @@ def id_logits(hidden, weight, targets, ids, *, bias, temperature, softcap, logit
     z = gathered_logits(h, weight, bias, at, temperature=_row_temperature(
         temperature, rows, h.shape[0], acc_dtype(dtype), h.device), dtype=dtype,
         softcap=softcap, logit_scale=logit_scale, max_tile_bytes=max_tile_bytes,
-        gather_weight=gather_weight)
+        gather_weight=gather_weight, plain_rounding=True)
     return put_rows(z, rows, ids.shape)
 
 
 def gathered_logits(hidden, weight, bias, ids, *, temperature, dtype, softcap=None,
-                    logit_scale=1.0, max_tile_bytes=None, gather_weight=None):
+                    logit_scale=1.0, max_tile_bytes=None, gather_weight=None,
+                    plain_rounding=False):
     """The transformed logits of rows ``hidden [n, D]`` (checked, compacted) at ``ids [n, K]``
     (in ``[0, V)`` or -1), ``[n, K]`` in the accumulation dtype of ``dtype`` with gradient
     (-inf at padding): a gather of the ids' weight rows by chunk, never the logits.
-    ``temperature``: a number or ``[n]``, entering in the accumulation dtype."""
+    ``temperature``: a number or ``[n]``, entering in the accumulation dtype.
+    ``plain_rounding``: for a 16-bit ``dtype``, the logits the plain path's tiles make (its
+    weight and bias in ``dtype``, ``h . W_i + b_i`` rounded to it), to meet that path's lse;
+    else fp32 logits of the rows as given (sets renormalised over themselves)."""
     acc = acc_dtype(dtype)
+    low = dtype if plain_rounding and dtype != acc else None
     if not isinstance(temperature, torch.Tensor):
         temperature = _row_temperature(temperature, None, hidden.shape[0], acc, hidden.device)
     budget = DEFAULT_GATHER_BYTES if max_tile_bytes is None else max_tile_bytes
     return _IdLogits.apply(hidden, weight, bias, ids, temperature.to(acc), dtype, softcap,
-                           logit_scale, budget, gather_weight)
+                           logit_scale, budget, gather_weight, low)
