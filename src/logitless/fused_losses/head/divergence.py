@@ -18,13 +18,12 @@ import torch
 
 from logitless.fused_losses.backend import triton_selected
 from logitless.fused_losses.head import kept
-from logitless.fused_losses.head.logprobs import (
-    check_byte_budget,
-    compute_dtype,
-    linear_logprobs,
-)
+from logitless.fused_losses.head.logprobs import check_byte_budget, linear_logprobs
 from logitless.fused_losses.oplib import (
+    check_devices,
+    check_head,
     check_temperature,
+    compute_dtype,
     define,
     distinct,
     grads_fake,
@@ -39,9 +38,6 @@ from logitless.kernels.linear_softmax_torch import acc_dtype
 
 __all__ = ["exact_kl_rows", "linear_divergence", "linear_topk_distill", "mtp_draft_loss",
            "reference_head"]
-
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-
 
 @dataclass(frozen=True)
 class _Spec:
@@ -150,31 +146,13 @@ def _cast(grads, like):
 
 
 def _check_head(prefix: str, hidden, weight, bias, lead=None):
-    """Shapes, dtypes and devices of one head's ``hidden [..., D]``, ``weight [V, D]`` and
-    ``bias [V]``; ``lead``: the token shape ``hidden`` must have."""
-    h, w, b = f"{prefix}hidden", f"{prefix}weight", f"{prefix}bias"
-    if not isinstance(hidden, torch.Tensor) or hidden.dim() < 1:
-        raise ValueError(f"{h} must be a tensor [..., D]")
-    if hidden.shape[-1] == 0:
-        raise ValueError(f"{h} must have a hidden size D >= 1, got shape {tuple(hidden.shape)}")
-    if hidden.dtype not in _FLOAT_DTYPES:
-        raise ValueError(f"{h} must be floating point (fp32/bf16/fp16/fp64), got {hidden.dtype}")
-    if lead is not None and tuple(hidden.shape[:-1]) != tuple(lead):
-        raise ValueError(f"{h} must have hidden's token shape {tuple(lead)} before its "
-                         f"hidden size, got {tuple(hidden.shape)}")
-    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 \
-            or weight.shape[1] != hidden.shape[-1]:
-        raise ValueError(f"{w} must be a 2-D tensor [V, {hidden.shape[-1]}] matching {h}'s "
-                         f"last dimension, got shape {tuple(getattr(weight, 'shape', ()))}")
+    """`check_head` on one head's ``hidden [..., D]``, ``weight [V, D]`` and ``bias [V]``
+    (``lead``: the token shape ``hidden`` must have), a vocabulary of ``V >= 1``; returns them
+    in their compute dtype."""
+    check_head(hidden, weight, bias, prefix, lead)
     if weight.shape[0] == 0:
-        raise ValueError(f"{w} must have a vocabulary of V >= 1 rows, got {tuple(weight.shape)}")
-    if bias is not None and (not isinstance(bias, torch.Tensor) or bias.dim() != 1
-                             or bias.shape[0] != weight.shape[0]):
-        raise ValueError(f"{b} must be [V] = [{weight.shape[0]}], got shape "
-                         f"{tuple(getattr(bias, 'shape', ()))}")
-    for name, t in ((w, weight), (b, bias)):
-        if t is not None and t.dtype not in _FLOAT_DTYPES:
-            raise ValueError(f"{name} must be floating point (fp32/bf16/fp16/fp64), got {t.dtype}")
+        raise ValueError(f"{prefix}weight must have a vocabulary of V >= 1 rows, got "
+                         f"{tuple(weight.shape)}")
     # The head's dtype rule (TRL's): autocast's dtype under autocast, else hidden's; the
     # weight and bias are cast to it.
     dtype = compute_dtype(hidden)
@@ -184,9 +162,7 @@ def _check_head(prefix: str, hidden, weight, bias, lead=None):
 def _check_common(hidden, tensors, mask, temperature):
     """Devices, the temperature (`check_temperature`, for hidden's compute dtype) and the
     mask's type, shape and device; its values are read inside the ops (`_rows`)."""
-    for name, t in tensors:
-        if t is not None and t.device != hidden.device:
-            raise ValueError(f"{name} is on {t.device} but hidden is on {hidden.device}")
+    check_devices(hidden, tensors)
     check_temperature(temperature, hidden.dtype)
     lead = tuple(hidden.shape[:-1])
     if mask is None:
@@ -318,9 +294,7 @@ def reference_head(hidden, weight, ref_hidden, ref_weight, ref_bias):
             raise ValueError(f"{name}: the exact KL needs both ref_hidden and ref_weight "
                              "(the reference model's hidden states and head)")
     h, w, b = _check_head("ref_", ref_hidden, ref_weight, ref_bias, tuple(hidden.shape[:-1]))
-    for name, t in (("ref_hidden", h), ("ref_weight", w), ("ref_bias", b)):
-        if t is not None and t.device != hidden.device:
-            raise ValueError(f"{name} is on {t.device} but hidden is on {hidden.device}")
+    check_devices(hidden, (("ref_hidden", h), ("ref_weight", w), ("ref_bias", b)))
     if w.shape[0] != weight.shape[0]:
         raise ValueError(f"ref_weight must have the policy's vocabulary size {weight.shape[0]} "
                          f"rows, got {w.shape[0]}")
