@@ -35,7 +35,7 @@ from logitless.kernels.linear_softmax_torch import acc_dtype
 __all__ = ["FLOAT_DTYPES", "OPS", "check_devices", "check_head", "check_temperature",
            "compact_rows", "compute_dtype", "config_args", "config_from_args",
            "config_layout", "define", "distinct", "grads_fake", "grads_or_empty", "is_compiling",
-           "none_grads", "put_rows", "take_rows"]
+           "mask_rows", "none_grads", "put_rows", "take_rows"]
 
 
 def is_compiling() -> bool:
@@ -105,6 +105,22 @@ def compact_rows(targets: torch.Tensor, ignore_index: int, v_total: int):
             f"{flat_t[bad][:5].tolist()}"
         )
     return flat_t, None if bool(valid.all()) else torch.nonzero(valid).squeeze(1)
+
+
+def mask_rows(mask: torch.Tensor | None):
+    """The rows a ``mask`` of the token shape keeps (True or 1), as :func:`compact_rows` gives
+    them (None when every one is kept, or no mask). Reads values: a mask that is not bool must
+    hold 0 and 1 only (``ValueError``: 0.5, 2 or NaN would otherwise read as kept)."""
+    if mask is None:
+        return None
+    flat = mask.reshape(-1)
+    if flat.dtype != torch.bool:
+        bad = (flat != 0) & (flat != 1)
+        if bool(bad.any()):
+            raise ValueError(f"mask must be bool or hold 0 and 1 only (1: kept), got "
+                             f"{flat[bad][0].item()!r}")
+        flat = flat != 0
+    return None if bool(flat.all()) else torch.nonzero(flat).squeeze(1)
 
 
 def take_rows(x: torch.Tensor | None, rows: torch.Tensor | None, width: int | None = None):
