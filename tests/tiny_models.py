@@ -1,6 +1,7 @@
-"""Test fixtures for the TRL tests: a tiny Qwen2 built from its config, a byte-level BPE
-tokenizer trained here on made-up words, an in-memory prompt set and a Python reward, so the
-tests train offline on a CPU."""
+"""Test fixtures for the TRL tests: the tiny Qwen2, prompt set and reward of
+``logitless.tools.tiny`` (the demo's), and what only the tests need: a byte-level BPE tokenizer
+trained here on made-up words (it encodes any text, the tests' made-up completions too) and a
+trainer mixin recording the head's calls. The tests train offline on a CPU."""
 
 from __future__ import annotations
 
@@ -8,10 +9,14 @@ import random
 
 import torch
 
+from logitless.tools import tiny
+from logitless.tools.tiny import prompts as prompt_dataset
+from logitless.tools.tiny import vowel_reward
+
+__all__ = ["RecordingHeadCalls", "prompt_dataset", "tiny_qwen2", "tiny_tokenizer", "vowel_reward"]
+
 SENTENCE = ("the cat sat on a mat while one dog ran to the red house and two birds sang "
             "about blue water under a tall green tree near seven old stones")
-PROMPTS = ["the cat", "a dog ran", "two birds", "seven old", "blue water", "the red house",
-           "one tall tree", "under a mat"]
 
 
 def tiny_tokenizer(vocab_size: int = 300):
@@ -34,29 +39,8 @@ def tiny_tokenizer(vocab_size: int = 300):
 
 
 def tiny_qwen2(tokenizer, *, hidden: int = 32, layers: int = 2, seed: int = 0):
-    """A randomly initialised fp32 Qwen2 causal LM over ``tokenizer``'s vocabulary."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    config = Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
-        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=128, tie_word_embeddings=False,
-        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=None,
-    )
-    torch.manual_seed(seed)
-    return Qwen2ForCausalLM(config)
-
-
-def prompt_dataset(n: int = len(PROMPTS)):
-    from datasets import Dataset
-
-    return Dataset.from_dict({"prompt": [PROMPTS[i % len(PROMPTS)] for i in range(n)]})
-
-
-def vowel_reward(completions, **kwargs) -> list[float]:
-    """Reward: the fraction of vowels in the completion's text (varies between samples)."""
-    return [sum(c in "aeiou" for c in text) / max(len(text), 1) for text in completions]
+    """``tiny.qwen2`` with 4 attention heads (2 key/value heads) at every ``hidden``."""
+    return tiny.qwen2(tokenizer, hidden=hidden, layers=layers, seed=seed, heads=4)
 
 
 class RecordingHeadCalls:

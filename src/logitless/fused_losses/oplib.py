@@ -32,9 +32,10 @@ import torch
 
 from logitless.kernels.linear_softmax_torch import acc_dtype
 
-__all__ = ["OPS", "check_temperature", "compact_rows", "config_args", "config_from_args",
+__all__ = ["FLOAT_DTYPES", "OPS", "check_devices", "check_head", "check_temperature",
+           "compact_rows", "compute_dtype", "config_args", "config_from_args",
            "config_layout", "define", "distinct", "grads_fake", "grads_or_empty", "is_compiling",
-           "none_grads", "put_rows", "take_rows"]
+           "mask_rows", "none_grads", "put_rows", "take_rows"]
 
 
 def is_compiling() -> bool:
@@ -104,6 +105,22 @@ def compact_rows(targets: torch.Tensor, ignore_index: int, v_total: int):
             f"{flat_t[bad][:5].tolist()}"
         )
     return flat_t, None if bool(valid.all()) else torch.nonzero(valid).squeeze(1)
+
+
+def mask_rows(mask: torch.Tensor | None):
+    """The rows a ``mask`` of the token shape keeps (True or 1), as :func:`compact_rows` gives
+    them (None when every one is kept, or no mask). Reads values: a mask that is not bool must
+    hold 0 and 1 only (``ValueError``: 0.5, 2 or NaN would otherwise read as kept)."""
+    if mask is None:
+        return None
+    flat = mask.reshape(-1)
+    if flat.dtype != torch.bool:
+        bad = (flat != 0) & (flat != 1)
+        if bool(bad.any()):
+            raise ValueError(f"mask must be bool or hold 0 and 1 only (1: kept), got "
+                             f"{flat[bad][0].item()!r}")
+        flat = flat != 0
+    return None if bool(flat.all()) else torch.nonzero(flat).squeeze(1)
 
 
 def take_rows(x: torch.Tensor | None, rows: torch.Tensor | None, width: int | None = None):
@@ -212,6 +229,60 @@ def check_temperature(temperature, dtype: torch.dtype) -> None:
         got, where = temperature, ""
     raise ValueError(f"temperature must be a number in [{low!r}, {high!r}] (the normal numbers "
                      f"of {acc}, the accumulation dtype){where}, got {got!r}")
+
+
+# --- the head's arguments: the checks every head op and the fused loss share --------------
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+# The device types torch.autocast knows (torch.amp's list); "meta" and the others have none.
+_AUTOCAST_DEVICES = frozenset({"cpu", "cuda", "xpu", "mps", "hpu", "mtia", "maia", "xla",
+                               "ipu", "privateuseone"})
+
+
+def compute_dtype(hidden: torch.Tensor) -> torch.dtype:
+    """The dtype the head's GEMMs run in (TRL's rule): autocast's under ``torch.autocast``
+    (trainers call the head there with fp32 master weights), else hidden's, whatever the
+    weight's and bias's dtypes (they are cast to it)."""
+    dev = hidden.device.type
+    # A fixed set, not torch.amp.is_autocast_available: dynamo on torch 2.11 refuses to trace
+    # the C call behind it, which broke fullgraph=True for every op on the H200's torch.
+    if dev in _AUTOCAST_DEVICES and torch.is_autocast_enabled(dev):
+        return torch.get_autocast_dtype(dev)
+    return hidden.dtype
+
+
+def check_head(hidden, weight, bias, prefix: str = "", lead=None) -> None:
+    """Shapes and dtypes of one head's ``hidden [..., D]``, ``weight [V, D]`` and ``bias [V]``
+    (``ValueError`` naming the argument, ``prefix`` before each name: ``"teacher_"``);
+    ``lead``: the token shape ``hidden`` must have. Any mix of float dtypes: the head is cast
+    to the compute dtype (:func:`compute_dtype`)."""
+    h, w, b = f"{prefix}hidden", f"{prefix}weight", f"{prefix}bias"
+    if not isinstance(hidden, torch.Tensor) or hidden.dim() < 1:
+        raise ValueError(f"{h} must be a tensor [..., D]")
+    if hidden.shape[-1] == 0:
+        raise ValueError(f"{h} must have a hidden size D >= 1, got shape {tuple(hidden.shape)}")
+    if lead is not None and tuple(hidden.shape[:-1]) != tuple(lead):
+        raise ValueError(f"{h} must have hidden's token shape {tuple(lead)} before its "
+                         f"hidden size, got {tuple(hidden.shape)}")
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 \
+            or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"{w} must be a 2-D tensor [V, {hidden.shape[-1]}] matching {h}'s "
+                         f"last dimension, got shape {tuple(getattr(weight, 'shape', ()))}")
+    if bias is not None and (not isinstance(bias, torch.Tensor) or bias.dim() != 1
+                             or bias.shape[0] != weight.shape[0]):
+        raise ValueError(f"{b} must be [V] = [{weight.shape[0]}], got shape "
+                         f"{tuple(getattr(bias, 'shape', ()))}")
+    for name, t in ((h, hidden), (w, weight), (b, bias)):
+        if t is not None and t.dtype not in FLOAT_DTYPES:
+            raise ValueError(f"{name} must be floating point (fp32/bf16/fp16/fp64), got {t.dtype}")
+
+
+def check_devices(hidden: torch.Tensor, tensors) -> None:
+    """Every tensor of ``tensors`` (``(name, tensor or None)`` pairs) on hidden's device."""
+    for name, t in tensors:
+        if t is not None and t.device != hidden.device:
+            raise ValueError(f"{name} is on {t.device} but hidden is on {hidden.device}")
 
 
 def is_number(x) -> bool:

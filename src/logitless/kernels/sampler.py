@@ -27,8 +27,8 @@ the chunk's real rows only):
    the largest key whose count (mass) reaches the target, as the torch path's radix select
    finds it: 11 passes over the fp32 keys, or, for 16-bit logits without a softcap, 6 over
    the logits' own values and a ``_settle_kernel`` (``_Passes.search``); one more fan pass
-   gives the tokens (mass) at and above the key. The engines'
-   rules (SGLang's joint filter and kept ties, min-p last) follow ``sampler_torch``.
+   gives the tokens (mass) at and above the key. The engines' rules (SGLang's joint filter
+   and kept ties, min-p last) are ``sampler_torch``'s table (``engine_rules``).
 4. ``_stats_kernel``: the kept sums, the ties at ``T`` and those before the target; the merge,
    one launch of ``_finish_kernel``, writes the chunk's rows of ``log q_y``, the kept
    entropy, ``log_kept_mass``, ``lse``, the row maximum ``m`` and the kept set's normaliser
@@ -62,10 +62,10 @@ from logitless.kernels import interpreter_compat
 from logitless.kernels.linear_softmax import _round_to, _tanh, tile_rows
 from logitless.kernels.linear_softmax_torch import _head_slice, _pad_rows, addmm_acc_
 from logitless.kernels.sampler_torch import (
-    ENGINES,
     RowParams,
     _key_floats,
     _ordered_keys,
+    engine_rules,
 )
 
 interpreter_compat.apply()
@@ -628,13 +628,14 @@ def search_passes(fan: int, bits: int = 32) -> int:
 
 def row_args(params: RowParams, n: int, device):
     """Per-row settings as the passes take them: the temperature (fp32), ``log(min_p)`` as the
-    torch path forms it, ``top_k`` and ``top_p`` (fp64); None where off."""
+    torch path forms it, ``top_k`` and ``top_p`` (fp64); None where off; the engine's
+    ``rules`` (``sampler_torch.engine_rules``)."""
     return dict(
         temperature=params.temperature.float().contiguous(),
         log_min_p=None if params.min_p is None else torch.log(params.min_p.float()),
         top_k=params.top_k,
         top_p=None if params.top_p is None else params.top_p.double(),
-        engine=ENGINES.index(params.engine),
+        rules=engine_rules(params.engine),
     )
 
 
@@ -810,20 +811,20 @@ def chunk_stats(x, targets, args, r0, outs, softcap, logit_scale, bufs=None):
         values = (x, temp, abs(float(logit_scale)))
     passes = _Passes(bufs, v, m.contiguous(), values)
     passes.z = z
-    engine = args["engine"]
+    rules = args["rules"]
     hi = _key_of(m)
     lo_all = pk.amin(1).long()
     # min-p's candidates: z >= m + log(min_p), the keys from key(m + log(min_p)) up
     log_min_p = _rows(args["log_min_p"], r0, rows)
     thr = None if log_min_p is None else m + log_min_p
     floor = None if thr is None else torch.maximum(_key_of(thr), lo_all)
-    lo = floor if (floor is not None and engine == 0) else lo_all  # vLLM: min-p first
+    lo = floor if (floor is not None and rules.min_p_first) else lo_all
     t = lo
     c = torch.full_like(t, _ALL_TIES)
     top_k = _rows(args["top_k"], r0, rows)
     if top_k is not None:
         t = passes.search(t, hi, top_k, weighted=False)
-        if engine == 0:
+        if not rules.top_k_ties:
             at_or_above, above = passes.at_and_above(t, weighted=False)
             c = top_k - above.long()
             ties_k = (at_or_above - above).long()
@@ -831,13 +832,13 @@ def chunk_stats(x, targets, args, r0, outs, softcap, logit_scale, bufs=None):
     if top_p is not None:
         on = top_p < 1.0
         t_0, c_0 = t, c
-        if engine == 1:  # SGLang without min-p: top-p over the whole row (the joint filter)
+        if rules.joint_top_p:  # rows without min-p: top-p over the whole row
             joint = torch.ones_like(on) if thr is None else thr == -math.inf
             t_0 = torch.where(joint, lo, t)
             c_0 = torch.where(joint, _ALL_TIES, c)
         # the candidates' mass in fp64: those above t_0, and the kept ties at t_0
         at_or_above, above = passes.at_and_above(t_0, weighted=True)
-        if engine == 0 and top_k is not None:
+        if not rules.top_k_ties and top_k is not None:
             n_at = torch.where(t_0 == t, ties_k, 0)
             kept_at = torch.minimum(c_0, n_at).double()
             total = above + kept_at * _weight(t_0, m)
@@ -846,7 +847,7 @@ def chunk_stats(x, targets, args, r0, outs, softcap, logit_scale, bufs=None):
             total = at_or_above
         target = top_p * total
         t_p = passes.search(t_0, hi, target, weighted=True, active=on)
-        if engine == 1:
+        if rules.top_p_ties:
             t = torch.where(on, torch.maximum(t, t_p), t)  # every tie kept at both cuts
         else:
             _, g = passes.at_and_above(t_p, weighted=True)
@@ -859,7 +860,7 @@ def chunk_stats(x, targets, args, r0, outs, softcap, logit_scale, bufs=None):
             c_new = torch.where(t_p > t, c_p, torch.minimum(c, c_p))
             c = torch.where(on, c_new, c)
             t = torch.where(on, t_p, t)
-    if floor is not None and engine != 0:
+    if floor is not None and not rules.min_p_first:
         # min-p last: every token at or above the smallest candidate key, where that cuts
         c = torch.where(floor > t, _ALL_TIES, c)
         t = torch.maximum(t, floor)

@@ -29,9 +29,10 @@ temporaries, within ``tile_bytes``. Per chunk, each step a pass or a few over th
    many of the tokens at ``t`` it holds (lowest ids first); the backward rebuilds it from them;
 6. ``log q_y``, the kept distribution's entropy and ``log_kept_mass`` (one pass, with 5).
 
-**Engines** (``RowParams.engine``; the rules in ``logitless.reference.sampler``). Steps 2-4
-are vLLM's. The other engines change three things, and their kept sets stay prefixes of the
-same order, so step 5's two numbers and the backward serve every engine unchanged:
+**Engines** (``RowParams.engine``; the rules in ``logitless.reference.sampler``, and as both
+paths read them, the table of :func:`engine_rules`). Steps 2-4 are vLLM's. The other engines
+change three things, and their kept sets stay prefixes of the same order, so step 5's two
+numbers and the backward serve every engine unchanged:
 
 - ``"transformers"``: top-k keeps every token tied at the ``k``-th value (its cut's tie
   count is "all"); min-p is applied last, to the top-p survivors, so the passes of steps 3-4
@@ -86,11 +87,38 @@ from logitless.kernels.linear_softmax_torch import (
     through_transform_,
 )
 
-__all__ = ["ENGINES", "LOCAL", "Reduction", "RowParams", "backward", "forward",
-           "rows_per_chunk", "select"]
+__all__ = ["ENGINES", "LOCAL", "EngineRules", "Reduction", "RowParams", "backward",
+           "engine_rules", "forward", "rows_per_chunk", "select"]
 
-# The engines whose filtering rules the selection follows (module doc, "Engines").
-ENGINES = ("vllm", "sglang", "transformers")
+
+@dataclass(frozen=True)
+class EngineRules:
+    """What an engine's filtering changes of vLLM's (module doc, "Engines"); the one table
+    both paths read (the Triton passes in ``kernels/sampler.py`` too)."""
+
+    min_p_first: bool  # min-p selects top-k's and top-p's candidates (else it is applied last)
+    top_k_ties: bool  # top-k keeps every token tied at the k-th value
+    top_p_ties: bool  # top-p keeps every token tied at its cut
+    joint_top_p: bool  # a row without min-p searches top-p over the whole row (FlashInfer's)
+
+
+# The engines whose filtering rules the selection follows, and their rules.
+_RULES = {
+    "vllm": EngineRules(min_p_first=True, top_k_ties=False, top_p_ties=False,
+                        joint_top_p=False),
+    "sglang": EngineRules(min_p_first=False, top_k_ties=True, top_p_ties=True,
+                          joint_top_p=True),
+    "transformers": EngineRules(min_p_first=False, top_k_ties=True, top_p_ties=False,
+                                joint_top_p=False),
+}
+ENGINES = tuple(_RULES)
+
+
+def engine_rules(engine: str) -> EngineRules:
+    """The rules of ``engine`` (one of :data:`ENGINES`, else ``ValueError``)."""
+    if engine not in _RULES:
+        raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+    return _RULES[engine]
 
 # Vocabulary columns per slice: per GEMM of a chunk's logits and per step of every pass.
 _COLS = 1024
@@ -221,13 +249,12 @@ class _Selection:
 
     def __init__(self, z: torch.Tensor, params: RowParams, cols: int,
                  reduce: Reduction = LOCAL):
-        if params.engine not in ENGINES:
-            raise ValueError(f"engine must be one of {ENGINES}, got {params.engine!r}")
+        rules = engine_rules(params.engine)
         self.z, self.cols, self.reduce = z, cols, reduce
         self.m = reduce.max(z.amax(0))
         self.floor = None if params.min_p is None else self.m + torch.log(params.min_p)
         # vLLM's min-p selects the candidates; the others apply it last
-        self.floor_first = params.engine == "vllm"
+        self.floor_first = rules.min_p_first
         v = reduce.vocab(z.shape[0])
         all_ties = v + 1  # a tie count no row reaches: every tied token kept
         self.cuts = []  # (t, c) of top-k then top-p, each [R] (c int32, at most V + 1)
@@ -235,12 +262,12 @@ class _Selection:
             t, above = self._largest_key(params.top_k, weighted=False)
             c = (params.top_k - above).clamp(0, v + 1).int()
             # every tie kept: no count to share out between the ranks
-            c = self._own_ties(t, c) if params.engine == "vllm" else torch.full_like(c, all_ties)
+            c = torch.full_like(c, all_ties) if rules.top_k_ties else self._own_ties(t, c)
             self.cuts.append((t, c))
         if params.top_p is not None:
             p = params.top_p.double()
             top_k_cuts = self.cuts
-            if params.engine == "sglang" and self.cuts:
+            if rules.joint_top_p and self.cuts:
                 # rows without min-p: top-p on the whole row (FlashInfer's joint filter)
                 t_k, c_k = self.cuts[0]
                 joint = torch.ones_like(p, dtype=torch.bool) if params.min_p is None \
@@ -248,7 +275,7 @@ class _Selection:
                 self.cuts = [(torch.where(joint, torch.iinfo(t_k.dtype).min, t_k), c_k)]
             t, g, target = self._largest_key(p, weighted=True)
             self.cuts = top_k_cuts
-            if params.engine == "sglang":
+            if rules.top_p_ties:
                 c = torch.full_like(t, all_ties, dtype=torch.int32)
             else:
                 e_t = self._weight(_key_floats(t, z.dtype))
@@ -257,7 +284,7 @@ class _Selection:
             # rows with p = 1 keep every candidate: a cut no token reaches
             t = torch.where(p < 1, t, torch.iinfo(t.dtype).min)
             c = torch.where(p < 1, c, v + 1)
-            self.cuts.append((t, c if params.engine == "sglang" else self._own_ties(t, c)))
+            self.cuts.append((t, c if rules.top_p_ties else self._own_ties(t, c)))
 
     def _own_ties(self, t, c):
         """A cut's tie count ``c`` made this rank's own: minus the tokens at ``t`` on the lower

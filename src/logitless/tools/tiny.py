@@ -34,12 +34,13 @@ def tokenizer(vocab_size: int = 300):
                                    unk_token="<unk>")
 
 
-def qwen2(tok, *, hidden: int = 32, layers: int = 2, seed: int = 0):
-    """A randomly initialised fp32 Qwen2 causal LM over ``tok``'s vocabulary (untied head)."""
+def qwen2(tok, *, hidden: int = 32, layers: int = 2, seed: int = 0, heads: int | None = None):
+    """A randomly initialised fp32 Qwen2 causal LM over ``tok``'s vocabulary (untied head), with
+    ``heads`` attention heads (None: ``max(hidden // 16, 2)``) and half as many key/value heads."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
-    heads = max(hidden // 16, 2)
+    heads = max(hidden // 16, 2) if heads is None else heads
     return Qwen2ForCausalLM(Qwen2Config(
         vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden,
         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads // 2,

@@ -16,11 +16,12 @@ from logitless.fused_losses.head.divergence import (
     reference_head,
 )
 from logitless.fused_losses.head.dtensor import is_dtensor
-from logitless.fused_losses.head.logprobs import check_byte_budget, check_head_args, compute_dtype
+from logitless.fused_losses.head.logprobs import check_byte_budget, check_head_args
 from logitless.fused_losses.objectives.catalog import needs_whole_batch
 from logitless.fused_losses.objectives.config import PolicyLossConfig
 from logitless.fused_losses.objectives.policy_inputs import _Batch, _dtype, _to_batch
 from logitless.fused_losses.objectives.policy_loss import check_exact_kl
+from logitless.fused_losses.oplib import compute_dtype
 from logitless.kernels import linear_softmax_torch as tiles
 
 if TYPE_CHECKING:

@@ -10,7 +10,6 @@ receives no gradient.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -18,18 +17,18 @@ import torch
 
 from logitless.fused_losses.backend import triton_selected
 from logitless.fused_losses.head import kept
-from logitless.fused_losses.head.logprobs import (
-    check_byte_budget,
-    compute_dtype,
-    linear_logprobs,
-)
+from logitless.fused_losses.head.logprobs import check_byte_budget, linear_logprobs
 from logitless.fused_losses.oplib import (
+    check_devices,
+    check_head,
     check_temperature,
+    compute_dtype,
     define,
     distinct,
     grads_fake,
     grads_or_empty,
     is_number,
+    mask_rows,
     none_grads,
     put_rows,
     take_rows,
@@ -39,9 +38,6 @@ from logitless.kernels.linear_softmax_torch import acc_dtype
 
 __all__ = ["exact_kl_rows", "linear_divergence", "linear_topk_distill", "mtp_draft_loss",
            "reference_head"]
-
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-
 
 @dataclass(frozen=True)
 class _Spec:
@@ -137,7 +133,7 @@ def _topk_rows_backward(spec: _Spec, hidden, weight, bias, ids, top, log_l, grad
 def _topk_ids(teacher_ids, rows, v):
     """The kept rows' teacher ids as int64 ``[n, k]``; reads them: ``ValueError`` outside
     ``[0, v)``."""
-    ids = _take(teacher_ids, rows).long()
+    ids = take_rows(teacher_ids, rows, teacher_ids.shape[-1]).long()
     bad = (ids < 0) | (ids >= v)
     if bool(bad.any()):
         raise ValueError(f"teacher_ids must lie in [0, {v}) (the vocabulary of weight); found "
@@ -150,31 +146,13 @@ def _cast(grads, like):
 
 
 def _check_head(prefix: str, hidden, weight, bias, lead=None):
-    """Shapes, dtypes and devices of one head's ``hidden [..., D]``, ``weight [V, D]`` and
-    ``bias [V]``; ``lead``: the token shape ``hidden`` must have."""
-    h, w, b = f"{prefix}hidden", f"{prefix}weight", f"{prefix}bias"
-    if not isinstance(hidden, torch.Tensor) or hidden.dim() < 1:
-        raise ValueError(f"{h} must be a tensor [..., D]")
-    if hidden.shape[-1] == 0:
-        raise ValueError(f"{h} must have a hidden size D >= 1, got shape {tuple(hidden.shape)}")
-    if hidden.dtype not in _FLOAT_DTYPES:
-        raise ValueError(f"{h} must be floating point (fp32/bf16/fp16/fp64), got {hidden.dtype}")
-    if lead is not None and tuple(hidden.shape[:-1]) != tuple(lead):
-        raise ValueError(f"{h} must have hidden's token shape {tuple(lead)} before its "
-                         f"hidden size, got {tuple(hidden.shape)}")
-    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 \
-            or weight.shape[1] != hidden.shape[-1]:
-        raise ValueError(f"{w} must be a 2-D tensor [V, {hidden.shape[-1]}] matching {h}'s "
-                         f"last dimension, got shape {tuple(getattr(weight, 'shape', ()))}")
+    """`check_head` on one head's ``hidden [..., D]``, ``weight [V, D]`` and ``bias [V]``
+    (``lead``: the token shape ``hidden`` must have), a vocabulary of ``V >= 1``; returns them
+    in their compute dtype."""
+    check_head(hidden, weight, bias, prefix, lead)
     if weight.shape[0] == 0:
-        raise ValueError(f"{w} must have a vocabulary of V >= 1 rows, got {tuple(weight.shape)}")
-    if bias is not None and (not isinstance(bias, torch.Tensor) or bias.dim() != 1
-                             or bias.shape[0] != weight.shape[0]):
-        raise ValueError(f"{b} must be [V] = [{weight.shape[0]}], got shape "
-                         f"{tuple(getattr(bias, 'shape', ()))}")
-    for name, t in ((w, weight), (b, bias)):
-        if t is not None and t.dtype not in _FLOAT_DTYPES:
-            raise ValueError(f"{name} must be floating point (fp32/bf16/fp16/fp64), got {t.dtype}")
+        raise ValueError(f"{prefix}weight must have a vocabulary of V >= 1 rows, got "
+                         f"{tuple(weight.shape)}")
     # The head's dtype rule (TRL's): autocast's dtype under autocast, else hidden's; the
     # weight and bias are cast to it.
     dtype = compute_dtype(hidden)
@@ -183,10 +161,8 @@ def _check_head(prefix: str, hidden, weight, bias, lead=None):
 
 def _check_common(hidden, tensors, mask, temperature):
     """Devices, the temperature (`check_temperature`, for hidden's compute dtype) and the
-    mask's type, shape and device; its values are read inside the ops (`_rows`)."""
-    for name, t in tensors:
-        if t is not None and t.device != hidden.device:
-            raise ValueError(f"{name} is on {t.device} but hidden is on {hidden.device}")
+    mask's type, shape and device; its values are read inside the ops (`mask_rows`)."""
+    check_devices(hidden, tensors)
     check_temperature(temperature, hidden.dtype)
     lead = tuple(hidden.shape[:-1])
     if mask is None:
@@ -199,32 +175,6 @@ def _check_common(hidden, tensors, mask, temperature):
                          f"{tuple(getattr(mask, 'shape', ()))}")
     if mask.device != hidden.device:
         raise ValueError(f"mask is on {mask.device} but hidden is on {hidden.device}")
-
-
-def _rows(mask, n):
-    """Indices of the kept rows of ``n`` flattened tokens (None: all); a mask that is not bool
-    must hold 0 and 1 only (``ValueError``: 0.5, 2 or NaN would otherwise read as kept)."""
-    if mask is None:
-        return None
-    flat = mask.reshape(-1)
-    if flat.dtype != torch.bool:
-        bad = (flat != 0) & (flat != 1)
-        if bool(bad.any()):
-            raise ValueError(f"mask must be bool or hold 0 and 1 only (1: kept), got "
-                             f"{flat[bad][0].item()!r}")
-        flat = flat != 0
-    return None if bool(flat.all()) else torch.nonzero(flat).squeeze(1)
-
-
-def _take(x, rows):
-    x = x.reshape(-1, x.shape[-1])
-    return x.contiguous() if rows is None else x.index_select(0, rows)
-
-
-def _expand(x, rows, n, shape):
-    if rows is not None:
-        x = x.new_zeros(n).index_put((rows,), x)
-    return x.reshape(shape)
 
 
 def linear_divergence(
@@ -299,12 +249,11 @@ def _divergence_impl(spec: _Spec, hidden, weight, bias, t_hidden, t_weight, t_bi
     scatter each result back to the token shape (0 at dropped rows; an empty entropy, when not
     wanted, becomes zeros)."""
     lead = tuple(hidden.shape[:-1])
-    n = math.prod(lead)
-    rows = _rows(mask, n)
-    outs = _divergence_rows(spec, _take(hidden, rows), weight, bias, _take(t_hidden, rows),
-                            t_weight, t_bias)
-    return tuple(_expand(x if x.shape == outs[0].shape else x.new_zeros(outs[0].shape), rows, n,
-                         lead) for x in outs)
+    rows = mask_rows(mask)
+    outs = _divergence_rows(spec, take_rows(hidden, rows, hidden.shape[-1]), weight, bias,
+                            take_rows(t_hidden, rows, t_hidden.shape[-1]), t_weight, t_bias)
+    return tuple(put_rows(x if x.shape == outs[0].shape else x.new_zeros(outs[0].shape), rows,
+                          lead) for x in outs)
 
 
 def reference_head(hidden, weight, ref_hidden, ref_weight, ref_bias):
@@ -318,9 +267,7 @@ def reference_head(hidden, weight, ref_hidden, ref_weight, ref_bias):
             raise ValueError(f"{name}: the exact KL needs both ref_hidden and ref_weight "
                              "(the reference model's hidden states and head)")
     h, w, b = _check_head("ref_", ref_hidden, ref_weight, ref_bias, tuple(hidden.shape[:-1]))
-    for name, t in (("ref_hidden", h), ("ref_weight", w), ("ref_bias", b)):
-        if t is not None and t.device != hidden.device:
-            raise ValueError(f"{name} is on {t.device} but hidden is on {hidden.device}")
+    check_devices(hidden, (("ref_hidden", h), ("ref_weight", w), ("ref_bias", b)))
     if w.shape[0] != weight.shape[0]:
         raise ValueError(f"ref_weight must have the policy's vocabulary size {weight.shape[0]} "
                          f"rows, got {w.shape[0]}")
@@ -481,11 +428,10 @@ def _reverse_topk(hidden, weight, bias, teacher_ids, teacher_logprobs, mask, k, 
                              f"{head}")
         _check_teacher_topk(hidden, weight, bias, teacher_ids, teacher_logprobs, mask,
                             temperature)
-        n = math.prod(lead)
-        rows = _rows(mask, n)
+        rows = mask_rows(mask)
         ids = _topk_ids(teacher_ids, rows, weight.shape[0])
-        z_t = _take(teacher_logprobs.detach(), rows)
-        return _reverse_rows(hidden, weight, bias, ids, z_t, rows, n, lead, temperature,
+        z_t = take_rows(teacher_logprobs.detach(), rows, teacher_logprobs.shape[-1])
+        return _reverse_rows(hidden, weight, bias, ids, z_t, rows, lead, temperature,
                              log_prob_min_clamp, loss_max_clamp, max_tile_bytes)
     if t_hidden is None or t_weight is None:
         raise ValueError("direction='reverse' needs the teacher head (teacher_hidden and "
@@ -502,8 +448,7 @@ def _reverse_topk(hidden, weight, bias, teacher_ids, teacher_logprobs, mask, k, 
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= v:
         raise ValueError(f"k must be an integer in [1, V] = [1, {v}] with direction='reverse', "
                          f"got {k!r}")
-    n = math.prod(lead)
-    rows = _rows(mask, n)
+    rows = mask_rows(mask)
     h = take_rows(hidden, rows, hidden.shape[-1])
     th = take_rows(t_hidden.detach(), rows, t_hidden.shape[-1])
     tile = {} if max_tile_bytes is None else {"tile_bytes": max_tile_bytes}
@@ -515,11 +460,11 @@ def _reverse_topk(hidden, weight, bias, teacher_ids, teacher_logprobs, mask, k, 
                                    None if t_bias is None else t_bias.detach(), ids,
                                    temperature=float(temperature), dtype=t_hidden.dtype,
                                    max_tile_bytes=max_tile_bytes)
-    return _reverse_rows(hidden, weight, bias, ids, z_t, rows, n, lead, temperature,
+    return _reverse_rows(hidden, weight, bias, ids, z_t, rows, lead, temperature,
                          log_prob_min_clamp, loss_max_clamp, max_tile_bytes)
 
 
-def _reverse_rows(hidden, weight, bias, ids, z_t, rows, n, lead, temperature,
+def _reverse_rows(hidden, weight, bias, ids, z_t, rows, lead, temperature,
                   log_prob_min_clamp, loss_max_clamp, max_tile_bytes):
     """The reverse KL of the kept ``rows`` over their sets ``ids [n_kept, k]``, the teacher's
     logits (or log-probs: the same once renormalised) ``z_t`` there, scattered to ``lead``."""
@@ -529,7 +474,7 @@ def _reverse_rows(hidden, weight, bias, ids, z_t, rows, n, lead, temperature,
     log_s = torch.log_softmax(z_s, dim=-1)
     log_t = torch.log_softmax(z_t.to(z_s.dtype), dim=-1)
     loss = _clamped_kl(log_s, log_t, log_prob_min_clamp, loss_max_clamp)
-    return _expand(loss, rows, n, lead)
+    return put_rows(loss, rows, lead)
 
 
 # --- linear_divergence ----------------------------------------------------------------------
@@ -557,7 +502,7 @@ def _div_forward_fake(hidden, weight, bias, t_hidden, t_weight, t_bias, mask, be
 def _div_backward_impl(hidden, weight, bias, t_hidden, t_weight, t_bias, mask, top_s, log_l_s,
                        top_t, log_l_t, aux, grad, beta, temperature, tile_bytes, need_hidden,
                        need_weight, need_bias):
-    rows = _rows(mask, grad.numel())
+    rows = mask_rows(mask)
     per_row = [take_rows(x, rows) for x in (top_s, log_l_s, top_t, log_l_t, aux, grad)]
     d_hidden, d_weight, d_bias = _divergence_rows_backward(
         _div_spec(beta, temperature, tile_bytes, hidden, t_hidden),
@@ -611,7 +556,7 @@ _linear_divergence_op.register_autograd(_div_backward, setup_context=_div_setup_
 
 
 def _topk_forward(hidden, weight, bias, ids, mask, temperature, tile_bytes):
-    rows = _rows(mask, ids.numel() // max(ids.shape[-1], 1))
+    rows = mask_rows(mask)
     logprobs, *norm = _topk_rows(_div_spec(0.0, temperature, tile_bytes, hidden),
                                  take_rows(hidden, rows, hidden.shape[-1]), weight, bias,
                                  _topk_ids(ids, rows, weight.shape[0]))
@@ -627,7 +572,7 @@ def _topk_forward_fake(hidden, weight, bias, ids, mask, temperature, tile_bytes)
 
 def _topk_backward_impl(hidden, weight, bias, ids, mask, top, log_l, grad, temperature,
                         tile_bytes, need_hidden, need_weight, need_bias):
-    rows = _rows(mask, ids.numel() // max(ids.shape[-1], 1))
+    rows = mask_rows(mask)
     spec = _div_spec(0.0, temperature, tile_bytes, hidden)
     h = take_rows(hidden, rows, hidden.shape[-1])
     t = _topk_ids(ids, rows, weight.shape[0])
@@ -748,8 +693,7 @@ def mtp_draft_loss(
     check_byte_budget("max_tile_bytes", max_tile_bytes)
     main = (main_hidden.detach(), main_weight.detach(),
             None if main_bias is None else main_bias.detach())
-    n = math.prod(lead)
-    rows = _rows(mask, n)
+    rows = mask_rows(mask)
     targets = torch.zeros(lead, dtype=torch.int64, device=hidden.device)
     if rows is not None:  # the dropped rows are ignored by linear_logprobs
         targets = targets.masked_fill(mask == 0, -100)
@@ -774,4 +718,4 @@ def mtp_draft_loss(
                          ids=put_rows(ids, rows, (*lead, top_k)),
                          max_tile_bytes=max_tile_bytes).id_logprobs
     q = torch.softmax(z_main, dim=-1).to(lp.dtype)
-    return _expand(-(q * take_rows(lp, rows, top_k)).sum(-1), rows, n, lead)
+    return put_rows(-(q * take_rows(lp, rows, top_k)).sum(-1), rows, lead)

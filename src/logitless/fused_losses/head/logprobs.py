@@ -22,8 +22,11 @@ from logitless.fused_losses.head.dtensor import sharded_head, sharded_logprobs
 from logitless.fused_losses.head.shards import resolve
 from logitless.fused_losses.head.shards import vocab_offset as _vocab_offset
 from logitless.fused_losses.oplib import (
+    check_devices,
+    check_head,
     check_temperature,
     compact_rows,
+    compute_dtype,
     define,
     distinct,
     grads_fake,
@@ -40,7 +43,6 @@ from logitless.kernels.softmax_partials import Partials, empty, finish, normalis
 __all__ = ["STATS", "LogprobOutput", "linear_logprobs"]
 
 STATS = ("sum_p_sq", "mean_logit", "is_top1", "lse", "log_kept_mass")
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 @dataclass
@@ -195,23 +197,6 @@ def _all_reduce_partials(parts: Partials, group) -> Partials:
     return Partials(m, *sums.unbind(0), m_before, *top)
 
 
-# The device types torch.autocast knows (torch.amp's list); "meta" and the others have none.
-_AUTOCAST_DEVICES = frozenset({"cpu", "cuda", "xpu", "mps", "hpu", "mtia", "maia", "xla",
-                               "ipu", "privateuseone"})
-
-
-def compute_dtype(hidden: torch.Tensor) -> torch.dtype:
-    """The dtype the head's GEMMs run in (TRL's rule): autocast's under ``torch.autocast``
-    (trainers call the head there with fp32 master weights), else hidden's, whatever the
-    weight's and bias's dtypes (they are cast to it)."""
-    dev = hidden.device.type
-    # A fixed set, not torch.amp.is_autocast_available: dynamo on torch 2.11 refuses to trace
-    # the C call behind it, which broke fullgraph=True for every op on the H200's torch.
-    if dev in _AUTOCAST_DEVICES and torch.is_autocast_enabled(dev):
-        return torch.get_autocast_dtype(dev)
-    return hidden.dtype
-
-
 def _finite(x) -> bool:
     """``math.isfinite`` by comparisons, which dynamo can trace on symbolic floats."""
     return -math.inf < x < math.inf
@@ -229,31 +214,14 @@ def check_head_args(hidden, weight, targets, bias, temperature, softcap, logit_s
                     *, zero_scale: bool = False):
     """Validate the head's arguments (``ValueError`` naming the argument). ``zero_scale``: a
     ``logit_scale`` of 0 (constant logits, a uniform softmax) is accepted."""
-    if not isinstance(hidden, torch.Tensor) or hidden.dim() < 1:
-        raise ValueError("hidden must be a tensor [..., D]")
-    if hidden.shape[-1] == 0:
-        raise ValueError(f"hidden must have a hidden size D >= 1, got shape {tuple(hidden.shape)}")
-    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
-        raise ValueError(f"weight must be a 2-D tensor [V, D], got shape "
-                         f"{tuple(getattr(weight, 'shape', ()))}")
-    if weight.shape[1] != hidden.shape[-1]:
-        raise ValueError(f"weight must be [V, {hidden.shape[-1]}] to match hidden's last "
-                         f"dimension, got {tuple(weight.shape)}")
+    check_head(hidden, weight, bias)
     if not isinstance(targets, torch.Tensor) or targets.dtype.is_floating_point \
             or targets.dtype.is_complex or targets.dtype == torch.bool:
         raise ValueError("targets must be an integer tensor of token ids")
     if tuple(targets.shape) != tuple(hidden.shape[:-1]):
         raise ValueError(f"targets must have hidden's leading shape {tuple(hidden.shape[:-1])}, "
                          f"got {tuple(targets.shape)}")
-    if bias is not None and (bias.dim() != 1 or bias.shape[0] != weight.shape[0]):
-        raise ValueError(f"bias must be [V] = [{weight.shape[0]}], got {tuple(bias.shape)}")
-    for name, t in (("hidden", hidden), ("weight", weight), ("bias", bias)):
-        # Any mix of float dtypes: the head is cast to the compute dtype (`compute_dtype`).
-        if t is not None and t.dtype not in _FLOAT_DTYPES:
-            raise ValueError(f"{name} must be floating point (fp32/bf16/fp16/fp64), got {t.dtype}")
-    for name, t in (("weight", weight), ("targets", targets), ("bias", bias)):
-        if t is not None and t.device != hidden.device:
-            raise ValueError(f"{name} is on {t.device} but hidden is on {hidden.device}")
+    check_devices(hidden, (("weight", weight), ("targets", targets), ("bias", bias)))
     check_temperature(temperature, compute_dtype(hidden))
     if softcap is not None and not (is_number(softcap) and _finite(softcap)
                                     and softcap > 0):
