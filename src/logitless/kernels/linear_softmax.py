@@ -43,11 +43,8 @@ import torch
 import triton
 import triton.language as tl
 
-from logitless.kernels import interpreter_compat
 from logitless.kernels.linear_softmax_torch import addmm_acc_
 from logitless.kernels.softmax_partials import Partials
-
-interpreter_compat.apply()
 
 __all__ = ["ROW_CHUNK", "TILE_BYTES", "VOCAB_TILE", "backward", "forward"]
 

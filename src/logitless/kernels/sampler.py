@@ -58,7 +58,6 @@ import torch
 import triton
 import triton.language as tl
 
-from logitless.kernels import interpreter_compat
 from logitless.kernels.linear_softmax import _round_to, _tanh, tile_rows
 from logitless.kernels.linear_softmax_torch import _head_slice, _pad_rows, addmm_acc_
 from logitless.kernels.sampler_torch import (
@@ -67,8 +66,6 @@ from logitless.kernels.sampler_torch import (
     _key_floats,
     _ordered_keys,
 )
-
-interpreter_compat.apply()
 
 __all__ = ["DEFAULT_TILE_BYTES", "backward", "chunk_stats", "forward", "row_args",
            "rows_per_chunk"]
