@@ -68,7 +68,7 @@ def _forward(keyword: str):
     def forward(name: str, value) -> None:
         warnings.warn(f"register_objective({keyword}=...) is deprecated: use "
                       f"logitless.integrations.objective_fields.register_objective_fields("
-                      f"{name!r}, {keyword}=...)", DeprecationWarning, stacklevel=4)
+                      f"{name!r}, {keyword}=...)", DeprecationWarning, stacklevel=3)
         register_objective_fields(name, **{keyword: value})
 
     return forward
