@@ -4,6 +4,14 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
+from logitless.kernels import interpreter_compat
+
+# Under TRITON_INTERPRET=1 the suite runs every Triton kernel on triton's CPU interpreter, with
+# the fix triton 3.6's interpreter needs under numpy >= 2.4 (and without its redundant nested
+# patches). The library never applies it on import; the suite does, before any kernel module
+# is imported, and so do the scripts it spawns (tests/testing.py's ranks, zero3_worker.py).
+interpreter_compat.apply()
+
 # Hypothesis profiles for the property tests (tests/properties/), chosen by
 # LOGITLESS_HYPOTHESIS_PROFILE: "default" (= "ci") draws a few examples from a fixed seed, so
 # the suite stays quick and a failure reproduces on every run; "nightly" draws many more from

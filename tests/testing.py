@@ -9,6 +9,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from logitless.kernels import interpreter_compat
+
 
 def _triton_runs_here() -> bool:
     if torch.cuda.is_available():
@@ -48,6 +50,7 @@ def _free_port() -> int:
 
 
 def _gloo_entry(rank, world, port, fn, args):
+    interpreter_compat.apply()  # a spawned rank runs no conftest: the suite's interpreter here too
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:

@@ -27,7 +27,7 @@ import sys
 import torch
 
 import logitless
-from logitless.fused_losses.fused import gpu_plan
+from logitless.tools import gpu_plan
 
 GROUPS = ("GEMMs", "statistics pass", "dz pass", "other")
 _GEMM_MARKS = ("gemm", "xmma", "cutlass", "nvjet", "sm90_")

@@ -17,6 +17,10 @@ from logitless.fused_losses.objectives.mismatch import mismatch_metrics
 from logitless.fused_losses.objectives.policy_inputs import check_policy_inputs
 from logitless.fused_losses.objectives.policy_loss import policy_loss, policy_loss_globals
 
+# register_objective's deprecated TRL / verl keywords forward to the adapters' field maps,
+# which this import installs (no peer package is imported).
+from logitless.integrations import objective_fields as _objective_fields  # noqa: F401
+
 __all__ = [
     "AdaptiveEntropyCoef",
     "LogprobOutput",

@@ -177,8 +177,8 @@ def test_chunk_rows_follow_the_cost_model():
     """The Triton store sizes a chunk's row as gpu_plan does: the stored logits in the input
     dtype plus the gathered hidden row and its gradient row."""
     pytest.importorskip("triton")
-    from logitless.fused_losses.fused import gpu_plan
     from logitless.kernels.stored_logits_triton import StoredLogitsTriton
+    from logitless.tools import gpu_plan
 
     n, d, v = gpu_plan.REFERENCE_SHAPE
     row = StoredLogitsTriton.bytes_per_row(v, torch.bfloat16, None, hidden_size=d)

@@ -20,7 +20,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: tiny_models
 
+from logitless.kernels import interpreter_compat
+
 from tiny_models import prompt_dataset, vowel_reward
+
+interpreter_compat.apply()  # the suite's interpreter, in each rank (a no-op without it)
 
 RUNS = ("stock", "patch_trl", "grpo_trainer")
 # TRL's default loss; DAPO with a KL term, whose reference model DeepSpeed partitions too

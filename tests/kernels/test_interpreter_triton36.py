@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -78,3 +79,42 @@ def test_nested_device_calls_do_not_repatch_the_language():
     # without the shortcut)
     assert counts["_plain_kernel/8"] == counts["_plain_kernel/16"] > 0, counts
     assert counts["_nested_kernel/16"] - counts["_nested_kernel/8"] < 8, counts
+
+
+def test_importing_logitless_leaves_the_interpreter_as_triton_ships_it():
+    """Importing the library, every kernel module included, under ``TRITON_INTERPRET=1`` patches
+    nothing in triton's interpreter (a peer's kernels in the same process meet it unchanged):
+    the fix is applied by the test suite and ``logitless check``, never on import. Run in a
+    fresh process, since this one's conftest has applied it."""
+    script = textwrap.dedent("""
+        import importlib, json, pkgutil
+        from triton.runtime import interpreter
+        before = {k: getattr(interpreter, k, None) for k in ("_patch_lang", "_patch_lang_tensor")}
+        launch = interpreter.GridExecutor.__call__
+        import logitless, logitless.kernels
+        for m in pkgutil.iter_modules(logitless.kernels.__path__):
+            importlib.import_module("logitless.kernels." + m.name)
+        after = {k: getattr(interpreter, k, None) for k in before}
+        print(json.dumps({"same": after == before,
+                          "launch": interpreter.GridExecutor.__call__ is launch}))
+    """)
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == {"same": True, "launch": True}
+    # and the CLI's process applies it: `logitless check` under the interpreter
+    cli = textwrap.dedent("""
+        import sys
+        from unittest import mock
+        from triton.runtime import interpreter
+        from logitless.tools import check, cli
+        with mock.patch.object(check, "run", lambda args: 0):
+            cli.main(["check"])
+        print(getattr(interpreter._patch_lang, "logitless_nested_skip", False))
+    """)
+    done = subprocess.run([sys.executable, "-c", cli], env=env, capture_output=True,
+                          text=True, cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "True"

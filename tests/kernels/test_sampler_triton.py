@@ -429,7 +429,7 @@ def test_a_chunk_is_its_passes_and_one_merge_launch_with_no_host_read():
     60 ``[R]``-sized torch ops and 7 copies before), and the top-p cut's small torch ops: the
     counts the cost model prices (``gpu_plan.SAMPLER_SEARCH_PASSES``,
     ``gpu_plan.SAMPLER_ROW_OPS``), no host read and no tensor from Python data."""
-    from logitless.fused_losses.fused import gpu_plan
+    from logitless.tools import gpu_plan
     from logitless.tools.launches import sampler_extra_chunk
 
     extra = sampler_extra_chunk()

@@ -11,8 +11,8 @@ import pathlib
 import pytest
 import torch
 
-from logitless.fused_losses.fused import gpu_plan
 from logitless.kernels import linear_softmax as kernel
+from logitless.tools import gpu_plan
 
 from testing import requires_triton
 

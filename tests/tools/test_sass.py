@@ -94,7 +94,7 @@ def test_the_cost_model_takes_the_epilogues_figures_from_the_report(tmp_path):
     """gpu_plan.EPILOGUE_INSTRUCTIONS (warp instructions per element of each streaming pass)
     are those of the sm_90 code that triton 3.6.0, the H200's, compiles today at V=151936."""
     pytest.importorskip("triton.backends.nvidia")
-    from logitless.fused_losses.fused import gpu_plan
+    from logitless.tools import gpu_plan
 
     from sm90 import triton36_env
 

@@ -10,8 +10,8 @@ import numbers
 
 import torch
 
-from logitless.fused_losses.objectives.catalog import OBJECTIVES
 from logitless.fused_losses.objectives.config import ConfigError, PolicyLossConfig
+from logitless.integrations import objective_fields
 from logitless.integrations.replay import SAMPLING_MASK_KEY
 from logitless.integrations.sampler_config import (
     GREEDY_TEMPERATURE,
@@ -114,9 +114,9 @@ def _grpo_fields(args) -> dict:
         seq_count="all",
     )
     fields = {k: _as_trl_reads(k, v) for k, v in fields.items()}
-    spec = OBJECTIVES.get(loss_type)  # an unknown name: PolicyLossConfig reports it
-    if spec is not None:
-        fields.update(spec.trl_fields)  # e.g. vespo's token level and log-ratio clamp
+    # an unknown name fixes nothing (PolicyLossConfig reports it); vespo's token level and
+    # log-ratio clamp
+    fields.update(objective_fields.trl_fields(loss_type))
     if loss_type == "cispo":
         del fields["eps_low"], fields["eps_high"]
         fields.update(cispo_clip="upper", cispo_cap=eps_high)

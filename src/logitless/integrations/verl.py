@@ -53,6 +53,7 @@ from logitless.fused_losses.objectives.catalog import OBJECTIVES, get_objective
 from logitless.fused_losses.objectives.config import PolicyLossConfig
 from logitless.fused_losses.objectives.mismatch import logged_mismatch
 from logitless.fused_losses.objectives.policy_loss import policy_loss
+from logitless.integrations import objective_fields
 from logitless.integrations.sampler_config import (
     SamplerTruncation,
     drop_outside_kept,
@@ -317,11 +318,11 @@ def to_logitless_config(objective: str, actor_config, loss_agg_mode: str | None 
     pl = _get(actor_config, "policy_loss")
     clip = _get(actor_config, "clip_ratio", 0.2)
     clip_c = _get(actor_config, "clip_ratio_c", 3.0)
-    spec = get_objective(objective)
+    get_objective(objective)  # an unknown name fails here, naming the registered ones
     dual = _get(pl, "dual_clip")
     if dual is None:
-        dual = spec.verl_dual_clip
-    cov_key = spec.verl_keys.get("cov_fraction", "clip_cov_ratio")
+        dual = objective_fields.verl_dual_clip(objective)
+    cov_key = objective_fields.verl_keys(objective).get("cov_fraction", "clip_cov_ratio")
     fields = dict(
         objective=objective,
         eps_low=_get(actor_config, "clip_ratio_low", clip),

@@ -1,7 +1,6 @@
-"""Raw kernels and their launchers: Triton, plus the chunked torch twins. No autograd here."""
+"""Raw kernels and their launchers: Triton, plus the chunked torch twins. No autograd here.
 
-from logitless.kernels import interpreter_compat
-
-# Under TRITON_INTERPRET=1 only: the fix to triton 3.6's interpreter applies to every Triton
-# kernel the process runs (a peer's too, in `logitless bench`), not only to ours.
-interpreter_compat.apply()
+Importing them changes nothing in Triton: the fix to triton 3.6's CPU interpreter
+(:mod:`logitless.kernels.interpreter_compat`) is applied by whoever runs the interpreter (the
+test suite, ``logitless check`` / ``demo`` / ``bench``), never on import, so a peer's kernels in
+the same process meet the interpreter as Triton ships it."""

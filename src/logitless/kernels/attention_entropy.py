@@ -50,10 +50,6 @@ import torch
 import triton
 import triton.language as tl
 
-from logitless.kernels import interpreter_compat
-
-interpreter_compat.apply()
-
 __all__ = ["BlockConfig", "attention_entropy_triton", "block_config"]
 
 _LOG2E = math.log2(math.e)

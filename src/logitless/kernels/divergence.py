@@ -41,7 +41,6 @@ import torch
 import triton
 import triton.language as tl
 
-from logitless.kernels import interpreter_compat
 from logitless.kernels import linear_softmax as head
 from logitless.kernels.divergence_torch import finish_kl
 from logitless.kernels.linear_softmax import (
@@ -54,8 +53,6 @@ from logitless.kernels.linear_softmax import (
 )
 from logitless.kernels.linear_softmax_torch import mm_out_dtype
 from logitless.kernels.softmax_partials import normaliser
-
-interpreter_compat.apply()
 
 __all__ = ["divergence_backward", "divergence_forward", "topk_backward", "topk_forward"]
 

@@ -18,6 +18,11 @@ patched builtin is no longer a builtin, so nothing is patched twice), but one th
 member of those modules each time. In the sampler's passes that took about 64% of the
 interpreter's time. Here such a call skips the patch; a launch, and a helper that reaches a
 module not yet patched, patch as before. What runs is unchanged, so are the results.
+
+**Who applies it.** Not the library on import (it would change the interpreter for every
+Triton kernel of the process, a peer's too): the test suite (``tests/conftest.py`` and the
+processes it spawns) and the ``logitless`` CLI call :func:`apply`; so does a user's script that
+runs the kernels on the interpreter.
 """
 
 from __future__ import annotations

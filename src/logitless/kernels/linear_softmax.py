@@ -43,24 +43,19 @@ import torch
 import triton
 import triton.language as tl
 
-from logitless.kernels import interpreter_compat
+from logitless.kernels import constants
 from logitless.kernels.linear_softmax_torch import addmm_acc_
 from logitless.kernels.softmax_partials import Partials
-
-interpreter_compat.apply()
 
 __all__ = ["ROW_CHUNK", "TILE_BYTES", "VOCAB_TILE", "backward", "forward"]
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
-# Vocabulary columns per tile: fixed, so tile boundaries (and the fold order of the statistics)
-# never depend on N. gpu_plan.VOCAB_TILE must equal it.
-VOCAB_TILE = 8192
-# Rows of every logits GEMM (hidden is padded to whole chunks). gpu_plan.ROW_CHUNK equals it.
-ROW_CHUNK = 1024
-# Default bytes of one tile (a row group by VOCAB_TILE columns in the input dtype):
-# 16384 bf16 rows. gpu_plan.HEAD_TILE_BUDGET equals it.
-TILE_BYTES = 256 * 2**20
+# The tiling (kernels/constants.py, priced by the cost model): vocabulary columns per tile, rows
+# of every logits GEMM, default bytes of one tile. Bound here so that tests can shrink them.
+VOCAB_TILE = constants.VOCAB_TILE
+ROW_CHUNK = constants.ROW_CHUNK
+TILE_BYTES = constants.HEAD_TILE_BUDGET
 # Columns an epilogue program handles per step, and its warps: fixed, so the order of the sums
 # inside a row never depends on N (8 warps x 32 lanes x 8 bf16 = 2048: 16-byte loads).
 _BLOCK_V = 2048

@@ -58,7 +58,7 @@ import torch
 import triton
 import triton.language as tl
 
-from logitless.kernels import interpreter_compat
+from logitless.kernels import constants
 from logitless.kernels.linear_softmax import _round_to, _tanh, tile_rows
 from logitless.kernels.linear_softmax_torch import _head_slice, _pad_rows, addmm_acc_
 from logitless.kernels.sampler_torch import (
@@ -68,25 +68,20 @@ from logitless.kernels.sampler_torch import (
     engine_rules,
 )
 
-interpreter_compat.apply()
-
 __all__ = ["DEFAULT_TILE_BYTES", "backward", "chunk_stats", "forward", "row_args",
            "rows_per_chunk"]
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
-# Default budget of one chunk's buffers (and of the backward's tile): at V=151936 in bf16 a
-# chunk of 1024 rows (its logits, 311 MB, and their tempered fp32 copy, 622 MB), so that every
-# GEMM is 1024 rows tall and the head is read once per 1024 rows.
-DEFAULT_TILE_BYTES = 2**30
+# Default budget of one chunk's buffers and of the backward's tile (kernels/constants.py).
+DEFAULT_TILE_BYTES = constants.SAMPLER_TILE_BUDGET
 # Vocabulary columns per logits GEMM: the whole head at once by default (one GEMM per chunk, no
 # partial last wave of column tiles); tests shrink it.
 _COLS = 2**18
-# Most rows per chunk.
-_MAX_ROWS = 1024
-# Vocabulary columns per program of a pass (its slice; 19 slices at V=151936, so a 1024-row
-# chunk's pass runs 19456 programs), and the columns per step and warps of the passes.
-_SLICE = 8192
+# Most rows per chunk, and vocabulary columns per program of a pass (kernels/constants.py; tests
+# shrink them); the columns per step and warps of the passes.
+_MAX_ROWS = constants.SAMPLER_ROWS
+_SLICE = constants.SAMPLER_SLICE
 _BLOCK_V = 2048
 _WARPS = 8
 # Columns per step of the transform pass (4 a thread: within its issue budget), and of the

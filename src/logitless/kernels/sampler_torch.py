@@ -76,6 +76,7 @@ from dataclasses import dataclass
 
 import torch
 
+from logitless.kernels import constants
 from logitless.kernels.linear_softmax_torch import (
     DEFAULT_TILE_BYTES,
     _head_slice,
@@ -122,8 +123,8 @@ def engine_rules(engine: str) -> EngineRules:
 
 # Vocabulary columns per slice: per GEMM of a chunk's logits and per step of every pass.
 _COLS = 1024
-# Most rows per chunk.
-_MAX_ROWS = 1024
+# Most rows per chunk: the Triton sampler's (kernels/constants.py).
+_MAX_ROWS = constants.SAMPLER_ROWS
 # Bits of the key the radix select settles per pass: 3 passes for fp32 keys (6 for fp64),
 # with a 2048-bin histogram per row.
 _DIGIT_BITS = 11

@@ -35,10 +35,6 @@ import torch
 import triton
 import triton.language as tl
 
-from logitless.kernels import interpreter_compat
-
-interpreter_compat.apply()
-
 __all__ = ["segment_reduce", "segment_scan", "segment_spread"]
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)

@@ -72,7 +72,7 @@ class StoredLogitsTriton:
         """Bytes one token row of a chunk holds: its stored logits in ``dtype`` (the row
         stride, a multiple of 16), and its
         gathered hidden row and hidden-gradient row (``hidden_size`` each), as
-        ``gpu_plan`` sizes the chunks."""
+        the cost model (``tools/gpu_plan.py``) sizes the chunks."""
         del softcap
         return dtype.itemsize * (head.row_stride(vocab) + 2 * hidden_size)
 

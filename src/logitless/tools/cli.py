@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from logitless.kernels import interpreter_compat
 from logitless.tools import check
 from logitless.tools.bench import cli as bench
 
@@ -27,6 +28,10 @@ def main(argv: list[str] | None = None) -> int:
         "bench", help="time, peak memory and error of an op, side by side with its peers",
         epilog=bench.help_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter))
     args = parser.parse_args(argv)
+    # Under TRITON_INTERPRET=1 (a CPU check of the Triton kernels): triton 3.6's interpreter
+    # fails on numpy >= 2.4 without this fix. Applied here, for the command's process, never
+    # by importing the library.
+    interpreter_compat.apply()
     return {"check": check.run, "demo": _demo, "bench": bench.run}[args.command](args)
 
 

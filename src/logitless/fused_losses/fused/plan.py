@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from logitless.fused_losses.backend import triton_selected
-from logitless.fused_losses.fused import gpu_plan
+from logitless.fused_losses.fused import gpu_chunks
 from logitless.kernels import stored_logits
 
 if TYPE_CHECKING:
@@ -23,18 +23,18 @@ CPU_MEMORY_BUDGET = 256 * 2**20
 
 def default_budget(device: torch.device) -> int:
     """A fixed number of bytes per device type, never read off the allocator: on CUDA the one
-    the cost model chooses (``gpu_plan.CUDA_MEMORY_BUDGET``)."""
+    the cost model chooses (``gpu_chunks.CUDA_MEMORY_BUDGET``)."""
     if device.type == "cuda":
-        return gpu_plan.CUDA_MEMORY_BUDGET
+        return gpu_chunks.CUDA_MEMORY_BUDGET
     return CPU_MEMORY_BUDGET
 
 
 def rows_cap(device: torch.device, budget: int, row_bytes: int, hidden_size: int) -> int:
     """The most loss rows a dense chunk holds: what the budget holds, and on CUDA the height
-    below it whose hidden-gradient GEMM fills whole waves best (``gpu_plan.wave_rows``)."""
+    below it whose hidden-gradient GEMM fills whole waves best (``gpu_chunks.wave_rows``)."""
     cap = max(1, budget // row_bytes)
     if device.type == "cuda":
-        cap = gpu_plan.wave_rows(cap, hidden_size)
+        cap = gpu_chunks.wave_rows(cap, hidden_size)
     return cap
 
 

@@ -12,9 +12,8 @@ and select it with ``PolicyLossConfig(objective="my_pg")``.
 """
 
 import math
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from types import MappingProxyType
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -79,15 +78,21 @@ class ObjectiveSpec:
     needs_whole_batch: bool = False
     # Reads the rollout's top-k logprobs and the trainer's at the same ids (`ObjectiveInputs`).
     needs_topk: bool = False
-    verl_dual_clip: bool = False  # verl's matching loss applies clip_ratio_c as a dual clip
-    # PolicyLossConfig field -> the key of verl's policy_loss config it is read from, where
-    # that key depends on the objective.
-    verl_keys: Mapping[str, str] = field(default_factory=dict)
-    # PolicyLossConfig fields TRL's loss of this name fixes, whatever GRPOConfig says.
-    trl_fields: Mapping[str, object] = field(default_factory=dict)
 
 
 OBJECTIVES: dict[str, ObjectiveSpec] = {}
+
+# Keywords of `register_objective` that another room defines, for one release (the TRL and
+# verl field maps, now in logitless.integrations.objective_fields): keyword -> the function
+# called with the objective's name and the value. That room adds them when it is imported
+# (``import logitless`` imports it).
+_FORWARDED: dict[str, Callable[[str, object], None]] = {}
+
+
+def forward_keyword(keyword: str, handler: Callable[[str, object], None]) -> None:
+    """Let ``register_objective(name, keyword=value)`` call ``handler(name, value)``: a
+    deprecated keyword whose meaning now lives outside the registry."""
+    _FORWARDED[keyword] = handler
 
 
 def register_objective(
@@ -104,13 +109,17 @@ def register_objective(
     selects_in_ratio=False,
     needs_whole_batch=False,
     needs_topk=False,
-    verl_dual_clip=False,
-    verl_keys=None,
-    trl_fields=None,
+    **forwarded,
 ):
     """Decorator registering ``fn(ObjectiveInputs) -> ObjectiveOutput`` under ``name`` with the
     defaults a `PolicyLossConfig` naming it takes (aggregation, ratio level, clip bounds) and
-    its flags (`ObjectiveSpec`)."""
+    its flags (`ObjectiveSpec`).
+
+    ``verl_dual_clip``, ``verl_keys`` and ``trl_fields`` are deprecated (one release): they warn
+    and forward to ``logitless.integrations.objective_fields.register_objective_fields``."""
+    unknown = sorted(set(forwarded) - set(_FORWARDED))
+    if unknown:
+        raise TypeError(f"register_objective() got unexpected keyword arguments {unknown}")
 
     def decorate(fn):
         OBJECTIVES[name] = ObjectiveSpec(
@@ -127,10 +136,9 @@ def register_objective(
             selects_in_ratio=selects_in_ratio,
             needs_whole_batch=needs_whole_batch,
             needs_topk=needs_topk,
-            verl_dual_clip=verl_dual_clip,
-            verl_keys=MappingProxyType(dict(verl_keys or {})),
-            trl_fields=MappingProxyType(dict(trl_fields or {})),
         )
+        for keyword, value in forwarded.items():
+            _FORWARDED[keyword](name, value)
         return fn
 
     return decorate
@@ -170,18 +178,15 @@ def _clipped(x: ObjectiveInputs) -> ObjectiveOutput:
     return clipped_surrogate(x.ratio.value, x.adv, x.ratio.low, x.ratio.high, x.cfg)
 
 
-def _register_clipped(name, *, verl_dual_clip=False, **defaults):
-    register_objective(name, family=CLIPPED_SURROGATE, verl_dual_clip=verl_dual_clip, **defaults)(
-        _clipped
-    )
+def _register_clipped(name, **defaults):
+    register_objective(name, family=CLIPPED_SURROGATE, **defaults)(_clipped)
 
 
-# verl's ``vanilla`` loss, the counterpart of the PPO family, always applies the dual clip.
-_register_clipped("ppo", verl_dual_clip=True)
-_register_clipped("grpo", loss_agg="seq-mean-token-mean", verl_dual_clip=True)
-_register_clipped("dapo", eps_high=0.28, verl_dual_clip=True)
-_register_clipped("bnpo", loss_agg="bnpo", verl_dual_clip=True)
-_register_clipped("dr_grpo", loss_agg="seq-mean-token-sum-norm", verl_dual_clip=True)
+_register_clipped("ppo")
+_register_clipped("grpo", loss_agg="seq-mean-token-mean")
+_register_clipped("dapo", eps_high=0.28)
+_register_clipped("bnpo", loss_agg="bnpo")
+_register_clipped("dr_grpo", loss_agg="seq-mean-token-sum-norm")
 _register_clipped("luspo", loss_agg="seq-mean-token-sum", ratio_level="sequence")
 _register_clipped(
     "gspo",
@@ -237,14 +242,7 @@ def gmpo(x: ObjectiveInputs) -> ObjectiveOutput:
 _LOG_1E8 = math.log(1e-8)
 
 
-# TRL computes vespo's sequence weight from token ratios whatever its importance_sampling_level,
-# and clamps the log-ratio to +-20 (its other losses do not clamp).
-@register_objective(
-    "vespo",
-    ratio_levels=("token",),
-    folds_rollout_is=True,
-    trl_fields={"ratio_level": "token", "log_ratio_clamp": 20.0},
-)
+@register_objective("vespo", ratio_levels=("token",), folds_rollout_is=True)
 def vespo(x: ObjectiveInputs) -> ObjectiveOutput:
     """``-sg(phi(w)) A lp``, ``phi(w) = exp(lambda + k log w - lambda w)`` on the sequence ratio
     ``w`` (sum of log-ratios, times the rollout IS weights), (k, lambda) by the sign of A. The
@@ -377,7 +375,6 @@ def _covariance(x: ObjectiveInputs) -> torch.Tensor:
     "clip_cov",
     ratio_levels=("token",),
     needs_whole_batch=True,
-    verl_keys={"cov_fraction": "clip_cov_ratio"},
 )
 def clip_cov(x: ObjectiveInputs) -> ObjectiveOutput:
     """verl ``clip_cov``: the clipped surrogate, with a random ``cov_fraction`` of the tokens
@@ -405,7 +402,6 @@ def clip_cov(x: ObjectiveInputs) -> ObjectiveOutput:
     "kl_cov",
     ratio_levels=("token",),
     needs_whole_batch=True,
-    verl_keys={"cov_fraction": "kl_cov_ratio"},
 )
 def kl_cov(x: ObjectiveInputs) -> ObjectiveOutput:
     """verl ``kl_cov``: ``-A r``, plus ``kl_cov_coef |d|`` on the top ``cov_fraction`` tokens by

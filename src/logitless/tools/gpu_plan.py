@@ -46,16 +46,36 @@ Paths:
   ``dz^T @ hidden`` added into the one fp32 weight-gradient accumulator.
 
 The bias and the logit transform (temperature, soft-cap) are not counted: O(V) bytes and a few
-FLOPs per logit inside passes that are bound by their bytes. :data:`VOCAB_TILE` and
-:data:`HEAD_TILE_BUDGET` and :data:`ROW_CHUNK` describe the CUDA launcher's tiling
-(``kernels/linear_softmax.py``) and must follow it.
-``scripts/gpu_cost_table.py`` prints the tables that ``docs/gpu.md`` holds.
+FLOPs per logit inside passes that are bound by their bytes. The tiling it prices
+(:data:`VOCAB_TILE`, :data:`ROW_CHUNK`, :data:`HEAD_TILE_BUDGET` and the sampler's
+:data:`SAMPLER_ROWS`, :data:`SAMPLER_SLICE`, :data:`SAMPLER_TILE_BUDGET`) is
+``kernels/constants.py``'s, the numbers the launchers tile by; the chunk height and default
+budget of the fused loss (:func:`wave_rows`, :data:`CUDA_MEMORY_BUDGET`) are
+``fused/gpu_chunks.py``'s, what the runtime reads. The model and its report are tooling: the
+runtime imports neither. ``scripts/gpu_cost_table.py`` prints the tables that ``docs/gpu.md``
+holds.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+
+from logitless.fused_losses.fused.gpu_chunks import (
+    CUDA_MEMORY_BUDGET,
+    H200,
+    Hardware,
+    wave_efficiency,
+    wave_rows,
+)
+from logitless.kernels.constants import (
+    HEAD_TILE_BUDGET,
+    ROW_CHUNK,
+    SAMPLER_ROWS,
+    SAMPLER_SLICE,
+    SAMPLER_TILE_BUDGET,
+    VOCAB_TILE,
+)
 
 __all__ = [
     "CUDA_MEMORY_BUDGET",
@@ -68,6 +88,9 @@ __all__ = [
     "REFERENCE_SHAPE",
     "ROW_CHUNK",
     "SAMPLER_ROWS",
+    "SAMPLER_SEARCH_PASSES",
+    "SAMPLER_SLICE",
+    "SAMPLER_TILE_BUDGET",
     "TARGET_OBJECTIVE_LAUNCHES",
     "VOCAB_TILE",
     "GpuPlan",
@@ -87,24 +110,6 @@ __all__ = [
 PATHS = ("logprobs-nograd", "logprobs-fwd-bwd", "fused-policy-loss")
 # The shape of the issue's targets: a 16k-token batch, Qwen-sized hidden and vocabulary.
 REFERENCE_SHAPE = (16384, 4096, 151936)
-# Vocabulary columns per head tile: fixed, so tile boundaries never depend on N (batch
-# invariance), and wide enough that a tile's 1024-row GEMM fills the chip (8 x 32 output tiles
-# of 128 x 256).
-VOCAB_TILE = 8192
-# Rows of every head GEMM: hidden is padded to whole chunks, so a row's GEMMs have one shape
-# whatever N is (cuBLAS chooses its kernel, and its order of sums, from the shape).
-ROW_CHUNK = 1024
-# Bytes of the head's logits tile (a row group of whole chunks): at V-tiles of 8192 bf16
-# columns, 16384 rows per group.
-HEAD_TILE_BUDGET = 256 * 2**20
-# The default memory budget of ``fused_policy_loss`` on CUDA, in bytes: the smallest power of
-# two at which the model puts the fused loss within issue 22's 1.15x of its three GEMMs at the
-# reference shape once its targets are met (epilogues at their instruction budget, 25
-# objective launches a chunk): 1.11x in 16 chunks of 1024 rows; 256 MiB gives 1.24x. With
-# today's compiled epilogues and 90 launches a chunk the model says 1.21x. Fixed, not a
-# fraction of free memory: the chunking must not depend on what the caching allocator happens
-# to hold.
-CUDA_MEMORY_BUDGET = 512 * 2**20
 
 # Epilogue arithmetic per logits element (fp32 vector FLOPs, exp counted as 4): the statistics
 # pass (transform, running max, exp, sums of e, e z, e^2, z, target compare) and the dz pass
@@ -155,15 +160,12 @@ EPILOGUE_BUDGET = {"head_stats": 0.36, "head_grad": 0.72, "fused_stats": 0.36,
                    "sampler_fan_count": 0.72, "sampler_stats": 0.72, "sampler_cut": 0.36,
                    "sampler_grad": 0.72}
 
-# The sampler's CUDA path (kernels/sampler.py): rows per chunk (one GEMM each, the whole
-# vocabulary), vocabulary columns per program of a pass, the search's passes per dtype (8
-# trials a pass divide the range by 9: 11 passes over fp32 keys; 16-bit logits without a
-# softcap search their own values, 6 passes), the backward's chunks per tile (its 1 GiB budget
-# over a 1024-row chunk's bf16 logits, rows padded to 4096 columns).
-SAMPLER_ROWS = 1024
-SAMPLER_SLICE = 8192
+# The sampler's CUDA path (kernels/sampler.py; its rows per chunk, slice and budget are
+# kernels/constants.py's): the search's passes per dtype (8 trials a pass divide the range by 9:
+# 11 passes over fp32 keys; 16-bit logits without a softcap search their own values, 6 passes).
+# The backward's chunks per tile are its budget over a chunk's bf16 logits, rows padded to 4096
+# columns.
 SAMPLER_SEARCH_PASSES = {"bfloat16": 6, "float16": 6, "float32": 11}
-SAMPLER_TILE_BUDGET = 2**30
 # Small launches besides the Triton passes, counted with tools.launches.LaunchCount on CPU
 # (bf16, top-p alone, logprobs' gradient): per chunk of the forward, the [R]-sized torch ops
 # of the top-p cut, the search's settle launch and the one launch that merges the statistics
@@ -174,50 +176,7 @@ SAMPLER_ROW_OPS = 54
 SAMPLER_CUT_OPS = 4
 
 
-@dataclasses.dataclass(frozen=True)
-class Hardware:
-    """Rates of one GPU: FLOP/s of the tensor cores (bf16/fp16, and TF32 for fp32 inputs) and of
-    the fp32 vector units, HBM bytes/s (read plus write), and seconds each launch adds (the
-    kernel's ramp-up and tail, and the host's launch when it cannot run ahead)."""
 
-    name: str
-    matmul_flops: float
-    tf32_flops: float
-    vector_flops: float
-    bandwidth: float
-    launch_seconds: float
-    sms: int = 132
-    # warp instructions issued per second: 4 schedulers per SM, one each per cycle
-    issue_rate: float = 132 * 4 * 1.98e9
-    gemm_tile: tuple[int, int] = (128, 256)
-
-
-# 790 TFLOP/s and 4.3 TB/s were measured on this workplace's H200 (8192^3 bf16 GEMM on random
-# data; a device-to-device copy); TF32 at half the bf16 rate and 67 TFLOP/s fp32 vector are
-# the datasheet's ratios; 5 us per launch is an estimate.
-H200 = Hardware("H200", 790e12, 395e12, 67e12, 4.3e12, 5e-6)
-
-
-def wave_efficiency(m: int, n: int, hardware: Hardware = H200) -> float:
-    """The share of a GEMM's ``[m, n]`` output tiles' waves that is real output: ``m n /
-    (waves x SMs x tile area)``, ``waves = ceil(tiles / SMs)``. 1.0 only for whole waves of
-    whole tiles."""
-    tm, tn = hardware.gemm_tile
-    tiles = math.ceil(m / tm) * math.ceil(n / tn)
-    waves = math.ceil(tiles / hardware.sms)
-    return m * n / (waves * hardware.sms * tm * tn)
-
-
-def wave_rows(max_rows: int, d: int, hardware: Hardware = H200) -> int:
-    """The fused loss's chunk height on CUDA: of the heights in ``(max_rows / 2, max_rows]``
-    (whole 128-row tiles, and ``max_rows`` itself), the one whose ``[rows, d]`` hidden-gradient
-    GEMM (``dz @ W``, the chunk's only GEMM with a small output) fills its waves best, the
-    tallest of equals. The other two GEMMs of a chunk have ``V``-wide outputs, hundreds of tiles
-    a row: any height fills their waves. At D=4096 a 1639-row cap gives 1024 rows (128 tiles on
-    132 SMs, 97%) where 1639 rows would be 208 tiles, 1.58 waves (79%)."""
-    tm = hardware.gemm_tile[0]
-    heights = {max_rows, *range(tm * (max_rows // (2 * tm) + 1), max_rows + 1, tm)}
-    return max(heights, key=lambda r: (round(wave_efficiency(r, d, hardware), 6), r))
 
 _ELEMENT_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 

@@ -1,18 +1,24 @@
 """The GPU cost model: FLOPs and bytes against closed forms, plans within their budgets, the
 issue's targets at the reference shape, bad arguments, and the fixed CUDA default budget."""
 
+import inspect
 import itertools
 import math
+import os
 import pathlib
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from logitless.fused_losses.fused import gpu_plan as gp
 from logitless.fused_losses.fused import plan as fpl
+from logitless.tools import gpu_plan as gp
 
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 MiB, GiB = 2**20, 2**30
 N, D, V = 1000, 96, 1007  # odd, so chunks and tiles split unevenly
 BUDGETS = {  # each path's budget that forces several row chunks at N, D, V in bf16
@@ -190,6 +196,41 @@ def test_head_tiling_is_the_cuda_launchers():
     assert gp.VOCAB_TILE == linear_softmax.VOCAB_TILE
     assert gp.ROW_CHUNK == linear_softmax.ROW_CHUNK
     assert gp.HEAD_TILE_BUDGET == linear_softmax.TILE_BYTES
+
+
+def test_the_tiling_is_written_once_and_read_without_triton():
+    """The launchers' tiling lives in ``kernels/constants.py`` alone: the head's and the
+    sampler's Triton launchers, the sampler's torch twin and the cost model all bind it from
+    there, and the cost model (with the constants) imports in a process without Triton."""
+    script = textwrap.dedent("""
+        import sys
+        sys.modules["triton"] = None  # no Triton in this process
+        from logitless.kernels import constants
+        from logitless.tools import gpu_plan
+        names = ("VOCAB_TILE", "ROW_CHUNK", "HEAD_TILE_BUDGET", "SAMPLER_ROWS",
+                 "SAMPLER_SLICE", "SAMPLER_TILE_BUDGET")
+        assert all(getattr(gpu_plan, k) == getattr(constants, k) for k in names)
+        print("triton-free")
+    """)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["triton-free"]
+    from logitless.kernels import constants, sampler_torch
+
+    assert sampler_torch._MAX_ROWS == constants.SAMPLER_ROWS
+    pytest.importorskip("triton")
+    from logitless.kernels import linear_softmax, sampler
+
+    assert (linear_softmax.VOCAB_TILE, linear_softmax.ROW_CHUNK, linear_softmax.TILE_BYTES) \
+        == (constants.VOCAB_TILE, constants.ROW_CHUNK, constants.HEAD_TILE_BUDGET)
+    assert (sampler._MAX_ROWS, sampler._SLICE, sampler.DEFAULT_TILE_BYTES) \
+        == (constants.SAMPLER_ROWS, constants.SAMPLER_SLICE, constants.SAMPLER_TILE_BUDGET)
+    for module in (linear_softmax, sampler, sampler_torch, gp):  # no second copy of a number
+        source = inspect.getsource(module)
+        assert "= 8192\n" not in source and "= 2**30\n" not in source, module.__name__
 
 
 TARGETS = dict(epilogues=gp.EPILOGUE_BUDGET, objective_launches=gp.TARGET_OBJECTIVE_LAUNCHES)

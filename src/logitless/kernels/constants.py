@@ -1,0 +1,33 @@
+"""The CUDA launchers' tiling, written once: the Triton kernels and their torch twins bind their
+shapes from here, and the GPU cost model (``tools/gpu_plan.py``) prices the same shapes. Plain
+numbers, no Triton import, so the cost model reads them on any machine.
+
+Tests shrink a kernel's own binding (``linear_softmax.VOCAB_TILE``, ``sampler._SLICE``, ...) to
+cross its boundaries at small shapes; the values here are the shipped ones.
+"""
+
+__all__ = ["HEAD_TILE_BUDGET", "ROW_CHUNK", "SAMPLER_ROWS", "SAMPLER_SLICE",
+           "SAMPLER_TILE_BUDGET", "VOCAB_TILE"]
+
+# The head (kernels/linear_softmax.py, and kernels/divergence.py on the same plan).
+# Vocabulary columns per tile: fixed, so tile boundaries (and the fold order of the statistics)
+# never depend on N (batch invariance), and wide enough that a tile's 1024-row GEMM fills the
+# chip (8 x 32 output tiles of 128 x 256).
+VOCAB_TILE = 8192
+# Rows of every head GEMM: hidden is padded to whole chunks, so a row's GEMMs have one shape
+# whatever N is (cuBLAS chooses its kernel, and its order of sums, from the shape).
+ROW_CHUNK = 1024
+# Default bytes of the head's logits tile (a row group of whole chunks by VOCAB_TILE columns in
+# the input dtype): 16384 bf16 rows.
+HEAD_TILE_BUDGET = 256 * 2**20
+
+# The sampler (kernels/sampler.py and its twin kernels/sampler_torch.py).
+# Most rows per chunk: one GEMM of the whole head each.
+SAMPLER_ROWS = 1024
+# Vocabulary columns per program of a pass (its slice; 19 slices at V=151936, so a 1024-row
+# chunk's pass runs 19456 programs).
+SAMPLER_SLICE = 8192
+# Default budget of one chunk's buffers (and of the backward's tile): at V=151936 in bf16 a
+# chunk of 1024 rows (its logits, 311 MB, and their tempered fp32 copy, 622 MB), so that every
+# GEMM is 1024 rows tall and the head is read once per 1024 rows.
+SAMPLER_TILE_BUDGET = 2**30
