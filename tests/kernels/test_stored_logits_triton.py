@@ -80,7 +80,7 @@ def test_one_chunk_statistics_and_logit_gradient(monkeypatch, dtype):
     g_lp, g_ent = torch.randn(n), torch.randn(n)
     d_weight = torch.full((v, d), float("nan"))  # beta=0 overwrites whatever it holds
     d_bias = torch.zeros(v)
-    d_hidden = store.backward_(hidden, weight, lse, ent, g_lp, g_ent, d_weight, d_bias,
+    d_hidden = store.backward_(hidden, weight, ent, g_lp, g_ent, d_weight, d_bias,
                                want_hidden=True, weight_beta=0.0)
     x64 = x.clone().requires_grad_()
     stats = linear_softmax_stats(x64, eye, targets, None, **opts)
@@ -126,9 +126,9 @@ def test_a_chunk_makes_no_tensor_from_python_data_and_reads_nothing_back(monkeyp
     d_weight = torch.zeros(v, d)
     with Watch() as watch:
         for _ in range(2):  # a second chunk through the same store
-            lp, ent, lse = store.forward(hidden, weight, None, targets, temperature=0.9,
+            lp, ent, _ = store.forward(hidden, weight, None, targets, temperature=0.9,
                                          softcap=None, logit_scale=1.0)
-            store.backward_(hidden, weight, lse, ent, torch.ones(n), None, d_weight, None,
+            store.backward_(hidden, weight, ent, torch.ones(n), None, d_weight, None,
                             want_hidden=True)
     assert watch.bad == []
     assert torch.isfinite(lp).all() and torch.isfinite(d_weight).all()
@@ -155,7 +155,7 @@ def test_nan_left_in_the_row_padding_never_reaches_the_gradients():
         lp, ent, lse = store.forward(hidden, weight, None, targets, temperature=1.0,
                                      softcap=None, logit_scale=1.0)
         d_weight = torch.zeros(v, d)
-        d_hidden = store.backward_(hidden, weight, lse, ent, g_lp, g_ent, d_weight, None,
+        d_hidden = store.backward_(hidden, weight, ent, g_lp, g_ent, d_weight, None,
                                    want_hidden=True)
         runs.append((lp, ent, lse, d_hidden, d_weight))
     assert torch.isfinite(runs[1][3]).all()

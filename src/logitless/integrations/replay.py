@@ -50,12 +50,13 @@ def _shown(value) -> str:
 def _listed(value, where: str, what: str) -> list:
     """``value`` (any iterable but a string or a dict) as a list; else ``ValueError``
     "``where``: expected ``what``, got ..." (``where`` starts with the argument's name)."""
-    if value is not None and not isinstance(value, (str, bytes, dict)):
-        try:
-            return list(value)
-        except TypeError:
-            pass
-    raise ValueError(f"{where}: expected {what}, got {_shown(value)}")
+    error = ValueError(f"{where}: expected {what}, got {_shown(value)}")
+    if value is None or isinstance(value, (str, bytes, dict)):
+        raise error
+    try:
+        return list(value)
+    except TypeError:  # not iterable: a number, a 0-d tensor, an object
+        raise error from None
 
 
 def _is_int(i) -> bool:

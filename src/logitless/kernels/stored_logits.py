@@ -114,20 +114,18 @@ class StoredLogits:
         self.top, self.log_l = normaliser(merged)
         return finish_logprobs(merged, self.log_l)
 
-    def backward_(self, hidden, weight, lse, entropy, g_lp, g_entropy, d_weight, d_bias,
+    def backward_(self, hidden, weight, entropy, g_lp, g_entropy, d_weight, d_bias,
                   want_hidden: bool, weight_beta: float = 1.0):
         """Turn the stored exponentials into ``d loss / d x`` (``x`` the untransformed logits)
         block by block, add ``dx @ hidden`` to ``d_weight`` (``weight_beta=0``: overwrite it)
         and ``dx`` summed to ``d_bias`` (either may be None), and return ``dx^T W`` when
         ``want_hidden`` (fp32; fp64 for fp64 inputs).
 
-        ``g_lp``, ``g_entropy``: per-token upstream gradients (None: zero). ``lse`` is not
-        read: with ``p = e exp((m_b - top) - log l)`` (the forward's normaliser) and
-        ``f = scale / T``:
+        ``g_lp``, ``g_entropy``: per-token upstream gradients (None: zero). With ``p = e
+        exp((m_b - top) - log l)`` (the forward's normaliser) and ``f = scale / T``:
         ``dz = f p (-g_lp - g_H (log p + H)) + f g_lp 1[j = y]``, times ``1 - tanh^2`` when
         soft-capping (at the target, from its exact logit).
         """
-        del lse
         temperature, softcap, logit_scale = self.head
         f = logit_scale / temperature
         shift = (self.block_max - self.top) - self.log_l  # [blocks, rows]: log p = log e + shift

@@ -100,15 +100,14 @@ class StoredLogitsTriton:
         self.top, self.log_l = normaliser(parts)  # rows of the state: contiguous
         return finish_logprobs(parts, self.log_l)
 
-    def backward_(self, hidden, weight, lse, entropy, g_lp, g_entropy, d_weight, d_bias,
+    def backward_(self, hidden, weight, entropy, g_lp, g_entropy, d_weight, d_bias,
                   want_hidden: bool, weight_beta: float = 1.0):
         """Turn the stored logits into ``dx = d loss / d x`` in place, add ``dx^T @ hidden``
         to the fp32 ``d_weight`` (``weight_beta=0``: overwrite it) and ``dx``'s column sum to
         ``d_bias`` (either may be None); return ``dx @ W`` in the input dtype when
         ``want_hidden``. ``g_lp``, ``g_entropy``: per-token upstream gradients (None: zero).
-        ``lse`` is not read: ``p`` is recomputed from the normaliser in the two parts the
-        forward kept (``top`` and ``log l``), exact at low temperatures where ``lse`` is not."""
-        del lse
+        ``p`` is recomputed from the normaliser in the two parts the forward kept (``top`` and
+        ``log l``), exact at low temperatures where one ``lse`` is not."""
         rows = self.rows
         dx = self._logits[:rows * self.ld].view(rows, self.ld)[:, :self.vocab]  # padding: 0
         top = self.top

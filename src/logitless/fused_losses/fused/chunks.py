@@ -149,7 +149,7 @@ class ChunkRunner:
 
     def _dense(self, chunk, h, t):
         """One chunk at the 3-GEMM floor; returns its hidden-gradient rows (or None)."""
-        lp, ent, lse = self.store.forward(h, self.w, self.b, t, **self.transform)  # GEMM 1
+        lp, ent, _ = self.store.forward(h, self.w, self.b, t, **self.transform)  # GEMM 1
         ref = self.call.ref
         kl = saved = None
         if ref is not None:  # the exact KL's own passes over both heads' tiles
@@ -162,7 +162,7 @@ class ChunkRunner:
         if g_lp is not None or g_ent is not None:
             # The stored logits become dz in place, each vocabulary block feeding GEMMs 2, 3.
             d_weight, beta = self.grads.weight_buffer()
-            gh = self.store.backward_(h, self.w, lse, ent, g_lp, g_ent, d_weight,
+            gh = self.store.backward_(h, self.w, ent, g_lp, g_ent, d_weight,
                                       self.grads.bias, want_hidden=self.need.hidden,
                                       weight_beta=beta)
         if g_kl is not None:  # the KL's backward pass, into the same accumulators

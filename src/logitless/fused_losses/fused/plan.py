@@ -153,7 +153,7 @@ class ChunkStore(Protocol):
         """Keep the logits of ``hidden [rows, D]``; return per-token ``(logprobs, entropy,
         lse)`` (fp32; fp64 for fp64 inputs). ``targets`` lie in ``[0, V)``."""
 
-    def backward_(self, hidden, weight, lse, entropy, g_lp, g_entropy, d_weight, d_bias,
+    def backward_(self, hidden, weight, entropy, g_lp, g_entropy, d_weight, d_bias,
                   want_hidden: bool, weight_beta: float = 1.0):
         """Turn the kept logits into their gradient: add to ``d_weight`` (``weight_beta=0``:
         overwrite it) and ``d_bias`` (either may be None); return the hidden-gradient rows

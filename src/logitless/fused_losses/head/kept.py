@@ -76,8 +76,14 @@ def check_kept_ids(kept_ids, targets: torch.Tensor, vocab: int, ignore_index: in
                          f"not ignore_index; token {int(empty.nonzero()[0])} has none")
 
 
-def _rows_per_chunk(k: int, d: int, itemsize: int, budget: int) -> int:
-    return max(1, budget // max(1, k * d * itemsize * 3))
+def _chunk_plan(hidden, ids, dtype, budget: int) -> tuple[torch.dtype, int, int]:
+    """``(acc, n, step)`` of a gather over ``ids`` ``[n, K]``: the accumulation dtype of the
+    compute ``dtype``, the row count and the rows per chunk whose ``K`` gathered rows of
+    ``hidden``'s width (three copies in ``acc``) stay within ``budget`` bytes."""
+    acc = acc_dtype(dtype)
+    n, k = ids.shape
+    row_bytes = k * hidden.shape[-1] * (8 if acc == torch.float64 else 4) * 3
+    return acc, n, max(1, budget // max(1, row_bytes))
 
 
 def _kept_logits(h, weight, bias, ids, temp, softcap, scale, low=None):
@@ -127,9 +133,7 @@ class _KeptLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, ids, targets, temp, dtype, softcap, scale, budget,
                 gather):
-        acc = acc_dtype(dtype)
-        n, k = ids.shape
-        step = _rows_per_chunk(k, hidden.shape[-1], 8 if acc == torch.float64 else 4, budget)
+        acc, n, step = _chunk_plan(hidden, ids, dtype, budget)
         lp = torch.empty(n, dtype=acc, device=hidden.device)
         ent, lse_k = torch.empty_like(lp), torch.empty_like(lp)
         hit = ids == targets.unsqueeze(-1)
@@ -267,10 +271,8 @@ class _IdLogits(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, ids, temp, dtype, softcap, scale, budget, gather,
                 low):
-        acc = acc_dtype(dtype)
-        n, k = ids.shape
-        step = _rows_per_chunk(k, hidden.shape[-1], 8 if acc == torch.float64 else 4, budget)
-        z = torch.empty(n, k, dtype=acc, device=hidden.device)
+        acc, n, step = _chunk_plan(hidden, ids, dtype, budget)
+        z = torch.empty(ids.shape, dtype=acc, device=hidden.device)
         # Autocast off: fp32 logits (not autocast's bf16 from bmm), as the backward's.
         with torch.autocast(hidden.device.type, enabled=False):
             for s in range(0, n, step):
