@@ -8,8 +8,8 @@ For `linear_logprobs` without and with its backward, and for `fused_policy_loss`
 its backward, each kernel that `torch.profiler` records on the device is put in one group:
 
 - ``GEMMs``: cuBLAS / CUTLASS kernels (names with gemm, xmma, cutlass, nvjet, or sm90_);
-- ``statistics pass``: ``_tile_stats_kernel``;
-- ``dz pass``: ``_tile_grad_kernel``;
+- ``statistics pass``: ``tile_stats_kernel``;
+- ``dz pass``: ``tile_grad_kernel``;
 - ``other``: everything else (the objective's small kernels, copies, casts, fills).
 
 Beside each group: the same group of `gpu_plan`'s passes at that shape (bf16), so that a
@@ -38,9 +38,9 @@ PATHS = {"linear_logprobs, no grad": "logprobs-nograd",
 
 def group_of_kernel(name: str) -> str:
     low = name.lower()
-    if "_tile_stats_kernel" in low:
+    if "tile_stats_kernel" in low:
         return "statistics pass"
-    if "_tile_grad_kernel" in low:
+    if "tile_grad_kernel" in low:
         return "dz pass"
     if any(m in low for m in _GEMM_MARKS):
         return "GEMMs"

@@ -10,7 +10,7 @@ import torch
 
 from logitless import PolicyLossConfig, linear_divergence, policy_loss, reference
 from logitless.fused_losses.fused.fused_policy_loss import fused_policy_loss
-from logitless.kernels import stored_logits
+from logitless.kernels import stored_logits_torch
 
 from testing import assert_close_to_oracle, requires_triton
 
@@ -114,10 +114,10 @@ CONFIGS = {
 def test_fused_exact_kl_matches_the_fp64_spec(name, strategy, monkeypatch):
     """A budget of 30 rows: the first sequence (35 loss tokens) streamed, the others dense
     chunks in vocabulary blocks of 300 (the last partial)."""
-    monkeypatch.setattr(stored_logits, "VOCAB_BLOCK", 300)
+    monkeypatch.setattr(stored_logits_torch, "VOCAB_BLOCK", 300)
     batch = make_batch()
     cfg = PolicyLossConfig(kl_estimator="exact", **CONFIGS[name])
-    budget = 30 * stored_logits.bytes_per_row(V, torch.float64, None)
+    budget = 30 * stored_logits_torch.bytes_per_row(V, torch.float64, None)
     got = run_fused(batch, cfg, memory_budget=budget, strategy=strategy)
     assert_matches_spec(got, run_spec(batch, cfg))
 
@@ -132,7 +132,7 @@ def test_composed_form_matches_the_spec_and_the_fused_form():
                            entropy_coef=0.0)
     composed = run_composed(batch, cfg)
     assert_matches_spec(composed, run_spec(batch, cfg))
-    fused = run_fused(batch, cfg, memory_budget=24 * stored_logits.bytes_per_row(
+    fused = run_fused(batch, cfg, memory_budget=24 * stored_logits_torch.bytes_per_row(
         V, torch.float64, None))
     assert_matches_spec(fused, (composed[0], composed[1]["kl"], composed[2]), rtol=1e-11)
 

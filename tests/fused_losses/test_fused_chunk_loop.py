@@ -1,6 +1,6 @@
 """fused_policy_loss's chunk loop as CUDA runs it (issue 22, item 4): what one more chunk
 launches, counted on CPU under the Triton interpreter (`logitless.tools.launches`), with the
-chunk objective compiled as on CUDA (``fused.objective``; inductor's C++ backend here); that
+chunk objective compiled as on CUDA (``fused.chunk_objective``; inductor's C++ backend here); that
 the compiled objective gives the eager one's results; and the eager fallback."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from fused_losses.test_fused_policy_loss import (
     run_reference,
 )
 from logitless import PolicyLossConfig
-from logitless.fused_losses.fused import objective
+from logitless.fused_losses.fused import chunk_objective
 from logitless.tools.launches import CHUNK_CONFIGS, LaunchCount, extra_chunk
 
 from testing import requires_triton
@@ -27,8 +27,8 @@ from testing import requires_triton
 def fresh_objective(monkeypatch):
     """The compiled objective's state as a new process has it, restored afterwards."""
     torch._dynamo.reset()
-    monkeypatch.setattr(objective, "_STATE", {"fn": None, "broken": False})
-    return objective
+    monkeypatch.setattr(chunk_objective, "_STATE", {"fn": None, "broken": False})
+    return chunk_objective
 
 
 @requires_triton
@@ -41,7 +41,7 @@ def test_an_extra_chunk_launches_at_most_30_and_waits_for_nothing(config, monkey
     monkeypatch.setenv("LOGITLESS_BACKEND", "triton")
     extra = extra_chunk(config, compiled=True)
     assert extra["host_reads"] == 0 and extra["python_data"] == 0, extra
-    assert extra["triton"] == {"_tile_stats_kernel": 1, "_tile_grad_kernel": 1}, extra
+    assert extra["triton"] == {"tile_stats_kernel": 1, "tile_grad_kernel": 1}, extra
     assert 0 < extra["launches"] <= 30, extra
 
 
@@ -58,7 +58,7 @@ def test_the_eager_chunk_loop_waits_for_nothing_either(monkeypatch):
 @requires_triton
 def test_the_counter_sees_host_reads_python_data_and_triton_launches(monkeypatch):
     from logitless.kernels import linear_softmax
-    from logitless.kernels.stored_logits_triton import StoredLogitsTriton
+    from logitless.kernels.stored_logits import StoredLogitsTriton
 
     monkeypatch.setattr(linear_softmax, "_BLOCK_V", 128)
     x = torch.randn(4, 300)
@@ -78,7 +78,7 @@ def test_the_counter_sees_host_reads_python_data_and_triton_launches(monkeypatch
         store.forward(torch.randn(4, 8), torch.randn(300, 8), None, torch.tensor([0, 5, 7, 299]),
                       temperature=1.0, softcap=None, logit_scale=1.0)
     # one launch for the kernel, its arguments' copies to and from the interpreter not counted
-    assert count.triton == {"_tile_stats_kernel": 1}
+    assert count.triton == {"tile_stats_kernel": 1}
     assert "aten.copy_.default" in count.ops and count.ops["aten.copy_.default"] == 1  # init
 
 
@@ -98,12 +98,12 @@ def test_the_compiled_objective_gives_the_eager_results(case, fresh_objective, m
     batch = make_batch()
     cfg = PolicyLossConfig(**COMPILED_CASES[case])
     kw = dict(memory_budget=rows(8), with_rollout="rollout_is" in COMPILED_CASES[case])
-    monkeypatch.setattr(objective, "COMPILE", False)
+    monkeypatch.setattr(chunk_objective, "COMPILE", False)
     eager = run_fused(batch, cfg, **kw)
-    monkeypatch.setattr(objective, "COMPILE", True)
+    monkeypatch.setattr(chunk_objective, "COMPILE", True)
     got = run_fused(batch, cfg, **kw)
-    assert not objective._STATE["broken"]
-    assert objective.KERNELS > 0  # it did compile and run a graph
+    assert not chunk_objective._STATE["broken"]
+    assert chunk_objective.KERNELS > 0  # it did compile and run a graph
     assert_same(got, eager, rtol=1e-12)
     assert_same(got, run_reference(batch, cfg, with_rollout=kw["with_rollout"]))
 
@@ -113,7 +113,7 @@ def test_a_new_step_numbers_do_not_recompile(fresh_objective, monkeypatch):
     constants (a recompile per step would run past dynamo's cache and fall back to eager)."""
     from torch._dynamo.utils import counters
 
-    monkeypatch.setattr(objective, "COMPILE", True)
+    monkeypatch.setattr(chunk_objective, "COMPILE", True)
     batch = make_batch()
     cfg = config_for("grpo", beta=0.05)
     run_fused(batch, cfg, memory_budget=rows(8), entropy_coef=0.01, training_progress=0.1)
@@ -121,11 +121,11 @@ def test_a_new_step_numbers_do_not_recompile(fresh_objective, monkeypatch):
     for step in range(2, 4):
         got = run_fused(batch, cfg, memory_budget=rows(8), entropy_coef=0.01 * step,
                         training_progress=0.1 * step)
-        monkeypatch.setattr(objective, "COMPILE", False)
+        monkeypatch.setattr(chunk_objective, "COMPILE", False)
         assert_same(got, run_fused(batch, cfg, memory_budget=rows(8), entropy_coef=0.01 * step,
                                    training_progress=0.1 * step), rtol=1e-12)
-        monkeypatch.setattr(objective, "COMPILE", True)
-    assert not objective._STATE["broken"]
+        monkeypatch.setattr(chunk_objective, "COMPILE", True)
+    assert not chunk_objective._STATE["broken"]
     assert counters["stats"]["unique_graphs"] == graphs
 
 
@@ -138,9 +138,9 @@ def test_a_failing_compile_falls_back_to_the_eager_objective(fresh_objective, mo
     batch = make_batch()
     cfg = config_for("grpo", beta=0.05)
     want = run_fused(batch, cfg, memory_budget=rows(8))
-    monkeypatch.setattr(objective, "COMPILE", True)
-    monkeypatch.setattr(objective, "_compiled", broken)
+    monkeypatch.setattr(chunk_objective, "COMPILE", True)
+    monkeypatch.setattr(chunk_objective, "_compiled", broken)
     with pytest.warns(RuntimeWarning, match="running it eagerly"):
         got = run_fused(batch, cfg, memory_budget=rows(8))
-    assert objective._STATE["broken"]
+    assert chunk_objective._STATE["broken"]
     assert_same(got, want, rtol=0)  # the eager path's very bits

@@ -7,7 +7,7 @@ import torch
 from logitless import PolicyLossConfig, policy_loss, reference
 from logitless.fused_losses.fused.fused_policy_loss import fused_policy_loss, plan_chunks
 from logitless.fused_losses.objectives.catalog import OBJECTIVES
-from logitless.kernels import stored_logits
+from logitless.kernels import stored_logits_torch
 
 from testing import assert_close_to_oracle
 
@@ -17,14 +17,14 @@ HEAD = dict(temperature=0.9, softcap=5.0)
 
 def rows(n):
     """A memory budget of ``n`` chunk rows here (fp64, soft-capped), at the current block."""
-    return n * stored_logits.bytes_per_row(V, torch.float64, HEAD["softcap"])
+    return n * stored_logits_torch.bytes_per_row(V, torch.float64, HEAD["softcap"])
 
 
 @pytest.fixture(params=[None, 64], ids=["one-block", "vocab-blocks-of-64"])
 def vocab_block(request, monkeypatch):
     """The whole vocabulary in one block, or in blocks of 64 (the last one partial)."""
     if request.param is not None:
-        monkeypatch.setattr(stored_logits, "VOCAB_BLOCK", request.param)
+        monkeypatch.setattr(stored_logits_torch, "VOCAB_BLOCK", request.param)
     return request.param
 
 
@@ -166,20 +166,20 @@ def test_sequence_longer_than_budget_is_streamed(monkeypatch):
 def test_inputs_are_checked_once(monkeypatch, strategy):
     """The head's arguments and the policy inputs are checked once for the call, not again by
     each chunk (a streamed chunk takes the op's private path, which checks nothing)."""
-    from logitless.fused_losses.fused import call as module
+    from logitless.fused_losses.fused import validation as module
     from logitless.fused_losses.head import logprobs
     from logitless.fused_losses.objectives import policy_inputs
 
     calls = []
     for mod, name in ((module, "check_head_args"), (logprobs, "check_head_args"),
-                      (policy_inputs, "_check_shapes")):
+                      (policy_inputs, "check_shapes")):
         real = getattr(mod, name)
         monkeypatch.setattr(mod, name, lambda *a, _real=real, _n=name, **k:
                             calls.append(_n) or _real(*a, **k))
     batch = make_batch(seed=2)
     cfg = PolicyLossConfig(objective="grpo", top_entropy_quantile=0.5)
     got = run_fused(batch, cfg, memory_budget=rows(6), strategy=strategy)  # 2 streamed chunks
-    assert sorted(calls) == ["_check_shapes", "check_head_args"]
+    assert sorted(calls) == ["check_head_args", "check_shapes"]
     assert_same(got, run_reference(batch, cfg))
 
 
@@ -268,11 +268,11 @@ def test_selection_entropy_from_the_old_pass(strategy):
 @pytest.mark.parametrize("entropy_coef", [0.0, 0.01])
 def test_plain_head_in_vocab_blocks(monkeypatch, entropy_coef):
     """No bias, no transform (the usual head), the vocabulary in blocks of 40, 9 rows a chunk."""
-    monkeypatch.setattr(stored_logits, "VOCAB_BLOCK", 40)
+    monkeypatch.setattr(stored_logits_torch, "VOCAB_BLOCK", 40)
     b = make_batch(seed=10)
     cfg = PolicyLossConfig(objective="grpo", entropy_coef=entropy_coef)
     leaves = [b[k].clone().requires_grad_(True) for k in ("hidden", "weight")]
-    budget = 9 * stored_logits.bytes_per_row(V, torch.float64, None)
+    budget = 9 * stored_logits_torch.bytes_per_row(V, torch.float64, None)
     loss, _ = fused_policy_loss(leaves[0], leaves[1], b["targets"], b["old"], b["adv"],
                                 b["mask"], cfg, memory_budget=budget)
     ref_leaves = [b[k].clone().requires_grad_(True) for k in ("hidden", "weight")]
@@ -291,7 +291,7 @@ def test_fp32_logits_far_below_the_block_maximum(monkeypatch, softcap):
     """Logits spread over hundreds: most exponentials of a block underflow to 0 in fp32. Their
     probabilities are 0 and so are their gradient terms (the entropy term's log of 0 included);
     the results stay within fp32 PyTorch's own distance from fp64."""
-    monkeypatch.setattr(stored_logits, "VOCAB_BLOCK", 64)
+    monkeypatch.setattr(stored_logits_torch, "VOCAB_BLOCK", 64)
     b = make_batch(seed=11)
     b["hidden"] = b["hidden"] * 100.0
     head = dict(temperature=0.8, softcap=softcap)
@@ -322,7 +322,7 @@ def test_fp32_logits_far_below_the_block_maximum(monkeypatch, softcap):
 @pytest.mark.parametrize("block", [None, 96])
 def test_bf16_three_way(monkeypatch, block):
     if block is not None:
-        monkeypatch.setattr(stored_logits, "VOCAB_BLOCK", block)
+        monkeypatch.setattr(stored_logits_torch, "VOCAB_BLOCK", block)
     batch = make_batch(dtype=torch.bfloat16, seed=9)
     cfg = PolicyLossConfig(objective="grpo", entropy_coef=0.01)
     ours = run_fused(batch, cfg, with_ref=False, memory_budget=2**20)

@@ -1,4 +1,4 @@
-"""fused_policy_loss through the Triton chunk store (``kernels/stored_logits_triton.py``, what
+"""fused_policy_loss through the Triton chunk store (``kernels/stored_logits.py``, what
 CUDA runs), under TRITON_INTERPRET=1 on CPU tensors with ``LOGITLESS_BACKEND=triton``: against
 the fp64 reference (values, metrics, hidden/weight/bias gradients; bf16 by the three-way check),
 against the torch store, over several chunks and masks with ignored tokens.
@@ -25,7 +25,7 @@ from fused_losses.test_fused_policy_loss import (
 )
 from logitless import PolicyLossConfig
 from logitless.fused_losses.fused import plan as fpl_plan
-from logitless.kernels import linear_softmax, stored_logits
+from logitless.kernels import linear_softmax, stored_logits_torch
 
 from testing import assert_close_to_oracle, requires_triton
 
@@ -38,7 +38,7 @@ CHUNK_ROWS = 13
 @pytest.fixture
 def triton_store(monkeypatch):
     """The Triton store selected as on CUDA, its launches counted."""
-    from logitless.kernels import stored_logits_triton as st
+    from logitless.kernels import stored_logits as st
 
     monkeypatch.setenv("LOGITLESS_BACKEND", "triton")
     monkeypatch.setattr(linear_softmax, "_BLOCK_V", BLOCK)
@@ -56,7 +56,7 @@ def triton_store(monkeypatch):
 
 def budget(rows, dtype):
     """A memory budget of ``rows`` chunk rows for the Triton store."""
-    from logitless.kernels.stored_logits_triton import StoredLogitsTriton
+    from logitless.kernels.stored_logits import StoredLogitsTriton
 
     return rows * StoredLogitsTriton.bytes_per_row(V, dtype, HEAD["softcap"], hidden_size=D)
 
@@ -138,7 +138,7 @@ def test_equals_torch_store(triton_store, monkeypatch, dtype):
     ours = run_fused(batch, cfg, memory_budget=budget(CHUNK_ROWS, dtype))
     assert triton_store["forward"] >= 3
     monkeypatch.setenv("LOGITLESS_BACKEND", "torch")
-    theirs = run_fused(batch, cfg, memory_budget=CHUNK_ROWS * stored_logits.bytes_per_row(
+    theirs = run_fused(batch, cfg, memory_budget=CHUNK_ROWS * stored_logits_torch.bytes_per_row(
         V, dtype, HEAD["softcap"]))
     assert triton_store["forward"] >= 3  # unchanged count: the torch store ran
     tol = 1e-5 if dtype == torch.float32 else 1e-2
@@ -164,20 +164,20 @@ def test_store_selection(monkeypatch):
     store on CPU by default and for fp64."""
     cpu = torch.device("cpu")
     monkeypatch.delenv("LOGITLESS_BACKEND", raising=False)
-    assert fpl_plan.store_type(cpu, torch.float32) is stored_logits.StoredLogits
+    assert fpl_plan.store_type(cpu, torch.float32) is stored_logits_torch.StoredLogits
     if os.environ.get("TRITON_INTERPRET") == "1":
-        from logitless.kernels.stored_logits_triton import StoredLogitsTriton
+        from logitless.kernels.stored_logits import StoredLogitsTriton
 
         monkeypatch.setenv("LOGITLESS_BACKEND", "triton")
         assert fpl_plan.store_type(cpu, torch.bfloat16) is StoredLogitsTriton
-        assert fpl_plan.store_type(cpu, torch.float64) is stored_logits.StoredLogits
+        assert fpl_plan.store_type(cpu, torch.float64) is stored_logits_torch.StoredLogits
 
 
 def test_chunk_rows_follow_the_cost_model():
     """The Triton store sizes a chunk's row as gpu_plan does: the stored logits in the input
     dtype plus the gathered hidden row and its gradient row."""
     pytest.importorskip("triton")
-    from logitless.kernels.stored_logits_triton import StoredLogitsTriton
+    from logitless.kernels.stored_logits import StoredLogitsTriton
     from logitless.tools import gpu_plan
 
     n, d, v = gpu_plan.REFERENCE_SHAPE

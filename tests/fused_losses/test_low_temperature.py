@@ -200,7 +200,7 @@ def test_topk_distill_gradients_as_accurate_as_fp32_autograd(backend, temperatur
 @pytest.mark.parametrize("temperature", TEMPERATURES, ids=lambda t: f"T{t:.3g}")
 def test_fused_policy_loss_gradients_as_accurate_as_fp32_autograd(backend, temperature,
                                                                   monkeypatch):
-    """``fused_policy_loss``, whose chunks keep their logits (``stored_logits``): the torch
+    """``fused_policy_loss``, whose chunks keep their logits (``stored_logits_torch``): the torch
     store's backward took ``p = e exp(m_b - lse)`` with an fp32 ``lse`` of the logits' size,
     as the head's did. REINFORCE with an entropy bonus: a loss linear in the logprobs and the
     entropies, so the gradients measure the backward alone (a ratio's ``exp(lp - old)`` would

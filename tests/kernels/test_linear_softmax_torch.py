@@ -12,15 +12,15 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
 def _record_tiles(monkeypatch):
-    """Every ``_Tiles`` a call builds, kept for inspection."""
+    """Every ``Tiles`` a call builds, kept for inspection."""
     built = []
-    real_init = twin._Tiles.__init__
+    real_init = twin.Tiles.__init__
 
     def init(self, *args, **kwargs):
         real_init(self, *args, **kwargs)
         built.append(self)
 
-    monkeypatch.setattr(twin._Tiles, "__init__", init)
+    monkeypatch.setattr(twin.Tiles, "__init__", init)
     return built
 
 

@@ -378,7 +378,7 @@ def test_every_tile_row_starts_16_aligned(small_tiles, monkeypatch):
                 return self.real[grid](z, stride_row, *args, **kw)
             return launch
 
-    for name in ("_tile_stats_kernel", "_tile_grad_kernel"):
+    for name in ("tile_stats_kernel", "tile_grad_kernel"):
         monkeypatch.setattr(kernel, name, Recorder(getattr(kernel, name)))
     hidden, weight, b, targets = _problem(N, torch.bfloat16, bias=True, **OPTIONS["plain"])
     upstream = _upstream(N, ("g_lp",))
@@ -462,7 +462,7 @@ for dtype, ty in (("bfloat16", "bf16"), ("float16", "fp16"), ("float32", "fp32")
         warps, consts = split(k.stats_meta(dt, 3.0 if on else None, on, on))
         sig = dict(logits="*" + ty, stride_row="i32", targets="*i64", state="*fp32",
                    plane="i32", width="i32", v0="i32", softcap="fp32", z_scale="fp32")
-        assert compile_sm90(k._tile_stats_kernel, sig, consts, num_warps=warps).asm["cubin"]
+        assert compile_sm90(k.tile_stats_kernel, sig, consts, num_warps=warps).asm["cubin"]
         g = torch.zeros(1) if on else None
         warps, consts = split(k.grad_meta(dt, 3.0 if on else None, g, g, g, g, g))
         sig = dict(logits="*" + ty, stride_row="i32", targets="*i64",
@@ -470,7 +470,7 @@ for dtype, ty in (("bfloat16", "bf16"), ("float16", "fp16"), ("float32", "fp32")
                                     "g_entropy", "g_sum_p_sq", "g_mean_logit", "g_lse"), "*fp32"),
                    n_rows="i32", width="i32", v0="i32", softcap="fp32", z_scale="fp32",
                    inv_vocab_total="fp32")
-        assert compile_sm90(k._tile_grad_kernel, sig, consts, num_warps=warps).asm["cubin"]
+        assert compile_sm90(k.tile_grad_kernel, sig, consts, num_warps=warps).asm["cubin"]
 """
 
 

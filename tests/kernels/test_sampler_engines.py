@@ -219,7 +219,7 @@ def test_torch_path_kept_set_on_ties(engine, dtype, cols, monkeypatch):
     monkeypatch.setattr(sampler_torch, "_COLS", cols)
     z, gen = _tied(n=150)
     k, p, mp = _settings(*z.shape, gen)
-    keys = sampler_torch._ordered_keys(z.to(dtype))
+    keys = sampler_torch.ordered_keys(z.to(dtype))
     for which in WHICH:
         kk, pp, mm = _cut(k, p, mp, which)
         params = RowParams(torch.ones(z.shape[0], dtype=dtype), kk if "k" in which else None,

@@ -14,7 +14,7 @@ def test_ordered_keys_sort_like_the_floats(dtype):
     special = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), 1e-45, -1e-45, 3.0, -3.0],
                            dtype=dtype)
     z = torch.cat([special, torch.randn(300, dtype=dtype) * 50]).unsqueeze(0)
-    keys = sampler_torch._ordered_keys(z)[0]
+    keys = sampler_torch.ordered_keys(z)[0]
     zz = z[0]
     # key order is float order, and equal floats (0.0 and -0.0 included) get equal keys
     assert torch.equal(zz.unsqueeze(0) < zz.unsqueeze(1), keys.unsqueeze(0) < keys.unsqueeze(1))
@@ -45,7 +45,7 @@ def test_kept_set_matches_reference_on_tied_integer_logits(dtype, cols, monkeypa
     min_p = torch.where(torch.rand(n, generator=gen) < 0.5, 0.0,
                         torch.rand(n, generator=gen, dtype=torch.float64) * 0.3)
     params = RowParams(torch.ones(n, dtype=dtype), k, p.to(dtype), min_p.to(dtype))
-    keys = sampler_torch._ordered_keys(z)
+    keys = sampler_torch.ordered_keys(z)
     targets = torch.randint(0, v, (n,), generator=gen)
     got, outs = sampler_torch.select(z, targets, params)
     want = sampler_kept_mask(z.double(), k, p, min_p)

@@ -41,11 +41,11 @@ OUTS = ("logprobs", "entropy", "log_kept_mass")
 @pytest.fixture
 def small(monkeypatch):
     monkeypatch.setattr(kernel, "_COLS", COLS)
-    monkeypatch.setattr(kernel, "_SLICE", SLICE)
-    monkeypatch.setattr(kernel, "_BLOCK_V", BLOCK_V)
-    monkeypatch.setattr(kernel, "_BLOCK_T", BLOCK_V)
-    monkeypatch.setattr(kernel, "_BLOCK_C", BLOCK_V)
-    monkeypatch.setattr(kernel, "_BLOCK_S", BLOCK_S)
+    monkeypatch.setattr(kernel, "SLICE_COLS", SLICE)
+    monkeypatch.setattr(kernel, "BLOCK_COLS", BLOCK_V)
+    monkeypatch.setattr(kernel, "TRANSFORM_BLOCK", BLOCK_V)
+    monkeypatch.setattr(kernel, "CUT_BLOCK", BLOCK_V)
+    monkeypatch.setattr(kernel, "SEARCH_BLOCK", BLOCK_S)
     monkeypatch.setenv("LOGITLESS_BACKEND", "triton")
     calls = []
     for name in ("forward", "backward"):
@@ -176,7 +176,7 @@ def test_kept_sets_equal_the_torch_paths_on_tied_logits(small, monkeypatch, engi
     outs = [torch.empty(n) for _ in range(6)] + [torch.empty(n, dtype=torch.int64)
                                                  for _ in range(2)]
     kernel.chunk_stats(z, targets, kernel.row_args(params, n, z.device), 0, outs, None, 1.0)
-    keys = sampler_torch._ordered_keys(z)
+    keys = sampler_torch.ordered_keys(z)
     want, torch_outs = sampler_torch.select(z, targets, params)
     seen = torch.zeros(n, dtype=torch.int32)
     kept = sampler_torch._prefix_slice(keys.t().contiguous(), outs[-2].int(), outs[-1].int(),
@@ -268,7 +268,7 @@ import torch
 from sm90 import compile_sm90, ptxas_report
 from logitless.kernels import sampler as k
 
-W = k._WARPS
+W = k.WARPS
 report = {}
 
 def build(name, sig, consts, tag=""):
@@ -290,28 +290,28 @@ for ty, on in (("bf16", True), ("fp32", False)):
     rows.pop("targets")
     build("_cut_kernel", dict(rows, count="*i64", seen="*i64", u_at="*fp32", u_above="*fp32",
           cut="*i32", n_rows="i32", width="i32", span="i32", **scal, sign="fp32"),
-          dict(HAS_SOFTCAP=on, BLOCK_V=k._BLOCK_C), ty)
+          dict(HAS_SOFTCAP=on, BLOCK_V=k.CUT_BLOCK), ty)
     build("_transform_kernel", dict(x="*" + ty, stride_x="i32", temperature="*fp32",
           z="*fp32", stride_z="i32", part_m="*fp32", part_k="*i32", n_slices="i32",
           width="i32", span="i32", **scal),
-          dict(HAS_SOFTCAP=on, SLICE=k._SLICE, BLOCK_V=k._BLOCK_T), ty)
+          dict(HAS_SOFTCAP=on, SLICE=k.SLICE_COLS, BLOCK_V=k.TRANSFORM_BLOCK), ty)
     import triton.language as tl
     for keys in (True, False):
         build("_fan_kernel", dict(z="*fp32", stride_z="i32", m_in="*fp32", base="*i64",
               step="*i64", part="*fp32", n_slices="i32", span="i32", temperature="*fp32",
               mag="fp32", like="*" + (ty if keys else "fp32")),
               dict(WEIGHTED=on, VALUE_KEYS=keys and ty != "fp32", MASK=0x7FFF,
-                   KEY_TY=tl.int16, HI=0x7F80, FAN=k._FAN, SLICE=k._SLICE,
-                   BLOCK_S=k._BLOCK_S), ty + str(keys))
+                   KEY_TY=tl.int16, HI=0x7F80, FAN=k.FAN_KEYS, SLICE=k.SLICE_COLS,
+                   BLOCK_S=k.SEARCH_BLOCK), ty + str(keys))
     build("_settle_kernel", dict(found="*i64", lo="*i64", hi="*i64", temperature="*fp32",
           mag="fp32", like="*bf16", n_rows="i32"),
           dict(MASK=0x7FFF, KEY_TY=tl.int16, HI=0x7F80, BLOCK_R=k._BLOCK_R), ty)
     build("_stats_kernel", dict(z="*fp32", stride_z="i32", targets="*i64", m_in="*fp32",
           t_in="*i64", part="*fp32", part_k="*i32", n_slices="i32", width="i32", span="i32"),
-          dict(CANONICAL=on, SLICE=k._SLICE, BLOCK_V=k._BLOCK_V), ty)
+          dict(CANONICAL=on, SLICE=k.SLICE_COLS, BLOCK_V=k.BLOCK_COLS), ty)
     build("_search_step_kernel", dict(part="*fp32", lo="*i64", hi="*i64", step="*i64",
           target="*fp64", n_rows="i32", n_slices="i32"),
-          dict(FAN=k._FAN, BLOCK_R=k._BLOCK_R), ty)
+          dict(FAN=k.FAN_KEYS, BLOCK_R=k._BLOCK_R), ty)
     build("_finish_kernel", dict(part="*fp32", part_k="*i32", n_slices="i32", m_in="*fp32",
           t_in="*i64", c_in="*i64", z="*fp32", stride_z="i32", targets="*i64",
           n_rows="i32", width="i32", pad="fp32", lp_out="*fp32", ent_out="*fp32",
@@ -379,9 +379,9 @@ def test_chunks_at_the_reference_shape_are_1024_row_gemms():
     for dtype in (torch.bfloat16, torch.float16):
         assert kernel.rows_per_chunk(v, kernel.DEFAULT_TILE_BYTES, dtype, None) == 1024
     assert min(v, kernel._COLS) == v
-    assert -(-v // kernel._SLICE) * 1024 >= 132 * 128  # many programs per SM
+    assert -(-v // kernel.SLICE_COLS) * 1024 >= 132 * 128  # many programs per SM
     # the 8-trial search settles any fp32 key range in a fixed number of passes
-    assert kernel.search_passes(kernel._FAN) == 11
+    assert kernel.search_passes(kernel.FAN_KEYS) == 11
     assert 9**11 >= 2**32 > 9**10
 
 
@@ -403,7 +403,7 @@ def test_value_cuts_give_the_forward_keys(dtype, scale):
     temps = torch.tensor([1.0, 0.37, 2.9, 1e-3])
     z = (x.float().unsqueeze(0) * torch.tensor(scale, dtype=torch.float32)) \
         / temps.unsqueeze(1)
-    keys = sampler_torch._ordered_keys(z).long()
+    keys = sampler_torch.ordered_keys(z).long()
     gen = torch.Generator().manual_seed(5)
     pick = keys[torch.arange(4), torch.randint(0, x.numel(), (4,), generator=gen)]
     # and the row maximum's smallest raw value (the backward's ``z - m`` is formed from it)
@@ -415,7 +415,7 @@ def test_value_cuts_give_the_forward_keys(dtype, scale):
     assert torch.equal(above, keys > pick.unsqueeze(1))
     assert torch.equal(at, keys == pick.unsqueeze(1))
     assert at.any(1).all() and above.any(1).any()
-    key_top = sampler_torch._ordered_keys(top).long().unsqueeze(1)
+    key_top = sampler_torch.ordered_keys(top).long().unsqueeze(1)
     assert torch.equal(u >= u_top.unsqueeze(1), keys >= key_top)
     assert torch.equal(u_top, torch.where(keys == key_top, u, math.inf).amin(1))
 
@@ -435,7 +435,7 @@ def test_a_chunk_is_its_passes_and_one_merge_launch_with_no_host_read():
     extra = sampler_extra_chunk()
     assert extra["host_reads"] == 0 and extra["python_data"] == 0, extra
     passes = gpu_plan.SAMPLER_SEARCH_PASSES["bfloat16"]
-    assert passes == kernel.search_passes(kernel._FAN, 16) == 6
+    assert passes == kernel.search_passes(kernel.FAN_KEYS, 16) == 6
     assert extra["triton"] == {"_transform_kernel": 1, "_fan_kernel": passes + 2,
                                "_search_step_kernel": passes, "_settle_kernel": 1,
                                "_stats_kernel": 1, "_finish_kernel": 1}, extra

@@ -95,7 +95,7 @@ def test_kernels_compile_for_sm90(mean_length, monkeypatch):
     from sm90 import compile_sm90
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the GPU configs, not the interpreter's
-    block_b, block_t, warps = seg._blocks(mean_length)
+    block_b, block_t, warps = seg.launch_blocks(mean_length)
     ints = dict.fromkeys(["B", "T", "stride_xb", "stride_xt", "stride_mb", "stride_mt"], "i32")
     tiles = dict(PACKED=True, FP64=False, BLOCK_B=block_b, BLOCK_T=block_t)
     reduce_sig = {"X": "*bf16", "M": "*u8", "CU": "*i32", "OUT": "*bf16", "CNT": "*i64",
@@ -106,12 +106,12 @@ def test_kernels_compile_for_sm90(mean_length, monkeypatch):
         *[(seg._segment_reduce_kernel, reduce_sig, dict(OP=op, HAS_MASK=True))
           for op in seg._REDUCE_OPS.values()],
         (seg._segment_scan_kernel, scan_sig,
-         dict(OP=seg._MIN, REVERSE=True, EXCLUSIVE=True, MASK_IN=True, MASK_OUT=False,
+         dict(OP=seg.OP_MIN, REVERSE=True, EXCLUSIVE=True, MASK_IN=True, MASK_OUT=False,
               WANT_INDEX=True)),
         # the sums (prefix and suffix, the mask on the input or on the output): the carry is
         # a loop-carried reduction that triton 3.6.0 refused to compile once
         *[(seg._segment_scan_kernel, scan_sig,
-           dict(OP=seg._SUM, REVERSE=reverse, EXCLUSIVE=False, MASK_IN=not mask_out,
+           dict(OP=seg.OP_SUM, REVERSE=reverse, EXCLUSIVE=False, MASK_IN=not mask_out,
                 MASK_OUT=mask_out, WANT_INDEX=False))
           for reverse in (False, True) for mask_out in (False, True)],
         (seg._segment_spread_kernel,

@@ -1,4 +1,4 @@
-"""The Triton chunk store of fused_policy_loss (``kernels/stored_logits_triton.py``): its two
+"""The Triton chunk store of fused_policy_loss (``kernels/stored_logits.py``): its two
 passes compiled for sm_90 at the configurations it launches (rerun under triton 3.6.0 by
 ``test_compile_triton36.py``), and one chunk against the fp64 reference under the interpreter.
 Its end-to-end tests are in ``tests/fused_losses/test_fused_policy_loss_triton.py``."""
@@ -35,7 +35,7 @@ def _signature(kernel, logits_type: str, constexprs: dict) -> dict:
 def test_store_kernels_compile_for_sm90(dtype):
     """Soft-cap on and off; the dz pass with and without the entropy term."""
     pytest.importorskip("triton.backends.nvidia")
-    from logitless.kernels import stored_logits_triton as st
+    from logitless.kernels import stored_logits as st
 
     from sm90 import compile_sm90
 
@@ -43,9 +43,9 @@ def test_store_kernels_compile_for_sm90(dtype):
     g = torch.zeros(1)
     launches = []
     for cap in (3.0, None):
-        launches.append((linear_softmax._tile_stats_kernel, st.stats_meta(dtype, cap)))
+        launches.append((linear_softmax.tile_stats_kernel, st.stats_meta(dtype, cap)))
         for g_entropy in (g, None):
-            launches.append((linear_softmax._tile_grad_kernel,
+            launches.append((linear_softmax.tile_grad_kernel,
                              st.grad_meta(dtype, cap, g, g_entropy)))
     for kernel, meta in launches:
         meta = dict(meta)
@@ -59,7 +59,7 @@ def test_store_kernels_compile_for_sm90(dtype):
 def test_one_chunk_statistics_and_logit_gradient(monkeypatch, dtype):
     """One chunk: lp, H, lse against the fp64 reference of the stored (rounded) logits, and the
     gradients of ``sum g_lp lp + g_H H`` into fresh buffers against fp64 autograd."""
-    from logitless.kernels.stored_logits_triton import StoredLogitsTriton
+    from logitless.kernels.stored_logits import StoredLogitsTriton
 
     monkeypatch.setattr(linear_softmax, "_BLOCK_V", 128)
     n, d, v, opts = 37, 64, 509, dict(temperature=0.8, softcap=4.0, logit_scale=1.2)
@@ -105,7 +105,7 @@ def test_a_chunk_makes_no_tensor_from_python_data_and_reads_nothing_back(monkeyp
     the partials' -inf planes were set by an index made from a Python list, twice a chunk."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from logitless.kernels.stored_logits_triton import StoredLogitsTriton
+    from logitless.kernels.stored_logits import StoredLogitsTriton
 
     class Watch(TorchDispatchMode):
         def __init__(self):
@@ -141,7 +141,7 @@ def test_nan_left_in_the_row_padding_never_reaches_the_gradients():
     earlier use left there gave NaN rows of ``dx @ W`` (seen in CI after another test had
     freed a NaN-filled tensor). The padding is zeroed on CPU: the results are those of a
     store whose buffer held zeros."""
-    from logitless.kernels.stored_logits_triton import StoredLogitsTriton
+    from logitless.kernels.stored_logits import StoredLogitsTriton
 
     n, d, v = 37, 64, 509
     hidden = torch.randn(n, d).bfloat16()

@@ -19,7 +19,7 @@ from logitless import (
     policy_loss,
 )
 from logitless import reference as ref
-from logitless.kernels import stored_logits
+from logitless.kernels import stored_logits_torch
 from properties.harness import configs
 from properties.strategies import (
     PolicyBatch,
@@ -96,7 +96,7 @@ def run_fused(case: FusedCase, cfg, dtype):
     hidden = h[layout.mask] if layout.packed else h
     budget = None
     if case.memory_rows is not None:
-        budget = case.memory_rows * stored_logits.bytes_per_row(
+        budget = case.memory_rows * stored_logits_torch.bytes_per_row(
             w.shape[0], dtype, case.transform["softcap"])
     loss, _ = fused_policy_loss(
         hidden, w, batch.pack(case.targets), batch.pack(batch.old), batch.pack(batch.adv),

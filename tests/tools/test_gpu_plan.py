@@ -226,7 +226,7 @@ def test_the_tiling_is_written_once_and_read_without_triton():
 
     assert (linear_softmax.VOCAB_TILE, linear_softmax.ROW_CHUNK, linear_softmax.TILE_BYTES) \
         == (constants.VOCAB_TILE, constants.ROW_CHUNK, constants.HEAD_TILE_BUDGET)
-    assert (sampler._MAX_ROWS, sampler._SLICE, sampler.DEFAULT_TILE_BYTES) \
+    assert (sampler._MAX_ROWS, sampler.SLICE_COLS, sampler.DEFAULT_TILE_BYTES) \
         == (constants.SAMPLER_ROWS, constants.SAMPLER_SLICE, constants.SAMPLER_TILE_BUDGET)
     for module in (linear_softmax, sampler, sampler_torch, gp):  # no second copy of a number
         source = inspect.getsource(module)

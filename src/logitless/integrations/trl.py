@@ -57,10 +57,10 @@ from logitless.integrations.trl_config import (
 from logitless.integrations.trl_head import (
     SUPPORTED_TRL,
     LogitlessChunkedLogProb,
-    _check_contract,
-    _trl_modules,
+    check_contract,
     keep_sharded,
     patch_trl,
+    trl_modules,
     trl_patched,
     unpatch_trl,
 )
@@ -257,8 +257,8 @@ class GRPOTrainer(trl.GRPOTrainer):
                  attention_entropy_heads: Sequence[int] | None = None,
                  match_sampler: bool | str = False, truncate_reference: bool = False,
                  **kwargs):
-        trl_module, _, function = _trl_modules()
-        _check_contract(trl_module, function)
+        trl_module, _, function = trl_modules()
+        check_contract(trl_module, function)
         if match_sampler not in (False, True, "replay"):
             raise ValueError(f"match_sampler: expected False, True or 'replay', got "
                              f"{match_sampler!r}")

@@ -75,7 +75,7 @@ def keep_sharded(trl_utils):
     return current
 
 
-def _trl_modules():
+def trl_modules():
     try:
         import trl
         import trl.trainer.utils as trl_utils
@@ -92,7 +92,7 @@ def _distillation_module():
     return distillation
 
 
-def _check_contract(trl, function, expected=_TRL_SIGNATURE) -> None:
+def check_contract(trl, function, expected=_TRL_SIGNATURE) -> None:
     from packaging.version import Version
 
     version = Version(trl.__version__)
@@ -200,11 +200,11 @@ def patch_trl() -> None:
     """Route TRL's fused LM head (all trainers that use it) and ``DistillationTrainer``'s
     divergence kernel through logitless. Idempotent."""
     global _original, _original_divergence, _original_dtensor
-    trl, trl_utils, function = _trl_modules()
+    trl, trl_utils, function = trl_modules()
     distillation = _distillation_module()
-    _check_contract(trl, function)
+    check_contract(trl, function)
     if distillation.ChunkedDivergenceFunction is not LogitlessChunkedDivergence:
-        _check_contract(trl, distillation.ChunkedDivergenceFunction, _TRL_DIVERGENCE_SIGNATURE)
+        check_contract(trl, distillation.ChunkedDivergenceFunction, _TRL_DIVERGENCE_SIGNATURE)
     if trl_utils._ChunkedLogProbFunction is not LogitlessChunkedLogProb:
         _original = trl_utils._ChunkedLogProbFunction
         trl_utils._ChunkedLogProbFunction = LogitlessChunkedLogProb
@@ -219,7 +219,7 @@ def patch_trl() -> None:
 def unpatch_trl() -> None:
     """Restore TRL's own fused head and divergence kernel. A no-op when not patched."""
     global _original, _original_divergence, _original_dtensor
-    _, trl_utils, _ = _trl_modules()
+    _, trl_utils, _ = trl_modules()
     if _original is not None:
         trl_utils._ChunkedLogProbFunction = _original
         _original = None
@@ -233,6 +233,6 @@ def unpatch_trl() -> None:
 
 def trl_patched() -> bool:
     """Whether both of TRL's kernels are logitless's."""
-    _, trl_utils, _ = _trl_modules()
+    _, trl_utils, _ = trl_modules()
     return (trl_utils._ChunkedLogProbFunction is LogitlessChunkedLogProb
             and _distillation_module().ChunkedDivergenceFunction is LogitlessChunkedDivergence)

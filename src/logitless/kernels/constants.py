@@ -2,7 +2,7 @@
 shapes from here, and the GPU cost model (``tools/gpu_plan.py``) prices the same shapes. Plain
 numbers, no Triton import, so the cost model reads them on any machine.
 
-Tests shrink a kernel's own binding (``linear_softmax.VOCAB_TILE``, ``sampler._SLICE``, ...) to
+Tests shrink a kernel's own binding (``linear_softmax.VOCAB_TILE``, ``sampler.SLICE_COLS``, ...) to
 cross its boundaries at small shapes; the values here are the shipped ones.
 """
 

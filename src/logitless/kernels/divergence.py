@@ -2,7 +2,7 @@
 vocabulary tiles, one-pass Triton epilogues, the launcher contract of ``divergence_torch``.
 
 Both heads' tempered logits ``z = (hidden @ W^T + b) / T`` are made tile by tile exactly as the
-head's CUDA path makes them (``linear_softmax._Plan``): ``VOCAB_TILE`` columns by a row group of
+head's CUDA path makes them (``linear_softmax.TilePlan``): ``VOCAB_TILE`` columns by a row group of
 whole ``ROW_CHUNK``-row chunks, one GEMM per chunk in the input dtype, hidden padded with zero
 rows, so every GEMM has the same shape whatever N is. The student and the teacher get one plan
 each, with the same row groups (the tile budget is split between them in proportion to their
@@ -44,12 +44,12 @@ import triton.language as tl
 from logitless.kernels import linear_softmax as head
 from logitless.kernels.divergence_torch import finish_kl
 from logitless.kernels.linear_softmax import (
-    _INTERPRET,
+    INTERPRET,
     TileGrads,
-    _load_cols,
-    _Plan,
-    _round_to,
-    _store_cols,
+    TilePlan,
+    load_cols,
+    round_to,
+    store_cols,
 )
 from logitless.kernels.linear_softmax_torch import mm_out_dtype
 from logitless.kernels.softmax_partials import normaliser
@@ -111,8 +111,8 @@ def _pair_fold_step(zs_row, zt_row, c0, width, m_s, l_s, m_t, l_t, gap, a_s, k2,
     (``m = -inf``) are guarded."""
     groups = c0 + tl.arange(0, LANES) * LANE
     cols = groups[:, None] + tl.arange(0, LANE)[None, :]
-    xs = _load_cols(zs_row, cols, width, MASKED)
-    xt = _load_cols(zt_row, cols, width, MASKED)
+    xs = load_cols(zs_row, cols, width, MASKED)
+    xt = load_cols(zt_row, cols, width, MASKED)
     if MASKED:
         valid = cols < width
         ws = tl.where(valid, xs, float("-inf"))
@@ -253,8 +253,8 @@ def _pair_jsd_step(zs_row, zt_row, c0, width, acc_t, acc_s, k2, top_s, top_t, of
     ``b p_t`` is one ``exp2``, the smaller that times ``2^-|d|``, which the softplus needs
     anyway; ``log2(1 + 2^-|d|)`` is a polynomial (`_log2_1p`)."""
     cols = c0 + tl.arange(0, BLOCK_V)
-    la = (_load_cols(zs_row, cols, width, MASKED) - top_s) * k2 + off_s  # log2((1 - b) p_s)
-    lb = (_load_cols(zt_row, cols, width, MASKED) - top_t) * k2 + off_t  # log2(b p_t)
+    la = (load_cols(zs_row, cols, width, MASKED) - top_s) * k2 + off_s  # log2((1 - b) p_s)
+    lb = (load_cols(zt_row, cols, width, MASKED) - top_t) * k2 + off_t  # log2(b p_t)
     d = lb - la
     e = tl.exp2(-tl.abs(d))
     soft = _log2_1p(e)
@@ -346,7 +346,7 @@ def _pair_grad_kernel(
             dz = p_s * (ls - lt - aux_r)
         else:
             dz = p_s * (_student_share(ls, lt, log_b, log_1mb) - aux_r)
-        tl.store(zs_row + cols, _round_to(dz * coef, zs_ptr.dtype.element_ty, INTERPRET_BF16),
+        tl.store(zs_row + cols, round_to(dz * coef, zs_ptr.dtype.element_ty, INTERPRET_BF16),
                  mask=valid)
 
 
@@ -356,10 +356,10 @@ def _topk_sweep_step(z_row, c0, width, factor, top, log2_l, k2, MASKED: tl.const
     """Columns ``c0 ... c0 + BLOCK_V``: logits -> ``factor p_j`` in place (``factor = -sum_i
     g_i / T``, ``p = 2^((x - top) k2 - log2 l)``)."""
     cols = c0 + tl.arange(0, BLOCK_V)
-    x = _load_cols(z_row, cols, width, MASKED)
-    dx = _round_to(factor * tl.exp2((x - top) * k2 - log2_l), z_row.dtype.element_ty,
+    x = load_cols(z_row, cols, width, MASKED)
+    dx = round_to(factor * tl.exp2((x - top) * k2 - log2_l), z_row.dtype.element_ty,
                    INTERPRET_BF16)
-    _store_cols(z_row, cols, dx, width, MASKED)
+    store_cols(z_row, cols, dx, width, MASKED)
 
 
 @triton.jit
@@ -393,7 +393,7 @@ def _topk_grad_kernel(
     for i in range(0, k):  # in the order of the ids: a repeated id sums its gradients
         g_at += tl.where(at == tl.load(ids + r * k + i) - v0, tl.load(grad + r * k + i), 0.0)
     x_at = tl.load(z_row + col, mask=hit, other=0.0).to(tl.float32)
-    dx_at = _round_to((g_at + minus_total * tl.exp2((x_at - top_r) * k2 - log2_l)) * z_scale,
+    dx_at = round_to((g_at + minus_total * tl.exp2((x_at - top_r) * k2 - log2_l)) * z_scale,
                       z_ptr.dtype.element_ty, INTERPRET_BF16)
     tl.debug_barrier()  # the picked logits are read before the sweep overwrites them
     factor = minus_total * z_scale
@@ -411,7 +411,7 @@ def _topk_grad_kernel(
 def stats_meta(beta: float) -> dict:
     """The constexprs and warps ``divergence_forward`` launches ``_pair_stats_kernel`` with."""
     gap = _FORWARD_KL if beta == 0.0 else _REVERSE_KL if beta == 1.0 else _MIXTURE
-    return dict(GAP=gap, BLOCK_V=_BLOCK_V, LANE=head._LANE, num_warps=_WARPS)
+    return dict(GAP=gap, BLOCK_V=_BLOCK_V, LANE=head.LANE_COLS, num_warps=_WARPS)
 
 
 def jsd_meta() -> dict:
@@ -432,10 +432,10 @@ def topk_grad_meta(dtype: torch.dtype, k: int = 1) -> dict:
 
 
 def _bf16_interpreted(dtype):
-    return _INTERPRET and dtype == torch.bfloat16
+    return INTERPRET and dtype == torch.bfloat16
 
 
-class _Fp32Plan(_Plan):
+class _Fp32Plan(TilePlan):
     """A head's plan whose logits tile is fp32 whatever the inputs' dtype: a divergence's
     logit gradient is a difference of two heads' logits (``log p_s - log p_t`` for the reverse
     KL), which takes their rounding whole, so bf16 logits put the gradient outside the bf16
@@ -487,7 +487,7 @@ def _plans(hidden, weight, t_hidden, t_weight, tile_bytes):
     cols = min(head.VOCAB_TILE, weight.shape[0])
     low = hidden.element_size() if hidden.dtype != torch.float32 else 0
     chunks = max(1, budget // ((8 + low) * cols * head.ROW_CHUNK))
-    # ``_Plan`` sizes its groups by its inputs' element size: each plan's budget is exactly
+    # ``TilePlan`` sizes its groups by its inputs' element size: each plan's budget is exactly
     # ``chunks`` of its chunk tiles in that size, so both get the same groups.
     return tuple(_Fp32Plan(h, w, chunks * h.element_size() * cols * head.ROW_CHUNK, student)
                  for h, w, student in ((hidden, weight, True), (t_hidden, t_weight, False)))
@@ -619,7 +619,7 @@ def topk_backward(hidden, weight, bias, ids, top, log_l, grad, *, temperature: f
     n, k = ids.shape
     if n == 0 or not (need_hidden or need_weight or need_bias):
         return _no_rows(hidden, weight, need_hidden, need_weight, need_bias)
-    plan = _Plan(hidden, weight, tile_bytes)
+    plan = TilePlan(hidden, weight, tile_bytes)
     grads = TileGrads(plan, weight, need_hidden, need_weight, need_bias)
     ids, grad = ids.contiguous(), grad.float().contiguous()
     top, log_l = top.float().contiguous(), log_l.float().contiguous()

@@ -26,17 +26,17 @@ import math
 import torch
 
 from logitless.kernels.linear_softmax_torch import (
-    _MAX_COLS,
-    _MIN_COLS,
-    _ROW_BLOCK,
     DEFAULT_TILE_BYTES,
-    _pad_rows,
-    _row_blocks,
-    _Tiles,
+    MAX_COLS,
+    MIN_COLS,
+    ROW_BLOCK,
+    Tiles,
     acc_dtype,
     addmm_acc_,
     logits_into,
     mm_out_dtype,
+    pad_rows,
+    row_blocks,
 )
 
 
@@ -50,18 +50,18 @@ def _bytes_per_element(dtype: torch.dtype, student: bool = True) -> int:
 
 def _tile_shape(v: int, tile_bytes: int, bytes_per_element: int) -> tuple[int, int]:
     """Rows and vocab columns per tile so that the heads' buffers (``bytes_per_element`` per
-    logit together) fit in ``tile_bytes``: up to ``_ROW_BLOCK`` token rows, the vocabulary split
-    to fit, at most ``_MAX_COLS`` columns (the linear-softmax twin's bounds). From the
+    logit together) fit in ``tile_bytes``: up to ``ROW_BLOCK`` token rows, the vocabulary split
+    to fit, at most ``MAX_COLS`` columns (the linear-softmax twin's bounds). From the
     vocabulary and the budget only, never from the number of tokens: a token's results must not
     depend on the batch it comes in."""
     elems = max(1, tile_bytes // bytes_per_element)
-    rows = max(1, min(_ROW_BLOCK, elems // min(v, _MIN_COLS)))
-    return rows, max(1, min(v, _MAX_COLS, elems // rows))
+    rows = max(1, min(ROW_BLOCK, elems // min(v, MIN_COLS)))
+    return rows, max(1, min(v, MAX_COLS, elems // rows))
 
 
 class _Heads:
     """Tile buffers for the student (and the teacher, when given) at one tile shape. The last
-    row block is padded with zero rows as the linear-softmax twin pads it (``_row_blocks``), so
+    row block is padded with zero rows as the linear-softmax twin pads it (``row_blocks``), so
     every GEMM that makes a row's logits has a shape that does not depend on N."""
 
     def __init__(self, n, v, hidden, t_hidden, tile_bytes):
@@ -69,12 +69,12 @@ class _Heads:
         if t_hidden is not None:
             per += _bytes_per_element(t_hidden.dtype, student=False)
         self.rows, self.cols = _tile_shape(v, tile_bytes, per)
-        self.row_blocks = list(_row_blocks(n, self.rows))
+        self.row_blocks = list(row_blocks(n, self.rows))
         rows, cols = self.row_blocks[0][2] if n else 1, min(self.cols, v)
-        self.s = _Tiles(rows, cols, hidden.dtype, hidden.device, None)
+        self.s = Tiles(rows, cols, hidden.dtype, hidden.device, None)
         # The teacher's tiles need no low-precision buffer: its logits are fp32 and it has no
         # gradient.
-        self.t = None if t_hidden is None else _Tiles(rows, cols, acc_dtype(t_hidden.dtype),
+        self.t = None if t_hidden is None else Tiles(rows, cols, acc_dtype(t_hidden.dtype),
                                                       t_hidden.device, None)
         self.padded, self.v = rows, v
 
@@ -90,7 +90,7 @@ class _Heads:
         """Tempered logits ``[real rows, cols]`` of one tile (a view of the padded block's
         tile) and a scratch view of the same shape."""
         b = None if bias is None else bias[cols]
-        h, w = _pad_rows(hidden[rows], self.padded), weight[cols]
+        h, w = pad_rows(hidden[rows], self.padded), weight[cols]
         if hidden.dtype == tiles.acc:
             z, _ = tiles.logits(h, w, b, temperature, None, 1.0, vocab_major=False)
         else:
@@ -124,7 +124,7 @@ class _Heads:
             if last and real != self.padded:
                 d_hidden[rows] = dh[:real]
         if d_weight is not None:
-            addmm_acc_(d_weight[cols], dx.t(), _pad_rows(hidden[rows], self.padded))
+            addmm_acc_(d_weight[cols], dx.t(), pad_rows(hidden[rows], self.padded))
 
 
 def _logits_fp32_into(z, hidden, weight, bias, temperature):

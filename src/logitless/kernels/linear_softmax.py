@@ -9,14 +9,14 @@ the GEMMs that produce a row's logits and its hidden gradient have the same shap
 is as many chunks as fit the tile budget (``tile_bytes``, default :data:`TILE_BYTES`).
 
 Forward (:func:`forward`): per vocabulary tile (in vocabulary order) and row group, the chunks'
-GEMMs fill the tile, then ``_tile_stats_kernel`` (one program per row) reads it once, applies
+GEMMs fill the tile, then ``tile_stats_kernel`` (one program per row) reads it once, applies
 the logit transform in fp32 and folds it into the row's running statistics ``m, l, a, s2,
 sum_z, z_y, m_before`` (see ``softmax_partials``), kept in fp32 between launches. The fold order
 is fixed (tiles left to right, ``_BLOCK_V`` columns at a time), so the statistics are the same
 bits run to run and for every N.
 
 Backward (:func:`backward`), vocabulary-outer: per tile and row group, the GEMMs recompute the
-tile (the same GEMMs as the forward's, so the same bits), ``_tile_grad_kernel`` turns it into
+tile (the same GEMMs as the forward's, so the same bits), ``tile_grad_kernel`` turns it into
 ``dx = dL/dx`` in place (``x`` the logits before the transform), then per chunk
 ``d_hidden[chunk] += dx @ W_tile`` into an fp32 ``[N, D]`` accumulator, and ``d_weight[tile] =
 dx^T @ hidden``, written once when there is one row group (else summed over the groups in an
@@ -49,7 +49,7 @@ from logitless.kernels.softmax_partials import Partials
 
 __all__ = ["ROW_CHUNK", "TILE_BYTES", "VOCAB_TILE", "backward", "forward"]
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 # The tiling (kernels/constants.py, priced by the cost model): vocabulary columns per tile, rows
 # of every logits GEMM, default bytes of one tile. Bound here so that tests can shrink them.
@@ -68,7 +68,7 @@ _TORCH_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "
 
 
 @triton.jit
-def _tanh(x):
+def tanh(x):
     # exp(-2|x|) <= 1 never overflows; libdevice tanh is not available to the interpreter.
     e = tl.exp(-2.0 * tl.abs(x))
     t = (1.0 - e) / (1.0 + e)
@@ -76,7 +76,7 @@ def _tanh(x):
 
 
 @triton.jit
-def _round_to(x, dtype: tl.constexpr, INTERPRET_BF16: tl.constexpr):
+def round_to(x, dtype: tl.constexpr, INTERPRET_BF16: tl.constexpr):
     """fp32 ``x`` rounded to nearest-even in ``dtype`` for the store."""
     if INTERPRET_BF16:
         # The interpreter truncates fp32 -> bf16: round with integer ops first, so the store's
@@ -87,11 +87,11 @@ def _round_to(x, dtype: tl.constexpr, INTERPRET_BF16: tl.constexpr):
     return x.to(dtype)
 
 
-_LANE = 8  # columns one lane folds per step: one 16-byte load of bf16
+LANE_COLS = 8  # columns one lane folds per step: one 16-byte load of bf16
 
 
 @triton.jit
-def _load_cols(z_row, cols, width, MASKED: tl.constexpr):
+def load_cols(z_row, cols, width, MASKED: tl.constexpr):
     """The row's logits at ``cols`` in fp32 (``MASKED``: 0 at or past ``width``)."""
     if MASKED:
         return tl.load(z_row + cols, mask=cols < width, other=0.0).to(tl.float32)
@@ -99,7 +99,7 @@ def _load_cols(z_row, cols, width, MASKED: tl.constexpr):
 
 
 @triton.jit
-def _store_cols(z_row, cols, dx, width, MASKED: tl.constexpr):
+def store_cols(z_row, cols, dx, width, MASKED: tl.constexpr):
     """``dx`` written over the row at ``cols`` (``MASKED``: not at or past ``width``)."""
     if MASKED:
         tl.store(z_row + cols, dx, mask=cols < width)
@@ -113,7 +113,7 @@ def _transform(x, softcap, HAS_SOFTCAP: tl.constexpr, FLIP: tl.constexpr):
     |z_scale| (* c)``, signed so that the row's largest ``w`` is its largest logit. ``u`` is
     what the backward recomputes before any product (``_grad_step``)."""
     if HAS_SOFTCAP:
-        x = _tanh(x / softcap)
+        x = tanh(x / softcap)
     if FLIP:
         x = -x
     return x
@@ -134,7 +134,7 @@ def _fold_step(z_row, c0, width, tgt, m, l, a, s2, sum_w, m_before, softcap, k2,
     one."""
     groups = c0 + tl.arange(0, LANES) * LANE
     cols = groups[:, None] + tl.arange(0, LANE)[None, :]
-    w = _transform(_load_cols(z_row, cols, width, MASKED), softcap, HAS_SOFTCAP, FLIP)
+    w = _transform(load_cols(z_row, cols, width, MASKED), softcap, HAS_SOFTCAP, FLIP)
     if MASKED:
         valid = cols < width
         w = tl.where(valid, w, float("-inf"))
@@ -173,7 +173,7 @@ def _fold_step(z_row, c0, width, tgt, m, l, a, s2, sum_w, m_before, softcap, k2,
 
 
 @triton.jit
-def _tile_stats_kernel(
+def tile_stats_kernel(
     logits, stride_row, targets, state, plane, width, v0, softcap, z_scale,
     HAS_SOFTCAP: tl.constexpr, FLIP: tl.constexpr, WANT_S2: tl.constexpr,
     WANT_SUM_Z: tl.constexpr, BLOCK_V: tl.constexpr, LANE: tl.constexpr,
@@ -274,9 +274,9 @@ def _grad_step(z_row, c0, width, tgt, top, log_l2, coef, g_y, g_h2, two_g_s2, sh
     ``u - top`` is a difference of two numbers the forward saw, exact at the maximum, and no
     product comes before it for the compiler to fuse into it."""
     cols = c0 + tl.arange(0, BLOCK_V)
-    x = _load_cols(z_row, cols, width, MASKED)
+    x = load_cols(z_row, cols, width, MASKED)
     if HAS_SOFTCAP:
-        t = _tanh(x / softcap)
+        t = tanh(x / softcap)
         q = (t - top) * k2 - log_l2
     else:
         q = (x - top) * k2 - log_l2
@@ -290,12 +290,12 @@ def _grad_step(z_row, c0, width, tgt, top, log_l2, coef, g_y, g_h2, two_g_s2, sh
     dx = dz * dx_scale
     if HAS_SOFTCAP:
         dx *= 1.0 - t * t
-    _store_cols(z_row, cols, _round_to(dx, z_row.dtype.element_ty, INTERPRET_BF16), width,
+    store_cols(z_row, cols, round_to(dx, z_row.dtype.element_ty, INTERPRET_BF16), width,
                 MASKED)
 
 
 @triton.jit
-def _tile_grad_kernel(
+def tile_grad_kernel(
     logits, stride_row, targets, top, log_l, entropy, sum_p_sq,
     g_lp, g_entropy, g_sum_p_sq, g_mean_logit, g_lse,
     n_rows, width, v0, softcap, z_scale, inv_vocab_total,
@@ -376,22 +376,22 @@ def tile_rows(buf: torch.Tensor, rows: int, width: int, ld: int | None = None) -
 
 def stats_meta(dtype: torch.dtype, softcap, want_s2: bool, want_sum_z: bool,
                negative_scale: bool = False) -> dict:
-    """The constexprs and warps ``forward`` launches ``_tile_stats_kernel`` with
+    """The constexprs and warps ``forward`` launches ``tile_stats_kernel`` with
     (``negative_scale``: ``logit_scale / temperature < 0``)."""
     del dtype  # one program for every dtype: the tile's element type comes with its pointer
     return dict(HAS_SOFTCAP=softcap is not None, FLIP=bool(negative_scale),
                 WANT_S2=bool(want_s2), WANT_SUM_Z=bool(want_sum_z), BLOCK_V=_BLOCK_V,
-                LANE=_LANE, num_warps=_WARPS)
+                LANE=LANE_COLS, num_warps=_WARPS)
 
 
 def grad_meta(dtype: torch.dtype, softcap, g_lp, g_entropy, g_sum_p_sq, g_mean_logit,
               g_lse) -> dict:
-    """The constexprs and warps ``backward`` launches ``_tile_grad_kernel`` with."""
+    """The constexprs and warps ``backward`` launches ``tile_grad_kernel`` with."""
     return dict(
         HAS_SOFTCAP=softcap is not None, HAS_G_LP=g_lp is not None,
         HAS_G_ENTROPY=g_entropy is not None, HAS_G_SUM_P_SQ=g_sum_p_sq is not None,
         HAS_G_MEAN=g_mean_logit is not None, HAS_G_LSE=g_lse is not None,
-        INTERPRET_BF16=_INTERPRET and dtype == torch.bfloat16, BLOCK_V=_BLOCK_V,
+        INTERPRET_BF16=INTERPRET and dtype == torch.bfloat16, BLOCK_V=_BLOCK_V,
         num_warps=_WARPS,
     )
 
@@ -417,7 +417,7 @@ def _check_inputs(hidden, weight, bias, targets):
         )
 
 
-class _Plan:
+class TilePlan:
     """Row chunks, row groups and vocabulary tiles of one call, with its tile buffer.
 
     ``hidden`` is padded with zero rows to a whole number of ``ROW_CHUNK``-row chunks (a copy
@@ -474,11 +474,11 @@ class _Plan:
 
 class TileGrads:
     """The hidden, weight and bias gradients of one backward, taken tile by tile from the
-    logit gradient ``dx`` of each (vocabulary tile, row group) of a :class:`_Plan`: a fixed
+    logit gradient ``dx`` of each (vocabulary tile, row group) of a :class:`TilePlan`: a fixed
     order of GEMMs on one stream, no atomics. Shared by every CUDA head backward
     (``linear_logprobs`` here, the divergences in ``kernels/divergence.py``)."""
 
-    def __init__(self, plan: _Plan, weight, need_hidden: bool, need_weight: bool,
+    def __init__(self, plan: TilePlan, weight, need_hidden: bool, need_weight: bool,
                  need_bias: bool, d_weight=None, d_bias=None):
         dev = weight.device
         self.plan = plan
@@ -552,7 +552,7 @@ def forward(hidden, weight, bias, targets, *, temperature: float, softcap: float
     state = new_state(n, hidden.device)
     if n == 0:
         return Partials(*state)
-    plan = _Plan(hidden, weight, tile_bytes)
+    plan = TilePlan(hidden, weight, tile_bytes)
     targets = targets.contiguous()
     scalars = dict(softcap=1.0 if softcap is None else float(softcap),
                    z_scale=float(logit_scale) / float(temperature))
@@ -561,18 +561,18 @@ def forward(hidden, weight, bias, targets, *, temperature: float, softcap: float
         for r0, rows in plan.groups:
             real = plan.real_rows(r0, rows)
             z = plan.logits(weight, bias, v0, v1, r0, rows)
-            _tile_stats_kernel[(real,)](
+            tile_stats_kernel[(real,)](
                 z, z.stride(0), targets[r0:], state[:, r0:], n, v1 - v0, v0, **scalars, **meta)
     return Partials(*state)
 
 
-# The planes of ``_tile_stats_kernel``'s state that start at -inf (m, m_before, top); the
+# The planes of ``tile_stats_kernel``'s state that start at -inf (m, m_before, top); the
 # others start at 0.
 NEG_INF_PLANES = (0, 6, 7)
 
 
 def new_state(n: int, device) -> torch.Tensor:
-    """The starting state of ``_tile_stats_kernel``, fp32 ``[8, n]``."""
+    """The starting state of ``tile_stats_kernel``, fp32 ``[8, n]``."""
     state = torch.zeros(8, n, dtype=torch.float32, device=device)
     for plane in NEG_INF_PLANES:
         state[plane].fill_(float("-inf"))
@@ -613,7 +613,7 @@ def backward(hidden, weight, bias, targets, top, log_l, entropy, sum_p_sq,
             if need else None
         return (zeros(need_hidden, hidden.shape, torch.float32),
                 zeros(need_weight, weight.shape, weight.dtype), zeros(need_bias, v, torch.float32))
-    plan = _Plan(hidden, weight, tile_bytes)
+    plan = TilePlan(hidden, weight, tile_bytes)
     grads = TileGrads(plan, weight, need_hidden, need_weight, need_bias)
     per_row = lambda t: None if t is None else t.float().contiguous()
     rows_args = [per_row(t) for t in (top, log_l, entropy, sum_p_sq, g_lp, g_entropy,
@@ -632,7 +632,7 @@ def backward(hidden, weight, bias, targets, top, log_l, entropy, sum_p_sq,
             dx = plan.logits(weight, bias, v0, v1, r0, rows)
             # One program per real row; the last chunk's padding rows are zeroed by one fill
             # (under the interpreter, a program per padding row cost most of a small call).
-            _tile_grad_kernel[(real,)](
+            tile_grad_kernel[(real,)](
                 dx, dx.stride(0), targets[r0:], *(p[r0:] for p in ptrs), real, v1 - v0, v0,
                 **scalars, **meta)
             dx[real:].zero_()

@@ -26,9 +26,9 @@ from logitless.kernels.softmax_partials import Partials, empty, merge, stack
 DEFAULT_TILE_BYTES = 64 * 2**20
 # Token rows per tile (the GEMMs' M), the fewest vocab columns a tile is cut to before rows are
 # given up (small tile budgets), and the most.
-_ROW_BLOCK = 1024
-_MIN_COLS = 1024
-_MAX_COLS = 16384
+ROW_BLOCK = 1024
+MIN_COLS = 1024
+MAX_COLS = 16384
 # The last row block is padded with zero rows to a multiple of this many (or to a whole block
 # when blocks are smaller), so no GEMM ever sees fewer rows: BLAS takes other paths, with
 # other reduction orders, for a handful of rows (MKL: 1 or 2 rows, 8 vocab-major), and a
@@ -41,7 +41,7 @@ _MM_OUT_DTYPE: dict[tuple[str, int | None, torch.dtype], bool] = {}
 
 
 def _bytes_per_element(dtype: torch.dtype, softcap: float | None) -> int:
-    """Bytes the tile buffers (see ``_Tiles``) take per logit of a tile."""
+    """Bytes the tile buffers (see ``Tiles``) take per logit of a tile."""
     acc = acc_dtype(dtype)
     size = acc.itemsize * (3 if softcap is not None else 2) + 1  # + the top-1 mask
     return size + (dtype.itemsize if acc != dtype else 0)
@@ -53,20 +53,20 @@ def _tile_shape(v: int, tile_bytes: int, dtype: torch.dtype,
     vocabulary, the budget and the dtype only, never from the number of tokens, so that a
     token's results do not depend on the batch it comes in (see ``forward``).
 
-    Up to ``_ROW_BLOCK`` token rows per tile, the vocabulary split to fit: with whole-vocabulary
+    Up to ``ROW_BLOCK`` token rows per tile, the vocabulary split to fit: with whole-vocabulary
     rows instead (55 rows at V=152k in 64 MB), every row block would stream the whole head
     through a thin GEMM and the backward would update all of ``d_weight`` with a rank-55
     product, N / 55 passes over ``[V, D]``; with 1024-row tiles each weight tile is read once
     per 1024 tokens and ``d_weight`` is written once per 1024 tokens (fwd+bwd at N=256, D=1024,
     V=152k on CPU: 8 s of CPU time instead of 12.5). The partials of a row's vocab tiles are
-    merged exactly as vocab-parallel shards are. At most ``_MAX_COLS`` columns.
+    merged exactly as vocab-parallel shards are. At most ``MAX_COLS`` columns.
     """
     elems = max(1, tile_bytes // _bytes_per_element(dtype, softcap))
-    rows = max(1, min(_ROW_BLOCK, elems // min(v, _MIN_COLS)))
-    return rows, max(1, min(v, _MAX_COLS, elems // rows))
+    rows = max(1, min(ROW_BLOCK, elems // min(v, MIN_COLS)))
+    return rows, max(1, min(v, MAX_COLS, elems // rows))
 
 
-def _row_blocks(n: int, rows: int):
+def row_blocks(n: int, rows: int):
     """``(first row, real rows, padded rows)`` of each row block (see ``_ROW_GRANULE``)."""
     granule = min(_ROW_GRANULE, rows)
     for r0 in range(0, n, rows):
@@ -74,7 +74,7 @@ def _row_blocks(n: int, rows: int):
         yield r0, real, min(rows, -(-real // granule) * granule)
 
 
-def _pad_rows(x, size: int, fill=0):
+def pad_rows(x, size: int, fill=0):
     """``x`` with rows of ``fill`` appended up to ``size`` rows (``x`` itself when it has them;
     None stays None)."""
     if x is None or x.shape[0] == size:
@@ -84,7 +84,7 @@ def _pad_rows(x, size: int, fill=0):
     return out
 
 
-class _Tiles:
+class Tiles:
     """The buffers of one call's tiles: logits, scratch, ``1 - tanh^2`` when soft-capping, the
     GEMM's output in the input dtype when that is bf16/fp16, and (``top1``, the forward) the
     mask of the columns at or after each target."""
@@ -189,7 +189,7 @@ def _max_before_target(z, local_targets, m, scratch, mask, vocab_dim):
     return out
 
 
-def _head_slice(weight, bias, c0, cols, dtype):
+def head_slice(weight, bias, c0, cols, dtype):
     """Vocabulary columns ``c0:c0+cols`` of the head in the compute dtype (views when the head
     already has it; else a copy of the slice only, never of the whole head)."""
     w = weight[c0:c0 + cols].to(dtype)
@@ -217,15 +217,15 @@ def forward(hidden, weight, bias, targets, *, temperature, softcap, logit_scale,
     if n == 0:
         return empty(hidden.device, acc_dtype(hidden.dtype))
     rows, cols = _tile_shape(v, tile_bytes, hidden.dtype, softcap)
-    blocks = list(_row_blocks(n, rows))
-    tiles = _Tiles(blocks[0][2], cols, hidden.dtype, hidden.device, softcap, top1=True)
+    blocks = list(row_blocks(n, rows))
+    tiles = Tiles(blocks[0][2], cols, hidden.dtype, hidden.device, softcap, top1=True)
     out = []
     for r0, real, padded in blocks:
-        h = _pad_rows(hidden[r0:r0 + real], padded)
-        tgt = _pad_rows(targets[r0:r0 + real], padded, -1)
+        h = pad_rows(hidden[r0:r0 + real], padded)
+        tgt = pad_rows(targets[r0:r0 + real], padded, -1)
         parts = []
         for c0 in range(0, v, cols):
-            w, b = _head_slice(weight, bias, c0, cols, hidden.dtype)
+            w, b = head_slice(weight, bias, c0, cols, hidden.dtype)
             # Token-major here: the forward's logits then round as ``h @ W^T`` does in the
             # plain-PyTorch heads this replaces (TRL's, for one); vocab-major rounding moved a
             # near-cancelling loss (VESPO's, in the TRL parity tests) by 2e-4 relative.
@@ -264,22 +264,22 @@ def backward(hidden, weight, bias, targets, top, log_l, entropy, sum_p_sq, g_lp,
                      for need, shape in ((need_hidden, hidden.shape),
                                          (need_weight, weight.shape), (need_bias, (v,))))
     rows, cols = _tile_shape(v, tile_bytes, hidden.dtype, softcap)
-    blocks = list(_row_blocks(n, rows))
-    tiles = _Tiles(blocks[0][2], cols, hidden.dtype, hidden.device, softcap)
+    blocks = list(row_blocks(n, rows))
+    tiles = Tiles(blocks[0][2], cols, hidden.dtype, hidden.device, softcap)
     d_hidden = hidden.new_empty(hidden.shape, dtype=acc) if need_hidden else None
     d_weight = weight.new_empty(weight.shape, dtype=acc) if need_weight else None
     d_bias = weight.new_zeros(v, dtype=acc) if need_bias else None
     for r0, real, padded in blocks:
         sl = slice(r0, r0 + real)
-        h = _pad_rows(hidden[sl], padded)
-        tgt = _pad_rows(targets[sl], padded, -1)
-        per_row = [None if g is None else _pad_rows(g[sl], padded)
+        h = pad_rows(hidden[sl], padded)
+        tgt = pad_rows(targets[sl], padded, -1)
+        per_row = [None if g is None else pad_rows(g[sl], padded)
                    for g in (top, log_l, entropy, sum_p_sq, g_lp, g_entropy, g_sum_p_sq,
                              g_mean_logit, g_lse)]
         # The hidden gradient of a padded block goes through a padded accumulator.
-        dh = None if d_hidden is None else _pad_rows(d_hidden[sl], padded)
+        dh = None if d_hidden is None else pad_rows(d_hidden[sl], padded)
         for c0 in range(0, v, cols):
-            w, b = _head_slice(weight, bias, c0, cols, hidden.dtype)
+            w, b = head_slice(weight, bias, c0, cols, hidden.dtype)
             # The forward's GEMM (the forward's bits), then its vocab-major view.
             z, t = tiles.logits(h, w, b, temperature, softcap, logit_scale, vocab_major=False)
             z, t = z.t(), None if t is None else t.t()

@@ -14,14 +14,14 @@ the chunk's real rows only):
    T_row`` in fp32 (``_tempered``: the division correctly rounded, as torch's), with each
    slice's maximum and smallest key. Every later pass reads these values: the same bits in
    every pass.
-2. Every pass below is a ``[rows, S]`` launch, one program per real row and ``_SLICE``-column
+2. Every pass below is a ``[rows, S]`` launch, one program per real row and ``SLICE_COLS``-column
    slice,
    each keeping its sums per lane and reducing once at the end, writing per-slice partial
    results; a merge then combines a row's slices in slice order (fp64 for masses). No atomics,
    no host read: a row's results do not depend on the other rows or on its place in the chunk.
 3. **The kept set** as the pair ``(T, C)``: every token whose ordered key is above ``T``, and
    the first ``C`` (lowest ids) of those at ``T``. min-p's floor is ``key(m + log min_p)``;
-   top-k and top-p each find their key by a fixed number of ``_FAN``-trial search passes
+   top-k and top-p each find their key by a fixed number of ``FAN_KEYS``-trial search passes
    (``_fan_kernel``: the count, or fp32 mass ``exp(z - m)``, of each slice at or above 8
    trial keys; ``_search_step_kernel`` sums them in fp64 and narrows the row's range 9-fold),
    the largest key whose count (mass) reaches the target, as the torch path's radix select
@@ -45,7 +45,7 @@ give ``d_hidden`` per chunk (fp32) and ``d_weight`` once per group (fp32), and `
 the fp32 column sum of ``dx``.
 
 Under ``TRITON_INTERPRET=1`` (CPU tensors) the same code runs with torch's CPU GEMMs; tests
-shrink ``_COLS``, ``_SLICE`` and the blocks. docs/gpu.md ("Sampler-matched logprobs on the
+shrink ``_COLS``, ``SLICE_COLS`` and the blocks. docs/gpu.md ("Sampler-matched logprobs on the
 GPU") gives the SASS figures and the cost model's prediction.
 """
 
@@ -59,13 +59,13 @@ import triton
 import triton.language as tl
 
 from logitless.kernels import constants
-from logitless.kernels.linear_softmax import _round_to, _tanh, tile_rows
-from logitless.kernels.linear_softmax_torch import _head_slice, _pad_rows, addmm_acc_
+from logitless.kernels.linear_softmax import round_to, tanh, tile_rows
+from logitless.kernels.linear_softmax_torch import addmm_acc_, head_slice, pad_rows
 from logitless.kernels.sampler_torch import (
     RowParams,
-    _key_floats,
-    _ordered_keys,
     engine_rules,
+    key_floats,
+    ordered_keys,
 )
 
 __all__ = ["DEFAULT_TILE_BYTES", "backward", "chunk_stats", "forward", "row_args",
@@ -81,17 +81,17 @@ _COLS = 2**18
 # Most rows per chunk, and vocabulary columns per program of a pass (kernels/constants.py; tests
 # shrink them); the columns per step and warps of the passes.
 _MAX_ROWS = constants.SAMPLER_ROWS
-_SLICE = constants.SAMPLER_SLICE
-_BLOCK_V = 2048
-_WARPS = 8
+SLICE_COLS = constants.SAMPLER_SLICE
+BLOCK_COLS = 2048
+WARPS = 8
 # Columns per step of the transform pass (4 a thread: within its issue budget), and of the
 # backward's tie-cut pass (one block reduction per step: 16 a thread).
-_BLOCK_T = 1024
-_BLOCK_C = 4096
-# Trial keys per search pass, and the columns per step of a search pass (a [_FAN, _BLOCK_S]
+TRANSFORM_BLOCK = 1024
+CUT_BLOCK = 4096
+# Trial keys per search pass, and the columns per step of a search pass (a [FAN_KEYS, SEARCH_BLOCK]
 # block of comparisons, kept per lane across the slice).
-_FAN = 8
-_BLOCK_S = 1024
+FAN_KEYS = 8
+SEARCH_BLOCK = 1024
 # Rows per program of a search pass's merge.
 _BLOCK_R = 64
 # Searches over a 16-bit dtype's values where the logits allow it (tests turn it off to
@@ -122,7 +122,7 @@ def _tempered(x, t, softcap, scale, HAS_SOFTCAP: tl.constexpr):
     bits, so the same kept set."""
     v = x.to(tl.float32)
     if HAS_SOFTCAP:
-        v = _tanh(tl.math.div_rn(v, softcap)) * (softcap * scale)
+        v = tanh(tl.math.div_rn(v, softcap)) * (softcap * scale)
     else:
         v = v * scale
     return tl.math.div_rn(v, t)
@@ -587,10 +587,10 @@ def _grad_kernel(x, stride_x, targets, temperature, key, cut, u_at, u_above, top
         d += tl.where(cols == y, g_y, 0.0)
         d *= factor
         if HAS_SOFTCAP:
-            th = _tanh(tl.math.div_rn(raw.to(tl.float32), softcap))
+            th = tanh(tl.math.div_rn(raw.to(tl.float32), softcap))
             d *= 1.0 - th * th
         d = tl.where(keep, d, 0.0)
-        tl.store(x_row + cols, _round_to(d, x.dtype.element_ty, INTERPRET_BF16))
+        tl.store(x_row + cols, round_to(d, x.dtype.element_ty, INTERPRET_BF16))
 
 
 def rows_per_chunk(v: int, tile_bytes: int, dtype: torch.dtype, softcap: float | None) -> int:
@@ -607,7 +607,7 @@ def rows_per_chunk(v: int, tile_bytes: int, dtype: torch.dtype, softcap: float |
 
 def _span(width: int) -> int:
     """A row's columns padded to whole steps of every pass (a multiple of 16 too)."""
-    step = max(_BLOCK_V, _BLOCK_S, _BLOCK_T, _BLOCK_C, 16)
+    step = max(BLOCK_COLS, SEARCH_BLOCK, TRANSFORM_BLOCK, CUT_BLOCK, 16)
     return -(-width // step) * step
 
 
@@ -663,9 +663,9 @@ def forward(hidden, weight, bias, targets, params: RowParams, *, softcap, logit_
     targets = targets.contiguous()
     for r0 in range(0, n, rows):
         real = min(rows, n - r0)
-        h = _pad_rows(hidden[r0:r0 + real], rows).contiguous()  # the backward's layout
+        h = pad_rows(hidden[r0:r0 + real], rows).contiguous()  # the backward's layout
         for c0 in range(0, v, cols):
-            w, b = _head_slice(weight, bias, c0, cols, hidden.dtype)
+            w, b = head_slice(weight, bias, c0, cols, hidden.dtype)
             if part is None:
                 _gemm_(chunk, h, w, b)
             else:
@@ -689,24 +689,24 @@ class _Buffers:
 
     def __init__(self, rows, v, device):
         self.rows, self.v = rows, v
-        self.slices = -(-v // _SLICE)
+        self.slices = -(-v // SLICE_COLS)
         s = self.slices
         # rows padded to whole steps of every pass (the transform fills the padding with -inf)
         self.z = torch.empty(rows, _span(v), dtype=torch.float32, device=device)[:, :v]
         self.m = torch.empty(rows, s, dtype=torch.float32, device=device)
         self.k = torch.empty(rows, s, dtype=torch.int32, device=device)
-        self.fan = torch.zeros(rows, s, _FAN, dtype=torch.float32, device=device)
+        self.fan = torch.zeros(rows, s, FAN_KEYS, dtype=torch.float32, device=device)
         self.stats = torch.empty(rows, s, 6, dtype=torch.float32, device=device)
 
 
 def _key_of(z: torch.Tensor) -> torch.Tensor:
     """The ordered int64 key of fp32 ``z`` (``_keys``, in torch)."""
-    return _ordered_keys(z.float()).long()
+    return ordered_keys(z.float()).long()
 
 
 def _float_of(key: torch.Tensor) -> torch.Tensor:
     """The fp32 value of an ordered key (``_from_key``, in torch)."""
-    return _key_floats(key.int(), torch.float32)
+    return key_floats(key.int(), torch.float32)
 
 
 class _Passes:
@@ -717,7 +717,7 @@ class _Passes:
 
     def __init__(self, bufs: _Buffers, width: int, m: torch.Tensor, values=None):
         self.b, self.width, self.m = bufs, width, m
-        self.grid = (m.shape[0], -(-width // _SLICE))  # the chunk's rows, its slices
+        self.grid = (m.shape[0], -(-width // SLICE_COLS))  # the chunk's rows, its slices
         # (logits, temperature, |scale|) where the search runs in the 16-bit logits' values
         self.values = values
 
@@ -729,8 +729,8 @@ class _Passes:
                                _span(self.width), temp, mag, x, WEIGHTED=weighted,
                                VALUE_KEYS=values, MASK=(1 << (bits - 1)) - 1,
                                KEY_TY=tl.int16 if bits == 16 else tl.int32,
-                               HI=_INF_BITS[x.dtype], FAN=_FAN, SLICE=_SLICE,
-                               BLOCK_S=_BLOCK_S, num_warps=_WARPS)
+                               HI=_INF_BITS[x.dtype], FAN=FAN_KEYS, SLICE=SLICE_COLS,
+                               BLOCK_S=SEARCH_BLOCK, num_warps=WARPS)
 
     def fan(self, base, step, weighted: bool):
         """``[R, FAN]``: count (or fp64 mass) of tokens at or above ``base + (j + 1) step``."""
@@ -757,11 +757,11 @@ class _Passes:
             end = torch.full_like(hi, top)
         if active is not None:
             end = torch.where(active, end, start)
-        step = torch.where(start < end, (end - start) // (_FAN + 1) + 1, 0)
-        for _ in range(search_passes(_FAN, bits)):
+        step = torch.where(start < end, (end - start) // (FAN_KEYS + 1) + 1, 0)
+        for _ in range(search_passes(FAN_KEYS, bits)):
             self._fan(start, step, weighted, values=self.values is not None)
             _search_step_kernel[(triton.cdiv(rows, _BLOCK_R),)](
-                b.fan, start, end, step, target, rows, b.slices, FAN=_FAN, BLOCK_R=_BLOCK_R,
+                b.fan, start, end, step, target, rows, b.slices, FAN=FAN_KEYS, BLOCK_R=_BLOCK_R,
                 num_warps=4)
         if self.values is None:
             return start
@@ -792,12 +792,12 @@ def chunk_stats(x, targets, args, r0, outs, softcap, logit_scale, bufs=None):
         padded = x.new_empty(rows, _span(v))
         padded[:, :v] = x
         x = padded[:, :v]
-    s = -(-v // _SLICE)
+    s = -(-v // SLICE_COLS)
     temp = args["temperature"][r0:r0 + rows]
     _transform_kernel[(rows, s)](
         x, x.stride(0), temp, z, z.stride(0), bufs.m, bufs.k, bufs.slices, v, _span(v),
         softcap=1.0 if softcap is None else float(softcap), scale=float(logit_scale),
-        HAS_SOFTCAP=softcap is not None, SLICE=_SLICE, BLOCK_V=_BLOCK_T, num_warps=_WARPS)
+        HAS_SOFTCAP=softcap is not None, SLICE=SLICE_COLS, BLOCK_V=TRANSFORM_BLOCK, num_warps=WARPS)
     pm, pk = bufs.m[:rows, :s], bufs.k[:rows, :s]
     m = pm.amax(1)
     # 16-bit logits without a softcap: the searches run over their own values (6 passes)
@@ -887,7 +887,7 @@ def _final_stats(passes: _Passes, targets, t, c, m, canonical: bool, outs):
     _stats_kernel[passes.grid](passes.z, passes.z.stride(0), targets, passes.m, t, b.stats,
                                b.k, b.slices, passes.width, _span(passes.width),
                                CANONICAL=canonical,
-                               SLICE=_SLICE, BLOCK_V=_BLOCK_V, num_warps=_WARPS)
+                               SLICE=SLICE_COLS, BLOCK_V=BLOCK_COLS, num_warps=WARPS)
     _finish_kernel[(triton.cdiv(rows, _BLOCK_R),)](
         b.stats, b.k, b.slices, passes.m, t, c.contiguous(), passes.z, passes.z.stride(0),
         targets, rows, passes.width, float(_span(passes.width) - passes.width), *outs,
@@ -979,8 +979,8 @@ def grad_meta(dtype, softcap, g_lp, g_entropy, g_kept, g_lse) -> dict:
                 CLAMP=softcap is None and dtype.itemsize > 2, HAS_G_LP=g_lp is not None,
                 HAS_G_ENTROPY=g_entropy is not None, HAS_G_KEPT=g_kept is not None,
                 HAS_G_LSE=g_lse is not None,
-                INTERPRET_BF16=_INTERPRET and dtype == torch.bfloat16, BLOCK_V=_BLOCK_V,
-                num_warps=_WARPS)
+                INTERPRET_BF16=_INTERPRET and dtype == torch.bfloat16, BLOCK_V=BLOCK_COLS,
+                num_warps=WARPS)
 
 
 def backward(hidden, weight, bias, targets, params: RowParams, key, count, m, log_kept,
@@ -1009,7 +1009,7 @@ def backward(hidden, weight, bias, targets, params: RowParams, key, count, m, lo
     chunks = -(-n // rows)
     n_pad = chunks * rows
     per_group = max(1, min(chunks, tile_bytes // (rows * cols * hidden.element_size())))
-    h_pad = _pad_rows(hidden, n_pad).contiguous()
+    h_pad = pad_rows(hidden, n_pad).contiguous()
     # rows padded to whole steps: the tie-cut and dx passes read and write unmasked
     tile = torch.empty(per_group * rows * _span(cols), dtype=hidden.dtype, device=dev)
     d_hidden = torch.empty(n_pad, hidden.shape[1], dtype=torch.float32, device=dev) \
@@ -1038,7 +1038,7 @@ def backward(hidden, weight, bias, targets, params: RowParams, key, count, m, lo
         u_at = u_above = args["temperature"]  # not read: the keys are formed per element
         top = m
     for c0 in range(0, v, cols):
-        w, b = _head_slice(weight, bias, c0, cols, hidden.dtype)
+        w, b = head_slice(weight, bias, c0, cols, hidden.dtype)
         width = w.shape[0]
         for g0 in range(0, chunks, per_group):
             r0, g_rows = g0 * rows, min(per_group, chunks - g0) * rows
@@ -1046,7 +1046,7 @@ def backward(hidden, weight, bias, targets, params: RowParams, key, count, m, lo
             x = tile_rows(tile, g_rows, width, _span(width))
             for c in range(0, g_rows, rows):
                 _gemm_(x[c:c + rows], h_pad[r0 + c:r0 + c + rows], w, b)
-            cut_meta = dict(HAS_SOFTCAP=meta["HAS_SOFTCAP"], BLOCK_V=_BLOCK_C,
+            cut_meta = dict(HAS_SOFTCAP=meta["HAS_SOFTCAP"], BLOCK_V=CUT_BLOCK,
                             num_warps=meta["num_warps"])
             rows_args = (args["temperature"][r0:], key[r0:])
             # the passes run over the real rows; the padding rows of the tile (the GEMM's, for

@@ -79,12 +79,12 @@ import torch
 from logitless.kernels import constants
 from logitless.kernels.linear_softmax_torch import (
     DEFAULT_TILE_BYTES,
-    _head_slice,
-    _pad_rows,
-    _row_blocks,
     acc_dtype,
     addmm_acc_,
+    head_slice,
     logits_into,
+    pad_rows,
+    row_blocks,
     through_transform_,
 )
 
@@ -145,7 +145,7 @@ class RowParams:
     def rows(self, sl: slice, padded: int) -> RowParams:
         """The settings of rows ``sl``, padded with no-op values up to ``padded`` rows."""
         def cut(x, fill):
-            return None if x is None else _pad_rows(x[sl], padded, fill)
+            return None if x is None else pad_rows(x[sl], padded, fill)
         return RowParams(cut(self.temperature, 1.0), cut(self.top_k, 2**62),
                          cut(self.top_p, 1.0), cut(self.min_p, 0.0), self.engine)
 
@@ -215,15 +215,15 @@ class _Buffers:
                            logit_scale, vocab_major=True)
 
 
-def _ordered_keys(z: torch.Tensor) -> torch.Tensor:
+def ordered_keys(z: torch.Tensor) -> torch.Tensor:
     """Integers ordered as the floats ``z`` are (``-0.0`` taken as ``+0.0``): the bit
     pattern, with every bit but the sign flipped on negatives (shift, mask and xor: on CPU a
     ``torch.where`` costs several times as much)."""
     return _flip_negatives((z + 0.0).view(_key_dtype(z.dtype)))
 
 
-def _key_floats(keys: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The floats of ``dtype`` whose ordered keys are ``keys`` (``_ordered_keys``' inverse:
+def key_floats(keys: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The floats of ``dtype`` whose ordered keys are ``keys`` (``ordered_keys``' inverse:
     the flip is its own inverse)."""
     return _flip_negatives(keys).view(dtype)
 
@@ -279,7 +279,7 @@ class _Selection:
             if rules.top_p_ties:
                 c = torch.full_like(t, all_ties, dtype=torch.int32)
             else:
-                e_t = self._weight(_key_floats(t, z.dtype))
+                e_t = self._weight(key_floats(t, z.dtype))
                 big = float(v + 1)  # a tied weight underflowing to 0: keep every tie
                 c = torch.ceil((target - g) / e_t).clamp(1, big).nan_to_num(nan=big).int()
             # rows with p = 1 keep every candidate: a cut no token reaches
@@ -294,7 +294,7 @@ class _Selection:
             return c
         ties = torch.zeros_like(c)
         for c0 in range(0, self.z.shape[0], self.cols):
-            ties += (_ordered_keys(self.z[c0:c0 + self.cols]) == t).sum(0, dtype=c.dtype)
+            ties += (ordered_keys(self.z[c0:c0 + self.cols]) == t).sum(0, dtype=c.dtype)
         return (c - self.reduce.before(ties)).clamp(min=0)
 
     def _weight(self, zs):
@@ -309,7 +309,7 @@ class _Selection:
         floor = self.floor if final or self.floor_first else None
         for c0 in range(0, self.z.shape[0], self.cols):
             zs = self.z[c0:c0 + self.cols]
-            keys = _ordered_keys(zs)
+            keys = ordered_keys(zs)
             cand = None if floor is None else zs >= floor
             for i, (t, c) in enumerate(self.cuts):
                 cut, seen[i] = _prefix_slice(keys, t, c, seen[i])
@@ -461,16 +461,16 @@ def forward(hidden, weight, bias, targets, params: RowParams, *, softcap, logit_
     cols = min(v, _COLS)
     zbuf = torch.empty(v * rows, dtype=acc, device=dev)
     bufs = _Buffers(rows, cols, hidden.dtype, dev, softcap)
-    for r0, real, padded in _row_blocks(n, rows):
+    for r0, real, padded in row_blocks(n, rows):
         sl = slice(r0, r0 + real)
-        h = _pad_rows(hidden[sl], padded).contiguous()
+        h = pad_rows(hidden[sl], padded).contiguous()
         p = params.rows(sl, padded)
         z = zbuf[:v * padded].view(v, padded)
         for c0 in range(0, v, cols):
-            w, b = _head_slice(weight, bias, c0, cols, hidden.dtype)
+            w, b = head_slice(weight, bias, c0, cols, hidden.dtype)
             bufs.logits(z[c0:c0 + w.shape[0]], h, w, b, softcap, logit_scale)
         z /= p.temperature
-        stats = _chunk_stats(_Selection(z, p, cols, reduce), _pad_rows(targets[sl], padded, 0))
+        stats = _chunk_stats(_Selection(z, p, cols, reduce), pad_rows(targets[sl], padded, 0))
         for out, x in zip(outs, stats):
             out[sl] = x[:real]
     # A row with a NaN or inf logit has no distribution: its logprob is NaN (as the plain
@@ -496,27 +496,27 @@ def backward(hidden, weight, bias, targets, params: RowParams, key, count, m, lo
     rows = rows_per_chunk(v, tile_bytes, hidden.dtype, softcap)
     cols = min(v, _COLS)
     blocks = []
-    for r0, real, padded in _row_blocks(n, rows):
+    for r0, real, padded in row_blocks(n, rows):
         sl = slice(r0, r0 + real)
-        per_row = [None if g is None else _pad_rows(g[sl], padded)
+        per_row = [None if g is None else pad_rows(g[sl], padded)
                    for g in (targets, key.to(_key_dtype(acc)), m, log_kept,
                              log_kept - log_kept_mass, entropy, g_lp, g_entropy, g_kept,
                              g_lse)]
-        c = _pad_rows(count[sl].clamp(max=v + 1).int(), padded)
-        blocks.append((sl, real, _pad_rows(hidden[sl], padded).contiguous(),
+        c = pad_rows(count[sl].clamp(max=v + 1).int(), padded)
+        blocks.append((sl, real, pad_rows(hidden[sl], padded).contiguous(),
                        params.rows(sl, padded).temperature, c, per_row))
     seen = [torch.zeros(b[2].shape[0], dtype=torch.int32, device=dev) for b in blocks]
     x_buf = torch.empty(cols * rows, dtype=acc, device=dev)
     bufs = _Buffers(rows, cols, hidden.dtype, dev, softcap)
     for c0 in range(0, v, cols):
-        w, b = _head_slice(weight, bias, c0, cols, hidden.dtype)
+        w, b = head_slice(weight, bias, c0, cols, hidden.dtype)
         width = w.shape[0]
         for i, (sl, real, h, temperature, c, per_row) in enumerate(blocks):
             x = x_buf[:width * h.shape[0]].view(width, h.shape[0])
             cap = bufs.logits(x, h, w, b, softcap, logit_scale)
             x /= temperature
             tgt, t, *rest = per_row
-            kept, seen[i] = _prefix_slice(_ordered_keys(x), t, c, seen[i])
+            kept, seen[i] = _prefix_slice(ordered_keys(x), t, c, seen[i])
             dx = _logit_grad_(x, tgt - c0, kept, *rest)
             dx[:, real:] = 0.0  # padding rows
             through_transform_(dx, cap, logit_scale, 1.0)

@@ -40,11 +40,11 @@ __all__ = ["segment_reduce", "segment_scan", "segment_spread"]
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 # Reduction and scan selectors (constexpr).
-_SUM, _MEAN, _MAX, _COUNT, _MIN = 0, 1, 2, 3, 4
-_REDUCE_OPS = {"sum": _SUM, "mean": _MEAN, "max": _MAX, "count": _COUNT}
+OP_SUM, OP_MEAN, OP_MAX, OP_COUNT, OP_MIN = 0, 1, 2, 3, 4
+_REDUCE_OPS = {"sum": OP_SUM, "mean": OP_MEAN, "max": OP_MAX, "count": OP_COUNT}
 
 
-def _blocks(mean_length: int) -> tuple[int, int, int]:
+def launch_blocks(mean_length: int) -> tuple[int, int, int]:
     """``(BLOCK_B, BLOCK_T, num_warps)`` for sequences of about ``mean_length`` tokens."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         # The interpreter runs programs one by one in numpy: small tiles so that tests cross
@@ -309,16 +309,16 @@ def segment_reduce(x: torch.Tensor, mask: torch.Tensor | None, cu_seqlens: torch
     if op not in _REDUCE_OPS:
         raise ValueError(f"op must be one of {sorted(_REDUCE_OPS)}, got {op!r}")
     code = _REDUCE_OPS[op]
-    if code != _COUNT:
+    if code != OP_COUNT:
         _check_float(x)
     b, t, packed, (sxb, sxt) = _layout(x, cu_seqlens)
     m, (smb, smt) = _mask_arg(mask, x)
-    out_dtype = torch.int64 if code == _COUNT else x.dtype
+    out_dtype = torch.int64 if code == OP_COUNT else x.dtype
     out = torch.empty(b, dtype=_store_dtype(out_dtype), device=x.device)
-    cnt = torch.empty(b, dtype=torch.int64, device=x.device) if code in (_MEAN, _MAX) else None
+    cnt = torch.empty(b, dtype=torch.int64, device=x.device) if code in (OP_MEAN, OP_MAX) else None
     if b == 0:
         return out.to(out_dtype), cnt
-    block_b, block_t, warps = _blocks(t // b if packed else t)
+    block_b, block_t, warps = launch_blocks(t // b if packed else t)
     _segment_reduce_kernel[_grid(b, block_b)](
         x, m, cu_seqlens, out, cnt, b, t, sxb, sxt, smb, smt, float(empty),
         OP=code, HAS_MASK=m is not None, PACKED=packed, FP64=x.dtype == torch.float64,
@@ -339,11 +339,12 @@ def segment_scan(x: torch.Tensor, mask: torch.Tensor | None, cu_seqlens: torch.T
     position in the row (padded) or in ``x`` (packed), -1 where the prefix has no valid token;
     ties go to the latest token, as ``torch.cummin``. ``out`` is contiguous, of ``x``'s dtype.
     """
-    ops = {"prefix_sum": (_SUM, False), "suffix_sum": (_SUM, True), "prefix_min": (_MIN, False)}
+    ops = {"prefix_sum": (OP_SUM, False), "suffix_sum": (OP_SUM, True),
+           "prefix_min": (OP_MIN, False)}
     if op not in ops:
         raise ValueError(f"op must be one of {sorted(ops)}, got {op!r}")
     code, reverse = ops[op]
-    if (exclusive or want_index) and code != _MIN:
+    if (exclusive or want_index) and code != OP_MIN:
         raise ValueError("exclusive and want_index apply to prefix_min only")
     if mask_output and mask is None:
         raise ValueError("mask_output needs a mask")
@@ -354,7 +355,7 @@ def segment_scan(x: torch.Tensor, mask: torch.Tensor | None, cu_seqlens: torch.T
     idx = torch.empty(x.shape, dtype=torch.int64, device=x.device) if want_index else None
     if b == 0 or x.numel() == 0:
         return out.to(x.dtype), idx
-    block_b, block_t, warps = _blocks(t // b if packed else t)
+    block_b, block_t, warps = launch_blocks(t // b if packed else t)
     _segment_scan_kernel[_grid(b, block_b)](
         x, m, cu_seqlens, out, idx, b, t, sxb, sxt, smb, smt, 0 if packed else t,
         OP=code, REVERSE=reverse, EXCLUSIVE=exclusive, MASK_IN=m is not None and not mask_output,
@@ -390,7 +391,7 @@ def segment_spread(values: torch.Tensor, shape: torch.Size | tuple[int, ...],
     m, (smb, smt) = _mask_arg(mask, out)
     if b == 0 or out.numel() == 0:
         return out.to(values.dtype)
-    block_b, block_t, warps = _blocks(t // b if packed else t)
+    block_b, block_t, warps = launch_blocks(t // b if packed else t)
     _segment_spread_kernel[_grid(b, block_b)](
         values, count, x, ref, m, cu_seqlens, out, b, t, sxb, sxt, smb, smt,
         0 if packed else t,

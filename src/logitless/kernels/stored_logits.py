@@ -1,169 +1,127 @@
-"""One chunk's logits, computed once and turned into the logit gradient in place (torch).
+"""One chunk's logits, stored once in the input dtype, with Triton passes over them (CUDA).
 
-The sequence-aligned chunks of ``fused_policy_loss`` hold a chunk's whole ``[rows, V]`` softmax
-between the forward statistics and the gradient, so the head is multiplied three times in all
-(logits, hidden gradient, weight gradient) instead of four. This module is that buffer.
+The ``ChunkStore`` of ``fused_policy_loss`` when Triton is selected (``triton_selected``: CUDA
+tensors, or ``LOGITLESS_BACKEND=triton`` under ``TRITON_INTERPRET=1``). Per chunk of ``rows``
+tokens:
 
-Layout: **vocab-major**, ``[V, rows]``, in blocks of ``VOCAB_BLOCK`` vocabulary rows. A chunk
-has a few hundred rows, so every GEMM has one thin side. With the vocabulary as the GEMMs' long
-dimension (``W_b @ h^T``, ``dz_b^T @ W_b``, ``dz_b @ h``) each one runs at the speed of the
-full-batch GEMM on CPU BLAS, while ``h @ W^T`` with 128 to 384 rows runs 15 to 50% slower (MKL,
-2 cores). A block is written by its GEMM and reduced to partial statistics while it is still in
-cache; in the backward it becomes ``dz`` and feeds its two GEMMs in one visit.
+1. **Logits GEMM**: ``x = h @ W^T (+ b)``, ``[rows, V]`` row-major, one ``torch.mm`` /
+   ``torch.addmm`` (cuBLAS, fp32 accumulation) written in the input dtype: bf16/fp16 tiles
+   are rounded exactly as PyTorch's own ``hidden @ weight.T`` rounds them; fp32 stays fp32 and
+   follows ``torch.get_float32_matmul_precision()``.
+2. **Statistics pass**: ``linear_softmax.tile_stats_kernel`` over the whole stored row (one
+   program a row, the vocabulary folded in fixed ``_BLOCK_V``-column steps): the logit
+   transform in fp32, then the row's running max, sum of exponentials and entropy sum, and its
+   target logit. ``softmax_partials.finish_logprobs`` gives ``lp``, ``H`` and ``lse``.
+3. The objective runs on the chunk's ``(lp, H)`` in ``fused_policy_loss`` and hands back their
+   gradients.
+4. **dz pass**: ``linear_softmax.tile_grad_kernel`` turns the stored logits into ``dL/dx`` in
+   place (the entropy term only when ``H`` receives a gradient; the soft-cap derivative from
+   the stored ``x``), rounded once to the input dtype.
+5. **Two GEMMs**: the chunk's hidden gradient ``dx @ W`` (fp32 accumulation in cuBLAS,
+   written in the input dtype: one rounding, the one ``fused_policy_loss``'s hidden-gradient
+   buffer would apply) and ``d_weight += dx^T @ h`` into the call's one fp32 weight-gradient
+   accumulator (``addmm`` with an fp32 output). The bias gradient is ``dx``'s fp32 column sum.
 
-What is kept: each block's **exponentials** ``e = exp(z - m_b)`` relative to the block's
-per-token maximum ``m_b``, the maxima and the normaliser ``(top, log l)`` (``lse = top + log l``,
-``top`` the largest ``m_b``). Then ``p = e * exp((m_b - top) - log l)`` is one multiply per
-element (never ``m_b - lse``: at a low temperature ``lse`` is of the logits' size, 1e4 at
-T = 1e-3, and its rounding would be an error of every ``p`` that ``1 / T`` multiplies), and
-the common gradient (no entropy term, no soft-capping), ``dz = p * (-g_lp) + g_lp 1[j = y]``,
-is that same multiply with a per-token factor: the
-backward touches each element once, with no second ``exp``. The entropy term and the
-soft-cap derivative need ``log p`` and ``z``, taken back from ``log e`` (a zero ``e`` is a zero
-``p``, whose term is zero whatever its logarithm). The forward writes each block's
-exponentials into a spare block of the pool, which then becomes that block's storage, so the
-logits the GEMM wrote need no copy.
+Each pass is one launch that runs after the previous one on the stream: no atomics, and the
+same inputs give the same bits.
 """
 
 from __future__ import annotations
 
 import torch
 
-from logitless.kernels.linear_softmax_torch import (
-    acc_dtype,
-    add_one_hot_,
-    addmm_acc_,
-    logits_into,
-    tile_partials,
-)
-from logitless.kernels.softmax_partials import finish_logprobs, merge, normaliser, stack
+from logitless.kernels import linear_softmax as head
+from logitless.kernels.softmax_partials import Partials, finish_logprobs, normaliser
 
-# Vocabulary rows per block: 4096 x 384 tokens x 4 bytes is 6 MB, within the last-level cache.
-VOCAB_BLOCK = 4096
-# log e is clamped here: e = 0 there (p = 0), and the clamp keeps 0 * log e at 0 instead of NaN.
-_LOG_FLOOR = -1e4
+__all__ = ["StoredLogitsTriton", "grad_meta", "stats_meta"]
+
+# The partials' planes that start at -inf (the running max and the max before the target).
 
 
-def _num_blocks(vocab: int, block: int) -> int:
-    return -(-vocab // block)
+def stats_meta(dtype: torch.dtype, softcap: float | None, negative_scale: bool = False) -> dict:
+    """The constexprs and warps of the statistics pass: ``lp``, ``H`` and ``lse`` only
+    (``negative_scale``: ``logit_scale / temperature < 0``)."""
+    return head.stats_meta(dtype, softcap, want_s2=False, want_sum_z=False,
+                           negative_scale=negative_scale)
 
 
-def bytes_per_row(vocab: int, dtype: torch.dtype, softcap: float | None,
-                  block: int | None = None, *, hidden_size: int = 0) -> int:
-    """Bytes one token row of a chunk needs: its share of the pool (a slot per vocabulary block
-    and one spare), one more block when soft-capping (``tanh``, then ``1 - tanh^2``), and a
-    block in the input dtype for the GEMMs when the inputs are bf16/fp16. The CPU budget
-    counts the pool only: ``hidden_size`` (the chunk's hidden rows) is not counted."""
-    del hidden_size
-    block = min(vocab, block or VOCAB_BLOCK)
-    acc = torch.finfo(acc_dtype(dtype)).bits // 8
-    slots = _num_blocks(vocab, block) + 1 + (1 if softcap is not None else 0)
-    low = block * (torch.finfo(dtype).bits // 8) if acc_dtype(dtype) != dtype else 0
-    return slots * block * acc + low
+def grad_meta(dtype: torch.dtype, softcap: float | None, g_lp, g_entropy) -> dict:
+    """The constexprs and warps of the dz pass: the terms of ``g_lp`` and ``g_entropy`` (each
+    on when given)."""
+    return head.grad_meta(dtype, softcap, g_lp, g_entropy, None, None, None)
 
 
-class StoredLogits:
-    """Buffers for chunks of up to ``max_rows`` tokens, reused by every chunk of a call (the
-    ``ChunkStore`` of ``fused_policy_loss``)."""
-
-    bytes_per_row = staticmethod(bytes_per_row)
+class StoredLogitsTriton:
+    """Buffers for chunks of up to ``max_rows`` tokens in the input dtype, reused by every
+    chunk of a call (a ``ChunkStore`` of ``fused_policy_loss``)."""
 
     def __init__(self, vocab: int, max_rows: int, dtype: torch.dtype, device,
-                 softcap: float | None, block: int | None = None):
+                 softcap: float | None):
+        del softcap  # recomputed from the stored logits: no extra buffer
         self.vocab, self.dtype = vocab, dtype
-        self.block = min(vocab, block or VOCAB_BLOCK)
-        self.acc = acc_dtype(dtype)
-        n = _num_blocks(vocab, self.block)
-        self._pool = torch.empty(n + 1, self.block * max_rows, dtype=self.acc, device=device)
-        self._cap = (torch.empty(self.block * max_rows, dtype=self.acc, device=device)
-                     if softcap is not None else None)
-        self._low = (torch.empty(self.block * max_rows, dtype=dtype, device=device)
-                     if self.acc != dtype else None)
+        self.ld = head.row_stride(vocab)  # rows 16-element aligned: the passes' vector loads
+        self._logits = torch.empty(max_rows * self.ld, dtype=dtype, device=device)
+        self._state = torch.empty(8, max_rows, dtype=torch.float32, device=device)
+        # The partials' starting values, made once: each chunk copies them in with one op (an
+        # index by a Python list would copy that list to the device and wait for it).
+        self._state_init = head.new_state(1, device)
 
-    def _blocks(self):
-        for i, v0 in enumerate(range(0, self.vocab, self.block)):
-            yield i, v0, min(v0 + self.block, self.vocab)
-
-    def _view(self, flat, v0, v1):
-        return flat[:(v1 - v0) * self.rows].view(v1 - v0, self.rows)
+    @staticmethod
+    def bytes_per_row(vocab: int, dtype: torch.dtype, softcap: float | None,
+                      hidden_size: int = 0) -> int:
+        """Bytes one token row of a chunk holds: its stored logits in ``dtype`` (the row
+        stride, a multiple of 16), and its
+        gathered hidden row and hidden-gradient row (``hidden_size`` each), as
+        the cost model (``tools/gpu_plan.py``) sizes the chunks."""
+        del softcap
+        return dtype.itemsize * (head.row_stride(vocab) + 2 * hidden_size)
 
     def forward(self, hidden, weight, bias, targets, *, temperature, softcap, logit_scale):
-        """Compute the logits of ``hidden [rows, D]`` block by block and keep their
-        exponentials; return per-token ``logprobs``, ``entropy`` and ``lse`` (fp32; fp64 for
-        fp64 inputs). ``targets`` lie in ``[0, V)``."""
+        """Store the logits of ``hidden [rows, D]``; return per-token fp32 ``(logprobs,
+        entropy, lse)``. ``targets`` lie in ``[0, V)``."""
         rows = hidden.shape[0]
-        self.rows, self.head, self.targets = rows, (temperature, softcap, logit_scale), targets
-        parts, self.slot = [], []
-        spare = len(self._pool) - 1
-        for i, v0, v1 in self._blocks():
-            zb = self._view(self._pool[i], v0, v1)  # slot i is free: blocks < i moved down one
-            logits_into(zb, None if self._low is None else self._view(self._low, v0, v1),
-                        None if self._cap is None else self._view(self._cap, v0, v1),
-                        hidden, weight[v0:v1], None if bias is None else bias[v0:v1],
-                        temperature, softcap, logit_scale, vocab_major=True)
-            # The exponentials go to the spare slot, which becomes the block's storage.
-            e = self._view(self._pool[spare], v0, v1)
-            parts.append(tile_partials(zb, targets - v0, False, False, e, vocab_dim=0))
-            self.slot.append(spare)
-            spare = i
-        self.spare = spare
-        stacked = stack(parts)
-        self.block_max = stacked.m
-        merged = merge(stacked)
-        self.z_y = merged.z_y
-        self.top, self.log_l = normaliser(merged)
-        return finish_logprobs(merged, self.log_l)
+        self.rows, self.targets = rows, targets.contiguous()
+        self.scalars = dict(softcap=1.0 if softcap is None else float(softcap),
+                            z_scale=float(logit_scale) / float(temperature))
+        self.softcap = softcap
+        x = head.tile_rows(self._logits, rows, self.vocab, self.ld)
+        if bias is None:
+            torch.mm(hidden, weight.t(), out=x)
+        else:
+            torch.addmm(bias, hidden, weight.t(), out=x)
+        state = self._state[:, :rows]
+        state.copy_(self._state_init.expand(-1, rows))
+        head.tile_stats_kernel[(rows,)](
+            x, x.stride(0), self.targets, state, state.stride(0), self.vocab, 0,
+            **self.scalars, **stats_meta(self.dtype, softcap, self.scalars["z_scale"] < 0))
+        parts = Partials(*state)
+        # The normaliser as the dz pass reads it (``softmax_partials.normaliser``), kept with
+        # the logits it belongs to.
+        self.top, self.log_l = normaliser(parts)  # rows of the state: contiguous
+        return finish_logprobs(parts, self.log_l)
 
     def backward_(self, hidden, weight, entropy, g_lp, g_entropy, d_weight, d_bias,
                   want_hidden: bool, weight_beta: float = 1.0):
-        """Turn the stored exponentials into ``d loss / d x`` (``x`` the untransformed logits)
-        block by block, add ``dx @ hidden`` to ``d_weight`` (``weight_beta=0``: overwrite it)
-        and ``dx`` summed to ``d_bias`` (either may be None), and return ``dx^T W`` when
-        ``want_hidden`` (fp32; fp64 for fp64 inputs).
-
-        ``g_lp``, ``g_entropy``: per-token upstream gradients (None: zero). With ``p = e
-        exp((m_b - top) - log l)`` (the forward's normaliser) and ``f = scale / T``:
-        ``dz = f p (-g_lp - g_H (log p + H)) + f g_lp 1[j = y]``, times ``1 - tanh^2`` when
-        soft-capping (at the target, from its exact logit).
-        """
-        temperature, softcap, logit_scale = self.head
-        f = logit_scale / temperature
-        shift = (self.block_max - self.top) - self.log_l  # [blocks, rows]: log p = log e + shift
-        scale = torch.exp(shift)  # p = e * scale
-        g_lp = torch.zeros_like(self.log_l) if g_lp is None else g_lp.to(self.log_l.dtype)
-        if g_entropy is None:  # dz = e * k0
-            k1, k0 = None, scale * (-g_lp * f)
-        else:  # dz = e * (k1 log e + k0)
-            g_entropy = g_entropy.to(self.log_l.dtype)
-            k1 = scale * (-g_entropy * f)
-            k0 = scale * ((-g_lp - g_entropy * (shift + entropy)) * f)
-        one_hot = g_lp * f
-        if softcap is not None:
-            cap_f = softcap * f
-            one_hot = one_hot * (1.0 - (self.z_y / cap_f).square())
-        d_hidden = (torch.zeros(self.rows, weight.shape[1], dtype=self.acc, device=weight.device)
-                    if want_hidden else None)
-        for i, v0, v1 in self._blocks():
-            dz = self._view(self._pool[self.slot[i]], v0, v1)  # e, becoming dz
-            if k1 is not None or softcap is not None:
-                log_e = torch.log(dz, out=self._view(self._pool[self.spare], v0, v1))
-                log_e.clamp_(min=_LOG_FLOOR)
-            if softcap is not None:  # 1 - tanh^2, tanh = z / cap_f = (m_b + log e) / cap_f
-                t = torch.add(log_e, self.block_max[i], out=self._view(self._cap, v0, v1))
-                t.div_(cap_f).clamp_(-1.0, 1.0).square_().neg_().add_(1.0)
-            if k1 is None:
-                dz.mul_(k0[i])
-            else:
-                dz.mul_(log_e.mul_(k1[i]).add_(k0[i]))
-            if softcap is not None:
-                dz.mul_(t)
-            add_one_hot_(dz, self.targets - v0, one_hot)  # the target's term
-            if d_bias is not None:
-                d_bias[v0:v1] += dz.sum(1)
-            if self._low is not None:
-                dz = self._view(self._low, v0, v1).copy_(dz)
-            if d_hidden is not None:
-                addmm_acc_(d_hidden, dz.t(), weight[v0:v1])
-            if d_weight is not None:
-                addmm_acc_(d_weight[v0:v1], dz, hidden, beta=weight_beta)
-        return d_hidden
+        """Turn the stored logits into ``dx = d loss / d x`` in place, add ``dx^T @ hidden``
+        to the fp32 ``d_weight`` (``weight_beta=0``: overwrite it) and ``dx``'s column sum to
+        ``d_bias`` (either may be None); return ``dx @ W`` in the input dtype when
+        ``want_hidden``. ``g_lp``, ``g_entropy``: per-token upstream gradients (None: zero).
+        ``p`` is recomputed from the normaliser in the two parts the forward kept (``top`` and
+        ``log l``), exact at low temperatures where one ``lse`` is not."""
+        rows = self.rows
+        dx = self._logits[:rows * self.ld].view(rows, self.ld)[:, :self.vocab]  # padding: 0
+        top = self.top
+        entropy, g_lp, g_entropy = (None if t is None else t.float().contiguous()
+                                    for t in (entropy, g_lp, g_entropy))
+        meta = grad_meta(self.dtype, self.softcap, g_lp, g_entropy)
+        # A pointer whose term is off is never read: top stands in for it.
+        ptr = lambda t: top if t is None else t
+        head.tile_grad_kernel[(rows,)](
+            dx, dx.stride(0), self.targets, top, self.log_l, ptr(entropy), top, ptr(g_lp),
+            ptr(g_entropy), top, top, top, rows, self.vocab, 0, **self.scalars,
+            inv_vocab_total=1.0 / self.vocab, **meta)
+        if d_bias is not None:
+            d_bias += dx.sum(0, dtype=d_bias.dtype)
+        if d_weight is not None:
+            head.addmm_acc_(d_weight, dx.t(), hidden, beta=weight_beta)
+        return torch.mm(dx, weight) if want_hidden else None

@@ -13,7 +13,7 @@ import torch
 
 from logitless.fused_losses.objectives.catalog import get_objective
 from logitless.reference.segments import valid_tokens as _valid
-from logitless.reference.token_losses import _at, token_loss_loop
+from logitless.reference.token_losses import token_loss_loop, value_at
 
 
 def quantile_loop(values, q):
@@ -32,8 +32,8 @@ def ratio_loop(
     ``eps_low``/``eps_high`` are scalars or per-token ``[B, T]`` tensors."""
     B, T = lp.shape
     rho = [[lp.new_ones(()) for _ in range(T)] for _ in range(B)]
-    low = [[1 - _at(eps_low, i, t) for t in range(T)] for i in range(B)]
-    high = [[1 + _at(eps_high, i, t) for t in range(T)] for i in range(B)]
+    low = [[1 - value_at(eps_low, i, t) for t in range(T)] for i in range(B)]
+    high = [[1 + value_at(eps_high, i, t) for t in range(T)] for i in range(B)]
     for i in range(B):
         valid = _valid(mask, i)
         n = max(len(valid), 1)
@@ -43,7 +43,7 @@ def ratio_loop(
                 parts = []
                 for t in valid:
                     s = float(torch.sign(adv[i, t]))
-                    clipped = d[t].clamp(-_at(eps_low, i, t), _at(eps_high, i, t))
+                    clipped = d[t].clamp(-value_at(eps_low, i, t), value_at(eps_high, i, t))
                     parts.append(s * torch.minimum(s * d[t], s * clipped))
                 low[i], high[i] = [0.0] * T, [math.inf] * T
             else:
@@ -63,8 +63,8 @@ def ratio_loop(
                 running = running + d[t]
                 g = {"sqrt": math.sqrt(count), "linear": float(count), "constant": 1.0}[growth]
                 rho[i][t] = torch.exp(running)
-                low[i][t] = math.exp(-_at(eps_low, i, t) * g)
-                high[i][t] = math.exp(_at(eps_high, i, t) * g)
+                low[i][t] = math.exp(-value_at(eps_low, i, t) * g)
+                high[i][t] = math.exp(value_at(eps_high, i, t) * g)
             elif level == "prefix_min":
                 if minpro_prefix == "inclusive":
                     running_min = min(running_min, float(r.detach()))

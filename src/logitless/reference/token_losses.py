@@ -16,7 +16,7 @@ def _log(x):
     return math.log(x) if x > 0 else -math.inf
 
 
-def _at(x, i, t):
+def value_at(x, i, t):
     """A scalar knob or the value of a per-token ``[B, T]`` tensor at ``(i, t)``, as a float."""
     return float(x[i, t]) if isinstance(x, torch.Tensor) and x.dim() == 2 else float(x)
 
@@ -92,7 +92,7 @@ def _dppo(k: _Token, cfg, ok: bool):
 
 def _dppo_tv(k: _Token, cfg):
     change = math.exp(float(k.x.detach())) - math.exp(k.old)
-    e_lo, e_hi = _at(cfg.eps_low, k.i, k.t), _at(cfg.eps_high, k.i, k.t)
+    e_lo, e_hi = value_at(cfg.eps_low, k.i, k.t), value_at(cfg.eps_high, k.i, k.t)
     return _dppo(k, cfg, change <= e_hi if k.a > 0 else change >= -e_lo)
 
 
@@ -101,7 +101,7 @@ def _dppo_kl(k: _Token, cfg):
     bkl = p_old * (k.old - float(k.x.detach())) + (1 - p_old) * math.log(
         (1 - p_old + 1e-8) / (1 - p + 1e-8)
     )
-    e_lo, e_hi = _at(cfg.eps_low, k.i, k.t), _at(cfg.eps_high, k.i, k.t)
+    e_lo, e_hi = value_at(cfg.eps_low, k.i, k.t), value_at(cfg.eps_high, k.i, k.t)
     if k.a > 0:
         return _dppo(k, cfg, bkl <= e_hi or p <= p_old)
     return _dppo(k, cfg, bkl <= e_lo or p >= p_old)
@@ -109,7 +109,7 @@ def _dppo_kl(k: _Token, cfg):
 
 def _prime_rl(k: _Token, cfg):
     change = math.exp(float(k.x.detach())) - math.exp(k.old)
-    e_lo, e_hi = _at(cfg.eps_low, k.i, k.t), _at(cfg.eps_high, k.i, k.t)
+    e_lo, e_hi = value_at(cfg.eps_low, k.i, k.t), value_at(cfg.eps_high, k.i, k.t)
     inside = change <= e_hi if k.a > 0 else change >= -e_lo
     return -k.a * k.r * float(inside) + cfg.sq_log_ratio_coef * (k.x - k.old) ** 2
 
@@ -125,8 +125,8 @@ def _aspo(k: _Token, cfg):
 
 def _dhpo(k: _Token, cfg):
     mix = k.h_rel if cfg.dhpo_mix == "entropy" else cfg.dhpo_mix
-    s_lo = 1 - _at(cfg.eps_low if cfg.seq_eps_low is None else cfg.seq_eps_low, k.i, k.t)
-    s_hi = 1 + _at(cfg.eps_high if cfg.seq_eps_high is None else cfg.seq_eps_high, k.i, k.t)
+    s_lo = 1 - value_at(cfg.eps_low if cfg.seq_eps_low is None else cfg.seq_eps_low, k.i, k.t)
+    s_hi = 1 + value_at(cfg.eps_high if cfg.seq_eps_high is None else cfg.seq_eps_high, k.i, k.t)
     unclipped = mix * k.r + (1 - mix) * k.s
     clipped = mix * torch.clamp(k.r, k.lo, k.hi) + (1 - mix) * torch.clamp(k.s, s_lo, s_hi)
     return torch.maximum(-k.a * unclipped, -k.a * clipped)

@@ -124,9 +124,10 @@ _ROW_STATE_BYTES = 7 * 4
 _ROW_HELD_BYTES = 64
 # The objective on a chunk's (lp, H): policy_loss forward and backward on per-token grids,
 # small kernels reading and writing a few fp32 values per token. 24 launches: the 29 an extra
-# chunk adds with the objective compiled by inductor (fused/objective.py; benchmarks/chunk_ops.py,
-# GRPO with a KL term and an entropy bonus; 25 for plain GRPO; 98-127 eager) less its three
-# GEMMs and its gather and scatter of hidden rows, which the plan counts as passes of their own.
+# chunk adds with the objective compiled by inductor (fused/chunk_objective.py;
+# benchmarks/chunk_ops.py, GRPO with a KL term and an entropy bonus; 25 for plain GRPO;
+# 98-127 eager) less its three GEMMs and its gather and scatter of hidden rows, which the plan
+# counts as passes of their own.
 # Counted on CPU: inductor's CUDA kernel count is not measured yet.
 OBJECTIVE_LAUNCHES = 24
 # Issue 22's target of 30 compute ops per extra chunk, less those five.

@@ -128,10 +128,10 @@ def fused_call_count(chunks: int, config: str = "grpo", compiled: bool = True, b
     on the store ``fused_policy_loss`` picks for CPU tensors: the Triton one under
     ``LOGITLESS_BACKEND=triton TRITON_INTERPRET=1``, the path that runs on CUDA).
 
-    ``compiled``: the chunk objective compiled as on CUDA (``fused.objective.COMPILE``, here
+    ``compiled``: the chunk objective compiled as on CUDA (``fused.chunk_objective.COMPILE``, here
     with inductor's C++ backend); a ``TorchDispatchMode`` cannot see into compiled code (and
     torch.compile runs eagerly under one), so each compiled call runs with the mode set aside
-    and counts as the kernels inductor generated for its graph (``objective.KERNELS``).
+    and counts as the kernels inductor generated for its graph (``chunk_objective.KERNELS``).
     Otherwise the eager objective, op by op."""
     import logitless
     from logitless.fused_losses.fused.plan import store_type
@@ -161,22 +161,22 @@ def fused_call_count(chunks: int, config: str = "grpo", compiled: bool = True, b
 def _objective_compiled(on: bool, count: LaunchCount):
     from torch.utils._python_dispatch import _disable_current_modes
 
-    from logitless.fused_losses.fused import objective
+    from logitless.fused_losses.fused import chunk_objective
 
-    run, forced = objective._run_compiled, objective.COMPILE
+    run, forced = chunk_objective.run_compiled, chunk_objective.COMPILE
 
     def counted(args, leaves):
         with _disable_current_modes():
             out = run(args, leaves)
-        count.ops["inductor kernels (compiled chunk objective)"] += objective.KERNELS
+        count.ops["inductor kernels (compiled chunk objective)"] += chunk_objective.KERNELS
         count.ops["autograd's seed of the compiled backward (ones_like)"] += 1
         return out
 
-    objective.COMPILE, objective._run_compiled = on, counted
+    chunk_objective.COMPILE, chunk_objective.run_compiled = on, counted
     try:
         yield
     finally:
-        objective.COMPILE, objective._run_compiled = forced, run
+        chunk_objective.COMPILE, chunk_objective.run_compiled = forced, run
 
 
 def extra_chunk(config: str = "grpo", compiled: bool = True, chunks: int = 2) -> dict:

@@ -78,7 +78,7 @@ def variants(vocab: int) -> list[Variant]:
 
     from logitless.kernels import divergence as dv
     from logitless.kernels import linear_softmax as ls
-    from logitless.kernels import stored_logits_triton as st
+    from logitless.kernels import stored_logits as st
 
     tile = ls.VOCAB_TILE
     last = vocab % tile or tile
@@ -104,7 +104,7 @@ def variants(vocab: int) -> list[Variant]:
         ("fused_grad", st.grad_meta(torch.bfloat16, None, g, g), head_grad_sig, 4),
     ):
         warps, consts = _split(meta)
-        kernel = "_tile_stats_kernel" if "stats" in role else "_tile_grad_kernel"
+        kernel = "tile_stats_kernel" if "stats" in role else "tile_grad_kernel"
         out.append(Variant(f"{kernel}[{role}]", role, "bfloat16", ls.__name__, kernel, sig,
                            consts, warps, consts["BLOCK_V"], nbytes, aligned))
     pair = dict(zs_ptr="*fp32", stride_s="i32", zt_ptr="*fp32", stride_t="i32")
@@ -146,7 +146,7 @@ def sampler_variants(vocab: int, aligned: tuple[str, ...]) -> list[Variant]:
     at the reference shape (bf16, no softcap): the transform (bf16 logits read, fp32 written),
     the search's weighted and counting passes and the statistics pass (fp32 read), and the
     backward's ``dx`` pass (bf16 read and written). Every slice starts at a multiple of
-    ``_SLICE`` and the chunk's rows are ``V`` elements apart: ``width`` and the strides are
+    ``SLICE_COLS`` and the chunk's rows are ``V`` elements apart: ``width`` and the strides are
     divisible by 16 when V is."""
     import torch
 
@@ -157,14 +157,15 @@ def sampler_variants(vocab: int, aligned: tuple[str, ...]) -> list[Variant]:
     div = ("stride_x", "stride_z", "span", *(("width",) if "width" in aligned else ()))
     scal = dict(softcap="fp32", scale="fp32")
     out = []
-    warps = sp._WARPS
+    warps = sp.WARPS
     out.append(Variant("_transform_kernel", "sampler_transform", "bfloat16", sp.__name__,
                        "_transform_kernel",
                        dict(x="*bf16", stride_x="i32", temperature="*fp32", z="*fp32",
                             stride_z="i32", part_m="*fp32", part_k="*i32",
                             n_slices="i32", width="i32", span="i32", **scal),
-                       dict(HAS_SOFTCAP=False, SLICE=sp._SLICE, BLOCK_V=sp._BLOCK_T), warps,
-                       sp._BLOCK_T, 6, div))
+                       dict(HAS_SOFTCAP=False, SLICE=sp.SLICE_COLS, BLOCK_V=sp.TRANSFORM_BLOCK),
+                       warps,
+                       sp.TRANSFORM_BLOCK, 6, div))
     import triton.language as tl
 
     # the search passes, their trials in the bf16 logits' own values (the loop is the same
@@ -177,15 +178,15 @@ def sampler_variants(vocab: int, aligned: tuple[str, ...]) -> list[Variant]:
                                 step="*i64", part="*fp32", n_slices="i32", span="i32",
                                 temperature="*fp32", mag="fp32", like="*bf16"),
                            dict(WEIGHTED=weighted, VALUE_KEYS=True, MASK=0x7FFF,
-                                KEY_TY=tl.int16, HI=0x7F80, FAN=sp._FAN, SLICE=sp._SLICE,
-                                BLOCK_S=sp._BLOCK_S), warps, sp._BLOCK_S, 4, div))
+                                KEY_TY=tl.int16, HI=0x7F80, FAN=sp.FAN_KEYS, SLICE=sp.SLICE_COLS,
+                                BLOCK_S=sp.SEARCH_BLOCK), warps, sp.SEARCH_BLOCK, 4, div))
     out.append(Variant("_stats_kernel", "sampler_stats", "float32", sp.__name__,
                        "_stats_kernel",
                        dict(z="*fp32", stride_z="i32", targets="*i64", m_in="*fp32",
                             t_in="*i64", part="*fp32", part_k="*i32", n_slices="i32",
                             width="i32", span="i32"),
-                       dict(CANONICAL=False, SLICE=sp._SLICE, BLOCK_V=sp._BLOCK_V), warps,
-                       sp._BLOCK_V, 4, div))
+                       dict(CANONICAL=False, SLICE=sp.SLICE_COLS, BLOCK_V=sp.BLOCK_COLS), warps,
+                       sp.BLOCK_COLS, 4, div))
     g = torch.zeros(1)
     meta = sp.grad_meta(torch.bfloat16, None, g, None, None, None)
     warps_g, consts = _split(meta)
@@ -204,8 +205,8 @@ def sampler_variants(vocab: int, aligned: tuple[str, ...]) -> list[Variant]:
                             count="*i64", seen="*i64", u_at="*fp32", u_above="*fp32",
                             cut="*i32", n_rows="i32", width="i32", span="i32", **scal,
                             sign="fp32"),
-                       dict(HAS_SOFTCAP=False, BLOCK_V=sp._BLOCK_C), warps_g,
-                       sp._BLOCK_C, 2, (div[0], *div[2:])))
+                       dict(HAS_SOFTCAP=False, BLOCK_V=sp.CUT_BLOCK), warps_g,
+                       sp.CUT_BLOCK, 2, (div[0], *div[2:])))
     return out
 
 
@@ -292,12 +293,12 @@ def _attention_variants() -> list[Variant]:
 
 def _segment_variants() -> list[Variant]:
     """The segment passes of a padded ``[16, 1024]`` fp32 batch with a mask, as
-    ``kernels.segments`` launches them (its ``_blocks``): the masked sum (the aggregations'
+    ``kernels.segments`` launches them (its ``launch_blocks``): the masked sum (the aggregations'
     numerators), the prefix sum (prefix ratios) and the spread back to tokens (the
     sequence-level ratios' broadcast)."""
     from logitless.kernels import segments as sg
 
-    block_b, block_t, warps = sg._blocks(SEQ_LEN)
+    block_b, block_t, warps = sg.launch_blocks(SEQ_LEN)
     # contiguous rows: the token strides are 1, which the runtime turns into constexprs
     strides = dict(stride_xb="i32", stride_xt="constexpr", stride_mb="i32",
                    stride_mt="constexpr")
@@ -311,13 +312,13 @@ def _segment_variants() -> list[Variant]:
                 "_segment_reduce_kernel",
                 dict(X="*fp32", M="*u8", **base, OUT="*fp32", CNT="constexpr", **strides,
                      empty="fp32"),
-                dict(common, CNT=None, OP=sg._SUM, HAS_MASK=True), warps, elements, 5,
+                dict(common, CNT=None, OP=sg.OP_SUM, HAS_MASK=True), warps, elements, 5,
                 divisible),
         Variant("_segment_scan_kernel[prefix_sum]", "segments_scan", "float32", sg.__name__,
                 "_segment_scan_kernel",
                 dict(X="*fp32", M="*u8", **base, OUT="*fp32", IDX="constexpr", **strides,
                      stride_ob="i32"),
-                dict(common, IDX=None, OP=sg._SUM, REVERSE=False, EXCLUSIVE=False,
+                dict(common, IDX=None, OP=sg.OP_SUM, REVERSE=False, EXCLUSIVE=False,
                      MASK_IN=True, MASK_OUT=False, WANT_INDEX=False), warps, elements, 9,
                 (*divisible, "stride_ob")),
         Variant("_segment_spread_kernel", "segments_spread", "float32", sg.__name__,

@@ -7,19 +7,19 @@ from __future__ import annotations
 
 import torch
 
-from logitless.fused_losses.fused.call import Call, check_sharded, checked_call, checked_ref
+from logitless.fused_losses.fused.chunk_objective import ChunkObjective
 from logitless.fused_losses.fused.grads import Grads, Need
-from logitless.fused_losses.fused.objective import ChunkObjective
 from logitless.fused_losses.fused.plan import Chunk, make_plan, new_store
+from logitless.fused_losses.fused.validation import Call, check_sharded, checked_call, checked_ref
 from logitless.fused_losses.head.dtensor import is_dtensor
-from logitless.fused_losses.head.logprobs import _rows_logprobs, linear_logprobs
+from logitless.fused_losses.head.logprobs import linear_logprobs, rows_logprobs
 from logitless.fused_losses.objectives.aggregation import check_global_counts
 from logitless.fused_losses.objectives.config import PolicyLossConfig
 from logitless.fused_losses.objectives.policy_loss import (
-    _globals_and_masks,
-    _loss_of_batch,
-    _Masks,
-    _policy_loss,
+    Masks,
+    batch_policy_loss,
+    globals_and_masks,
+    loss_of_batch,
 )
 
 
@@ -35,7 +35,7 @@ def run_call(head, need, targets, old_logprobs, advantages, mask, config, strate
     if call.whole or sharded:
         return (*streamed_whole(call, loss_args), None)
 
-    glob, masks = _globals_and_masks(call.globals_batch(selection_entropy_of(call)), config)
+    glob, masks = globals_and_masks(call.globals_batch(selection_entropy_of(call)), config)
     check_global_counts(loss_args["num_items_in_batch"], loss_args["global_batch_size"],
                         glob.loss)
     plan = make_plan(call, memory_budget)
@@ -48,7 +48,7 @@ def run_call(head, need, targets, old_logprobs, advantages, mask, config, strate
 
     # The loss value and metrics: the one copy of the objective on the collected (lp, H).
     with torch.no_grad():
-        loss, metrics = _policy_loss(call.with_logprobs(*runner.collected()),
+        loss, metrics = batch_policy_loss(call.with_logprobs(*runner.collected()),
                                      config, glob, masks=masks, **loss_args)
     return loss, metrics, grads.result(head.hidden, head.weight, head.bias)
 
@@ -66,16 +66,16 @@ def streamed_whole(call: Call, loss_args) -> tuple:
         weight = bias = None  # no exact KL with a sharded head (`check_sharded`)
     else:
         weight, bias = head.weight.to(dtype), None if head.bias is None else head.bias.to(dtype)
-        lp, ent = _rows_logprobs(hidden, weight, call.targets, bias=bias, **head.transform())
+        lp, ent = rows_logprobs(hidden, weight, call.targets, bias=bias, **head.transform())
     kl = None if call.ref is None else call.ref.kl(call.rows, hidden, weight, bias)
     batch = call.with_logprobs(lp, ent, kl)
     if not call.selection_entropy:
-        return _loss_of_batch(batch, call.config, None, validate=True, **loss_args)
-    glob, masks = _globals_and_masks(call.globals_batch(call.full["selection_entropy"]),
+        return loss_of_batch(batch, call.config, None, validate=True, **loss_args)
+    glob, masks = globals_and_masks(call.globals_batch(call.full["selection_entropy"]),
                                      call.config)
     check_global_counts(loss_args["num_items_in_batch"], loss_args["global_batch_size"],
                         glob.loss)
-    return _policy_loss(batch, call.config, glob, masks=masks, **loss_args)
+    return batch_policy_loss(batch, call.config, glob, masks=masks, **loss_args)
 
 
 def selection_entropy_of(call: Call):
@@ -87,7 +87,7 @@ def selection_entropy_of(call: Call):
         return None
     h, w, b = call.detached
     with torch.no_grad():
-        _, ent = _rows_logprobs(h.index_select(0, call.rows), w, call.targets, bias=b,
+        _, ent = rows_logprobs(h.index_select(0, call.rows), w, call.targets, bias=b,
                                 **call.head.transform())
     return call.grid(ent)
 
@@ -103,7 +103,7 @@ class ChunkRunner:
     accumulators. Dense chunks keep their logits in the store (3 GEMMs); a streamed chunk goes
     through the op's private path (4 GEMMs). Nothing here checks an input."""
 
-    def __init__(self, call: Call, glob, masks: _Masks, loss_args, need: Need, grads: Grads,
+    def __init__(self, call: Call, glob, masks: Masks, loss_args, need: Need, grads: Grads,
                  store):
         self.call, self.glob, self.masks, self.loss_args = call, glob, masks, loss_args
         self.need, self.grads, self.store = need, grads, store
@@ -176,7 +176,7 @@ class ChunkRunner:
         leaves = [None if x is None else x.detach().requires_grad_(flag)
                   for x, flag in zip((h, self.w, self.b), self.need)]
         with torch.enable_grad() if self.need.any else torch.no_grad():
-            lp, ent = _rows_logprobs(leaves[0], leaves[1], t, bias=leaves[2], **self.transform)
+            lp, ent = rows_logprobs(leaves[0], leaves[1], t, bias=leaves[2], **self.transform)
             kl = self._kl(chunk, leaves)
             self._record(chunk, lp, ent, kl)
             if not self.need.any:

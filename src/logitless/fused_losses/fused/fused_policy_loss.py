@@ -10,8 +10,8 @@ Two strategies (docs/design.md, "Op 4"):
   then becomes ``dz`` in place and two GEMMs give the group's hidden gradient and add to the
   weight gradient (fp32). The backward of the returned loss only scales the stored gradients.
   6 N D V FLOPs, memory one group: its logits in one buffer reused by every group
-  (``kernels/stored_logits.py``, vocab-major fp32 exponentials, on CPU;
-  ``kernels/stored_logits_triton.py``, the logits in the input dtype with Triton passes,
+  (``kernels/stored_logits_torch.py``, vocab-major fp32 exponentials, on CPU;
+  ``kernels/stored_logits.py``, the logits in the input dtype with Triton passes,
   wherever Triton is selected, i.e. on CUDA).
 - **Streaming**: ``policy_loss(linear_logprobs(...))``, the vocabulary streamed forward and
   recomputed backward (8 N D V FLOPs), never the full logits. Used when asked for, for
@@ -21,7 +21,7 @@ Two strategies (docs/design.md, "Op 4"):
 Either way the loss math is :func:`policy_loss`, run once more on the collected per-token
 ``lp`` and ``H`` (O(N), no vocabulary) for the loss value and the metrics.
 
-The code, by stage: the checks (``call.py``, once for the whole call), the plan (``plan.py``:
+The code, by stage: the checks (``validation.py``, once for the whole call), the plan (``plan.py``:
 chunks within the memory budget, and the `ChunkStore` that keeps a dense chunk's logits), the
 chunk loop (``chunks.py``), and the op (``op.py``): under ``torch.compile`` the whole call is the
 one custom op ``logitless::fused_policy_loss`` (the config crossing as four lists), whose
@@ -34,11 +34,11 @@ from __future__ import annotations
 
 import torch
 
-from logitless.fused_losses.fused.call import Head
 from logitless.fused_losses.fused.chunks import run_call
 from logitless.fused_losses.fused.grads import Need
 from logitless.fused_losses.fused.op import as_op, metric_names, op_call
 from logitless.fused_losses.fused.plan import CPU_MEMORY_BUDGET, ChunkStore, plan_chunks
+from logitless.fused_losses.fused.validation import Head
 from logitless.fused_losses.objectives.config import PolicyLossConfig
 from logitless.fused_losses.objectives.context_parallel import cp_context
 from logitless.fused_losses.objectives.policy_loss import (

@@ -12,11 +12,11 @@ import contextlib
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from logitless.fused_losses.fused.call import Head, check_static, checked_ref
 from logitless.fused_losses.fused.chunks import run_call
 from logitless.fused_losses.fused.grads import Need
+from logitless.fused_losses.fused.validation import Head, check_static, checked_ref
 from logitless.fused_losses.objectives.config import KL_EXACT, PolicyLossConfig
-from logitless.fused_losses.objectives.policy_inputs import _check_shapes
+from logitless.fused_losses.objectives.policy_inputs import check_shapes
 from logitless.fused_losses.objectives.policy_loss import policy_loss
 from logitless.fused_losses.oplib import (
     CONFIG_LISTS,
@@ -57,7 +57,7 @@ def op_call(head, targets, old_logprobs, advantages, mask, config, strategy, cu_
                     *tensors.items()):
         if t is not None and not isinstance(t, torch.Tensor):
             raise ValueError(f"{name}: expected a tensor, got {type(t).__name__}")
-    _check_shapes(mask, advantages, cu_seqlens, False,
+    check_shapes(mask, advantages, cu_seqlens, False,
                   dict(old_logprobs=old_logprobs, selection_entropy=selection_entropy, **tensors))
     checked_ref(head, config, *ref_args)
     for name in ("training_progress", "entropy_coef"):

@@ -12,10 +12,10 @@ import torch
 
 from logitless.fused_losses.backend import triton_selected
 from logitless.fused_losses.fused import gpu_chunks
-from logitless.kernels import stored_logits
+from logitless.kernels import stored_logits_torch
 
 if TYPE_CHECKING:
-    from logitless.fused_losses.fused.call import Call
+    from logitless.fused_losses.fused.validation import Call
 
 
 CPU_MEMORY_BUDGET = 256 * 2**20
@@ -138,8 +138,8 @@ def make_plan(call: Call, memory_budget) -> Plan:
 class ChunkStore(Protocol):
     """Where a dense chunk's logits live between its forward statistics and its gradient.
 
-    Two implementations, chosen by `store_type`: `stored_logits.StoredLogits` (torch, any
-    device: fp32 exponentials in vocabulary blocks) and `stored_logits_triton.StoredLogitsTriton`
+    Two implementations, chosen by `store_type`: `stored_logits_torch.StoredLogits` (torch, any
+    device: fp32 exponentials in vocabulary blocks) and `stored_logits.StoredLogitsTriton`
     (when Triton is selected, i.e. on CUDA: the logits once in the input dtype, Triton passes
     for the statistics and for ``dz``)."""
 
@@ -165,10 +165,10 @@ def store_type(device: torch.device, dtype: torch.dtype) -> type[ChunkStore]:
     `triton_selected` picks Triton (CUDA; ``LOGITLESS_BACKEND=triton`` under the
     interpreter), else the torch one (CPU, fp64)."""
     if triton_selected(device, dtype):
-        from logitless.kernels import stored_logits_triton  # imports triton
+        from logitless.kernels import stored_logits  # imports triton
 
-        return stored_logits_triton.StoredLogitsTriton
-    return stored_logits.StoredLogits
+        return stored_logits.StoredLogitsTriton
+    return stored_logits_torch.StoredLogits
 
 
 def new_store(vocab, max_rows, dtype, device, softcap) -> ChunkStore | None:

@@ -514,7 +514,7 @@ def _logprobs_impl(hidden, weight, bias, targets, spec: _Spec, ignore_index: int
     return tuple(put_rows(x, rows, targets.shape) for x in run(h, weight, bias, t, spec))
 
 
-def _rows_logprobs(hidden, weight, targets, *, bias=None, temperature=1.0, softcap=None,
+def rows_logprobs(hidden, weight, targets, *, bias=None, temperature=1.0, softcap=None,
                    logit_scale=1.0):
     """`linear_logprobs`'s private path for rows a caller has checked already (the chunks of
     ``fused_policy_loss``): ``hidden [N, D]``, ``weight`` and ``bias`` in one compute dtype,

@@ -1,5 +1,5 @@
 """`policy_loss`'s inputs: the per-token tensors, masks, advantages and packing checked once
-and laid out on the right-padded ``[B, T]`` grid (`_Batch`), with the config's per-token knobs."""
+and laid out on the right-padded ``[B, T]`` grid (`Batch`), with the config's per-token knobs."""
 
 from __future__ import annotations
 
@@ -20,10 +20,10 @@ _KNOBS = ("beta", "eps_low", "eps_high")  # config fields that may be per-token 
 
 
 @dataclass
-class _Batch:
+class Batch:
     """A validated batch on the right-padded ``[B, T]`` grid: what every stage reads.
 
-    Built once at the public boundary (`_to_batch`); a chunk of whole sequences is a slice of
+    Built once at the public boundary (`to_batch`); a chunk of whole sequences is a slice of
     it (`rows`). ``m`` is the bool mask as given, ``adv`` the detached per-token advantages;
     ``tensors`` the per-token inputs by argument name (None where not given); ``knobs`` the
     config's ``beta``, ``eps_low``, ``eps_high`` as tensors on the grid (0-d when scalars).
@@ -50,10 +50,10 @@ class _Batch:
     def __getitem__(self, name):
         return self.tensors.get(name)
 
-    def with_tensors(self, **tensors) -> _Batch:
+    def with_tensors(self, **tensors) -> Batch:
         return dataclasses.replace(self, tensors={**self.tensors, **tensors})
 
-    def to(self, dtype: torch.dtype) -> _Batch:
+    def to(self, dtype: torch.dtype) -> Batch:
         def cast(t):
             return None if t is None else t.to(dtype)
 
@@ -61,13 +61,13 @@ class _Batch:
             self, adv=self.adv.to(dtype), tensors={k: cast(t) for k, t in self.tensors.items()},
             knobs={k: t.to(dtype) for k, t in self.knobs.items()})
 
-    def rows(self, s0: int, s1: int, width: int) -> _Batch:
+    def rows(self, s0: int, s1: int, width: int) -> Batch:
         """Sequences ``s0:s1``, positions ``:width`` (a chunk of whole sequences)."""
 
         def cut(t):
             return t if t is None or t.dim() < 2 else t[s0:s1, :width]
 
-        return _Batch(cut(self.m), cut(self.adv), self.packed,
+        return Batch(cut(self.m), cut(self.adv), self.packed,
                       {k: cut(t) for k, t in self.tensors.items()},
                       {k: cut(t) for k, t in self.knobs.items()}, index=None)
 
@@ -102,7 +102,7 @@ def _check_max_seqlen(max_seqlen, cu_seqlens, validate):
                              f"({longest} tokens)")
 
 
-def _check_shapes(mask, advantages, cu_seqlens, validate, tensors, max_seqlen=None) -> bool:
+def check_shapes(mask, advantages, cu_seqlens, validate, tensors, max_seqlen=None) -> bool:
     """Shapes (free) and, with ``validate``, NaN, ``cu_seqlens`` and ``max_seqlen`` (they
     synchronise with the device; under ``torch.compile`` they are skipped: docs/compile.md).
     Returns whether the advantages are per sequence."""
@@ -182,12 +182,12 @@ def _knob_tensors(cfg, mask, dtype, device) -> dict:
     return out
 
 
-def _to_batch(mask, advantages, cu_seqlens, dtype, validate=True, cfg=None, max_seqlen=None,
-              **tensors) -> _Batch:
-    """Validate (`_check_shapes`), cast to ``dtype`` and lay every input out on the ``[B, T]``
+def to_batch(mask, advantages, cu_seqlens, dtype, validate=True, cfg=None, max_seqlen=None,
+              **tensors) -> Batch:
+    """Validate (`check_shapes`), cast to ``dtype`` and lay every input out on the ``[B, T]``
     grid once (packed: ``T`` is ``max_seqlen`` when given); with ``cfg``, its tensor knobs
     too."""
-    per_sequence = _check_shapes(mask, advantages, cu_seqlens, validate, tensors, max_seqlen)
+    per_sequence = check_shapes(mask, advantages, cu_seqlens, validate, tensors, max_seqlen)
     adv = advantages.detach().to(dtype)
     out = {name: None if t is None else t.to(dtype) for name, t in tensors.items()}
     knobs = {} if cfg is None else _knob_tensors(cfg, mask, dtype, mask.device)
@@ -203,7 +203,7 @@ def _to_batch(mask, advantages, cu_seqlens, dtype, validate=True, cfg=None, max_
             adv = index.pad(adv)
     if per_sequence:
         adv = adv.reshape(m.shape[0], 1).expand(m.shape)
-    return _Batch(m, adv, cu_seqlens is not None, out, knobs, index)
+    return Batch(m, adv, cu_seqlens is not None, out, knobs, index)
 
 
 def check_policy_inputs(mask, advantages, *, cu_seqlens=None, max_seqlen=None,
@@ -212,8 +212,8 @@ def check_policy_inputs(mask, advantages, *, cu_seqlens=None, max_seqlen=None,
     ``max_seqlen``), without computing anything: lets a chunked caller validate the batch
     once."""
     with torch.no_grad():
-        _check_shapes(mask, advantages, cu_seqlens, True, tensors, max_seqlen)
+        check_shapes(mask, advantages, cu_seqlens, True, tensors, max_seqlen)
 
 
-def _dtype(t):
+def promoted_dtype(t):
     return torch.promote_types(t.dtype, torch.float32)

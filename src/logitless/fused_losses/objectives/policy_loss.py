@@ -36,7 +36,7 @@ from logitless.fused_losses.objectives.catalog import (
 )
 from logitless.fused_losses.objectives.config import KL_EXACT, PolicyLossConfig
 from logitless.fused_losses.objectives.kl import kl_estimate
-from logitless.fused_losses.objectives.policy_inputs import _Batch, _dtype, _to_batch
+from logitless.fused_losses.objectives.policy_inputs import Batch, promoted_dtype, to_batch
 from logitless.fused_losses.objectives.ratios import Ratio, compute_ratio
 from logitless.fused_losses.objectives.rollout_correction import (
     off_policy_sequence_keep,
@@ -57,7 +57,7 @@ from logitless.fused_losses.objectives.token_selection import (
 from logitless.fused_losses.oplib import is_compiling
 
 
-def _kept_mask(batch: _Batch, cfg: PolicyLossConfig) -> torch.Tensor:
+def _kept_mask(batch: Batch, cfg: PolicyLossConfig) -> torch.Tensor:
     """The mask after rollout rejection and STAPO (both renormalise over what remains)."""
     m, old_lp, rollout_lp = batch.m, batch["old_logprobs"], batch["rollout_logprobs"]
     entropy = batch["entropy"]
@@ -77,7 +77,7 @@ def _kept_mask(batch: _Batch, cfg: PolicyLossConfig) -> torch.Tensor:
 
 
 @dataclass
-class _Masks:
+class Masks:
     """The masks of one call: ``given`` as passed; ``kept`` after rejection and STAPO (what the
     normalisers count); ``entropy`` ``kept`` narrowed by the entropy-quantile selection (where
     the entropy bonus acts); ``select`` further narrowed by the |A| H selection (where the
@@ -93,14 +93,14 @@ class _Masks:
     loss_weight: torch.Tensor | None = None
     entropy_weight: torch.Tensor | None = None
 
-    def rows(self, s0: int, s1: int, width: int) -> "_Masks":
-        """Sequences ``s0:s1``, positions ``:width`` (as `_Batch.rows`)."""
-        return _Masks(*(None if t is None else t[s0:s1, :width]
+    def rows(self, s0: int, s1: int, width: int) -> "Masks":
+        """Sequences ``s0:s1``, positions ``:width`` (as `Batch.rows`)."""
+        return Masks(*(None if t is None else t[s0:s1, :width]
                         for t in (self.given, self.kept, self.entropy, self.select,
                                   self.loss_weight, self.entropy_weight)))
 
 
-def _selection_masks(batch, cfg, kept, entropy_threshold, adv_entropy_threshold) -> _Masks:
+def _selection_masks(batch, cfg, kept, entropy_threshold, adv_entropy_threshold) -> Masks:
     ent = batch["entropy"]
     entropy_mask = kept
     if cfg.top_entropy_quantile < 1:
@@ -111,10 +111,10 @@ def _selection_masks(batch, cfg, kept, entropy_threshold, adv_entropy_threshold)
         thr = adv_entropy_threshold
         keep = (batch.adv.abs() * ent.detach() >= thr) if thr is not None else kept & False
         select = select & keep
-    return _Masks(batch.m, kept, entropy_mask, select)
+    return Masks(batch.m, kept, entropy_mask, select)
 
 
-def _max_response_length(batch: _Batch, cfg: PolicyLossConfig) -> float:
+def _max_response_length(batch: Batch, cfg: PolicyLossConfig) -> float:
     if cfg.max_response_length is not None:
         return float(cfg.max_response_length)
     if batch.packed and cfg.loss_agg == "seq-mean-token-sum-norm":
@@ -147,7 +147,7 @@ def _is_weight_mean(batch, cfg):
     return rollout_is_batch_mean(weight, batch.m, cfg.rollout_is)
 
 
-def _globals(batch: _Batch, cfg: PolicyLossConfig, kept) -> tuple[BatchGlobals, _Masks]:
+def _globals(batch: Batch, cfg: PolicyLossConfig, kept) -> tuple[BatchGlobals, Masks]:
     """The batch's `BatchGlobals`, and its masks (computed on the way, so a caller that runs the
     loss on the same batch need not compute them again)."""
     entropy = batch["entropy"]
@@ -187,8 +187,8 @@ def _globals(batch: _Batch, cfg: PolicyLossConfig, kept) -> tuple[BatchGlobals, 
     return glob, masks
 
 
-def _with_prompt_weights(masks: _Masks, cfg: PolicyLossConfig, dtype,
-                         num_prompts=None) -> _Masks:
+def _with_prompt_weights(masks: Masks, cfg: PolicyLossConfig, dtype,
+                         num_prompts=None) -> Masks:
     """The masks with prompt-mean's weights, where an aggregation is prompt-mean: over the
     call's groups, ``num_prompts`` of them in the whole batch (`BatchGlobals`; None: this
     batch is the whole batch)."""
@@ -202,16 +202,16 @@ def _with_prompt_weights(masks: _Masks, cfg: PolicyLossConfig, dtype,
         entropy_weight=weights(cfg.entropy_agg or cfg.loss_agg, masks.entropy))
 
 
-def _globals_and_masks(batch: _Batch, cfg: PolicyLossConfig) -> tuple[BatchGlobals, _Masks]:
+def globals_and_masks(batch: Batch, cfg: PolicyLossConfig) -> tuple[BatchGlobals, Masks]:
     """`BatchGlobals` and masks of a whole batch, without a graph: a chunked caller slices the
-    masks (`_Masks.rows`), so that every chunk keeps exactly the tokens the thresholds were
+    masks (`Masks.rows`), so that every chunk keeps exactly the tokens the thresholds were
     taken over (comparing values it recomputed could differ by an ulp at a threshold)."""
     with torch.no_grad():
         return _globals(batch, cfg, _kept_mask(batch, cfg))
 
 
-def _batch_globals(batch: _Batch, cfg: PolicyLossConfig) -> BatchGlobals:
-    return _globals_and_masks(batch, cfg)[0]
+def _batch_globals(batch: Batch, cfg: PolicyLossConfig) -> BatchGlobals:
+    return globals_and_masks(batch, cfg)[0]
 
 
 def policy_loss_globals(
@@ -232,9 +232,9 @@ def policy_loss_globals(
     ``entropy`` for entropy selections and STAPO, ``attention_entropy`` for attention weighting.
     For the fused path the entropies may come from the old-policy pass.
     """
-    dtype = _dtype(old_logprobs if old_logprobs is not None else advantages)
+    dtype = promoted_dtype(old_logprobs if old_logprobs is not None else advantages)
     with torch.no_grad():
-        batch = _to_batch(
+        batch = to_batch(
             mask,
             advantages,
             cu_seqlens,
@@ -356,15 +356,15 @@ def policy_loss(
                    "linear_divergence(..., beta=1))")
     if cp_group is not None:
         check_cp_config(cfg, cp_group, batch_globals)
-    batch = _to_batch(
-        mask, advantages, cu_seqlens, _dtype(logprobs), validate, cfg, max_seqlen,
+    batch = to_batch(
+        mask, advantages, cu_seqlens, promoted_dtype(logprobs), validate, cfg, max_seqlen,
         logprobs=logprobs, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
         rollout_logprobs=rollout_logprobs, entropy=entropy, token_weights=token_weights,
         attention_entropy=attention_entropy, kl=kl, **check_topk_inputs(
             cfg, topk_logprobs=topk_logprobs, old_topk_logprobs=old_topk_logprobs),
     )
     with cp.cp_context(cp_group):
-        loss, metrics = _loss_of_batch(
+        loss, metrics = loss_of_batch(
             batch, cfg, batch_globals, validate=validate,
             num_items_in_batch=num_items_in_batch, global_batch_size=global_batch_size,
             training_progress=training_progress, entropy_coef=entropy_coef,
@@ -439,10 +439,10 @@ def check_topk_inputs(cfg: PolicyLossConfig, **topk) -> dict:
     return {name: topk[name] for name in given}
 
 
-def _loss_of_batch(batch: _Batch, cfg, batch_globals, *, validate=True, num_items_in_batch=None,
+def loss_of_batch(batch: Batch, cfg, batch_globals, *, validate=True, num_items_in_batch=None,
                    global_batch_size=None, **kw):
     """`policy_loss` of a batch on the grid: its `BatchGlobals` when not given (the kept mask
-    and selections computed once for both), the global counts checked, then `_policy_loss`."""
+    and selections computed once for both), the global counts checked, then `batch_policy_loss`."""
     if get_objective(cfg.objective).needs_whole_batch and batch_globals is not None:
         raise ValueError(
             f"batch_globals: {cfg.objective} selects tokens from statistics of the "
@@ -455,12 +455,12 @@ def _loss_of_batch(batch: _Batch, cfg, batch_globals, *, validate=True, num_item
         masks = _call_masks(batch, cfg, batch_globals, kept)
     if validate:
         check_global_counts(num_items_in_batch, global_batch_size, batch_globals.loss)
-    return _policy_loss(batch, cfg, batch_globals, masks=masks,
+    return batch_policy_loss(batch, cfg, batch_globals, masks=masks,
                         num_items_in_batch=num_items_in_batch,
                         global_batch_size=global_batch_size, **kw)
 
 
-def _call_masks(batch, cfg, glob: BatchGlobals, kept=None) -> _Masks:
+def _call_masks(batch, cfg, glob: BatchGlobals, kept=None) -> Masks:
     """The masks of a call given the batch's `BatchGlobals` (their thresholds)."""
     kept = _kept_mask(batch, cfg) if kept is None else kept
     masks = _selection_masks(batch, cfg, kept, glob.entropy_threshold,
@@ -468,8 +468,8 @@ def _call_masks(batch, cfg, glob: BatchGlobals, kept=None) -> _Masks:
     return _with_prompt_weights(masks, cfg, batch.adv.dtype, glob.num_prompts)
 
 
-def _policy_loss(batch: _Batch, cfg: PolicyLossConfig, glob: BatchGlobals, *,
-                 masks: _Masks | None = None, num_items_in_batch=None, global_batch_size=None,
+def batch_policy_loss(batch: Batch, cfg: PolicyLossConfig, glob: BatchGlobals, *,
+                 masks: Masks | None = None, num_items_in_batch=None, global_batch_size=None,
                  training_progress=None, entropy_coef=None, compute_metrics=True):
     """`policy_loss` of a batch already validated and on the grid, with its `BatchGlobals`
     (the private entry point of chunked callers; nothing here synchronises with the device to
@@ -514,7 +514,7 @@ def check_exact_kl(cfg: PolicyLossConfig, given: bool, names: str, wanted: str) 
         raise ValueError(f"{names}: kl_estimator='exact' with beta != 0 needs {wanted}")
 
 
-def _advantages(batch: _Batch, cfg: PolicyLossConfig, kept) -> torch.Tensor:
+def _advantages(batch: Batch, cfg: PolicyLossConfig, kept) -> torch.Tensor:
     """FRPO's future-KL correction, then probability reweighting."""
     adv, lp, ref_lp = batch.adv, batch["logprobs"], batch["ref_logprobs"]
     estimated = _uses_kl(cfg) and cfg.kl_estimator != KL_EXACT
@@ -528,7 +528,7 @@ def _advantages(batch: _Batch, cfg: PolicyLossConfig, kept) -> torch.Tensor:
     return adv
 
 
-def _factor(batch: _Batch, cfg: PolicyLossConfig, kept, glob, progress) -> torch.Tensor:
+def _factor(batch: Batch, cfg: PolicyLossConfig, kept, glob, progress) -> torch.Tensor:
     """The detached per-token factor of the policy term: OPSM, attention weights, token
     weights."""
     lp = batch["logprobs"]
@@ -548,7 +548,7 @@ def _factor(batch: _Batch, cfg: PolicyLossConfig, kept, glob, progress) -> torch
     return factor
 
 
-def _rollout_is_weight(batch: _Batch, cfg: PolicyLossConfig, glob):
+def _rollout_is_weight(batch: Batch, cfg: PolicyLossConfig, glob):
     """The rollout IS weight, or None. Over the mask as given: a sequence's IS weight is its
     likelihood ratio, rejected tokens included (as verl's rollout-correction helper computes
     it)."""
@@ -574,7 +574,7 @@ class _PolicyTerm:
     d: torch.Tensor  # the clamped log-ratio
 
 
-def _policy_term(batch, cfg, spec, adv, masks: _Masks, factor, is_weight) -> _PolicyTerm:
+def _policy_term(batch, cfg, spec, adv, masks: Masks, factor, is_weight) -> _PolicyTerm:
     """The ratio of the configured level, the objective's per-token loss, and the selections,
     factors and IS weight applied to it."""
     lp, old_lp = batch["logprobs"], batch["old_logprobs"].detach()
@@ -600,7 +600,7 @@ def _policy_term(batch, cfg, spec, adv, masks: _Masks, factor, is_weight) -> _Po
     return _PolicyTerm(pg, out, ratio, d)
 
 
-def _kl(batch: _Batch, cfg: PolicyLossConfig, ratio) -> torch.Tensor | None:
+def _kl(batch: Batch, cfg: PolicyLossConfig, ratio) -> torch.Tensor | None:
     """Per-token KL to the reference (for the loss when beta != 0, for the metric always): the
     estimate from the sampled token's logprobs, or the exact KL given (``kl_estimator="exact"``,
     batch tensor ``kl``)."""
@@ -619,7 +619,7 @@ def _kl(batch: _Batch, cfg: PolicyLossConfig, ratio) -> torch.Tensor | None:
     return kl
 
 
-def _aggregate(per_token, batch, cfg, glob, masks: _Masks, entropy_coef, counts):
+def _aggregate(per_token, batch, cfg, glob, masks: Masks, entropy_coef, counts):
     """The aggregated loss minus the aggregated entropy bonus."""
     agg_args = dict(max_response_length=glob.max_response_length, **counts)
     loss = aggregate(per_token, masks.kept, batch.adv, cfg.loss_agg, glob.loss, cfg,

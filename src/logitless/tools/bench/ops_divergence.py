@@ -19,7 +19,7 @@ import torch
 
 from logitless import reference
 from logitless.tools.bench import ops_logprobs
-from logitless.tools.bench.ops_logprobs import _installed
+from logitless.tools.bench.ops_logprobs import installed
 from logitless.tools.bench.registry import Op, Provider, register_op, register_provider
 
 BETA = 0.5
@@ -115,7 +115,7 @@ class Naive(Provider):
         return {"divergence": _jsd_per_token(student, teacher)}
 
     def note(self, device):
-        return "TRL generalized_jsd_loss" if _installed("trl") else "plain torch"
+        return "TRL generalized_jsd_loss" if installed("trl") else "plain torch"
 
 
 @register_provider

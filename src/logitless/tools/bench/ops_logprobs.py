@@ -104,13 +104,13 @@ def _draw_targets(inputs, gen, rows: int = 64) -> torch.Tensor:
     return torch.cat(out)
 
 
-def _installed(module: str) -> bool:
+def installed(module: str) -> bool:
     return importlib.util.find_spec(module.split(".")[0]) is not None
 
 
 def trl_missing(module: str, name: str) -> str | None:
     """Why TRL's ``module.name`` cannot be used here, or None when it can."""
-    if not _installed("trl"):
+    if not installed("trl"):
         return "trl is not installed (pip install 'logitless[trl]')"
     try:
         getattr(importlib.import_module(module), name)
@@ -208,7 +208,7 @@ class Liger(Provider):
     interpreted_on_cpu = True
 
     def unavailable(self, device, dtype, mode):
-        if not _installed("liger_kernel"):
+        if not installed("liger_kernel"):
             return "liger-kernel is not installed (pip install liger-kernel)"
         return _needs_interpreter(device)
 
@@ -232,7 +232,7 @@ class CutCrossEntropy(Provider):
     quantities = ("logprobs",)
 
     def unavailable(self, device, dtype, mode):
-        if not _installed("cut_cross_entropy"):
+        if not installed("cut_cross_entropy"):
             return "cut-cross-entropy is not installed (pip install cut-cross-entropy)"
         if device == "cpu" and not (shutil.which("g++") or shutil.which("c++")):
             return "CPU impl is torch.compile, which needs a C++ compiler (none on PATH)"
@@ -256,7 +256,7 @@ class Verl(Provider):
     quantities = ("logprobs", "entropy")
 
     def unavailable(self, device, dtype, mode):
-        if not _installed("verl"):
+        if not installed("verl"):
             return "verl is not installed (pip install 'logitless[verl]')"
         if device != "cuda":
             return "verl's linear_cross_entropy kernels assert CUDA tensors"

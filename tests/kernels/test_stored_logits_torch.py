@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from logitless import reference
-from logitless.kernels import stored_logits
+from logitless.kernels import stored_logits_torch
 
 OPTS = [dict(temperature=1.0, softcap=None, logit_scale=1.0),
         dict(temperature=0.8, softcap=5.0, logit_scale=0.9)]
@@ -22,7 +22,8 @@ def _problem(n=37, d=96, v=1007):
 def test_forward_and_backward_match_the_reference(opts, block):
     hidden, weight, bias, targets = _problem()
     n, v = targets.shape[0], weight.shape[0]
-    store = stored_logits.StoredLogits(v, n, torch.float64, "cpu", opts["softcap"], block=block)
+    store = stored_logits_torch.StoredLogits(v, n, torch.float64, "cpu", opts["softcap"],
+                                             block=block)
     lp, ent, lse = store.forward(hidden, weight, bias, targets, **opts)
     leaves = [x.clone().requires_grad_(True) for x in (hidden, weight, bias)]
     ref = reference.linear_softmax_stats(*leaves[:2], targets, leaves[2],
@@ -46,7 +47,7 @@ def test_bytes_per_row_counts_every_buffer():
     """bytes_per_row matches what a store allocates per row (pool, cap, low-precision block)."""
     v, rows = 1007, 8
     for dtype, softcap in ((torch.float32, None), (torch.bfloat16, 3.0), (torch.float16, None)):
-        store = stored_logits.StoredLogits(v, rows, dtype, "cpu", softcap, block=300)
+        store = stored_logits_torch.StoredLogits(v, rows, dtype, "cpu", softcap, block=300)
         held = sum(b.numel() * b.element_size()
                    for b in (store._pool, store._cap, store._low) if b is not None)
-        assert held == rows * stored_logits.bytes_per_row(v, dtype, softcap, block=300)
+        assert held == rows * stored_logits_torch.bytes_per_row(v, dtype, softcap, block=300)

@@ -19,7 +19,7 @@ from logitless.fused_losses.head.dtensor import is_dtensor
 from logitless.fused_losses.head.logprobs import check_byte_budget, check_head_args
 from logitless.fused_losses.objectives.catalog import needs_whole_batch
 from logitless.fused_losses.objectives.config import PolicyLossConfig
-from logitless.fused_losses.objectives.policy_inputs import _Batch, _dtype, _to_batch
+from logitless.fused_losses.objectives.policy_inputs import Batch, promoted_dtype, to_batch
 from logitless.fused_losses.objectives.policy_loss import check_exact_kl
 from logitless.fused_losses.oplib import compute_dtype
 from logitless.kernels import linear_softmax_torch as tiles
@@ -70,8 +70,8 @@ class Call:
 
     head: Head
     config: PolicyLossConfig
-    batch: _Batch  # in the loss's dtype (the accumulation dtype of the head)
-    full: _Batch  # in the wider of the loss's and the globals' dtypes (globals are cast from it)
+    batch: Batch  # in the loss's dtype (the accumulation dtype of the head)
+    full: Batch  # in the wider of the loss's and the globals' dtypes (globals are cast from it)
     globals_dtype: torch.dtype
     rows: torch.Tensor
     targets: torch.Tensor
@@ -98,12 +98,12 @@ class Call:
         """Values of the loss rows on the batch grid (zero elsewhere; differentiable)."""
         return per_row.new_zeros(self.batch.m.shape).index_put(self.where, per_row)
 
-    def with_logprobs(self, lp_rows, ent_rows, kl_rows=None) -> _Batch:
+    def with_logprobs(self, lp_rows, ent_rows, kl_rows=None) -> Batch:
         kl = {} if kl_rows is None else {"kl": self.grid(kl_rows)}
         return self.batch.with_tensors(logprobs=self.grid(lp_rows), entropy=self.grid(ent_rows),
                                        **kl)
 
-    def globals_batch(self, entropy) -> _Batch:
+    def globals_batch(self, entropy) -> Batch:
         """The batch `BatchGlobals` are computed from (old logprobs' dtype, as
         `policy_loss_globals`), with the entropies the selections use."""
         entropy = None if entropy is None else entropy.to(self.globals_dtype)
@@ -201,8 +201,8 @@ def checked_call(head, targets, old_logprobs, advantages, mask, config, strategy
     if old_logprobs is None:
         raise ValueError("old_logprobs: required (pass logprobs.detach() when on-policy)")
     loss_dtype = tiles.acc_dtype(head.dtype)
-    globals_dtype = _dtype(old_logprobs)
-    full = _to_batch(mask, advantages, cu_seqlens, torch.promote_types(loss_dtype, globals_dtype),
+    globals_dtype = promoted_dtype(old_logprobs)
+    full = to_batch(mask, advantages, cu_seqlens, torch.promote_types(loss_dtype, globals_dtype),
                      True, config, old_logprobs=old_logprobs, selection_entropy=selection_entropy,
                      **tensors)
     rows = torch.nonzero(m_flat).squeeze(1)

@@ -1,6 +1,6 @@
 """The objective's share on one chunk of `fused_policy_loss`: the chunk's loss from its rows'
-``(lp, H[, KL])`` (`ChunkObjective.loss`, :func:`_policy_loss` with the batch's globals: the one
-copy of the math) and its gradients ``d loss / d lp``, ``d loss / d H``, ``d loss / d KL``
+``(lp, H[, KL])`` (`ChunkObjective.loss`, :func:`batch_policy_loss` with the batch's globals:
+the one copy of the math) and its gradients ``d loss / d lp``, ``d loss / d H``, ``d loss / d KL``
 (`ChunkObjective.grads`), which the store's gradient pass consumes.
 
 Eagerly, that gradient is autograd on the chunk's small per-token graph: about 60 aten ops
@@ -20,7 +20,7 @@ import warnings
 
 import torch
 
-from logitless.fused_losses.objectives.policy_loss import _policy_loss
+from logitless.fused_losses.objectives.policy_loss import batch_policy_loss
 
 # None: compile on CUDA only; True / False: forced (for tests and measurement).
 COMPILE: bool | None = None
@@ -45,7 +45,7 @@ def _chunk_loss(sub, masks, row, col, s0, cfg, glob, num_items_in_batch, global_
         return x.new_zeros(sub.m.shape).index_put(where, x)
 
     exact = {} if kl is None else {"kl": grid(kl)}
-    loss, _ = _policy_loss(sub.with_tensors(logprobs=grid(lp), entropy=grid(ent), **exact),
+    loss, _ = batch_policy_loss(sub.with_tensors(logprobs=grid(lp), entropy=grid(ent), **exact),
                            cfg, glob, masks=masks, compute_metrics=False,
                            num_items_in_batch=num_items_in_batch,
                            global_batch_size=global_batch_size,
@@ -59,7 +59,7 @@ def _compiled():
     return _STATE["fn"]
 
 
-def _run_compiled(args, leaves) -> tuple:
+def run_compiled(args, leaves) -> tuple:
     """The compiled chunk loss and its compiled backward (AOTAutograd's): the gradients in
     ``leaves`` (zeros or None for one the loss does not depend on); `KERNELS` updated when
     it compiled."""
@@ -107,7 +107,7 @@ class ChunkObjective:
         leaves = [x.detach() for x in (lp, ent) + (() if kl is None else (kl,))]
         if self.used is not None and self.compile and not _STATE["broken"]:
             try:
-                got = _run_compiled(self._args(chunk), [x.requires_grad_(True) for x in leaves])
+                got = run_compiled(self._args(chunk), [x.requires_grad_(True) for x in leaves])
             except Exception as e:  # any failure to compile or run it: the eager path
                 _STATE["broken"] = True
                 warnings.warn(f"fused_policy_loss: the compiled chunk objective failed ({e!r});"
