@@ -233,6 +233,47 @@ def _gpt_cases(world, rows, hook):
                 assert _norm_rel(got, exact, [n]) <= 2 * _norm_rel(want, exact, [n]) + 1e-6, n
 
 
+def _verl_case(world, rows, hook):
+    """verl 0.9.1's Megatron fused forward with LOGITLESS_VERL_FUSED_HEAD=1, under sequence
+    parallelism: through Megatron's output_processor hook (>= 0.18) or verl's patched forward
+    (older), against the model's own loss (verl packs sequences into one row: b = 1)."""
+    os.environ["LOGITLESS_VERL_FUSED_HEAD"] = "1"  # read when verl loads its plugins
+    from verl.models.mcore import model_forward_fused as fused
+
+    import logitless.integrations.verl  # noqa: F401  (loaded by verl's plugins already)
+    from logitless.integrations import verl_head
+
+    assert verl_head.fused_head_enabled() and fused.linear_cross_entropy is \
+        verl_head.linear_cross_entropy
+    s = 12
+    gen = torch.Generator().manual_seed(5)
+    args = dict(input_ids=torch.randint(0, V_REAL, (1, s), generator=gen),
+                position_ids=torch.arange(s).unsqueeze(0),
+                attention_mask=torch.ones(1, 1, s, s, dtype=torch.bool).triu(1))
+    labels = torch.randint(0, _padded(world), (1, s), generator=gen)
+    g = torch.randn(s, generator=gen)
+    model = _gpt_model(world, True, False)
+    loss = model(**args, labels=labels)[0]
+    (loss * g).sum().backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    fused.patch_fused_forward(model)
+    assert fused._use_output_processor_hook(model) == hook
+    if hook:
+        out = model(**args, labels=labels, output_processor=fused.fused_output_processor,
+                    output_processor_context=fused.FusedOutputProcessorContext(1.0))
+    else:
+        out = model(**args, labels=labels, temperature=1.0)
+    fused.unpatch_fused_forward(model)
+    (-out.log_probs * g).sum().backward()
+    name = f"verl fused forward ({'hook' if hook else 'legacy patch'}) fp32 sp=1"
+    got = {n: p.grad for n, p in model.named_parameters()}
+    whole = _norm_rel(got, want, list(want))
+    rows.append((name, "logprob", _rel(out.log_probs, -loss), None, None))
+    rows.append((name, f"all {len(want)} parameter grads", whole, None, None))
+    assert _rel(out.log_probs, -loss) <= TOL[torch.float32] and whole <= TOL[torch.float32]
+
+
 def _megatron_rank(rank, world, path, table):
     version = start_megatron(path, world)
     torch.set_num_threads(1)
@@ -240,7 +281,9 @@ def _megatron_rank(rank, world, path, table):
     try:
         _cpl_cases(world, rows)
         _vocab_size_case(world, rows)
-        _gpt_cases(world, rows, hook=tuple(map(int, version.split(".")[:2])) >= (0, 18))
+        hook = tuple(map(int, version.split(".")[:2])) >= (0, 18)
+        _gpt_cases(world, rows, hook)
+        _verl_case(world, rows, hook)
     finally:  # the table so far, also when a case fails
         if rank == 0:
             with open(table, "w") as f:
