@@ -274,6 +274,58 @@ def _verl_case(world, rows, hook):
     assert _rel(out.log_probs, -loss) <= TOL[torch.float32] and whole <= TOL[torch.float32]
 
 
+def _verl_cp_case(world, rows):
+    """verl's Megatron context-parallel THD data path (zigzag, CP = world, jagged sequences)
+    around the head drop-in, as verl's fused forward runs it: labels rolled within each sequence
+    and split with the tokens (`preprocess_thd_engine`), each rank's rows through the head, the
+    logprobs gathered back into whole sequences (`postprocess_thd_engine`). A per-token stand-in
+    for the decoder (an embedding), so the split changes nothing: against one process; the
+    gradients summed over the CP ranks are one process's."""
+    from megatron.core import parallel_state
+    from verl.models.mcore.util import postprocess_thd_engine, preprocess_thd_engine
+
+    from logitless.integrations.verl_head import linear_cross_entropy
+
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1,
+                                             context_parallel_size=world)
+    v, d = 53, 24
+    gen = torch.Generator().manual_seed(6)
+    seqs = [torch.randint(0, v, (n,), generator=gen) for n in (5, 11, 8)]
+    emb = torch.randn(v, d, generator=gen, dtype=torch.float64)
+    weight = (torch.randn(v, d, generator=gen, dtype=torch.float64) / d**0.5).requires_grad_()
+    # a sequence's last label is the next row's id (padding, or the sequence's first one): verl
+    # masks it out of the loss, and so does the check
+    g = [torch.randn(len(s), generator=gen, dtype=torch.float64) for s in seqs]
+    for w in g:
+        w[-1] = 0.0
+    emb_cp = emb.clone().requires_grad_()
+    input_ids = torch.nested.as_nested_tensor(seqs, layout=torch.jagged)
+    ids, packed, _ = preprocess_thd_engine(input_ids, pre_process=True)
+    labels, _, _ = preprocess_thd_engine(input_ids, pre_process=True, need_roll=True)
+    assert ids.shape[1] < sum(map(len, seqs))  # each rank holds part of the tokens
+    lp, _ = linear_cross_entropy(emb_cp[ids], weight, labels)
+    lp = postprocess_thd_engine(lp.unsqueeze(0), packed, input_ids, len(seqs))
+    sum((x * w).sum() for x, w in zip(lp.unbind(), g, strict=True)).backward()
+    grads = [emb_cp.grad, weight.grad]
+    for x in grads:
+        dist.all_reduce(x)
+    # one process, whole sequences
+    emb_one = emb.clone().requires_grad_()
+    weight_one = weight.detach().clone().requires_grad_()
+    want = [reference.linear_logprobs(emb_one[s], weight_one, torch.roll(s, -1))["logprobs"]
+            for s in seqs]
+    sum((x * w).sum() for x, w in zip(want, g, strict=True)).backward()
+    name = f"verl CP THD data path, CP {world}, zigzag, fp64"
+    pairs = (("logprob", torch.cat([x[:-1] for x in lp.unbind()]),
+              torch.cat([x[:-1] for x in want])),
+             ("hidden (embedding) grad", grads[0], emb_one.grad),
+             ("weight grad", grads[1], weight_one.grad))
+    for what, ours, oracle in pairs:
+        rows.append((name, what, None, _rel(ours, oracle), None))
+        assert _rel(ours, oracle) <= 1e-12, (name, what, _rel(ours, oracle))
+
+
 def _megatron_rank(rank, world, path, table):
     version = start_megatron(path, world)
     torch.set_num_threads(1)
@@ -284,6 +336,8 @@ def _megatron_rank(rank, world, path, table):
         hook = tuple(map(int, version.split(".")[:2])) >= (0, 18)
         _gpt_cases(world, rows, hook)
         _verl_case(world, rows, hook)
+        if world == 2:
+            _verl_cp_case(world, rows)
     finally:  # the table so far, also when a case fails
         if rank == 0:
             with open(table, "w") as f:
