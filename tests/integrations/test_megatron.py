@@ -49,11 +49,38 @@ def _slice(full, world):
     return full[rank * rows:(rank + 1) * rows]
 
 
+def _output_layer(world, sp, dtype, weight):
+    """A ColumnParallelLinear output layer (gather_output=False) holding this rank's slice of
+    ``weight``."""
+    from megatron.core import ModelParallelConfig
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+
+    config = ModelParallelConfig(tensor_model_parallel_size=world, sequence_parallel=sp,
+                                 params_dtype=dtype, use_cpu_initialization=True)
+    layer = ColumnParallelLinear(weight.shape[1], weight.shape[0], config=config,
+                                 init_method=torch.nn.init.zeros_, bias=False,
+                                 gather_output=False)
+    with torch.no_grad():
+        layer.weight.copy_(_slice(weight, world).to(dtype))
+    return layer, config
+
+
+def _check_reference(name, rows, out, ref, h, h_ref, layer, w_ref, world, sp):
+    """logitless's results and gradients against the fp64 reference's, to 1e-12."""
+    h_grad_ref = _slice(h_ref.grad, world) if sp else h_ref.grad
+    for what, ours, oracle in (("logprob", out.logprobs, ref["logprobs"]),
+                               ("entropy", out.entropy, ref["entropy"]),
+                               ("hidden grad", h.grad, h_grad_ref),
+                               ("weight grad", layer.weight.grad, _slice(w_ref.grad, world))):
+        err = _rel(ours, oracle)
+        rows.append((name, what, None, err, None))
+        assert err <= 1e-12, (name, what, err)
+
+
 def _cpl_cases(world, rows):
     """ColumnParallelLinear (gather_output=False) + vocab_parallel_cross_entropy against the
     processor over the same layer: values, hidden and weight gradients."""
-    from megatron.core import ModelParallelConfig
-    from megatron.core.tensor_parallel import ColumnParallelLinear, vocab_parallel_cross_entropy
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
     d, s, b, v = 40, 12, 3, _padded(world)  # s divides by 2 and 3 (split under SP)
     for dtype in (torch.float32, torch.bfloat16, torch.float64):
@@ -64,12 +91,7 @@ def _cpl_cases(world, rows):
             weight = torch.randn(v, d, generator=gen, dtype=torch.float64) * 0.4
             targets = torch.randint(0, v, (s, b), generator=gen)
             g = torch.randn(s, b, generator=gen, dtype=torch.float64)
-            config = ModelParallelConfig(tensor_model_parallel_size=world, sequence_parallel=sp,
-                                         params_dtype=dtype, use_cpu_initialization=True)
-            layer = ColumnParallelLinear(d, v, config=config, init_method=torch.nn.init.zeros_,
-                                         bias=False, gather_output=False)
-            with torch.no_grad():
-                layer.weight.copy_(_slice(weight, world).to(dtype))
+            layer, config = _output_layer(world, sp, dtype, weight)
             local = _slice(hidden, world) if sp else hidden
             # Megatron's own head and loss
             h_meg = local.to(dtype, copy=True).requires_grad_()
@@ -110,8 +132,6 @@ def _cpl_cases(world, rows):
 def _vocab_size_case(world, rows):
     """vocab_size= leaves Megatron's padding rows out; -100 labels; vLLM's top-p and a
     per-token temperature: against the fp64 reference over the real vocabulary."""
-    from megatron.core import ModelParallelConfig
-    from megatron.core.tensor_parallel import ColumnParallelLinear
 
     d, s, b, v = 40, 12, 3, _padded(world)
     gen = torch.Generator().manual_seed(2)
@@ -122,12 +142,7 @@ def _vocab_size_case(world, rows):
     temperature = torch.rand(b, s, generator=gen, dtype=torch.float64) + 0.5
     g = torch.randn(b, s, generator=gen, dtype=torch.float64)
     for sp in (False, True):
-        config = ModelParallelConfig(tensor_model_parallel_size=world, sequence_parallel=sp,
-                                     params_dtype=torch.float64, use_cpu_initialization=True)
-        layer = ColumnParallelLinear(d, v, config=config, init_method=torch.nn.init.zeros_,
-                                     bias=False, gather_output=False)
-        with torch.no_grad():
-            layer.weight.copy_(_slice(weight, world))
+        layer, config = _output_layer(world, sp, torch.float64, weight)
         h = (_slice(hidden, world) if sp else hidden).clone().requires_grad_()
         head = MegatronHead(vocab_size=V_REAL, temperature=temperature, top_p=0.9)
         out = output_processor(hidden_states=h, output_layer=layer, output_weight=None,
@@ -141,20 +156,50 @@ def _vocab_size_case(world, rows):
         ((ref["logprobs"].where(kept, 0.0) + ref["entropy"]) * g).sum().backward()
         ((out.logprobs.where(kept, 0.0) + out.entropy) * g).sum().backward()
         name = f"vocab_size + top_p + -100 fp64 sp={int(sp)}"
-        h_grad_ref = _slice(h_ref.grad, world) if sp else h_ref.grad
-        for what, ours, oracle in (("logprob", out.logprobs, ref["logprobs"]),
-                                   ("entropy", out.entropy, ref["entropy"]),
-                                   ("hidden grad", h.grad, h_grad_ref),
-                                   ("weight grad", layer.weight.grad, _slice(w_ref.grad, world))):
-            err = _rel(ours, oracle)
-            rows.append((name, what, None, err, None))
-            assert err <= 1e-12, (name, what, err)
+        _check_reference(name, rows, out, ref, h, h_ref, layer, w_ref, world, sp)
         assert (out.logprobs[0, :3] == 0).all() and (out.entropy[0, :3] == 0).all()
         for bad in (v + 1, 0, 3.0):  # every rank refuses alike
             with pytest.raises(ValueError, match="vocab_size"):
                 output_processor(hidden_states=h, output_layer=layer, output_weight=None,
                                  labels=labels, context=MegatronHead(vocab_size=bad),
                                  config=config)
+
+
+def _kept_case(world, rows):
+    """kept_ids (recorded kept sets, -1 padded, a target outside its set, -100 labels) over
+    the sharded head, with vocab_size and a temperature: against the fp64 reference."""
+
+    d, s, b, k, v = 40, 12, 3, 6, _padded(world)
+    gen = torch.Generator().manual_seed(7)
+    hidden = torch.randn(s, b, d, generator=gen, dtype=torch.float64)
+    weight = torch.randn(v, d, generator=gen, dtype=torch.float64) * 0.4
+    kept = torch.rand(b, s, V_REAL, generator=gen).argsort(-1)[..., :k]  # distinct per token
+    kept[..., 4:] = torch.where(torch.rand(b, s, 2, generator=gen) < 0.5, -1, kept[..., 4:])
+    labels = kept[..., 0].clone()
+    labels[1, 2] = (kept[1, 2].max() + 1) % V_REAL  # outside its kept set: -inf
+    labels[1, 2] = labels[1, 2] if labels[1, 2] not in kept[1, 2] else -100
+    labels[0, :2] = -100
+    g = torch.randn(b, s, generator=gen, dtype=torch.float64)
+    for sp in (False, True):
+        layer, config = _output_layer(world, sp, torch.float64, weight)
+        h = (_slice(hidden, world) if sp else hidden).clone().requires_grad_()
+        head = MegatronHead(vocab_size=V_REAL, temperature=0.7, kept_ids=kept)
+        out = output_processor(hidden_states=h, output_layer=layer, output_weight=None,
+                               labels=labels, context=head, config=config)
+        h_ref = hidden.clone().requires_grad_()
+        w_ref = weight.clone().requires_grad_()
+        ref = reference.linear_logprobs(h_ref.transpose(0, 1), w_ref[:V_REAL], labels,
+                                        temperature=0.7, kept_ids=kept)
+        inside = ref["logprobs"].isfinite()
+        assert not inside.all()
+        ((ref["logprobs"].where(inside, 0.0) + ref["entropy"]) * g).sum().backward()
+        ((out.logprobs.where(inside, 0.0) + out.entropy) * g).sum().backward()
+        name = f"kept_ids + vocab_size + -100 fp64 sp={int(sp)}"
+        _check_reference(name, rows, out, ref, h, h_ref, layer, w_ref, world, sp)
+        with pytest.raises(ValueError, match="stats"):  # the gathered rows give no lse
+            output_processor(hidden_states=h, output_layer=layer, output_weight=None,
+                             labels=labels, config=config,
+                             context=MegatronHead(kept_ids=kept, stats=("log_kept_mass",)))
 
 
 def _gpt_model(world, sp, tied, dtype=torch.float32):
@@ -333,6 +378,7 @@ def _megatron_rank(rank, world, path, table):
     try:
         _cpl_cases(world, rows)
         _vocab_size_case(world, rows)
+        _kept_case(world, rows)
         hook = tuple(map(int, version.split(".")[:2])) >= (0, 18)
         _gpt_cases(world, rows, hook)
         _verl_case(world, rows, hook)

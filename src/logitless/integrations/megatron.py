@@ -47,9 +47,11 @@ class MegatronHead:
         return_entropy: also return the entropy of the (tempered, truncated) softmax.
         top_k, top_p, min_p, sampler: the rollout sampler's truncation, as
             :func:`linear_logprobs` takes it (tensors ``[b, s]`` like ``labels``).
-        kept_ids: recorded kept sets ``[b, s, K]`` (``linear_logprobs``' ``kept_ids``); at a
-            tensor-parallel size above 1 ``linear_logprobs`` refuses them (no distributed
-            gather of the kept rows yet).
+        kept_ids: recorded kept sets ``[b, s, K]`` (``linear_logprobs``' ``kept_ids``, -1
+            padded). Over a sharded head the weight rows of the batch's kept ids and targets
+            are gathered from their ranks (one all-reduce of ``[U, D]``, ``U`` the distinct
+            ids); each rank then computes every token, and each row's gradient lands on its
+            rank. Not with ``stats``.
         stats: further statistics of ``linear_logprobs`` (``"sum_p_sq"``, ``"lse"``, ...).
         ignore_index: the label of rows to skip.
     """
@@ -78,6 +80,35 @@ def _tp_group(output_layer):
 
         group = parallel_state.get_tensor_model_parallel_group()
     return group
+
+
+def _kept_rows(weight, bias, targets, kept_ids, group, offset, ignore_index):
+    """``kept_ids`` over a vocabulary-sharded head: the weight (and bias) rows of the distinct
+    ids the kept sets and targets name, gathered from the ranks that hold them (Megatron's
+    ``reduce_from_tensor_model_parallel_region``: forward an all-reduce, backward the identity,
+    so each row's gradient lands on its own rank), and the ids renumbered into them."""
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+    if not isinstance(kept_ids, torch.Tensor) or kept_ids.dtype != torch.int64:
+        raise ValueError("kept_ids must be an int64 tensor [b, s, K] of vocabulary ids")
+    named = torch.cat([kept_ids.reshape(-1), targets.reshape(-1)])
+    ids = torch.unique(named[(named >= 0) & (named != ignore_index)])
+    local = ids - offset
+    mine = (local >= 0) & (local < weight.shape[0])
+    at = local.clamp(0, max(weight.shape[0] - 1, 0))
+
+    def gather(x):
+        picked = x[at] if x.shape[0] else x.new_zeros((len(ids), *x.shape[1:]))
+        mask = mine.reshape(-1, *([1] * (x.dim() - 1)))
+        return reduce_from_tensor_model_parallel_region(torch.where(mask, picked, 0.0),
+                                                        group=group)
+
+    def renumber(x, pad):
+        return torch.where((x >= 0) & (x != ignore_index),
+                           torch.searchsorted(ids, x.clamp_min(0)), pad)
+
+    return (gather(weight), None if bias is None else gather(bias),
+            renumber(targets, ignore_index), renumber(kept_ids, -1))
 
 
 def _real_rows(weight, bias, vocab_size, group):
@@ -110,18 +141,29 @@ def _compute(hidden_states, weight, bias, labels, head, sequence_parallel, group
     if not isinstance(labels, torch.Tensor) or labels.dim() != 2:
         raise ValueError("labels must be the [b, s] token ids the model's loss would take, got "
                          f"{getattr(labels, 'shape', labels)!r}")
+    offset = torch.distributed.get_rank(group) * weight.shape[0]
     weight, bias = _real_rows(weight, bias, head.vocab_size, group)
+    targets = labels.transpose(0, 1)  # [b, s] -> the hidden states' [s, b]
+    kept_ids = _per_token(head.kept_ids, labels)
+    # kept sets over a sharded head: their rows gathered, then every rank computes every token
+    # with its whole hidden gradient (no reduction after the sequence-parallel gather)
+    gathered = kept_ids is not None and torch.distributed.get_world_size(group) > 1
+    if gathered:
+        if head.stats:
+            raise ValueError("stats are unsupported with kept_ids over a tensor-parallel head")
+        weight, bias, targets, kept_ids = _kept_rows(weight, bias, targets, kept_ids, group,
+                                                     offset, head.ignore_index)
     if sequence_parallel:
         from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
-        hidden_states = gather_from_sequence_parallel_region(hidden_states, group=group)
-    targets = labels.transpose(0, 1)  # [b, s] -> the hidden states' [s, b]
-    alone = torch.distributed.get_world_size(group) == 1
+        hidden_states = gather_from_sequence_parallel_region(
+            hidden_states, tensor_parallel_output_grad=not gathered, group=group)
+    alone = gathered or torch.distributed.get_world_size(group) == 1
     out = linear_logprobs(
         hidden_states, weight, targets, bias=bias,
         temperature=_per_token(head.temperature, labels), top_k=_per_token(head.top_k, labels),
         top_p=_per_token(head.top_p, labels), min_p=_per_token(head.min_p, labels),
-        kept_ids=_per_token(head.kept_ids, labels), sampler=head.sampler,
+        kept_ids=kept_ids, sampler=head.sampler,
         logit_scale=logit_scale, ignore_index=head.ignore_index,
         return_entropy=head.return_entropy, stats=head.stats,
         vocab_parallel=None if alone else group,
