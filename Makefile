@@ -20,8 +20,15 @@ TRITON36_STAMP := $(TRITON36)/.installed
 # ZeRO-3 through TRL among them, on DeepSpeed's CPU accelerator over gloo. DeepSpeed goes into its
 # own --target folder, without compiled ops (DS_BUILD_OPS=0; the CPU accelerator JIT-builds its
 # shared-memory op with the local compiler once); the tests put it on their workers' PYTHONPATH.
+# megatron-core likewise (two versions, below; each test's ranks put theirs first on sys.path).
 DEEPSPEED := .venv-deepspeed
 DEEPSPEED_STAMP := $(DEEPSPEED)/.installed
+# megatron-core for tests/integrations/test_megatron.py, two versions in --target folders: 0.16.1
+# (the newest with a Python 3.11 wheel) and 0.19.2 (cp312 wheels only, pure Python but for a
+# dataset helper the tests never load: installed for 3.12, run on this interpreter).
+MEGATRON16 := .venv-megatron-0.16.1
+MEGATRON19 := .venv-megatron-0.19.2
+MEGATRON_STAMPS := $(MEGATRON16)/.installed $(MEGATRON19)/.installed
 
 # make test-compat: the suite on the lent H200's stack, in .venv-compat: Python 3.12, torch
 # 2.11.0 (from the registry a CUDA build of a few GB, which runs on the CPU), triton 3.6.0,
@@ -77,9 +84,21 @@ $(DEEPSPEED_STAMP): Makefile | $(PY)
 	  hjson==3.1.0 ninja==1.13.2 msgpack==1.2.4 py-cpuinfo==9.0.0 einops==0.8.2
 	touch $(DEEPSPEED_STAMP)
 
-test-dist: setup $(DEEPSPEED_STAMP)
-	TRITON_INTERPRET=1 LOGITLESS_DEEPSPEED=$(abspath $(DEEPSPEED)) $(PY) -m pytest -q -m dist \
-	  $(PYTEST_ARGS)
+$(MEGATRON16)/.installed: Makefile | $(PY)
+	rm -rf $(MEGATRON16)
+	$(PIP) install --no-deps --target $(MEGATRON16) megatron-core==0.16.1
+	touch $@
+
+$(MEGATRON19)/.installed: Makefile | $(PY)
+	rm -rf $(MEGATRON19)
+	$(PIP) install --no-deps --ignore-requires-python --target $(MEGATRON19) \
+	  --python-version 3.12 --only-binary=:all: megatron-core==0.19.2
+	touch $@
+
+test-dist: setup $(DEEPSPEED_STAMP) $(MEGATRON_STAMPS)
+	TRITON_INTERPRET=1 LOGITLESS_DEEPSPEED=$(abspath $(DEEPSPEED)) \
+	  LOGITLESS_MEGATRON_016=$(abspath $(MEGATRON16)) \
+	  LOGITLESS_MEGATRON_019=$(abspath $(MEGATRON19)) $(PY) -m pytest -q -m dist $(PYTEST_ARGS)
 
 $(COMPAT_STAMP): pyproject.toml Makefile
 	$(COMPAT_PYTHON) -m venv $(COMPAT)
@@ -100,4 +119,4 @@ lint: setup
 	$(VENV)/bin/ruff check src tests benchmarks
 
 clean:
-	rm -rf $(VENV) $(COMPAT) $(DEEPSPEED) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(COMPAT) $(DEEPSPEED) $(MEGATRON16) $(MEGATRON19) .pytest_cache .ruff_cache

@@ -1,0 +1,420 @@
+"""logitless.integrations.megatron against real megatron-core (0.16.1 and 0.19.2, installed by
+`make test-dist`), on 2 and 3 gloo ranks: a ColumnParallelLinear output layer against Megatron's
+`vocab_parallel_cross_entropy`, and a tiny GPTModel's every parameter gradient against the
+model's own loss, through the output_processor hook (>= 0.18) and `forward` (any version).
+
+Each spawned group runs every case of its version and world size (the imports cost ~20 s a
+group). Rank 0 writes the comparison table (max relative error per case) to
+LOGITLESS_MEGATRON_TABLE when it is set:
+`LOGITLESS_MEGATRON_TABLE=/tmp/t.json make test-dist PYTEST_ARGS="-k megatron"`.
+"""
+
+import json
+import os
+import tempfile
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import logitless.reference as reference
+from logitless.integrations.megatron import MegatronHead, forward, output_processor
+from megatron_cpu import megatron_dir, start_megatron
+
+from testing import run_on_gloo
+
+V_REAL = 101  # padded to a multiple of 8 * world: the last rank holds Megatron's padding rows
+# max relative error (max |a - b| / max |b|) of logitless against Megatron, by dtype
+TOL = {torch.float32: 2e-7}
+# the entropy against the fp64 reference (bf16: the head's logits are rounded to bf16)
+ENTROPY_TOL = {torch.float32: 1e-6, torch.bfloat16: 1e-2, torch.float64: 1e-12}
+
+
+def _rel(a, b):
+    """max |a - b| / max |b| over the entries where they differ (a -inf equals a -inf)."""
+    a, b = a.detach().double(), b.detach().double()
+    diff = torch.where(a == b, 0.0, a - b)
+    return float(diff.abs().max() / b[b.isfinite()].abs().max())
+
+
+def _padded(world):
+    step = 8 * world
+    return (V_REAL + step - 1) // step * step
+
+
+def _slice(full, world):
+    rank = dist.get_rank()
+    rows = full.shape[0] // world
+    return full[rank * rows:(rank + 1) * rows]
+
+
+def _output_layer(world, sp, dtype, weight):
+    """A ColumnParallelLinear output layer (gather_output=False) holding this rank's slice of
+    ``weight``."""
+    from megatron.core import ModelParallelConfig
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+
+    config = ModelParallelConfig(tensor_model_parallel_size=world, sequence_parallel=sp,
+                                 params_dtype=dtype, use_cpu_initialization=True)
+    layer = ColumnParallelLinear(weight.shape[1], weight.shape[0], config=config,
+                                 init_method=torch.nn.init.zeros_, bias=False,
+                                 gather_output=False)
+    with torch.no_grad():
+        layer.weight.copy_(_slice(weight, world).to(dtype))
+    return layer, config
+
+
+def _check_reference(name, rows, out, ref, h, h_ref, layer, w_ref, world, sp):
+    """logitless's results and gradients against the fp64 reference's, to 1e-12."""
+    h_grad_ref = _slice(h_ref.grad, world) if sp else h_ref.grad
+    for what, ours, oracle in (("logprob", out.logprobs, ref["logprobs"]),
+                               ("entropy", out.entropy, ref["entropy"]),
+                               ("hidden grad", h.grad, h_grad_ref),
+                               ("weight grad", layer.weight.grad, _slice(w_ref.grad, world))):
+        err = _rel(ours, oracle)
+        rows.append((name, what, None, err, None))
+        assert err <= 1e-12, (name, what, err)
+
+
+def _cpl_cases(world, rows):
+    """ColumnParallelLinear (gather_output=False) + vocab_parallel_cross_entropy against the
+    processor over the same layer: values, hidden and weight gradients."""
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    d, s, b, v = 40, 12, 3, _padded(world)  # s divides by 2 and 3 (split under SP)
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+        for sp in (False, True):
+            name = f"ColumnParallelLinear {str(dtype)[6:]} sp={int(sp)}"
+            gen = torch.Generator().manual_seed(1)
+            hidden = torch.randn(s, b, d, generator=gen, dtype=torch.float64)
+            weight = torch.randn(v, d, generator=gen, dtype=torch.float64) * 0.4
+            targets = torch.randint(0, v, (s, b), generator=gen)
+            g = torch.randn(s, b, generator=gen, dtype=torch.float64)
+            layer, config = _output_layer(world, sp, dtype, weight)
+            local = _slice(hidden, world) if sp else hidden
+            # Megatron's own head and loss
+            h_meg = local.to(dtype, copy=True).requires_grad_()
+            logits, _ = layer(h_meg)
+            loss = vocab_parallel_cross_entropy(logits.float() if dtype == torch.bfloat16
+                                                else logits, targets)
+            (loss.double() * g).sum().backward()
+            w_meg, layer.weight.grad = layer.weight.grad, None
+            # logitless through the processor, over the same layer
+            h_ll = local.to(dtype, copy=True).requires_grad_()
+            out = output_processor(hidden_states=h_ll, output_layer=layer, output_weight=None,
+                                   labels=targets.t(), context=MegatronHead(), config=config)
+            lp = out.logprobs.t()
+            (-lp.double() * g).sum().backward()
+            # the fp64 oracle over the whole head, from the same (rounded) inputs
+            h_ref = hidden.to(dtype).to(torch.float64, copy=True).requires_grad_()
+            w_ref = weight.to(dtype).to(torch.float64, copy=True).requires_grad_()
+            ref = reference.linear_logprobs(h_ref, w_ref, targets)
+            (-ref["logprobs"] * g).sum().backward()
+            h_grad_ref = _slice(h_ref.grad, world) if sp else h_ref.grad
+            pairs = (("logprob", lp, -loss, ref["logprobs"]),
+                     ("hidden grad", h_ll.grad, h_meg.grad, h_grad_ref),
+                     ("weight grad", layer.weight.grad, w_meg, _slice(w_ref.grad, world)))
+            for what, ours, meg, oracle in pairs:
+                rows.append((name, what, _rel(ours, meg), _rel(ours, oracle), _rel(meg, oracle)))
+                if dtype == torch.bfloat16:  # both round logits and gradients to bf16, at
+                    # different steps: as close to the oracle as Megatron, to bf16's rounding
+                    assert _rel(ours, oracle) <= 2 * _rel(meg, oracle) + 2**-8, (name, what)
+                elif dtype == torch.float64:  # Megatron's loss is fp32 inside: the oracle
+                    assert _rel(ours, oracle) <= 1e-12, (name, what, _rel(ours, oracle))
+                else:
+                    assert _rel(ours, meg) <= TOL[dtype], (name, what, _rel(ours, meg))
+            err = _rel(out.entropy.t(), ref["entropy"])  # Megatron has no entropy
+            rows.append((name, "entropy", None, err, None))
+            assert err <= ENTROPY_TOL[dtype], (name, err)
+
+
+def _vocab_size_case(world, rows):
+    """vocab_size= leaves Megatron's padding rows out; -100 labels; vLLM's top-p and a
+    per-token temperature: against the fp64 reference over the real vocabulary."""
+
+    d, s, b, v = 40, 12, 3, _padded(world)
+    gen = torch.Generator().manual_seed(2)
+    hidden = torch.randn(s, b, d, generator=gen, dtype=torch.float64)
+    weight = torch.randn(v, d, generator=gen, dtype=torch.float64) * 0.4
+    labels = torch.randint(0, V_REAL, (b, s), generator=gen)
+    labels[0, :3] = -100
+    temperature = torch.rand(b, s, generator=gen, dtype=torch.float64) + 0.5
+    g = torch.randn(b, s, generator=gen, dtype=torch.float64)
+    for sp in (False, True):
+        layer, config = _output_layer(world, sp, torch.float64, weight)
+        h = (_slice(hidden, world) if sp else hidden).clone().requires_grad_()
+        head = MegatronHead(vocab_size=V_REAL, temperature=temperature, top_p=0.9)
+        out = output_processor(hidden_states=h, output_layer=layer, output_weight=None,
+                               labels=labels, context=head, config=config)
+        h_ref = hidden.clone().requires_grad_()
+        w_ref = weight.clone().requires_grad_()
+        ref = reference.linear_logprobs(h_ref.transpose(0, 1), w_ref[:V_REAL], labels,
+                                        temperature=temperature, top_p=0.9)
+        kept = ref["logprobs"].isfinite()  # -inf: the target is outside the kept set
+        assert not kept.all()
+        ((ref["logprobs"].where(kept, 0.0) + ref["entropy"]) * g).sum().backward()
+        ((out.logprobs.where(kept, 0.0) + out.entropy) * g).sum().backward()
+        name = f"vocab_size + top_p + -100 fp64 sp={int(sp)}"
+        _check_reference(name, rows, out, ref, h, h_ref, layer, w_ref, world, sp)
+        assert (out.logprobs[0, :3] == 0).all() and (out.entropy[0, :3] == 0).all()
+        for bad in (v + 1, 0, 3.0):  # every rank refuses alike
+            with pytest.raises(ValueError, match="vocab_size"):
+                output_processor(hidden_states=h, output_layer=layer, output_weight=None,
+                                 labels=labels, context=MegatronHead(vocab_size=bad),
+                                 config=config)
+
+
+def _kept_case(world, rows):
+    """kept_ids (recorded kept sets, -1 padded, a target outside its set, -100 labels) over
+    the sharded head, with vocab_size and a temperature: against the fp64 reference."""
+
+    d, s, b, k, v = 40, 12, 3, 6, _padded(world)
+    gen = torch.Generator().manual_seed(7)
+    hidden = torch.randn(s, b, d, generator=gen, dtype=torch.float64)
+    weight = torch.randn(v, d, generator=gen, dtype=torch.float64) * 0.4
+    kept = torch.rand(b, s, V_REAL, generator=gen).argsort(-1)[..., :k]  # distinct per token
+    kept[..., 4:] = torch.where(torch.rand(b, s, 2, generator=gen) < 0.5, -1, kept[..., 4:])
+    labels = kept[..., 0].clone()
+    labels[1, 2] = (kept[1, 2].max() + 1) % V_REAL  # outside its kept set: -inf
+    labels[1, 2] = labels[1, 2] if labels[1, 2] not in kept[1, 2] else -100
+    labels[0, :2] = -100
+    g = torch.randn(b, s, generator=gen, dtype=torch.float64)
+    for sp in (False, True):
+        layer, config = _output_layer(world, sp, torch.float64, weight)
+        h = (_slice(hidden, world) if sp else hidden).clone().requires_grad_()
+        head = MegatronHead(vocab_size=V_REAL, temperature=0.7, kept_ids=kept)
+        out = output_processor(hidden_states=h, output_layer=layer, output_weight=None,
+                               labels=labels, context=head, config=config)
+        h_ref = hidden.clone().requires_grad_()
+        w_ref = weight.clone().requires_grad_()
+        ref = reference.linear_logprobs(h_ref.transpose(0, 1), w_ref[:V_REAL], labels,
+                                        temperature=0.7, kept_ids=kept)
+        inside = ref["logprobs"].isfinite()
+        assert not inside.all()
+        ((ref["logprobs"].where(inside, 0.0) + ref["entropy"]) * g).sum().backward()
+        ((out.logprobs.where(inside, 0.0) + out.entropy) * g).sum().backward()
+        name = f"kept_ids + vocab_size + -100 fp64 sp={int(sp)}"
+        _check_reference(name, rows, out, ref, h, h_ref, layer, w_ref, world, sp)
+        with pytest.raises(ValueError, match="stats"):  # the gathered rows give no lse
+            output_processor(hidden_states=h, output_layer=layer, output_weight=None,
+                             labels=labels, config=config,
+                             context=MegatronHead(kept_ids=kept, stats=("log_kept_mass",)))
+
+
+def _gpt_model(world, sp, tied, dtype=torch.float32):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    torch.manual_seed(3)  # every rank builds the same master weights, then takes its slice
+    config = TransformerConfig(num_layers=2, hidden_size=48, num_attention_heads=6,
+                               tensor_model_parallel_size=world, sequence_parallel=sp,
+                               use_cpu_initialization=True, hidden_dropout=0.0,
+                               attention_dropout=0.0, params_dtype=dtype)
+    return GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(),
+                    vocab_size=_padded(world), max_sequence_length=32,
+                    share_embeddings_and_output_weights=tied)
+
+
+def _norm_rel(got, want, names):
+    num = sum(float((got[n].double() - want[n].double()).norm() ** 2) for n in names)
+    return (num / sum(float(want[n].double().norm() ** 2) for n in names)) ** 0.5
+
+
+def _fp64_grads(model, world, sp, tied, args, labels, g):
+    """Every parameter's gradient of Megatron's own loss, from the same model in fp64."""
+    exact = _gpt_model(world, sp, tied, torch.float64)
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for n, p in exact.named_parameters():
+            p.copy_(params[n])
+    (exact(**args, labels=labels) * g.double()).sum().backward()
+    return {n: p.grad for n, p in exact.named_parameters()}
+
+
+def _gpt_cases(world, rows, hook):
+    """A GPTModel's loss against the processor's -logprob: values and every parameter's
+    gradient, through the hook (megatron-core >= 0.18) and through `forward`."""
+    b, s = 2, 12
+    gen = torch.Generator().manual_seed(4)
+    input_ids = torch.randint(0, V_REAL, (b, s), generator=gen)
+    labels = torch.randint(0, _padded(world), (b, s), generator=gen)
+    g = torch.randn(b, s, generator=gen)
+    position_ids = torch.arange(s).expand(b, s)
+    mask = torch.ones(1, 1, s, s, dtype=torch.bool).triu(1)  # True: masked out
+    args = dict(input_ids=input_ids, position_ids=position_ids, attention_mask=mask)
+    ways = ("hook", "forward") if hook else ("forward",)
+    for sp, tied in ((False, False), (True, False), (True, True)):
+        model = _gpt_model(world, sp, tied)
+        loss = model(**args, labels=labels)
+        (loss * g).sum().backward()
+        want = {n: p.grad.clone() for n, p in model.named_parameters()}
+        exact = _fp64_grads(model, world, sp, tied, args, labels, g)
+        for way in ways:
+            model.zero_grad(set_to_none=True)
+            head = MegatronHead(return_entropy=False)
+            if way == "hook":
+                out = model(**args, labels=labels, output_processor=output_processor,
+                            output_processor_context=head)
+            else:
+                out = forward(model, head, labels=labels, **args)
+            (-out.logprobs * g).sum().backward()
+            name = f"GPTModel {way} fp32 sp={int(sp)} tied={int(tied)}"
+            rows.append((name, "logprob", _rel(out.logprobs, -loss), None, None))
+            assert _rel(out.logprobs, -loss) <= TOL[torch.float32], name
+            # every gradient: norm-wise relative error, of all of them together (the bound)
+            # and the worst parameter's, each also against the fp64 model's (Megatron's
+            # own fp32 gradients are that far from it too)
+            got = {n: p.grad for n, p in model.named_parameters()}
+            whole = _norm_rel(got, want, list(want))
+            worst = max(list(want), key=lambda n: _norm_rel(got, want, [n]))
+            rows.append((name, f"all {len(want)} parameter grads", whole,
+                         _norm_rel(got, exact, list(want)), _norm_rel(want, exact, list(want))))
+            rows.append((name, f"worst parameter grad ({worst})", _norm_rel(got, want, [worst]),
+                         _norm_rel(got, exact, [worst]), _norm_rel(want, exact, [worst])))
+            assert whole <= TOL[torch.float32], (name, whole)
+            for n in want:  # as close to the fp64 gradient as Megatron's, to fp32 rounding
+                assert _norm_rel(got, exact, [n]) <= 2 * _norm_rel(want, exact, [n]) + 1e-6, n
+
+
+def _verl_case(world, rows, hook):
+    """verl 0.9.1's Megatron fused forward with LOGITLESS_VERL_FUSED_HEAD=1, under sequence
+    parallelism: through Megatron's output_processor hook (>= 0.18) or verl's patched forward
+    (older), against the model's own loss (verl packs sequences into one row: b = 1)."""
+    os.environ["LOGITLESS_VERL_FUSED_HEAD"] = "1"  # read when verl loads its plugins
+    from verl.models.mcore import model_forward_fused as fused
+
+    import logitless.integrations.verl  # noqa: F401  (loaded by verl's plugins already)
+    from logitless.integrations import verl_head
+
+    assert verl_head.fused_head_enabled() and fused.linear_cross_entropy is \
+        verl_head.linear_cross_entropy
+    s = 12
+    gen = torch.Generator().manual_seed(5)
+    args = dict(input_ids=torch.randint(0, V_REAL, (1, s), generator=gen),
+                position_ids=torch.arange(s).unsqueeze(0),
+                attention_mask=torch.ones(1, 1, s, s, dtype=torch.bool).triu(1))
+    labels = torch.randint(0, _padded(world), (1, s), generator=gen)
+    g = torch.randn(s, generator=gen)
+    model = _gpt_model(world, True, False)
+    loss = model(**args, labels=labels)[0]
+    (loss * g).sum().backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    fused.patch_fused_forward(model)
+    assert fused._use_output_processor_hook(model) == hook
+    if hook:
+        out = model(**args, labels=labels, output_processor=fused.fused_output_processor,
+                    output_processor_context=fused.FusedOutputProcessorContext(1.0))
+    else:
+        out = model(**args, labels=labels, temperature=1.0)
+    fused.unpatch_fused_forward(model)
+    (-out.log_probs * g).sum().backward()
+    name = f"verl fused forward ({'hook' if hook else 'legacy patch'}) fp32 sp=1"
+    got = {n: p.grad for n, p in model.named_parameters()}
+    whole = _norm_rel(got, want, list(want))
+    rows.append((name, "logprob", _rel(out.log_probs, -loss), None, None))
+    rows.append((name, f"all {len(want)} parameter grads", whole, None, None))
+    assert _rel(out.log_probs, -loss) <= TOL[torch.float32] and whole <= TOL[torch.float32]
+
+
+def _verl_cp_case(world, rows):
+    """verl's Megatron context-parallel THD data path (zigzag, CP = world, jagged sequences)
+    around the head drop-in, as verl's fused forward runs it: labels rolled within each sequence
+    and split with the tokens (`preprocess_thd_engine`), each rank's rows through the head, the
+    logprobs gathered back into whole sequences (`postprocess_thd_engine`). A per-token stand-in
+    for the decoder (an embedding), so the split changes nothing: against one process; the
+    gradients summed over the CP ranks are one process's."""
+    from megatron.core import parallel_state
+    from verl.models.mcore.util import postprocess_thd_engine, preprocess_thd_engine
+
+    from logitless.integrations.verl_head import linear_cross_entropy
+
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1,
+                                             context_parallel_size=world)
+    v, d = 53, 24
+    gen = torch.Generator().manual_seed(6)
+    seqs = [torch.randint(0, v, (n,), generator=gen) for n in (5, 11, 8)]
+    emb = torch.randn(v, d, generator=gen, dtype=torch.float64)
+    weight = (torch.randn(v, d, generator=gen, dtype=torch.float64) / d**0.5).requires_grad_()
+    # a sequence's last label is the next row's id (padding, or the sequence's first one): verl
+    # masks it out of the loss, and so does the check
+    g = [torch.randn(len(s), generator=gen, dtype=torch.float64) for s in seqs]
+    for w in g:
+        w[-1] = 0.0
+    emb_cp = emb.clone().requires_grad_()
+    input_ids = torch.nested.as_nested_tensor(seqs, layout=torch.jagged)
+    ids, packed, _ = preprocess_thd_engine(input_ids, pre_process=True)
+    labels, _, _ = preprocess_thd_engine(input_ids, pre_process=True, need_roll=True)
+    assert ids.shape[1] < sum(map(len, seqs))  # each rank holds part of the tokens
+    lp, _ = linear_cross_entropy(emb_cp[ids], weight, labels)
+    lp = postprocess_thd_engine(lp.unsqueeze(0), packed, input_ids, len(seqs))
+    sum((x * w).sum() for x, w in zip(lp.unbind(), g, strict=True)).backward()
+    grads = [emb_cp.grad, weight.grad]
+    for x in grads:
+        dist.all_reduce(x)
+    # one process, whole sequences
+    emb_one = emb.clone().requires_grad_()
+    weight_one = weight.detach().clone().requires_grad_()
+    want = [reference.linear_logprobs(emb_one[s], weight_one, torch.roll(s, -1))["logprobs"]
+            for s in seqs]
+    sum((x * w).sum() for x, w in zip(want, g, strict=True)).backward()
+    name = f"verl CP THD data path, CP {world}, zigzag, fp64"
+    pairs = (("logprob", torch.cat([x[:-1] for x in lp.unbind()]),
+              torch.cat([x[:-1] for x in want])),
+             ("hidden (embedding) grad", grads[0], emb_one.grad),
+             ("weight grad", grads[1], weight_one.grad))
+    for what, ours, oracle in pairs:
+        rows.append((name, what, None, _rel(ours, oracle), None))
+        assert _rel(ours, oracle) <= 1e-12, (name, what, _rel(ours, oracle))
+
+
+def _megatron_rank(rank, world, path, table):
+    version = start_megatron(path, world)
+    torch.set_num_threads(1)
+    rows = []
+    try:
+        _cpl_cases(world, rows)
+        _vocab_size_case(world, rows)
+        _kept_case(world, rows)
+        hook = tuple(map(int, version.split(".")[:2])) >= (0, 18)
+        _gpt_cases(world, rows, hook)
+        _verl_case(world, rows, hook)
+        if world == 2:
+            _verl_cp_case(world, rows)
+    finally:  # the table so far, also when a case fails
+        if rank == 0:
+            with open(table, "w") as f:
+                json.dump({"megatron_core": version, "tp": world, "rows": rows}, f)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("version, world", [("0.16.1", 2), ("0.19.2", 3)])
+def test_megatron_head(version, world):
+    path = megatron_dir(version)
+    with tempfile.TemporaryDirectory() as tmp:
+        table = os.path.join(tmp, "table.json")
+        try:
+            run_on_gloo(world, _megatron_rank, path, table)
+        finally:
+            out = os.environ.get("LOGITLESS_MEGATRON_TABLE")
+            if out and os.path.exists(table):
+                with open(table) as f, open(out, "a") as g:
+                    g.write(f.read() + "\n")
+
+
+def test_processor_refuses_bad_arguments():
+    """The context must be a MegatronHead and labels Megatron's [b, s] (no megatron needed)."""
+    layer = SimpleNamespace(weight=torch.randn(7, 5), bias=None, sequence_parallel=False,
+                            tp_group=object())
+    kwargs = dict(hidden_states=torch.randn(3, 2, 5), output_layer=layer, output_weight=None,
+                  config=SimpleNamespace())
+    with pytest.raises(ValueError, match="output_processor_context"):
+        output_processor(labels=torch.zeros(2, 3, dtype=torch.long), context={}, **kwargs)
+    with pytest.raises(ValueError, match="labels"):
+        output_processor(labels=torch.zeros(6, dtype=torch.long), context=MegatronHead(),
+                         **kwargs)
+    with pytest.raises(ValueError, match="post_process"):
+        forward(SimpleNamespace(post_process=False), MegatronHead(), labels=None)
