@@ -9,17 +9,16 @@ middle, straddling the boundary between two 1024-row chunks, and in a later chun
 end of batches whose last, partial chunk is padded to each height a head GEMM can have (128,
 256, ..., 1024 rows: `constants.row_blocks`), so that every height of the family is compared
 with the lone run's. For each placement, `linear_logprobs` (logprob and entropy, then the
-hidden-gradient rows of a backward with per-token upstream gradients) and, at the five offsets,
-its top-p variant (whose chunks are still whole 1024-row GEMMs) must return the probe's rows
-bitwise equal to the lone run.
+hidden-gradient rows of a backward with per-token upstream gradients) and its top-p variant
+(whose chunks are padded the same way) must return the probe's rows bitwise equal to the lone
+run.
 One line per op and placement, then `ok` or the number of rows that differ and the largest
 difference; exit status 1 on any difference.
 
 On CUDA this is the claim of docs/gpu.md ("Determinism and batch invariance") for the shapes
-that cuBLAS actually gets: every GEMM of the plain head is 1024 rows or, for a call's last
-chunk, a multiple of 128, and a row's bits must not depend on which of these eight heights
-computed it. On CPU
-it runs the same code on small shapes (tests/tools/test_gpu_scripts.py).
+that cuBLAS actually gets: every head GEMM is 1024 rows or, for a call's last chunk, a
+multiple of 128, and a row's bits must not depend on which of these eight heights computed
+it. On CPU it runs the same code on small shapes (tests/tools/test_gpu_scripts.py).
 """
 
 from __future__ import annotations
@@ -81,8 +80,6 @@ def check(device: str, n: int, d: int, v: int, dtype: torch.dtype, chunk: int,
     for op in ops:
         alone = _run(op, probe_h, weight, probe_t, probe_up)
         for name, (rows_n, at) in _placements(n, chunk, granule).items():
-            if op != "plain" and name.startswith("last chunk"):
-                continue  # the sampler's chunks are whole: no height to sweep
             hidden = rand(rows_n, d)
             targets = torch.randint(0, v, (rows_n,), generator=g).to(device)
             upstream = [torch.randn(rows_n, generator=g).to(device) for _ in range(2)]

@@ -210,6 +210,16 @@ def test_head_pads_its_last_chunk_to_the_granule(path, n):
     assert matmul_flops(exact) == GEMMS[path] * 2 * n * d * v
 
 
+def test_sampler_pads_its_last_chunk_to_the_granule():
+    """The sampler's top-p path pads as the head does: 1100 rows run GEMMs of 1024 and 128
+    rows (four of each: logits, logits again, d_hidden; d_weight over the tile's rows)."""
+    n, d, v = 1100, 64, 300
+    plan = gp.sampler_plan(n, d, v)
+    assert matmul_flops(plan) == 4 * 2 * 1152 * d * v
+    assert by_name(plan, "logits GEMM").launches == 2
+    assert by_name(plan, "pad hidden (last chunk)").bytes == 2 * 2 * 1152 * d
+
+
 def test_padding_is_within_six_percent_of_exact_shapes_at_trainer_batch_sizes():
     """Issue 36 item 3 on the model: at D=4096, V=151936 and every micro-batch size trainers
     use from 1024 rows up, the head (with and without its backward) and the fused loss cost at

@@ -1,6 +1,7 @@
 """The CUDA launchers' tiling, written once: the Triton kernels and their torch twins bind their
 shapes from here, and the GPU cost model (``tools/gpu_plan.py``) prices the same shapes. Plain
-numbers, no Triton import, so the cost model reads them on any machine.
+numbers and the row plan they make (``row_blocks``), no Triton or torch import, so the cost
+model reads them on any machine.
 
 Tests shrink a kernel's own binding (``linear_softmax.VOCAB_TILE``, ``sampler._SLICE``, ...) to
 cross its boundaries at small shapes; the values here are the shipped ones.

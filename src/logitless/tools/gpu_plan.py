@@ -508,15 +508,15 @@ def sampler_plan(n: int, d: int, v: int, dtype="bfloat16", *, hardware: Hardware
     """The sampler's top-p forward and backward (``linear_logprobs(top_p=...)``'s CUDA path,
     vLLM's rules, the logprob's gradient) for ``hidden [n, d]``, ``weight [v, d]``.
 
-    Per :data:`SAMPLER_ROWS`-row chunk (rows padded to whole chunks): one GEMM of the whole
-    head, the transform pass writing the tempered fp32 logits, the candidates' mass, the
-    search passes (:data:`SAMPLER_SEARCH_PASSES`: 6 in a 16-bit dtype's own values, 11 over
-    fp32 keys) and the mass above the cut (8 or 13 mass passes, each reading the fp32 logits;
-    a pass is a program per row and :data:`SAMPLER_SLICE`-column slice), the statistics pass,
-    and the small merges. Backward, per tile of chunks: the GEMMs again, the tie-cut and dx passes,
-    ``d_hidden`` per chunk into an fp32 accumulator and ``d_weight`` per tile into the fp32
-    ``[V, D]`` accumulator (written by the first tile, read and written by the others). The
-    plain GEMMs are the head's four."""
+    Per :data:`SAMPLER_ROWS`-row chunk (the last padded to a multiple of :data:`ROW_GRANULE`
+    rows): one GEMM of the whole head, the transform pass writing the tempered fp32 logits,
+    the candidates' mass, the search passes (:data:`SAMPLER_SEARCH_PASSES`: 6 in a 16-bit
+    dtype's own values, 11 over fp32 keys) and the mass above the cut (8 or 13 mass passes,
+    each reading the fp32 logits; a pass is a program per row and :data:`SAMPLER_SLICE`-column
+    slice), the statistics pass, and the small merges. Backward, per tile of chunks: the
+    GEMMs again, the tie-cut and dx passes, ``d_hidden`` per chunk into an fp32 accumulator
+    and ``d_weight`` per tile into the fp32 ``[V, D]`` accumulator (written by the first
+    tile, read and written by the others). The plain GEMMs are the head's four."""
     n, d, v = _positive_int("n", n), _positive_int("d", d), _positive_int("v", v)
     dtype = _dtype_name(dtype)
     e = _ELEMENT_BYTES[dtype]
@@ -527,13 +527,14 @@ def sampler_plan(n: int, d: int, v: int, dtype="bfloat16", *, hardware: Hardware
     passes = _Passes(hardware, rate, epilogues)
     ins = passes.epilogues
     r = SAMPLER_ROWS
-    chunks = math.ceil(n / r)
-    n_pad = chunks * r
+    blocks = list(row_blocks(n, r, ROW_GRANULE))  # the last chunk padded to the granule
+    chunks = len(blocks)
+    n_pad = blocks[-1][0] + blocks[-1][2]
     span = -(-v // 4096) * 4096
     slices = math.ceil(v / SAMPLER_SLICE)
-    rv = r * v
     search = SAMPLER_SEARCH_PASSES[dtype]
-    for _ in range(chunks):
+    for *_, r in blocks:
+        rv = r * v
         passes.add("logits GEMM", "matmul", 2 * r * d * v, e * (r * d + v * d + rv), out=(r, v))
         passes.add("transform pass (tempered fp32 copy)", "vector", 4 * rv,
                    e * rv + 4 * r * span, instructions=ins["sampler_transform"] * r * span)
@@ -545,27 +546,33 @@ def sampler_plan(n: int, d: int, v: int, dtype="bfloat16", *, hardware: Hardware
         passes.add("statistics pass", "vector", 12 * rv, 4 * r * span,
                    instructions=ins["sampler_stats"] * r * span)
         passes.add("row merges (torch, [R]-sized)", "vector", 0, 64 * r, SAMPLER_ROW_OPS)
+    r = SAMPLER_ROWS
     per_tile = max(1, SAMPLER_TILE_BUDGET // (r * span * e))
     tiles = _even_split(chunks, math.ceil(chunks / per_tile))
     passes.add("value cuts (bisection, [N])", "vector", 0, 32 * n, SAMPLER_CUT_OPS)
     first = True
+    at = 0
     for k, count in tiles:
         for _ in range(count):
-            g = k * r
-            passes.add("logits GEMM again", "matmul", 2 * r * d * v,
-                       e * (r * d + v * d + rv), k, out=(r, v))
+            heights = [b[2] for b in blocks[at:at + k]]
+            at += k
+            g = sum(heights)
+            for c in heights:
+                passes.add("logits GEMM again", "matmul", 2 * c * d * v,
+                           e * (c * d + v * d + c * v), out=(c, v))
             passes.add("tie-cut pass", "vector", 2 * g * v, e * g * v,
                        instructions=ins["sampler_cut"] * g * span)
             passes.add("dx pass (in place)", "vector", 12 * g * v, 2 * e * g * v,
                        instructions=ins["sampler_grad"] * g * span)
-            passes.add("d_hidden += dx @ W", "matmul", 2 * r * v * d,
-                       e * (rv + v * d) + 2 * 4 * r * d, k, out=(r, d))
+            for c in heights:
+                passes.add("d_hidden += dx @ W", "matmul", 2 * c * v * d,
+                           e * (c * v + v * d) + 2 * 4 * c * d, out=(c, d))
             acc = 4 * v * d if first else 2 * 4 * v * d
             first = False
             passes.add("d_weight += dx^T @ hidden", "matmul", 2 * g * v * d,
                        e * (g * v + g * d) + acc, out=(v, d))
     if n_pad != n:
-        passes.add("pad hidden to whole chunks", "vector", 0, 2 * e * n_pad * d)
+        passes.add("pad hidden (last chunk)", "vector", 0, 2 * e * n_pad * d)
     if e < 4:
         passes.add("d_hidden, d_weight fp32 -> dtype", "vector", 0, (4 + e) * (n * d + v * d),
                    2)
