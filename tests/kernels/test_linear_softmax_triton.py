@@ -3,10 +3,11 @@ reference, run under TRITON_INTERPRET=1 on CPU tensors with torch's CPU GEMMs.
 
 Tiles, row chunks and epilogue blocks are shrunk (``small_tiles``) so that odd sizes cross all
 of their boundaries: V=1007 spans three 448-column tiles (a middle one, the last partial), N=37
-three 16-row chunks (the last padded); a full tile is two 256-column blocks (the second
-partial), the last tile one partial block. ``tile_bytes=ONE_CHUNK`` puts every chunk in its
-own row group, so the weight gradient is summed over groups. The interpreter's time grows with
-rows x blocks, so the blocks are as wide as these boundaries allow.
+three 16-row chunks (the last, 5 rows, padded to an 8-row granule); a full tile is two
+256-column blocks (the second partial), the last tile one partial block.
+``tile_bytes=ONE_CHUNK`` puts every chunk in its own row group, so the weight gradient is summed
+over groups. The interpreter's time grows with rows x blocks, so the blocks are as wide as
+these boundaries allow.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import pathlib
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from logitless.kernels import linear_softmax as kernel
 from logitless.kernels.softmax_partials import finish, normaliser
@@ -24,7 +27,7 @@ from sm90 import run_compile_script
 from testing import assert_close_to_oracle, requires_triton
 
 N, D, V = 37, 96, 1007
-TILE, CHUNK, BLOCK = 448, 16, 256
+TILE, CHUNK, GRANULE, BLOCK = 448, 16, 8, 256
 ONE_CHUNK = CHUNK * TILE * 4  # bytes of one fp32 chunk tile: one chunk per row group
 STATS = ("lse", "logprobs", "entropy", "sum_p_sq", "mean_logit")
 GRADS = ("g_lp", "g_entropy", "g_sum_p_sq", "g_mean_logit", "g_lse")
@@ -42,6 +45,7 @@ OPTIONS = {
 def small_tiles(monkeypatch):
     monkeypatch.setattr(kernel, "VOCAB_TILE", TILE)
     monkeypatch.setattr(kernel, "ROW_CHUNK", CHUNK)
+    monkeypatch.setattr(kernel, "ROW_GRANULE", GRANULE)
     monkeypatch.setattr(kernel, "_BLOCK_V", BLOCK)
 
 
@@ -359,6 +363,56 @@ def test_rows_are_batch_invariant(small_tiles, dtype):
         for name, a, c in zip(parts._fields, full[0], parts):
             assert torch.equal(a[rows], c[at]), name
         assert torch.equal(full[1][0][rows], grads[0][at]), "d_hidden"
+
+
+@requires_triton
+@settings(max_examples=300, deadline=None)
+@given(n=st.integers(1, 70_000), groups_of=st.integers(1, 20))
+def test_a_call_pads_less_than_one_granule(n, groups_of):
+    """The shipped plan (1024-row chunks, a 128-row granule): the chunks cover the N rows, every
+    GEMM is a whole chunk or, for the last one, a multiple of the granule, and a call pads
+    fewer than ``ROW_GRANULE`` rows (whole chunks padded a 1100-row call to 2048)."""
+    hidden = torch.empty(n, 1)
+    weight = torch.empty(3, 1)
+    tile_bytes = groups_of * kernel.ROW_CHUNK * 3 * hidden.element_size()
+    plan = kernel._Plan(hidden, weight, tile_bytes)
+    granule = 128
+    assert 0 <= plan.n_pad - n < granule
+    heights = []
+    at = 0
+    for r0, rows in plan.groups:
+        assert r0 == at
+        at += rows
+        heights += [min(kernel.ROW_CHUNK, rows - c) for c in range(0, rows, kernel.ROW_CHUNK)]
+    assert at == plan.n_pad
+    assert all(h == kernel.ROW_CHUNK for h in heights[:-1])
+    assert heights[-1] % granule == 0 and 0 < heights[-1] <= kernel.ROW_CHUNK
+    assert plan.tile.numel() >= max(rows for _, rows in plan.groups) * kernel.row_stride(3)
+
+
+@requires_triton
+def test_gemms_are_chunks_or_granules(small_tiles, monkeypatch):
+    """Every GEMM of a call (forward, recompute, hidden gradient) is ``CHUNK`` rows or, for the
+    last chunk, a multiple of the granule: N=37 runs 16, 16 and 8 rows, never a padded 16."""
+    heights = []
+    real_mm, real_addmm = torch.mm, torch.addmm
+
+    def mm(a, *args, **kw):
+        heights.append(a.shape[0])
+        return real_mm(a, *args, **kw)
+
+    def addmm(c, a, *args, **kw):
+        heights.append(a.shape[0])
+        return real_addmm(c, a, *args, **kw)
+
+    hidden, weight, b, targets = _problem(N, torch.float32, bias=False, **OPTIONS["plain"])
+    upstream = _upstream(N, ("g_lp",))
+    monkeypatch.setattr(torch, "mm", mm)
+    monkeypatch.setattr(torch, "addmm", addmm)
+    _run(hidden, weight, b, targets, upstream)
+    row_gemms = [h for h in heights if h != V % TILE and h != TILE]  # not the d_weight GEMMs
+    assert sorted(set(row_gemms)) == [GRANULE, CHUNK]
+    assert row_gemms.count(GRANULE) * 2 == row_gemms.count(CHUNK)
 
 
 @requires_triton

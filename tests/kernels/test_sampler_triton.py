@@ -260,6 +260,43 @@ def test_rows_do_not_depend_on_the_batch(small):
         assert torch.equal(g_part, g_full[rows])
 
 
+@requires_triton
+def test_last_chunk_is_padded_to_the_granule(small, monkeypatch):
+    """Issue 36: the last chunk's GEMM is padded to a multiple of the granule, not to a whole
+    chunk (fp32, 4-row chunks, a 2-row granule: N=5 runs GEMMs of 4 and 2 rows, forward and
+    backward), and a row's results and hidden gradient are the same bits alone (one 2-row
+    GEMM) and as the last row of the batch."""
+    monkeypatch.setattr(kernel, "_GRANULE", 2)
+    h, w, b, t = (x.float() if x.is_floating_point() else x for x in _inputs(seed=6))
+    kw = _cast(_per_token(seed=7), torch.float32)
+    budget = 4 * (4 * V + 4 * V + 4 * COLS) + 100  # 4 rows: logits, fp32 copy, one slice
+    heights = []
+    real_gemm = kernel._gemm_
+
+    def gemm(out, hh, *args):
+        heights.append(hh.shape[0])
+        return real_gemm(out, hh, *args)
+
+    monkeypatch.setattr(kernel, "_gemm_", gemm)
+
+    def run(rows):
+        hh = h[rows].clone().requires_grad_()
+        out = _run(hh, w, b, t[rows], max_tile_bytes=budget,
+                   **{k: v[rows] for k, v in kw.items()})
+        g, = torch.autograd.grad(torch.where(torch.isfinite(out.logprobs), out.logprobs,
+                                             0.0).sum() + out.entropy.sum(), hh)
+        return out, g
+
+    full, g_full = run(slice(0, N))
+    assert sorted(set(heights)) == [2, 4]
+    heights.clear()
+    part, g_part = run(slice(4, 5))
+    assert set(heights) == {2}
+    for name in OUTS:
+        assert torch.equal(getattr(part, name), getattr(full, name)[4:5])
+    assert torch.equal(g_part, g_full[4:5])
+
+
 # Compiles every kernel for sm_90 with the constexprs and warps the launchers use: bf16 with
 # every flag on (softcap, every upstream gradient, the canonical statistics pass), fp32 with
 # every flag off; both search passes. A subprocess: TRITON_INTERPRET=1 replaces the JIT.

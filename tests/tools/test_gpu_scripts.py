@@ -32,10 +32,14 @@ def test_invariance_holds_across_the_triton_heads_chunks(monkeypatch):
     monkeypatch.setenv("LOGITLESS_BACKEND", "triton")
     monkeypatch.setattr(kernel, "VOCAB_TILE", 448)
     monkeypatch.setattr(kernel, "ROW_CHUNK", 64)
+    monkeypatch.setattr(kernel, "ROW_GRANULE", 32)
     monkeypatch.setattr(kernel, "_BLOCK_V", 256)
     results = inv.check("cpu", 2 * 64 + inv.PROBE + 3, 32, 1007, torch.bfloat16, 64,
                         ops=("plain",))
-    assert len(results) == 5 * 3  # placements x (logprobs, entropy, d_hidden)
+    # placements (5, then the last chunk at each height, 32 and 64) x (logprobs, entropy,
+    # d_hidden)
+    assert len(results) == (5 + 2) * 3
+    assert {where for _, where, *_ in results} >= {"last chunk 32", "last chunk 64"}
     assert all(rows == 0 for *_, rows, _ in results), results
 
 
@@ -51,11 +55,12 @@ def test_invariance_catches_a_row_that_depends_on_its_place(monkeypatch):
 
     monkeypatch.setenv("LOGITLESS_BACKEND", "torch")
     monkeypatch.setattr(inv, "_run", drifting)
-    results = inv.check("cpu", 195, 32, 500, torch.float32, 64, ops=("plain",))
+    results = inv.check("cpu", 195, 32, 500, torch.float32, 64, ops=("plain",), granule=32)
     differs = {(where, key) for _, where, key, rows, _ in results if rows}
-    # the probe's first row at index 0 does not drift, every other row does
+    # the probe's first row at index 0 does not drift, every other row does: five placements
+    # and the last chunk at heights 32 and 64
     assert {key for _, key in differs} == {"entropy"}
-    assert len(differs) == 5
+    assert len(differs) == 7
 
 
 def test_invariance_refuses_a_batch_too_small_for_its_placements():

@@ -3,15 +3,15 @@ vocabulary tiles, one-pass Triton epilogues, the launcher contract of ``divergen
 
 Both heads' tempered logits ``z = (hidden @ W^T + b) / T`` are made tile by tile exactly as the
 head's CUDA path makes them (``linear_softmax.TilePlan``): ``VOCAB_TILE`` columns by a row group of
-whole ``ROW_CHUNK``-row chunks, one GEMM per chunk in the input dtype, hidden padded with zero
-rows, so every GEMM has the same shape whatever N is. The student and the teacher get one plan
-each, with the same row groups (the tile budget is split between them in proportion to their
-element sizes) and the same vocabulary tiles. An epilogue program takes one row and reads both
-heads' tiles of that row once, ``_BLOCK_V`` columns at a time, left to right; every per-row
-accumulator is fp32, kept per lane (or per column of the step) across the column loop and
-reduced once per row in a fixed tree, so its order depends only on the column and results are
-the same bits run to run and for every N (up to cuBLAS's choice of kernel for a chunk, see
-docs/gpu.md).
+``ROW_CHUNK``-row chunks, one GEMM per chunk in the input dtype, the last chunk padded with zero
+rows to a multiple of ``ROW_GRANULE``, so every GEMM is one of a few fixed heights whatever N
+is. The student and the teacher get one plan each, with the same row groups (the tile budget is
+split between them in proportion to their element sizes) and the same vocabulary tiles. An
+epilogue program takes one row and reads both heads' tiles of that row once, ``_BLOCK_V``
+columns at a time, left to right; every per-row accumulator is fp32, kept per lane (or per
+column of the step) across the column loop and reduced once per row in a fixed tree, so its
+order depends only on the column and results are the same bits run to run and for every N (up
+to cuBLAS's choice of kernel for a chunk height, see docs/gpu.md).
 
 - ``divergence_forward``: ``_pair_stats_kernel`` folds both heads' running maxima and sums of
   exponentials, the student's ``sum e (z - m)`` (its entropy) and, for ``beta`` 0 or 1, the

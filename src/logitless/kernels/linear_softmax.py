@@ -3,10 +3,13 @@
 Logits ``z = logit_scale * softcap(hidden @ W^T + b) / temperature`` are made one tile at a
 time: a tile is ``VOCAB_TILE`` vocabulary columns by a *row group* of hidden states, written by
 ``torch.mm`` / ``torch.addmm`` (cuBLAS, with fp32 accumulation) in the input dtype. Every GEMM
-has exactly ``ROW_CHUNK`` rows: hidden is padded with zero rows to a whole number of chunks, so
-the GEMMs that produce a row's logits and its hidden gradient have the same shape whatever N is
-(cuBLAS picks its kernel, and with it the order of the sums over D, from the shape). A row group
-is as many chunks as fit the tile budget (``tile_bytes``, default :data:`TILE_BYTES`).
+has ``ROW_CHUNK`` rows but the last, whose rows are padded with zero rows to a multiple of
+``ROW_GRANULE`` (128: a call pads at most 127 rows), so the GEMMs that produce a row's logits and
+its hidden gradient are one of ``ROW_CHUNK / ROW_GRANULE`` heights per tile width whatever N is
+(cuBLAS picks its kernel, and with it the order of the sums over D, from the shape; a row's bits
+must not depend on which of these heights it gets: docs/gpu.md, "Determinism and batch
+invariance"). A row group is as many chunks as fit the tile budget (``tile_bytes``, default
+:data:`TILE_BYTES`).
 
 Forward (:func:`forward`): per vocabulary tile (in vocabulary order) and row group, the chunks'
 GEMMs fill the tile, then ``tile_stats_kernel`` (one program per row) reads it once, applies
@@ -31,8 +34,9 @@ Triton passes hold no ``tl.dot``. bf16/fp16 products accumulated across tiles us
 else fp32 copies of the operands.
 
 Under ``TRITON_INTERPRET=1`` (CPU tensors) the same code runs, with torch's CPU GEMMs in place
-of cuBLAS; tests shrink :data:`VOCAB_TILE`, :data:`ROW_CHUNK` and ``_BLOCK_V`` to cross their
-boundaries at small sizes. tanh is written with ``tl.exp`` (the interpreter has no libdevice).
+of cuBLAS; tests shrink :data:`VOCAB_TILE`, :data:`ROW_CHUNK`, :data:`ROW_GRANULE` and
+``_BLOCK_V`` to cross their boundaries at small sizes. tanh is written with ``tl.exp`` (the
+interpreter has no libdevice).
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ from logitless.kernels import constants
 from logitless.kernels.linear_softmax_torch import addmm_acc_
 from logitless.kernels.softmax_partials import Partials
 
-__all__ = ["ROW_CHUNK", "TILE_BYTES", "VOCAB_TILE", "backward", "forward"]
+__all__ = ["ROW_CHUNK", "ROW_GRANULE", "TILE_BYTES", "VOCAB_TILE", "backward", "forward"]
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -55,6 +59,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # of every logits GEMM, default bytes of one tile. Bound here so that tests can shrink them.
 VOCAB_TILE = constants.VOCAB_TILE
 ROW_CHUNK = constants.ROW_CHUNK
+ROW_GRANULE = constants.ROW_GRANULE
 TILE_BYTES = constants.HEAD_TILE_BUDGET
 # Columns an epilogue program handles per step, and its warps: fixed, so the order of the sums
 # inside a row never depends on N (8 warps x 32 lanes x 8 bf16 = 2048: 16-byte loads).
@@ -420,17 +425,19 @@ def _check_inputs(hidden, weight, bias, targets):
 class TilePlan:
     """Row chunks, row groups and vocabulary tiles of one call, with its tile buffer.
 
-    ``hidden`` is padded with zero rows to a whole number of ``ROW_CHUNK``-row chunks (a copy
-    only when N is not a multiple); a row group is a run of whole chunks whose tile fits
-    ``tile_bytes`` (at least one chunk), the groups evened out to within one chunk.
+    ``hidden`` is cut into ``ROW_CHUNK``-row chunks, the last one padded with zero rows to a
+    multiple of ``ROW_GRANULE`` (``constants.row_blocks``; a copy only when N is not such a
+    multiple); a row group is a run of chunks whose tile fits ``tile_bytes`` (at least one
+    chunk), the groups evened out to within one chunk, the partial chunk in the last.
     """
 
     def __init__(self, hidden, weight, tile_bytes):
         n, d = hidden.shape
         self.n, self.v = n, weight.shape[0]
         self.cols = min(VOCAB_TILE, self.v)
-        chunks = triton.cdiv(n, ROW_CHUNK)
-        self.n_pad = chunks * ROW_CHUNK
+        blocks = list(constants.row_blocks(n, ROW_CHUNK, ROW_GRANULE))
+        chunks = len(blocks)
+        self.n_pad = blocks[-1][0] + blocks[-1][2]
         if self.n_pad == n:
             self.hidden = hidden.contiguous()
         else:
@@ -443,7 +450,7 @@ class TilePlan:
         q, rem = divmod(chunks, groups)
         self.groups, r0 = [], 0
         for i in range(groups):
-            rows = (q + (i < rem)) * ROW_CHUNK
+            rows = min((q + (i < rem)) * ROW_CHUNK, self.n_pad - r0)
             self.groups.append((r0, rows))
             r0 += rows
         self.tile = torch.empty(max(r for _, r in self.groups) * row_stride(self.cols),

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from logitless.kernels import constants
 from logitless.kernels.softmax_partials import Partials, empty, merge, stack
 
 # Default bound on the bytes of one call's tile buffers: the logits and a scratch tile in fp32
@@ -68,10 +69,7 @@ def _tile_shape(v: int, tile_bytes: int, dtype: torch.dtype,
 
 def row_blocks(n: int, rows: int):
     """``(first row, real rows, padded rows)`` of each row block (see ``_ROW_GRANULE``)."""
-    granule = min(_ROW_GRANULE, rows)
-    for r0 in range(0, n, rows):
-        real = min(rows, n - r0)
-        yield r0, real, min(rows, -(-real // granule) * granule)
+    return constants.row_blocks(n, rows, _ROW_GRANULE)
 
 
 def pad_rows(x, size: int, fill=0):

@@ -4,9 +4,10 @@ compute dtype, Triton passes with a program per row and vocabulary slice over it
 The launcher contract is ``sampler_torch``'s (same ``forward`` / ``backward`` signatures and
 outputs, same kept-set rule, same kept sets); see that module's docstring for the rule. Per
 chunk of ``R`` rows (``R`` from the byte budget, the vocabulary and the dtype, never from N;
-1024 at V=151936 in bf16 with the default budget; every chunk's GEMM padded to exactly ``R``
-rows, so that a row's logits have the same bits wherever it lies; the Triton passes run over
-the chunk's real rows only):
+1024 at V=151936 in bf16 with the default budget; the last chunk's GEMM padded to a multiple
+of ``ROW_GRANULE`` rows, as the head's (``constants.row_blocks``), so that a row's logits come
+from one of a few fixed GEMM heights wherever it lies; the Triton passes run over the chunk's
+real rows only):
 
 1. **Logits.** One ``torch.mm`` / ``torch.addmm`` (cuBLAS, fp32 accumulation) of the whole
    head writes ``x = h W^T + b`` in the compute dtype (``_COLS``-column slices when tests
@@ -81,6 +82,9 @@ _COLS = 2**18
 # Most rows per chunk, and vocabulary columns per program of a pass (kernels/constants.py; tests
 # shrink them); the columns per step and warps of the passes.
 _MAX_ROWS = constants.SAMPLER_ROWS
+# The last chunk's rows are padded to a multiple of this many (kernels/constants.py; tests
+# shrink it).
+_GRANULE = constants.ROW_GRANULE
 SLICE_COLS = constants.SAMPLER_SLICE
 BLOCK_COLS = 2048
 WARPS = 8
@@ -661,20 +665,20 @@ def forward(hidden, weight, bias, targets, params: RowParams, *, softcap, logit_
     bufs = _Buffers(rows, v, dev)
     args = row_args(params, n, dev)
     targets = targets.contiguous()
-    for r0 in range(0, n, rows):
-        real = min(rows, n - r0)
-        h = pad_rows(hidden[r0:r0 + real], rows).contiguous()  # the backward's layout
+    for r0, real, padded in constants.row_blocks(n, rows, _GRANULE):
+        h = pad_rows(hidden[r0:r0 + real], padded).contiguous()  # the backward's layout
         for c0 in range(0, v, cols):
             w, b = head_slice(weight, bias, c0, cols, hidden.dtype)
             if part is None:
-                _gemm_(chunk, h, w, b)
+                _gemm_(chunk[:padded], h, w, b)
             else:
-                x = part[:rows * w.shape[0]].view(rows, w.shape[0])
+                x = part[:padded * w.shape[0]].view(padded, w.shape[0])
                 _gemm_(x, h, w, b)
-                chunk[:, c0:c0 + w.shape[0]] = x
-        # The GEMM is R rows tall (the same bits for a row wherever it lies), the passes run
-        # over the real rows only: as many launches for every N, and no program spent on a
-        # padding row (a row's results never depend on the others')
+                chunk[:padded, c0:c0 + w.shape[0]] = x
+        # The GEMM is R rows tall, or for the last chunk a multiple of the granule (a row's
+        # bits must not depend on the height: docs/gpu.md), the passes run over the real rows
+        # only: as many launches for every N, and no program spent on a padding row (a row's
+        # results never depend on the others')
         chunk_stats(chunk[:real], targets[r0:r0 + real], args, r0,
                     [o[r0:r0 + real] for o in outs], softcap, logit_scale, bufs)
     # A row with a NaN or inf logit has no distribution: its logprob is NaN (as the torch
@@ -1006,8 +1010,9 @@ def backward(hidden, weight, bias, targets, params: RowParams, key, count, m, lo
             zeros(need_bias, v)
     rows = rows_per_chunk(v, tile_bytes, hidden.dtype, softcap)
     cols = min(v, _COLS)
-    chunks = -(-n // rows)
-    n_pad = chunks * rows
+    blocks = list(constants.row_blocks(n, rows, _GRANULE))
+    chunks = len(blocks)
+    n_pad = blocks[-1][0] + blocks[-1][2]  # the last chunk padded as the forward pads it
     per_group = max(1, min(chunks, tile_bytes // (rows * cols * hidden.element_size())))
     h_pad = pad_rows(hidden, n_pad).contiguous()
     # rows padded to whole steps: the tie-cut and dx passes read and write unmasked
@@ -1041,7 +1046,8 @@ def backward(hidden, weight, bias, targets, params: RowParams, key, count, m, lo
         w, b = head_slice(weight, bias, c0, cols, hidden.dtype)
         width = w.shape[0]
         for g0 in range(0, chunks, per_group):
-            r0, g_rows = g0 * rows, min(per_group, chunks - g0) * rows
+            r0 = g0 * rows
+            g_rows = min(per_group * rows, n_pad - r0)
             real = max(0, min(g_rows, n - r0))
             x = tile_rows(tile, g_rows, width, _span(width))
             for c in range(0, g_rows, rows):

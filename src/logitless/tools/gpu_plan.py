@@ -30,7 +30,8 @@ The model, stated once:
 
 Paths:
 
-- ``"logprobs-nograd"``: hidden padded to whole ``ROW_CHUNK``-row chunks, the chunks grouped
+- ``"logprobs-nograd"``: hidden cut into ``ROW_CHUNK``-row chunks, the last one padded to a
+  multiple of ``ROW_GRANULE`` rows (``row_blocks``, the launcher's own plan), the chunks grouped
   within the tile budget; per vocabulary tile and row group, one GEMM per chunk writes the
   group's logits tile in the input dtype and one Triton pass folds it into the per-row
   statistics (a fixed merge order).
@@ -40,14 +41,16 @@ Paths:
   dz^T @ hidden`` written once (summed in an fp32 tile accumulator when there are several
   row groups).
 - ``"fused-policy-loss"``: sequence-aligned chunks of rows (at most :func:`wave_rows` of what
-  the budget holds), each chunk's ``[rows, V]`` logits stored once in the input dtype; a
+  the budget holds; no padding), each chunk's ``[rows, V]`` logits stored once in the input
+  dtype; a
   statistics pass, the objective on ``(lp, H)``, a pass turning the stored logits into ``dz``
   in place, ``dz @ W`` for the chunk's hidden gradient and
   ``dz^T @ hidden`` added into the one fp32 weight-gradient accumulator.
 
 The bias and the logit transform (temperature, soft-cap) are not counted: O(V) bytes and a few
 FLOPs per logit inside passes that are bound by their bytes. The tiling it prices
-(:data:`VOCAB_TILE`, :data:`ROW_CHUNK`, :data:`HEAD_TILE_BUDGET` and the sampler's
+(:data:`VOCAB_TILE`, :data:`ROW_CHUNK`, :data:`ROW_GRANULE`, :data:`HEAD_TILE_BUDGET` and the
+sampler's
 :data:`SAMPLER_ROWS`, :data:`SAMPLER_SLICE`, :data:`SAMPLER_TILE_BUDGET`) is
 ``kernels/constants.py``'s, the numbers the launchers tile by; the chunk height and default
 budget of the fused loss (:func:`wave_rows`, :data:`CUDA_MEMORY_BUDGET`) are
@@ -71,13 +74,16 @@ from logitless.fused_losses.fused.gpu_chunks import (
 from logitless.kernels.constants import (
     HEAD_TILE_BUDGET,
     ROW_CHUNK,
+    ROW_GRANULE,
     SAMPLER_ROWS,
     SAMPLER_SLICE,
     SAMPLER_TILE_BUDGET,
     VOCAB_TILE,
+    row_blocks,
 )
 
 __all__ = [
+    "BATCH_SIZES",
     "CUDA_MEMORY_BUDGET",
     "EPILOGUE_BUDGET",
     "EPILOGUE_INSTRUCTIONS",
@@ -87,6 +93,7 @@ __all__ = [
     "PATHS",
     "REFERENCE_SHAPE",
     "ROW_CHUNK",
+    "ROW_GRANULE",
     "SAMPLER_ROWS",
     "SAMPLER_SEARCH_PASSES",
     "SAMPLER_SLICE",
@@ -96,6 +103,7 @@ __all__ = [
     "GpuPlan",
     "Hardware",
     "Pass",
+    "batch_size_table",
     "format_passes",
     "format_report",
     "format_table",
@@ -110,6 +118,9 @@ __all__ = [
 PATHS = ("logprobs-nograd", "logprobs-fwd-bwd", "fused-policy-loss")
 # The shape of the issue's targets: a 16k-token batch, Qwen-sized hidden and vocabulary.
 REFERENCE_SHAPE = (16384, 4096, 151936)
+# The micro-batch sizes trainers call the head with (issue 36), priced at D and V of
+# REFERENCE_SHAPE by :func:`batch_size_table`.
+BATCH_SIZES = (512, 1100, 2048, 3000, 4096, 8192, 16384)
 
 # Epilogue arithmetic per logits element (fp32 vector FLOPs, exp counted as 4): the statistics
 # pass (transform, running max, exp, sums of e, e z, e^2, z, target compare) and the dz pass
@@ -302,7 +313,8 @@ def _dtype_name(dtype) -> str:
 
 def gpu_plan(n: int, d: int, v: int, dtype="bfloat16", path: str = "fused-policy-loss",
              memory_budget: int | None = None, *, vocab_tile: int = VOCAB_TILE,
-             row_chunk: int = ROW_CHUNK, hardware: Hardware = H200,
+             row_chunk: int = ROW_CHUNK, row_granule: int = ROW_GRANULE,
+             hardware: Hardware = H200,
              epilogues: dict[str, float] | None = None,
              objective_launches: int = OBJECTIVE_LAUNCHES) -> GpuPlan:
     """The plan and predicted cost of one GPU path for ``hidden [n, d]``, ``weight [v, d]``.
@@ -318,8 +330,11 @@ def gpu_plan(n: int, d: int, v: int, dtype="bfloat16", path: str = "fused-policy
             must hold at least one row.
         vocab_tile: vocabulary columns per head tile (positive int; the fused loss stores the
             whole vocabulary and ignores it).
-        row_chunk: rows of each head GEMM (positive int; rows are padded to whole chunks and
-            a head tile holds at least one chunk; the fused loss ignores it).
+        row_chunk: most rows of a head GEMM (positive int; a head tile holds at least one
+            chunk; the fused loss ignores it).
+        row_granule: the head's last, partial chunk is padded to a multiple of this many rows
+            (positive int; ``row_chunk`` or more pads it to a whole chunk, 1 runs exact shapes;
+            the fused loss pads nothing and ignores it).
         hardware: the rates the time is predicted at.
         epilogues: warp instructions per element of each streaming pass, by role (default
             :data:`EPILOGUE_INSTRUCTIONS`, today's compiled code; :data:`EPILOGUE_BUDGET`
@@ -338,6 +353,7 @@ def gpu_plan(n: int, d: int, v: int, dtype="bfloat16", path: str = "fused-policy
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
     vocab_tile = _positive_int("vocab_tile", vocab_tile)
     row_chunk = _positive_int("row_chunk", row_chunk)
+    row_granule = _positive_int("row_granule", row_granule)
     if memory_budget is None:
         memory_budget = CUDA_MEMORY_BUDGET if path == "fused-policy-loss" else HEAD_TILE_BUDGET
     memory_budget = _positive_int("memory_budget", memory_budget)
@@ -349,7 +365,8 @@ def gpu_plan(n: int, d: int, v: int, dtype="bfloat16", path: str = "fused-policy
     objective_launches = _positive_int("objective_launches", objective_launches)
     build = _fused_plan if path == "fused-policy-loss" else _head_plan
     fields = build(n, d, v, e, path, memory_budget, min(vocab_tile, v),
-                   _Passes(hardware, rate, epilogues, objective_launches), row_chunk)
+                   _Passes(hardware, rate, epilogues, objective_launches), row_chunk,
+                   row_granule)
     floor = _Passes(hardware, rate)
     for name, out in _FLOOR_GEMMS[path]:
         floor.add(name, "matmul", 2 * n * d * v, e * (n * d + v * d + n * v),
@@ -376,49 +393,54 @@ def _rows_within(budget: int, row_bytes: int, what: str) -> int:
     return rows
 
 
-def _head_plan(n, d, v, e, path, budget, tile, passes: _Passes, row_chunk) -> dict:
-    """linear_logprobs: vocabulary tiles of ``tile`` columns; rows padded to whole chunks of
-    ``row_chunk`` (one GEMM each), chunks grouped within ``budget`` (at least one a group)."""
+def _head_plan(n, d, v, e, path, budget, tile, passes: _Passes, row_chunk, granule) -> dict:
+    """linear_logprobs: vocabulary tiles of ``tile`` columns; rows cut into chunks of
+    ``row_chunk`` (one GEMM each), the last padded to a multiple of ``granule``
+    (``row_blocks``), chunks grouped within ``budget`` (at least one a group)."""
     _rows_within(budget, tile * e, f"a {tile}-column logits tile")
-    n_chunks = math.ceil(n / row_chunk)
-    n_pad = n_chunks * row_chunk
+    blocks = list(row_blocks(n, row_chunk, granule))
+    n_chunks = len(blocks)
+    n_pad = blocks[-1][0] + blocks[-1][2]
     per_group = max(1, budget // (tile * e * row_chunk))
     groups = math.ceil(n_chunks / per_group)
     group_chunks, tiles = _even_split(n_chunks, groups), _tiles(v, tile)
     backward = path == "logprobs-fwd-bwd"
     # bf16/fp16 gradients accumulate in fp32 buffers; fp32 ones accumulate in place.
     fp32_acc = e < 4
-    c = row_chunk
-    left = n  # real rows: the padding sits in the last group
+    first = 0
     for k, gc in group_chunks:
         for _ in range(gc):
-            r = k * c
-            real = min(r, left)
-            left -= real
+            chunks = blocks[first:first + k]
+            first += k
+            real = sum(b[1] for b in chunks)
+            r = sum(b[2] for b in chunks)  # the group's rows, its padding included
             for w, tc in tiles:
-                passes.add("logits GEMM", "matmul", 2 * c * d * w, e * (c * d + w * d + c * w),
-                           k * tc, out=(c, w))
+                for *_, c in chunks:
+                    passes.add("logits GEMM", "matmul", 2 * c * d * w,
+                               e * (c * d + w * d + c * w), tc, out=(c, w))
                 passes.add("statistics pass", "vector", _STATS_FLOPS * real * w,
                            e * real * w + 2 * _ROW_STATE_BYTES * real, tc,
                            instructions=passes.epilogues["head_stats"] * real * w)
                 if not backward:
                     continue
-                passes.add("logits GEMM again", "matmul", 2 * c * d * w,
-                           e * (c * d + w * d + c * w), k * tc, out=(c, w))
+                for *_, c in chunks:
+                    passes.add("logits GEMM again", "matmul", 2 * c * d * w,
+                               e * (c * d + w * d + c * w), tc, out=(c, w))
                 passes.add("dz pass (in place)", "vector", _DZ_FLOPS * r * w,
                            2 * e * r * w + _ROW_STATE_BYTES * r, tc,
                            instructions=passes.epilogues["head_grad"] * r * w)
-                passes.add("d_hidden += dz @ W_tile", "matmul", 2 * c * w * d,
-                           e * (c * w + w * d) + 2 * 4 * c * d, k * tc, out=(c, d))
+                for *_, c in chunks:
+                    passes.add("d_hidden += dz @ W_tile", "matmul", 2 * c * w * d,
+                               e * (c * w + w * d) + 2 * 4 * c * d, tc, out=(c, d))
                 # written once with one row group; else summed over the groups in an fp32 tile
                 out = e * w * d if groups == 1 else 2 * 4 * w * d
                 passes.add("d_weight[tile] = dz^T @ hidden", "matmul", 2 * r * w * d,
                            e * (r * w + r * d) + out, tc, out=(w, d))
     passes.add("finish statistics", "vector", 8 * n, _ROW_STATE_BYTES * n + _ROW_HELD_BYTES * n)
-    group_rows = group_chunks[0][0] * c
+    group_rows = min(group_chunks[0][0] * row_chunk, n_pad)
     extra = group_rows * tile * e + _ROW_HELD_BYTES * n
-    if n_pad != n:  # hidden copied into whole chunks
-        passes.add("pad hidden to whole chunks", "vector", 0, 2 * e * n_pad * d)
+    if n_pad != n:  # hidden copied, its last chunk padded
+        passes.add("pad hidden (last chunk)", "vector", 0, 2 * e * n_pad * d)
         extra += e * n_pad * d
     if backward and fp32_acc:
         passes.add("d_hidden fp32 -> dtype", "vector", 0, (4 + e) * n * d)
@@ -432,7 +454,7 @@ def _head_plan(n, d, v, e, path, budget, tile, passes: _Passes, row_chunk) -> di
                 extra_bytes=extra, accumulator_bytes=0)
 
 
-def _fused_plan(n, d, v, e, path, budget, tile, passes: _Passes, row_chunk) -> dict:
+def _fused_plan(n, d, v, e, path, budget, tile, passes: _Passes, row_chunk, granule) -> dict:
     """fused_policy_loss: evened-out chunks of rows, each storing its ``[rows, V]`` logits."""
     row_bytes = e * (v + 2 * d)  # stored logits, gathered hidden row, hidden-gradient row
     cap = wave_rows(_rows_within(budget, row_bytes, "stored logits and hidden rows"), d,
@@ -487,15 +509,15 @@ def sampler_plan(n: int, d: int, v: int, dtype="bfloat16", *, hardware: Hardware
     """The sampler's top-p forward and backward (``linear_logprobs(top_p=...)``'s CUDA path,
     vLLM's rules, the logprob's gradient) for ``hidden [n, d]``, ``weight [v, d]``.
 
-    Per :data:`SAMPLER_ROWS`-row chunk (rows padded to whole chunks): one GEMM of the whole
-    head, the transform pass writing the tempered fp32 logits, the candidates' mass, the
-    search passes (:data:`SAMPLER_SEARCH_PASSES`: 6 in a 16-bit dtype's own values, 11 over
-    fp32 keys) and the mass above the cut (8 or 13 mass passes, each reading the fp32 logits;
-    a pass is a program per row and :data:`SAMPLER_SLICE`-column slice), the statistics pass,
-    and the small merges. Backward, per tile of chunks: the GEMMs again, the tie-cut and dx passes,
-    ``d_hidden`` per chunk into an fp32 accumulator and ``d_weight`` per tile into the fp32
-    ``[V, D]`` accumulator (written by the first tile, read and written by the others). The
-    plain GEMMs are the head's four."""
+    Per :data:`SAMPLER_ROWS`-row chunk (the last padded to a multiple of :data:`ROW_GRANULE`
+    rows): one GEMM of the whole head, the transform pass writing the tempered fp32 logits,
+    the candidates' mass, the search passes (:data:`SAMPLER_SEARCH_PASSES`: 6 in a 16-bit
+    dtype's own values, 11 over fp32 keys) and the mass above the cut (8 or 13 mass passes,
+    each reading the fp32 logits; a pass is a program per row and :data:`SAMPLER_SLICE`-column
+    slice), the statistics pass, and the small merges. Backward, per tile of chunks: the
+    GEMMs again, the tie-cut and dx passes, ``d_hidden`` per chunk into an fp32 accumulator
+    and ``d_weight`` per tile into the fp32 ``[V, D]`` accumulator (written by the first
+    tile, read and written by the others). The plain GEMMs are the head's four."""
     n, d, v = _positive_int("n", n), _positive_int("d", d), _positive_int("v", v)
     dtype = _dtype_name(dtype)
     e = _ELEMENT_BYTES[dtype]
@@ -506,13 +528,14 @@ def sampler_plan(n: int, d: int, v: int, dtype="bfloat16", *, hardware: Hardware
     passes = _Passes(hardware, rate, epilogues)
     ins = passes.epilogues
     r = SAMPLER_ROWS
-    chunks = math.ceil(n / r)
-    n_pad = chunks * r
+    blocks = list(row_blocks(n, r, ROW_GRANULE))  # the last chunk padded to the granule
+    chunks = len(blocks)
+    n_pad = blocks[-1][0] + blocks[-1][2]
     span = -(-v // 4096) * 4096
     slices = math.ceil(v / SAMPLER_SLICE)
-    rv = r * v
     search = SAMPLER_SEARCH_PASSES[dtype]
-    for _ in range(chunks):
+    for *_, r in blocks:
+        rv = r * v
         passes.add("logits GEMM", "matmul", 2 * r * d * v, e * (r * d + v * d + rv), out=(r, v))
         passes.add("transform pass (tempered fp32 copy)", "vector", 4 * rv,
                    e * rv + 4 * r * span, instructions=ins["sampler_transform"] * r * span)
@@ -524,27 +547,33 @@ def sampler_plan(n: int, d: int, v: int, dtype="bfloat16", *, hardware: Hardware
         passes.add("statistics pass", "vector", 12 * rv, 4 * r * span,
                    instructions=ins["sampler_stats"] * r * span)
         passes.add("row merges (torch, [R]-sized)", "vector", 0, 64 * r, SAMPLER_ROW_OPS)
+    r = SAMPLER_ROWS
     per_tile = max(1, SAMPLER_TILE_BUDGET // (r * span * e))
     tiles = _even_split(chunks, math.ceil(chunks / per_tile))
     passes.add("value cuts (bisection, [N])", "vector", 0, 32 * n, SAMPLER_CUT_OPS)
     first = True
+    at = 0
     for k, count in tiles:
         for _ in range(count):
-            g = k * r
-            passes.add("logits GEMM again", "matmul", 2 * r * d * v,
-                       e * (r * d + v * d + rv), k, out=(r, v))
+            heights = [b[2] for b in blocks[at:at + k]]
+            at += k
+            g = sum(heights)
+            for c in heights:
+                passes.add("logits GEMM again", "matmul", 2 * c * d * v,
+                           e * (c * d + v * d + c * v), out=(c, v))
             passes.add("tie-cut pass", "vector", 2 * g * v, e * g * v,
                        instructions=ins["sampler_cut"] * g * span)
             passes.add("dx pass (in place)", "vector", 12 * g * v, 2 * e * g * v,
                        instructions=ins["sampler_grad"] * g * span)
-            passes.add("d_hidden += dx @ W", "matmul", 2 * r * v * d,
-                       e * (rv + v * d) + 2 * 4 * r * d, k, out=(r, d))
+            for c in heights:
+                passes.add("d_hidden += dx @ W", "matmul", 2 * c * v * d,
+                           e * (c * v + v * d) + 2 * 4 * c * d, out=(c, d))
             acc = 4 * v * d if first else 2 * 4 * v * d
             first = False
             passes.add("d_weight += dx^T @ hidden", "matmul", 2 * g * v * d,
                        e * (g * v + g * d) + acc, out=(v, d))
     if n_pad != n:
-        passes.add("pad hidden to whole chunks", "vector", 0, 2 * e * n_pad * d)
+        passes.add("pad hidden (last chunk)", "vector", 0, 2 * e * n_pad * d)
     if e < 4:
         passes.add("d_hidden, d_weight fp32 -> dtype", "vector", 0, (4 + e) * (n * d + v * d),
                    2)
@@ -622,6 +651,29 @@ def format_table(plans: list[GpuPlan]) -> str:
     return "\n".join(lines)
 
 
+def batch_size_table(ns=BATCH_SIZES, hardware: Hardware = H200) -> str:
+    """Each path at each micro-batch size of ``ns`` (D and V of :data:`REFERENCE_SHAPE`, bf16,
+    default budgets): the rows its GEMMs run, its predicted time, the same plan at exact shapes
+    (``row_granule=1``: no row padded), their ratio (issue 36's target: at most 1.06 at every
+    N >= 1024), that ratio with the last chunk padded to a whole ``ROW_CHUNK`` instead of
+    ``ROW_GRANULE`` rows (the head before issue 36), and the ratio to the plain GEMMs."""
+    _, d, v = REFERENCE_SHAPE
+    lines = ["| path | N | GEMM rows | predicted | exact shapes | over exact "
+             "| last chunk whole: over exact | over plain GEMMs |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for path in PATHS:
+        for n in ns:
+            plan, exact, whole = (gpu_plan(n, d, v, "bfloat16", path, hardware=hardware,
+                                           row_granule=g)
+                                  for g in (ROW_GRANULE, 1, ROW_CHUNK))
+            rows = n if path == "fused-policy-loss" else \
+                sum(b[2] for b in row_blocks(n, ROW_CHUNK, ROW_GRANULE))
+            lines.append(f"| {path} | {n} | {rows} | {plan.seconds * 1e3:.2f} ms "
+                         f"| {exact.seconds * 1e3:.2f} ms | {plan.seconds / exact.seconds:.3f}x "
+                         f"| {whole.seconds / exact.seconds:.3f}x | {plan.ratio:.3f}x |")
+    return "\n".join(lines)
+
+
 def format_passes(plan: GpuPlan) -> str:
     """A markdown table of one plan's passes, then its plain GEMMs: launches, FLOPs, bytes and
     predicted time."""
@@ -648,6 +700,10 @@ def format_report(hardware: Hardware = H200) -> str:
     for plan in defaults:
         parts += ["", f"Passes of {plan.path} at its default budget "
                       f"({_mib(plan.memory_budget)}):", "", format_passes(plan)]
+    parts += ["", f"Over the micro-batch sizes trainers call the head with (D={d}, V={v}, "
+                  "bfloat16, default budgets; *exact shapes* is the same plan with no row "
+                  f"padded, *last chunk whole* pads it to {ROW_CHUNK} rows):", "",
+              batch_size_table(hardware=hardware)]
     sampler = sampler_plan(n, d, v, "bfloat16", hardware=hardware)
     parts += ["", "The sampler's top-p forward and backward (`linear_logprobs(top_p=0.9)`, "
                   f"{sampler.chunks} chunks of {sampler.chunk_rows} rows, one GEMM of the "
