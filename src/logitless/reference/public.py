@@ -7,6 +7,7 @@ of your own against the fast path (docs/design.md, "Checking your own head")."""
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 import warnings
 
@@ -20,10 +21,8 @@ from logitless.reference.sampler import kept_set_logprobs, sampler_logprobs
 
 def bias_keyword(fn):
     """``fn(hidden, weight, ..., *, bias=None, ...)`` that still takes ``bias`` as the
-    positional argument after its ``n`` leading ones, as the reference did before it took the
+    positional argument after its leading ones, as the reference did before it took the
     public ops' signatures, with a ``DeprecationWarning`` (docs/api-changes.md)."""
-    import inspect
-
     n = sum(p.kind is p.POSITIONAL_OR_KEYWORD for p in inspect.signature(fn).parameters.values())
 
     @functools.wraps(fn)
