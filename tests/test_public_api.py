@@ -67,6 +67,21 @@ def test_fused_policy_loss_drops_ignored_targets(ignore_index, strategy):
         torch.testing.assert_close(a, o, rtol=1e-8, atol=1e-11)
 
 
+def test_fused_policy_loss_drops_ignored_targets_under_compile():
+    """The rule holds in the one custom op ``torch.compile`` sees (fullgraph)."""
+    hidden, weight, bias, targets, mask, old, adv = _batch(3)
+    ignored = targets.clone()
+    ignored[0, 3] = ignored[1, 2] = -100
+    cfg = PolicyLossConfig(objective="grpo")
+
+    def loss(t, m):
+        return logitless.fused_policy_loss(hidden, weight, t, old, adv, m, cfg, bias=bias)[0]
+
+    got = torch.compile(loss, backend="eager", fullgraph=True)(ignored, mask)
+    torch.testing.assert_close(got, loss(targets, mask & (ignored != -100)), rtol=1e-12,
+                               atol=1e-14)
+
+
 @pytest.mark.parametrize("bad", [1.5, "-100", True, None])
 def test_fused_policy_loss_checks_ignore_index(bad):
     hidden, weight, _bias, targets, mask, old, adv = _batch()
