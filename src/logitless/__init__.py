@@ -5,12 +5,18 @@ __version__ = "0.1.0"
 from logitless.fused_losses.fused.fused_policy_loss import fused_policy_loss
 from logitless.fused_losses.head.attention_entropy import attention_entropy
 from logitless.fused_losses.head.divergence import (
+    DivergenceOutput,
     linear_divergence,
     linear_topk_distill,
     mtp_draft_loss,
 )
 from logitless.fused_losses.head.logprobs import LogprobOutput, linear_logprobs
-from logitless.fused_losses.objectives.catalog import register_objective
+from logitless.fused_losses.objectives.aggregation import BatchGlobals
+from logitless.fused_losses.objectives.catalog import (
+    ObjectiveInputs,
+    ObjectiveOutput,
+    register_objective,
+)
 from logitless.fused_losses.objectives.config import PolicyLossConfig
 from logitless.fused_losses.objectives.entropy_control import AdaptiveEntropyCoef
 from logitless.fused_losses.objectives.mismatch import mismatch_metrics
@@ -23,7 +29,11 @@ from logitless.integrations import objective_fields as _objective_fields  # noqa
 
 __all__ = [
     "AdaptiveEntropyCoef",
+    "BatchGlobals",
+    "DivergenceOutput",
     "LogprobOutput",
+    "ObjectiveInputs",
+    "ObjectiveOutput",
     "PolicyLossConfig",
     "attention_entropy",
     "check_policy_inputs",

@@ -270,8 +270,9 @@ def test_attention_entropy_compiled_matches_eager():
 
 
 def divergence_step(hidden, weight, bias, teacher_hidden, teacher_weight, mask):
-    div, entropy = linear_divergence(hidden, weight, teacher_hidden, teacher_weight, mask,
-                                     bias=bias, beta=0.3, temperature=0.8, return_entropy=True)
+    out = linear_divergence(hidden, weight, teacher_hidden, teacher_weight, mask, bias=bias,
+                            beta=0.3, temperature=0.8, return_entropy=True)
+    div, entropy = out.divergence, out.entropy
     ids = teacher_weight[:, :4].argsort(0)[:T].T.reshape(1, T, 4).expand(*mask.shape, 4)
     teacher_logprobs = torch.log_softmax(teacher_hidden[..., :4], -1)
     topk = linear_topk_distill(hidden, weight, ids, teacher_logprobs, mask, bias=bias,
@@ -448,7 +449,7 @@ def test_meta_tensors_give_meta_outputs():
     assert hidden.grad.shape == hidden.shape and hidden.grad.device == meta
     assert weight.grad.shape == weight.shape and weight.grad.dtype == torch.bfloat16
     div = linear_divergence(hidden, weight, torch.empty(3, T, 40, device=meta),
-                            torch.empty(V, 40, device=meta))
+                            torch.empty(V, 40, device=meta)).divergence
     assert div.device == meta and div.shape == (3, T) and div.dtype == torch.float32
     q = torch.empty(2, 4, 9, 8, device=meta)
     k = torch.empty(2, 2, 9, 8, device=meta)

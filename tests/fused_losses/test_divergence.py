@@ -47,10 +47,15 @@ def trl_jsd(x, beta, temperature, mask=None):
     return per_token if mask is None else torch.where(mask, per_token, 0.0)
 
 
-def ours(x, mask=None, **kw):
+def run(x, mask=None, **kw):
+    """`linear_divergence` on the heads ``x``: its `DivergenceOutput`."""
     return logitless.linear_divergence(
         x["hidden"], x["weight"], x["teacher_hidden"], x["teacher_weight"], mask,
         bias=x["bias"], teacher_bias=x["teacher_bias"], max_tile_bytes=TILE, **kw)
+
+
+def ours(x, mask=None, **kw):
+    return run(x, mask, **kw).divergence
 
 
 @pytest.mark.parametrize("beta", BETAS)
@@ -111,7 +116,7 @@ def test_gradcheck_fp64(beta):
     def f(h, w, b):
         return logitless.linear_divergence(h, w, *teacher[:2], mask, beta=beta,
                                            temperature=0.9, bias=b, teacher_bias=teacher[2],
-                                           max_tile_bytes=64)
+                                           max_tile_bytes=64).divergence
 
     assert torch.autograd.gradcheck(f, (leaf(x["hidden"]), leaf(x["weight"]), leaf(x["bias"])))
 
@@ -123,7 +128,7 @@ def test_teacher_gets_no_graph():
     assert all(g is None for g in torch.autograd.grad(out.sum(), teacher, allow_unused=True))
     only_teacher = logitless.linear_divergence(
         x["hidden"].detach(), x["weight"].detach(), x["teacher_hidden"], x["teacher_weight"],
-        teacher_bias=x["teacher_bias"])
+        teacher_bias=x["teacher_bias"]).divergence
     assert not only_teacher.requires_grad
 
 
@@ -134,7 +139,8 @@ def test_return_entropy(beta):
     x = heads(batch=2, seed=20)
     mask = torch.rand(2, N, generator=torch.Generator().manual_seed(2)) > 0.3
     mine, plain = ({k: leaf(t) for k, t in x.items()} for _ in range(2))
-    div, ent = ours(mine, mask, beta=beta, temperature=0.7, return_entropy=True)
+    out = run(mine, mask, beta=beta, temperature=0.7, return_entropy=True)
+    div, ent = out.divergence, out.entropy
     logp = (reference.linear_logits(x["hidden"], x["weight"], x["bias"]) / 0.7).log_softmax(-1)
     exact = torch.where(mask, -(logp.exp() * logp).sum(-1), 0.0)
     assert ent.shape == (2, N) and not ent.requires_grad
@@ -155,12 +161,12 @@ def test_masked_rows_are_skipped():
         x[key][~mask] = float("nan")
     h = leaf(x["hidden"])
     out = logitless.linear_divergence(h, x["weight"], x["teacher_hidden"], x["teacher_weight"],
-                                      mask, beta=0.1, max_tile_bytes=TILE)
+                                      mask, beta=0.1, max_tile_bytes=TILE).divergence
     assert bool(torch.isfinite(out).all()) and float(out.detach()[~mask].abs().max()) == 0.0
     out.sum().backward()
     assert bool(torch.isfinite(h.grad).all()) and float(h.grad[~mask].abs().max()) == 0.0
-    empty = logitless.linear_divergence(h, x["weight"], x["teacher_hidden"],
-                                        x["teacher_weight"], torch.zeros(N, dtype=torch.bool))
+    empty = logitless.linear_divergence(h, x["weight"], x["teacher_hidden"], x["teacher_weight"],
+                                        torch.zeros(N, dtype=torch.bool)).divergence
     assert float(empty.detach().abs().max()) == 0.0
 
 
@@ -168,7 +174,7 @@ def test_same_result_at_any_tile_budget():
     x = heads(seed=8)
     outs = [logitless.linear_divergence(
         x["hidden"], x["weight"], x["teacher_hidden"], x["teacher_weight"], beta=0.5,
-        bias=x["bias"], teacher_bias=x["teacher_bias"], max_tile_bytes=t)
+        bias=x["bias"], teacher_bias=x["teacher_bias"], max_tile_bytes=t).divergence
         for t in (1024, TILE, 64 * 2**20)]
     for o in outs[1:]:
         torch.testing.assert_close(o, outs[0], rtol=1e-12, atol=1e-14)
@@ -367,9 +373,10 @@ def test_divergence_dtype_rule():
     dtype (the teacher's fp64 head with fp32 hidden states runs in fp32)."""
     x = heads(n=4, v=9, seed=12)
     mixed = logitless.linear_divergence(x["hidden"].float(), x["weight"],
-                                        x["teacher_hidden"].float(), x["teacher_weight"])
+                                        x["teacher_hidden"].float(), x["teacher_weight"]).divergence
     cast = logitless.linear_divergence(x["hidden"].float(), x["weight"].float(),
-                                       x["teacher_hidden"].float(), x["teacher_weight"].float())
+                                       x["teacher_hidden"].float(),
+                                       x["teacher_weight"].float()).divergence
     assert mixed.dtype == torch.float32
     assert torch.equal(mixed, cast)
 
@@ -414,13 +421,14 @@ def test_numpy_scalars_and_real_masks_accepted():
     what the bool mask gives."""
     np = pytest.importorskip("numpy")
     args = _div_args(beta=np.float32(0.25), temperature=np.float64(0.7))
-    plain = logitless.linear_divergence(**_div_args(beta=0.25, temperature=0.7))
-    torch.testing.assert_close(logitless.linear_divergence(**args), plain, rtol=0, atol=0)
+    plain = logitless.linear_divergence(**_div_args(beta=0.25, temperature=0.7)).divergence
+    torch.testing.assert_close(logitless.linear_divergence(**args).divergence, plain, rtol=0,
+                               atol=0)
     keep = torch.tensor([True, False, True, True])
-    want = logitless.linear_divergence(**_div_args(mask=keep))
+    want = logitless.linear_divergence(**_div_args(mask=keep)).divergence
     assert float(want[1]) == 0.0 and float(want.abs().min()) == 0.0
     for mask in (keep.double(), keep.int(), keep.float()):
-        got = logitless.linear_divergence(**_div_args(mask=mask))
+        got = logitless.linear_divergence(**_div_args(mask=mask)).divergence
         torch.testing.assert_close(got, want, rtol=0, atol=0)
     topk = dict(temperature=np.float32(0.5), log_prob_min_clamp=np.float64(-8.0),
                 loss_max_clamp=np.float32(5.0))
@@ -461,9 +469,10 @@ def test_temperature_outside_the_accumulation_dtype_refused(temperature):
     with pytest.raises(ValueError, match=match):
         logitless.linear_topk_distill(**_topk_args(hidden=x32["hidden"], weight=x32["weight"],
                                                    temperature=temperature))
-    got = logitless.linear_divergence(**_div_args(temperature=temperature))
+    got = logitless.linear_divergence(**_div_args(temperature=temperature)).divergence
     want = reference.linear_divergence(x["hidden"], x["weight"], x["teacher_hidden"],
-                                       x["teacher_weight"], beta=0.5, temperature=temperature)
+                                       x["teacher_weight"], beta=0.5,
+                                       temperature=temperature).divergence
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
@@ -497,13 +506,13 @@ def test_nearly_disjoint_heads_fp32_as_accurate_as_materialised(beta, backend, m
         return reference.linear_divergence(
             inputs["hidden"], inputs["weight"], inputs["teacher_hidden"],
             inputs["teacher_weight"], beta=beta, temperature=temperature, bias=inputs["bias"],
-            teacher_bias=inputs["teacher_bias"])
+            teacher_bias=inputs["teacher_bias"]).divergence
 
     def fast(inputs):
         return logitless.linear_divergence(
             inputs["hidden"], inputs["weight"], inputs["teacher_hidden"],
             inputs["teacher_weight"], beta=beta, temperature=temperature,
-            bias=inputs["bias"], teacher_bias=inputs["teacher_bias"])
+            bias=inputs["bias"], teacher_bias=inputs["teacher_bias"]).divergence
 
     exact = grads(materialised, x, torch.float64)
     same = grads(materialised, x, torch.float32)

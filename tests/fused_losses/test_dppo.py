@@ -224,7 +224,7 @@ def test_dppo_topk_fused_torch_store(objective, layout):
     from fused_losses.test_fused_policy_loss import rows
 
     cfg = PolicyLossConfig(objective=objective, **FUSED_EPS[objective])
-    _check_fused(cfg, layout, memory_budget=rows(8))
+    _check_fused(cfg, layout, max_tile_bytes=rows(8))
     _check_fused(cfg, layout, strategy="streaming")
 
 
@@ -234,7 +234,7 @@ def test_dppo_topk_fused_triton_store(objective, triton_store):  # noqa: F811 (f
     from fused_losses.test_fused_policy_loss_triton import budget
 
     cfg = PolicyLossConfig(objective=objective, **FUSED_EPS[objective])
-    _check_fused(cfg, "packed", torch.float32, 1e-4, memory_budget=budget(13, torch.float32))
+    _check_fused(cfg, "packed", torch.float32, 1e-4, max_tile_bytes=budget(13, torch.float32))
     assert triton_store["forward"] >= 3 and triton_store["backward_"] >= 3
 
 

@@ -64,7 +64,7 @@ def run_composed(batch, cfg, dtype=None):
     lp = reference.linear_softmax_stats(h, w, scored, b, temperature=TEMPERATURE)["logprobs"]
     kl = linear_divergence(h, w, batch["ref_hidden"], batch["ref_weight"], batch["mask"],
                            beta=1.0, temperature=TEMPERATURE, bias=b,
-                           teacher_bias=batch["ref_bias"])
+                           teacher_bias=batch["ref_bias"]).divergence
     loss, metrics = policy_loss(lp, batch["old"], batch["adv"], batch["mask"], cfg, kl=kl)
     return loss, metrics, torch.autograd.grad(loss, (h, w, b))
 
@@ -118,7 +118,7 @@ def test_fused_exact_kl_matches_the_fp64_spec(name, strategy, monkeypatch):
     batch = make_batch()
     cfg = PolicyLossConfig(kl_estimator="exact", **CONFIGS[name])
     budget = 30 * stored_logits_torch.bytes_per_row(V, torch.float64, None)
-    got = run_fused(batch, cfg, memory_budget=budget, strategy=strategy)
+    got = run_fused(batch, cfg, max_tile_bytes=budget, strategy=strategy)
     assert_matches_spec(got, run_spec(batch, cfg))
 
 
@@ -132,7 +132,7 @@ def test_composed_form_matches_the_spec_and_the_fused_form():
                            entropy_coef=0.0)
     composed = run_composed(batch, cfg)
     assert_matches_spec(composed, run_spec(batch, cfg))
-    fused = run_fused(batch, cfg, memory_budget=24 * stored_logits_torch.bytes_per_row(
+    fused = run_fused(batch, cfg, max_tile_bytes=24 * stored_logits_torch.bytes_per_row(
         V, torch.float64, None))
     assert_matches_spec(fused, (composed[0], composed[1]["kl"], composed[2]), rtol=1e-11)
 
@@ -155,7 +155,7 @@ def test_packed_equals_padded():
 def test_bf16_three_way():
     batch = make_batch(dtype=torch.bfloat16, seed=4)
     cfg = PolicyLossConfig(objective="grpo", beta=0.3, kl_estimator="exact")
-    ours = run_fused(batch, cfg, memory_budget=2**20)
+    ours = run_fused(batch, cfg, max_tile_bytes=2**20)
     exact = run_spec(batch, cfg, torch.float64)
     same = run_spec(batch, cfg, torch.bfloat16)
     assert_close_to_oracle(ours[0], exact[0], same[0], tol=1e-3, name="loss")
@@ -237,7 +237,7 @@ def test_the_fused_exact_kl_runs_the_triton_passes_where_triton_is_selected(monk
     batch = make_batch(dtype=torch.float32, seed=6)
     cfg = PolicyLossConfig(objective="grpo", beta=0.3, kl_estimator="exact")
     monkeypatch.setenv("LOGITLESS_BACKEND", "torch")
-    want = run_fused(batch, cfg, memory_budget=2**20, strategy="chunked")
+    want = run_fused(batch, cfg, max_tile_bytes=2**20, strategy="chunked")
     calls = []
     for module in (divergence, divergence_torch):
         for name in ("divergence_forward", "divergence_backward"):
@@ -245,7 +245,7 @@ def test_the_fused_exact_kl_runs_the_triton_passes_where_triton_is_selected(monk
             monkeypatch.setattr(module, name, lambda *a, _r=real, _n=f"{module.__name__}.{name}",
                                 **k: calls.append(_n) or _r(*a, **k))
     monkeypatch.setenv("LOGITLESS_BACKEND", "triton")
-    got = run_fused(batch, cfg, memory_budget=2**20, strategy="chunked")
+    got = run_fused(batch, cfg, max_tile_bytes=2**20, strategy="chunked")
     assert set(calls) == {"logitless.kernels.divergence.divergence_forward",
                           "logitless.kernels.divergence.divergence_backward"}
     torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)

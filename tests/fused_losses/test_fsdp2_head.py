@@ -96,12 +96,14 @@ def _check_logprobs(rank, world, softcap):
         out = logitless.linear_logprobs(h, w, t, bias=b, return_entropy=True,
                                         stats=("sum_p_sq", "mean_logit", "is_top1", "lse"),
                                         **opts)
-        expected = reference.linear_logprobs(h.detach(), weight, t, bias, **opts)["is_top1"]
+        expected = reference.linear_logprobs(h.detach(), weight, t, bias=bias,
+                                             stats=("is_top1",), **opts).is_top1
         assert torch.equal(out.is_top1, expected)
         return out
 
     def ref(h, t, w, b):
-        return reference.linear_logprobs(h, w, t, b, **opts)
+        return vars(reference.linear_logprobs(h, w, t, bias=b, return_entropy=True,
+                                              stats=names[2:], **opts))
 
     _check_reference(rank, world, head, weight, bias, ranks, ours, ref, names, 1e-10)
 
@@ -124,14 +126,15 @@ def _check_sampled(rank, world):
         if not len(t):  # a rank without tokens (the reference sampler needs one)
             return {"logprobs": h.sum(-1), "entropy": h.sum(-1)}
         temperature, top_k = temp_of[id(t)]
-        return reference.linear_logprobs(h, w, t, b, temperature=temperature, top_k=top_k)
+        return vars(reference.linear_logprobs(h, w, t, bias=b, temperature=temperature,
+                                              top_k=top_k, return_entropy=True))
 
     # the targets lie in the kept set (finite logprobs): a gradient check needs them there
     for r, (h, t) in enumerate(ranks):
         if not len(t):
             continue
-        keep = reference.linear_logprobs(h, weight, t, bias, temperature=settings[r][0],
-                                         top_k=settings[r][1])["logprobs"].isfinite()
+        keep = reference.linear_logprobs(h, weight, t, bias=bias, temperature=settings[r][0],
+                                         top_k=settings[r][1]).logprobs.isfinite()
         t[~keep] = -100
     _check_reference(rank, world, head, weight, bias, ranks, ours, ref,
                      ("logprobs", "entropy"), 1e-10)

@@ -97,7 +97,7 @@ COMPILED_CASES = {
 def test_the_compiled_objective_gives_the_eager_results(case, fresh_objective, monkeypatch):
     batch = make_batch()
     cfg = PolicyLossConfig(**COMPILED_CASES[case])
-    kw = dict(memory_budget=rows(8), with_rollout="rollout_is" in COMPILED_CASES[case])
+    kw = dict(max_tile_bytes=rows(8), with_rollout="rollout_is" in COMPILED_CASES[case])
     monkeypatch.setattr(chunk_objective, "COMPILE", False)
     eager = run_fused(batch, cfg, **kw)
     monkeypatch.setattr(chunk_objective, "COMPILE", True)
@@ -116,13 +116,13 @@ def test_a_new_step_numbers_do_not_recompile(fresh_objective, monkeypatch):
     monkeypatch.setattr(chunk_objective, "COMPILE", True)
     batch = make_batch()
     cfg = config_for("grpo", beta=0.05)
-    run_fused(batch, cfg, memory_budget=rows(8), entropy_coef=0.01, training_progress=0.1)
+    run_fused(batch, cfg, max_tile_bytes=rows(8), entropy_coef=0.01, training_progress=0.1)
     graphs = counters["stats"]["unique_graphs"]
     for step in range(2, 4):
-        got = run_fused(batch, cfg, memory_budget=rows(8), entropy_coef=0.01 * step,
+        got = run_fused(batch, cfg, max_tile_bytes=rows(8), entropy_coef=0.01 * step,
                         training_progress=0.1 * step)
         monkeypatch.setattr(chunk_objective, "COMPILE", False)
-        assert_same(got, run_fused(batch, cfg, memory_budget=rows(8), entropy_coef=0.01 * step,
+        assert_same(got, run_fused(batch, cfg, max_tile_bytes=rows(8), entropy_coef=0.01 * step,
                                    training_progress=0.1 * step), rtol=1e-12)
         monkeypatch.setattr(chunk_objective, "COMPILE", True)
     assert not chunk_objective._STATE["broken"]
@@ -137,10 +137,10 @@ def test_a_failing_compile_falls_back_to_the_eager_objective(fresh_objective, mo
 
     batch = make_batch()
     cfg = config_for("grpo", beta=0.05)
-    want = run_fused(batch, cfg, memory_budget=rows(8))
+    want = run_fused(batch, cfg, max_tile_bytes=rows(8))
     monkeypatch.setattr(chunk_objective, "COMPILE", True)
     monkeypatch.setattr(chunk_objective, "_compiled", broken)
     with pytest.warns(RuntimeWarning, match="running it eagerly"):
-        got = run_fused(batch, cfg, memory_budget=rows(8))
+        got = run_fused(batch, cfg, max_tile_bytes=rows(8))
     assert chunk_objective._STATE["broken"]
     assert_same(got, want, rtol=0)  # the eager path's very bits

@@ -126,7 +126,7 @@ def test_every_objective_many_chunks(name, layout, vocab_block):
     cfg = config_for(name, beta=0.05, **OBJECTIVE_EXTRAS.get(name, {}))
     if layout == "packed" and cfg.loss_agg == "seq-mean-token-sum-norm":
         cfg = config_for(name, beta=0.05, max_response_length=T)
-    got = run_fused(batch, cfg, memory_budget=rows(8))
+    got = run_fused(batch, cfg, max_tile_bytes=rows(8))
     assert_same(got, run_reference(batch, cfg))
 
 
@@ -142,7 +142,7 @@ def test_every_objective_many_chunks(name, layout, vocab_block):
 def test_options_with_rollout_logprobs(cfg, strategy, vocab_block):
     batch = make_batch(seed=1)
     config = PolicyLossConfig(**cfg)
-    got = run_fused(batch, config, with_rollout=True, memory_budget=rows(20), strategy=strategy)
+    got = run_fused(batch, config, with_rollout=True, max_tile_bytes=rows(20), strategy=strategy)
     assert_same(got, run_reference(batch, config, with_rollout=True))
 
 
@@ -157,7 +157,7 @@ def test_sequence_longer_than_budget_is_streamed(monkeypatch):
                         or real(self, chunk, *a))
     batch = make_batch(seed=2)
     cfg = PolicyLossConfig(objective="grpo", beta=0.02, entropy_coef=0.003)
-    got = run_fused(batch, cfg, memory_budget=rows(6))
+    got = run_fused(batch, cfg, max_tile_bytes=rows(6))
     assert (0, 1) in calls and (3, 4) in calls  # the 13- and 10-token sequences
     assert_same(got, run_reference(batch, cfg))
 
@@ -178,7 +178,7 @@ def test_inputs_are_checked_once(monkeypatch, strategy):
                             calls.append(_n) or _real(*a, **k))
     batch = make_batch(seed=2)
     cfg = PolicyLossConfig(objective="grpo", top_entropy_quantile=0.5)
-    got = run_fused(batch, cfg, memory_budget=rows(6), strategy=strategy)  # 2 streamed chunks
+    got = run_fused(batch, cfg, max_tile_bytes=rows(6), strategy=strategy)  # 2 streamed chunks
     assert sorted(calls) == ["check_head_args", "check_shapes"]
     assert_same(got, run_reference(batch, cfg))
 
@@ -189,7 +189,7 @@ def test_per_token_clip_bounds_and_beta_are_cut_per_chunk():
     cfg = PolicyLossConfig(objective="grpo", eps_low=0.1 + 0.2 * torch.rand(B, T, generator=gen),
                            eps_high=0.2 + 0.2 * torch.rand(B, T, generator=gen),
                            beta=0.1 * torch.rand(B, T, generator=gen, dtype=torch.float64))
-    got = run_fused(batch, cfg, memory_budget=rows(9))
+    got = run_fused(batch, cfg, max_tile_bytes=rows(9))
     assert_same(got, run_reference(batch, cfg))
 
 
@@ -199,7 +199,7 @@ def test_frozen_weight_gets_no_weight_gradient():
     h = batch["hidden"].clone().requires_grad_(True)
     loss, _ = fused_policy_loss(h, batch["weight"], batch["targets"], batch["old"],
                                 batch["adv"], batch["mask"], cfg, bias=batch["bias"],
-                                memory_budget=rows(8), **HEAD)
+                                max_tile_bytes=rows(8), **HEAD)
     loss.backward()
     _, _, (g_ref, _, _) = run_reference(batch, cfg, with_ref=False)
     torch.testing.assert_close(h.grad, g_ref, rtol=1e-10, atol=1e-14)
@@ -216,7 +216,7 @@ def test_gradient_accumulation_over_two_calls():
     for mb in (a, b):
         loss, _ = fused_policy_loss(mb["hidden"], w, mb["targets"], mb["old"], mb["adv"],
                                     mb["mask"], cfg, bias=mb["bias"], num_items_in_batch=n_items,
-                                    memory_budget=rows(10), **HEAD)
+                                    max_tile_bytes=rows(10), **HEAD)
         loss.backward()
         scored = torch.where(mb["mask"], mb["targets"], -100)
         stats = reference.linear_softmax_stats(mb["hidden"], w_ref, scored, mb["bias"], **HEAD)
@@ -250,7 +250,7 @@ def test_selection_entropy_from_the_old_pass(strategy):
     leaves = [batch[k].clone().requires_grad_(True) for k in ("hidden", "weight", "bias")]
     loss, _ = fused_policy_loss(leaves[0], leaves[1], batch["targets"], batch["old"],
                                 batch["adv"], batch["mask"], cfg, bias=leaves[2],
-                                selection_entropy=old_entropy, memory_budget=rows(8),
+                                selection_entropy=old_entropy, max_tile_bytes=rows(8),
                                 strategy=strategy, **HEAD)
     ref_leaves = [batch[k].clone().requires_grad_(True) for k in ("hidden", "weight", "bias")]
     scored = torch.where(batch["mask"], batch["targets"], -100)
@@ -274,7 +274,7 @@ def test_plain_head_in_vocab_blocks(monkeypatch, entropy_coef):
     leaves = [b[k].clone().requires_grad_(True) for k in ("hidden", "weight")]
     budget = 9 * stored_logits_torch.bytes_per_row(V, torch.float64, None)
     loss, _ = fused_policy_loss(leaves[0], leaves[1], b["targets"], b["old"], b["adv"],
-                                b["mask"], cfg, memory_budget=budget)
+                                b["mask"], cfg, max_tile_bytes=budget)
     ref_leaves = [b[k].clone().requires_grad_(True) for k in ("hidden", "weight")]
     scored = torch.where(b["mask"], b["targets"], -100)
     stats = reference.linear_softmax_stats(ref_leaves[0], ref_leaves[1], scored)
@@ -302,7 +302,7 @@ def test_fp32_logits_far_below_the_block_maximum(monkeypatch, softcap):
                   for k in ("hidden", "weight", "bias")]
         if fused:
             loss, _ = fused_policy_loss(leaves[0], leaves[1], b["targets"], b["old"], b["adv"],
-                                        b["mask"], cfg, bias=leaves[2], memory_budget=2**20,
+                                        b["mask"], cfg, bias=leaves[2], max_tile_bytes=2**20,
                                         **head)
         else:
             scored = torch.where(b["mask"], b["targets"], -100)
@@ -325,7 +325,7 @@ def test_bf16_three_way(monkeypatch, block):
         monkeypatch.setattr(stored_logits_torch, "VOCAB_BLOCK", block)
     batch = make_batch(dtype=torch.bfloat16, seed=9)
     cfg = PolicyLossConfig(objective="grpo", entropy_coef=0.01)
-    ours = run_fused(batch, cfg, with_ref=False, memory_budget=2**20)
+    ours = run_fused(batch, cfg, with_ref=False, max_tile_bytes=2**20)
     exact = run_reference(batch, cfg, with_ref=False, dtype=torch.float64)
     same = run_reference(batch, cfg, with_ref=False, dtype=torch.bfloat16)
     assert_close_to_oracle(ours[0], exact[0], same[0], tol=1e-3, name="loss")

@@ -84,7 +84,7 @@ def test_fp32_matches_reference(triton_store, name, layout):
         batch = packed(batch)
     cfg = CONFIGS[name]
     loss, metrics, grads = run_fused(batch, cfg, with_ref=cfg.beta > 0,
-                                     memory_budget=budget(CHUNK_ROWS, torch.float32))
+                                     max_tile_bytes=budget(CHUNK_ROWS, torch.float32))
     assert triton_store["forward"] >= 3 and triton_store["backward_"] >= 3
     loss_r, metrics_r, grads_r = run_reference(batch, cfg, with_ref=cfg.beta > 0)
     torch.testing.assert_close(loss.double(), loss_r, rtol=1e-5, atol=1e-6)
@@ -116,7 +116,7 @@ def test_bf16_three_way(triton_store, name):
     half a percent of the gradient's scale), and closer than it in RMS."""
     batch = make_batch(dtype=torch.bfloat16, seed=9)
     cfg = BF16_CONFIGS[name]
-    ours = run_fused(batch, cfg, with_ref=False, memory_budget=budget(CHUNK_ROWS,
+    ours = run_fused(batch, cfg, with_ref=False, max_tile_bytes=budget(CHUNK_ROWS,
                                                                        torch.bfloat16))
     assert triton_store["forward"] >= 3
     exact = run_reference(batch, cfg, with_ref=False, dtype=torch.float64)
@@ -135,10 +135,10 @@ def test_equals_torch_store(triton_store, monkeypatch, dtype):
     through the Triton store: the same loss and gradients, to the inputs' precision."""
     batch = make_batch(dtype=dtype, seed=5)
     cfg = CONFIGS["grpo-entropy"]
-    ours = run_fused(batch, cfg, memory_budget=budget(CHUNK_ROWS, dtype))
+    ours = run_fused(batch, cfg, max_tile_bytes=budget(CHUNK_ROWS, dtype))
     assert triton_store["forward"] >= 3
     monkeypatch.setenv("LOGITLESS_BACKEND", "torch")
-    theirs = run_fused(batch, cfg, memory_budget=CHUNK_ROWS * stored_logits_torch.bytes_per_row(
+    theirs = run_fused(batch, cfg, max_tile_bytes=CHUNK_ROWS * stored_logits_torch.bytes_per_row(
         V, dtype, HEAD["softcap"]))
     assert triton_store["forward"] >= 3  # unchanged count: the torch store ran
     tol = 1e-5 if dtype == torch.float32 else 1e-2
@@ -152,8 +152,8 @@ def test_equals_torch_store(triton_store, monkeypatch, dtype):
 def test_runs_are_bitwise_identical(triton_store):
     batch = make_batch(dtype=torch.bfloat16, seed=7)
     cfg = CONFIGS["grpo-entropy"]
-    first = run_fused(batch, cfg, memory_budget=budget(CHUNK_ROWS, torch.bfloat16))
-    second = run_fused(batch, cfg, memory_budget=budget(CHUNK_ROWS, torch.bfloat16))
+    first = run_fused(batch, cfg, max_tile_bytes=budget(CHUNK_ROWS, torch.bfloat16))
+    second = run_fused(batch, cfg, max_tile_bytes=budget(CHUNK_ROWS, torch.bfloat16))
     assert torch.equal(first[0], second[0])
     for a, b in zip(first[2], second[2]):
         assert torch.equal(a, b)

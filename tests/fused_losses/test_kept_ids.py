@@ -63,7 +63,7 @@ def test_matches_the_fp64_reference(opts, budget):
                                      return_entropy=True, stats=("log_kept_mass",),
                                      max_tile_bytes=budget, **opts)
     h2, w2, b2 = _leaves(hidden, weight, bias)
-    want = reference.linear_logprobs(h2, w2, targets, b2, kept_ids=ids, **opts)
+    want = _oracle(h2, w2, targets, b2, kept_ids=ids, **opts)
     assert torch.isinf(want["logprobs"]).any() and torch.isfinite(want["logprobs"]).any()
     got = {"logprobs": ours.logprobs, "entropy": ours.entropy,
            "log_kept_mass": ours.log_kept_mass}
@@ -109,11 +109,11 @@ def test_reduced_precision_three_way(dtype):
     hidden, weight, bias, targets, ids = _inputs(5)
     low = [x.to(dtype) for x in (hidden, weight, bias)]
     # the oracle on the same rounded inputs, in fp64
-    exact = reference.linear_logprobs(*(x.double() for x in low[:2]), targets, low[2].double(),
+    exact = _oracle(*(x.double() for x in low[:2]), targets, low[2].double(),
                                       kept_ids=ids)
     ours = logitless.linear_logprobs(low[0], low[1], targets, bias=low[2], kept_ids=ids,
                                      return_entropy=True)
-    plain = reference.linear_logprobs(*low[:2], targets, low[2], kept_ids=ids)
+    plain = _oracle(*low[:2], targets, low[2], kept_ids=ids)
     live = torch.isfinite(exact["logprobs"])
     for key, got in (("logprobs", ours.logprobs), ("entropy", ours.entropy)):
         err = (got.double() - exact[key]).abs()[live]
@@ -178,6 +178,13 @@ def test_reference_keeps_id_zero_beside_padding():
     torch.testing.assert_close(got["logprobs"], want)
 
 
+def _oracle(hidden, weight, targets, bias, stats=("log_kept_mass",), **kw):
+    """`reference.linear_logprobs` with the entropy and ``stats``: a dict of its fields."""
+    out = reference.linear_logprobs(hidden, weight, targets, bias=bias, return_entropy=True,
+                                    stats=stats, **kw)
+    return {k: v for k, v in vars(out).items() if v is not None}
+
+
 def _live_logprobs(out, want, targets):
     """The logprobs of the tokens inside their set and the entropies of the live tokens."""
     inside = torch.isfinite(want["logprobs"]) & (targets != -100)
@@ -199,7 +206,7 @@ def test_16_bit_inputs_take_the_temperature_as_given(dtype, per_token):
         temperature = torch.rand(N, generator=torch.Generator().manual_seed(9)) * 0.4 + 0.55
     ours = logitless.linear_logprobs(low[0], low[1], targets, bias=low[2], kept_ids=ids,
                                      temperature=temperature, return_entropy=True)
-    want = reference.linear_logprobs(*(x.double() for x in low[:2]), targets, low[2].double(),
+    want = _oracle(*(x.double() for x in low[:2]), targets, low[2].double(),
                                      kept_ids=ids, temperature=temperature if not per_token
                                      else temperature.double())
     torch.testing.assert_close(*_live_logprobs(ours, want, targets), rtol=1e-5, atol=1e-5)
@@ -219,8 +226,8 @@ def test_a_set_of_the_whole_vocabulary_keeps_the_plain_lse(dtype):
                                      temperature=0.7, stats=("log_kept_mass",))
     plain = logitless.linear_logprobs(low[0], low[1], targets, bias=low[2], temperature=0.7,
                                       stats=("lse",))
-    exact = reference.linear_logprobs(*(x.double() for x in low[:2]), targets, low[2].double(),
-                                      temperature=0.7)
+    exact = _oracle(*(x.double() for x in low[:2]), targets, low[2].double(),
+                                      temperature=0.7, stats=("lse",))
     bound = (plain.lse.double() - exact["lse"]).abs() + 2e-5 * (1 + exact["lse"].abs())
     assert bool((ours.log_kept_mass.double().abs() <= bound).all())
 
@@ -248,7 +255,7 @@ def test_autocast_gives_fp32_logits_and_their_own_gradient():
                                          temperature=0.7, return_entropy=True)
     assert ours.logprobs.dtype == torch.float32
     ref_leaves = _leaves(leaves[0].bfloat16().double(), *(x.double() for x in leaves[1:]))
-    want = reference.linear_logprobs(*ref_leaves[:2], targets, ref_leaves[2], kept_ids=ids,
+    want = _oracle(*ref_leaves[:2], targets, ref_leaves[2], kept_ids=ids,
                                      temperature=0.7)
     torch.testing.assert_close(*_live_logprobs(ours, want, targets), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(ours.entropy.double(), want["entropy"], rtol=1e-5, atol=1e-5)
@@ -310,7 +317,7 @@ def test_gather_weight_is_entered_by_the_backward():
     grads = _grads(got, (h, head.weight, head.bias), targets, 16)
     assert head.entries == ["forward", "backward", "backward"]
     ref_leaves = _leaves(hidden, weight, bias)
-    want = reference.linear_logprobs(*ref_leaves[:2], targets, ref_leaves[2], kept_ids=ids,
+    want = _oracle(*ref_leaves[:2], targets, ref_leaves[2], kept_ids=ids,
                                      temperature=temperature)
     for key in got:
         torch.testing.assert_close(got[key], want[key], rtol=1e-10, atol=1e-10, msg=key)

@@ -158,7 +158,7 @@ def test_divergence_gradients_as_accurate_as_fp32_autograd(backend, temperature,
     def fused(h, w, bias_):
         div = logitless.linear_divergence(h, w, t_hidden, t_weight, beta=beta,
                                           temperature=temperature, bias=bias_,
-                                          teacher_bias=t_bias)
+                                          teacher_bias=t_bias).divergence
         return (div * upstream[0].to(div.dtype)).sum()
 
     # The JSD's logit gradient (1 - beta) p_s (w - E_s[w]) takes log p_s, log p_t, the

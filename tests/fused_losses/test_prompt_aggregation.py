@@ -103,7 +103,7 @@ def test_fused_chunks_get_their_exact_share(kw, layout):
     if layout == "packed":
         batch = packed(batch)
     cfg = PolicyLossConfig(objective="grpo", beta=0.05, **kw)
-    got = run_fused(batch, cfg, memory_budget=rows(8))
+    got = run_fused(batch, cfg, max_tile_bytes=rows(8))
     want = run_reference(batch, cfg)
     torch.testing.assert_close(got[0], want[0], rtol=1e-10, atol=1e-12)
     for g, w in zip(got[2], want[2]):

@@ -39,8 +39,13 @@ def test_old_names_still_give_the_same_numbers():
             "sum_p_sq": (log_p.exp() ** 2).sum(-1),
             "mean_logit": z.mean(-1),
             "is_top1": targets == z.argmax(-1)}
-    for name in ("linear_logprobs", "linear_softmax_stats"):
-        got = getattr(reference, name)(hidden, weight, targets, bias, softcap=5.0)
+    public = reference.linear_logprobs(hidden, weight, targets, bias=bias, softcap=5.0,
+                                       return_entropy=True,
+                                       stats=("sum_p_sq", "mean_logit", "is_top1", "lse"))
+    results = {"linear_logprobs": {k: v for k, v in vars(public).items() if v is not None},
+               "linear_softmax_stats": reference.linear_softmax_stats(hidden, weight, targets,
+                                                                      bias, softcap=5.0)}
+    for name, got in results.items():
         assert got.keys() == want.keys(), name
         for key, value in want.items():
             torch.testing.assert_close(got[key], value, rtol=1e-12, atol=1e-12,
@@ -53,17 +58,18 @@ def test_linear_logprobs_by_the_public_name(truncation):
     opts = dict(temperature=0.7, **truncation)
     ours = logitless.linear_logprobs(hidden, weight, targets, bias=bias, return_entropy=True,
                                      **opts)
-    want = reference.linear_logprobs(hidden, weight, targets, bias, **opts)
-    torch.testing.assert_close(ours.logprobs, want["logprobs"], rtol=1e-9, atol=1e-9)
+    want = reference.linear_logprobs(hidden, weight, targets, bias=bias, return_entropy=True,
+                                     **opts)
+    torch.testing.assert_close(ours.logprobs, want.logprobs, rtol=1e-9, atol=1e-9)
     assert ours.entropy is not None
-    torch.testing.assert_close(ours.entropy, want["entropy"], rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(ours.entropy, want.entropy, rtol=1e-9, atol=1e-9)
 
 
 def test_policy_loss_by_the_public_name():
     hidden, weight, bias, targets, mask, old, adv = _head(2)
-    stats = reference.linear_logprobs(hidden, weight, targets, bias)
+    stats = reference.linear_logprobs(hidden, weight, targets, bias=bias, return_entropy=True)
     cfg = PolicyLossConfig(objective="grpo", entropy_coef=0.01)
-    lp, ent = _leaves(stats["logprobs"].detach(), stats["entropy"].detach())
+    lp, ent = _leaves(stats.logprobs.detach(), stats.entropy.detach())
     ours, _ = logitless.policy_loss(lp, old, adv, mask, cfg, entropy=ent)
     lp2, ent2 = _leaves(lp.detach(), ent.detach())
     want = reference.policy_loss(lp2, old, adv, mask, cfg, entropy=ent2)

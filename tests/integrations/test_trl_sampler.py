@@ -138,13 +138,13 @@ def test_without_match_sampler_the_head_is_untruncated(tiny, tmp_path):
 def test_sampler_from_grpo_reads_trl_conventions(tmp_path):
     read = sampler_from_grpo
     assert read(grpo_args(tmp_path)) == SamplerTruncation(top_k=TOP_K, top_p=TOP_P,
-                                                          engine="transformers")
-    assert read(grpo_args(tmp_path, use_vllm=True)).engine == "vllm"
+                                                          sampler="transformers")
+    assert read(grpo_args(tmp_path, use_vllm=True)).sampler == "vllm"
     # TRL's defaults, and every "off" spelling, are no truncation
     assert not read(grpo_args(tmp_path, top_k=0, top_p=1.0, min_p=None)).truncates
     assert not read(grpo_args(tmp_path, top_k=-1, top_p=1.0, min_p=0.0)).truncates
     assert read(grpo_args(tmp_path, top_k=0, top_p=1.0, min_p=0.05)) == SamplerTruncation(
-        min_p=0.05, engine="transformers")
+        min_p=0.05, sampler="transformers")
     # min-p with top-k / top-p: first under vLLM, last under transformers' generate
     assert read(grpo_args(tmp_path, use_vllm=True, min_p=0.05)).kwargs() == dict(
         top_k=TOP_K, top_p=TOP_P, min_p=0.05, sampler="vllm")
@@ -294,7 +294,7 @@ def test_grpo_config_min_p_wins_over_the_models(tiny, tmp_path):
     trainer = make_trainer(GRPOTrainer, model, grpo_args(tmp_path, min_p=0.1),
                            match_sampler=True)
     assert trainer._sampler == SamplerTruncation(top_k=TOP_K, top_p=TOP_P, min_p=0.1,
-                                                 engine="transformers")
+                                                 sampler="transformers")
 
 
 @pytest.mark.parametrize(("settings", "named"), [

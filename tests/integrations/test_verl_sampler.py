@@ -89,7 +89,7 @@ def test_head_computes_the_samplers_truncated_distribution(engine, min_p):
     top = (hidden[0] @ weight.T).argmax(-1)
     labels[0, ::2] = top[::2]  # half the targets inside the kept set, the others mostly not
     truncation = dict(top_k=40, top_p=0.9, min_p=min_p)
-    set_head_sampler(SamplerTruncation(**truncation, engine=engine))
+    set_head_sampler(SamplerTruncation(**truncation, sampler=engine))
     h = hidden.clone().requires_grad_(True)
     lp, ent = linear_cross_entropy(h, weight, labels, 0.8, "none", None)
     expected = sampler_logprobs(hidden[0], weight, labels[0], temperature=0.8, **truncation,
@@ -148,7 +148,7 @@ def test_sampler_from_rollout_reads_verl_conventions():
     # SGLang's rules, whatever logprobs_mode says (verl hands that to vLLM only)
     got = sampler_from_rollout({"name": "sglang", "top_k": 5, "top_p": 0.9,
                                 "logprobs_mode": "raw_logprobs"})
-    assert got == SamplerTruncation(top_k=5, top_p=0.9, engine="sglang")
+    assert got == SamplerTruncation(top_k=5, top_p=0.9, sampler="sglang")
     assert got.kwargs() == dict(top_k=5, top_p=0.9, sampler="sglang")
 
 

@@ -92,9 +92,10 @@ def test_a_rows_results_do_not_depend_on_its_batch(dtype, tile_bytes, monkeypatc
         top = torch.randint(0, V, (n, 3), generator=gen)
         top[at] = ids
         hid = hidden.clone().requires_grad_(True)
-        div, ent = logitless.linear_divergence(
+        out = logitless.linear_divergence(
             hid, w, t_hidden, tw, beta=0.5, bias=b, teacher_bias=tb, max_tile_bytes=tile_bytes,
             return_entropy=True)
+        div, ent = out.divergence, out.entropy
         div.sum().backward()
         hk = hidden.clone().requires_grad_(True)
         kl = logitless.linear_topk_distill(hk, w, top, torch.full((n, 3), -1.5), bias=b,
@@ -136,7 +137,7 @@ def test_bf16_gradients_within_the_three_way_bound(beta, monkeypatch):
     def grads(fn, dtype):
         leaves = [t.to(dtype).requires_grad_(True) for t in (h, w, b)]
         out = fn(leaves[0], leaves[1], th.to(dtype), tw.to(dtype), bias=leaves[2],
-                 teacher_bias=tb.to(dtype), beta=beta, temperature=1.3)
+                 teacher_bias=tb.to(dtype), beta=beta, temperature=1.3).divergence
         return [out.detach().double(),
                 *torch.autograd.grad((out.double() * upstream).sum(), leaves)]
 

@@ -59,8 +59,10 @@ def _heads(dtype, n=N, seed=0):
 
 
 def _divergence(fn, x, beta, temperature, **kw):
-    return fn(x["hidden"], x["weight"], x["teacher_hidden"], x["teacher_weight"], beta=beta,
-              temperature=temperature, bias=x["bias"], teacher_bias=x["teacher_bias"], **kw)
+    """``(divergence, entropy)`` of ``fn``'s `DivergenceOutput` (entropy None unless asked)."""
+    out = fn(x["hidden"], x["weight"], x["teacher_hidden"], x["teacher_weight"], beta=beta,
+             temperature=temperature, bias=x["bias"], teacher_bias=x["teacher_bias"], **kw)
+    return out.divergence, out.entropy
 
 
 def _grads(out, x, upstream):
@@ -82,7 +84,7 @@ def test_divergence_fp32_matches_reference(triton_path, monkeypatch, beta, tile_
     x64 = {k: t.detach().double().requires_grad_(t.requires_grad) for k, t in x.items()}
     out, entropy = _divergence(logitless.linear_divergence, x, beta, 0.7,
                                max_tile_bytes=tile_bytes, return_entropy=True)
-    ref = _divergence(reference.linear_divergence, x64, beta, 0.7)
+    ref, _ = _divergence(reference.linear_divergence, x64, beta, 0.7)
     assert out.dtype == torch.float32 and out.shape == (N,)
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-6)
     z = reference.linear_logits(x64["hidden"], x64["weight"], x64["bias"]) / 0.7
@@ -119,9 +121,9 @@ def test_divergence_bf16_three_way(triton_path, beta, seed):
     x = _heads(torch.bfloat16, seed=seed)
     same = {k: t.detach().clone().requires_grad_(t.requires_grad) for k, t in x.items()}
     x64 = {k: t.detach().double().requires_grad_(t.requires_grad) for k, t in x.items()}
-    out = _divergence(logitless.linear_divergence, x, beta, 0.8)
-    low = _divergence(reference.linear_divergence, same, beta, 0.8)
-    ref = _divergence(reference.linear_divergence, x64, beta, 0.8)
+    out, _ = _divergence(logitless.linear_divergence, x, beta, 0.8)
+    low, _ = _divergence(reference.linear_divergence, same, beta, 0.8)
+    ref, _ = _divergence(reference.linear_divergence, x64, beta, 0.8)
     _check_bf16_three_way(out, low, ref, (x, same, x64), "divergence")
 
 
@@ -167,11 +169,11 @@ def test_rows_are_batch_invariant(triton_path):
     """A row's divergence and hidden-gradient row are bitwise the same alone and among
     others (every GEMM has ROW_CHUNK rows, every fold a fixed order)."""
     x = _heads(torch.float32, seed=2)
-    out = _divergence(logitless.linear_divergence, x, 0.5, 1.0)
+    out, _ = _divergence(logitless.linear_divergence, x, 0.5, 1.0)
     out.sum().backward()
     alone = {k: t.detach()[3:4].clone().requires_grad_(True) if "hidden" in k else t
              for k, t in x.items()}
-    one = _divergence(logitless.linear_divergence, alone, 0.5, 1.0)
+    one, _ = _divergence(logitless.linear_divergence, alone, 0.5, 1.0)
     one.sum().backward()
     assert torch.equal(one[0], out[3])
     assert torch.equal(alone["hidden"].grad[0], x["hidden"].grad[3])

@@ -104,7 +104,7 @@ def run_fused(case: FusedCase, cfg, dtype):
         rollout_logprobs=batch.pack(batch.rollout),
         token_weights=batch.pack(batch.token_weights),
         attention_entropy=batch.pack(batch.attention_entropy),
-        cu_seqlens=layout.cu_seqlens if layout.packed else None, memory_budget=budget,
+        cu_seqlens=layout.cu_seqlens if layout.packed else None, max_tile_bytes=budget,
         strategy=case.strategy, **case.transform)
     return loss.detach(), _grads(loss, (h, w, b))
 

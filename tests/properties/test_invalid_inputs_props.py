@@ -62,11 +62,11 @@ BAD_FIELDS = {
 # argument: calls beyond the config (whose values are in BAD_FIELDS).
 FIXED = [
     ("attention", "scale", "1"),
-    ("fused", "memory_budget", 0),
-    ("fused", "memory_budget", -1),
-    ("fused", "memory_budget", 0.5),
-    ("fused", "memory_budget", "1GB"),
-    ("fused", "memory_budget", True),
+    ("fused", "max_tile_bytes", 0),
+    ("fused", "max_tile_bytes", -1),
+    ("fused", "max_tile_bytes", 0.5),
+    ("fused", "max_tile_bytes", "1GB"),
+    ("fused", "max_tile_bytes", True),
     ("logprobs", "max_tile_bytes", 0),
     ("logprobs", "max_tile_bytes", -8),
     ("logprobs", "max_tile_bytes", 1.5),

@@ -27,15 +27,18 @@ import dataclasses
 import math
 import numbers
 import typing
+import warnings
+from dataclasses import dataclass
 
 import torch
 
 from logitless.kernels.linear_softmax_torch import acc_dtype
 
-__all__ = ["FLOAT_DTYPES", "OPS", "check_devices", "check_head", "check_temperature",
-           "compact_rows", "compute_dtype", "config_args", "config_from_args",
-           "config_layout", "define", "distinct", "grads_fake", "grads_or_empty", "is_compiling",
-           "mask_rows", "none_grads", "put_rows", "take_rows"]
+__all__ = ["FLOAT_DTYPES", "OPS", "DivergenceOutput", "LogprobOutput", "check_devices",
+           "check_head", "check_temperature", "compact_rows", "compute_dtype", "config_args",
+           "config_from_args", "config_layout", "define", "distinct", "grads_fake",
+           "grads_or_empty", "is_compiling", "mask_rows", "none_grads", "put_rows",
+           "renamed_keyword", "take_rows"]
 
 
 def is_compiling() -> bool:
@@ -288,3 +291,90 @@ def check_devices(hidden: torch.Tensor, tensors) -> None:
 def is_number(x) -> bool:
     """A real number (numpy scalars included), not a bool or a string such as ``"30"``."""
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+# --- what the public ops return, and their renamed keywords (docs/api-changes.md) -----------
+# Here, in the leaf, so that `logitless.reference` returns the same objects as the ops.
+
+
+@dataclass
+class LogprobOutput:
+    """Per-token results of :func:`linear_logprobs`, each fp32 (fp64 for fp64 inputs; bool for
+    ``is_top1``) and shaped like ``targets``; 0 (False) where the target is ``ignore_index``.
+    Statistics not requested are None. ``id_logprobs`` (with ``ids``) is ``[*targets.shape,
+    K]``: the full-vocabulary logprobs at the given ids."""
+
+    logprobs: torch.Tensor
+    entropy: torch.Tensor | None = None
+    sum_p_sq: torch.Tensor | None = None
+    mean_logit: torch.Tensor | None = None
+    is_top1: torch.Tensor | None = None
+    lse: torch.Tensor | None = None
+    log_kept_mass: torch.Tensor | None = None
+    id_logprobs: torch.Tensor | None = None
+
+
+def _tensor_use_deprecated():
+    warnings.warn("linear_divergence returns a DivergenceOutput: read .divergence (and "
+                  ".entropy with return_entropy=True) instead of using the result as the tensor "
+                  "or the (divergence, entropy) tuple it was before; that use goes in the next "
+                  "release (docs/api-changes.md)", DeprecationWarning, stacklevel=3)
+
+
+@dataclass
+class DivergenceOutput:
+    """Per-token results of :func:`linear_divergence`, fp32 (fp64 for fp64 inputs) of the token
+    shape, 0 at rows ``mask`` drops: ``divergence`` (with gradient) and the student's
+    ``entropy`` (no gradient; None unless ``return_entropy``).
+
+    Deprecated for one release, the uses of the old return value (the divergence tensor, or
+    ``(divergence, entropy)`` with ``return_entropy``) still work with a
+    ``DeprecationWarning``: unpacking, tensor methods and attributes, arithmetic and torch
+    functions act on ``divergence``."""
+
+    divergence: torch.Tensor
+    entropy: torch.Tensor | None = None
+
+    def __iter__(self):
+        _tensor_use_deprecated()
+        return iter(self.divergence if self.entropy is None else (self.divergence, self.entropy))
+
+    def __getattr__(self, name):  # only names the dataclass lacks: the old tensor's
+        if name.startswith("_") or name in ("divergence", "entropy"):
+            raise AttributeError(name)
+        _tensor_use_deprecated()
+        return getattr(self.divergence, name)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        _tensor_use_deprecated()
+        args, kwargs = torch.utils._pytree.tree_map(
+            lambda x: x.divergence if isinstance(x, cls) else x, (args, kwargs or {}))
+        return func(*args, **kwargs)
+
+
+def _forward_to_divergence(op: str):
+    def method(self, *args):
+        _tensor_use_deprecated()
+        return getattr(self.divergence, op)(*args)
+
+    method.__name__ = op
+    return method
+
+
+for _op in ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__",
+            "__rtruediv__", "__pow__", "__neg__", "__getitem__", "__len__"):
+    setattr(DivergenceOutput, _op, _forward_to_divergence(_op))
+
+
+def renamed_keyword(old: str, old_value, new: str, new_value, new_default=None):
+    """The value of keyword ``new`` when the caller may still pass its deprecated name ``old``
+    (None: not given; given, a ``DeprecationWarning``). Both given, ``new`` not left at its
+    default ``new_default``: ``ValueError``."""
+    if old_value is None:
+        return new_value
+    if new_value is not new_default and new_value != new_default:
+        raise ValueError(f"{old} is the deprecated name of {new}: pass {new} only")
+    warnings.warn(f"{old} is deprecated, renamed {new}; the old name goes in the next release "
+                  f"(docs/api-changes.md)", DeprecationWarning, stacklevel=3)
+    return old_value

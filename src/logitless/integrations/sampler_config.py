@@ -16,6 +16,7 @@ import numbers
 
 import torch
 
+from logitless.fused_losses.oplib import renamed_keyword
 from logitless.kernels.sampler_torch import ENGINES
 
 __all__ = ["GREEDY_TEMPERATURE", "SamplerTruncation", "drop_outside_kept", "read_sampler_config"]
@@ -25,20 +26,30 @@ __all__ = ["GREEDY_TEMPERATURE", "SamplerTruncation", "drop_outside_kept", "read
 GREEDY_TEMPERATURE = 1e-5
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, init=False)
 class SamplerTruncation:
-    """Truncations of the sampler's distribution (None: off), and the ``engine`` whose rules
-    apply them (``"vllm"``, ``"sglang"`` or ``"transformers"``: ``linear_logprobs``'s
-    ``sampler``)."""
+    """Truncations of the sampler's distribution (None: off), and the ``sampler`` whose rules
+    apply them (``"vllm"``, ``"sglang"`` or ``"transformers"``, as ``linear_logprobs``'s
+    ``sampler``). ``engine`` is its deprecated name (docs/api-changes.md)."""
 
     top_k: int | None = None
     top_p: float | None = None
     min_p: float | None = None
-    engine: str = "vllm"
+    sampler: str = "vllm"
 
-    def __post_init__(self):
-        if self.engine not in ENGINES:
-            raise ValueError(f"engine: expected one of {ENGINES}, got {self.engine!r}")
+    def __init__(self, top_k=None, top_p=None, min_p=None, sampler="vllm", *, engine=None):
+        sampler = renamed_keyword("engine", engine, "sampler", sampler, "vllm")
+        if sampler not in ENGINES:
+            raise ValueError(f"sampler: expected one of {ENGINES}, got {sampler!r}")
+        for name, value in (("top_k", top_k), ("top_p", top_p), ("min_p", min_p),
+                            ("sampler", sampler)):
+            object.__setattr__(self, name, value)
+
+    @property
+    def engine(self) -> str:
+        """Deprecated: :attr:`sampler`'s old name."""
+        renamed_keyword("engine", self.sampler, "sampler", None)
+        return self.sampler
 
     @property
     def truncates(self) -> bool:
@@ -47,10 +58,11 @@ class SamplerTruncation:
 
     def kwargs(self) -> dict:
         """The arguments of :func:`logitless.linear_logprobs` for the truncations that are on,
-        with ``sampler`` (the engine) when any is."""
+        with ``sampler`` when any is."""
         on = {k: getattr(self, k) for k in ("top_k", "top_p", "min_p")
               if getattr(self, k) is not None}
-        return {**on, "sampler": self.engine} if on else {}
+        return {**on, "sampler": self.sampler} if on else {}
+
 
 
 def _number(value, name: str, expected: str) -> float:
@@ -63,7 +75,8 @@ def _number(value, name: str, expected: str) -> float:
 
 
 def read_sampler_config(*, temperature, top_k, top_p, min_p, names: dict[str, str],
-                        top_k_off: tuple[int, ...], engine: str = "vllm") -> SamplerTruncation:
+                        top_k_off: tuple[int, ...], sampler: str = "vllm",
+                        engine: str | None = None) -> SamplerTruncation:
     """Validate one framework's sampler values and return the truncations that are on.
 
     Args:
@@ -73,8 +86,10 @@ def read_sampler_config(*, temperature, top_k, top_p, min_p, names: dict[str, st
         min_p: in [0, 1]; None or 0 is off.
         names: the config's name for each of the four, used in error messages.
         top_k_off: the values the framework reads as "top-k off".
-        engine: the rollout engine whose rules apply the truncations.
+        sampler: the rollout engine whose rules apply the truncations (``engine``: its
+            deprecated name).
     """
+    sampler = renamed_keyword("engine", engine, "sampler", sampler, "vllm")
     t = _number(temperature, names["temperature"], "a finite number")
     if t < GREEDY_TEMPERATURE:
         raise ValueError(
@@ -99,7 +114,7 @@ def read_sampler_config(*, temperature, top_k, top_p, min_p, names: dict[str, st
         if not 0 <= m <= 1:
             raise ValueError(f"{names['min_p']}: expected a number in [0, 1], got {min_p!r}")
         m = None if m == 0 else m
-    return SamplerTruncation(top_k=k, top_p=p, min_p=m, engine=engine)
+    return SamplerTruncation(top_k=k, top_p=p, min_p=m, sampler=sampler)
 
 
 def drop_outside_kept(logps, old, mask):

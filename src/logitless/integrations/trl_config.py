@@ -311,7 +311,7 @@ def sampler_from_grpo(args) -> SamplerTruncation:
     settings = read_sampler_config(temperature=args.temperature, top_k=args.top_k,
                                    top_p=args.top_p, min_p=args.min_p, names=names,
                                    top_k_off=(0, -1),
-                                   engine="vllm" if args.use_vllm else "transformers")
+                                   sampler="vllm" if args.use_vllm else "transformers")
     if not args.use_vllm and settings.truncates and args.use_transformers_continuous_batching:
         raise ValueError(
             "GRPOConfig.use_transformers_continuous_batching: match_sampler with top_k, "
@@ -401,7 +401,7 @@ def sampler_from_generate(model, generation_config) -> SamplerTruncation:
     names = {k: where(k) for k in ("temperature", "top_k", "top_p", "min_p")}
     return read_sampler_config(temperature=merged.temperature, top_k=merged.top_k,
                                top_p=merged.top_p, min_p=merged.min_p, names=names,
-                               top_k_off=(0,), engine="transformers")
+                               top_k_off=(0,), sampler="transformers")
 
 
 # Under replay the recorded set is the truncation: only the temperature (the head divides the

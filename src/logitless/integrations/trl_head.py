@@ -190,10 +190,11 @@ class LogitlessChunkedDivergence:
                 "student_weight: logitless's divergence does not gather DeepSpeed ZeRO-3 "
                 "partitioned heads (supported: unsharded heads and FSDP2, whose heads TRL "
                 "gathers itself); call logitless.integrations.trl.unpatch_trl() under ZeRO-3")
-        return linear_divergence(
+        out = linear_divergence(
             student_hidden, student_weight, teacher_hidden, teacher_weight, beta=beta,
             temperature=temperature / scale if scale != 1 else temperature,
             bias=student_bias, teacher_bias=teacher_bias, return_entropy=True)
+        return out.divergence, out.entropy
 
 
 def patch_trl() -> None:

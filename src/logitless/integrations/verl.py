@@ -184,7 +184,7 @@ def sampler_from_rollout(rollout) -> SamplerTruncation:
     settings = read_sampler_config(
         temperature=_get(rollout, "temperature", 1.0), top_k=_get(rollout, "top_k", -1),
         top_p=_get(rollout, "top_p", 1.0), min_p=_get(rollout, "min_p"), names=names,
-        top_k_off=(-1, 0), engine=_ROLLOUT_ENGINES.get(name, "vllm"))
+        top_k_off=(-1, 0), sampler=_ROLLOUT_ENGINES.get(name, "vllm"))
     if settings.truncates and name not in _ROLLOUT_ENGINES:
         raise ValueError(
             f"rollout.name: sampler matching follows the top-k / top-p / min-p rules of "

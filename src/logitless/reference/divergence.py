@@ -16,6 +16,7 @@ import math
 
 import torch
 
+from logitless.fused_losses.oplib import DivergenceOutput
 from logitless.reference.linear_softmax import linear_logits
 
 __all__ = ["generalized_jsd", "linear_divergence", "linear_topk_distill", "mtp_draft_loss",
@@ -40,13 +41,24 @@ def generalized_jsd(student_logits: torch.Tensor, teacher_logits: torch.Tensor, 
     return beta * kl_t + (1 - beta) * kl_s
 
 
+def _masked(out: torch.Tensor, mask) -> torch.Tensor:
+    """``out`` with 0 where ``mask`` (bool, or 0/1) drops the row."""
+    return out if mask is None else torch.where(mask != 0, out, 0.0)
+
+
 def linear_divergence(hidden, weight, teacher_hidden, teacher_weight, mask=None, *, beta=0.5,
-                      temperature=1.0, bias=None, teacher_bias=None) -> torch.Tensor:
-    """``generalized_jsd`` of the two heads' logits, 0 where ``mask`` is False."""
-    out = generalized_jsd(linear_logits(hidden, weight, bias),
-                          linear_logits(teacher_hidden, teacher_weight, teacher_bias),
+                      temperature=1.0, bias=None, teacher_bias=None,
+                      return_entropy=False) -> DivergenceOutput:
+    """``generalized_jsd`` of the two heads' logits, 0 where ``mask`` drops the row; with
+    ``return_entropy`` the student's entropy of ``softmax(logits / T)`` too, detached."""
+    student = linear_logits(hidden, weight, bias)
+    out = generalized_jsd(student, linear_logits(teacher_hidden, teacher_weight, teacher_bias),
                           beta, temperature)
-    return out if mask is None else torch.where(mask, out, 0.0)
+    entropy = None
+    if return_entropy:
+        log_p = torch.log_softmax(student.detach() / temperature, dim=-1)
+        entropy = _masked(-(log_p.exp() * log_p).sum(-1), mask)
+    return DivergenceOutput(_masked(out, mask), entropy)
 
 
 def topk_forward_kl(student_topk_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor,
@@ -91,11 +103,11 @@ def linear_topk_distill(hidden, weight, teacher_ids=None, teacher_logprobs=None,
             linear_logits(teacher_hidden, teacher_weight, teacher_bias,
                           temperature=temperature).detach(),
             k, log_prob_min_clamp, loss_max_clamp)
-        return out if mask is None else torch.where(mask, out, 0.0)
+        return _masked(out, mask)
     log_q = torch.log_softmax(linear_logits(hidden, weight, bias, temperature=temperature), -1)
     out = topk_forward_kl(log_q.gather(-1, teacher_ids.long()), teacher_logprobs.to(log_q.dtype),
                           log_prob_min_clamp, loss_max_clamp)
-    return out if mask is None else torch.where(mask, out, 0.0)
+    return _masked(out, mask)
 
 
 def mtp_draft_loss(hidden, weight, main_hidden, mask=None, *, bias=None, main_weight=None,
@@ -113,4 +125,4 @@ def mtp_draft_loss(hidden, weight, main_hidden, mask=None, *, bias=None, main_we
         p = torch.zeros_like(p).scatter(-1, ids, torch.softmax(z_main.gather(-1, ids), -1))
     log_s = torch.log_softmax(linear_logits(hidden, weight, bias, temperature=temperature), -1)
     out = -(p * log_s).sum(-1)
-    return out if mask is None else torch.where(mask, out, 0.0)
+    return _masked(out, mask)

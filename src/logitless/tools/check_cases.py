@@ -180,13 +180,13 @@ def linear_divergence_cases(shape: Shape) -> Iterator[Case]:
                  kw=kw):
             return {"divergence": logitless.linear_divergence(
                 hidden, weight, teacher_hidden, teacher_weight, mask, bias=bias,
-                teacher_bias=teacher_bias, max_tile_bytes=TILE_BYTES, **kw)}
+                teacher_bias=teacher_bias, max_tile_bytes=TILE_BYTES, **kw).divergence}
 
         def plain(hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, mask,
                   kw=kw):
             return {"divergence": reference.linear_divergence(
                 hidden, weight, teacher_hidden, teacher_weight, mask, bias=bias,
-                teacher_bias=teacher_bias, **kw)}
+                teacher_bias=teacher_bias, **kw).divergence}
 
         yield Case("linear_divergence", f"beta={beta}, T={temperature}, masked rows",
                    f"N={n} D={shape.hidden} V={shape.vocab}", inputs,
@@ -311,7 +311,7 @@ def fused_policy_loss_cases(shape: Shape) -> Iterator[Case]:
                 mask = mask[mask]
             loss, _ = logitless.fused_policy_loss(
                 hidden, weight, targets, old_logprobs, advantages, mask, config, bias=bias,
-                ref_logprobs=ref_logprobs, memory_budget=budget, strategy=strategy, **head,
+                ref_logprobs=ref_logprobs, max_tile_bytes=budget, strategy=strategy, **head,
                 **extra)
             return {"loss": loss}
 
@@ -358,7 +358,7 @@ def exact_kl_case(shape: Shape) -> Case:
         loss, _ = logitless.fused_policy_loss(
             hidden, weight, targets, old_logprobs, advantages, mask, config, bias=bias,
             ref_hidden=teacher_hidden, ref_weight=teacher_weight, ref_bias=teacher_bias,
-            temperature=0.9, memory_budget=48 * v * 4)
+            temperature=0.9, max_tile_bytes=48 * v * 4)
         return {"loss": loss}
 
     def plain(hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, targets,
@@ -367,7 +367,7 @@ def exact_kl_case(shape: Shape) -> Case:
                                             temperature=0.9)["logprobs"]
         kl = reference.linear_divergence(hidden, weight, teacher_hidden, teacher_weight, mask,
                                          beta=1.0, temperature=0.9, bias=bias,
-                                         teacher_bias=teacher_bias)
+                                         teacher_bias=teacher_bias).divergence
         return {"loss": reference.policy_loss_reference(lp, old_logprobs, advantages, mask,
                                                         config, kl=kl)}
 

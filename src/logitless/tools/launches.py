@@ -152,7 +152,7 @@ def fused_call_count(chunks: int, config: str = "grpo", compiled: bool = True, b
     with _objective_compiled(compiled, count), count:
         loss, _ = logitless.fused_policy_loss(hidden, weight, targets, old, adv, mask, cfg,
                                               ref_logprobs=ref if cfg.beta else None,
-                                              memory_budget=budget, strategy="chunked")
+                                              max_tile_bytes=budget, strategy="chunked")
         loss.backward()
     return count
 

@@ -39,6 +39,7 @@ from logitless.fused_losses.fused.grads import Need
 from logitless.fused_losses.fused.op import as_op, metric_names, op_call
 from logitless.fused_losses.fused.plan import CPU_MEMORY_BUDGET, ChunkStore, plan_chunks
 from logitless.fused_losses.fused.validation import Head
+from logitless.fused_losses.head.logprobs import check_byte_budget, check_ignore_index
 from logitless.fused_losses.objectives.config import PolicyLossConfig
 from logitless.fused_losses.objectives.context_parallel import cp_context
 from logitless.fused_losses.objectives.policy_loss import (
@@ -46,6 +47,7 @@ from logitless.fused_losses.objectives.policy_loss import (
     check_topk_inputs,
     cp_loss_value,
 )
+from logitless.fused_losses.oplib import renamed_keyword
 
 __all__ = ["CPU_MEMORY_BUDGET", "ChunkStore", "fused_policy_loss", "metric_names", "plan_chunks"]
 
@@ -101,12 +103,13 @@ def fused_policy_loss(
     temperature: float = 1.0,
     softcap: float | None = None,
     logit_scale: float = 1.0,
+    ignore_index: int = -100,
     num_items_in_batch=None,
     global_batch_size=None,
     training_progress: float | None = None,
     entropy_coef: float | None = None,
     selection_entropy=None,
-    memory_budget: int | None = None,
+    max_tile_bytes: int | None = None,
     strategy: str = "auto",
     ref_hidden=None,
     ref_weight=None,
@@ -114,6 +117,7 @@ def fused_policy_loss(
     cp_group=None,
     topk_logprobs=None,
     old_topk_logprobs=None,
+    memory_budget: int | None = None,
 ):
     """The policy loss from hidden states and the LM head, without the full logits.
 
@@ -128,14 +132,19 @@ def fused_policy_loss(
     Args:
         hidden: ``[B, T, D]`` right-padded, or ``[N, D]`` packed with ``cu_seqlens [B + 1]``.
         weight, bias: the head, ``[V, D]`` and ``[V]``.
-        targets: token ids like ``mask``; only positions where ``mask`` is nonzero are scored.
+        targets: token ids like ``mask``; only positions where ``mask`` is nonzero and the
+            target is not ``ignore_index`` are scored (a target of ``ignore_index`` drops its
+            token whatever ``mask`` holds there).
         old_logprobs, advantages, mask, config, ref_logprobs, rollout_logprobs, token_weights,
         attention_entropy, num_items_in_batch, global_batch_size, training_progress,
             entropy_coef: as in :func:`policy_loss`.
         temperature, softcap, logit_scale: the logit transform, as in :func:`linear_logprobs`.
-        memory_budget: bytes (an integer > 0) of temporary logits a chunk may use (default:
+        ignore_index: the target id of tokens out of the loss, as in :func:`linear_logprobs`
+            (-100, PyTorch's and TRL's label padding).
+        max_tile_bytes: bytes (an integer > 0) of temporary logits a chunk may use (default:
             512 MiB on CUDA, chosen by the cost model in ``gpu_plan``; 256 MiB on CPU). On CUDA
             a chunk row counts its stored logits and its hidden and hidden-gradient rows.
+            ``memory_budget`` is its deprecated name (docs/api-changes.md).
         strategy: ``"auto"`` (chunks, streaming where needed), ``"chunked"`` or ``"streaming"``.
         ref_hidden, ref_weight, ref_bias: the reference model's hidden states (``hidden``'s
             token shape, its own hidden size) and head (``[V, D_ref]``, ``[V]``), for
@@ -145,7 +154,7 @@ def fused_policy_loss(
             policy head applied to both; no softcap), and its gradient
             ``p (log p - log q - KL)`` reaches ``hidden``, ``weight`` and ``bias``; the
             reference gets none. Same loss and gradients as ``policy_loss(..., kl=
-            linear_divergence(hidden, weight, ref_hidden, ref_weight, mask, beta=1))``.
+            linear_divergence(hidden, weight, ref_hidden, ref_weight, mask, beta=1).divergence)``.
         cp_group: context parallelism, as in :func:`policy_loss` (each rank its contiguous
             piece of every sequence: ``hidden`` and every per-token input the rank's tokens).
             The batch streams (``strategy="auto"`` or ``"streaming"``; ``"chunked"`` raises
@@ -184,6 +193,10 @@ def fused_policy_loss(
     the objective and ``rollout_is`` (`metric_names`); an objective whose clip flags depend on
     other fields raises ``RuntimeError`` there rather than mislabel them.
     """
+    memory_budget = renamed_keyword("memory_budget", memory_budget, "max_tile_bytes",
+                                    max_tile_bytes)
+    check_byte_budget("max_tile_bytes", memory_budget)
+    mask = _drop_ignored(targets, mask, ignore_index)
     head = Head(hidden, weight, bias, temperature, softcap, logit_scale)
     tensors = dict(ref_logprobs=ref_logprobs, rollout_logprobs=rollout_logprobs,
                    token_weights=token_weights, attention_entropy=attention_entropy,
@@ -210,6 +223,16 @@ def fused_policy_loss(
     if grads is None or not need.any:  # the whole batch streamed: the loss has its graph
         return loss, metrics
     return _StoredGradients.apply(loss, hidden, weight, bias, grads), metrics
+
+
+def _drop_ignored(targets, mask, ignore_index):
+    """``mask`` with 0 (False) where ``targets`` is ``ignore_index``, the ignore rule of every
+    op with targets; arguments of the wrong type or shape are left to `check_static`."""
+    check_ignore_index(ignore_index)
+    if not (isinstance(targets, torch.Tensor) and isinstance(mask, torch.Tensor)
+            and targets.shape == mask.shape):
+        return mask
+    return mask.masked_fill(targets == ignore_index, 0)
 
 
 def _context_parallel(group, head, targets, old_logprobs, advantages, mask, config, strategy,

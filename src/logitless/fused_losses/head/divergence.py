@@ -19,6 +19,7 @@ from logitless.fused_losses.backend import triton_selected
 from logitless.fused_losses.head import kept
 from logitless.fused_losses.head.logprobs import check_byte_budget, linear_logprobs
 from logitless.fused_losses.oplib import (
+    DivergenceOutput,
     check_devices,
     check_head,
     check_temperature,
@@ -36,8 +37,8 @@ from logitless.fused_losses.oplib import (
 from logitless.kernels import divergence_torch
 from logitless.kernels.linear_softmax_torch import acc_dtype
 
-__all__ = ["exact_kl_rows", "linear_divergence", "linear_topk_distill", "mtp_draft_loss",
-           "reference_head"]
+__all__ = ["DivergenceOutput", "exact_kl_rows", "linear_divergence", "linear_topk_distill",
+           "mtp_draft_loss", "reference_head"]
 
 @dataclass(frozen=True)
 class _Spec:
@@ -190,7 +191,7 @@ def linear_divergence(
     teacher_bias: torch.Tensor | None = None,
     max_tile_bytes: int | None = None,
     return_entropy: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+) -> DivergenceOutput:
     """Per-token generalized Jensen-Shannon divergence between a student and a teacher head.
 
     With ``p_s = softmax((hidden @ weight^T + bias) / T)`` and ``p_t`` likewise from the
@@ -216,9 +217,11 @@ def linear_divergence(
             the first pass; no gradient, 0 where ``mask`` is False).
 
     Returns:
-        fp32 tensor (fp64 for fp64 inputs) of the token shape. Gradients reach ``hidden``,
+        :class:`DivergenceOutput`: ``divergence``, fp32 (fp64 for fp64 inputs) of the token
+        shape, and ``entropy`` (None unless ``return_entropy``). Gradients reach ``hidden``,
         ``weight`` and ``bias``; the teacher's tensors are detached (no gradient, no graph).
-        With ``return_entropy``: ``(divergence, entropy)``.
+        Until the next release the result also stands in for the old return value (the
+        tensor, or ``(divergence, entropy)``), with a ``DeprecationWarning``.
     """
     hidden, weight, bias = _check_head("", hidden, weight, bias)
     lead = tuple(hidden.shape[:-1])
@@ -240,8 +243,8 @@ def linear_divergence(
     out, entropy, *_ = torch.ops.logitless.linear_divergence(
         hidden, weight, bias, *teacher, mask, float(beta), float(temperature), max_tile_bytes,
         bool(return_entropy))
-    entropy = entropy.detach()  # no gradient, as documented
-    return (out, entropy) if return_entropy else out
+    # the entropy gets no gradient, as documented
+    return DivergenceOutput(out, entropy.detach() if return_entropy else None)
 
 
 def _divergence_impl(spec: _Spec, hidden, weight, bias, t_hidden, t_weight, t_bias, mask):
@@ -700,7 +703,7 @@ def mtp_draft_loss(
     if top_k is None:
         kl = linear_divergence(hidden, weight, *main[:2], mask, beta=0.0,
                                temperature=temperature, bias=bias, teacher_bias=main[2],
-                               max_tile_bytes=max_tile_bytes)
+                               max_tile_bytes=max_tile_bytes).divergence
         with torch.no_grad():
             entropy = linear_logprobs(main[0], main[1], targets, bias=main[2],
                                       temperature=temperature, return_entropy=True,

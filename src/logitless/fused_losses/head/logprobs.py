@@ -22,6 +22,7 @@ from logitless.fused_losses.head.dtensor import sharded_head, sharded_logprobs
 from logitless.fused_losses.head.shards import resolve
 from logitless.fused_losses.head.shards import vocab_offset as _vocab_offset
 from logitless.fused_losses.oplib import (
+    LogprobOutput,
     check_devices,
     check_head,
     check_temperature,
@@ -40,26 +41,9 @@ from logitless.kernels import linear_softmax_torch
 from logitless.kernels.linear_softmax_torch import acc_dtype
 from logitless.kernels.softmax_partials import Partials, empty, finish, normaliser, rescale_to
 
-__all__ = ["STATS", "LogprobOutput", "linear_logprobs"]
+__all__ = ["STATS", "LogprobOutput", "check_ignore_index", "linear_logprobs"]
 
 STATS = ("sum_p_sq", "mean_logit", "is_top1", "lse", "log_kept_mass")
-
-
-@dataclass
-class LogprobOutput:
-    """Per-token results of :func:`linear_logprobs`, each fp32 (fp64 for fp64 inputs; bool for
-    ``is_top1``) and shaped like ``targets``; 0 (False) where the target is ``ignore_index``.
-    Statistics not requested are None. ``id_logprobs`` (with ``ids``) is ``[*targets.shape,
-    K]``: the full-vocabulary logprobs at the given ids."""
-
-    logprobs: torch.Tensor
-    entropy: torch.Tensor | None = None
-    sum_p_sq: torch.Tensor | None = None
-    mean_logit: torch.Tensor | None = None
-    is_top1: torch.Tensor | None = None
-    lse: torch.Tensor | None = None
-    log_kept_mass: torch.Tensor | None = None
-    id_logprobs: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -210,6 +194,13 @@ def check_byte_budget(name: str, value) -> None:
         raise ValueError(f"{name} must be None or an integer number of bytes > 0, got {value!r}")
 
 
+def check_ignore_index(ignore_index) -> None:
+    """The target id that marks a token out of the loss: an integer (-100 by default, as
+    PyTorch's ``cross_entropy``, TRL's labels and Liger's kernels have it)."""
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
+        raise ValueError(f"ignore_index must be an integer token id, got {ignore_index!r}")
+
+
 def check_head_args(hidden, weight, targets, bias, temperature, softcap, logit_scale, stats,
                     *, zero_scale: bool = False):
     """Validate the head's arguments (``ValueError`` naming the argument). ``zero_scale``: a
@@ -247,8 +238,7 @@ def _kept_set(hidden, weight, targets, kept_ids, bias, temperature, top_k, top_p
     other = [s for s in stats if s != "log_kept_mass"]
     if other:
         raise ValueError(f"stats {other} are unsupported with kept_ids (only 'log_kept_mass')")
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
-        raise ValueError(f"ignore_index must be an integer token id, got {ignore_index!r}")
+    check_ignore_index(ignore_index)
     check_byte_budget("max_tile_bytes", max_tile_bytes)
     kept.check_kept_temperature(temperature, targets, compute_dtype(hidden))
     want_mass = "log_kept_mass" in stats
@@ -283,8 +273,7 @@ def _at_ids(hidden, weight, targets, ids, bias, temperature, top_k, top_p, min_p
     if vocab_parallel is not None or sharded_head(weight, bias) is not None:
         raise ValueError("ids is unsupported with vocab_parallel or a DTensor weight "
                          "(the ids' rows lie in other ranks' slices)")
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
-        raise ValueError(f"ignore_index must be an integer token id, got {ignore_index!r}")
+    check_ignore_index(ignore_index)
     check_byte_budget("max_tile_bytes", max_tile_bytes)
     kept.check_kept_temperature(temperature, targets, compute_dtype(hidden))
     want = tuple(stats) if "lse" in stats else (*stats, "lse")
@@ -439,8 +428,7 @@ def linear_logprobs(
                          f"{type(vocab_parallel).__name__}")
     if hidden_grad not in ("sum", "partial"):
         raise ValueError(f"hidden_grad must be 'sum' or 'partial', got {hidden_grad!r}")
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
-        raise ValueError(f"ignore_index must be an integer token id, got {ignore_index!r}")
+    check_ignore_index(ignore_index)
     check_byte_budget("max_tile_bytes", max_tile_bytes)
     dtype = compute_dtype(hidden)
     want_s2, want_sum_z = "sum_p_sq" in stats, "mean_logit" in stats

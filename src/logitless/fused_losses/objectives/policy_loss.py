@@ -321,9 +321,10 @@ def policy_loss(
         compute_metrics: ``False`` returns an empty metrics dict (no metric work).
         kl: like ``logprobs``, the exact per-token KL(policy || reference) with its graph, for
             ``kl_estimator="exact"`` only (e.g. ``linear_divergence(hidden, weight, ref_hidden,
-            ref_weight, mask, beta=1, temperature=T)``); needed there when ``beta != 0``. It
-            takes the place of the estimate; ``beta``, ``kl_bias_correction`` and the
-            aggregation apply to it as to an estimate, ``kl_clamp`` (a guard of k3) does not.
+            ref_weight, mask, beta=1, temperature=T).divergence``); needed there when
+            ``beta != 0``. It takes the place of the estimate; ``beta``, ``kl_bias_correction``
+            and the aggregation apply to it as to an estimate, ``kl_clamp`` (a guard of k3)
+            does not.
         cp_group: a ``torch.distributed`` process group over which every sequence is split
             (context parallelism, docs/scale.md): each rank passes the same ``B`` sequences in
             the same order, rank ``r`` the ``r``-th contiguous piece of each (padded
@@ -353,7 +354,7 @@ def policy_loss(
     if old_logprobs is None:
         raise ValueError("old_logprobs: required (pass logprobs.detach() when on-policy)")
     check_exact_kl(cfg, kl is not None, "kl", "kl (the per-token exact KL, e.g. from "
-                   "linear_divergence(..., beta=1))")
+                   "linear_divergence(..., beta=1).divergence)")
     if cp_group is not None:
         check_cp_config(cfg, cp_group, batch_globals)
     batch = to_batch(

@@ -51,7 +51,7 @@ class DivergenceOp(Op):
     def reference(self, inputs, quantities):
         div = reference.linear_divergence(inputs["hidden"], inputs["weight"],
                                           inputs["teacher_hidden"], inputs["teacher_weight"],
-                                          beta=BETA)
+                                          beta=BETA).divergence
         return {q: div.mean() if q == "loss" else div for q in quantities}
 
     def upstream(self, inputs, quantities):
@@ -79,7 +79,7 @@ class Logitless(Provider):
         from logitless import linear_divergence
 
         return {"divergence": linear_divergence(x["hidden"], x["weight"], x["teacher_hidden"],
-                                                x["teacher_weight"], beta=BETA)}
+                                                x["teacher_weight"], beta=BETA).divergence}
 
     def note(self, device):
         return "chunked torch"
