@@ -29,6 +29,7 @@ from verl.workers.utils.losses import ppo_loss
 import logitless
 from integrations.test_verl_ulysses_adapter import (
     SEQS,
+    TEMPERATURE,
     VERL_GSPO,
     WIDTH_R,
     D,
@@ -38,11 +39,13 @@ from integrations.test_verl_ulysses_adapter import (
     _engine,
     _params,
 )
+from logitless.integrations import verl as verl_adapter
 from logitless.integrations.verl import (
     LogitlessPolicyLossConfig,
     disable_fused_head,
     enable_fused_head,
 )
+from logitless.integrations.verl_head import set_head_sampler
 
 RTOL, ATOL = 1e-11, 1e-13
 RESPONSE_ROWS = sum(r for _, r in SEQS)
@@ -54,6 +57,7 @@ def cpu_engine(monkeypatch, tmp_path):
     the batch's token count), the logitless head in verl's fused forward."""
     monkeypatch.setattr(fsdp_impl, "get_device_id", lambda: "cpu")
     monkeypatch.setattr(fsdp_impl, "get_device_name", lambda: "cpu")
+    monkeypatch.setattr(verl_adapter, "_warned", set())  # each test sees its first warning
     owned = not dist.is_initialized()
     if owned:
         dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1),
@@ -153,6 +157,20 @@ def test_fused_falls_back_with_one_warning_where_it_cannot_run(cpu_engine):
     composed = _step(cfg(False), entropy_coeff=0.03, data=_data(entropy=True))
     _same(fused, composed, "entropy bonus")
     assert fused["flops"] == composed["flops"]
+
+
+def test_fused_with_match_sampler_runs_the_sampler_matched_composed_path(cpu_engine):
+    rollout = {"name": "vllm", "temperature": TEMPERATURE, "top_k": 20, "top_p": 0.9}
+    cfg = lambda **kw: LogitlessPolicyLossConfig(loss_mode="logitless_grpo",
+                                                 match_sampler=rollout, **kw)
+    try:
+        with pytest.warns(UserWarning, match="policy_loss.fused: .*match_sampler"):
+            fused = _step(cfg(fused=True))
+        composed = _step(cfg())
+    finally:
+        set_head_sampler(None)
+    _same(fused, composed, "match_sampler")
+    assert composed["metrics"]["actor/logitless/sampler/outside_kept"] > 0  # it truncated
 
 
 def test_fused_refuses_what_it_cannot_do(cpu_engine):

@@ -425,6 +425,9 @@ def _verl_policy_loss(objective: str):
         if rollout_is_weights is not None and mode == "geometric":
             rollout_is_weights = _geometric_sequence_weights(rollout_is_weights, response_mask)
         step = _step_of(config)
+        if step is None and _get(_get(config, "policy_loss"), "fused", False):
+            _warn_composed("the loss was not called by verl's FSDP engine from its ppo_loss "
+                           "(partial(ppo_loss, config=...), as verl's actor worker binds it)")
         if step is not None and step.rows is not None:
             loss, metrics = _fused_loss(step.take_rows(), log_prob, old_log_prob, advantages,
                                         response_mask, cfg, rollout_is_weights, normalisers)
@@ -552,14 +555,14 @@ def _forward_step(self, micro_batch, loss_function, forward_only):
 
 def _composed_reason(engine, config, calculate_entropy: bool) -> str | None:
     """Why this micro-batch cannot run the fused loss (None: it can)."""
+    if getattr(engine, "use_ulysses_sp", False):
+        return ("ulysses_sequence_parallel_size > 1: each rank's head holds a slice of the "
+                "sequences")
     if _get(config, "use_kl_loss", False):
         return "actor.use_kl_loss: verl's KL term reads the per-token logprobs"
     if calculate_entropy or _get(config, "entropy_coeff", 0.0) != 0:
         return ("actor.entropy_coeff / calculate_entropy: verl's entropy term reads the "
                 "per-token entropies")
-    if getattr(engine, "use_ulysses_sp", False):
-        return ("ulysses_sequence_parallel_size > 1: each rank's head holds a slice of the "
-                "sequences")
     if _get(_get(config, "policy_loss"), "match_sampler") is not None:
         return "policy_loss.match_sampler: the fused loss scores the full distribution"
     return None
@@ -583,10 +586,7 @@ def _defer_head(hidden, weight, labels, temperature, reduction, dist_process_gro
             reason = "a head call that is not one per-token call per micro-batch"
     if reason is not None:
         step.fused = "off"
-        if reason not in _warned:
-            _warned.add(reason)
-            warnings.warn(f"policy_loss.fused: this micro-batch runs the composed loss "
-                          f"(the head's logprobs, then the policy loss): {reason}", stacklevel=2)
+        _warn_composed(reason)
         return None
     n = labels.numel()
     step.rows = _HeadRows(hidden.reshape(n, hidden.shape[-1]), weight, labels.reshape(n),
@@ -594,6 +594,14 @@ def _defer_head(hidden, weight, labels, temperature, reduction, dist_process_gro
     dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
     ids = torch.arange(1, n + 1, dtype=dtype, device=hidden.device)
     return ids, torch.zeros_like(ids)
+
+
+def _warn_composed(reason: str) -> None:
+    """One warning per reason and process that ``policy_loss.fused`` runs the composed path."""
+    if reason not in _warned:
+        _warned.add(reason)
+        warnings.warn(f"policy_loss.fused: this micro-batch runs the composed loss (the "
+                      f"head's logprobs, then the policy loss): {reason}", stacklevel=3)
 
 
 def _fused_loss(rows: _HeadRows, ids, old_log_prob, advantages, response_mask, cfg,
