@@ -227,12 +227,26 @@ def _check_fields(self):
         return  # one of verl's own losses: these fields are not read
     fields = {name: getattr(self, name) for name in PASSTHROUGH_FIELDS}
     if self.loss_agg is not None:
+        _refuse_prompt_mean(self.loss_agg, "policy_loss.loss_agg")
         fields["loss_agg"] = self.loss_agg
     try:
         get_objective(mode[len(_PREFIX):])
         PolicyLossConfig(objective=mode[len(_PREFIX):], **fields)
     except ValueError as err:
         raise ValueError(f"policy_loss (loss_mode={mode!r}): {err}") from err
+
+
+def _refuse_prompt_mean(loss_agg, name: str) -> None:
+    """``prompt-mean`` groups ``prompt_group_size`` consecutive sequences of the loss's batch,
+    which verl's batch does not keep together: refused, naming the setting."""
+    if loss_agg == "prompt-mean":
+        raise ValueError(
+            f"{name}: prompt-mean groups prompt_group_size consecutive sequences as one "
+            f"prompt's responses, but verl reorders the batch before the actor's loss: "
+            f"trainer.balance_batch (on by default) sorts each data-parallel rank's sequences "
+            f"by length, actor.use_dynamic_bsz regroups micro-batches by token count and "
+            f"actor.shuffle shuffles the mini-batches, and each micro-batch's loss sees only "
+            f"its own groups; choose another aggregation (e.g. seq-mean-token-mean)")
 
 
 def _setstate(self, state):
@@ -343,11 +357,14 @@ def to_logitless_config(objective: str, actor_config, loss_agg_mode: str | None 
     if dual is None:
         dual = objective_fields.verl_dual_clip(objective)
     cov_key = objective_fields.verl_keys(objective).get("cov_fraction", "clip_cov_ratio")
+    loss_agg = _get(pl, "loss_agg") or loss_agg_mode or _get(actor_config, "loss_agg_mode")
+    _refuse_prompt_mean(loss_agg, "policy_loss.loss_agg" if _get(pl, "loss_agg")
+                        else "actor.loss_agg_mode")
     fields = dict(
         objective=objective,
         eps_low=_get(actor_config, "clip_ratio_low", clip),
         eps_high=_get(actor_config, "clip_ratio_high", clip),
-        loss_agg=_get(pl, "loss_agg") or loss_agg_mode or _get(actor_config, "loss_agg_mode"),
+        loss_agg=loss_agg,
         dual_clip_c=clip_c if dual else None,
         dppo_ratio_cap=clip_c,
         sapo_tau_pos=_get(actor_config, "tau_pos", 1.0),
