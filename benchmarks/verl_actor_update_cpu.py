@@ -21,9 +21,9 @@ by a ``TorchDispatchMode`` over forward and backward), and the head's: those min
 decoder's own on the same tokens (counted the same way), also as GEMM passes of
 ``2 * response tokens * D * V`` FLOPs.
 
-Usage: ``python benchmarks/verl_actor_update_cpu.py`` (all variants, a Markdown table), or
-``--variant fused`` for one JSON line. Environment: no ``TRITON_INTERPRET`` (the head runs its
-torch path on CPU).
+Usage: ``python benchmarks/verl_actor_update_cpu.py`` (all variants, a Markdown table;
+``--variants composed,fused`` for some), or ``--variant fused`` for one JSON line.
+Environment: no ``TRITON_INTERPRET`` (the head runs its torch path on CPU).
 """
 
 from __future__ import annotations
@@ -193,6 +193,8 @@ def run(variant: str, layers: int, seqs: int, response: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--variant", choices=VARIANTS)
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help="comma-separated, for the table (default: all)")
     parser.add_argument("--layers", type=int, default=1)
     parser.add_argument("--seqs", type=int, default=8)
     parser.add_argument("--response", type=int, default=256)
@@ -201,7 +203,7 @@ def main() -> None:
         print(json.dumps(run(args.variant, args.layers, args.seqs, args.response)))
         return
     rows = []
-    for variant in VARIANTS:
+    for variant in args.variants.split(","):
         cmd = [sys.executable, __file__, "--variant", variant, "--layers", str(args.layers),
                "--seqs", str(args.seqs), "--response", str(args.response)]
         out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
