@@ -14,12 +14,12 @@ of a 16-token prompt and ``--response`` (default 256) response tokens, GRPO
 Variants, each in its own process: ``verl`` (verl's built-in ``vanilla`` loss on the logitless
 head: verl's own ``linear_cross_entropy`` kernel needs CUDA), ``composed`` (``logitless_grpo``:
 the head's logprobs, then the policy loss) and ``fused`` (``logitless_grpo`` with
-``policy_loss.fused=True``). For each: the step's wall time, the peak resident memory above
-the loaded model (``VmHWM`` after ``clear_refs``, as ``logitless.tools.bench`` measures), the
-step's matmul FLOPs (every ``mm``/``addmm``/``bmm``, inside logitless's custom ops too, counted
-by a ``TorchDispatchMode`` over forward and backward), and the head's: those minus the
-decoder's own on the same tokens (counted the same way), also as GEMM passes of
-``2 * response tokens * D * V`` FLOPs.
+``policy_loss.fused=True``). For each: the step's wall and process CPU time, the peak
+resident memory above the loaded model (``VmHWM`` after ``clear_refs``, as
+``logitless.tools.bench`` measures), the step's matmul FLOPs (every ``mm``/``addmm``/``bmm``,
+inside logitless's custom ops too, counted by a ``TorchDispatchMode`` over forward and
+backward), and the head's: those minus the decoder's own on the same tokens (counted the same
+way), also as GEMM passes of ``2 * response tokens * D * V`` FLOPs.
 
 Usage: ``python benchmarks/verl_actor_update_cpu.py`` (all variants, a Markdown table;
 ``--variants composed,fused`` for some), or ``--variant fused`` for one JSON line.
@@ -172,10 +172,10 @@ def run(variant: str, layers: int, seqs: int, response: int) -> dict:
     memory = _CpuMemory()
     memory.start()
     counter = MatmulFlops()
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     with counter:
         out = engine.forward_backward_batch(data, loss_fn)
-    seconds = time.perf_counter() - start
+    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     peak = memory.peak()
     head = counter.flops - _backbone_flops(model, data)
     dist.destroy_process_group()
@@ -183,7 +183,8 @@ def run(variant: str, layers: int, seqs: int, response: int) -> dict:
     (loss,) = out["loss"]
     rows = seqs * response
     return dict(variant=variant, layers=layers, seqs=seqs, response=response, loss=loss,
-                seconds=round(seconds, 2), peak_mb=round(peak / 2**20, 1),
+                seconds=round(seconds, 2), cpu_seconds=round(cpu_seconds, 2),
+                peak_mb=round(peak / 2**20, 1),
                 memory_probe=memory.name, head_gflops=round(head / 1e9, 1),
                 head_passes=round(head / (2 * rows * D * V), 3),
                 matmul_gflops=round(counter.flops / 1e9, 1), threads=torch.get_num_threads(),
@@ -208,11 +209,12 @@ def main() -> None:
                "--seqs", str(args.seqs), "--response", str(args.response)]
         out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
         rows.append(json.loads(out.strip().splitlines()[-1]))
-    print("| variant | step s | peak MB | head GFLOP | head passes (of response rows) "
+    print("| variant | step s | CPU s | peak MB | head GFLOP | head passes (of response rows) "
           "| all matmul GFLOP | loss |")
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['variant']} | {r['seconds']} | {r['peak_mb']} | {r['head_gflops']} "
+        print(f"| {r['variant']} | {r['seconds']} | {r['cpu_seconds']} | {r['peak_mb']} "
+              f"| {r['head_gflops']} "
               f"| {r['head_passes']} | {r['matmul_gflops']} | {r['loss']:.6f} |")
     print(json.dumps(rows))
 
