@@ -306,6 +306,20 @@ def test_bad_configuration_raises():
         LogitlessPolicyLossConfig(loss_mode="logitless_ppo", delta=0.5)
 
 
+def test_prompt_mean_is_refused_naming_verls_reordering():
+    """verl's trainer.balance_batch (on by default) sorts each rank's sequences by length and
+    dynamic batching regroups them, so consecutive sequences are not one prompt's group:
+    prompt-mean is refused when the config is built and at the loss call."""
+    with pytest.raises(ValueError, match=r"^policy_loss\.loss_agg: prompt-mean .*balance_batch"):
+        LogitlessPolicyLossConfig(loss_mode="logitless_grpo", loss_agg="prompt-mean",
+                                  prompt_group_size=2)
+    lp, old, adv, mask = _batch(seed=4)
+    actor = _actor(verl_config.PolicyLossConfig(loss_mode="logitless_grpo"),
+                   BATCH_INFOS["local"])
+    with pytest.raises(ValueError, match=r"^actor\.loss_agg_mode: prompt-mean .*use_dynamic"):
+        _call("logitless_grpo", lp, old, adv, mask, "prompt-mean", actor, None)
+
+
 @pytest.mark.parametrize(("field", "value", "match"), [
     ("delta", 0.5, "delta"),
     ("loss_agg", "balancd", "loss_agg"),

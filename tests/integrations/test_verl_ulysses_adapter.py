@@ -17,6 +17,7 @@ over all ranks; the gather's backward multiplies by the Ulysses size to make up 
 logitless losses are also compared with verl's built-in losses they reproduce, on the same path.
 """
 
+import functools
 from types import SimpleNamespace
 
 import pytest
@@ -64,10 +65,15 @@ RUNS = {
     "gspo": (lambda: verl_config.PolicyLossConfig(loss_mode="gspo"), "seq-mean-token-mean"),
     "logitless_grpo": (lambda: LogitlessPolicyLossConfig(loss_mode="logitless_grpo"),
                        "seq-mean-token-mean"),
+    # policy_loss.fused keeps working under Ulysses: the composed path, with a warning
+    "logitless_grpo/fused": (lambda: LogitlessPolicyLossConfig(loss_mode="logitless_grpo",
+                                                               fused=True),
+                             "seq-mean-token-mean"),
     "vanilla": (lambda: verl_config.PolicyLossConfig(loss_mode="vanilla"),
                 "seq-mean-token-mean"),
 }
-SAME_AS_VERL = {"logitless_gspo/verl": "gspo", "logitless_grpo": "vanilla"}
+SAME_AS_VERL = {"logitless_gspo/verl": "gspo", "logitless_grpo": "vanilla",
+                "logitless_grpo/fused": "vanilla"}
 
 
 class _Body(torch.nn.Module):
@@ -175,7 +181,7 @@ def _step(run, mesh, sp):
         policy_loss=policy_loss())
     model = _CausalLM(_params())
     engine = _engine(model, mesh, sp)
-    loss_fn = lambda **kw: ppo_loss(actor, **kw)  # as verl's worker: partial(ppo_loss, ...)
+    loss_fn = functools.partial(ppo_loss, config=actor)  # as verl's actor worker binds it
     out = engine.forward_backward_batch(_batch(), loss_fn)
     (loss,) = out["loss"]
     grads = {name: p.grad for name, p in model.named_parameters()}

@@ -42,13 +42,17 @@ FSDP engine (``FSDPEngineWithLMHead``; remove-padding or not, static packing pad
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
+import warnings
 from typing import Any
 
 import torch
 from verl.trainer.ppo.core_algos import register_policy_loss
 from verl.workers.config import PolicyLossConfig as VerlPolicyLossConfig
 
+from logitless.fused_losses.fused.fused_policy_loss import fused_policy_loss
+from logitless.fused_losses.head.dtensor import is_dtensor
 from logitless.fused_losses.objectives.catalog import OBJECTIVES, get_objective
 from logitless.fused_losses.objectives.config import PolicyLossConfig
 from logitless.fused_losses.objectives.mismatch import logged_mismatch
@@ -68,6 +72,7 @@ from logitless.integrations.verl_head import (
     head_sampler,
     linear_cross_entropy,
     sampler_head_calls,
+    set_head_deferral,
     set_head_replay,
     set_head_sampler,
 )
@@ -198,6 +203,7 @@ def _post_init(self):
         parent(self)
     _check_fields(self)
     _apply_match_sampler(self)
+    _hook_engine()
 
 
 _PREFIX = "logitless_"
@@ -212,10 +218,16 @@ def _check_fields(self):
     if self.sequence_is_weight not in (None, "geometric"):
         raise ValueError(f"policy_loss.sequence_is_weight: expected None or 'geometric', got "
                          f"{self.sequence_is_weight!r}")
+    if not isinstance(self.fused, bool):
+        raise ValueError(f"policy_loss.fused: expected True or False, got {self.fused!r}")
     if not (isinstance(mode, str) and mode.startswith(_PREFIX)):
+        if self.fused:
+            raise ValueError(f"policy_loss.fused: the fused loss is a logitless loss mode's "
+                             f"(logitless_<objective>), got loss_mode={mode!r}")
         return  # one of verl's own losses: these fields are not read
     fields = {name: getattr(self, name) for name in PASSTHROUGH_FIELDS}
     if self.loss_agg is not None:
+        _refuse_prompt_mean(self.loss_agg, "policy_loss.loss_agg")
         fields["loss_agg"] = self.loss_agg
     try:
         get_objective(mode[len(_PREFIX):])
@@ -224,10 +236,24 @@ def _check_fields(self):
         raise ValueError(f"policy_loss (loss_mode={mode!r}): {err}") from err
 
 
+def _refuse_prompt_mean(loss_agg, name: str) -> None:
+    """``prompt-mean`` groups ``prompt_group_size`` consecutive sequences of the loss's batch,
+    which verl's batch does not keep together: refused, naming the setting."""
+    if loss_agg == "prompt-mean":
+        raise ValueError(
+            f"{name}: prompt-mean groups prompt_group_size consecutive sequences as one "
+            f"prompt's responses, but verl reorders the batch before the actor's loss: "
+            f"trainer.balance_batch (on by default) sorts each data-parallel rank's sequences "
+            f"by length, actor.use_dynamic_bsz regroups micro-batches by token count and "
+            f"actor.shuffle shuffles the mini-batches, and each micro-batch's loss sees only "
+            f"its own groups; choose another aggregation (e.g. seq-mean-token-mean)")
+
+
 def _setstate(self, state):
     # Ray ships a built config to its workers by pickling it: the worker's head is set too.
     self.__dict__.update(state)
     _apply_match_sampler(self)
+    _hook_engine()
 
 
 def _apply_match_sampler(self):
@@ -250,6 +276,7 @@ LogitlessPolicyLossConfig = dataclasses.make_dataclass(
     "LogitlessPolicyLossConfig",
     [
         ("match_sampler", Any, dataclasses.field(default=None)),
+        ("fused", bool, dataclasses.field(default=False)),
         ("loss_agg", Any, dataclasses.field(default=None)),
         ("dual_clip", Any, dataclasses.field(default=None)),
         ("use_global_batch_info", bool, dataclasses.field(default=True)),
@@ -275,6 +302,13 @@ and ``policy_loss.loss_mode=logitless_<objective>``. Its own fields:
   logitless's fused head (``use_fused_kernels`` with the ``triton`` backend and
   ``LOGITLESS_VERL_FUSED_HEAD=1``) and no reference KL (``use_kl_loss``): the reference
   model's head in the same process would be truncated too. Checked at the first loss call.
+- ``fused``: compute the policy loss from the head's inputs with
+  :func:`logitless.fused_policy_loss` (three GEMM passes over the response rows, the
+  gradients formed in the forward) instead of from the head's logprobs; needs
+  ``use_fused_kernels`` (``triton`` backend) with ``LOGITLESS_VERL_FUSED_HEAD=1`` and verl's
+  FSDP engine. A micro-batch that cannot run fused (entropy or reference KL in verl's loss,
+  Ulysses, ``match_sampler``, a sharded head) runs the composed path, with one warning naming
+  the reason (docs/verl.md).
 - ``loss_agg``: overrides the actor's ``loss_agg_mode`` for this loss (any logitless
   aggregation, e.g. ``balanced`` or ``length-power``); None keeps verl's.
 - ``dual_clip``: apply ``clip_ratio_c`` as a dual clip; None does what verl's matching loss
@@ -323,11 +357,14 @@ def to_logitless_config(objective: str, actor_config, loss_agg_mode: str | None 
     if dual is None:
         dual = objective_fields.verl_dual_clip(objective)
     cov_key = objective_fields.verl_keys(objective).get("cov_fraction", "clip_cov_ratio")
+    loss_agg = _get(pl, "loss_agg") or loss_agg_mode or _get(actor_config, "loss_agg_mode")
+    _refuse_prompt_mean(loss_agg, "policy_loss.loss_agg" if _get(pl, "loss_agg")
+                        else "actor.loss_agg_mode")
     fields = dict(
         objective=objective,
         eps_low=_get(actor_config, "clip_ratio_low", clip),
         eps_high=_get(actor_config, "clip_ratio_high", clip),
-        loss_agg=_get(pl, "loss_agg") or loss_agg_mode or _get(actor_config, "loss_agg_mode"),
+        loss_agg=loss_agg,
         dual_clip_c=clip_c if dual else None,
         dppo_ratio_cap=clip_c,
         sapo_tau_pos=_get(actor_config, "tau_pos", 1.0),
@@ -404,10 +441,21 @@ def _verl_policy_loss(objective: str):
             )
         if rollout_is_weights is not None and mode == "geometric":
             rollout_is_weights = _geometric_sequence_weights(rollout_is_weights, response_mask)
-        loss, metrics = policy_loss(log_prob, old_log_prob, advantages, response_mask, cfg,
-                                    token_weights=rollout_is_weights, **normalisers)
+        step = _step_of(config)
+        if step is None and _get(_get(config, "policy_loss"), "fused", False):
+            _warn_composed("the loss was not called by verl's FSDP engine from its ppo_loss "
+                           "(partial(ppo_loss, config=...), as verl's actor worker binds it)")
+        if step is not None and step.rows is not None:
+            loss, metrics = _fused_loss(step.take_rows(), log_prob, old_log_prob, advantages,
+                                        response_mask, cfg, rollout_is_weights, normalisers)
+        else:
+            loss, metrics = policy_loss(log_prob, old_log_prob, advantages, response_mask, cfg,
+                                        token_weights=rollout_is_weights, **normalisers)
         if outside is not None:
             metrics["sampler/outside_kept"] = outside
+        if rollout_log_probs is None and step is not None \
+                and step.rollout_log_probs is not None:
+            rollout_log_probs = step.rollout_log_probs.to(old_log_prob.device)
         if rollout_log_probs is not None:
             # old_log_prob: the trainer's logprobs at the weights the rollout sampled with
             metrics.update(logged_mismatch(old_log_prob, rollout_log_probs, response_mask))
@@ -420,6 +468,175 @@ def _verl_policy_loss(objective: str):
         "(see logitless.integrations.verl)."
     )
     return compute_policy_loss
+
+
+# -- verl's training step: the fused loss and the rollout logprobs ---------------------------
+#
+# verl 0.9.1 trains the actor through its engine (``FSDPEngineWithLMHead.forward_step``: the
+# model forward, whose fused head is our ``linear_cross_entropy``, then ``ppo_loss``, which
+# calls the registered policy loss). ``_hook_engine`` wraps ``forward_step`` so that, for a
+# micro-batch that trains with verl's ``ppo_loss``, this module knows the step's actor config
+# and its ``rollout_log_probs``; with ``policy_loss.fused`` the head call then hands its
+# inputs over (``set_head_deferral``) and the policy loss runs ``fused_policy_loss`` on them.
+
+_ENGINE_MODULE = "verl.workers.engine.fsdp.transformer_impl"
+_ENGINE_CLASS = "FSDPEngineWithLMHead"
+_original_forward_step = None
+_step = None  # the _TrainStep of the micro-batch being trained, or None
+_warned: set[str] = set()
+
+
+@dataclasses.dataclass
+class _HeadRows:
+    """A deferred head call's inputs: ``[N, D]`` hidden rows, the head, ``[N]`` labels."""
+
+    hidden: torch.Tensor
+    weight: torch.Tensor
+    labels: torch.Tensor
+    temperature: float
+
+
+@dataclasses.dataclass
+class _TrainStep:
+    """One micro-batch's training step as the engine hook sees it."""
+
+    config: Any  # the actor config verl's ppo_loss was bound to
+    fused: str | None  # None: run fused; else why the composed path runs
+    rollout_log_probs: torch.Tensor | None  # [B, response_length], as ppo_loss pads its fields
+    rows: _HeadRows | None = None
+
+    def take_rows(self) -> _HeadRows:
+        rows, self.rows = self.rows, None
+        return rows
+
+
+def _step_of(config) -> _TrainStep | None:
+    """The engine step of this loss call (None outside verl's hooked engine)."""
+    return _step if _step is not None and _step.config is config else None
+
+
+def _hook_engine() -> None:
+    """Wrap verl's FSDP engine's ``forward_step`` (once per process; idempotent)."""
+    global _original_forward_step
+    import importlib
+
+    if _original_forward_step is not None:
+        return
+    engine = getattr(importlib.import_module(_ENGINE_MODULE), _ENGINE_CLASS)
+    _original_forward_step = engine.forward_step
+    engine.forward_step = _forward_step
+    set_head_deferral(_defer_head)
+
+
+def _ppo_loss_config(loss_function):
+    """The actor config of verl's ``partial(ppo_loss, config=...)`` (what verl's actor worker
+    trains with), else None."""
+    from verl.workers.utils.losses import ppo_loss
+
+    if isinstance(loss_function, functools.partial) and loss_function.func is ppo_loss:
+        return loss_function.keywords.get("config")
+    return None
+
+
+def _forward_step(self, micro_batch, loss_function, forward_only):
+    """verl's ``forward_step``, with the micro-batch's training step known to the head and the
+    policy loss (see `_TrainStep`)."""
+    global _step
+    config = None if forward_only else _ppo_loss_config(loss_function)
+    if config is None:
+        return _original_forward_step(self, micro_batch, loss_function=loss_function,
+                                      forward_only=forward_only)
+    from verl.utils import tensordict_utils as tu
+
+    def flag(key):
+        return tu.get_non_tensor_data(data=micro_batch, key=key, default=False)
+
+    fused = "off"
+    if _get(_get(config, "policy_loss"), "fused", False):
+        if not flag("use_fused_kernels"):
+            raise ValueError(
+                "policy_loss.fused: needs actor_rollout_ref.model.use_fused_kernels=True (with "
+                "fused_kernel_options.impl_backend=triton and LOGITLESS_VERL_FUSED_HEAD=1): the "
+                "fused loss takes its inputs from the fused head")
+        fused = _composed_reason(self, config, flag("calculate_entropy"))
+    rollout = None
+    if "rollout_log_probs" in micro_batch:
+        rollout = micro_batch.select("rollout_log_probs").to_padded_tensor()["rollout_log_probs"]
+    _step = _TrainStep(config=config, fused=fused, rollout_log_probs=rollout)
+    try:
+        return _original_forward_step(self, micro_batch, loss_function=loss_function,
+                                      forward_only=forward_only)
+    finally:
+        _step = None
+
+
+def _composed_reason(engine, config, calculate_entropy: bool) -> str | None:
+    """Why this micro-batch cannot run the fused loss (None: it can)."""
+    if getattr(engine, "use_ulysses_sp", False):
+        return ("ulysses_sequence_parallel_size > 1: each rank's head holds a slice of the "
+                "sequences")
+    if _get(config, "use_kl_loss", False):
+        return "actor.use_kl_loss: verl's KL term reads the per-token logprobs"
+    if calculate_entropy or _get(config, "entropy_coeff", 0.0) != 0:
+        return ("actor.entropy_coeff / calculate_entropy: verl's entropy term reads the "
+                "per-token entropies")
+    if _get(_get(config, "policy_loss"), "match_sampler") is not None:
+        return "policy_loss.match_sampler: the fused loss scores the full distribution"
+    return None
+
+
+def _defer_head(hidden, weight, labels, temperature, reduction, dist_process_group):
+    """The head hook (`set_head_deferral`): in a fused training step, keep the head's inputs
+    for the policy loss and return placeholders: the logprobs are the rows' numbers (1-based,
+    0 nowhere), so verl's own layout code (unpad, nested, ``no_padding_2_padding``) tells the
+    loss which row each response token is; the entropy is 0 (verl's loss reads none here)."""
+    step = _step
+    if step is None or step.fused == "off":
+        return None
+    reason = step.fused
+    if reason is None:
+        if dist_process_group is not None or is_dtensor(weight):
+            reason = "a sharded head (dist_process_group or an FSDP2 DTensor weight)"
+        elif head_sampler() is not None or head_replays():
+            reason = "policy_loss.match_sampler: the fused loss scores the full distribution"
+        elif reduction.lower() != "none" or step.rows is not None:
+            reason = "a head call that is not one per-token call per micro-batch"
+    if reason is not None:
+        step.fused = "off"
+        _warn_composed(reason)
+        return None
+    n = labels.numel()
+    step.rows = _HeadRows(hidden.reshape(n, hidden.shape[-1]), weight, labels.reshape(n),
+                          float(temperature))
+    dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    ids = torch.arange(1, n + 1, dtype=dtype, device=hidden.device)
+    return ids, torch.zeros_like(ids)
+
+
+def _warn_composed(reason: str) -> None:
+    """One warning per reason and process that ``policy_loss.fused`` runs the composed path."""
+    if reason not in _warned:
+        _warned.add(reason)
+        warnings.warn(f"policy_loss.fused: this micro-batch runs the composed loss (the "
+                      f"head's logprobs, then the policy loss): {reason}", stacklevel=3)
+
+
+def _fused_loss(rows: _HeadRows, ids, old_log_prob, advantages, response_mask, cfg,
+                token_weights, normalisers):
+    """``fused_policy_loss`` over the response tokens, their hidden rows picked by the row
+    numbers verl laid out in ``log_prob``'s place (`_defer_head`)."""
+    ids = ids.detach().round().long()
+    mask = response_mask.bool()
+    if bool(((ids < 1) | (ids > rows.labels.numel()))[mask].any()):
+        raise ValueError("policy_loss.fused: a response token in the loss has no head row "
+                         "(the micro-batch's head call and its loss do not match)")
+    pick = torch.where(mask, ids - 1, torch.zeros_like(ids))
+    loss, metrics = fused_policy_loss(rows.hidden[pick], rows.weight, rows.labels[pick],
+                                      old_log_prob, advantages, response_mask, cfg,
+                                      token_weights=token_weights,
+                                      temperature=rows.temperature, **normalisers)
+    # the composed path's metrics: verl passes a policy loss no entropies
+    return loss, {k: v for k, v in metrics.items() if not k.startswith("entropy/")}
 
 
 def _check_sampler_matching(actor_config) -> None:

@@ -57,6 +57,7 @@ __all__ = [
     "kept_rows_for_head",
     "linear_cross_entropy",
     "sampler_head_calls",
+    "set_head_deferral",
     "set_head_replay",
     "set_head_sampler",
 ]
@@ -88,6 +89,8 @@ SUM_PI_SQUARED_KEY = "sum_pi_squared"
 _keep_sum_p_sq = False
 _pending_sum_p_sq: torch.Tensor | None = None
 _original_outputs = None
+# set_head_deferral: a hook that may answer a head call itself (the verl adapter's fused loss)
+_deferral = None
 
 
 def set_head_sampler(sampler: SamplerTruncation | None) -> None:
@@ -123,6 +126,15 @@ def set_head_replay(on: bool) -> None:
         engine.prepare_model_inputs = _original_prepare
         _original_prepare = None
     _replay = bool(on)
+
+
+def set_head_deferral(hook) -> None:
+    """Let ``hook(hidden, weight, labels, temperature, reduction, dist_process_group)`` see every
+    later :func:`linear_cross_entropy` call first: a ``(logprobs, entropy)`` pair it returns is
+    the call's result, None runs the head as usual (``hook=None``: no hook). The verl adapter's
+    ``policy_loss.fused`` hands the head's inputs to the loss this way."""
+    global _deferral
+    _deferral = hook
 
 
 def head_replays() -> bool:
@@ -286,6 +298,10 @@ def linear_cross_entropy(
             f"{tuple(hidden.shape)}), got shape {tuple(labels.shape)}"
         )
     kept = _take_kept(labels)
+    if _deferral is not None:
+        deferred = _deferral(hidden, weight, labels, temperature, reduction, dist_process_group)
+        if deferred is not None:
+            return deferred
     if is_dtensor(weight):
         # verl's FSDP2 wraps lm_head on its own: its weight arrives here a Shard(0) DTensor,
         # which runs vocabulary-parallel over its mesh, the ranks' tokens gathered (not the

@@ -1,0 +1,208 @@
+"""``policy_loss.fused`` and the rollout logprobs through verl's own training step.
+
+verl's FSDP engine (``FSDPEngineWithLMHead.forward_backward_batch``: the normalisers,
+``prepare_model_inputs``, verl's fused forward calling our ``linear_cross_entropy``,
+``prepare_model_outputs``, verl's ``ppo_loss`` bound as its actor worker binds it,
+``partial(ppo_loss, config=...)``, and the backward) on the stand-in engine and tiny model of
+test_verl_ulysses_adapter, one process, fp64.
+
+The fused step must equal the composed one (the head's logprobs, then the policy loss) and
+verl's built-in losses on the composed path: the loss, verl's metrics and every parameter's
+gradient. Its head work, counted with ``FlopCounterMode`` (a ``TorchDispatchMode``) over the
+whole step, forward and backward, is three GEMM passes over the response rows.
+"""
+
+import functools
+import warnings
+
+import pytest
+
+pytest.importorskip("verl", reason="verl is installed by `make test`")
+import torch
+import torch.distributed as dist
+import verl.workers.config as verl_config
+import verl.workers.engine.fsdp.transformer_impl as fsdp_impl
+from torch.utils.flop_counter import FlopCounterMode
+from verl.utils import tensordict_utils as tu
+from verl.workers.utils.losses import ppo_loss
+
+import logitless
+from integrations.test_verl_ulysses_adapter import (
+    SEQS,
+    TEMPERATURE,
+    VERL_GSPO,
+    WIDTH_R,
+    D,
+    V,
+    _batch,
+    _CausalLM,
+    _engine,
+    _params,
+)
+from logitless.integrations import verl as verl_adapter
+from logitless.integrations.verl import (
+    LogitlessPolicyLossConfig,
+    disable_fused_head,
+    enable_fused_head,
+)
+from logitless.integrations.verl_head import set_head_sampler
+
+RTOL, ATOL = 1e-11, 1e-13
+RESPONSE_ROWS = sum(r for _, r in SEQS)
+
+
+@pytest.fixture
+def cpu_engine(monkeypatch, tmp_path):
+    """verl's FSDP engine on CPU, one process in a one-rank gloo group (its step all-reduces
+    the batch's token count), the logitless head in verl's fused forward."""
+    monkeypatch.setattr(fsdp_impl, "get_device_id", lambda: "cpu")
+    monkeypatch.setattr(fsdp_impl, "get_device_name", lambda: "cpu")
+    monkeypatch.setattr(verl_adapter, "_warned", set())  # each test sees its first warning
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1),
+                                rank=0, world_size=1)
+    enable_fused_head()
+    try:
+        yield
+    finally:
+        disable_fused_head()
+        if owned:
+            dist.destroy_process_group()
+
+
+def _data(entropy=False, weights=False, rollout=False, fused_kernels=True):
+    data = _batch()
+    tu.assign_non_tensor(data, calculate_entropy=entropy, use_fused_kernels=fused_kernels)
+    g = torch.Generator().manual_seed(17)
+    old = data["old_log_probs"]
+    if weights:  # verl's rollout IS weights, some truncated to 0 as IcePop does
+        w = torch.rand(old.shape, generator=g, dtype=torch.float64) * 1.5 + 0.25
+        data["rollout_is_weights"] = torch.where(w > 1.6, torch.zeros_like(w), w)
+    if rollout:  # the engine's logprobs: the old ones, off by a few percent
+        data["rollout_log_probs"] = old + 0.05 * torch.randn(old.shape, generator=g,
+                                                             dtype=torch.float64)
+    return data
+
+
+def _step(policy_loss, agg="seq-mean-token-mean", entropy_coeff=0.0, data=None):
+    """One verl training step; the loss, verl's metrics, the gradients, the matmul FLOPs."""
+    actor = verl_config.ActorConfig(
+        strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1, clip_ratio_low=0.2,
+        clip_ratio_high=0.28, clip_ratio_c=3.0, entropy_coeff=entropy_coeff, loss_agg_mode=agg,
+        policy_loss=policy_loss)
+    model = _CausalLM(_params())
+    engine = _engine(model, None, 1)
+    with FlopCounterMode(display=False) as flops:
+        out = engine.forward_backward_batch(_data() if data is None else data,
+                                            functools.partial(ppo_loss, config=actor))
+    (loss,) = out["loss"]
+    metrics = {k: float(v.aggregate()) for k, v in out["metrics"].items()
+               if k.startswith("actor/")}
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    return dict(loss=loss, metrics=metrics, grads=grads, flops=flops.get_total_flops())
+
+
+def _same(got, want, what):
+    torch.testing.assert_close(got["loss"], want["loss"], rtol=RTOL, atol=ATOL, msg=what)
+    assert got["metrics"].keys() == want["metrics"].keys(), what
+    for name, value in got["metrics"].items():
+        torch.testing.assert_close(value, want["metrics"][name], rtol=RTOL, atol=ATOL,
+                                   msg=f"{what}: {name}")
+    for name, grad in got["grads"].items():
+        assert grad is not None and bool(grad.abs().sum() > 0), f"{what}: {name}"
+        torch.testing.assert_close(grad, want["grads"][name], rtol=RTOL, atol=ATOL,
+                                   msg=f"{what}: {name}")
+
+
+# (loss mode, LogitlessPolicyLossConfig options, loss_agg_mode, verl's built-in loss or None)
+CASES = {
+    "grpo": ("logitless_grpo", {}, "seq-mean-token-mean", "vanilla"),
+    "gspo-verl": ("logitless_gspo", VERL_GSPO, "seq-mean-token-mean", "gspo"),
+    "gspo": ("logitless_gspo", {}, "token-mean", None),
+    "cispo": ("logitless_cispo", {}, "token-mean", "cispo"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_fused_step_equals_composed_and_verls_loss(cpu_engine, case):
+    mode, options, agg, verls = CASES[case]
+    for weights in (False, True):
+        fused = _step(LogitlessPolicyLossConfig(loss_mode=mode, fused=True, **options), agg,
+                      data=_data(weights=weights))
+        composed = _step(LogitlessPolicyLossConfig(loss_mode=mode, **options), agg,
+                         data=_data(weights=weights))
+        _same(fused, composed, f"{case}, IS weights {weights}")
+        if verls is not None:
+            theirs = _step(verl_config.PolicyLossConfig(loss_mode=verls), agg,
+                           data=_data(weights=weights))
+            torch.testing.assert_close(fused["loss"], theirs["loss"], rtol=RTOL, atol=ATOL)
+            for name, grad in fused["grads"].items():
+                torch.testing.assert_close(grad, theirs["grads"][name], rtol=RTOL, atol=ATOL,
+                                           msg=f"{case} against verl's {verls}: {name}")
+        # the head work: three GEMM passes over the response rows, forward and backward
+        # (the tiny model's body has no matmul; the composed head runs four passes over every
+        # packed row, prompts included, in kernels this counter does not see on CPU)
+        assert fused["flops"] == 3 * 2 * RESPONSE_ROWS * D * V, case
+    assert fused["metrics"]["actor/pg_clipfrac"] > 0, case  # clipping is active
+
+
+def test_fused_falls_back_with_one_warning_where_it_cannot_run(cpu_engine):
+    """verl's entropy term reads per-token entropies: the composed path runs, said once."""
+    cfg = lambda fused: LogitlessPolicyLossConfig(loss_mode="logitless_grpo", fused=fused)
+    with pytest.warns(UserWarning, match="entropy_coeff") as caught:
+        fused = _step(cfg(True), entropy_coeff=0.03, data=_data(entropy=True))
+        _step(cfg(True), entropy_coeff=0.03, data=_data(entropy=True))
+    assert sum("policy_loss.fused" in str(w.message) for w in caught) == 1
+    composed = _step(cfg(False), entropy_coeff=0.03, data=_data(entropy=True))
+    _same(fused, composed, "entropy bonus")
+    assert fused["flops"] == composed["flops"]
+
+
+def test_fused_with_match_sampler_runs_the_sampler_matched_composed_path(cpu_engine):
+    rollout = {"name": "vllm", "temperature": TEMPERATURE, "top_k": 20, "top_p": 0.9}
+    cfg = lambda **kw: LogitlessPolicyLossConfig(loss_mode="logitless_grpo",
+                                                 match_sampler=rollout, **kw)
+    try:
+        with pytest.warns(UserWarning, match="policy_loss.fused: .*match_sampler"):
+            fused = _step(cfg(fused=True))
+        composed = _step(cfg())
+    finally:
+        set_head_sampler(None)
+    _same(fused, composed, "match_sampler")
+    assert composed["metrics"]["actor/logitless/sampler/outside_kept"] > 0  # it truncated
+
+
+def test_fused_refuses_what_it_cannot_do(cpu_engine):
+    with pytest.raises(ValueError, match=r"^policy_loss\.fused: the fused loss is a logitless"):
+        LogitlessPolicyLossConfig(loss_mode="vanilla", fused=True)
+    with pytest.raises(ValueError, match=r"^policy_loss\.fused: expected True or False"):
+        LogitlessPolicyLossConfig(loss_mode="logitless_grpo", fused="yes")
+    with pytest.raises(ValueError, match=r"^policy_loss\.fused: needs .*use_fused_kernels"):
+        _step(LogitlessPolicyLossConfig(loss_mode="logitless_grpo", fused=True),
+              data=_data(fused_kernels=False))
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_rollout_log_probs_give_the_mismatch_metrics(cpu_engine, fused):
+    """verl's batch carries the engine's ``rollout_log_probs``; verl's ``ppo_loss`` does not
+    pass them on, the engine hook does: the step logs ``actor/logitless/mismatch/*`` of the
+    old logprobs against them, as ``logitless.mismatch_metrics`` gives them."""
+    data = _data(rollout=True)
+    mask = data["response_mask"].to_padded_tensor().bool() if data["response_mask"].is_nested \
+        else data["response_mask"].bool()
+    old, rollout = data["old_log_probs"], data["rollout_log_probs"]
+    want = logitless.mismatch_metrics(old, rollout, mask)
+    cfg = lambda: LogitlessPolicyLossConfig(
+        loss_mode="logitless_grpo", **({"fused": True} if fused else {}))
+    got = _step(cfg(), data=data)
+    for name, value in want.items():
+        torch.testing.assert_close(got["metrics"][f"actor/logitless/mismatch/{name}"],
+                                   float(value), rtol=1e-12, atol=1e-14, msg=name)
+    assert want["abs_diff/mean"] > 0
+    without = _step(cfg())
+    assert not any("mismatch" in k for k in without["metrics"])
+    assert old.shape[1] == WIDTH_R
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback here
+        _step(cfg(), data=data)
