@@ -157,7 +157,7 @@ def run(variant: str, layers: int, seqs: int, response: int) -> dict:
     from verl.workers.utils.losses import ppo_loss
 
     from logitless.integrations.verl import enable_fused_head
-    from logitless.tools.bench.measure import _CpuMemory
+    from logitless.tools.bench.measure import CpuMemory
 
     tmp = tempfile.TemporaryDirectory()
     dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tmp.name, "store"), 1),
@@ -169,7 +169,7 @@ def run(variant: str, layers: int, seqs: int, response: int) -> dict:
     engine.forward_backward_batch(_batch(1, 8), loss_fn)  # warm-up: imports, first calls
     model.zero_grad(set_to_none=True)
     data = _batch(seqs, response)
-    memory = _CpuMemory()
+    memory = CpuMemory()
     memory.start()
     counter = MatmulFlops()
     start, cpu_start = time.perf_counter(), time.process_time()

@@ -55,7 +55,7 @@ def quantiles(samples_ms: list[float]) -> dict[str, float]:
     return {"median": statistics.median(xs), "p20": cuts[1], "p80": cuts[7]}
 
 
-class _CpuMemory:
+class CpuMemory:
     """Peak resident memory of this process around one call."""
 
     def __init__(self):
@@ -204,7 +204,7 @@ def _measure(op, provider, shape, mode, dtype, device, *, warmup, repeats, block
     is_cuda = device.startswith("cuda")
     for _ in range(warmup):
         run()
-    probe = _CudaMemory(device) if is_cuda else _CpuMemory()
+    probe = _CudaMemory(device) if is_cuda else CpuMemory()
     figures = Figures(memory_probe=probe.name)
     if mode == "fwd-bwd":
         figures.grad_bytes = sum(inputs[k].nbytes for k in op.grad_inputs)
