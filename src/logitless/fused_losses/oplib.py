@@ -125,21 +125,20 @@ class Op:
       for each of ``wrt`` (given to the implementations as the tuple ``a.need``), and the
       forward's arguments with a default; it returns one tensor per ``wrt``, empty where not
       needed (`grads_or_empty`);
-    - or ``autograd(a)`` is a plain function of the saved outputs, the forward's other
-      arguments, the incoming gradients and ``a.need`` (no op of its own; ``save_inputs``
-      False keeps the forward's tensors out of the saved ones), returning None where not
-      needed.
+    - or ``autograd(a)`` is a plain function of the saved outputs, the forward's arguments
+      other than tensors (which are not saved then), the incoming gradients and ``a.need``
+      (no op of its own), returning None where not needed.
 
     So an argument added to the declaration reaches both implementations and the backward
     by its name, and nothing counts positions."""
 
     def __init__(self, name: str, args, outputs, impl, fake, *, wrt=(), grads=(), saved=(),
                  backward=None, backward_fake=None, forward_only=(), autograd=None,
-                 save_inputs: bool = True, non_differentiable=()):
+                 non_differentiable=()):
         self.name, self.args, self.outputs = name, declare(*args), tuple(outputs)
         self.names = tuple(a.name for a in self.args)
         self.wrt, self.grads, self.saved = tuple(wrt), tuple(grads), tuple(saved)
-        self.save_inputs, self.autograd = save_inputs and autograd is None, autograd
+        self.save_inputs, self.autograd = autograd is None, autograd
         self.non_differentiable = tuple(non_differentiable)
         self.impl = impl
         self.op = define(name, _schema(self.args, len(self.outputs)),

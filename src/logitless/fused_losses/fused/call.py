@@ -263,7 +263,7 @@ def check_sharded(head: Head, strategy: str, ref_args) -> bool:
 
 
 def checked_call(head, targets, old_logprobs, advantages, mask, config, strategy, cu_seqlens,
-                  selection_entropy, memory_budget, **tensors) -> Call:
+                  selection_entropy, memory_budget, *, cp_group=None, **tensors) -> Call:
     """Every check of the call, once, here: arguments, head, targets (one host sync), and the
     policy inputs (`policy_loss`'s checks); the batch laid out on the grid once."""
     check_static(head, targets, mask, strategy, cu_seqlens, memory_budget)
@@ -279,8 +279,8 @@ def checked_call(head, targets, old_logprobs, advantages, mask, config, strategy
     loss_dtype = tiles.acc_dtype(head.dtype)
     globals_dtype = _dtype(old_logprobs)
     full = _to_batch(mask, advantages, cu_seqlens, torch.promote_types(loss_dtype, globals_dtype),
-                     True, config, old_logprobs=old_logprobs, selection_entropy=selection_entropy,
-                     **tensors)
+                     True, config, cp_group=cp_group, old_logprobs=old_logprobs,
+                     selection_entropy=selection_entropy, **tensors)
     rows = torch.nonzero(m_flat).squeeze(1)
     return Call(head, config, full.to(loss_dtype), full, globals_dtype, rows,
                  t_flat.index_select(0, rows), full.positions(rows), packed, cu_seqlens,

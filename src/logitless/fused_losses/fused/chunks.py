@@ -37,7 +37,7 @@ def run_call(req: Request) -> tuple:
     sharded = check_sharded(head, req.strategy, req.ref_args)
     call = checked_call(head, req.targets, req.old_logprobs, req.advantages, req.mask, config,
                         req.strategy, req.cu_seqlens, req.selection_entropy, req.memory_budget,
-                        **req.tensors)
+                        cp_group=req.cp_group, **req.tensors)
     call.ref = checked_ref(head, config, *req.ref_args)
     if call.whole or sharded:
         return (*streamed_whole(call, loss_args), None)

@@ -41,7 +41,6 @@ from logitless.fused_losses.fused.chunks import run_call
 from logitless.fused_losses.fused.op import as_op, metric_names, op_call
 from logitless.fused_losses.fused.plan import CPU_MEMORY_BUDGET, ChunkStore, plan_chunks
 from logitless.fused_losses.objectives.config import PolicyLossConfig
-from logitless.fused_losses.objectives.context_parallel import cp_context
 from logitless.fused_losses.objectives.policy_loss import (
     check_cp_config,
     check_topk_inputs,
@@ -222,6 +221,5 @@ def _context_parallel(req: Request):
                          "chunk); use 'auto' or 'streaming'")
     if as_op(req.hidden):
         raise ValueError("cp_group: not supported under torch.compile or for meta/fake tensors")
-    with cp_context(req.cp_group):
-        loss, metrics, _ = run_call(dataclasses.replace(req, strategy="streaming"))
-        return cp_loss_value(loss), metrics
+    loss, metrics, _ = run_call(dataclasses.replace(req, strategy="streaming"))
+    return cp_loss_value(loss, req.cp_group), metrics

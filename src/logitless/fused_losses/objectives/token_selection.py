@@ -117,9 +117,9 @@ def attention_entropy_weights(hatt, m, cfg, *, stats=None, thresholds=None, prog
     return soft * m.sum(-1, keepdim=True).to(h.dtype)
 
 
-def future_kl_advantages(adv, lp, ref_lp, m, coef):
+def future_kl_advantages(adv, lp, ref_lp, m, coef, group=None):
     """FRPO: ``A_t - coef * sum_{j >= t} m_j (lp_j - ref_j)``, the suffix sum detached."""
-    return adv - coef * segments.suffix_sum((lp - ref_lp).detach(), m)
+    return adv - coef * segments.suffix_sum((lp - ref_lp).detach(), m, group=group)
 
 
 def probability_reweighted_advantages(adv, lp, alpha):
