@@ -3,7 +3,8 @@ the call's checks that read no values run in the wrapper (`op_call`, so they rai
 tracing), everything else in the op's implementation (`op_forward`, the eager chunk loop),
 which returns the loss, the metrics as one tensor (named by `metric_names`) and the gradients
 it computed in its forward; its backward is two or three multiplications by the loss's
-incoming gradient. The `PolicyLossConfig` crosses as four lists (``oplib.config_layout``)."""
+incoming gradient. The call's `Request` crosses as flat arguments (``oplib.Record``: a count
+given as a tensor or a number in a slot of each kind, the `PolicyLossConfig` as four lists)."""
 
 from __future__ import annotations
 
