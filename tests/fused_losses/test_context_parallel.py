@@ -318,3 +318,55 @@ def _count_collectives(rank, world):
 
 def test_cp_collectives_per_call():
     run_on_gloo(2, _count_collectives)
+
+
+def _explicit_group(rank, world):
+    from logitless.fused_losses.objectives import segments
+    from logitless.fused_losses.objectives.catalog import ObjectiveOutput, register_objective
+    from logitless.reference import segments as ref
+
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(B, T, generator=g, dtype=torch.float64)
+    m = torch.rand(B, T, generator=g) < 0.7
+    group = dist.group.WORLD
+    px, pm = _padded_piece(world, rank, x), _padded_piece(world, rank, m)
+    whole_sum = ref.segment_sum_loop(x, m)
+    count = m.sum(-1)
+    checks = [
+        (segments.segment_sum(px, pm, group=group), whole_sum),
+        (segments.segment_count(pm, group=group), count),
+        (segments.segment_mean(px, pm, group=group), whole_sum / count.clamp(min=1)),
+        (segments.segment_max(px, pm, group=group),
+         torch.stack([x[i][m[i]].max() if m[i].any() else x.new_zeros(()) for i in range(B)])),
+        (segments.prefix_sum(px, pm, group=group),
+         _padded_piece(world, rank, ref.prefix_sum_loop(x, m))),
+        (segments.suffix_sum(px, pm, group=group),
+         _padded_piece(world, rank, ref.suffix_sum_loop(x, m))),
+        (segments.prefix_min(px, pm, group=group, exclusive=True),
+         _padded_piece(world, rank, ref.prefix_min_loop(x, m, exclusive=True))),
+        # no group: this rank's tokens only, whatever call runs over a group
+        (segments.segment_sum(px, pm), ref.segment_sum_loop(px, pm)),
+    ]
+    for i, (got, want) in enumerate(checks):
+        torch.testing.assert_close(got, want.to(got.dtype), rtol=1e-12, atol=1e-12, msg=str(i))
+
+    seen = []
+
+    @register_objective("test_sees_its_group")
+    def _sees(x):
+        seen.append(x.cp_group)
+        share = segments.segment_mean(x.d, x.m, group=x.cp_group)[:, None].expand_as(x.d)
+        return ObjectiveOutput(-x.adv * torch.exp(share))
+
+    lp, old, adv = px.clone().requires_grad_(), px - 0.1, torch.randn(B, generator=g).double()
+    cfg = PolicyLossConfig(objective="test_sees_its_group")
+    logitless.policy_loss(lp, old, adv, pm, cfg, cp_group=group)
+    logitless.policy_loss(lp, old, adv, pm, cfg)
+    assert seen == [group, None]
+
+
+def test_cp_group_is_an_explicit_argument():
+    """The segment ops reduce over the group passed to them (``group=``), never over one set
+    by an enclosing call, and an objective reads the call's group from its inputs
+    (``x.cp_group``): a call without ``cp_group`` sees None."""
+    run_on_gloo(2, _explicit_group)

@@ -3,8 +3,8 @@ fused loss. It imports nothing of logitless but the kernels' dtype rule, so any 
 import it and no circle can run through it.
 
 Each public op is a ``torch.library`` custom op defined beside its implementation (its
-module calls :func:`define` at import), so ``torch.compile`` and ``torch.export`` see it as one
-graph node:
+module declares it with :class:`Op` at import: its arguments written once, by name), so
+``torch.compile`` and ``torch.export`` see it as one graph node:
 
 - the Python function (``linear_logprobs``, ...) checks its arguments *statically*: types,
   shapes, dtypes and scalar ranges, nothing that reads a tensor's values, so dynamo traces it
@@ -23,9 +23,11 @@ a dataclass with more fields than a schema holds crosses as four lists (:func:`c
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import math
 import numbers
+import types
 import typing
 import warnings
 from dataclasses import dataclass
@@ -34,10 +36,10 @@ import torch
 
 from logitless.kernels.linear_softmax_torch import acc_dtype
 
-__all__ = ["FLOAT_DTYPES", "OPS", "DivergenceOutput", "LogprobOutput", "check_devices",
-           "check_head", "check_temperature", "compact_rows", "compute_dtype", "config_args",
-           "config_from_args", "config_layout", "define", "distinct", "grads_fake",
-           "grads_or_empty", "is_compiling", "mask_rows", "none_grads", "put_rows",
+__all__ = ["FLOAT_DTYPES", "OPS", "Arg", "DivergenceOutput", "LogprobOutput", "Op", "Record",
+           "check_devices", "check_head", "check_temperature", "compact_rows", "compute_dtype",
+           "config_args", "config_from_args", "config_layout", "declare", "define", "distinct",
+           "grads_fake", "grads_or_empty", "is_compiling", "mask_rows", "put_rows",
            "renamed_keyword", "take_rows"]
 
 
@@ -62,6 +64,249 @@ def define(name: str, schema: str, impl, fake):
     return op
 
 
+# --- an op from one declaration of its arguments ------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Arg:
+    """One argument of an op: its schema type, name and default (schema text, "" when
+    required)."""
+
+    type: str
+    name: str
+    default: str = ""
+
+    @property
+    def tensor(self) -> bool:
+        return self.type in ("Tensor", "Tensor?")
+
+    def __str__(self) -> str:
+        return f"{self.type} {self.name}" + (f"={self.default}" if self.default else "")
+
+
+def declare(*entries: str | Arg | tuple[Arg, ...]) -> tuple[Arg, ...]:
+    """An op's arguments from entries written as in a schema, one each (``"Tensor? bias"``,
+    ``'str hidden_grad="sum"'``), or `Arg` tuples (a `Record`'s)."""
+    args = []
+    for e in entries:
+        if isinstance(e, str):
+            kind, decl = e.split(" ", 1)
+            name, _, default = decl.partition("=")
+            args.append(Arg(kind, name, default))
+        else:
+            args.extend([e] if isinstance(e, Arg) else e)
+    return tuple(args)
+
+
+def _bind(args, values) -> types.SimpleNamespace:
+    """Arguments by name: ``values`` in order, then the defaults of those not given (an op
+    passes its implementation the arguments its caller gave)."""
+    named = {a.name: ast.literal_eval(a.default) for a in args[len(values):]}
+    return types.SimpleNamespace(**dict(zip((a.name for a in args), values)), **named)
+
+
+def _schema(args, n_out: int) -> str:
+    outs = "Tensor" if n_out == 1 else "(" + ", ".join(["Tensor"] * n_out) + ")"
+    return "(" + ", ".join(map(str, args)) + ") -> " + outs
+
+
+class Op:
+    """``logitless::<name>`` defined from one declaration of its arguments (`declare`): its
+    implementation and fake implementation take them by name, as one namespace ``a``
+    (``a.hidden``, ``a.temperature``), and return the outputs named in ``outputs``.
+
+    With ``wrt`` (the inputs that get gradients, in practice ``("hidden", "weight",
+    "bias")``), the op is differentiable through the outputs named in ``grads``. Its
+    autograd registration saves every input by name and the outputs named in ``saved``;
+    the backward passes when no gradient comes in or none is needed, and returns None for
+    every other input. Then either
+
+    - ``backward`` (with ``backward_fake``, default `grads_fake`) is the implementation of
+      the op ``logitless::<name>_backward``, whose arguments are, in this order, the
+      forward's tensors, the saved outputs, each incoming gradient ``g_<output>``, the
+      forward's other arguments without a default (less ``forward_only``), ``need_<input>``
+      for each of ``wrt`` (given to the implementations as the tuple ``a.need``), and the
+      forward's arguments with a default; it returns one tensor per ``wrt``, empty where not
+      needed (`grads_or_empty`);
+    - or ``autograd(a)`` is a plain function of the saved outputs, the forward's arguments
+      other than tensors (which are not saved then), the incoming gradients and ``a.need``
+      (no op of its own), returning None where not needed.
+
+    So an argument added to the declaration reaches both implementations and the backward
+    by its name, and nothing counts positions."""
+
+    def __init__(self, name: str, args, outputs, impl, fake, *, wrt=(), grads=(), saved=(),
+                 backward=None, backward_fake=None, forward_only=(), autograd=None,
+                 non_differentiable=()):
+        self.name, self.args, self.outputs = name, declare(*args), tuple(outputs)
+        self.names = tuple(a.name for a in self.args)
+        self.wrt, self.grads, self.saved = tuple(wrt), tuple(grads), tuple(saved)
+        self.save_inputs, self.autograd = autograd is None, autograd
+        self.non_differentiable = tuple(non_differentiable)
+        self.impl = impl
+        self.op = define(name, _schema(self.args, len(self.outputs)),
+                         lambda *xs: impl(self.bind(xs)), lambda *xs: fake(self.bind(xs)))
+        if backward is not None:
+            required = [a for a in self.args if not a.tensor and not a.default
+                        and a.name not in forward_only]
+            self.backward_args = declare(
+                tuple(a for a in self.args if a.tensor),
+                *(f"Tensor? {x}" for x in self.saved), *(f"Tensor? g_{x}" for x in self.grads),
+                tuple(required), *(f"bool need_{x}" for x in self.wrt),
+                tuple(a for a in self.args if a.default))
+            fake_b = backward_fake or grads_fake
+            self.backward_op = define(
+                f"{name}_backward", _schema(self.backward_args, len(self.wrt)),
+                lambda *xs: backward(self._bind_backward(xs)),
+                lambda *xs: fake_b(self._bind_backward(xs)))
+        if self.wrt:
+            self.op.register_autograd(self.backward, setup_context=self.setup_context)
+
+    def __call__(self, *args, **kwargs):
+        """The op on its arguments, positional or by name."""
+        return getattr(torch.ops.logitless, self.name)(*args, **kwargs)
+
+    def bind(self, values) -> types.SimpleNamespace:
+        """The op's positional arguments by name (the defaults of those not given)."""
+        return _bind(self.args, values)
+
+    def run(self, *values):
+        """The implementation on the op's positional arguments, eagerly (no op)."""
+        return self.impl(self.bind(values))
+
+    def _bind_backward(self, values) -> types.SimpleNamespace:
+        a = _bind(self.backward_args, values)
+        a.need = tuple(getattr(a, f"need_{x}") for x in self.wrt)
+        return a
+
+    def setup_context(self, ctx, inputs, output) -> None:
+        """Saves the inputs (tensors with ``save_for_backward``) and the outputs of ``saved``
+        by name, whether each of ``wrt`` is given, and which inputs need a gradient."""
+        named = vars(self.bind(inputs))
+        ctx.set_materialize_grads(False)
+        if self.non_differentiable:
+            ctx.mark_non_differentiable(*(output[self.outputs.index(x)]
+                                          for x in self.non_differentiable))
+        tensors = [a.name for a in self.args if a.tensor] if self.save_inputs else []
+        ctx.saved_names = (*tensors, *self.saved)
+        ctx.save_for_backward(*(named[x] for x in tensors),
+                              *(output[self.outputs.index(x)] for x in self.saved))
+        ctx.others = {a.name: named[a.name] for a in self.args if "Tensor" not in a.type}
+        ctx.given = tuple(named[x] is not None for x in self.wrt)
+
+    def backward(self, ctx, *grads):
+        """The inputs' gradients (None for every input not in ``wrt`` or not needed)."""
+        where = [self.names.index(x) for x in self.wrt]
+        need = tuple(bool(ctx.needs_input_grad[i]) and given
+                     for i, given in zip(where, ctx.given))
+        incoming = {f"g_{x}": grads[self.outputs.index(x)] for x in self.grads}
+        result = [None] * len(self.names)
+        if not any(need) or all(g is None for g in incoming.values()):
+            return tuple(result)
+        a = types.SimpleNamespace(**ctx.others, **dict(zip(ctx.saved_names, ctx.saved_tensors)),
+                                  **incoming, need=need)
+        if self.autograd is not None:
+            got = self.autograd(a)
+        else:
+            flags = {f"need_{x}": n for x, n in zip(self.wrt, need)}
+            got = self.backward_op(*(flags[x.name] if x.name in flags else getattr(a, x.name)
+                                     for x in self.backward_args))
+        for i, g, n in zip(where, got, need):
+            result[i] = g if n else None
+        return tuple(result)
+
+
+# --- a dataclass as an op's arguments -----------------------------------------------------
+
+_SCHEMA_TYPES = {torch.Tensor: "Tensor", float: "float", int: "int", str: "str", bool: "bool",
+                 torch.dtype: "ScalarType"}
+
+
+class Record:
+    """The init fields of a dataclass ``cls`` as flat op arguments: every field's tensor slot
+    first, in field order, then its other slots, so a tensor-or-number field (``Tensor |
+    float | None``) crosses as ``Tensor? <name>_tensor`` and ``Scalar? <name>``, at most one
+    of them set. A ``NamedTuple`` of flags crosses as ``bool <name>_<flag>`` each, a
+    ``tuple[str, ...]`` as ``str[]``, a nested dataclass as four lists (`config_layout`)."""
+
+    def __init__(self, cls):
+        self.cls, hints = cls, typing.get_type_hints(cls)
+        tensors, others, self.slots = [], [], []  # slots: (field, how) in argument order
+        for f in dataclasses.fields(cls):
+            if not f.init or f.metadata.get("op") is False:  # not an op argument
+                continue
+            hint = hints[f.name]
+            union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+            kinds = [k for k in (typing.get_args(hint) if union else (hint,))
+                     if k is not type(None)]
+            kind = kinds[0]
+            opt = "?" if union and len(kinds) < len(typing.get_args(hint)) else ""
+            if torch.Tensor in kinds:
+                rest = [k for k in kinds if k is not torch.Tensor]
+                suffix = "_tensor" if rest else ""
+                tensors.append((Arg(f"Tensor{'?' if rest else opt}", f.name + suffix),
+                                (f.name, "tensor")))
+                if rest:
+                    others.append((Arg("Scalar?", f.name), (f.name, "number")))
+            elif dataclasses.is_dataclass(kind):
+                layout = config_layout(kind)
+                names = [f"{f.name}_{x}" for x in ("numbers", "strings", "flags", "tensors")]
+                others.extend((Arg(t, n), (f.name, ("config", kind, layout, i)))
+                              for i, (t, n) in enumerate(zip(CONFIG_TYPES, names)))
+            elif isinstance(kind, type) and issubclass(kind, tuple) and hasattr(kind, "_fields"):
+                others.extend((Arg("bool", f"{f.name}_{x}"), (f.name, ("flag", kind, i)))
+                              for i, x in enumerate(kind._fields))
+            elif typing.get_origin(kind) is tuple:
+                others.append((Arg("str[]", f.name), (f.name, "list")))
+            elif len(kinds) == 1 and kind in _SCHEMA_TYPES:
+                others.append((Arg(_SCHEMA_TYPES[kind] + opt, f.name), (f.name, "value")))
+            else:
+                raise TypeError(f"{cls.__name__}.{f.name}: no op argument for {f.type}")
+        self.args = tuple(a for a, _ in tensors + others)
+        self.slots = [s for _, s in tensors + others]
+
+    def values(self, record) -> list:
+        """The record's fields as the op's arguments, in order (reads nothing of a tensor's
+        values)."""
+        out, configs = [], {}
+        for name, how in self.slots:
+            value = getattr(record, name)
+            if how == "tensor":
+                out.append(value if isinstance(value, torch.Tensor) else None)
+            elif how == "number":
+                out.append(None if isinstance(value, torch.Tensor) else value)
+            elif how == "list":
+                out.append(list(value))
+            elif how == "value":
+                out.append(value)
+            elif how[0] == "flag":
+                out.append(value is not None and bool(value[how[2]]))
+            else:  # one of a config's four lists
+                if name not in configs:
+                    configs[name] = config_args(value, how[2])
+                out.append(configs[name][how[3]])
+        return out
+
+    def field(self, a: types.SimpleNamespace, name: str):
+        """One field back from the op's arguments by name (`Op`'s ``a``)."""
+        got = [(how, getattr(a, arg.name)) for arg, (f, how) in zip(self.args, self.slots)
+               if f == name]
+        how = got[0][0]
+        if how in ("tensor", "number"):
+            return next((v for _, v in got if v is not None), None)
+        if how == "list":
+            return tuple(got[0][1])
+        if how == "value":
+            return got[0][1]
+        values = [v for _, v in got]
+        return how[1](*values) if how[0] == "flag" else config_from_args(how[1], how[2], *values)
+
+    def record(self, a: types.SimpleNamespace):
+        """The record back from the op's arguments by name (`Op`'s ``a``)."""
+        return self.cls(**{name: self.field(a, name) for name in dict.fromkeys(
+            f for f, _ in self.slots)})
+
+
 def distinct(outs) -> tuple[torch.Tensor, ...]:
     """An op's outputs, each in its own storage (an op's outputs may not alias one another:
     a kernel may return one tensor for two results, e.g. the divergence as its own ``aux``)."""
@@ -73,10 +318,6 @@ def distinct(outs) -> tuple[torch.Tensor, ...]:
     return tuple(result)
 
 
-def none_grads(n: int) -> tuple[None, ...]:
-    return (None,) * n
-
-
 def grads_or_empty(hidden, weight, rows, d_hidden, d_weight, d_bias):
     """A backward op's three outputs: the hidden gradient scattered back to ``hidden``'s shape,
     and an empty tensor for each gradient not computed (an op returns no None)."""
@@ -85,11 +326,11 @@ def grads_or_empty(hidden, weight, rows, d_hidden, d_weight, d_bias):
             weight.new_empty(0) if d_bias is None else d_bias)
 
 
-def grads_fake(hidden, weight, bias, need_hidden, need_weight, need_bias):
-    """The fake implementation of a backward op's three outputs (`grads_or_empty`)."""
-    return (torch.empty_like(hidden) if need_hidden else hidden.new_empty(0),
-            torch.empty_like(weight) if need_weight else weight.new_empty(0),
-            torch.empty_like(bias) if need_bias else weight.new_empty(0))
+def grads_fake(a) -> tuple[torch.Tensor, ...]:
+    """The fake implementation of a backward op's three outputs (`grads_or_empty`): ``a`` the
+    backward's arguments (`Op`), ``a.need`` the flags of hidden, weight and bias."""
+    return tuple(torch.empty_like(x) if n else (a.hidden if x is a.hidden else a.weight)
+                 .new_empty(0) for x, n in zip((a.hidden, a.weight, a.bias), a.need))
 
 
 # --- rows: the positions an op computes --------------------------------------------------
@@ -150,8 +391,7 @@ def put_rows(x: torch.Tensor, rows: torch.Tensor | None, shape) -> torch.Tensor:
 # field enters each list whose kind of value it admits, so ``eps_low: float | Tensor | None``
 # has a slot among the numbers and one among the tensors, at most one of them set.
 
-CONFIG_LISTS = ("Scalar?[] config_numbers, str?[] config_strings, bool[] config_flags, "
-                "Tensor?[] config_tensors")  # the four lists' schema
+CONFIG_TYPES = ("Scalar?[]", "str?[]", "bool[]", "Tensor?[]")  # the four lists' types
 _KIND_LIST = {float: 0, int: 0, str: 1, bool: 2, torch.Tensor: 3}  # kind of value -> list
 
 

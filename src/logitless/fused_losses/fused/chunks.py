@@ -10,7 +10,13 @@ import torch
 from logitless.fused_losses.fused.chunk_objective import ChunkObjective
 from logitless.fused_losses.fused.grads import Grads, Need
 from logitless.fused_losses.fused.plan import Chunk, make_plan, new_store
-from logitless.fused_losses.fused.validation import Call, check_sharded, checked_call, checked_ref
+from logitless.fused_losses.fused.validation import (
+    Call,
+    Request,
+    check_sharded,
+    checked_call,
+    checked_ref,
+)
 from logitless.fused_losses.head.dtensor import is_dtensor
 from logitless.fused_losses.head.logprobs import linear_logprobs, rows_logprobs
 from logitless.fused_losses.objectives.aggregation import check_global_counts
@@ -23,22 +29,23 @@ from logitless.fused_losses.objectives.policy_loss import (
 )
 
 
-def run_call(head, need, targets, old_logprobs, advantages, mask, config, strategy, cu_seqlens,
-           selection_entropy, memory_budget, tensors, loss_args, ref_args) -> tuple:
+def run_call(req: Request) -> tuple:
     """The eager call: ``(loss, metrics, grads)``, ``grads`` the ``(d_hidden, d_weight,
-    d_bias)`` the chunks computed in the forward (None where not ``need``-ed), or None when
+    d_bias)`` the chunks computed in the forward (None where not needed), or None when
     the whole batch streamed (the loss then carries its autograd graph)."""
-    sharded = check_sharded(head, strategy, ref_args)
-    call = checked_call(head, targets, old_logprobs, advantages, mask, config, strategy,
-                         cu_seqlens, selection_entropy, memory_budget, **tensors)
-    call.ref = checked_ref(head, config, *ref_args)
+    head, need, config, loss_args = req.head, req.needs, req.config, req.loss_args
+    sharded = check_sharded(head, req.strategy, req.ref_args)
+    call = checked_call(head, req.targets, req.old_logprobs, req.advantages, req.mask, config,
+                        req.strategy, req.cu_seqlens, req.selection_entropy, req.memory_budget,
+                        cp_group=req.cp_group, **req.tensors)
+    call.ref = checked_ref(head, config, *req.ref_args)
     if call.whole or sharded:
         return (*streamed_whole(call, loss_args), None)
 
     glob, masks = globals_and_masks(call.globals_batch(selection_entropy_of(call)), config)
     check_global_counts(loss_args["num_items_in_batch"], loss_args["global_batch_size"],
                         glob.loss)
-    plan = make_plan(call, memory_budget)
+    plan = make_plan(call, req.memory_budget)
     grads = Grads(need, head, call.batch.adv.dtype)
     store = new_store(head.vocab, plan.dense_rows, head.dtype, head.hidden.device,
                        head.softcap)

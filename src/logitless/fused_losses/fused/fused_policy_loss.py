@@ -32,16 +32,16 @@ computed. This module holds the public function and the eager backward.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from logitless.fused_losses.fused.chunks import run_call
-from logitless.fused_losses.fused.grads import Need
 from logitless.fused_losses.fused.op import as_op, metric_names, op_call
 from logitless.fused_losses.fused.plan import CPU_MEMORY_BUDGET, ChunkStore, plan_chunks
-from logitless.fused_losses.fused.validation import Head
+from logitless.fused_losses.fused.validation import Request
 from logitless.fused_losses.head.logprobs import check_byte_budget, check_ignore_index
 from logitless.fused_losses.objectives.config import PolicyLossConfig
-from logitless.fused_losses.objectives.context_parallel import cp_context
 from logitless.fused_losses.objectives.policy_loss import (
     check_cp_config,
     check_topk_inputs,
@@ -197,29 +197,27 @@ def fused_policy_loss(
                                     max_tile_bytes)
     check_byte_budget("max_tile_bytes", memory_budget)
     mask = _drop_ignored(targets, mask, ignore_index)
-    head = Head(hidden, weight, bias, temperature, softcap, logit_scale)
-    tensors = dict(ref_logprobs=ref_logprobs, rollout_logprobs=rollout_logprobs,
-                   token_weights=token_weights, attention_entropy=attention_entropy,
-                   **check_topk_inputs(config, topk_logprobs=topk_logprobs,
-                                       old_topk_logprobs=old_topk_logprobs))
-    loss_args = dict(num_items_in_batch=num_items_in_batch, global_batch_size=global_batch_size,
-                     training_progress=training_progress, entropy_coef=entropy_coef)
-    ref_args = (ref_hidden, ref_weight, ref_bias)
+    req = Request(
+        hidden=hidden, weight=weight, bias=bias, targets=targets, old_logprobs=old_logprobs,
+        advantages=advantages, mask=mask, config=config, ref_logprobs=ref_logprobs,
+        rollout_logprobs=rollout_logprobs, token_weights=token_weights,
+        attention_entropy=attention_entropy, cu_seqlens=cu_seqlens,
+        selection_entropy=selection_entropy, ref_hidden=ref_hidden, ref_weight=ref_weight,
+        ref_bias=ref_bias, num_items_in_batch=num_items_in_batch,
+        global_batch_size=global_batch_size, temperature=temperature, softcap=softcap,
+        logit_scale=logit_scale, training_progress=training_progress,
+        entropy_coef=entropy_coef, memory_budget=memory_budget, strategy=strategy,
+        cp_group=cp_group, **check_topk_inputs(config, topk_logprobs=topk_logprobs,
+                                               old_topk_logprobs=old_topk_logprobs))
     if cp_group is not None:
-        return _context_parallel(cp_group, head, targets, old_logprobs, advantages, mask,
-                                 config, strategy, cu_seqlens, selection_entropy,
-                                 memory_budget, tensors, loss_args, ref_args)
+        return _context_parallel(req)
     if as_op(hidden):
-        if "topk_logprobs" in tensors:
+        if req.topk_logprobs is not None or req.old_topk_logprobs is not None:
             raise ValueError("topk_logprobs: the DPPO top-k objectives are not supported under "
                              "torch.compile or for meta/fake tensors")
-        return op_call(head, targets, old_logprobs, advantages, mask, config, strategy,
-                        cu_seqlens, selection_entropy, memory_budget, tensors, loss_args,
-                        ref_args)
-    need = Need.of(hidden, weight, bias)
-    loss, metrics, grads = run_call(head, need, targets, old_logprobs, advantages, mask, config,
-                                  strategy, cu_seqlens, selection_entropy, memory_budget,
-                                  tensors, loss_args, ref_args)
+        return op_call(req)
+    need = req.needs
+    loss, metrics, grads = run_call(req)
     if grads is None or not need.any:  # the whole batch streamed: the loss has its graph
         return loss, metrics
     return _StoredGradients.apply(loss, hidden, weight, bias, grads), metrics
@@ -235,22 +233,16 @@ def _drop_ignored(targets, mask, ignore_index):
     return mask.masked_fill(targets == ignore_index, 0)
 
 
-def _context_parallel(group, head, targets, old_logprobs, advantages, mask, config, strategy,
-                      cu_seqlens, selection_entropy, memory_budget, tensors, loss_args,
-                      ref_args):
+def _context_parallel(req: Request):
     """`fused_policy_loss` under ``cp_group``: the batch streamed, its loss over the group."""
-    if not isinstance(config, PolicyLossConfig):
-        raise ValueError(f"config must be a PolicyLossConfig, got {type(config).__name__}")
-    check_cp_config(config, group)
-    if strategy == "chunked":
+    if not isinstance(req.config, PolicyLossConfig):
+        raise ValueError(f"config must be a PolicyLossConfig, got {type(req.config).__name__}")
+    check_cp_config(req.config, req.cp_group)
+    if req.strategy == "chunked":
         raise ValueError("strategy: 'chunked' is not supported with cp_group (a chunk's "
                          "sequence-level terms need the other ranks' tokens of the same "
                          "chunk); use 'auto' or 'streaming'")
-    if as_op(head.hidden):
+    if as_op(req.hidden):
         raise ValueError("cp_group: not supported under torch.compile or for meta/fake tensors")
-    need = Need.of(head.hidden, head.weight, head.bias)
-    with cp_context(group):
-        loss, metrics, _ = run_call(head, need, targets, old_logprobs, advantages, mask, config,
-                                    "streaming", cu_seqlens, selection_entropy, memory_budget,
-                                    tensors, loss_args, ref_args)
-        return cp_loss_value(loss), metrics
+    loss, metrics, _ = run_call(dataclasses.replace(req, strategy="streaming"))
+    return cp_loss_value(loss, req.cp_group), metrics

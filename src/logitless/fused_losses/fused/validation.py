@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from logitless.fused_losses.fused.grads import Need
 from logitless.fused_losses.head.divergence import (
     divergence_kernels,
     exact_kl_rows,
@@ -25,7 +26,7 @@ from logitless.fused_losses.oplib import compute_dtype
 from logitless.kernels import linear_softmax_torch as tiles
 
 if TYPE_CHECKING:
-    from logitless.fused_losses.fused.grads import Grads, Need
+    from logitless.fused_losses.fused.grads import Grads
 
 
 STRATEGIES = ("auto", "chunked", "streaming")
@@ -61,6 +62,81 @@ class Head:
         h = self.hidden.detach().to(dtype).reshape(-1, self.hidden.shape[-1])
         b = None if self.bias is None else self.bias.detach().to(dtype)
         return h, self.weight.detach().to(dtype), b
+
+
+_NOT_AN_OP_ARGUMENT = {"op": False}  # a field the op refuses (raising), so never crossing
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Request:
+    """One `fused_policy_loss` call as given, built once by it: every tensor and scalar of the
+    call, unchecked. The eager path and the op's implementation read it; the op crosses it as
+    flat arguments (`oplib.Record`: the order of the fields is the op's schema)."""
+
+    hidden: torch.Tensor
+    weight: torch.Tensor
+    bias: torch.Tensor | None = None
+    targets: torch.Tensor
+    old_logprobs: torch.Tensor
+    advantages: torch.Tensor
+    mask: torch.Tensor
+    ref_logprobs: torch.Tensor | None = None
+    rollout_logprobs: torch.Tensor | None = None
+    token_weights: torch.Tensor | None = None
+    attention_entropy: torch.Tensor | None = None
+    cu_seqlens: torch.Tensor | None = None
+    selection_entropy: torch.Tensor | None = None
+    ref_hidden: torch.Tensor | None = None
+    ref_weight: torch.Tensor | None = None
+    ref_bias: torch.Tensor | None = None
+    temperature: float = 1.0
+    softcap: float | None = None
+    logit_scale: float = 1.0
+    num_items_in_batch: torch.Tensor | float | None = None
+    global_batch_size: torch.Tensor | float | None = None
+    training_progress: float | None = None
+    entropy_coef: float | None = None
+    memory_budget: int | None = None
+    strategy: str = "auto"
+    dtype: torch.dtype | None = None  # the compute dtype (None: `compute_dtype` of hidden)
+    need: Need | None = None  # the gradients computed (None: `Need.of` the head)
+    metric_names: tuple[str, ...] = ()  # the op's metrics, in order (`op.metric_names`)
+    config: PolicyLossConfig
+    topk_logprobs: torch.Tensor | None = dataclasses.field(default=None,
+                                                          metadata=_NOT_AN_OP_ARGUMENT)
+    old_topk_logprobs: torch.Tensor | None = dataclasses.field(default=None,
+                                                              metadata=_NOT_AN_OP_ARGUMENT)
+    cp_group: object = dataclasses.field(default=None, metadata=_NOT_AN_OP_ARGUMENT)
+
+    @property
+    def head(self) -> Head:
+        return Head(self.hidden, self.weight, self.bias, self.temperature, self.softcap,
+                    self.logit_scale, self.dtype)
+
+    @property
+    def needs(self) -> Need:
+        return Need.of(self.hidden, self.weight, self.bias) if self.need is None else self.need
+
+    @property
+    def tensors(self) -> dict:
+        """The per-token inputs of the objective beyond the policy's, the top-k ones when
+        given."""
+        topk = {k: getattr(self, k) for k in ("topk_logprobs", "old_topk_logprobs")
+                if getattr(self, k) is not None}
+        return dict(ref_logprobs=self.ref_logprobs, rollout_logprobs=self.rollout_logprobs,
+                    token_weights=self.token_weights, attention_entropy=self.attention_entropy,
+                    **topk)
+
+    @property
+    def loss_args(self) -> dict:
+        """The keywords of `policy_loss` the chunks pass on."""
+        return dict(num_items_in_batch=self.num_items_in_batch,
+                    global_batch_size=self.global_batch_size,
+                    training_progress=self.training_progress, entropy_coef=self.entropy_coef)
+
+    @property
+    def ref_args(self) -> tuple:
+        return self.ref_hidden, self.ref_weight, self.ref_bias
 
 
 @dataclasses.dataclass
@@ -187,7 +263,7 @@ def check_sharded(head: Head, strategy: str, ref_args) -> bool:
 
 
 def checked_call(head, targets, old_logprobs, advantages, mask, config, strategy, cu_seqlens,
-                  selection_entropy, memory_budget, **tensors) -> Call:
+                  selection_entropy, memory_budget, *, cp_group=None, **tensors) -> Call:
     """Every check of the call, once, here: arguments, head, targets (one host sync), and the
     policy inputs (`policy_loss`'s checks); the batch laid out on the grid once."""
     check_static(head, targets, mask, strategy, cu_seqlens, memory_budget)
@@ -203,8 +279,8 @@ def checked_call(head, targets, old_logprobs, advantages, mask, config, strategy
     loss_dtype = tiles.acc_dtype(head.dtype)
     globals_dtype = promoted_dtype(old_logprobs)
     full = to_batch(mask, advantages, cu_seqlens, torch.promote_types(loss_dtype, globals_dtype),
-                     True, config, old_logprobs=old_logprobs, selection_entropy=selection_entropy,
-                     **tensors)
+                     True, config, cp_group=cp_group, old_logprobs=old_logprobs,
+                     selection_entropy=selection_entropy, **tensors)
     rows = torch.nonzero(m_flat).squeeze(1)
     return Call(head, config, full.to(loss_dtype), full, globals_dtype, rows,
                  t_flat.index_select(0, rows), full.positions(rows), packed, cu_seqlens,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from logitless.fused_losses.backend import triton_selected
-from logitless.fused_losses.oplib import check_positive_number, define
+from logitless.fused_losses.oplib import Op, check_positive_number
 from logitless.kernels.attention_entropy_torch import attention_entropy_chunked
 
 __all__ = ["attention_entropy", "check_positive_number"]
@@ -218,24 +218,17 @@ def _attention_entropy_impl(q, k, cu_seqlens, attention_mask, query_mask, causal
 # --- attention_entropy (forward only) -------------------------------------------------------
 
 
-def _ae_forward(q, k, cu_seqlens, attention_mask, query_mask, causal, scale, window, softcap,
-                reduce_mean):
-    return _attention_entropy_impl(q, k, cu_seqlens, attention_mask, query_mask, causal, scale,
-                                   window, softcap, reduce_mean)
-
-
-def _ae_forward_fake(q, k, cu_seqlens, attention_mask, query_mask, causal, scale, window,
-                     softcap, reduce_mean):
-    if cu_seqlens is not None:  # packed [total, Hq, d] -> [total, Hq]
-        shape = q.shape[:2]
+def _ae_forward_fake(a):
+    if a.cu_seqlens is not None:  # packed [total, Hq, d] -> [total, Hq]
+        shape = a.q.shape[:2]
     else:  # padded [B, Hq, T, d] -> [B, Hq, T]
-        shape = q.shape[:3]
-    if reduce_mean:
+        shape = a.q.shape[:3]
+    if a.reduce_mean:
         shape = (shape[0], *shape[2:])
-    return q.new_empty(shape, dtype=torch.float32)
+    return a.q.new_empty(shape, dtype=torch.float32)
 
 
-define("attention_entropy",
-        "(Tensor q, Tensor k, Tensor? cu_seqlens, Tensor? attention_mask, Tensor? query_mask, "
-        "bool causal, float scale, int? window, float? softcap, bool reduce_mean) -> Tensor",
-        _ae_forward, _ae_forward_fake)
+Op("attention_entropy",
+   ("Tensor q", "Tensor k", "Tensor? cu_seqlens", "Tensor? attention_mask", "Tensor? query_mask",
+    "bool causal", "float scale", "int? window", "float? softcap", "bool reduce_mean"),
+   ("entropy",), lambda a: _attention_entropy_impl(**vars(a)), _ae_forward_fake)

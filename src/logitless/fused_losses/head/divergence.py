@@ -20,17 +20,15 @@ from logitless.fused_losses.head import kept
 from logitless.fused_losses.head.logprobs import check_byte_budget, linear_logprobs
 from logitless.fused_losses.oplib import (
     DivergenceOutput,
+    Op,
     check_devices,
     check_head,
     check_temperature,
     compute_dtype,
-    define,
     distinct,
-    grads_fake,
     grads_or_empty,
     is_number,
     mask_rows,
-    none_grads,
     put_rows,
     take_rows,
 )
@@ -482,145 +480,79 @@ def _reverse_rows(hidden, weight, bias, ids, z_t, rows, lead, temperature,
 
 # --- linear_divergence ----------------------------------------------------------------------
 
-_DIV_CONFIG = "float beta, float temperature, int? tile_bytes"
+_WRT = ("hidden", "weight", "bias")  # the inputs the divergences' ops differentiate
 
 
-def _div_spec(beta, temperature, tile_bytes, hidden, t_hidden=None, entropy=False):
-    return spec_for(beta, temperature, tile_bytes, hidden, t_hidden, entropy)
+def _div_spec(a, entropy=False, beta=None):
+    return spec_for(a.beta if beta is None else beta, a.temperature, a.tile_bytes, a.hidden,
+                    getattr(a, "t_hidden", None), entropy)
 
 
-def _div_forward(hidden, weight, bias, t_hidden, t_weight, t_bias, mask, beta, temperature,
-                 tile_bytes, entropy):
-    spec = _div_spec(beta, temperature, tile_bytes, hidden, t_hidden, entropy)
-    return distinct(_divergence_impl(spec, hidden, weight, bias, t_hidden, t_weight, t_bias,
-                                         mask))
+def _div_forward(a):
+    return distinct(_divergence_impl(_div_spec(a, a.entropy), a.hidden, a.weight, a.bias,
+                                     a.t_hidden, a.t_weight, a.t_bias, a.mask))
 
 
-def _div_forward_fake(hidden, weight, bias, t_hidden, t_weight, t_bias, mask, beta,
-                      temperature, tile_bytes, entropy):
-    acc = acc_dtype(hidden.dtype)
-    return tuple(hidden.new_empty(hidden.shape[:-1], dtype=acc) for _ in range(7))
+def _div_forward_fake(a):
+    acc = acc_dtype(a.hidden.dtype)
+    return tuple(a.hidden.new_empty(a.hidden.shape[:-1], dtype=acc) for _ in range(7))
 
 
-def _div_backward_impl(hidden, weight, bias, t_hidden, t_weight, t_bias, mask, top_s, log_l_s,
-                       top_t, log_l_t, aux, grad, beta, temperature, tile_bytes, need_hidden,
-                       need_weight, need_bias):
-    rows = mask_rows(mask)
-    per_row = [take_rows(x, rows) for x in (top_s, log_l_s, top_t, log_l_t, aux, grad)]
+def _div_backward(a):
+    rows = mask_rows(a.mask)
+    per_row = [take_rows(x, rows) for x in (a.top_s, a.log_l_s, a.top_t, a.log_l_t, a.aux,
+                                            a.g_divergence)]
     d_hidden, d_weight, d_bias = _divergence_rows_backward(
-        _div_spec(beta, temperature, tile_bytes, hidden, t_hidden),
-        take_rows(hidden, rows, hidden.shape[-1]),
-        weight, bias, take_rows(t_hidden, rows, t_hidden.shape[-1]), t_weight, t_bias,
-        *per_row, (need_hidden, need_weight, need_bias))
-    return grads_or_empty(hidden, weight, rows, d_hidden, d_weight, d_bias)
+        _div_spec(a), take_rows(a.hidden, rows, a.hidden.shape[-1]), a.weight, a.bias,
+        take_rows(a.t_hidden, rows, a.t_hidden.shape[-1]), a.t_weight, a.t_bias, *per_row,
+        a.need)
+    return grads_or_empty(a.hidden, a.weight, rows, d_hidden, d_weight, d_bias)
 
 
-def _div_backward_fake(hidden, weight, bias, t_hidden, t_weight, t_bias, mask, top_s, log_l_s,
-                       top_t, log_l_t, aux, grad, beta, temperature, tile_bytes, need_hidden,
-                       need_weight, need_bias):
-    return grads_fake(hidden, weight, bias, need_hidden, need_weight, need_bias)
-
-
-def _div_setup_context(ctx, inputs, output):
-    ctx.config = inputs[7:10]
-    ctx.set_materialize_grads(False)
-    ctx.save_for_backward(*inputs[:7], *output[2:])
-
-
-def _div_backward(ctx, grad, *_):
-    n_inputs = 11
-    need = ctx.needs_input_grad[:3]
-    if grad is None or not any(need):
-        return none_grads(n_inputs)
-    saved = ctx.saved_tensors
-    need = (need[0], need[1], need[2] and saved[2] is not None)
-    grads = linear_divergence_backward(*saved, grad, *ctx.config, *need)
-    return (*(g if n else None for g, n in zip(grads, need)), *none_grads(n_inputs - 3))
-
-
-linear_divergence_backward = define(
-    "linear_divergence_backward",
-    "(Tensor hidden, Tensor weight, Tensor? bias, Tensor t_hidden, Tensor t_weight, "
-    "Tensor? t_bias, Tensor? mask, Tensor top_s, Tensor log_l_s, Tensor top_t, "
-    "Tensor log_l_t, Tensor aux, Tensor grad, "
-    + _DIV_CONFIG + ", bool need_hidden, bool need_weight, bool need_bias) "
-    "-> (Tensor, Tensor, Tensor)",
-    _div_backward_impl, _div_backward_fake)
-_linear_divergence_op = define(
+LINEAR_DIVERGENCE = Op(
     "linear_divergence",
-    "(Tensor hidden, Tensor weight, Tensor? bias, Tensor t_hidden, Tensor t_weight, "
-    "Tensor? t_bias, Tensor? mask, " + _DIV_CONFIG + ", bool entropy) "
-    "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
-    _div_forward, _div_forward_fake)
-_linear_divergence_op.register_autograd(_div_backward, setup_context=_div_setup_context)
+    ("Tensor hidden", "Tensor weight", "Tensor? bias", "Tensor t_hidden", "Tensor t_weight",
+     "Tensor? t_bias", "Tensor? mask", "float beta", "float temperature", "int? tile_bytes",
+     "bool entropy"),
+    ("divergence", "entropy", "top_s", "log_l_s", "top_t", "log_l_t", "aux"),
+    _div_forward, _div_forward_fake, wrt=_WRT, grads=("divergence",),
+    saved=("top_s", "log_l_s", "top_t", "log_l_t", "aux"), backward=_div_backward,
+    forward_only=("entropy",))
 
 
 # --- linear_topk_distill's student logprobs at the teacher's ids ----------------------------
 
 
-def _topk_forward(hidden, weight, bias, ids, mask, temperature, tile_bytes):
-    rows = mask_rows(mask)
-    logprobs, *norm = _topk_rows(_div_spec(0.0, temperature, tile_bytes, hidden),
-                                 take_rows(hidden, rows, hidden.shape[-1]), weight, bias,
-                                 _topk_ids(ids, rows, weight.shape[0]))
-    return put_rows(logprobs, rows, ids.shape), *(put_rows(x, rows, ids.shape[:-1])
-                                                  for x in norm)
+def _topk_forward(a):
+    rows = mask_rows(a.mask)
+    logprobs, *norm = _topk_rows(_div_spec(a, beta=0.0),
+                                 take_rows(a.hidden, rows, a.hidden.shape[-1]), a.weight, a.bias,
+                                 _topk_ids(a.ids, rows, a.weight.shape[0]))
+    return put_rows(logprobs, rows, a.ids.shape), *(put_rows(x, rows, a.ids.shape[:-1])
+                                                    for x in norm)
 
 
-def _topk_forward_fake(hidden, weight, bias, ids, mask, temperature, tile_bytes):
-    acc = acc_dtype(hidden.dtype)
-    return hidden.new_empty(ids.shape, dtype=acc), *(hidden.new_empty(ids.shape[:-1], dtype=acc)
-                                                     for _ in range(2))
+def _topk_forward_fake(a):
+    acc = acc_dtype(a.hidden.dtype)
+    return a.hidden.new_empty(a.ids.shape, dtype=acc), *(
+        a.hidden.new_empty(a.ids.shape[:-1], dtype=acc) for _ in range(2))
 
 
-def _topk_backward_impl(hidden, weight, bias, ids, mask, top, log_l, grad, temperature,
-                        tile_bytes, need_hidden, need_weight, need_bias):
-    rows = mask_rows(mask)
-    spec = _div_spec(0.0, temperature, tile_bytes, hidden)
-    h = take_rows(hidden, rows, hidden.shape[-1])
-    t = _topk_ids(ids, rows, weight.shape[0])
-    grads = _topk_rows_backward(spec, h, weight, bias, t, take_rows(top, rows),
-                                   take_rows(log_l, rows),
-                                   take_rows(grad, rows, ids.shape[-1]),
-                                   (need_hidden, need_weight, need_bias))
-    return grads_or_empty(hidden, weight, rows, *grads)
+def _topk_backward(a):
+    rows = mask_rows(a.mask)
+    grads = _topk_rows_backward(
+        _div_spec(a, beta=0.0), take_rows(a.hidden, rows, a.hidden.shape[-1]), a.weight,
+        a.bias, _topk_ids(a.ids, rows, a.weight.shape[0]), take_rows(a.top, rows),
+        take_rows(a.log_l, rows), take_rows(a.g_logprobs, rows, a.ids.shape[-1]), a.need)
+    return grads_or_empty(a.hidden, a.weight, rows, *grads)
 
 
-def _topk_backward_fake(hidden, weight, bias, ids, mask, top, log_l, grad, temperature,
-                        tile_bytes, need_hidden, need_weight, need_bias):
-    return grads_fake(hidden, weight, bias, need_hidden, need_weight, need_bias)
-
-
-def _topk_setup_context(ctx, inputs, output):
-    ctx.config = inputs[5:7]
-    ctx.set_materialize_grads(False)
-    ctx.save_for_backward(*inputs[:5], *output[1:])
-
-
-def _topk_backward(ctx, grad, *_):
-    n_inputs = 7
-    need = ctx.needs_input_grad[:3]
-    if grad is None or not any(need):
-        return none_grads(n_inputs)
-    saved = ctx.saved_tensors
-    need = (need[0], need[1], need[2] and saved[2] is not None)
-    grads = linear_topk_logprobs_backward(*saved, grad, *ctx.config, *need)
-    return (*(g if n else None for g, n in zip(grads, need)), *none_grads(n_inputs - 3))
-
-
-linear_topk_logprobs_backward = define(
-    "linear_topk_logprobs_backward",
-    "(Tensor hidden, Tensor weight, Tensor? bias, Tensor ids, Tensor? mask, Tensor top, "
-    "Tensor log_l, Tensor grad, "
-    "float temperature, int? tile_bytes, bool need_hidden, bool need_weight, "
-    "bool need_bias) -> (Tensor, Tensor, Tensor)",
-    _topk_backward_impl, _topk_backward_fake)
-_linear_topk_logprobs_op = define(
+LINEAR_TOPK_LOGPROBS = Op(
     "linear_topk_logprobs",
-    "(Tensor hidden, Tensor weight, Tensor? bias, Tensor ids, Tensor? mask, "
-    "float temperature, int? tile_bytes) -> (Tensor, Tensor, Tensor)",
-    _topk_forward, _topk_forward_fake)
-_linear_topk_logprobs_op.register_autograd(_topk_backward, setup_context=_topk_setup_context)
+    ("Tensor hidden", "Tensor weight", "Tensor? bias", "Tensor ids", "Tensor? mask",
+     "float temperature", "int? tile_bytes"),
+    ("logprobs", "top", "log_l"), _topk_forward, _topk_forward_fake, wrt=_WRT,
+    grads=("logprobs",), saved=("top", "log_l"), backward=_topk_backward)
 
 
 # --- the MTP draft loss ---------------------------------------------------------------------

@@ -23,17 +23,15 @@ from logitless.fused_losses.head.shards import resolve
 from logitless.fused_losses.head.shards import vocab_offset as _vocab_offset
 from logitless.fused_losses.oplib import (
     LogprobOutput,
+    Op,
     check_devices,
     check_head,
     check_temperature,
     compact_rows,
     compute_dtype,
-    define,
     distinct,
-    grads_fake,
     grads_or_empty,
     is_number,
-    none_grads,
     put_rows,
     take_rows,
 )
@@ -515,106 +513,64 @@ def rows_logprobs(hidden, weight, targets, *, bias=None, temperature=1.0, softca
 
 # --- linear_logprobs ----------------------------------------------------------------------
 
-_LP_CONFIG = ("float temperature, float? softcap, float logit_scale, int ignore_index, "
-              "int? tile_bytes, ScalarType dtype")
-# vocab parallelism: the process group by name (``ProcessGroup.group_name``, as torch's
-# functional collectives take it), resolved inside the op; None: the vocabulary is whole
-_LP_GROUP = 'str? group_name=None, str hidden_grad="sum"'
+# The op's arguments, declared once: the implementations below read them by name, and its
+# backward op takes them too (`oplib.Op`). vocab parallelism: the process group by name
+# (``ProcessGroup.group_name``, as torch's functional collectives take it), resolved inside the
+# op; None: the vocabulary is whole.
+_LP_ARGS = ("Tensor hidden", "Tensor weight", "Tensor? bias", "Tensor targets",
+            "float temperature", "float? softcap", "float logit_scale", "int ignore_index",
+            "int? tile_bytes", "ScalarType dtype", "bool want_s2", "bool want_sum_z",
+            "str? group_name=None", 'str hidden_grad="sum"')
 
 
-def _lp_spec(hidden, weight, temperature, softcap, logit_scale, tile_bytes, dtype, want_s2,
-             want_sum_z, group_name, hidden_grad):
+def _lp_spec(a, want_s2=False, want_sum_z=False):
     """``(spec, offset)``: the call's spec and the first global id of this rank's vocabulary
-    slice. ``group_name`` names the process group the vocabulary is sharded over (None: not
+    slice. ``a.group_name`` names the process group the vocabulary is sharded over (None: not
     sharded, offset 0); the group's all-gather of slice sizes and its all-reduces run here,
     inside the op."""
     import dataclasses
 
-    spec = _local_spec(hidden, weight, temperature, softcap, logit_scale, want_s2, want_sum_z,
-                          tile_bytes, dtype)
-    if group_name is None:
+    spec = _local_spec(a.hidden, a.weight, a.temperature, a.softcap, a.logit_scale, want_s2,
+                       want_sum_z, a.tile_bytes, a.dtype)
+    if a.group_name is None:
         return spec, 0
-    group = resolve(group_name)
-    offset, v_total = _vocab_offset(weight.shape[0], group, hidden.device)
+    group = resolve(a.group_name)
+    offset, v_total = _vocab_offset(a.weight.shape[0], group, a.hidden.device)
     return dataclasses.replace(spec, vocab_total=v_total, group=group,
-                               hidden_grad=hidden_grad), offset
+                               hidden_grad=a.hidden_grad), offset
 
 
-def _lp_forward(hidden, weight, bias, targets, temperature, softcap, logit_scale, ignore_index,
-                tile_bytes, dtype, want_s2, want_sum_z, group_name=None, hidden_grad="sum"):
-    spec, offset = _lp_spec(hidden, weight, temperature, softcap, logit_scale, tile_bytes, dtype,
-                            want_s2, want_sum_z, group_name, hidden_grad)
-    return distinct(_logprobs_impl(hidden, weight, bias, targets, spec, ignore_index, offset,
-                                       lambda h, w, b, t, s: _rows_forward(s, h, w, b, t)))
+def _lp_forward(a):
+    spec, offset = _lp_spec(a, a.want_s2, a.want_sum_z)
+    return distinct(_logprobs_impl(a.hidden, a.weight, a.bias, a.targets, spec, a.ignore_index,
+                                   offset, lambda h, w, b, t, s: _rows_forward(s, h, w, b, t)))
 
 
-def _lp_forward_fake(hidden, weight, bias, targets, temperature, softcap, logit_scale,
-                     ignore_index, tile_bytes, dtype, want_s2, want_sum_z, group_name=None,
-                     hidden_grad="sum"):
-    acc = acc_dtype(dtype)
-    floats = [hidden.new_empty(targets.shape, dtype=acc) for _ in range(4)]
-    top1 = hidden.new_empty(targets.shape, dtype=torch.bool)
-    return (*floats, top1, *(hidden.new_empty(targets.shape, dtype=acc) for _ in range(3)))
+def _lp_forward_fake(a):
+    acc = acc_dtype(a.dtype)
+    floats = [a.hidden.new_empty(a.targets.shape, dtype=acc) for _ in range(4)]
+    top1 = a.hidden.new_empty(a.targets.shape, dtype=torch.bool)
+    return (*floats, top1, *(a.hidden.new_empty(a.targets.shape, dtype=acc) for _ in range(3)))
 
 
-def _lp_backward_impl(hidden, weight, bias, targets, top, log_l, entropy, sum_p_sq, g_lp,
-                      g_entropy, g_sum_p_sq, g_mean_logit, g_lse, temperature, softcap,
-                      logit_scale, ignore_index, tile_bytes, dtype, need_hidden, need_weight,
-                      need_bias,
-                      group_name=None, hidden_grad="sum"):
-    spec, offset = _lp_spec(hidden, weight, temperature, softcap, logit_scale, tile_bytes, dtype,
-                            False, False, group_name, hidden_grad)
-    flat_t, rows = compact_rows(targets, ignore_index, spec.vocab_total)
-    per_row = [take_rows(x, rows) for x in (flat_t - offset, top, log_l, entropy, sum_p_sq, g_lp,
-                                               g_entropy, g_sum_p_sq, g_mean_logit, g_lse)]
+def _lp_backward(a):
+    spec, offset = _lp_spec(a)
+    flat_t, rows = compact_rows(a.targets, a.ignore_index, spec.vocab_total)
+    # the entropy and sum_p_sq enter the backward only with a gradient of their own
+    per_row = [take_rows(x, rows) for x in (
+        flat_t - offset, a.top, a.log_l, a.entropy if a.g_entropy is not None else None,
+        a.sum_p_sq if a.g_sum_p_sq is not None else None, a.g_lp, a.g_entropy, a.g_sum_p_sq,
+        a.g_mean_logit, a.g_lse)]
     d_hidden, d_weight, d_bias = _rows_backward(
-        spec, take_rows(hidden, rows, hidden.shape[-1]), weight, bias, *per_row[:5],
-        tuple(per_row[5:]), (need_hidden, need_weight, need_bias))
-    return grads_or_empty(hidden, weight, rows, d_hidden, d_weight, d_bias)
+        spec, take_rows(a.hidden, rows, a.hidden.shape[-1]), a.weight, a.bias, *per_row[:5],
+        tuple(per_row[5:]), a.need)
+    return grads_or_empty(a.hidden, a.weight, rows, d_hidden, d_weight, d_bias)
 
 
-def _lp_backward_fake(hidden, weight, bias, targets, top, log_l, entropy, sum_p_sq, g_lp,
-                      g_entropy, g_sum_p_sq, g_mean_logit, g_lse, temperature, softcap,
-                      logit_scale, ignore_index, tile_bytes, dtype, need_hidden, need_weight,
-                      need_bias,
-                      group_name=None, hidden_grad="sum"):
-    return grads_fake(hidden, weight, bias, need_hidden, need_weight, need_bias)
-
-
-def _lp_setup_context(ctx, inputs, output):
-    hidden, weight, bias, targets = inputs[:4]
-    ctx.config, ctx.group = inputs[4:10], inputs[12:14]  # (group_name, hidden_grad)
-    ctx.set_materialize_grads(False)
-    ctx.save_for_backward(hidden, weight, bias, targets, *output[6:], output[1], output[2])
-
-
-def _lp_backward(ctx, g_lp, g_entropy, g_sum_p_sq, g_mean_logit, _g_top1, g_lse, *_g_norm):
-    n_inputs = 14
-    if all(g is None for g in (g_lp, g_entropy, g_sum_p_sq, g_mean_logit, g_lse)):
-        return none_grads(n_inputs)
-    hidden, weight, bias, targets, top, log_l, entropy, sum_p_sq = ctx.saved_tensors
-    need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
-    need_bias = need_bias and bias is not None
-    d_hidden, d_weight, d_bias = linear_logprobs_backward(
-        hidden, weight, bias, targets, top, log_l, entropy if g_entropy is not None else None,
-        sum_p_sq if g_sum_p_sq is not None else None, g_lp, g_entropy, g_sum_p_sq, g_mean_logit,
-        g_lse, *ctx.config, need_hidden, need_weight, need_bias, *ctx.group)
-    return (d_hidden if need_hidden else None, d_weight if need_weight else None,
-            d_bias if need_bias else None, *none_grads(n_inputs - 3))
-
-
-linear_logprobs_backward = define(
-    "linear_logprobs_backward",
-    "(Tensor hidden, Tensor weight, Tensor? bias, Tensor targets, Tensor top, Tensor log_l, "
-    "Tensor? entropy, Tensor? sum_p_sq, Tensor? g_lp, Tensor? g_entropy, "
-    "Tensor? g_sum_p_sq, Tensor? g_mean_logit, Tensor? g_lse, " + _LP_CONFIG
-    + ", bool need_hidden, bool need_weight, bool need_bias, " + _LP_GROUP
-    + ") -> (Tensor, Tensor, Tensor)",
-    _lp_backward_impl, _lp_backward_fake)
-_linear_logprobs_op = define(
-    "linear_logprobs",
-    "(Tensor hidden, Tensor weight, Tensor? bias, Tensor targets, " + _LP_CONFIG
-    + ", bool want_s2, bool want_sum_z, " + _LP_GROUP
-    + ") -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
-    _lp_forward, _lp_forward_fake)
-_linear_logprobs_op.register_autograd(_lp_backward, setup_context=_lp_setup_context)
+LINEAR_LOGPROBS = Op(
+    "linear_logprobs", _LP_ARGS,
+    ("lp", "entropy", "sum_p_sq", "mean_logit", "top1", "lse", "top", "log_l"),
+    _lp_forward, _lp_forward_fake, wrt=("hidden", "weight", "bias"),
+    grads=("lp", "entropy", "sum_p_sq", "mean_logit", "lse"),
+    saved=("top", "log_l", "entropy", "sum_p_sq"), backward=_lp_backward,
+    forward_only=("want_s2", "want_sum_z"))

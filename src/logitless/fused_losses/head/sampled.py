@@ -22,14 +22,12 @@ import torch
 from logitless.fused_losses.backend import triton_selected
 from logitless.fused_losses.head import shards
 from logitless.fused_losses.oplib import (
+    Op,
     check_temperature,
     compact_rows,
-    define,
     distinct,
-    grads_fake,
     grads_or_empty,
     is_number,
-    none_grads,
     put_rows,
     take_rows,
 )
@@ -205,10 +203,12 @@ def rows_backward(hidden, weight, bias, targets, params: RowParams, key, count, 
 
 # --- linear_logprobs with the sampler's settings (py) --------------------------------
 
-_SP_CONFIG = ("float? softcap, float logit_scale, int ignore_index, int? tile_bytes, "
-              "ScalarType dtype, str sampler")
-# vocab parallelism, as the plain op's: the group by name (None: the vocabulary is whole)
-_SP_GROUP = 'str? group_name=None, str hidden_grad="sum"'
+# The op's arguments, declared once (`oplib.Op`); vocab parallelism as the plain op's: the
+# group by name (None: the vocabulary is whole).
+_SP_ARGS = ("Tensor hidden", "Tensor weight", "Tensor? bias", "Tensor targets",
+            "Tensor temperature", "Tensor? top_k", "Tensor? top_p", "Tensor? min_p",
+            "float? softcap", "float logit_scale", "int ignore_index", "int? tile_bytes",
+            "ScalarType dtype", "str sampler", "str? group_name=None", 'str hidden_grad="sum"')
 
 
 def _shards(group_name, weight, device):
@@ -228,101 +228,56 @@ def _in_acc(temperature, min_p, dtype):
     return temperature.to(acc), None if min_p is None else min_p.to(acc)
 
 
-def _sp_rows(targets, temperature, top_k, top_p, min_p, weight, ignore_index, dtype, sampler,
-             offset, reduce):
+def _sp_rows(a, offset, reduce):
     """``(targets of the rows, rows, RowParams of the rows)``: ids validated against the whole
     vocabulary, then made ids in this rank's slice (``offset``), the settings' rows."""
-    check_sampler(sampler)
-    flat_t, rows = compact_rows(targets, ignore_index, reduce.vocab(weight.shape[0]))
-    temperature, min_p = _in_acc(temperature, min_p, dtype)
-    params = RowParams(*(take_rows(x, rows) for x in (temperature, top_k, top_p, min_p)),
-                       engine=sampler)
+    check_sampler(a.sampler)
+    flat_t, rows = compact_rows(a.targets, a.ignore_index, reduce.vocab(a.weight.shape[0]))
+    temperature, min_p = _in_acc(a.temperature, a.min_p, a.dtype)
+    params = RowParams(*(take_rows(x, rows) for x in (temperature, a.top_k, a.top_p, min_p)),
+                       engine=a.sampler)
     return take_rows(flat_t, rows) - offset, rows, params
 
 
-def _sp_forward(hidden, weight, bias, targets, temperature, top_k, top_p, min_p, softcap,
-                logit_scale, ignore_index, tile_bytes, dtype, sampler, group_name=None,
-                hidden_grad="sum"):
-    check_values(temperature, top_k, top_p, min_p, dtype)  # the values as given, before any cast
-    offset, reduce = _shards(group_name, weight, hidden.device)
-    t, rows, params = _sp_rows(targets, temperature, top_k, top_p, min_p, weight, ignore_index,
-                               dtype, sampler, offset, reduce)
-    outs = rows_forward(take_rows(hidden, rows, hidden.shape[-1]), weight, bias, t,
-                        params, softcap, logit_scale, tile_bytes, dtype, reduce)
-    return distinct(put_rows(x, rows, targets.shape) for x in outs)
+def _sp_forward(a):
+    # the values as given, before any cast
+    check_values(a.temperature, a.top_k, a.top_p, a.min_p, a.dtype)
+    offset, reduce = _shards(a.group_name, a.weight, a.hidden.device)
+    t, rows, params = _sp_rows(a, offset, reduce)
+    outs = rows_forward(take_rows(a.hidden, rows, a.hidden.shape[-1]), a.weight, a.bias, t,
+                        params, a.softcap, a.logit_scale, a.tile_bytes, a.dtype, reduce)
+    return distinct(put_rows(x, rows, a.targets.shape) for x in outs)
 
 
-def _sp_forward_fake(hidden, weight, bias, targets, temperature, top_k, top_p, min_p, softcap,
-                     logit_scale, ignore_index, tile_bytes, dtype, sampler, group_name=None,
-                     hidden_grad="sum"):
-    acc = acc_dtype(dtype)
-    floats = [hidden.new_empty(targets.shape, dtype=acc) for _ in range(6)]
-    return (*floats, *(hidden.new_empty(targets.shape, dtype=torch.int64) for _ in range(2)))
+def _sp_forward_fake(a):
+    acc = acc_dtype(a.dtype)
+    floats = [a.hidden.new_empty(a.targets.shape, dtype=acc) for _ in range(6)]
+    return (*floats, *(a.hidden.new_empty(a.targets.shape, dtype=torch.int64) for _ in range(2)))
 
 
-def _sp_backward_impl(hidden, weight, bias, targets, temperature, top_k, top_p, min_p, key,
-                      count, m, log_kept, log_kept_mass, entropy, logprobs, g_lp, g_entropy,
-                      g_kept, g_lse, softcap, logit_scale, ignore_index, tile_bytes, dtype,
-                      sampler, need_hidden, need_weight, need_bias, group_name=None,
-                      hidden_grad="sum"):
-    offset, reduce = _shards(group_name, weight, hidden.device)
-    t, rows, params = _sp_rows(targets, temperature, top_k, top_p, min_p, weight, ignore_index,
-                               dtype, sampler, offset, reduce)
-    saved = [take_rows(x, rows) for x in (key, count, m, log_kept, log_kept_mass, entropy,
-                                          logprobs)]
-    grads = tuple(take_rows(g, rows) for g in (g_lp, g_entropy, g_kept, g_lse))
+def _sp_backward(a):
+    offset, reduce = _shards(a.group_name, a.weight, a.hidden.device)
+    t, rows, params = _sp_rows(a, offset, reduce)
+    saved = [take_rows(x, rows) for x in (a.key, a.count, a.m, a.log_kept, a.log_kept_mass,
+                                          a.entropy, a.logprobs)]
+    grads = tuple(take_rows(g, rows) for g in (a.g_logprobs, a.g_entropy, a.g_log_kept_mass,
+                                               a.g_lse))
     d_hidden, d_weight, d_bias = rows_backward(
-        take_rows(hidden, rows, hidden.shape[-1]), weight, bias, t, params, *saved, grads,
-        (need_hidden, need_weight, need_bias), softcap, logit_scale, tile_bytes, dtype,
-        reduce.sharded)
-    if d_hidden is not None and reduce.sharded and hidden_grad == "sum":
+        take_rows(a.hidden, rows, a.hidden.shape[-1]), a.weight, a.bias, t, params, *saved,
+        grads, a.need, a.softcap, a.logit_scale, a.tile_bytes, a.dtype, reduce.sharded)
+    if d_hidden is not None and reduce.sharded and a.hidden_grad == "sum":
         # each rank saw its slice only ("partial" leaves the sum to the caller)
         torch.distributed.all_reduce(d_hidden, group=reduce.group)
-    return grads_or_empty(hidden, weight, rows, d_hidden, d_weight, d_bias)
+    return grads_or_empty(a.hidden, a.weight, rows, d_hidden, d_weight, d_bias)
 
 
-def _sp_backward_fake(hidden, weight, bias, targets, temperature, top_k, top_p, min_p, key,
-                      count, m, log_kept, log_kept_mass, entropy, logprobs, g_lp, g_entropy,
-                      g_kept, g_lse, softcap, logit_scale, ignore_index, tile_bytes, dtype,
-                      sampler, need_hidden, need_weight, need_bias, group_name=None,
-                      hidden_grad="sum"):
-    return grads_fake(hidden, weight, bias, need_hidden, need_weight, need_bias)
-
-
-def _sp_setup_context(ctx, inputs, output):
-    ctx.config, ctx.group = inputs[8:14], inputs[14:16]  # (group_name, hidden_grad)
-    ctx.set_materialize_grads(False)
-    lp_, ent, kept_mass, _, m, log_kept, key, count = output
-    ctx.save_for_backward(*inputs[:8], key, count, m, log_kept, kept_mass, ent, lp_)
-
-
-def _sp_backward(ctx, g_lp, g_entropy, g_kept, g_lse, *_):
-    n_inputs = 16
-    if all(g is None for g in (g_lp, g_entropy, g_kept, g_lse)):
-        return none_grads(n_inputs)
-    saved = ctx.saved_tensors
-    need = ctx.needs_input_grad[:3]
-    need = (need[0], need[1], need[2] and saved[2] is not None)
-    grads = sampled_logprobs_backward(*saved, g_lp, g_entropy, g_kept, g_lse, *ctx.config,
-                                      *need, *ctx.group)
-    return (*(g if n else None for g, n in zip(grads, need)), *none_grads(n_inputs - 3))
-
-
-_SP_INPUTS = ("Tensor hidden, Tensor weight, Tensor? bias, Tensor targets, "
-              "Tensor temperature, Tensor? top_k, Tensor? top_p, Tensor? min_p, ")
-sampled_logprobs_backward = define(
-    "sampled_logprobs_backward",
-    "(" + _SP_INPUTS + "Tensor key, Tensor count, Tensor m, Tensor log_kept, "
-    "Tensor log_kept_mass, Tensor entropy, Tensor logprobs, Tensor? g_lp, Tensor? g_entropy, "
-    "Tensor? g_kept, Tensor? g_lse, " + _SP_CONFIG + ", bool need_hidden, bool need_weight, "
-    "bool need_bias, " + _SP_GROUP + ") -> (Tensor, Tensor, Tensor)",
-    _sp_backward_impl, _sp_backward_fake)
-sampled_logprobs = define(
-    "sampled_logprobs",
-    "(" + _SP_INPUTS + _SP_CONFIG + ", " + _SP_GROUP + ") -> (Tensor, Tensor, Tensor, Tensor, "
-    "Tensor, Tensor, Tensor, Tensor)",
-    _sp_forward, _sp_forward_fake)
-sampled_logprobs.register_autograd(_sp_backward, setup_context=_sp_setup_context)
+SAMPLED_LOGPROBS = Op(
+    "sampled_logprobs", _SP_ARGS,
+    ("logprobs", "entropy", "log_kept_mass", "lse", "m", "log_kept", "key", "count"),
+    _sp_forward, _sp_forward_fake, wrt=("hidden", "weight", "bias"),
+    grads=("logprobs", "entropy", "log_kept_mass", "lse"),
+    saved=("key", "count", "m", "log_kept", "log_kept_mass", "entropy", "logprobs"),
+    backward=_sp_backward)
 
 
 class _Gathered(torch.autograd.Function):
@@ -334,15 +289,15 @@ class _Gathered(torch.autograd.Function):
     @staticmethod
     def forward(ctx, *inputs):
         inputs, ctx.gather = inputs[:-1], inputs[-1]
-        outs = _sp_forward(*inputs)
-        _sp_setup_context(ctx, inputs, outs)
+        outs = SAMPLED_LOGPROBS.run(*inputs)
+        SAMPLED_LOGPROBS.setup_context(ctx, inputs, outs)
         ctx.mark_non_differentiable(*outs[4:])  # m, log_kept, key, count
         return outs
 
     @staticmethod
     def backward(ctx, *grads):
         with ctx.gather():
-            return (*_sp_backward(ctx, *grads), None)
+            return (*SAMPLED_LOGPROBS.backward(ctx, *grads), None)
 
 
 def gathered(gather_weight):

@@ -55,15 +55,15 @@ class BatchGlobals:
     num_prompts: float | None = None  # prompt-mean's groups in the whole batch
 
 
-def agg_counts(m, adv, seq_count: str, length_power_alpha: float) -> AggCounts:
+def agg_counts(m, adv, seq_count: str, length_power_alpha: float, group=None) -> AggCounts:
     """Counts of a bool mask ``m [B, T]`` with advantages ``adv [B, T]`` (over every rank of
-    the cp group inside a `cp_context`, one ``all_reduce``)."""
-    if cp.current_group() is None:
+    the context-parallel ``group`` when given, one ``all_reduce``)."""
+    if group is None:
         lengths = m.sum(-1)
         seq_adv = segments.segment_mean(adv.detach(), m)
         pos_tokens, neg_tokens = (m & (adv > 0)).sum(), (m & (adv < 0)).sum()
     else:
-        lengths, seq_adv, pos_tokens, neg_tokens = _cp_sequence_counts(m, adv)
+        lengths, seq_adv, pos_tokens, neg_tokens = _cp_sequence_counts(m, adv, group)
     nonempty = lengths > 0
     lf = lengths.to(torch.float64)
     denominator = torch.where(nonempty, lf.clamp(min=1) ** (1 - length_power_alpha), 0.0).sum()
@@ -76,11 +76,11 @@ def agg_counts(m, adv, seq_count: str, length_power_alpha: float) -> AggCounts:
         num_pos_tokens=count(pos_tokens),
         num_neg_tokens=count(neg_tokens),
         length_power_denominator=count(denominator),
-        lengths=None if cp.current_group() is None else lengths,
+        lengths=None if group is None else lengths,
     )
 
 
-def _cp_sequence_counts(m, adv):
+def _cp_sequence_counts(m, adv, group):
     """Per sequence over every rank (one ``all_reduce`` of ``[4, B]`` in fp64, exact for
     counts): valid tokens (int64), mean advantage (``adv``'s dtype); and the valid tokens of
     A > 0 and of A < 0 in the batch."""
@@ -88,7 +88,7 @@ def _cp_sequence_counts(m, adv):
     local = torch.stack([m.sum(-1).to(torch.float64), torch.where(m, a, 0.0).sum(-1),
                          (m & (a > 0)).sum(-1).to(torch.float64),
                          (m & (a < 0)).sum(-1).to(torch.float64)])
-    lengths, adv_sum, pos, neg = cp.all_reduce(local).unbind()
+    lengths, adv_sum, pos, neg = cp.all_reduce(local, group).unbind()
     seq_adv = (adv_sum / lengths.clamp(min=1)).to(adv.dtype)
     return lengths.long(), seq_adv, pos.sum().long(), neg.sum().long()
 

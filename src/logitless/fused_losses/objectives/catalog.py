@@ -41,6 +41,10 @@ class ObjectiveInputs:
     # own (no gradient); only for objectives registered with ``needs_topk``
     topk_logprobs: torch.Tensor | None = None
     old_topk_logprobs: torch.Tensor | None = None
+    # the context-parallel group of ``cp_group=`` (None: whole sequences here): pass it to the
+    # segment ops (``segments.segment_mean(v, x.m, group=x.cp_group)``) so that a sequence's
+    # statistics cover every rank's tokens
+    cp_group: object = None
 
 
 @dataclass
@@ -248,10 +252,10 @@ def vespo(x: ObjectiveInputs) -> ObjectiveOutput:
     ``w`` (sum of log-ratios, times the rollout IS weights), (k, lambda) by the sign of A. The
     log clamps at ``log 1e-8`` are those of the original implementation (via TRL)."""
     cfg = x.cfg
-    log_w = segments.segment_sum(x.d.detach(), x.m)
+    log_w = segments.segment_sum(x.d.detach(), x.m, group=x.cp_group)
     if x.rollout_is_weight is not None:
         log_is = torch.log(x.rollout_is_weight).clamp(_LOG_1E8, 20.0)
-        log_w = log_w + segments.segment_sum(log_is, x.m)
+        log_w = log_w + segments.segment_sum(log_is, x.m, group=x.cp_group)
     log_w = log_w.clamp(_LOG_1E8, 20.0)[:, None]
     nonneg = x.adv >= 0
     new = x.lp.new_tensor  # not python floats in torch.where: they would round to fp32
@@ -438,11 +442,11 @@ def dhpo(x: ObjectiveInputs) -> ObjectiveOutput:
         if x.entropy is None:
             raise ValueError("entropy: dhpo_mix='entropy' needs the per-token entropy")
         h = x.entropy.detach()
-        a = h / segments.segment_max(h, x.m)[:, None].clamp(min=1e-12)
+        a = h / segments.segment_max(h, x.m, group=x.cp_group)[:, None].clamp(min=1e-12)
     else:
         a = torch.full_like(x.lp, cfg.dhpo_mix)
     r = x.ratio.value
-    s = torch.exp(segments.segment_mean(x.d, x.m))[:, None].expand_as(r)
+    s = torch.exp(segments.segment_mean(x.d, x.m, group=x.cp_group))[:, None].expand_as(r)
     s_low = 1 - (cfg.seq_eps_low if cfg.seq_eps_low is not None else x.eps_low)
     s_high = 1 + (cfg.seq_eps_high if cfg.seq_eps_high is not None else x.eps_high)
     s_low = torch.as_tensor(s_low, dtype=r.dtype)

@@ -5,7 +5,8 @@ The contract (docs/scale.md, "Context parallelism"): every rank of ``cp_group`` 
 ``B`` sequences in the same order, each rank its own tokens of each sequence, and rank ``r``
 holds the ``r``-th contiguous piece of every sequence in token order (a piece may be empty: a
 row without valid tokens, or a zero-length segment of ``cu_seqlens``). Per-token work stays
-local. Inside `cp_context` the segment ops (``segments.py``) reduce over the group:
+local. Given the group (their ``group=`` argument: the batch's ``cp_group``, passed at every
+call, never a module state) the segment ops (``segments.py``) reduce over it:
 
 - sums and counts: one ``all_reduce`` of the local ``[B]`` (a mean stacks its sum and count
   into one ``[2, B]``), differentiable where the input requires grad (the backward all-reduces
@@ -22,28 +23,8 @@ collective of a call.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.distributed as dist
-
-_STATE: dict = {"group": None}
-
-
-@contextlib.contextmanager
-def cp_context(group):
-    """Segment ops inside reduce over ``group`` (None: local, as outside)."""
-    prev = _STATE["group"]
-    _STATE["group"] = group
-    try:
-        yield
-    finally:
-        _STATE["group"] = prev
-
-
-def current_group():
-    """The process group of the enclosing `cp_context`, or None."""
-    return _STATE["group"]
 
 
 def check_group(group, name: str = "cp_group") -> None:
@@ -56,10 +37,9 @@ def check_group(group, name: str = "cp_group") -> None:
                          f"{type(group).__name__}")
 
 
-def all_reduce(t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    """``t`` reduced over the current group: differentiable (``torch.distributed.nn``) for a
-    sum of a tensor that requires grad, a plain collective on a copy otherwise."""
-    group = current_group()
+def all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """``t`` reduced over ``group``: differentiable (`_AllReduceSum`) for a sum of a tensor
+    that requires grad, a plain collective on a copy otherwise."""
     if op == dist.ReduceOp.SUM and t.requires_grad and torch.is_grad_enabled():
         return _AllReduceSum.apply(t, group)
     out = t.detach().clone(memory_format=torch.contiguous_format)
@@ -85,22 +65,22 @@ class _AllReduceSum(torch.autograd.Function):
         return g, None
 
 
-def rank_totals(local: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    """``[W, *local.shape]``: every rank's ``local`` in rank order (each rank fills its own
-    row, the others hold the identity of ``op``; one `all_reduce`)."""
-    group = current_group()
+def rank_totals(local: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """``[W, *local.shape]``: every rank's ``local`` in rank order over ``group`` (each rank
+    fills its own row, the others hold the identity of ``op``; one `all_reduce`)."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     fill = 0.0 if op == dist.ReduceOp.SUM else torch.inf
     rows = [local if r == rank else torch.full_like(local, fill) for r in range(world)]
     if op != dist.ReduceOp.SUM:
         rows = [r.detach() for r in rows]
-    return all_reduce(torch.stack(rows), op)
+    return all_reduce(torch.stack(rows), group, op)
 
 
-def earlier(totals: torch.Tensor, *, later: bool = False, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    """The ``op`` (sum or min) of the rows of `rank_totals` of ranks before this one (after it,
-    with ``later``): the identity where there are none."""
-    rank = dist.get_rank(current_group())
+def earlier(totals: torch.Tensor, group, *, later: bool = False,
+            op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """The ``op`` (sum or min) of the rows of `rank_totals` of ranks of ``group`` before this
+    one (after it, with ``later``): the identity where there are none."""
+    rank = dist.get_rank(group)
     rows = totals[rank + 1:] if later else totals[:rank]
     if op == dist.ReduceOp.SUM:
         return rows.sum(0)
@@ -108,6 +88,6 @@ def earlier(totals: torch.Tensor, *, later: bool = False, op=dist.ReduceOp.SUM) 
     return torch.cat([rows, pad]).amin(0)
 
 
-def reduced(t: torch.Tensor) -> torch.Tensor:
-    """``t`` summed over the current group inside a `cp_context` (`all_reduce`), else ``t``."""
-    return t if current_group() is None else all_reduce(t)
+def reduced(t: torch.Tensor, group) -> torch.Tensor:
+    """``t`` summed over ``group`` (`all_reduce`); ``t`` itself when ``group`` is None."""
+    return t if group is None else all_reduce(t, group)

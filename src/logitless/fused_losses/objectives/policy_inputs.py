@@ -36,6 +36,9 @@ class Batch:
     tensors: dict
     knobs: dict = field(default_factory=dict)
     index: PackedIndex | None = None  # where the packed input's tokens sit on the grid
+    # the context-parallel group the sequences are split over (``cp_group=``): every
+    # sequence-level reduction of the loss runs over it (`context_parallel`); None: local
+    cp_group: object = None
 
     @property
     def width(self) -> int:
@@ -183,10 +186,10 @@ def _knob_tensors(cfg, mask, dtype, device) -> dict:
 
 
 def to_batch(mask, advantages, cu_seqlens, dtype, validate=True, cfg=None, max_seqlen=None,
-              **tensors) -> Batch:
+              *, cp_group=None, **tensors) -> Batch:
     """Validate (`check_shapes`), cast to ``dtype`` and lay every input out on the ``[B, T]``
     grid once (packed: ``T`` is ``max_seqlen`` when given); with ``cfg``, its tensor knobs
-    too."""
+    too; ``cp_group`` the batch's context-parallel group."""
     per_sequence = check_shapes(mask, advantages, cu_seqlens, validate, tensors, max_seqlen)
     adv = advantages.detach().to(dtype)
     out = {name: None if t is None else t.to(dtype) for name, t in tensors.items()}
@@ -203,7 +206,7 @@ def to_batch(mask, advantages, cu_seqlens, dtype, validate=True, cfg=None, max_s
             adv = index.pad(adv)
     if per_sequence:
         adv = adv.reshape(m.shape[0], 1).expand(m.shape)
-    return Batch(m, adv, cu_seqlens is not None, out, knobs, index)
+    return Batch(m, adv, cu_seqlens is not None, out, knobs, index, cp_group)
 
 
 def check_policy_inputs(mask, advantages, *, cu_seqlens=None, max_seqlen=None,

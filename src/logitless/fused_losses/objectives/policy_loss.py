@@ -65,7 +65,7 @@ def _kept_mask(batch: Batch, cfg: PolicyLossConfig) -> torch.Tensor:
         if rollout_lp is None or old_lp is None:
             raise ValueError("rollout_logprobs: rollout_rs needs rollout_logprobs and old_logprobs")
         m = m & rollout_rejection_keep(
-            rollout_log_ratio(old_lp, rollout_lp, m), m, cfg.rollout_rs_parsed
+            rollout_log_ratio(old_lp, rollout_lp, m), m, cfg.rollout_rs_parsed, batch.cp_group
         )
     if cfg.stapo_prob_threshold is not None:
         if entropy is None or old_lp is None:
@@ -143,8 +143,9 @@ def _is_weight_mean(batch, cfg):
     if old_lp is None or roll_lp is None:
         raise ValueError("rollout_logprobs: rollout_is_batch_normalize needs "
                          "rollout_logprobs and old_logprobs of the whole batch")
-    weight = rollout_is_weight(rollout_log_ratio(old_lp, roll_lp, batch.m), batch.m, cfg)
-    return rollout_is_batch_mean(weight, batch.m, cfg.rollout_is)
+    weight = rollout_is_weight(rollout_log_ratio(old_lp, roll_lp, batch.m), batch.m, cfg,
+                               batch.cp_group)
+    return rollout_is_batch_mean(weight, batch.m, cfg.rollout_is, batch.cp_group)
 
 
 def _globals(batch: Batch, cfg: PolicyLossConfig, kept) -> tuple[BatchGlobals, Masks]:
@@ -167,14 +168,15 @@ def _globals(batch: Batch, cfg: PolicyLossConfig, kept) -> tuple[BatchGlobals, M
     if cfg.attn_entropy_weighting is not None:
         attn_stats, attn_thresholds = _attention_globals(batch, cfg, kept)
     max_len = _max_response_length(batch, cfg)
-    loss_counts = agg_counts(kept, batch.adv, cfg.seq_count, cfg.length_power_alpha)
+    loss_counts = agg_counts(kept, batch.adv, cfg.seq_count, cfg.length_power_alpha,
+                             batch.cp_group)
     is_weight_mean = None
     if cfg.rollout_is is not None and cfg.rollout_is_batch_normalize:
         is_weight_mean = _is_weight_mean(batch, cfg)
     glob = BatchGlobals(
         loss=loss_counts,
         entropy=loss_counts if masks.entropy is kept else agg_counts(
-            masks.entropy, batch.adv, cfg.seq_count, cfg.length_power_alpha),
+            masks.entropy, batch.adv, cfg.seq_count, cfg.length_power_alpha, batch.cp_group),
         max_response_length=max_len,
         entropy_threshold=entropy_threshold,
         adv_entropy_threshold=adv_entropy_threshold,
@@ -359,19 +361,19 @@ def policy_loss(
         check_cp_config(cfg, cp_group, batch_globals)
     batch = to_batch(
         mask, advantages, cu_seqlens, promoted_dtype(logprobs), validate, cfg, max_seqlen,
+        cp_group=cp_group,
         logprobs=logprobs, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
         rollout_logprobs=rollout_logprobs, entropy=entropy, token_weights=token_weights,
         attention_entropy=attention_entropy, kl=kl, **check_topk_inputs(
             cfg, topk_logprobs=topk_logprobs, old_topk_logprobs=old_topk_logprobs),
     )
-    with cp.cp_context(cp_group):
-        loss, metrics = loss_of_batch(
-            batch, cfg, batch_globals, validate=validate,
-            num_items_in_batch=num_items_in_batch, global_batch_size=global_batch_size,
-            training_progress=training_progress, entropy_coef=entropy_coef,
-            compute_metrics=compute_metrics,
-        )
-        return cp_loss_value(loss), metrics
+    loss, metrics = loss_of_batch(
+        batch, cfg, batch_globals, validate=validate,
+        num_items_in_batch=num_items_in_batch, global_batch_size=global_batch_size,
+        training_progress=training_progress, entropy_coef=entropy_coef,
+        compute_metrics=compute_metrics,
+    )
+    return cp_loss_value(loss, cp_group), metrics
 
 
 # What a cp_group cannot make exact without gathering every rank's tokens: (field, test, why).
@@ -411,14 +413,14 @@ def check_cp_config(cfg: PolicyLossConfig, cp_group, batch_globals=None) -> None
                          "over the group)")
 
 
-def cp_loss_value(share: torch.Tensor) -> torch.Tensor:
-    """Inside a `cp_context`: the rank's share of the loss with the whole loss's value (one
-    ``all_reduce`` of the shares) and the share's gradient, which is the whole loss's with
-    respect to the rank's tokens (the sequence-level reductions carry the other ranks'
-    terms). Outside: ``share``."""
-    if cp.current_group() is None:
+def cp_loss_value(share: torch.Tensor, group) -> torch.Tensor:
+    """With a context-parallel ``group``: the rank's share of the loss with the whole loss's
+    value (one ``all_reduce`` of the shares) and the share's gradient, which is the whole
+    loss's with respect to the rank's tokens (the sequence-level reductions carry the other
+    ranks' terms). Without (None): ``share``."""
+    if group is None:
         return share
-    total = cp.all_reduce(share.detach())
+    total = cp.all_reduce(share.detach(), group)
     return share + (total - share.detach())
 
 
@@ -523,7 +525,8 @@ def _advantages(batch: Batch, cfg: PolicyLossConfig, kept) -> torch.Tensor:
         raise ValueError("ref_logprobs: beta != 0 (with an estimator) and future_kl_coef need "
                          "ref_logprobs")
     if cfg.future_kl_coef:
-        adv = future_kl_advantages(adv, lp, ref_lp.detach(), kept, cfg.future_kl_coef)
+        adv = future_kl_advantages(adv, lp, ref_lp.detach(), kept, cfg.future_kl_coef,
+                                   batch.cp_group)
     if cfg.prob_reweight_alpha:
         adv = probability_reweighted_advantages(adv, lp, cfg.prob_reweight_alpha)
     return adv
@@ -538,7 +541,7 @@ def _factor(batch: Batch, cfg: PolicyLossConfig, kept, glob, progress) -> torch.
         roll_lp = batch["rollout_logprobs"]
         sampling = roll_lp if roll_lp is not None else batch["old_logprobs"].detach()
         factor = factor * off_policy_sequence_keep(lp, sampling, batch.adv, kept,
-                                                   cfg.opsm_threshold)
+                                                   cfg.opsm_threshold, batch.cp_group)
     if cfg.attn_entropy_weighting is not None:
         factor = factor * attention_entropy_weights(
             batch["attention_entropy"], kept, cfg, stats=glob.attn_stats,
@@ -559,7 +562,8 @@ def _rollout_is_weight(batch: Batch, cfg: PolicyLossConfig, glob):
     if roll_lp is None:
         raise ValueError("rollout_logprobs: rollout_is needs rollout_logprobs")
     old_lp = batch["old_logprobs"].detach()
-    weight = rollout_is_weight(rollout_log_ratio(old_lp, roll_lp, batch.m), batch.m, cfg)
+    weight = rollout_is_weight(rollout_log_ratio(old_lp, roll_lp, batch.m), batch.m, cfg,
+                               batch.cp_group)
     if cfg.rollout_is_batch_normalize:
         if glob.is_weight_mean is None:
             raise ValueError("batch_globals: computed without rollout_is_batch_normalize")
@@ -585,12 +589,13 @@ def _policy_term(batch, cfg, spec, adv, masks: Masks, factor, is_weight) -> _Pol
         d = d.clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp)
     m = masks.kept
     ratio_mask = masks.select if spec.selects_in_ratio else m
-    ratio = compute_ratio(cfg.ratio_level, d, lp, m, adv, cfg, eps_low, eps_high, ratio_mask)
+    ratio = compute_ratio(cfg.ratio_level, d, lp, m, adv, cfg, eps_low, eps_high, ratio_mask,
+                          batch.cp_group)
     out = spec.fn(
         ObjectiveInputs(
             lp, old_lp, d, adv, m, ratio, cfg, eps_low, eps_high, batch["entropy"],
             is_weight if spec.folds_rollout_is else None,
-            batch["topk_logprobs"], batch["old_topk_logprobs"],
+            batch["topk_logprobs"], batch["old_topk_logprobs"], batch.cp_group,
         )
     )
     pg = out.loss * factor

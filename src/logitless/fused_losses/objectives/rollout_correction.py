@@ -19,7 +19,7 @@ def rollout_log_ratio(old_lp, rollout_lp, m):
     return torch.where(m & ~torch.isnan(diff), diff, torch.zeros_like(diff))
 
 
-def rollout_is_weight(log_ratio, m, cfg) -> torch.Tensor:
+def rollout_is_weight(log_ratio, m, cfg, group=None) -> torch.Tensor:
     """TIS (``truncate``) or MIS/IcePop (``mask``) weight at token or sequence level ``[B, T]``.
 
     ``sequence``: exp of the summed log-ratio; ``sequence_geometric``: exp of its mean.
@@ -27,9 +27,9 @@ def rollout_is_weight(log_ratio, m, cfg) -> torch.Tensor:
     if cfg.rollout_is == "token":
         log_w = log_ratio
     elif cfg.rollout_is == "sequence":
-        log_w = segments.segment_sum(log_ratio, m)[:, None].expand_as(log_ratio)
+        log_w = segments.segment_sum(log_ratio, m, group=group)[:, None].expand_as(log_ratio)
     else:
-        log_w = segments.segment_mean(log_ratio, m)[:, None].expand_as(log_ratio)
+        log_w = segments.segment_mean(log_ratio, m, group=group)[:, None].expand_as(log_ratio)
     w = torch.exp(log_w.clamp(-SAFETY_BOUND, SAFETY_BOUND))
     if cfg.rollout_is_mode == "truncate":
         if cfg.rollout_is_min is None and cfg.rollout_is_max is None:
@@ -40,18 +40,18 @@ def rollout_is_weight(log_ratio, m, cfg) -> torch.Tensor:
     return torch.where((w >= lo) & (w <= hi), w, torch.zeros_like(w))
 
 
-def rollout_is_batch_mean(weight, m, level) -> float:
+def rollout_is_batch_mean(weight, m, level, group=None) -> float:
     """Mean of the IS weights over the batch: over valid tokens (``token``), or over non-empty
     sequences, one weight each (sequence levels). 1 when it is not positive (verl's guard).
-    A float; a 0-d tensor under ``torch.compile``. Inside a `cp_context` over every rank's
-    tokens (one ``all_reduce``; a sequence-level weight is the same at every column of every
-    rank, so each rank reads its first column, and needs one)."""
+    A float; a 0-d tensor under ``torch.compile``. With a context-parallel ``group``, over
+    every rank's tokens (one ``all_reduce``; a sequence-level weight is the same at every
+    column of every rank, so each rank reads its first column, and needs one)."""
     if level == "token":
         total, n = cp.reduced(torch.stack([torch.where(m, weight, torch.zeros_like(weight)).sum(),
-                                           m.sum().to(weight.dtype)])).unbind()
+                                           m.sum().to(weight.dtype)]), group).unbind()
         mean = total / n.clamp(min=1)
     else:
-        nonempty = cp.reduced(m.sum(-1)) > 0
+        nonempty = cp.reduced(m.sum(-1), group) > 0
         first = weight[:, :1].squeeze(-1) if weight.shape[1] else weight.new_zeros(len(m))
         mean = torch.where(nonempty, first, 0.0).sum() / nonempty.sum().clamp(min=1)
     if is_compiling():  # a 0-d tensor: reading it on the host would break the graph
@@ -60,7 +60,7 @@ def rollout_is_batch_mean(weight, m, level) -> float:
     return mean if mean > 1e-8 else 1.0
 
 
-def rollout_rejection_keep(log_ratio, m, options) -> torch.Tensor:
+def rollout_rejection_keep(log_ratio, m, options, group=None) -> torch.Tensor:
     """verl ``rollout_rs``: bool ``[B, T]``, False where any option rejects the token/sequence.
 
     Statistics of ``x = log(pi_old / pi_rollout)`` (clamped to +-20): ``k1 = -x``,
@@ -73,19 +73,20 @@ def rollout_rejection_keep(log_ratio, m, options) -> torch.Tensor:
     for name, lo, hi in options:
         stat = stats[name[-2:]]
         if name.startswith("seq_sum"):
-            stat = segments.segment_sum(stat, m)[:, None]
+            stat = segments.segment_sum(stat, m, group=group)[:, None]
         elif name.startswith("seq_mean"):
-            stat = segments.segment_mean(stat, m)[:, None]
+            stat = segments.segment_mean(stat, m, group=group)[:, None]
         elif name.startswith("seq_max"):
-            stat = segments.segment_max(stat, m)[:, None]
+            stat = segments.segment_max(stat, m, group=group)[:, None]
         keep = keep & (stat >= lo) & (stat <= hi)
     return keep
 
 
-def off_policy_sequence_keep(lp, sampling_lp, adv, m, threshold) -> torch.Tensor:
+def off_policy_sequence_keep(lp, sampling_lp, adv, m, threshold, group=None) -> torch.Tensor:
     """DeepSeek-V3.2 OPSM: drop tokens of A < 0 in sequences whose mean ``lp_roll - lp`` exceeds
     ``threshold``. NaN sampling logprobs count as zero divergence. Bool ``[B, T]``."""
     div = (sampling_lp - lp).detach()
     div = torch.where(torch.isnan(div), torch.zeros_like(div), div)
-    avg = segments.segment_sum(div, m) / segments.segment_count(m).clamp(min=1).to(div.dtype)
+    avg = (segments.segment_sum(div, m, group=group)
+           / segments.segment_count(m, group=group).clamp(min=1).to(div.dtype))
     return (adv >= 0) | (avg[:, None] <= threshold)

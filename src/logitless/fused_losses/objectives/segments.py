@@ -23,9 +23,10 @@ fp32, bf16 and fp16 only, fp64 stays on the twin), else the torch twin
 The Functions' backward passes are not differentiable again (``once_differentiable``); they
 accept fp64 so that ``gradcheck`` can run on them.
 
-Inside `context_parallel.cp_context` (``cp_group=`` of `policy_loss`) every reduction and scan
-here also runs over the group's ranks (``context_parallel.py``: the contract and the
-collectives): the local result first, as above, then one ``all_reduce``. Only the padded
+Given ``group=`` (a context-parallel process group: ``cp_group=`` of `policy_loss`, which the
+batch carries to every call) every reduction and scan here also runs over the group's ranks
+(``context_parallel.py``: the contract and the collectives): the local result first, as
+above, then one ``all_reduce``; ``group=None`` (the default) is local. Only the padded
 layout (the grid `policy_loss` works on) is taken there; ``segment_max`` and ``prefix_min``
 give values only.
 """
@@ -218,7 +219,7 @@ def broadcast(values: torch.Tensor, like: torch.Tensor, cu_seqlens=None) -> torc
 
 
 def _cp_layout(x, cu_seqlens, name, grad_ok=True):
-    """Under a `cp_context`: only the padded grid, and (``grad_ok`` False) no gradient."""
+    """Over a group: only the padded grid, and (``grad_ok`` False) no gradient."""
     if cu_seqlens is not None:
         raise ValueError(f"cu_seqlens: {name} under cp_group takes the padded [B, T] grid "
                          "(policy_loss lays a packed batch out on it first)")
@@ -226,48 +227,49 @@ def _cp_layout(x, cu_seqlens, name, grad_ok=True):
         raise ValueError(f"cp_group: {name} over ranks gives values only (pass a detached x)")
 
 
-def segment_sum(x, mask, cu_seqlens=None) -> torch.Tensor:
+def segment_sum(x, mask, cu_seqlens=None, *, group=None) -> torch.Tensor:
     """``[B]``: ``sum_t m x`` per sequence."""
     local = _local_segment_sum(x, mask, cu_seqlens)
-    if cp.current_group() is None:
+    if group is None:
         return local
     _cp_layout(x, cu_seqlens, "segment_sum")
-    return cp.all_reduce(local)
+    return cp.all_reduce(local, group)
 
 
-def segment_count(mask, cu_seqlens=None) -> torch.Tensor:
+def segment_count(mask, cu_seqlens=None, *, group=None) -> torch.Tensor:
     """``[B]`` int64: number of valid tokens per sequence (``L_i``)."""
     local = _local_segment_count(mask, cu_seqlens)
-    if cp.current_group() is None:
+    if group is None:
         return local
     _cp_layout(mask, cu_seqlens, "segment_count")
-    return cp.all_reduce(local)
+    return cp.all_reduce(local, group)
 
 
-def segment_mean(x, mask, cu_seqlens=None) -> torch.Tensor:
+def segment_mean(x, mask, cu_seqlens=None, *, group=None) -> torch.Tensor:
     """``[B]``: ``sum_t m x / L_i``; 0 for a sequence without valid tokens."""
-    if cp.current_group() is None:
+    if group is None:
         return _local_segment_mean(x, mask, cu_seqlens)
     _cp_layout(x, cu_seqlens, "segment_mean")
     total = _local_segment_sum(x, mask)
     count = _local_segment_count(mask).to(total.dtype)
-    total, count = cp.all_reduce(torch.stack([total, count])).unbind()
+    total, count = cp.all_reduce(torch.stack([total, count]), group).unbind()
     return total / count.clamp(min=1)
 
 
-def segment_max(x, mask, cu_seqlens=None, empty: float = 0.0) -> torch.Tensor:
+def segment_max(x, mask, cu_seqlens=None, empty: float = 0.0, *,
+                group=None) -> torch.Tensor:
     """``[B]``: max over valid tokens; ``empty`` for a sequence without valid tokens."""
-    if cp.current_group() is None:
+    if group is None:
         return _local_segment_max(x, mask, cu_seqlens, empty)
     _cp_layout(x, cu_seqlens, "segment_max", grad_ok=False)
-    out = cp.all_reduce(_local_segment_max(x.detach(), mask, None, -torch.inf),
+    out = cp.all_reduce(_local_segment_max(x.detach(), mask, None, -torch.inf), group,
                         dist.ReduceOp.MAX)
     return torch.where(torch.isneginf(out), torch.full_like(out, empty), out)
 
 
-def _scan_sum(x, mask, cu_seqlens, reverse):
+def _scan_sum(x, mask, cu_seqlens, reverse, group):
     local = (_local_suffix_sum if reverse else _local_prefix_sum)(x, mask, cu_seqlens)
-    if cp.current_group() is None:
+    if group is None:
         return local
     _cp_layout(x, cu_seqlens, "suffix_sum" if reverse else "prefix_sum")
     # this rank's totals are the scan's last prefix (first suffix): no second pass
@@ -275,29 +277,31 @@ def _scan_sum(x, mask, cu_seqlens, reverse):
         mine = local.new_zeros(local.shape[:-1])
     else:
         mine = local[:, 0] if reverse else local[:, -1]
-    totals = cp.rank_totals(mine)
-    return local + cp.earlier(totals, later=reverse)[:, None]
+    totals = cp.rank_totals(mine, group)
+    return local + cp.earlier(totals, group, later=reverse)[:, None]
 
 
-def prefix_sum(x, mask, cu_seqlens=None) -> torch.Tensor:
+def prefix_sum(x, mask, cu_seqlens=None, *, group=None) -> torch.Tensor:
     """Like ``x``: ``sum_{j <= t} m_j x_j`` within each sequence."""
-    return _scan_sum(x, mask, cu_seqlens, False)
+    return _scan_sum(x, mask, cu_seqlens, False, group)
 
 
-def suffix_sum(x, mask, cu_seqlens=None) -> torch.Tensor:
+def suffix_sum(x, mask, cu_seqlens=None, *, group=None) -> torch.Tensor:
     """Like ``x``: ``sum_{j >= t} m_j x_j`` within each sequence."""
-    return _scan_sum(x, mask, cu_seqlens, True)
+    return _scan_sum(x, mask, cu_seqlens, True, group)
 
 
-def prefix_min(x, mask, cu_seqlens=None, *, exclusive: bool = False) -> torch.Tensor:
+def prefix_min(x, mask, cu_seqlens=None, *, exclusive: bool = False,
+               group=None) -> torch.Tensor:
     """Like ``x``: ``min(x_j : j <= t, m_j)`` (``j < t`` when ``exclusive``); ``+inf`` if none.
 
     The gradient reaches the arg-min token of each prefix (``torch.cummin``).
     """
     local = _local_prefix_min(x, mask, cu_seqlens, exclusive=exclusive)
-    if cp.current_group() is None:
+    if group is None:
         return local
     _cp_layout(x, cu_seqlens, "prefix_min", grad_ok=False)
     mins = -_local_segment_max(-x.detach(), mask, None, -torch.inf)  # +inf where none
-    before = cp.earlier(cp.rank_totals(mins, dist.ReduceOp.MIN), op=dist.ReduceOp.MIN)
+    before = cp.earlier(cp.rank_totals(mins, group, dist.ReduceOp.MIN), group,
+                        op=dist.ReduceOp.MIN)
     return torch.minimum(local, before[:, None])

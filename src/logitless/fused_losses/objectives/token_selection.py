@@ -9,7 +9,7 @@ import torch
 
 from logitless.fused_losses.objectives import segments
 from logitless.fused_losses.objectives.aggregation import host_value
-from logitless.fused_losses.oplib import define, is_compiling
+from logitless.fused_losses.oplib import Op, is_compiling
 
 
 def quantile(values: torch.Tensor, q: float) -> torch.Tensor:
@@ -117,9 +117,9 @@ def attention_entropy_weights(hatt, m, cfg, *, stats=None, thresholds=None, prog
     return soft * m.sum(-1, keepdim=True).to(h.dtype)
 
 
-def future_kl_advantages(adv, lp, ref_lp, m, coef):
+def future_kl_advantages(adv, lp, ref_lp, m, coef, group=None):
     """FRPO: ``A_t - coef * sum_{j >= t} m_j (lp_j - ref_j)``, the suffix sum detached."""
-    return adv - coef * segments.suffix_sum((lp - ref_lp).detach(), m)
+    return adv - coef * segments.suffix_sum((lp - ref_lp).detach(), m, group=group)
 
 
 def probability_reweighted_advantages(adv, lp, alpha):
@@ -160,12 +160,12 @@ def _cov_top(cov, valid, fraction):
     return chosen.view_as(valid)
 
 
-def _mask_fake(x, valid, *_):
-    return torch.empty_like(valid, dtype=torch.bool)
+def _mask_fake(a):
+    return torch.empty_like(a.valid, dtype=torch.bool)
 
 
-cov_drop_mask = define("cov_drop_mask",
-                        "(Tensor candidates, Tensor valid, float fraction, int? seed) -> Tensor",
-                        _cov_drop, _mask_fake)
-cov_top_mask = define("cov_top_mask", "(Tensor cov, Tensor valid, float fraction) -> Tensor",
-                       _cov_top, _mask_fake)
+cov_drop_mask = Op("cov_drop_mask", ("Tensor candidates", "Tensor valid", "float fraction",
+                                     "int? seed"), ("dropped",),
+                   lambda a: _cov_drop(**vars(a)), _mask_fake).op
+cov_top_mask = Op("cov_top_mask", ("Tensor cov", "Tensor valid", "float fraction"), ("chosen",),
+                  lambda a: _cov_top(**vars(a)), _mask_fake).op
