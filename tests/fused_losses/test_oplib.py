@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from logitless.fused_losses import oplib
-from logitless.fused_losses.fused.validation import Request
 from logitless.fused_losses.fused.grads import Need
 from logitless.fused_losses.fused.op import REQUEST
+from logitless.fused_losses.fused.validation import Request
 from logitless.fused_losses.head.logprobs import LINEAR_LOGPROBS
 from logitless.fused_losses.objectives.config import PolicyLossConfig
 
