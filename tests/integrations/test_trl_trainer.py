@@ -85,6 +85,20 @@ def head_calls(monkeypatch):
     return calls
 
 
+@pytest.fixture
+def fused_calls(monkeypatch):
+    """How many training forwards ran as one `fused_policy_loss` call."""
+    calls = []
+    inner = trl_module._FusedLoss.apply
+
+    def spy(self, *args, **kwargs):
+        calls.append(torch.is_grad_enabled())
+        return inner(self, *args, **kwargs)
+
+    monkeypatch.setattr(trl_module._FusedLoss, "apply", spy)
+    return calls
+
+
 def initial_parameters(model_dir):
     from transformers import AutoModelForCausalLM
 
@@ -214,17 +228,19 @@ def test_stock_trl_parity(name, overrides, tmp_path, model_dir, tokenizer, head_
 
 
 @pytest.mark.slow
-def test_lora_parity(tmp_path, model_dir, tokenizer):
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "composed"])
+def test_lora_parity(fused, tmp_path, model_dir, tokenizer, fused_calls):
     """LoRA adapters, and with beta > 0 the reference is the model with adapters disabled."""
     from peft import LoraConfig
 
-    def run(cls):
+    def run(cls, **kwargs):
         lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
                           task_type="CAUSAL_LM")
         return train(cls, model_dir, tokenizer, grpo_args(tmp_path, beta=0.05, loss_type="grpo"),
-                     peft_config=lora)
+                     peft_config=lora, **kwargs)
 
-    theirs, ours = run(trl.GRPOTrainer), run(GRPOTrainer)
+    theirs, ours = run(trl.GRPOTrainer), run(GRPOTrainer, fused=fused)
+    assert bool(fused_calls) == fused
     assert_same_logs(ours.state.log_history, theirs.state.log_history)
     assert_same_parameters(ours.model, theirs.model)
     trained = {k: p for k, p in ours.model.named_parameters() if p.requires_grad}
@@ -737,20 +753,6 @@ def test_patch_trl_distillation_matches_unpatched(tmp_path, tokenizer, monkeypat
 # with a ``TorchDispatchMode``: at most 0.82x stock TRL's.
 
 
-@pytest.fixture
-def fused_calls(monkeypatch):
-    """How many training forwards ran as one `fused_policy_loss` call."""
-    calls = []
-    inner = trl_module._FusedLoss.apply
-
-    def spy(self, *args, **kwargs):
-        calls.append(torch.is_grad_enabled())
-        return inner(self, *args, **kwargs)
-
-    monkeypatch.setattr(trl_module._FusedLoss, "apply", spy)
-    return calls
-
-
 def _fused_warnings(record):
     return [str(w.message) for w in record if "not fused" in str(w.message)]
 
@@ -791,22 +793,6 @@ def test_fused_equals_composed(name, tmp_path, model_dir, tokenizer, fused_calls
     # loss values near 0 (on-policy steps: +-A terms that cancel): see test_fused_equals_stock_trl
     assert_same_logs(fused.state.log_history, composed.state.log_history, loss_atol=2e-6)
     assert_same_parameters(fused.model, composed.model)
-
-
-@pytest.mark.slow
-def test_fused_lora_equals_stock_trl(tmp_path, model_dir, tokenizer, fused_calls):
-    from peft import LoraConfig
-
-    def run(cls):
-        lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
-                          task_type="CAUSAL_LM")
-        return train(cls, model_dir, tokenizer, grpo_args(tmp_path, beta=0.04, loss_type="grpo"),
-                     peft_config=lora)
-
-    theirs, ours = run(trl.GRPOTrainer), run(GRPOTrainer)
-    assert fused_calls
-    assert_same_logs(ours.state.log_history, theirs.state.log_history)
-    assert_same_parameters(ours.model, theirs.model)
 
 
 def test_on_policy_falls_back_with_one_warning(tmp_path, model_dir, tokenizer, fused_calls):

@@ -155,22 +155,29 @@ def _replay_chunks(input_ids, attention_mask, logits_to_keep, batch_size, kept_i
 
 
 @contextlib.contextmanager
-def _logitless_head(entropy: bool, sampler: SamplerTruncation | None = None,
-                    kept: list | None = None):
-    """TRL's fused head computes through logitless inside the block (TRL looks the kernel up
-    at each call; the backward belongs to the returned tensors, so it needs no patch)."""
+def _kernel(kernel):
+    """``kernel`` in place of TRL's fused head kernel inside the block, and an FSDP2 head kept
+    sharded (`keep_sharded`): it reaches the kernel without a gather."""
     import trl.trainer.utils as trl_utils
 
     saved = trl_utils._ChunkedLogProbFunction
-    head = _Head(entropy, sampler, kept)
-    trl_utils._ChunkedLogProbFunction = head
-    dtensor = keep_sharded(trl_utils)  # an FSDP2 head computes sharded, without a gather
+    trl_utils._ChunkedLogProbFunction = kernel
+    dtensor = keep_sharded(trl_utils)
     try:
         yield
     finally:
         trl_utils._ChunkedLogProbFunction = saved
         if dtensor is not None:
             trl_utils.DTensor = dtensor
+
+
+@contextlib.contextmanager
+def _logitless_head(entropy: bool, sampler: SamplerTruncation | None = None,
+                    kept: list | None = None):
+    """TRL's fused head computes through logitless inside the block (TRL looks the kernel up
+    at each call; the backward belongs to the returned tensors, so it needs no patch)."""
+    with _kernel(_Head(entropy, sampler, kept)):
+        yield
     if kept:
         raise RuntimeError("match_sampler='replay': TRL's head was called fewer times than "
                            "the forward helper makes model calls")
@@ -250,17 +257,8 @@ def _collecting_logprobs():
 def _fused_head(loss: _FusedLoss):
     """TRL's fused head computes the loss through `fused_policy_loss` inside the block (an FSDP2
     head sharded, as in `_logitless_head`)."""
-    import trl.trainer.utils as trl_utils
-
-    saved = trl_utils._ChunkedLogProbFunction
-    trl_utils._ChunkedLogProbFunction = loss
-    dtensor = keep_sharded(trl_utils)
-    try:
+    with _kernel(loss):
         yield
-    finally:
-        trl_utils._ChunkedLogProbFunction = saved
-        if dtensor is not None:
-            trl_utils.DTensor = dtensor
     if loss.result is None:
         raise RuntimeError("GRPOTrainer(fused=True): TRL's training forward did not call its "
                            "fused head")
