@@ -79,29 +79,17 @@ def distributed_state():
 
 
 def head_spy(counts: dict):
-    """Counts calls of logitless's TRL head (with grad, without) and of the fused loss step."""
-    from logitless.integrations import trl as trl_module
+    """Counts calls of logitless's TRL head: (with grad, without)."""
     from logitless.integrations import trl_head
 
     inner = trl_head.LogitlessChunkedLogProb.apply
-    fused = trl_module._FusedLoss.apply
 
     def spy(*args, **kwargs):
         counts["grad" if torch.is_grad_enabled() else "no_grad"] += 1
         return inner(*args, **kwargs)
 
-    def fused_spy(self, *args, **kwargs):
-        counts["fused"] += 1
-        return fused(self, *args, **kwargs)
-
     trl_head.LogitlessChunkedLogProb.apply = staticmethod(spy)
-    trl_module._FusedLoss.apply = fused_spy
-
-    def restore():
-        trl_head.LogitlessChunkedLogProb.apply = staticmethod(inner)
-        trl_module._FusedLoss.apply = fused
-
-    return restore
+    return lambda: setattr(trl_head.LogitlessChunkedLogProb, "apply", staticmethod(inner))
 
 
 def train(run: str, model_dir: str, tokenizer, output_dir: str, overrides: dict):
@@ -138,7 +126,7 @@ def gathered_parameters(model) -> tuple[dict, dict]:
 def one_run(run, model_dir, tokenizer, out: Path, name: str, overrides: dict, rank: int):
     from accelerate.state import AcceleratorState
 
-    counts = {"grad": 0, "no_grad": 0, "fused": 0}
+    counts = {"grad": 0, "no_grad": 0}
     restore = head_spy(counts)
     try:
         trainer = train(run, model_dir, tokenizer, str(out / name), overrides)

@@ -719,6 +719,8 @@ class GRPOTrainer(trl.GRPOTrainer):
     def _fused_reason(self, cfg: PolicyLossConfig, old) -> str | None:
         """Why this loss step cannot run as one `fused_policy_loss` call (None: it can). Each
         reason but ``fused=False`` is warned about once per trainer."""
+        from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
         if not self._fused:
             return "fused=False"
         reason = None
@@ -734,6 +736,10 @@ class GRPOTrainer(trl.GRPOTrainer):
             reason = ("top_entropy_quantile: over several processes the threshold is the "
                       "quantile of every process's entropies, which fused_policy_loss takes "
                       "over this process's")
+        elif is_deepspeed_zero3_enabled():
+            reason = ("DeepSpeed ZeRO-3: fused_policy_loss computes the head's gradient in the "
+                      "forward, inside TRL's gather, and the backward hands it to the "
+                      "partitioned parameter, whose shape it does not have")
         elif cfg.kl_estimator == KL_EXACT and _uses_kl(cfg):
             reason = ("kl_estimator='exact': the reference model's hidden states are not "
                       "computed in the loss step")
