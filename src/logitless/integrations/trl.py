@@ -38,6 +38,7 @@ import trl
 
 from logitless.fused_losses.fused import chunks as _fused_chunks
 from logitless.fused_losses.fused.fused_policy_loss import fused_policy_loss
+from logitless.fused_losses.head.dtensor import is_dtensor
 from logitless.fused_losses.objectives.aggregation import agg_counts
 from logitless.fused_losses.objectives.catalog import CLIPPED_SURROGATE, OBJECTIVES, clip_flags
 from logitless.fused_losses.objectives.config import KL_EXACT, PolicyLossConfig
@@ -740,6 +741,9 @@ class GRPOTrainer(trl.GRPOTrainer):
             reason = ("DeepSpeed ZeRO-3: fused_policy_loss computes the head's gradient in the "
                       "forward, inside TRL's gather, and the backward hands it to the "
                       "partitioned parameter, whose shape it does not have")
+        elif is_dtensor(self.accelerator.unwrap_model(self.model).get_output_embeddings().weight):
+            reason = ("an FSDP2 (DTensor) head: fused_policy_loss runs it streamed, four passes "
+                      "like the composed path, and that has not been run inside the trainer")
         elif cfg.kl_estimator == KL_EXACT and _uses_kl(cfg):
             reason = ("kl_estimator='exact': the reference model's hidden states are not "
                       "computed in the loss step")
