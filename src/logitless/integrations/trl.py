@@ -345,11 +345,12 @@ class GRPOTrainer(trl.GRPOTrainer):
     over the chosen layers and heads. Text-only models.
     """
 
-    # Replay off until __init__ turns it on (also for trainers built without it, as TRL's
-    # loss is sometimes called on a partly built trainer).
+    # Replay and the fused loss off until __init__ turns them on (also for trainers built
+    # without it, as TRL's loss is sometimes called on a partly built trainer).
     _replay = False
     _replay_masks = None
     _replay_kept = None
+    _fused = False
 
     def __init__(self, *args, loss_config: PolicyLossConfig | None = None,
                  attention_entropy_layers: Sequence[int] | None = None,
