@@ -334,6 +334,12 @@ class GRPOTrainer(trl.GRPOTrainer):
             same recorded sets), so that the KL compares like with like (0 at step 1). A
             completion token outside the reference's kept set is left out of the loss and
             counted in ``logitless/sampler/outside_kept_reference``.
+        fused: in the training forward, the head and the loss are one `fused_policy_loss`
+            call over the completion tokens (three GEMM passes over the head; TRL's head and
+            the composed path make four). Where a step cannot run fused (TRL made no
+            old-policy pass, ``match_sampler``, DeepSpeed ZeRO-3, an FSDP2 head, ...: see
+            `_fused_reason`) it runs composed, with one warning per reason. ``False``: always
+            composed (`linear_logprobs`, then `policy_loss`).
 
     Logs TRL's metric names (``kl``, ``entropy``, ``clip_ratio/*``, ``cispo_clip_ratio``,
     ``vespo/phi_seq_mean``, ``policy_loss``, ``entropy_coef``, ``aux_loss``) with TRL's values,
