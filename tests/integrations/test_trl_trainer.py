@@ -10,18 +10,22 @@ ulp-level differences between the two heads into steps of the learning rate's si
 import math
 import os
 import re
+import warnings
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from logitless import PolicyLossConfig, policy_loss
 from logitless.integrations import trl_head
+from logitless.tools import tiny
 
 from testing import run_on_gloo
 from tiny_models import prompt_dataset, tiny_qwen2, tiny_tokenizer, vowel_reward
 
 trl = pytest.importorskip("trl", reason="TRL is installed by `make test`")
 
+from logitless.integrations import trl as trl_module  # noqa: E402
 from logitless.integrations.trl import (  # noqa: E402
     GRPOTrainer,
     config_from_grpo,
@@ -81,6 +85,20 @@ def head_calls(monkeypatch):
     return calls
 
 
+@pytest.fixture
+def fused_calls(monkeypatch):
+    """How many training forwards ran as one `fused_policy_loss` call."""
+    calls = []
+    inner = trl_module._FusedLoss.apply
+
+    def spy(self, *args, **kwargs):
+        calls.append(torch.is_grad_enabled())
+        return inner(self, *args, **kwargs)
+
+    monkeypatch.setattr(trl_module._FusedLoss, "apply", spy)
+    return calls
+
+
 def initial_parameters(model_dir):
     from transformers import AutoModelForCausalLM
 
@@ -103,15 +121,17 @@ def assert_moved(model, before, at_least):
     return moved
 
 
-def assert_same_logs(ours, theirs):
-    """Every value stock TRL logs, ours logs too (we log more: logitless/*)."""
+def assert_same_logs(ours, theirs, loss_atol=1e-7):
+    """Every value stock TRL logs, ours logs too (we log more: logitless/*). ``loss_atol``: the
+    absolute part of the tolerance of the loss values (1e-7 for every other value)."""
     assert len(ours) == len(theirs)
     for step, (o, t) in enumerate(zip(ours, theirs)):
         for key, value in t.items():
             assert key in o, f"step {step}: {key} not logged"
             if key.endswith(TIMING_KEYS):
                 continue
-            assert abs(o[key] - value) <= 1e-5 * abs(value) + 1e-7, (step, key, o[key], value)
+            atol = loss_atol if key in ("loss", "train_loss") else 1e-7
+            assert abs(o[key] - value) <= 1e-5 * abs(value) + atol, (step, key, o[key], value)
 
 
 def test_config_from_grpo_maps_trl_semantics(tmp_path):
@@ -186,7 +206,8 @@ def test_stock_trl_parity(name, overrides, tmp_path, model_dir, tokenizer, head_
     args = grpo_args(tmp_path, **overrides)
     theirs = train(trl.GRPOTrainer, model_dir, tokenizer, args)
     assert not head_calls  # stock TRL kept its own kernel
-    ours = train(GRPOTrainer, model_dir, tokenizer, grpo_args(tmp_path, **overrides))
+    ours = train(GRPOTrainer, model_dir, tokenizer, grpo_args(tmp_path, **overrides),
+                 fused=False)  # the composed path (the fused one: test_fused_equals_stock_trl)
     assert_same_logs(ours.state.log_history, theirs.state.log_history)
     assert_same_parameters(ours.model, theirs.model)
     assert_moved(ours.model, initial_parameters(model_dir), at_least=1e-4)
@@ -207,17 +228,19 @@ def test_stock_trl_parity(name, overrides, tmp_path, model_dir, tokenizer, head_
 
 
 @pytest.mark.slow
-def test_lora_parity(tmp_path, model_dir, tokenizer):
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "composed"])
+def test_lora_parity(fused, tmp_path, model_dir, tokenizer, fused_calls):
     """LoRA adapters, and with beta > 0 the reference is the model with adapters disabled."""
     from peft import LoraConfig
 
-    def run(cls):
+    def run(cls, **kwargs):
         lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
                           task_type="CAUSAL_LM")
         return train(cls, model_dir, tokenizer, grpo_args(tmp_path, beta=0.05, loss_type="grpo"),
-                     peft_config=lora)
+                     peft_config=lora, **kwargs)
 
-    theirs, ours = run(trl.GRPOTrainer), run(GRPOTrainer)
+    theirs, ours = run(trl.GRPOTrainer), run(GRPOTrainer, fused=fused)
+    assert bool(fused_calls) == fused
     assert_same_logs(ours.state.log_history, theirs.state.log_history)
     assert_same_parameters(ours.model, theirs.model)
     trained = {k: p for k, p in ours.model.named_parameters() if p.requires_grad}
@@ -721,3 +744,155 @@ def test_patch_trl_distillation_matches_unpatched(tmp_path, tokenizer, monkeypat
     assert_same_parameters(ours.model, theirs.model)
     start = {k: p.detach() for k, p in tiny_qwen2(tokenizer, seed=0).named_parameters()}
     assert_moved(ours.model, start, at_least=1e-3)
+
+# -- fused=True (the default): the loss step is one fused_policy_loss call ---------------------
+# Against stock TRL and against ``fused=False`` (the composed path: `linear_logprobs`, then
+# `policy_loss`): the same losses, logged metrics and parameters after training; what cannot
+# run fused falls back to the composed path with one warning naming why. And the matmul FLOPs
+# of the loss step (``compute_loss`` and its backward) on a head-dominated tiny model, counted
+# with a ``TorchDispatchMode``: at most 0.82x stock TRL's.
+
+
+def _fused_warnings(record):
+    return [str(w.message) for w in record if "not fused" in str(w.message)]
+
+
+@pytest.mark.parametrize("name,overrides", PARITY)
+def test_fused_equals_stock_trl(name, overrides, tmp_path, model_dir, tokenizer, fused_calls):
+    """grpo_args' num_iterations=2 (or steps_per_generation 4): TRL makes its old-policy pass,
+    and every training step's loss is one fused_policy_loss call."""
+    theirs = train(trl.GRPOTrainer, model_dir, tokenizer, grpo_args(tmp_path, **overrides))
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        ours = train(GRPOTrainer, model_dir, tokenizer, grpo_args(tmp_path, **overrides))
+    assert not _fused_warnings(record)
+    assert fused_calls and (all(fused_calls) or name == "eval")  # eval's loss: no grad
+    # luspo's and vespo's loss values are sums of +-A lp terms that cancel to 1e-3 .. 1e-7 of
+    # the terms: the fused head's lp (|lp| ~ 6, an fp32 ulp 5e-7) rounds apart from TRL's by an
+    # ulp, which moves such a sum by up to 1e-6 (their gradients and parameters agree at 1e-5)
+    assert_same_logs(ours.state.log_history, theirs.state.log_history, loss_atol=2e-6)
+    assert_same_parameters(ours.model, theirs.model)
+    assert_moved(ours.model, initial_parameters(model_dir), at_least=1e-4)
+
+
+@pytest.mark.parametrize("name", EXTRA_OBJECTIVES)
+def test_fused_equals_composed(name, tmp_path, model_dir, tokenizer, fused_calls):
+    """Objectives, aggregations and KL estimators TRL does not have: fused against
+    ``fused=False``."""
+    fields = EXTRA_OBJECTIVES[name]
+
+    def run(fused):
+        args = grpo_args(tmp_path, beta=fields.get("beta", 0.0))
+        return train(GRPOTrainer, model_dir, tokenizer, args,
+                     loss_config=PolicyLossConfig(**fields), fused=fused)
+
+    composed = run(False)
+    assert not fused_calls
+    fused = run(True)
+    assert fused_calls
+    # loss values near 0 (on-policy steps: +-A terms that cancel): see test_fused_equals_stock_trl
+    assert_same_logs(fused.state.log_history, composed.state.log_history, loss_atol=2e-6)
+    assert_same_parameters(fused.model, composed.model)
+
+
+def test_on_policy_falls_back_with_one_warning(tmp_path, model_dir, tokenizer, fused_calls):
+    """num_iterations=1 with the accumulation equal to steps_per_generation: TRL makes no
+    old-policy pass, so the loss runs composed, said once, and still equals stock TRL's."""
+    overrides = dict(loss_type="dapo", num_iterations=1)
+    theirs = train(trl.GRPOTrainer, model_dir, tokenizer, grpo_args(tmp_path, **overrides))
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        ours = train(GRPOTrainer, model_dir, tokenizer, grpo_args(tmp_path, **overrides))
+    messages = _fused_warnings(record)
+    assert len(messages) == 1 and "old_per_token_logps" in messages[0]
+    assert not fused_calls
+    assert_same_logs(ours.state.log_history, theirs.state.log_history)
+    assert_same_parameters(ours.model, theirs.model)
+
+
+def test_fused_must_be_a_bool(tmp_path, model_dir, tokenizer):
+    with pytest.raises(ValueError, match="fused: expected True or False"):
+        GRPOTrainer(model=model_dir, reward_funcs=vowel_reward, args=grpo_args(tmp_path),
+                    train_dataset=prompt_dataset(), processing_class=tokenizer, fused="yes")
+
+
+# -- matmul FLOPs of the loss step ---------------------------------------------------------
+
+_MATMULS = {torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_,
+            torch.ops.aten.bmm, torch.ops.aten.baddbmm, torch.ops.aten.baddbmm_}
+_ADD_MATMULS = {torch.ops.aten.addmm, torch.ops.aten.addmm_, torch.ops.aten.baddbmm,
+                torch.ops.aten.baddbmm_}
+
+
+class MatmulFlops(TorchDispatchMode):
+    """2 M N K per matmul while ``counting`` (every overload: ``out=`` and in place too)."""
+
+    def __init__(self):
+        super().__init__()
+        self.counting, self.flops = False, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        packet = func.overloadpacket
+        if self.counting and packet in _MATMULS:
+            a, b = args[1:3] if packet in _ADD_MATMULS else args[:2]
+            batch = a.shape[0] if a.dim() == 3 else 1
+            self.flops += 2 * batch * a.shape[-2] * a.shape[-1] * b.shape[-1]
+        return func(*args, **kwargs)
+
+
+def _counting(cls):
+    """``cls`` counting matmul FLOPs in each training step's ``compute_loss`` and backward
+    (not in generation or TRL's old-policy and reference passes, made in `_prepare_inputs`)."""
+
+    class Counting(cls):
+        flops: list
+
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            self.counter.counting = True
+            with self.counter:
+                out = super().training_step(model, inputs, num_items_in_batch)
+            self.flops.append(self.counter.flops)
+            self.counter.flops = 0
+            return out
+
+        def _prepare_inputs(self, generation_batch):
+            self.counter.counting = False
+            try:
+                return super()._prepare_inputs(generation_batch)
+            finally:
+                self.counter.counting = True
+
+    return Counting
+
+
+@pytest.fixture(scope="module")
+def wide_vocab_dir(tmp_path_factory):
+    """The issue's head-dominated model: a word-level tokenizer of V=4099, hidden 32."""
+    tok = tiny.tokenizer(4099)
+    path = tmp_path_factory.mktemp("tiny-qwen2-v4099")
+    tiny.qwen2(tok, hidden=32).save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path), tok
+
+
+@pytest.mark.parametrize("overrides", [dict(loss_type="dapo"),
+                                       dict(loss_type="grpo", beta=0.04)],
+                         ids=["dapo", "grpo-beta0.04"])
+def test_loss_step_matmul_flops(overrides, tmp_path, wide_vocab_dir):
+    """8 completions of 62 tokens, one optimizer step: the fused loss step does at most 0.82x
+    the matmul FLOPs of stock TRL's (its chunked head: 4 GEMM passes; fused: 3)."""
+    path, tok = wide_vocab_dir
+    args = dict(per_device_train_batch_size=8, num_generations=8, max_completion_length=62,
+                gradient_accumulation_steps=1, num_iterations=2, max_steps=1, **overrides)
+    flops = {}
+    for name, cls in (("stock", trl.GRPOTrainer), ("fused", GRPOTrainer)):
+        counting = _counting(cls)
+        counting.counter, counting.flops = MatmulFlops(), []
+        trainer = counting(model=path, reward_funcs=vowel_reward,
+                           args=grpo_args(tmp_path / name, **args),
+                           train_dataset=prompt_dataset(), processing_class=tok)
+        trainer.train()
+        flops[name] = sum(counting.flops)
+    assert flops["stock"] > 0
+    assert flops["fused"] <= 0.82 * flops["stock"], flops

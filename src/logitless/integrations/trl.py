@@ -30,14 +30,18 @@ import contextlib
 import dataclasses
 import inspect
 import math
+import warnings
 from collections.abc import Sequence
 
 import torch
 import trl
 
+from logitless.fused_losses.fused import chunks as _fused_chunks
+from logitless.fused_losses.fused.fused_policy_loss import fused_policy_loss
+from logitless.fused_losses.head.dtensor import is_dtensor
 from logitless.fused_losses.objectives.aggregation import agg_counts
 from logitless.fused_losses.objectives.catalog import CLIPPED_SURROGATE, OBJECTIVES, clip_flags
-from logitless.fused_losses.objectives.config import PolicyLossConfig
+from logitless.fused_losses.objectives.config import KL_EXACT, PolicyLossConfig
 from logitless.fused_losses.objectives.entropy_control import AdaptiveEntropyCoef
 from logitless.fused_losses.objectives.mismatch import logged_mismatch
 from logitless.fused_losses.objectives.policy_loss import policy_loss, policy_loss_globals
@@ -59,6 +63,7 @@ from logitless.integrations.trl_head import (
     LogitlessChunkedLogProb,
     check_contract,
     keep_sharded,
+    logitless_softcap,
     patch_trl,
     trl_modules,
     trl_patched,
@@ -123,6 +128,14 @@ class _Head:
                            f"call of {tuple(mask.shape)} positions ({int(mask.sum())} scored)")
 
 
+def _label_mask(input_ids, attention_mask, logits_to_keep):
+    """The positions TRL's fused head scores, ``[B, L - 1]``: ``labels[:, 1:] != -100`` with
+    TRL's own labels (the completion tokens under the attention mask)."""
+    labels = input_ids.masked_fill(attention_mask == 0, -100)
+    labels[:, :-logits_to_keep] = -100
+    return labels[:, 1:] != -100
+
+
 def _replay_chunks(input_ids, attention_mask, logits_to_keep, batch_size, kept_ids):
     """Per model call of TRL's forward-helper loop (rows ``[start, start + batch_size)``): the
     positions TRL's fused head scores (``labels[:, 1:] != -100``, TRL's own labels) and the
@@ -131,9 +144,7 @@ def _replay_chunks(input_ids, attention_mask, logits_to_keep, batch_size, kept_i
     if kept_ids.shape[:2] != (input_ids.shape[0], logits_to_keep):
         raise ValueError(f"{KEPT_IDS_KEY}: expected shape [{input_ids.shape[0]}, "
                          f"{logits_to_keep}, K] (the completions), got {list(kept_ids.shape)}")
-    labels = input_ids.masked_fill(attention_mask == 0, -100)
-    labels[:, :-logits_to_keep] = -100
-    mask = labels[:, 1:] != -100
+    mask = _label_mask(input_ids, attention_mask, logits_to_keep)
     full = kept_ids.new_full((*mask.shape, kept_ids.shape[-1]), -1)
     full[:, -logits_to_keep:] = kept_ids.to(full.device)
     outside = ~mask
@@ -145,25 +156,113 @@ def _replay_chunks(input_ids, attention_mask, logits_to_keep, batch_size, kept_i
 
 
 @contextlib.contextmanager
-def _logitless_head(entropy: bool, sampler: SamplerTruncation | None = None,
-                    kept: list | None = None):
-    """TRL's fused head computes through logitless inside the block (TRL looks the kernel up
-    at each call; the backward belongs to the returned tensors, so it needs no patch)."""
+def _kernel(kernel):
+    """``kernel`` in place of TRL's fused head kernel inside the block, and an FSDP2 head kept
+    sharded (`keep_sharded`): it reaches the kernel without a gather."""
     import trl.trainer.utils as trl_utils
 
     saved = trl_utils._ChunkedLogProbFunction
-    head = _Head(entropy, sampler, kept)
-    trl_utils._ChunkedLogProbFunction = head
-    dtensor = keep_sharded(trl_utils)  # an FSDP2 head computes sharded, without a gather
+    trl_utils._ChunkedLogProbFunction = kernel
+    dtensor = keep_sharded(trl_utils)
     try:
         yield
     finally:
         trl_utils._ChunkedLogProbFunction = saved
         if dtensor is not None:
             trl_utils.DTensor = dtensor
+
+
+@contextlib.contextmanager
+def _logitless_head(entropy: bool, sampler: SamplerTruncation | None = None,
+                    kept: list | None = None):
+    """TRL's fused head computes through logitless inside the block (TRL looks the kernel up
+    at each call; the backward belongs to the returned tensors, so it needs no patch)."""
+    with _kernel(_Head(entropy, sampler, kept)):
+        yield
     if kept:
         raise RuntimeError("match_sampler='replay': TRL's head was called fewer times than "
                            "the forward helper makes model calls")
+
+
+class _FusedLoss:
+    """TRL's kernel contract for the one model call of the training forward, where the head and
+    the loss are one `fused_policy_loss` call: the head's rows (TRL's ``hidden[mask]``, or
+    every position) are laid out on the completion grid, the loss computed there (inside TRL's
+    autocast and ZeRO-3 gather context, which hold the kernel call) and kept in ``result``.
+    TRL's forward gets zeros for its per-token outputs, which nothing reads."""
+
+    def __init__(self, label_mask, logits_to_keep, targets, **loss_args):
+        self.label_mask, self.logits_to_keep = label_mask, logits_to_keep
+        self.targets, self.loss_args = targets, loss_args
+        self.result = None
+
+    def apply(self, hidden, weight, bias, targets, temperature, chunk_size,
+              final_logit_softcapping=None, logit_scale=1.0, outputs=()):
+        del targets, chunk_size  # the completion ids, on the grid; logitless sizes its tiles
+        if self.result is not None:
+            raise RuntimeError("GRPOTrainer(fused=True): TRL's head was called more than once "
+                               "in the training forward")
+        mask = self.label_mask.to(hidden.device)
+        rows, width = hidden.shape
+        if rows == int(mask.sum()):  # TRL's compact rows: the labelled positions
+            grid = hidden.new_zeros(*mask.shape, width).masked_scatter(mask[..., None], hidden)
+        elif rows == mask.numel():
+            grid = hidden.view(*mask.shape, width)
+        else:
+            raise RuntimeError(f"GRPOTrainer(fused=True): TRL's head got {rows} rows for "
+                               f"{tuple(mask.shape)} positions ({int(mask.sum())} labelled)")
+        with _collecting_logprobs() as collected:
+            self.result = fused_policy_loss(
+                grid[:, -self.logits_to_keep:], weight, self.targets, bias=bias,
+                temperature=temperature,
+                softcap=logitless_softcap(final_logit_softcapping, logit_scale),
+                logit_scale=logit_scale, **self.loss_args)
+        self.logprobs = collected()
+        zeros = hidden.new_zeros(rows)
+        return zeros, zeros if "entropy" in outputs else None, None, None, None
+
+
+@contextlib.contextmanager
+def _collecting_logprobs():
+    """The per-token logprobs `fused_policy_loss` computed, ``[B, T]`` detached: its chunk loop
+    runs the objective once more on the collected ``(lp, H)`` for the loss value and the
+    metrics (`chunks.run_call`, `chunks.streamed_whole`), and that batch holds them. TRL's
+    per-sequence clip metrics and VESPO's weights read them, so the loss needs no other pass."""
+    seen = []
+
+    def recording(inner):
+        def run(batch, *args, **kwargs):
+            seen.append(batch["logprobs"].detach())
+            return inner(batch, *args, **kwargs)
+        return run
+
+    saved = {name: getattr(_fused_chunks, name) for name in ("batch_policy_loss", "loss_of_batch")}
+    for name, inner in saved.items():
+        setattr(_fused_chunks, name, recording(inner))
+
+    def collected():
+        if len(seen) != 1:
+            raise RuntimeError("GRPOTrainer(fused=True): fused_policy_loss's loss values were not "
+                               "found where logitless.fused_losses.fused.chunks computes them; "
+                               "pass fused=False")
+        return seen[0]
+
+    try:
+        yield collected
+    finally:
+        for name, inner in saved.items():
+            setattr(_fused_chunks, name, inner)
+
+
+@contextlib.contextmanager
+def _fused_head(loss: _FusedLoss):
+    """TRL's fused head computes the loss through `fused_policy_loss` inside the block (an FSDP2
+    head sharded, as in `_logitless_head`)."""
+    with _kernel(loss):
+        yield
+    if loss.result is None:
+        raise RuntimeError("GRPOTrainer(fused=True): TRL's training forward did not call its "
+                           "fused head")
 
 
 def _uses_kl(cfg: PolicyLossConfig) -> bool:
@@ -235,6 +334,12 @@ class GRPOTrainer(trl.GRPOTrainer):
             same recorded sets), so that the KL compares like with like (0 at step 1). A
             completion token outside the reference's kept set is left out of the loss and
             counted in ``logitless/sampler/outside_kept_reference``.
+        fused: in the training forward, the head and the loss are one `fused_policy_loss`
+            call over the completion tokens (three GEMM passes over the head; TRL's head and
+            the composed path make four). Where a step cannot run fused (TRL made no
+            old-policy pass, ``match_sampler``, DeepSpeed ZeRO-3, an FSDP2 head, ...: see
+            `_fused_reason`) it runs composed, with one warning per reason. ``False``: always
+            composed (`linear_logprobs`, then `policy_loss`).
 
     Logs TRL's metric names (``kl``, ``entropy``, ``clip_ratio/*``, ``cispo_clip_ratio``,
     ``vespo/phi_seq_mean``, ``policy_loss``, ``entropy_coef``, ``aux_loss``) with TRL's values,
@@ -246,17 +351,18 @@ class GRPOTrainer(trl.GRPOTrainer):
     over the chosen layers and heads. Text-only models.
     """
 
-    # Replay off until __init__ turns it on (also for trainers built without it, as TRL's
-    # loss is sometimes called on a partly built trainer).
+    # Replay and the fused loss off until __init__ turns them on (also for trainers built
+    # without it, as TRL's loss is sometimes called on a partly built trainer).
     _replay = False
     _replay_masks = None
     _replay_kept = None
+    _fused = False
 
     def __init__(self, *args, loss_config: PolicyLossConfig | None = None,
                  attention_entropy_layers: Sequence[int] | None = None,
                  attention_entropy_heads: Sequence[int] | None = None,
                  match_sampler: bool | str = False, truncate_reference: bool = False,
-                 **kwargs):
+                 fused: bool = True, **kwargs):
         trl_module, _, function = trl_modules()
         check_contract(trl_module, function)
         if match_sampler not in (False, True, "replay"):
@@ -280,6 +386,10 @@ class GRPOTrainer(trl.GRPOTrainer):
         self._replay_kept = None
         self._truncate_reference = truncate_reference
         self._reference_pass = False
+        if not isinstance(fused, bool):
+            raise ValueError(f"fused: expected True or False, got {fused!r}")
+        self._fused = fused
+        self._fallbacks: set[str] = set()
         super().__init__(*args, **kwargs)
         if replay:
             check_grpo_replay(self.args, self.rollout_func)
@@ -548,10 +658,8 @@ class GRPOTrainer(trl.GRPOTrainer):
         mask = completion_mask
         if "tool_mask" in inputs:
             mask = completion_mask * inputs["tool_mask"]
-        logps, entropies, aux_loss = self._get_per_token_logps_and_entropies(
-            model, input_ids, attention_mask, logits_to_keep, compute_entropy=True,
-            compute_aux_loss=self.aux_loss_enabled, kept_ids=inputs.get(KEPT_IDS_KEY),
-            **{k: inputs.get(k) for k in _FORWARD_KEYS})
+        forward = dict(compute_aux_loss=self.aux_loss_enabled,
+                       **{k: inputs.get(k) for k in _FORWARD_KEYS})
 
         mode = "train" if self.model.training else "eval"
         # TRL divides by the accumulation steps in training only (no accumulation in eval);
@@ -564,38 +672,44 @@ class GRPOTrainer(trl.GRPOTrainer):
         if mode == "train":
             num_items = num_items * grad_accum / self.args.steps_per_generation
         old = inputs.get("old_per_token_logps")
-        old = logps.detach() if old is None else old
-        outside = None
         ref = inputs.get("ref_per_token_logps")
-        if self._matching:
-            tokens = mask.sum()
-            logps, old, mask, outside = drop_outside_kept(logps, old, mask)
-            if ref is not None and self._truncate_reference:
-                # a token outside the reference's kept set: logprob -inf, the KL undefined
-                _, ref, mask, ref_outside = drop_outside_kept(ref, ref, mask)
-                self._metrics[mode]["logitless/sampler/outside_kept_reference"].append(
-                    self._global_mean(ref_outside, tokens))
         coef = cfg.entropy_coef
         if self._entropy_control is not None:
             coef = self._entropy_control.current()
-        max_steps = max(self.state.max_steps, 1)
-        batch = dict(old_logprobs=old, rollout_logprobs=inputs.get("sampling_per_token_logps"),
+        batch = dict(rollout_logprobs=inputs.get("sampling_per_token_logps"),
                      attention_entropy=inputs.get("attention_entropy"))
-        batch_globals = None
-        if cfg.top_entropy_quantile < 1 and self.accelerator.num_processes > 1:
-            batch_globals = self._world_entropy_globals(cfg, mask, inputs["advantages"],
-                                                        entropies, batch)
-        loss, metrics = policy_loss(
-            logps, old, inputs["advantages"], mask, cfg,
-            ref_logprobs=ref,
-            rollout_logprobs=batch["rollout_logprobs"],
-            entropy=entropies,
-            attention_entropy=batch["attention_entropy"],
-            num_items_in_batch=num_items,
-            batch_globals=batch_globals,
-            training_progress=self.state.global_step / max_steps,
-            entropy_coef=coef,
-        )
+        loss_args = dict(num_items_in_batch=num_items, entropy_coef=coef,
+                         training_progress=self.state.global_step / max(self.state.max_steps, 1))
+        outside = None
+        if self._fused_reason(cfg, old) is None:
+            fused = _FusedLoss(_label_mask(input_ids, attention_mask, logits_to_keep),
+                               logits_to_keep, completion_ids, old_logprobs=old,
+                               advantages=inputs["advantages"], mask=mask, config=cfg,
+                               ref_logprobs=ref, **batch, **loss_args)
+            with _fused_head(fused):
+                _, _, aux_loss = super()._get_per_token_logps_and_entropies(
+                    model, input_ids, attention_mask, logits_to_keep, **forward)
+            (loss, metrics), logps = fused.result, fused.logprobs
+        else:
+            logps, entropies, aux_loss = self._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, compute_entropy=True,
+                kept_ids=inputs.get(KEPT_IDS_KEY), **forward)
+            old = logps.detach() if old is None else old
+            if self._matching:
+                tokens = mask.sum()
+                logps, old, mask, outside = drop_outside_kept(logps, old, mask)
+                if ref is not None and self._truncate_reference:
+                    # a token outside the reference's kept set: logprob -inf, the KL undefined
+                    _, ref, mask, ref_outside = drop_outside_kept(ref, ref, mask)
+                    self._metrics[mode]["logitless/sampler/outside_kept_reference"].append(
+                        self._global_mean(ref_outside, tokens))
+            batch_globals = None
+            if cfg.top_entropy_quantile < 1 and self.accelerator.num_processes > 1:
+                batch_globals = self._world_entropy_globals(
+                    cfg, mask, inputs["advantages"], entropies, dict(old_logprobs=old, **batch))
+            loss, metrics = policy_loss(
+                logps, old, inputs["advantages"], mask, cfg, ref_logprobs=ref, entropy=entropies,
+                batch_globals=batch_globals, **batch, **loss_args)
         self._log_entropy_bonus(mode, loss, metrics, coef, cfg, grad_accum)
         if batch["rollout_logprobs"] is not None:
             # the old policy's logprobs are the trainer's at the weights that generated
@@ -609,6 +723,44 @@ class GRPOTrainer(trl.GRPOTrainer):
             self._metrics[mode]["logitless/sampler/outside_kept"].append(
                 self._global_mean(outside, tokens))
         return loss
+
+    def _fused_reason(self, cfg: PolicyLossConfig, old) -> str | None:
+        """Why this loss step cannot run as one `fused_policy_loss` call (None: it can). Each
+        reason but ``fused=False`` is warned about once per trainer."""
+        from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+        if not self._fused:
+            return "fused=False"
+        reason = None
+        if self._matching:
+            reason = ("match_sampler: fused_policy_loss has no sampler truncation or recorded "
+                      "kept sets")
+        elif old is None:
+            reason = ("old_per_token_logps: TRL made no old-policy pass (num_iterations=1, "
+                      "steps_per_generation <= gradient_accumulation_steps, no vLLM importance "
+                      "sampling), and fused_policy_loss takes the old logprobs before its head "
+                      "computes the current ones")
+        elif cfg.top_entropy_quantile < 1 and self.accelerator.num_processes > 1:
+            reason = ("top_entropy_quantile: over several processes the threshold is the "
+                      "quantile of every process's entropies, which fused_policy_loss takes "
+                      "over this process's")
+        elif is_deepspeed_zero3_enabled():
+            reason = ("DeepSpeed ZeRO-3: fused_policy_loss computes the head's gradient in the "
+                      "forward, inside TRL's gather, and the backward hands it to the "
+                      "partitioned parameter, whose shape it does not have")
+        elif is_dtensor(self.accelerator.unwrap_model(self.model).get_output_embeddings().weight):
+            reason = ("an FSDP2 (DTensor) head: fused_policy_loss runs it streamed, four passes "
+                      "like the composed path, and that has not been run inside the trainer")
+        elif cfg.kl_estimator == KL_EXACT and _uses_kl(cfg):
+            reason = ("kl_estimator='exact': the reference model's hidden states are not "
+                      "computed in the loss step")
+        elif cfg.objective.startswith("dppo_topk"):
+            reason = f"objective={cfg.objective!r}: needs the rollout's top-k logprobs"
+        if reason is not None and reason not in self._fallbacks:
+            self._fallbacks.add(reason)
+            warnings.warn(f"GRPOTrainer: the loss runs on the composed path (linear_logprobs, "
+                          f"then policy_loss), not fused: {reason}", RuntimeWarning, stacklevel=3)
+        return reason
 
     def _world_entropy_globals(self, cfg, mask, advantages, entropies, batch):
         """`policy_loss`'s batch globals with TRL's top-entropy selection, whose threshold is

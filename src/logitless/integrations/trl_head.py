@@ -106,6 +106,16 @@ def check_contract(trl, function, expected=_TRL_SIGNATURE) -> None:
         )
 
 
+def logitless_softcap(final_logit_softcapping, logit_scale):
+    """logitless's ``softcap`` for TRL's kernel arguments. TRL soft-caps the scaled logit,
+    c * tanh(s x / c); logitless scales the soft-capped one. They agree with logitless's cap
+    c / |s|. TRL's kernel caps at 1.0 when given 0.0 (`final_logit_softcapping or 1.0`);
+    logit_scale=0 (all logits 0) is kept, as TRL keeps it, and makes the cap irrelevant."""
+    if final_logit_softcapping is None:
+        return None
+    return (final_logit_softcapping or 1.0) / abs(logit_scale) if logit_scale != 0 else None
+
+
 class LogitlessChunkedLogProb:
     """Stands in for ``trl.kernels.ChunkedLogProbFunction`` with the same ``apply`` contract."""
 
@@ -128,13 +138,7 @@ class LogitlessChunkedLogProb:
         del chunk_size  # logitless sizes its own tiles
         from trl.trainer.utils import maybe_gather_lm_head_ctx
 
-        # TRL soft-caps the scaled logit, c * tanh(s x / c); logitless scales the soft-capped
-        # one. They agree with logitless's cap c / |s|. TRL's kernel caps at 1.0 when given
-        # 0.0 (`final_logit_softcapping or 1.0`); logit_scale=0 (all logits 0) is kept, as TRL
-        # keeps it, and makes the cap irrelevant.
-        softcap = final_logit_softcapping
-        if softcap is not None:
-            softcap = (softcap or 1.0) / abs(logit_scale) if logit_scale != 0 else None
+        softcap = logitless_softcap(final_logit_softcapping, logit_scale)
         stats = tuple(name for name, wanted in (("sum_p_sq", "log_sum_sq_probs"),
                                                 ("mean_logit", "mean_logits"),
                                                 ("is_top1", "is_top1")) if wanted in outputs)
