@@ -663,7 +663,7 @@ def test_op_path_bad_input(monkeypatch):
                                  args.pop("advantages"), mask, args.pop("config"), **args)
 
     for kw, message in [
-        (dict(old_logprobs=None), "old_logprobs: required"),
+        (dict(old_logprobs=torch.empty(2, T + 1, device=meta)), "old_logprobs: expected shape"),
         (dict(advantages=torch.empty(3, device=meta)), "advantages: expected"),
         (dict(advantages=[1.0, 2.0]), "advantages: expected a tensor"),
         (dict(ref_logprobs=torch.empty(2, T + 1, device=meta)), "ref_logprobs: expected shape"),

@@ -20,6 +20,7 @@ import warnings
 
 import torch
 
+from logitless.fused_losses.fused.validation import current_tensors
 from logitless.fused_losses.objectives.policy_loss import batch_policy_loss
 
 # None: compile on CUDA only; True / False: forced (for tests and measurement).
@@ -37,16 +38,16 @@ RECOMPILE_LIMIT = 64
 def _chunk_loss(sub, masks, row, col, s0, cfg, glob, num_items_in_batch, global_batch_size,
                 training_progress, entropy_coef, lp, ent, kl):
     """The chunk's share of the loss from its loss rows' ``lp``, ``H`` (and exact ``KL``),
-    scattered onto the chunk's grid at ``(row - s0, col)`` (the call's numbers one by one:
+    scattered onto the chunk's grid at ``(row - s0, col)``; on-policy its old logprobs are
+    ``lp`` detached (`current_tensors`) (the call's numbers one by one:
     under dynamo a number in a dict is a constant of the graph)."""
     where = (row - s0, col)
 
     def grid(x):
         return x.new_zeros(sub.m.shape).index_put(where, x)
 
-    exact = {} if kl is None else {"kl": grid(kl)}
-    loss, _ = batch_policy_loss(sub.with_tensors(logprobs=grid(lp), entropy=grid(ent), **exact),
-                           cfg, glob, masks=masks, compute_metrics=False,
+    batch = current_tensors(sub, grid(lp), grid(ent), None if kl is None else grid(kl))
+    loss, _ = batch_policy_loss(batch, cfg, glob, masks=masks, compute_metrics=False,
                            num_items_in_batch=num_items_in_batch,
                            global_batch_size=global_batch_size,
                            training_progress=training_progress, entropy_coef=entropy_coef)

@@ -25,6 +25,7 @@ from logitless.fused_losses.objectives.policy_loss import (
     Masks,
     batch_policy_loss,
     globals_and_masks,
+    globals_read_old_logprobs,
     loss_of_batch,
 )
 
@@ -39,10 +40,11 @@ def run_call(req: Request) -> tuple:
                         req.strategy, req.cu_seqlens, req.selection_entropy, req.memory_budget,
                         cp_group=req.cp_group, **req.tensors)
     call.ref = checked_ref(head, config, *req.ref_args)
+    call.out = (req.out_logprobs, req.out_entropy)
     if call.whole or sharded:
         return (*streamed_whole(call, loss_args), None)
 
-    glob, masks = globals_and_masks(call.globals_batch(selection_entropy_of(call)), config)
+    glob, masks = globals_and_masks(call.globals_batch(*globals_inputs(call)), config)
     check_global_counts(loss_args["num_items_in_batch"], loss_args["global_batch_size"],
                         glob.loss)
     plan = make_plan(call, req.memory_budget)
@@ -54,8 +56,10 @@ def run_call(req: Request) -> tuple:
         runner.run(chunk)
 
     # The loss value and metrics: the one copy of the objective on the collected (lp, H).
+    collected = runner.collected()
+    call.hand_back(*collected[:2])
     with torch.no_grad():
-        loss, metrics = batch_policy_loss(call.with_logprobs(*runner.collected()),
+        loss, metrics = batch_policy_loss(call.with_logprobs(*collected),
                                      config, glob, masks=masks, **loss_args)
     return loss, metrics, grads.result(head.hidden, head.weight, head.bias)
 
@@ -75,28 +79,34 @@ def streamed_whole(call: Call, loss_args) -> tuple:
         weight, bias = head.weight.to(dtype), None if head.bias is None else head.bias.to(dtype)
         lp, ent = rows_logprobs(hidden, weight, call.targets, bias=bias, **head.transform())
     kl = None if call.ref is None else call.ref.kl(call.rows, hidden, weight, bias)
+    call.hand_back(lp, ent)
     batch = call.with_logprobs(lp, ent, kl)
     if not call.selection_entropy:
         return loss_of_batch(batch, call.config, None, validate=True, **loss_args)
-    glob, masks = globals_and_masks(call.globals_batch(call.full["selection_entropy"]),
+    old = batch["old_logprobs"] if call.on_policy else None
+    glob, masks = globals_and_masks(call.globals_batch(call.full["selection_entropy"], old),
                                      call.config)
     check_global_counts(loss_args["num_items_in_batch"], loss_args["global_batch_size"],
                         glob.loss)
     return batch_policy_loss(batch, call.config, glob, masks=masks, **loss_args)
 
 
-def selection_entropy_of(call: Call):
-    """The entropies the selections use: the caller's, or (when the config selects by entropy)
-    the current ones by a no-grad pass, on the grid; None when not needed."""
-    if call.selection_entropy:
-        return call.full["selection_entropy"]
-    if not selects_by_entropy(call.config):
-        return None
+def globals_inputs(call: Call) -> tuple:
+    """``(entropy, old_logprobs)`` on the grid for the batch's globals, beyond the call's own:
+    the entropies the selections use (the caller's ``selection_entropy``, or, when the config
+    selects by entropy, the current ones), and on-policy the current logprobs as the old ones
+    where the globals read them (`globals_read_old_logprobs`). The current values come from
+    one no-grad pass before the chunks; None where not needed."""
+    want_entropy = not call.selection_entropy and selects_by_entropy(call.config)
+    want_old = call.on_policy and globals_read_old_logprobs(call.config)
+    entropy = call.full["selection_entropy"] if call.selection_entropy else None
+    if not (want_entropy or want_old):
+        return entropy, None
     h, w, b = call.detached
     with torch.no_grad():
-        _, ent = rows_logprobs(h.index_select(0, call.rows), w, call.targets, bias=b,
+        lp, ent = rows_logprobs(h.index_select(0, call.rows), w, call.targets, bias=b,
                                 **call.head.transform())
-    return call.grid(ent)
+    return (call.grid(ent) if want_entropy else entropy), (call.grid(lp) if want_old else None)
 
 
 def selects_by_entropy(cfg: PolicyLossConfig) -> bool:

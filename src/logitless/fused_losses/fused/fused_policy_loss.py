@@ -39,7 +39,7 @@ import torch
 from logitless.fused_losses.fused.chunks import run_call
 from logitless.fused_losses.fused.op import as_op, metric_names, op_call
 from logitless.fused_losses.fused.plan import CPU_MEMORY_BUDGET, ChunkStore, plan_chunks
-from logitless.fused_losses.fused.validation import Request
+from logitless.fused_losses.fused.validation import Request, check_out_buffers
 from logitless.fused_losses.head.logprobs import check_byte_budget, check_ignore_index
 from logitless.fused_losses.objectives.config import PolicyLossConfig
 from logitless.fused_losses.objectives.policy_loss import (
@@ -118,6 +118,8 @@ def fused_policy_loss(
     topk_logprobs=None,
     old_topk_logprobs=None,
     memory_budget: int | None = None,
+    out_logprobs=None,
+    out_entropy=None,
 ):
     """The policy loss from hidden states and the LM head, without the full logits.
 
@@ -135,7 +137,14 @@ def fused_policy_loss(
         targets: token ids like ``mask``; only positions where ``mask`` is nonzero and the
             target is not ``ignore_index`` are scored (a target of ``ignore_index`` drops its
             token whatever ``mask`` holds there).
-        old_logprobs, advantages, mask, config, ref_logprobs, rollout_logprobs, token_weights,
+        old_logprobs: as in :func:`policy_loss`, or None on-policy: the old policy is the
+            current one (TRL's ``num_iterations=1``, which has no old-policy pass), so each
+            chunk's old logprobs are its own current logprobs, detached: every ratio is 1, the
+            gradients and metrics those of ``policy_loss(lp, lp.detach(), ...)``, still three
+            GEMM passes. Where the batch's globals read the old logprobs (``rollout_rs``,
+            STAPO, ``rollout_is_batch_normalize``) a no-grad pass before the chunks computes
+            them (the pass the entropy selections make anyway: one for both).
+        advantages, mask, config, ref_logprobs, rollout_logprobs, token_weights,
         attention_entropy, num_items_in_batch, global_batch_size, training_progress,
             entropy_coef: as in :func:`policy_loss`.
         temperature, softcap, logit_scale: the logit transform, as in :func:`linear_logprobs`.
@@ -169,6 +178,12 @@ def fused_policy_loss(
             gradient, so the caller computes the trainer's (e.g. ``linear_logprobs`` at the
             rollout's top-k ids under ``torch.no_grad()``, same head and temperature). Not
             under ``torch.compile``.
+        out_logprobs, out_entropy: optional floating tensors shaped like ``mask`` (on its
+            device, no graph), filled in place, as torch's ``out=``, with the per-token
+            logprobs and entropies the loss was computed from, detached (0 at tokens out of
+            the loss): what a trainer logs per sequence, with no other pass. Their dtype is
+            the caller's (values cast). Not under ``torch.compile`` or for meta/fake tensors
+            (``ValueError``).
 
     Returns:
         ``(loss, metrics)`` as :func:`policy_loss`.
@@ -196,6 +211,7 @@ def fused_policy_loss(
     memory_budget = renamed_keyword("memory_budget", memory_budget, "max_tile_bytes",
                                     max_tile_bytes)
     check_byte_budget("max_tile_bytes", memory_budget)
+    check_out_buffers(mask, out_logprobs=out_logprobs, out_entropy=out_entropy)
     mask = _drop_ignored(targets, mask, ignore_index)
     req = Request(
         hidden=hidden, weight=weight, bias=bias, targets=targets, old_logprobs=old_logprobs,
@@ -207,14 +223,18 @@ def fused_policy_loss(
         global_batch_size=global_batch_size, temperature=temperature, softcap=softcap,
         logit_scale=logit_scale, training_progress=training_progress,
         entropy_coef=entropy_coef, memory_budget=memory_budget, strategy=strategy,
-        cp_group=cp_group, **check_topk_inputs(config, topk_logprobs=topk_logprobs,
-                                               old_topk_logprobs=old_topk_logprobs))
+        cp_group=cp_group, out_logprobs=out_logprobs, out_entropy=out_entropy,
+        **check_topk_inputs(config, topk_logprobs=topk_logprobs,
+                            old_topk_logprobs=old_topk_logprobs))
     if cp_group is not None:
         return _context_parallel(req)
     if as_op(hidden):
         if req.topk_logprobs is not None or req.old_topk_logprobs is not None:
             raise ValueError("topk_logprobs: the DPPO top-k objectives are not supported under "
                              "torch.compile or for meta/fake tensors")
+        if out_logprobs is not None or out_entropy is not None:
+            raise ValueError("out_logprobs/out_entropy: not supported under torch.compile or "
+                             "for meta/fake tensors (the op returns no per-token values)")
         return op_call(req)
     need = req.needs
     loss, metrics, grads = run_call(req)

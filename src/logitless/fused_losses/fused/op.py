@@ -45,8 +45,6 @@ def op_call(req: Request) -> tuple:
     check_static(head, req.targets, req.mask, req.strategy, req.cu_seqlens, req.memory_budget)
     if not isinstance(config, PolicyLossConfig):
         raise ValueError(f"config must be a PolicyLossConfig, got {type(config).__name__}")
-    if req.old_logprobs is None:
-        raise ValueError("old_logprobs: required (pass logprobs.detach() when on-policy)")
     for name, t in (("advantages", req.advantages), ("cu_seqlens", req.cu_seqlens),
                     ("selection_entropy", req.selection_entropy),
                     ("old_logprobs", req.old_logprobs), *tensors.items()):

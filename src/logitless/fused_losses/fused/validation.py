@@ -77,7 +77,7 @@ class Request:
     weight: torch.Tensor
     bias: torch.Tensor | None = None
     targets: torch.Tensor
-    old_logprobs: torch.Tensor
+    old_logprobs: torch.Tensor | None  # None: on-policy (each chunk's own logprobs, detached)
     advantages: torch.Tensor
     mask: torch.Tensor
     ref_logprobs: torch.Tensor | None = None
@@ -107,6 +107,10 @@ class Request:
     old_topk_logprobs: torch.Tensor | None = dataclasses.field(default=None,
                                                               metadata=_NOT_AN_OP_ARGUMENT)
     cp_group: object = dataclasses.field(default=None, metadata=_NOT_AN_OP_ARGUMENT)
+    out_logprobs: torch.Tensor | None = dataclasses.field(default=None,
+                                                         metadata=_NOT_AN_OP_ARGUMENT)
+    out_entropy: torch.Tensor | None = dataclasses.field(default=None,
+                                                        metadata=_NOT_AN_OP_ARGUMENT)
 
     @property
     def head(self) -> Head:
@@ -157,6 +161,13 @@ class Call:
     strategy: str
     selection_entropy: bool
     ref: RefHead | None = None  # the reference head of the exact KL
+    # the caller's buffers for the per-token logprobs and entropies (`hand_back`)
+    out: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
+
+    @property
+    def on_policy(self) -> bool:
+        """No old logprobs given: the old policy is the current one (`current_tensors`)."""
+        return self.full["old_logprobs"] is None
 
     @functools.cached_property
     def detached(self):
@@ -175,15 +186,55 @@ class Call:
         return per_row.new_zeros(self.batch.m.shape).index_put(self.where, per_row)
 
     def with_logprobs(self, lp_rows, ent_rows, kl_rows=None) -> Batch:
-        kl = {} if kl_rows is None else {"kl": self.grid(kl_rows)}
-        return self.batch.with_tensors(logprobs=self.grid(lp_rows), entropy=self.grid(ent_rows),
-                                       **kl)
+        return current_tensors(self.batch, self.grid(lp_rows), self.grid(ent_rows),
+                               None if kl_rows is None else self.grid(kl_rows))
 
-    def globals_batch(self, entropy) -> Batch:
+    def globals_batch(self, entropy, old_logprobs=None) -> Batch:
         """The batch `BatchGlobals` are computed from (old logprobs' dtype, as
-        `policy_loss_globals`), with the entropies the selections use."""
-        entropy = None if entropy is None else entropy.to(self.globals_dtype)
-        return self.full.to(self.globals_dtype).with_tensors(entropy=entropy)
+        `policy_loss_globals`), with the entropies the selections use (and, on-policy, the
+        current logprobs as the old ones where the globals read them)."""
+        old = {} if old_logprobs is None else {"old_logprobs": old_logprobs}
+        given = dict(entropy=entropy, **old)
+        return self.full.to(self.globals_dtype).with_tensors(
+            **{k: None if t is None else t.to(self.globals_dtype) for k, t in given.items()})
+
+    def hand_back(self, lp_rows, ent_rows) -> None:
+        """The per-token logprobs and entropies into the caller's ``out_logprobs`` and
+        ``out_entropy`` (mask-shaped), detached; 0 at the tokens out of the loss."""
+        for out, rows in zip(self.out, (lp_rows, ent_rows)):
+            if out is not None:
+                flat = rows.new_zeros(out.numel()).index_copy_(0, self.rows, rows.detach())
+                out.copy_(flat.view(out.shape))
+
+
+def current_tensors(batch: Batch, lp, ent, kl=None) -> Batch:
+    """``batch`` with the current policy's per-token tensors on its grid: ``logprobs``,
+    ``entropy`` (and the exact ``kl``); on-policy (``batch`` holds no old logprobs) the old
+    logprobs are ``logprobs`` detached, so every ratio is 1 and the gradients flow as through
+    ``policy_loss(lp, lp.detach(), ...)``."""
+    extra = {} if kl is None else {"kl": kl}
+    if batch["old_logprobs"] is None:
+        extra["old_logprobs"] = lp.detach()
+    return batch.with_tensors(logprobs=lp, entropy=ent, **extra)
+
+
+def check_out_buffers(mask, **outs) -> None:
+    """``out_logprobs`` / ``out_entropy``: None, or a floating tensor shaped like ``mask``, on
+    its device, without a graph."""
+    for name, out in outs.items():
+        if out is None:
+            continue
+        if not isinstance(out, torch.Tensor) or not out.is_floating_point():
+            raise ValueError(f"{name}: expected a floating-point tensor, got "
+                             f"{getattr(out, 'dtype', type(out).__name__)}")
+        if not isinstance(mask, torch.Tensor) or out.shape != mask.shape \
+                or out.device != mask.device:
+            raise ValueError(f"{name}: expected shape {tuple(getattr(mask, 'shape', ()))} on "
+                             f"{getattr(mask, 'device', None)} like mask, got "
+                             f"{tuple(out.shape)} on {out.device}")
+        if out.requires_grad:
+            raise ValueError(f"{name}: expected a tensor without a graph (it is filled in "
+                             "place with detached values)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -274,10 +325,9 @@ def checked_call(head, targets, old_logprobs, advantages, mask, config, strategy
     if bool(bad.any()):
         raise ValueError(f"targets must lie in [0, {head.vocab}) wherever mask is set; found "
                          f"{t_flat[bad][:5].tolist()}")
-    if old_logprobs is None:
-        raise ValueError("old_logprobs: required (pass logprobs.detach() when on-policy)")
     loss_dtype = tiles.acc_dtype(head.dtype)
-    globals_dtype = promoted_dtype(old_logprobs)
+    # on-policy the old logprobs are the current ones: the loss's dtype
+    globals_dtype = loss_dtype if old_logprobs is None else promoted_dtype(old_logprobs)
     full = to_batch(mask, advantages, cu_seqlens, torch.promote_types(loss_dtype, globals_dtype),
                      True, config, cp_group=cp_group, old_logprobs=old_logprobs,
                      selection_entropy=selection_entropy, **tensors)

@@ -100,6 +100,13 @@ class Masks:
                                   self.loss_weight, self.entropy_weight)))
 
 
+def globals_read_old_logprobs(cfg: PolicyLossConfig) -> bool:
+    """Whether the batch's globals read the old logprobs (`_kept_mask`'s rollout rejection and
+    STAPO, `_is_weight_mean`): an on-policy chunked caller computes them before its chunks."""
+    return (cfg.rollout_rs is not None or cfg.stapo_prob_threshold is not None
+            or (cfg.rollout_is is not None and cfg.rollout_is_batch_normalize))
+
+
 def _selection_masks(batch, cfg, kept, entropy_threshold, adv_entropy_threshold) -> Masks:
     ent = batch["entropy"]
     entropy_mask = kept
