@@ -4,8 +4,8 @@
 The model: a randomly initialised Qwen2 of ``--layers`` layers, D=``--d``, over a word-level
 vocabulary of V=``--v`` (``logitless.tools.tiny``; defaults: one layer, D=896, V=151936, the
 Qwen2.5-0.5B head), fp32, SGD. One optimizer step: 8 completions of 256 tokens (a random
-model never stops early), DAPO, ``num_iterations=2`` so that TRL makes its old-policy pass and
-the fused loss runs (an on-policy step, ``num_iterations=1``, runs composed: docs/trl.md).
+model never stops early), DAPO, ``num_iterations=2``: TRL makes its old-policy pass (an
+on-policy step, ``num_iterations=1``, runs fused too, with ``old_logprobs=None``: docs/trl.md).
 
 Each variant runs in its own process. Printed, one JSON line per variant:
 

@@ -795,19 +795,36 @@ def test_fused_equals_composed(name, tmp_path, model_dir, tokenizer, fused_calls
     assert_same_parameters(fused.model, composed.model)
 
 
-def test_on_policy_falls_back_with_one_warning(tmp_path, model_dir, tokenizer, fused_calls):
-    """num_iterations=1 with the accumulation equal to steps_per_generation: TRL makes no
-    old-policy pass, so the loss runs composed, said once, and still equals stock TRL's."""
-    overrides = dict(loss_type="dapo", num_iterations=1)
+ON_POLICY = [
+    pytest.param(dict(loss_type="dapo"), id="dapo"),
+    pytest.param(dict(loss_type="grpo", beta=0.04), id="grpo-beta0.04"),
+    pytest.param(dict(loss_type="grpo", importance_sampling_level="sequence", beta=0.05,
+                      use_bias_correction_kl=True), id="gspo-bias-corrected-kl"),
+    pytest.param(dict(loss_type="dapo", top_entropy_quantile=0.5, entropy_coef=0.02),
+                 id="dapo-top-entropy-bonus"),
+    pytest.param(dict(loss_type="grpo", delta=1.5, off_policy_mask_threshold=0.01),
+                 id="grpo-delta-opsm"),
+    pytest.param(dict(loss_type="vespo"), id="vespo"),
+]
+
+
+@pytest.mark.parametrize("overrides", ON_POLICY)
+def test_on_policy_runs_fused(overrides, tmp_path, model_dir, tokenizer, fused_calls):
+    """TRL's default: num_iterations=1 with the accumulation equal to steps_per_generation, so
+    TRL makes no old-policy pass (its old logprobs are the current ones, detached). The loss
+    is still one fused_policy_loss call (on-policy, ``old_logprobs=None``), with no warning,
+    and equals stock TRL's: losses, logged metrics, parameters."""
+    overrides = dict(overrides, num_iterations=1)
     theirs = train(trl.GRPOTrainer, model_dir, tokenizer, grpo_args(tmp_path, **overrides))
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         ours = train(GRPOTrainer, model_dir, tokenizer, grpo_args(tmp_path, **overrides))
-    messages = _fused_warnings(record)
-    assert len(messages) == 1 and "old_per_token_logps" in messages[0]
-    assert not fused_calls
-    assert_same_logs(ours.state.log_history, theirs.state.log_history)
+    assert not _fused_warnings(record)
+    assert fused_calls and all(fused_calls)
+    # loss values near 0 (on-policy steps: +-A terms that cancel): see test_fused_equals_stock_trl
+    assert_same_logs(ours.state.log_history, theirs.state.log_history, loss_atol=2e-6)
     assert_same_parameters(ours.model, theirs.model)
+    assert_moved(ours.model, initial_parameters(model_dir), at_least=1e-4)
 
 
 def test_fused_must_be_a_bool(tmp_path, model_dir, tokenizer):
@@ -876,15 +893,19 @@ def wide_vocab_dir(tmp_path_factory):
     return str(path), tok
 
 
+@pytest.mark.parametrize("num_iterations", [1, 2], ids=["on-policy", "old-policy-pass"])
 @pytest.mark.parametrize("overrides", [dict(loss_type="dapo"),
                                        dict(loss_type="grpo", beta=0.04)],
                          ids=["dapo", "grpo-beta0.04"])
-def test_loss_step_matmul_flops(overrides, tmp_path, wide_vocab_dir):
+def test_loss_step_matmul_flops(overrides, num_iterations, tmp_path, wide_vocab_dir):
     """8 completions of 62 tokens, one optimizer step: the fused loss step does at most 0.82x
-    the matmul FLOPs of stock TRL's (its chunked head: 4 GEMM passes; fused: 3)."""
+    the matmul FLOPs of stock TRL's (its chunked head: 4 GEMM passes; fused: 3), in TRL's
+    default (``num_iterations=1``: no old-policy pass, the loss on-policy) and with TRL's
+    old-policy pass."""
     path, tok = wide_vocab_dir
     args = dict(per_device_train_batch_size=8, num_generations=8, max_completion_length=62,
-                gradient_accumulation_steps=1, num_iterations=2, max_steps=1, **overrides)
+                gradient_accumulation_steps=1, num_iterations=num_iterations, max_steps=1,
+                **overrides)
     flops = {}
     for name, cls in (("stock", trl.GRPOTrainer), ("fused", GRPOTrainer)):
         counting = _counting(cls)

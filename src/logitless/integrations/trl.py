@@ -36,7 +36,6 @@ from collections.abc import Sequence
 import torch
 import trl
 
-from logitless.fused_losses.fused import chunks as _fused_chunks
 from logitless.fused_losses.fused.fused_policy_loss import fused_policy_loss
 from logitless.fused_losses.head.dtensor import is_dtensor
 from logitless.fused_losses.objectives.aggregation import agg_counts
@@ -211,47 +210,16 @@ class _FusedLoss:
         else:
             raise RuntimeError(f"GRPOTrainer(fused=True): TRL's head got {rows} rows for "
                                f"{tuple(mask.shape)} positions ({int(mask.sum())} labelled)")
-        with _collecting_logprobs() as collected:
-            self.result = fused_policy_loss(
-                grid[:, -self.logits_to_keep:], weight, self.targets, bias=bias,
-                temperature=temperature,
-                softcap=logitless_softcap(final_logit_softcapping, logit_scale),
-                logit_scale=logit_scale, **self.loss_args)
-        self.logprobs = collected()
+        # the per-token logprobs the loss used, for TRL's per-sequence clip metrics and VESPO
+        self.logprobs = torch.empty(self.loss_args["mask"].shape, device=hidden.device,
+                                    dtype=torch.promote_types(hidden.dtype, torch.float32))
+        self.result = fused_policy_loss(
+            grid[:, -self.logits_to_keep:], weight, self.targets, bias=bias,
+            temperature=temperature,
+            softcap=logitless_softcap(final_logit_softcapping, logit_scale),
+            logit_scale=logit_scale, out_logprobs=self.logprobs, **self.loss_args)
         zeros = hidden.new_zeros(rows)
         return zeros, zeros if "entropy" in outputs else None, None, None, None
-
-
-@contextlib.contextmanager
-def _collecting_logprobs():
-    """The per-token logprobs `fused_policy_loss` computed, ``[B, T]`` detached: its chunk loop
-    runs the objective once more on the collected ``(lp, H)`` for the loss value and the
-    metrics (`chunks.run_call`, `chunks.streamed_whole`), and that batch holds them. TRL's
-    per-sequence clip metrics and VESPO's weights read them, so the loss needs no other pass."""
-    seen = []
-
-    def recording(inner):
-        def run(batch, *args, **kwargs):
-            seen.append(batch["logprobs"].detach())
-            return inner(batch, *args, **kwargs)
-        return run
-
-    saved = {name: getattr(_fused_chunks, name) for name in ("batch_policy_loss", "loss_of_batch")}
-    for name, inner in saved.items():
-        setattr(_fused_chunks, name, recording(inner))
-
-    def collected():
-        if len(seen) != 1:
-            raise RuntimeError("GRPOTrainer(fused=True): fused_policy_loss's loss values were not "
-                               "found where logitless.fused_losses.fused.chunks computes them; "
-                               "pass fused=False")
-        return seen[0]
-
-    try:
-        yield collected
-    finally:
-        for name, inner in saved.items():
-            setattr(_fused_chunks, name, inner)
 
 
 @contextlib.contextmanager
@@ -336,8 +304,10 @@ class GRPOTrainer(trl.GRPOTrainer):
             counted in ``logitless/sampler/outside_kept_reference``.
         fused: in the training forward, the head and the loss are one `fused_policy_loss`
             call over the completion tokens (three GEMM passes over the head; TRL's head and
-            the composed path make four). Where a step cannot run fused (TRL made no
-            old-policy pass, ``match_sampler``, DeepSpeed ZeRO-3, an FSDP2 head, ...: see
+            the composed path make four). Without TRL's old-policy pass (its default,
+            ``num_iterations=1``) the call runs on-policy (``old_logprobs=None``: the current
+            logprobs, detached, as TRL's ``per_token_logps.detach()``). Where a step cannot
+            run fused (``match_sampler``, DeepSpeed ZeRO-3, an FSDP2 head, ...: see
             `_fused_reason`) it runs composed, with one warning per reason. ``False``: always
             composed (`linear_logprobs`, then `policy_loss`).
 
@@ -681,7 +651,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         loss_args = dict(num_items_in_batch=num_items, entropy_coef=coef,
                          training_progress=self.state.global_step / max(self.state.max_steps, 1))
         outside = None
-        if self._fused_reason(cfg, old) is None:
+        if self._fused_reason(cfg) is None:
             fused = _FusedLoss(_label_mask(input_ids, attention_mask, logits_to_keep),
                                logits_to_keep, completion_ids, old_logprobs=old,
                                advantages=inputs["advantages"], mask=mask, config=cfg,
@@ -690,6 +660,7 @@ class GRPOTrainer(trl.GRPOTrainer):
                 _, _, aux_loss = super()._get_per_token_logps_and_entropies(
                     model, input_ids, attention_mask, logits_to_keep, **forward)
             (loss, metrics), logps = fused.result, fused.logprobs
+            old = logps if old is None else old  # on-policy: TRL's per_token_logps.detach()
         else:
             logps, entropies, aux_loss = self._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, compute_entropy=True,
@@ -724,7 +695,7 @@ class GRPOTrainer(trl.GRPOTrainer):
                 self._global_mean(outside, tokens))
         return loss
 
-    def _fused_reason(self, cfg: PolicyLossConfig, old) -> str | None:
+    def _fused_reason(self, cfg: PolicyLossConfig) -> str | None:
         """Why this loss step cannot run as one `fused_policy_loss` call (None: it can). Each
         reason but ``fused=False`` is warned about once per trainer."""
         from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
@@ -735,11 +706,6 @@ class GRPOTrainer(trl.GRPOTrainer):
         if self._matching:
             reason = ("match_sampler: fused_policy_loss has no sampler truncation or recorded "
                       "kept sets")
-        elif old is None:
-            reason = ("old_per_token_logps: TRL made no old-policy pass (num_iterations=1, "
-                      "steps_per_generation <= gradient_accumulation_steps, no vLLM importance "
-                      "sampling), and fused_policy_loss takes the old logprobs before its head "
-                      "computes the current ones")
         elif cfg.top_entropy_quantile < 1 and self.accelerator.num_processes > 1:
             reason = ("top_entropy_quantile: over several processes the threshold is the "
                       "quantile of every process's entropies, which fused_policy_loss takes "
