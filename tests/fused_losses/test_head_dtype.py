@@ -13,7 +13,7 @@ import logitless
 from logitless import reference
 from logitless.fused_losses.objectives.config import PolicyLossConfig
 
-from testing import requires_triton
+from testing import requires_triton, run_on_gloo
 
 BACKENDS = ["torch", pytest.param("triton", marks=requires_triton)]
 LOW = [torch.bfloat16, torch.float16]
@@ -276,3 +276,39 @@ def test_tf32_reaches_every_gemm(name, backend, monkeypatch):
         if not name.startswith("fused_chunked"):  # the chunked loss computes its gradients
             assert backward.seen, "no GEMM seen in the backward"  # in its forward
         assert all(x.grad is not None and x.grad.dtype == torch.bfloat16 for x in leaves)
+
+
+def _vocab_parallel_rank(rank, world):
+    """Each rank's slice of a bf16 head with head_dtype="float32" (and "tf32", fp32 on CPU):
+    the whole head's fp32 results, each rank its slice's weight gradient, every GEMM of a
+    "tf32" call under precision "high"."""
+    import torch.distributed as dist
+
+    (hidden, weight, bias), targets = _head(torch.bfloat16, seed=14)
+    lo, hi = (0, 120) if rank == 0 else (120, V)
+    up = torch.randn(2, N, generator=torch.Generator().manual_seed(15), dtype=torch.float64)
+    full = [x.clone().requires_grad_(True) for x in (hidden, weight, bias)]
+    want = logitless.linear_logprobs(*full[:2], targets, bias=full[2], return_entropy=True,
+                                     head_dtype="float32")
+    (want.logprobs.double() * up[0] + want.entropy.double() * up[1]).sum().backward()
+    for head_dtype in ("float32", "tf32"):
+        h = hidden.clone().requires_grad_(True)
+        w = weight[lo:hi].clone().requires_grad_(True)
+        b = bias[lo:hi].clone().requires_grad_(True)
+        seen = _Precisions()
+        with seen:
+            got = logitless.linear_logprobs(h, w, targets, bias=b, return_entropy=True,
+                                            vocab_parallel=dist.group.WORLD,
+                                            head_dtype=head_dtype)
+            (got.logprobs.double() * up[0] + got.entropy.double() * up[1]).sum().backward()
+        assert seen.seen and set(seen.seen) == {"high" if head_dtype == "tf32" else "highest"}
+        assert got.logprobs.dtype == torch.float32 and h.grad.dtype == torch.bfloat16
+        torch.testing.assert_close(got.logprobs, want.logprobs, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got.entropy, want.entropy, rtol=1e-5, atol=1e-5)
+        for g, ref in ((h.grad, full[0].grad), (w.grad, full[1].grad[lo:hi]),
+                       (b.grad, full[2].grad[lo:hi])):  # one bf16 rounding apart at most
+            torch.testing.assert_close(g.float(), ref.float(), rtol=2**-7, atol=1e-5)
+
+
+def test_vocab_parallel_fp32_head():
+    run_on_gloo(2, _vocab_parallel_rank)
