@@ -223,10 +223,12 @@ def _calls():
     ids = (targets.clamp_min(0)[:, None] + 17 * torch.arange(4)) % V
     lp = logitless.linear_logprobs
 
-    def fused(h, w, b, hd, strategy):
+    def fused(h, w, b, hd, strategy, exact=False):
+        ref = dict(ref_hidden=t_h[None], ref_weight=t_w, ref_bias=t_b) if exact else {}
+        cfg = PolicyLossConfig(kl_estimator="exact", beta=0.1) if exact else PolicyLossConfig()
         return logitless.fused_policy_loss(
             h[None], w, targets[None], torch.full((1, N), -3.0), torch.randn(1, N),
-            torch.ones(1, N), PolicyLossConfig(), bias=b, strategy=strategy, head_dtype=hd)[0]
+            torch.ones(1, N), cfg, bias=b, strategy=strategy, head_dtype=hd, **ref)[0]
 
     return {
         "plain": lambda h, w, b, hd: lp(h, w, targets, bias=b, head_dtype=hd,
@@ -241,6 +243,8 @@ def _calls():
                                               ids=ids).id_logprobs).sum(),
         "fused_chunked": lambda h, w, b, hd: fused(h, w, b, hd, "chunked"),
         "fused_streaming": lambda h, w, b, hd: fused(h, w, b, hd, "streaming"),
+        "fused_exact_kl_chunked": lambda h, w, b, hd: fused(h, w, b, hd, "chunked", True),
+        "fused_exact_kl_streaming": lambda h, w, b, hd: fused(h, w, b, hd, "streaming", True),
         "divergence": lambda h, w, b, hd: logitless.linear_divergence(
             h, w, t_h, t_w, bias=b, teacher_bias=t_b, head_dtype=hd).divergence.sum(),
         "topk_distill": lambda h, w, b, hd: logitless.linear_topk_distill(
@@ -273,7 +277,7 @@ def test_tf32_reaches_every_gemm(name, backend, monkeypatch):
         assert forward.seen, "no GEMM seen in the forward"
         assert set(forward.seen) == {want}, (head_dtype, forward.seen)
         assert set(backward.seen) <= {want}, (head_dtype, backward.seen)
-        if not name.startswith("fused_chunked"):  # the chunked loss computes its gradients
+        if "chunked" not in name:  # the chunked loss computes its gradients
             assert backward.seen, "no GEMM seen in the backward"  # in its forward
         assert all(x.grad is not None and x.grad.dtype == torch.bfloat16 for x in leaves)
 

@@ -198,6 +198,7 @@ class RefHead:
     weight: torch.Tensor
     bias: torch.Tensor | None
     temperature: float
+    head_dtype: str | None = None  # the policy head's (`Head.head_dtype`)
 
     def kl_forward(self, rows, hidden, weight, bias):
         """The KL of the loss rows ``rows`` without a graph, and what `kl_backward` needs."""
@@ -228,7 +229,7 @@ class RefHead:
         from the policy's ``hidden [len(rows), D]``, ``weight`` and ``bias``, differentiable in
         those where they require grad (fp32; fp64 for fp64 inputs)."""
         return exact_kl_rows(hidden, weight, bias, self.hidden.index_select(0, rows),
-                             self.weight, self.bias, self.temperature)
+                             self.weight, self.bias, self.temperature, self.head_dtype)
 
 
 def check_static(head, targets, mask, strategy, cu_seqlens, memory_budget) -> None:
@@ -304,4 +305,5 @@ def checked_ref(head: Head, config, ref_hidden, ref_weight, ref_bias) -> RefHead
     h, w, b = reference_head(head.hidden, head.weight, ref_hidden, ref_weight, ref_bias,
                              head.head_dtype)
     return RefHead(h.detach().reshape(-1, h.shape[-1]), w.detach(),
-                    None if b is None else b.detach(), head.temperature / head.logit_scale)
+                    None if b is None else b.detach(), head.temperature / head.logit_scale,
+                    head.head_dtype)

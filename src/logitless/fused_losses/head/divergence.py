@@ -10,6 +10,7 @@ receives no gradient.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -48,6 +49,7 @@ class _Spec:
     tile_bytes: int | None
     backend: ModuleType
     entropy: bool = False
+    head_dtype: str | None = None  # the eager backward's GEMM precision (`head_precision`)
 
     def kw(self):
         return {} if self.tile_bytes is None else {"tile_bytes": self.tile_bytes}
@@ -89,7 +91,8 @@ class _Divergence(torch.autograd.Function):
         need = ctx.needs_input_grad[:3]
         if grad is None or not any(need):
             return (None,) * 7
-        grads = _divergence_rows_backward(ctx.spec, *ctx.saved_tensors, grad, need)
+        with head_precision(ctx.spec.head_dtype):
+            grads = _divergence_rows_backward(ctx.spec, *ctx.saved_tensors, grad, need)
         return (*grads, None, None, None, None)
 
 
@@ -285,11 +288,14 @@ def reference_head(hidden, weight, ref_hidden, ref_weight, ref_bias, head_dtype=
     return h, w, b
 
 
-def exact_kl_rows(hidden, weight, bias, ref_hidden, ref_weight, ref_bias, temperature):
+def exact_kl_rows(hidden, weight, bias, ref_hidden, ref_weight, ref_bias, temperature,
+                  head_dtype=None):
     """KL(policy || reference) per row of ``hidden [n, D]`` against ``ref_hidden [n, D_ref]``
     (rows already compacted, inputs checked): `linear_divergence`'s ``beta = 1`` passes, the
-    gradient reaching the policy's tensors that require it, the reference's detached."""
-    spec = spec_for(1.0, temperature, None, hidden, ref_hidden)
+    gradient reaching the policy's tensors that require it, the reference's detached; the
+    backward under `head_precision` of ``head_dtype`` (the caller runs the forward so)."""
+    spec = dataclasses.replace(spec_for(1.0, temperature, None, hidden, ref_hidden),
+                               head_dtype=head_dtype)
     kl, _ = _Divergence.apply(hidden, weight, bias, ref_hidden.detach(), ref_weight.detach(),
                               None if ref_bias is None else ref_bias.detach(), spec)
     return kl
