@@ -26,6 +26,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import dataclasses
+import functools
 import math
 import numbers
 import types
@@ -228,6 +229,7 @@ def under_head_precision(f):
     if f is None:
         return None
 
+    @functools.wraps(f)
     def run(a):
         with head_precision(a.head_dtype):
             return f(a)
