@@ -381,7 +381,8 @@ def _opcheck_args(name):
         return (hidden.requires_grad_(), weight.requires_grad_(), bias.requires_grad_(), targets,
                 randn(2, 3) - 3, randn(2), mask, randn(2, 3) - 3, *(None,) * 10, 0.9, 20.0, 1.1,
                 None, None, None, None, None, "auto", torch.float64, True, True, True,
-                list(metric_names("grpo", None, kl=True)), *fused_op.config_args(cfg))
+                list(metric_names("grpo", None, kl=True)), *fused_op.config_args(cfg),
+                "tf32")  # head_dtype
     if name.startswith("logitless::sampled_logprobs"):
         settings = (0.5 + randn(2, 3).abs(), torch.tensor([[3, 11, 1], [20, 2, 5]]),
                     randn(2, 3).sigmoid(), torch.full((2, 3), 0.05, dtype=torch.float64))

@@ -119,7 +119,7 @@ def test_linear_logprobs_op_declares_each_argument_once():
     fwd = [a.name for a in LINEAR_LOGPROBS.args]
     bwd = [a.name for a in LINEAR_LOGPROBS.backward_args]
     assert [x for x in fwd if x not in ("want_s2", "want_sum_z")] == [x for x in bwd if x in fwd]
-    assert bwd[-2:] == ["group_name", "hidden_grad"]
+    assert bwd[-3:] == ["group_name", "hidden_grad", "head_dtype"]
 
 
 def test_request_crosses_the_op_boundary_whole():

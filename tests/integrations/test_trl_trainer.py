@@ -192,6 +192,9 @@ PARITY = [
     # a cap below 1 (every weight capped on-policy) and an epsilon TRL's cispo never reads
     pytest.param("cispo", dict(loss_type="cispo", epsilon=-1.0, epsilon_high=0.9),
                  id="cispo-cap-below-1"),
+    # TRL's fp32 head (#4303) on a bf16-autocast model: logitless's head in fp32 as TRL's is
+    pytest.param("fp32-head", dict(loss_type="dapo", cast_lm_head_to_fp32=True, bf16=True),
+                 id="dapo-cast-lm-head-to-fp32"),
     # generation every 2 optimizer steps: the token-mean normaliser spans 4 micro-batches
     pytest.param("spg", dict(loss_type="dapo", steps_per_generation=4, num_iterations=1),
                  id="dapo-steps-per-generation-4"),
@@ -199,6 +202,15 @@ PARITY = [
     pytest.param("eval", dict(loss_type="dapo", eval_strategy="steps", eval_steps=2,
                               per_device_eval_batch_size=4), id="dapo-eval"),
 ]
+
+
+def test_head_dtype_from_grpo(tmp_path):
+    """cast_lm_head_to_fp32 -> head_dtype="float32", for callers that feed the head
+    themselves (TRL's forward hands logitless's patched head fp32 tensors already)."""
+    from logitless.integrations.trl_config import head_dtype_from_grpo
+
+    assert head_dtype_from_grpo(grpo_args(tmp_path, cast_lm_head_to_fp32=True)) == "float32"
+    assert head_dtype_from_grpo(grpo_args(tmp_path)) is None
 
 
 @pytest.mark.parametrize("name,overrides", PARITY)

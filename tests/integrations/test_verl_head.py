@@ -344,3 +344,29 @@ def _fsdp2_worker(rank, world):
 def test_verl_fsdp2_head_without_gather(world):
     pytest.importorskip("verl", reason="verl is installed by `make test`")
     run_on_gloo(world, _fsdp2_worker)
+
+
+def test_policy_loss_head_dtype_reaches_the_head():
+    """``policy_loss.head_dtype`` (LogitlessPolicyLossConfig) sets every later head call's
+    precision: bf16 hidden states give the fp32 head's logprobs; a bad value is refused under
+    the config key's name."""
+    pytest.importorskip("verl", reason="verl is installed by `make test`")
+    from logitless.integrations.verl import LogitlessPolicyLossConfig
+    from logitless.integrations.verl_head import head_dtype, set_head_dtype
+
+    hidden, weight, labels = (x.to(torch.bfloat16) if x.is_floating_point() else x
+                              for x in _problem(v=301))
+    try:
+        LogitlessPolicyLossConfig(loss_mode="logitless_grpo", head_dtype="float32")
+        assert head_dtype() == "float32"
+        lp, ent = linear_cross_entropy(hidden, weight, labels, 0.8)
+        want = linear_logprobs(hidden.reshape(-1, 50), weight, labels.reshape(-1),
+                               temperature=0.8, return_entropy=True, head_dtype="float32")
+        assert torch.equal(lp, want.logprobs) and torch.equal(ent, want.entropy)
+        oracle, _ = _oracle(hidden, weight, labels, 0.8)
+        assert float((lp.double() - oracle).abs().max()) < 1e-4  # no bf16 logits
+        with pytest.raises(ValueError, match=r"^policy_loss\.head_dtype must be None"):
+            LogitlessPolicyLossConfig(loss_mode="logitless_grpo", head_dtype="fp32")
+    finally:
+        set_head_dtype(None)
+    assert head_dtype() is None

@@ -391,3 +391,29 @@ def test_sampler_top_p_is_within_its_target_at_the_reference_shape():
         p = by_name(sp, name)
         assert p.seconds <= 1.001 * (p.bytes / gp.H200.bandwidth
                                      + p.launches * gp.H200.launch_seconds)
+
+
+@pytest.mark.parametrize("path", gp.PATHS)
+def test_head_dtype_prices_an_fp32_head(path):
+    """``head_dtype``: bf16 inputs upcast once (a pass over hidden and weight, the fp32 copies
+    held), then the fp32 path with its GEMMs at the fp32 CUDA-core rate ("float32") or the
+    TF32 tensor-core rate ("tf32")."""
+    hw = gp.H100
+    fp32 = gp.gpu_plan(N, D, V, "float32", path, BUDGETS[path] * 2, hardware=hw)
+    floors = {}
+    for head_dtype in ("tf32", "float32"):
+        plan = gp.gpu_plan(N, D, V, "bfloat16", path, BUDGETS[path] * 2, hardware=hw,
+                           head_dtype=head_dtype)
+        upcast, *rest = plan.passes
+        assert upcast.name == "upcast hidden and weight to fp32"
+        assert upcast.bytes == (2 + 4) * (N + V) * D
+        assert [(p.name, p.launches, p.flops, p.bytes) for p in rest] == \
+            [(p.name, p.launches, p.flops, p.bytes) for p in fp32.passes]
+        assert plan.extra_bytes == fp32.extra_bytes + 4 * (N + V) * D
+        floors[head_dtype] = gp.gpu_plan(*gp.REFERENCE_SHAPE, "bfloat16", path, hardware=hw,
+                                         head_dtype=head_dtype).floor_seconds
+    # the reference shape's GEMMs are bound by their FLOPs: the floors follow the rates
+    assert floors["float32"] / floors["tf32"] == pytest.approx(
+        hw.tf32_flops / hw.vector_flops, rel=0.05)
+    with pytest.raises(ValueError, match="head_dtype"):
+        gp.gpu_plan(N, D, V, "bfloat16", path, head_dtype="fp32")

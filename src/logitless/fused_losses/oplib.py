@@ -24,7 +24,9 @@ a dataclass with more fields than a schema holds crosses as four lists (:func:`c
 from __future__ import annotations
 
 import ast
+import contextlib
 import dataclasses
+import functools
 import math
 import numbers
 import types
@@ -36,11 +38,12 @@ import torch
 
 from logitless.kernels.linear_softmax_torch import acc_dtype
 
-__all__ = ["FLOAT_DTYPES", "OPS", "Arg", "DivergenceOutput", "LogprobOutput", "Op", "Record",
-           "check_devices", "check_head", "check_temperature", "compact_rows", "compute_dtype",
-           "config_args", "config_from_args", "config_layout", "declare", "define", "distinct",
-           "grads_fake", "grads_or_empty", "is_compiling", "mask_rows", "put_rows",
-           "renamed_keyword", "take_rows"]
+__all__ = ["FLOAT_DTYPES", "HEAD_DTYPES", "OPS", "Arg", "DivergenceOutput", "LogprobOutput", "Op",
+           "Record", "check_devices", "check_head", "check_head_dtype", "check_temperature",
+           "compact_rows", "compute_dtype", "config_args", "config_from_args", "config_layout",
+           "declare", "define", "distinct", "grads_fake", "grads_or_empty", "head_precision",
+           "is_compiling", "mask_rows", "precision_gather", "put_rows",
+           "renamed_keyword", "take_rows", "under_head_precision"]
 
 
 def is_compiling() -> bool:
@@ -133,7 +136,8 @@ class Op:
       (no op of its own), returning None where not needed.
 
     So an argument added to the declaration reaches both implementations and the backward
-    by its name, and nothing counts positions."""
+    by its name, and nothing counts positions. An op declaring ``head_dtype`` (the head's
+    GEMM precision) runs its implementation and its backward under `head_precision`."""
 
     def __init__(self, name: str, args, outputs, impl, fake, *, wrt=(), grads=(), saved=(),
                  backward=None, backward_fake=None, forward_only=(), autograd=None,
@@ -143,6 +147,9 @@ class Op:
         self.wrt, self.grads, self.saved = tuple(wrt), tuple(grads), tuple(saved)
         self.save_inputs, self.autograd = autograd is None, autograd
         self.non_differentiable = tuple(non_differentiable)
+        if "head_dtype" in self.names:
+            impl, backward, self.autograd = (under_head_precision(f)
+                                             for f in (impl, backward, autograd))
         self.impl = impl
         self.op = define(name, _schema(self.args, len(self.outputs)),
                          lambda *xs: impl(self.bind(xs)), lambda *xs: fake(self.bind(xs)))
@@ -214,6 +221,20 @@ class Op:
         for i, g, n in zip(where, got, need):
             result[i] = g if n else None
         return tuple(result)
+
+
+def under_head_precision(f):
+    """``f(a)`` run under `head_precision` of ``a.head_dtype`` (an op's arguments, a
+    `fused_policy_loss` request); None stays None."""
+    if f is None:
+        return None
+
+    @functools.wraps(f)
+    def run(a):
+        with head_precision(a.head_dtype):
+            return f(a)
+
+    return run
 
 
 # --- a dataclass as an op's arguments -----------------------------------------------------
@@ -474,6 +495,24 @@ def check_temperature(temperature, dtype: torch.dtype) -> None:
                      f"of {acc}, the accumulation dtype){where}, got {got!r}")
 
 
+def precision_gather(gather_weight, head_dtype: str | None):
+    """A ``gather_weight`` callable (the ZeRO-3 hook an eager backward enters) whose context
+    also sets `head_precision`: an eager autograd function's backward then runs its GEMMs in
+    the head's precision. ``gather_weight`` itself (None too) unless ``head_dtype`` is
+    ``"tf32"``."""
+    if head_dtype != "tf32":
+        return gather_weight
+
+    def entered():
+        stack = contextlib.ExitStack()
+        stack.enter_context(head_precision(head_dtype))
+        if gather_weight is not None:
+            stack.enter_context(gather_weight())
+        return stack
+
+    return entered
+
+
 # --- the head's arguments: the checks every head op and the fused loss share --------------
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -483,16 +522,45 @@ _AUTOCAST_DEVICES = frozenset({"cpu", "cuda", "xpu", "mps", "hpu", "mtia", "maia
                                "ipu", "privateuseone"})
 
 
-def compute_dtype(hidden: torch.Tensor) -> torch.dtype:
+HEAD_DTYPES = (None, "float32", "tf32")  # the values of every head op's ``head_dtype``
+
+
+def check_head_dtype(head_dtype) -> None:
+    """``head_dtype`` must be one of `HEAD_DTYPES` (``ValueError`` naming them)."""
+    if not (head_dtype is None or (isinstance(head_dtype, str) and head_dtype in HEAD_DTYPES)):
+        raise ValueError(f"head_dtype must be None, 'float32' or 'tf32', got {head_dtype!r}")
+
+
+def compute_dtype(hidden: torch.Tensor, head_dtype: str | None = None) -> torch.dtype:
     """The dtype the head's GEMMs run in (TRL's rule): autocast's under ``torch.autocast``
     (trainers call the head there with fp32 master weights), else hidden's, whatever the
-    weight's and bias's dtypes (they are cast to it)."""
+    weight's and bias's dtypes (they are cast to it). With ``head_dtype`` ``"float32"`` or
+    ``"tf32"`` (TRL's ``cast_lm_head_to_fp32``, NeMo-RL's ``fp32_lm_head``) at least fp32:
+    the 16-bit operands are upcast, fp64 stays fp64."""
     dev = hidden.device.type
     # A fixed set, not torch.amp.is_autocast_available: dynamo on torch 2.11 refuses to trace
     # the C call behind it, which broke fullgraph=True for every op on the H200's torch.
     if dev in _AUTOCAST_DEVICES and torch.is_autocast_enabled(dev):
-        return torch.get_autocast_dtype(dev)
-    return hidden.dtype
+        dtype = torch.get_autocast_dtype(dev)
+    else:
+        dtype = hidden.dtype
+    return dtype if head_dtype is None else torch.promote_types(dtype, torch.float32)
+
+
+@contextlib.contextmanager
+def head_precision(head_dtype: str | None):
+    """The fp32 GEMMs' precision for ``head_dtype``: with ``"tf32"``, torch's fp32 matmul
+    precision ``"high"`` (TF32 tensor cores on CUDA; CPUs have no TF32 and compute fp32),
+    restored on the way out; otherwise unchanged."""
+    if head_dtype != "tf32":
+        yield
+        return
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
 
 
 def check_head(hidden, weight, bias, prefix: str = "", lead=None) -> None:

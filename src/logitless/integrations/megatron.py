@@ -54,6 +54,8 @@ class MegatronHead:
             rank. Not with ``stats``.
         stats: further statistics of ``linear_logprobs`` (``"sum_p_sq"``, ``"lse"``, ...).
         ignore_index: the label of rows to skip.
+        head_dtype: the precision of the head's GEMMs, ``linear_logprobs``' (None,
+            ``"float32"``: fp32 logits from bf16 hidden states, or ``"tf32"``).
     """
 
     temperature: float | torch.Tensor = 1.0
@@ -66,6 +68,7 @@ class MegatronHead:
     kept_ids: torch.Tensor | None = None
     stats: tuple[str, ...] = ()
     ignore_index: int = -100
+    head_dtype: str | None = None
     # The fused policy loss over this head (fused_policy_loss(..., vocab_parallel=group)) goes
     # here once it exists: a PolicyLossConfig with the batch's old logprobs and advantages,
     # computed in _compute in place of linear_logprobs.
@@ -167,7 +170,7 @@ def _compute(hidden_states, weight, bias, labels, head, sequence_parallel, group
         logit_scale=logit_scale, ignore_index=head.ignore_index,
         return_entropy=head.return_entropy, stats=head.stats,
         vocab_parallel=None if alone else group,
-        hidden_grad="partial" if sequence_parallel else "sum")
+        hidden_grad="partial" if sequence_parallel else "sum", head_dtype=head.head_dtype)
     for name, value in vars(out).items():  # [s, b] -> labels' [b, s]
         if value is not None:
             setattr(out, name, value.transpose(0, 1))

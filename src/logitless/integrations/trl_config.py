@@ -279,6 +279,19 @@ def _check_distribution_settings(args, read_fields) -> None:
                 f"{sorted(_NEUTRAL_GENERATION_KWARGS | set(_REQUIRED_GENERATION_KWARGS))})")
 
 
+def head_dtype_from_grpo(args) -> str | None:
+    """The ``head_dtype`` of TRL's head for ``args`` (a ``GRPOConfig``):
+    ``cast_lm_head_to_fp32=True`` -> ``"float32"`` (TRL's fused head then computes the
+    logits in fp32 from the hidden states upcast, autocast off, with the head's weight cast
+    to fp32), else None. Patched into TRL's forward, logitless's head receives those fp32
+    tensors already; a caller that feeds the backbone's hidden states to `linear_logprobs` or
+    `fused_policy_loss` itself passes this value to compute as TRL does."""
+    flag = getattr(args, "cast_lm_head_to_fp32", False)
+    if not isinstance(flag, bool):
+        raise ValueError(f"cast_lm_head_to_fp32 must be a bool, got {flag!r}")
+    return "float32" if flag else None
+
+
 def sampler_from_grpo(args) -> SamplerTruncation:
     """The truncations TRL's generation backend samples with under ``args`` (a ``GRPOConfig``),
     for ``GRPOTrainer(match_sampler=True)``.

@@ -68,11 +68,13 @@ from logitless.integrations.verl_head import (
     disable_fused_head,
     enable_fused_head,
     fused_head_enabled,
+    head_dtype,
     head_replays,
     head_sampler,
     linear_cross_entropy,
     sampler_head_calls,
     set_head_deferral,
+    set_head_dtype,
     set_head_replay,
     set_head_sampler,
 )
@@ -203,6 +205,7 @@ def _post_init(self):
         parent(self)
     _check_fields(self)
     _apply_match_sampler(self)
+    _apply_head_dtype(self)
     _hook_engine()
 
 
@@ -253,6 +256,7 @@ def _setstate(self, state):
     # Ray ships a built config to its workers by pickling it: the worker's head is set too.
     self.__dict__.update(state)
     _apply_match_sampler(self)
+    _apply_head_dtype(self)
     _hook_engine()
 
 
@@ -272,6 +276,15 @@ def _apply_match_sampler(self):
     set_head_sampler(sampler_from_rollout(source))
 
 
+def _apply_head_dtype(self):
+    # as match_sampler: the head runs in the model forward, so every process that builds the
+    # config (the actor worker among them) sets its head's precision from now on
+    try:
+        set_head_dtype(self.head_dtype)
+    except ValueError as err:
+        raise ValueError(f"policy_loss.{err}") from err
+
+
 LogitlessPolicyLossConfig = dataclasses.make_dataclass(
     "LogitlessPolicyLossConfig",
     [
@@ -281,6 +294,7 @@ LogitlessPolicyLossConfig = dataclasses.make_dataclass(
         ("dual_clip", Any, dataclasses.field(default=None)),
         ("use_global_batch_info", bool, dataclasses.field(default=True)),
         ("sequence_is_weight", Any, dataclasses.field(default=None)),
+        ("head_dtype", Any, dataclasses.field(default=None)),
         *((name, Any, dataclasses.field(default=_passthrough_default(name)))
           for name in PASSTHROUGH_FIELDS),
     ],
@@ -318,6 +332,10 @@ and ``policy_loss.loss_mode=logitless_<objective>``. Its own fields:
 - ``sequence_is_weight``: None weights each token by its rollout IS weight; ``geometric``
   weights every token of a sequence by the geometric mean of the sequence's weights, as verl's
   ``geo_mean`` does.
+- ``head_dtype``: the precision of the fused head's GEMMs (``linear_logprobs``'s):
+  None (the compute dtype), ``float32`` (an fp32 head from bf16 hidden states, NeMo-RL's
+  ``fp32_lm_head``, TRL's ``cast_lm_head_to_fp32``) or ``tf32``; the fused loss's too.
+  Needs logitless's fused head, as ``match_sampler`` does.
 - the logitless knobs a verl policy loss can honour, defaults as in
   ``logitless.PolicyLossConfig`` (``seq_count`` defaults to verl's ``nonempty``):
   {", ".join(PASSTHROUGH_FIELDS)}.
@@ -633,7 +651,7 @@ def _fused_loss(rows: _HeadRows, ids, old_log_prob, advantages, response_mask, c
     pick = torch.where(mask, ids - 1, torch.zeros_like(ids))
     loss, metrics = fused_policy_loss(rows.hidden[pick], rows.weight, rows.labels[pick],
                                       old_log_prob, advantages, response_mask, cfg,
-                                      token_weights=token_weights,
+                                      token_weights=token_weights, head_dtype=head_dtype(),
                                       temperature=rows.temperature, **normalisers)
     # the composed path's metrics: verl passes a policy loss no entropies
     return loss, {k: v for k, v in metrics.items() if not k.startswith("entropy/")}

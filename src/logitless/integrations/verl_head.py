@@ -45,6 +45,7 @@ import torch
 
 from logitless.fused_losses.head.dtensor import is_dtensor
 from logitless.fused_losses.head.logprobs import linear_logprobs
+from logitless.fused_losses.oplib import check_head_dtype
 from logitless.integrations.replay import KEPT_IDS_KEY
 from logitless.integrations.sampler_config import SamplerTruncation
 
@@ -52,12 +53,14 @@ __all__ = [
     "disable_fused_head",
     "enable_fused_head",
     "fused_head_enabled",
+    "head_dtype",
     "head_replays",
     "head_sampler",
     "kept_rows_for_head",
     "linear_cross_entropy",
     "sampler_head_calls",
     "set_head_deferral",
+    "set_head_dtype",
     "set_head_replay",
     "set_head_sampler",
 ]
@@ -91,6 +94,21 @@ _pending_sum_p_sq: torch.Tensor | None = None
 _original_outputs = None
 # set_head_deferral: a hook that may answer a head call itself (the verl adapter's fused loss)
 _deferral = None
+_head_dtype: str | None = None  # set_head_dtype: the GEMMs' precision of every head call
+
+
+def set_head_dtype(value: str | None) -> None:
+    """Run every later :func:`linear_cross_entropy` call of this process, and the fused loss,
+    with ``head_dtype=value`` (None, ``"float32"`` or ``"tf32"``: `linear_logprobs`'s; the
+    verl adapter's ``policy_loss.head_dtype``)."""
+    global _head_dtype
+    check_head_dtype(value)
+    _head_dtype = value
+
+
+def head_dtype() -> str | None:
+    """The ``head_dtype`` of this process's head calls (`set_head_dtype`)."""
+    return _head_dtype
 
 
 def set_head_sampler(sampler: SamplerTruncation | None) -> None:
@@ -321,6 +339,7 @@ def linear_cross_entropy(
         temperature=float(temperature),
         return_entropy=True,
         stats=("sum_p_sq",) if _keep_sum_p_sq else (),
+        head_dtype=_head_dtype,
         **parallel,
         **({} if _sampler is None else _sampler.kwargs()),
         **({} if kept is None else {"kept_ids": kept}),

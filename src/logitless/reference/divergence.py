@@ -17,7 +17,7 @@ import math
 import torch
 
 from logitless.fused_losses.oplib import DivergenceOutput
-from logitless.reference.linear_softmax import linear_logits
+from logitless.reference.linear_softmax import head_inputs, linear_logits
 
 __all__ = ["generalized_jsd", "linear_divergence", "linear_topk_distill", "mtp_draft_loss",
            "topk_forward_kl", "topk_reverse_kl"]
@@ -48,9 +48,12 @@ def _masked(out: torch.Tensor, mask) -> torch.Tensor:
 
 def linear_divergence(hidden, weight, teacher_hidden, teacher_weight, mask=None, *, beta=0.5,
                       temperature=1.0, bias=None, teacher_bias=None,
-                      return_entropy=False) -> DivergenceOutput:
+                      return_entropy=False, head_dtype=None) -> DivergenceOutput:
     """``generalized_jsd`` of the two heads' logits, 0 where ``mask`` drops the row; with
-    ``return_entropy`` the student's entropy of ``softmax(logits / T)`` too, detached."""
+    ``return_entropy`` the student's entropy of ``softmax(logits / T)`` too, detached.
+    ``head_dtype``: both heads upcast to fp32 first (`head_inputs`)."""
+    hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias = head_inputs(
+        head_dtype, hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias)
     student = linear_logits(hidden, weight, bias)
     out = generalized_jsd(student, linear_logits(teacher_hidden, teacher_weight, teacher_bias),
                           beta, temperature)
@@ -94,9 +97,13 @@ def topk_reverse_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, 
 def linear_topk_distill(hidden, weight, teacher_ids=None, teacher_logprobs=None, mask=None, *,
                         temperature=1.0, bias=None, log_prob_min_clamp=-10.0,
                         loss_max_clamp=10.0, direction="forward", k=None, teacher_hidden=None,
-                        teacher_weight=None, teacher_bias=None) -> torch.Tensor:
+                        teacher_weight=None, teacher_bias=None,
+                        head_dtype=None) -> torch.Tensor:
     """``topk_forward_kl`` of the student's tempered log-softmax at ``teacher_ids``, or with
-    ``direction="reverse"`` ``topk_reverse_kl`` of the two heads' tempered logits."""
+    ``direction="reverse"`` ``topk_reverse_kl`` of the two heads' tempered logits.
+    ``head_dtype``: the heads upcast to fp32 first (`head_inputs`)."""
+    hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias = head_inputs(
+        head_dtype, hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias)
     if direction == "reverse":
         out = topk_reverse_kl(
             linear_logits(hidden, weight, bias, temperature=temperature),

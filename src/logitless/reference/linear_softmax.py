@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["linear_logits", "linear_softmax_stats", "softcap"]
+__all__ = ["head_inputs", "linear_logits", "linear_softmax_stats", "softcap"]
+
+
+def head_inputs(head_dtype: str | None, *tensors):
+    """``tensors`` (None kept) as a head of ``head_dtype`` computes from them: as given for
+    None, else upcast to at least fp32 (``"tf32"`` computes as fp32 here; fp64 stays)."""
+    if head_dtype is None:
+        return tensors
+    return tuple(None if t is None else t.to(torch.promote_types(t.dtype, torch.float32))
+                 for t in tensors)
 
 
 def softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:

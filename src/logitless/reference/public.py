@@ -14,7 +14,7 @@ import warnings
 import torch
 
 from logitless.fused_losses.oplib import LogprobOutput
-from logitless.reference.linear_softmax import linear_logits, linear_softmax_stats
+from logitless.reference.linear_softmax import head_inputs, linear_logits, linear_softmax_stats
 from logitless.reference.objectives import policy_loss_reference
 from logitless.reference.sampler import kept_set_logprobs, sampler_logprobs
 
@@ -43,12 +43,14 @@ def bias_keyword(fn):
 def linear_logprobs(hidden, weight, targets, *, bias=None, temperature=1.0, top_k=None,
                     top_p=None, min_p=None, kept_ids=None, ids=None, sampler="vllm",
                     softcap=None, logit_scale=1.0, ignore_index=-100, return_entropy=False,
-                    stats=()) -> LogprobOutput:
+                    stats=(), head_dtype=None) -> LogprobOutput:
     """`logitless.linear_logprobs` from the full logits: a :class:`LogprobOutput` shaped like
     ``targets``, holding what the op's call asks for (``entropy`` with ``return_entropy``, the
     ``stats``, ``id_logprobs`` with ``ids``). With ``top_k`` / ``top_p`` / ``min_p`` or a
     per-token temperature, the logprobs under the ``sampler`` engine's (vLLM's by default)
-    truncated distribution; with ``kept_ids``, under the recorded kept set."""
+    truncated distribution; with ``kept_ids``, under the recorded kept set. ``head_dtype``: the
+    head upcast to fp32 first (`head_inputs`)."""
+    hidden, weight, bias = head_inputs(head_dtype, hidden, weight, bias)
     head = dict(softcap=softcap, logit_scale=logit_scale, ignore_index=ignore_index)
     per_token = isinstance(temperature, torch.Tensor)
     if kept_ids is not None:

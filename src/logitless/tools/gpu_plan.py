@@ -192,6 +192,16 @@ SAMPLER_CUT_OPS = 4
 
 _ELEMENT_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
+# The H100 SXM: the same GH100 compute as the H200 (so the H200's measured bf16 rate and the
+# datasheet's ratios: TF32 dense at half of bf16, 67 TFLOP/s fp32 on the CUDA cores), with the
+# H100's 3.35 TB/s HBM3 derated by the H200's measured share of its own datasheet figure
+# (4.3 of 4.8 TB/s).
+H100 = Hardware("H100", 790e12, 395e12, 67e12, 3.35e12 * 4.3 / 4.8, 5e-6)
+
+# ``head_dtype``'s GEMM rate: "float32" runs IEEE fp32 on the CUDA cores (torch's default fp32
+# matmul precision), "tf32" on the tensor cores in TF32.
+_HEAD_DTYPE_RATE = {"float32": "vector_flops", "tf32": "tf32_flops"}
+
 
 @dataclasses.dataclass(frozen=True)
 class Pass:
@@ -231,6 +241,7 @@ class GpuPlan:
     gemm_floor: tuple[Pass, ...]
     extra_bytes: int
     accumulator_bytes: int
+    head_dtype: str | None = None
 
     @property
     def flops(self) -> int:
@@ -316,7 +327,8 @@ def gpu_plan(n: int, d: int, v: int, dtype="bfloat16", path: str = "fused-policy
              row_chunk: int = ROW_CHUNK, row_granule: int = ROW_GRANULE,
              hardware: Hardware = H200,
              epilogues: dict[str, float] | None = None,
-             objective_launches: int = OBJECTIVE_LAUNCHES) -> GpuPlan:
+             objective_launches: int = OBJECTIVE_LAUNCHES,
+             head_dtype: str | None = None) -> GpuPlan:
     """The plan and predicted cost of one GPU path for ``hidden [n, d]``, ``weight [v, d]``.
 
     Args:
@@ -342,6 +354,12 @@ def gpu_plan(n: int, d: int, v: int, dtype="bfloat16", path: str = "fused-policy
         objective_launches: launches of the objective per fused chunk (positive int; default
             :data:`OBJECTIVE_LAUNCHES`, measured; issue 22's target is 30 compute ops a chunk
             in all).
+        head_dtype: ``linear_logprobs``'s: None (the GEMMs in ``dtype``), ``"float32"``
+            (every GEMM in IEEE fp32 on the CUDA cores, ``hardware.vector_flops``) or
+            ``"tf32"`` (TF32 tensor cores, ``hardware.tf32_flops``); with either the head
+            is upcast to fp32 first (a pass reading the inputs and writing fp32 copies of
+            hidden and weight, held beyond the inputs) and the path then runs as for fp32
+            inputs: fp32 logits tiles, stored chunks and operands.
 
     Returns:
         A :class:`GpuPlan`; ``plan.seconds`` is the predicted time, ``plan.ratio`` its ratio to
@@ -359,20 +377,29 @@ def gpu_plan(n: int, d: int, v: int, dtype="bfloat16", path: str = "fused-policy
     memory_budget = _positive_int("memory_budget", memory_budget)
     e = _ELEMENT_BYTES[dtype]
     rate = hardware.tf32_flops if dtype == "float32" else hardware.matmul_flops
+    if head_dtype is not None:
+        if head_dtype not in _HEAD_DTYPE_RATE:
+            raise ValueError(f"head_dtype must be None, 'float32' or 'tf32', got {head_dtype!r}")
+        upcast = (e + 4) * (n + v) * d  # read the inputs, write their fp32 copies
+        e, rate = 4, getattr(hardware, _HEAD_DTYPE_RATE[head_dtype])
     if epilogues is not None and set(epilogues) != set(EPILOGUE_INSTRUCTIONS):
         raise ValueError(f"epilogues must map each of {sorted(EPILOGUE_INSTRUCTIONS)} to warp "
                          f"instructions per element, got keys {sorted(epilogues)}")
     objective_launches = _positive_int("objective_launches", objective_launches)
     build = _fused_plan if path == "fused-policy-loss" else _head_plan
-    fields = build(n, d, v, e, path, memory_budget, min(vocab_tile, v),
-                   _Passes(hardware, rate, epilogues, objective_launches), row_chunk,
+    passes = _Passes(hardware, rate, epilogues, objective_launches)
+    if head_dtype is not None:
+        passes.add("upcast hidden and weight to fp32", "vector", 0, upcast)
+    fields = build(n, d, v, e, path, memory_budget, min(vocab_tile, v), passes, row_chunk,
                    row_granule)
+    if head_dtype is not None:
+        fields["extra_bytes"] += 4 * (n + v) * d
     floor = _Passes(hardware, rate)
     for name, out in _FLOOR_GEMMS[path]:
         floor.add(name, "matmul", 2 * n * d * v, e * (n * d + v * d + n * v),
                   out={"logits": (n, v), "hidden": (n, d), "weight": (v, d)}[out])
     return GpuPlan(path=path, n=n, d=d, v=v, dtype=dtype, memory_budget=memory_budget,
-                   gemm_floor=floor.result(), **fields)
+                   gemm_floor=floor.result(), head_dtype=head_dtype, **fields)
 
 
 # Each plain GEMM and which output it writes.
@@ -674,6 +701,28 @@ def batch_size_table(ns=BATCH_SIZES, hardware: Hardware = H200) -> str:
     return "\n".join(lines)
 
 
+def head_dtype_table(hardwares=(H100, H200)) -> str:
+    """The head's precision at :data:`REFERENCE_SHAPE` (bf16 inputs, default budgets): each
+    path with ``head_dtype`` None (bf16 GEMMs), ``"tf32"`` and ``"float32"`` on each of
+    ``hardwares``: predicted time, its ratio to the bf16 head's, and the memory held beyond
+    inputs and gradients."""
+    n, d, v = REFERENCE_SHAPE
+    lines = ["| GPU | path | head_dtype | GEMM rate | predicted | over bf16 head "
+             "| beyond inputs and gradients |",
+             "| --- | --- | --- | ---: | ---: | ---: | ---: |"]
+    for hw in hardwares:
+        for path in ("logprobs-fwd-bwd", "fused-policy-loss"):
+            base = gpu_plan(n, d, v, "bfloat16", path, hardware=hw)
+            for head_dtype in (None, "tf32", "float32"):
+                p = gpu_plan(n, d, v, "bfloat16", path, hardware=hw, head_dtype=head_dtype)
+                rate = (hw.matmul_flops if head_dtype is None
+                        else getattr(hw, _HEAD_DTYPE_RATE[head_dtype]))
+                lines.append(f"| {hw.name} | {path} | {head_dtype or 'None (bf16)'} "
+                             f"| {rate / 1e12:.0f} TFLOP/s | {p.seconds * 1e3:.1f} ms "
+                             f"| {p.seconds / base.seconds:.2f}x | {_mib(p.extra_bytes)} |")
+    return "\n".join(lines)
+
+
 def format_passes(plan: GpuPlan) -> str:
     """A markdown table of one plan's passes, then its plain GEMMs: launches, FLOPs, bytes and
     predicted time."""
@@ -709,4 +758,6 @@ def format_report(hardware: Hardware = H200) -> str:
                   f"{sampler.chunks} chunks of {sampler.chunk_rows} rows, one GEMM of the "
                   "whole head each):", "", sampler_table(hardware), "",
               "Passes of sampler-top-p:", "", format_passes(sampler)]
+    parts += ["", "An fp32 or tf32 head (`head_dtype`; bf16 inputs upcast, fp32 logits), "
+                  f"N={n}, D={d}, V={v}, on the H100 and the H200:", "", head_dtype_table()]
     return "\n".join(parts)

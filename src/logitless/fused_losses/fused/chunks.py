@@ -28,8 +28,10 @@ from logitless.fused_losses.objectives.policy_loss import (
     globals_read_old_logprobs,
     loss_of_batch,
 )
+from logitless.fused_losses.oplib import under_head_precision
 
 
+@under_head_precision  # every GEMM of the call's forward in the head's precision
 def run_call(req: Request) -> tuple:
     """The eager call: ``(loss, metrics, grads)``, ``grads`` the ``(d_hidden, d_weight,
     d_bias)`` the chunks computed in the forward (None where not needed), or None when
@@ -72,12 +74,14 @@ def streamed_whole(call: Call, loss_args) -> tuple:
     hidden = head.hidden.to(dtype).reshape(-1, head.hidden.shape[-1]).index_select(0, call.rows)
     if is_dtensor(head.weight):  # FSDP2: every rank's loss rows over the vocabulary shards
         out = linear_logprobs(hidden, head.weight, call.targets, bias=head.bias,
-                              return_entropy=True, **head.transform())
+                              return_entropy=True, head_dtype=head.head_dtype,
+                              **head.transform())
         lp, ent = out.logprobs, out.entropy
         weight = bias = None  # no exact KL with a sharded head (`check_sharded`)
     else:
         weight, bias = head.weight.to(dtype), None if head.bias is None else head.bias.to(dtype)
-        lp, ent = rows_logprobs(hidden, weight, call.targets, bias=bias, **head.transform())
+        lp, ent = rows_logprobs(hidden, weight, call.targets, bias=bias,
+                                head_dtype=head.head_dtype, **head.transform())
     kl = None if call.ref is None else call.ref.kl(call.rows, hidden, weight, bias)
     call.hand_back(lp, ent)
     batch = call.with_logprobs(lp, ent, kl)

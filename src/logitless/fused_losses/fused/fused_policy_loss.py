@@ -47,7 +47,7 @@ from logitless.fused_losses.objectives.policy_loss import (
     check_topk_inputs,
     cp_loss_value,
 )
-from logitless.fused_losses.oplib import renamed_keyword
+from logitless.fused_losses.oplib import check_head_dtype, renamed_keyword
 
 __all__ = ["CPU_MEMORY_BUDGET", "ChunkStore", "fused_policy_loss", "metric_names", "plan_chunks"]
 
@@ -120,6 +120,7 @@ def fused_policy_loss(
     memory_budget: int | None = None,
     out_logprobs=None,
     out_entropy=None,
+    head_dtype: str | None = None,
 ):
     """The policy loss from hidden states and the LM head, without the full logits.
 
@@ -155,6 +156,11 @@ def fused_policy_loss(
             a chunk row counts its stored logits and its hidden and hidden-gradient rows.
             ``memory_budget`` is its deprecated name (docs/api-changes.md).
         strategy: ``"auto"`` (chunks, streaming where needed), ``"chunked"`` or ``"streaming"``.
+        head_dtype: the precision of the head's GEMMs, as in :func:`linear_logprobs`: None
+            (the compute dtype), ``"float32"`` (16-bit inputs upcast, fp32 logits, gradients
+            in the inputs' dtypes; TRL's ``cast_lm_head_to_fp32``) or ``"tf32"`` (as
+            ``"float32"``, the GEMMs under torch's fp32 matmul precision ``"high"``: TF32 on
+            CUDA, fp32 on a CPU). The exact KL's reference head runs in it too.
         ref_hidden, ref_weight, ref_bias: the reference model's hidden states (``hidden``'s
             token shape, its own hidden size) and head (``[V, D_ref]``, ``[V]``), for
             ``kl_estimator="exact"`` only (needed there when ``beta != 0``): each chunk computes
@@ -212,6 +218,7 @@ def fused_policy_loss(
                                     max_tile_bytes)
     check_byte_budget("max_tile_bytes", memory_budget)
     check_out_buffers(mask, out_logprobs=out_logprobs, out_entropy=out_entropy)
+    check_head_dtype(head_dtype)
     mask = _drop_ignored(targets, mask, ignore_index)
     req = Request(
         hidden=hidden, weight=weight, bias=bias, targets=targets, old_logprobs=old_logprobs,
@@ -223,7 +230,8 @@ def fused_policy_loss(
         global_batch_size=global_batch_size, temperature=temperature, softcap=softcap,
         logit_scale=logit_scale, training_progress=training_progress,
         entropy_coef=entropy_coef, memory_budget=memory_budget, strategy=strategy,
-        cp_group=cp_group, out_logprobs=out_logprobs, out_entropy=out_entropy,
+        cp_group=cp_group, head_dtype=head_dtype, out_logprobs=out_logprobs,
+        out_entropy=out_entropy,
         **check_topk_inputs(config, topk_logprobs=topk_logprobs,
                             old_topk_logprobs=old_topk_logprobs))
     if cp_group is not None:

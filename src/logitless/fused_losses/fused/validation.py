@@ -43,6 +43,7 @@ class Head:
     softcap: float | None
     logit_scale: float
     compute: torch.dtype | None = None  # the compute dtype when given (inside the op)
+    head_dtype: str | None = None  # the GEMMs' precision (`oplib.compute_dtype`)
 
     @property
     def vocab(self) -> int:
@@ -50,7 +51,8 @@ class Head:
 
     @property
     def dtype(self) -> torch.dtype:
-        return compute_dtype(self.hidden) if self.compute is None else self.compute
+        return (compute_dtype(self.hidden, self.head_dtype) if self.compute is None
+                else self.compute)
 
     def transform(self) -> dict:
         return dict(temperature=self.temperature, softcap=self.softcap,
@@ -102,6 +104,7 @@ class Request:
     need: Need | None = None  # the gradients computed (None: `Need.of` the head)
     metric_names: tuple[str, ...] = ()  # the op's metrics, in order (`op.metric_names`)
     config: PolicyLossConfig
+    head_dtype: str | None = None  # the head's GEMM precision (`linear_logprobs`'s)
     topk_logprobs: torch.Tensor | None = dataclasses.field(default=None,
                                                           metadata=_NOT_AN_OP_ARGUMENT)
     old_topk_logprobs: torch.Tensor | None = dataclasses.field(default=None,
@@ -115,7 +118,7 @@ class Request:
     @property
     def head(self) -> Head:
         return Head(self.hidden, self.weight, self.bias, self.temperature, self.softcap,
-                    self.logit_scale, self.dtype)
+                    self.logit_scale, self.dtype, self.head_dtype)
 
     @property
     def needs(self) -> Need:
@@ -246,6 +249,7 @@ class RefHead:
     weight: torch.Tensor
     bias: torch.Tensor | None
     temperature: float
+    head_dtype: str | None = None  # the policy head's (`Head.head_dtype`)
 
     def kl_forward(self, rows, hidden, weight, bias):
         """The KL of the loss rows ``rows`` without a graph, and what `kl_backward` needs."""
@@ -276,7 +280,7 @@ class RefHead:
         from the policy's ``hidden [len(rows), D]``, ``weight`` and ``bias``, differentiable in
         those where they require grad (fp32; fp64 for fp64 inputs)."""
         return exact_kl_rows(hidden, weight, bias, self.hidden.index_select(0, rows),
-                             self.weight, self.bias, self.temperature)
+                             self.weight, self.bias, self.temperature, self.head_dtype)
 
 
 def check_static(head, targets, mask, strategy, cu_seqlens, memory_budget) -> None:
@@ -348,6 +352,8 @@ def checked_ref(head: Head, config, ref_hidden, ref_weight, ref_bias) -> RefHead
     if head.softcap is not None:
         raise ValueError("softcap: the exact KL (ref_hidden/ref_weight) supports temperature "
                          "and logit_scale, not a soft-capped head")
-    h, w, b = reference_head(head.hidden, head.weight, ref_hidden, ref_weight, ref_bias)
+    h, w, b = reference_head(head.hidden, head.weight, ref_hidden, ref_weight, ref_bias,
+                             head.head_dtype)
     return RefHead(h.detach().reshape(-1, h.shape[-1]), w.detach(),
-                    None if b is None else b.detach(), head.temperature / head.logit_scale)
+                    None if b is None else b.detach(), head.temperature / head.logit_scale,
+                    head.head_dtype)

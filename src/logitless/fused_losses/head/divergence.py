@@ -10,6 +10,7 @@ receives no gradient.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -23,12 +24,15 @@ from logitless.fused_losses.oplib import (
     Op,
     check_devices,
     check_head,
+    check_head_dtype,
     check_temperature,
     compute_dtype,
     distinct,
     grads_or_empty,
+    head_precision,
     is_number,
     mask_rows,
+    precision_gather,
     put_rows,
     take_rows,
 )
@@ -45,6 +49,7 @@ class _Spec:
     tile_bytes: int | None
     backend: ModuleType
     entropy: bool = False
+    head_dtype: str | None = None  # the eager backward's GEMM precision (`head_precision`)
 
     def kw(self):
         return {} if self.tile_bytes is None else {"tile_bytes": self.tile_bytes}
@@ -86,7 +91,8 @@ class _Divergence(torch.autograd.Function):
         need = ctx.needs_input_grad[:3]
         if grad is None or not any(need):
             return (None,) * 7
-        grads = _divergence_rows_backward(ctx.spec, *ctx.saved_tensors, grad, need)
+        with head_precision(ctx.spec.head_dtype):
+            grads = _divergence_rows_backward(ctx.spec, *ctx.saved_tensors, grad, need)
         return (*grads, None, None, None, None)
 
 
@@ -144,17 +150,17 @@ def _cast(grads, like):
     return tuple(None if g is None else g.to(t.dtype) for g, t in zip(grads, like))
 
 
-def _check_head(prefix: str, hidden, weight, bias, lead=None):
+def _check_head(prefix: str, hidden, weight, bias, lead=None, head_dtype=None):
     """`check_head` on one head's ``hidden [..., D]``, ``weight [V, D]`` and ``bias [V]``
     (``lead``: the token shape ``hidden`` must have), a vocabulary of ``V >= 1``; returns them
-    in their compute dtype."""
+    in their compute dtype (of ``head_dtype``: `compute_dtype`)."""
     check_head(hidden, weight, bias, prefix, lead)
     if weight.shape[0] == 0:
         raise ValueError(f"{prefix}weight must have a vocabulary of V >= 1 rows, got "
                          f"{tuple(weight.shape)}")
     # The head's dtype rule (TRL's): autocast's dtype under autocast, else hidden's; the
     # weight and bias are cast to it.
-    dtype = compute_dtype(hidden)
+    dtype = compute_dtype(hidden, head_dtype)
     return hidden.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
 
 
@@ -189,6 +195,7 @@ def linear_divergence(
     teacher_bias: torch.Tensor | None = None,
     max_tile_bytes: int | None = None,
     return_entropy: bool = False,
+    head_dtype: str | None = None,
 ) -> DivergenceOutput:
     """Per-token generalized Jensen-Shannon divergence between a student and a teacher head.
 
@@ -213,6 +220,10 @@ def linear_divergence(
         bias, teacher_bias: optional ``[V]`` biases.
         return_entropy: also return the student's per-token entropy of ``p_s`` (folded into
             the first pass; no gradient, 0 where ``mask`` is False).
+        head_dtype: the precision of both heads' GEMMs, as in :func:`linear_logprobs`: None
+            (the compute dtype), ``"float32"`` (16-bit inputs upcast, fp32 logits, gradients
+            in the inputs' dtypes) or ``"tf32"`` (as ``"float32"``, the GEMMs under torch's
+            fp32 matmul precision ``"high"``: TF32 on CUDA, fp32 on a CPU).
 
     Returns:
         :class:`DivergenceOutput`: ``divergence``, fp32 (fp64 for fp64 inputs) of the token
@@ -221,10 +232,11 @@ def linear_divergence(
         Until the next release the result also stands in for the old return value (the
         tensor, or ``(divergence, entropy)``), with a ``DeprecationWarning``.
     """
-    hidden, weight, bias = _check_head("", hidden, weight, bias)
+    check_head_dtype(head_dtype)
+    hidden, weight, bias = _check_head("", hidden, weight, bias, head_dtype=head_dtype)
     lead = tuple(hidden.shape[:-1])
     teacher_hidden, teacher_weight, teacher_bias = _check_head(
-        "teacher_", teacher_hidden, teacher_weight, teacher_bias, lead)
+        "teacher_", teacher_hidden, teacher_weight, teacher_bias, lead, head_dtype)
     _check_common(hidden, (("weight", weight), ("bias", bias),
                            ("teacher_hidden", teacher_hidden),
                            ("teacher_weight", teacher_weight),
@@ -240,7 +252,7 @@ def linear_divergence(
     # One graph node under torch.compile (the op defined at the end of this module).
     out, entropy, *_ = torch.ops.logitless.linear_divergence(
         hidden, weight, bias, *teacher, mask, float(beta), float(temperature), max_tile_bytes,
-        bool(return_entropy))
+        bool(return_entropy), head_dtype)
     # the entropy gets no gradient, as documented
     return DivergenceOutput(out, entropy.detach() if return_entropy else None)
 
@@ -257,17 +269,18 @@ def _divergence_impl(spec: _Spec, hidden, weight, bias, t_hidden, t_weight, t_bi
                           lead) for x in outs)
 
 
-def reference_head(hidden, weight, ref_hidden, ref_weight, ref_bias):
+def reference_head(hidden, weight, ref_hidden, ref_weight, ref_bias, head_dtype=None):
     """The reference head of the policy loss's exact KL checked against the policy head
     (``hidden [..., D]``, ``weight [V, D]``): both of ``ref_hidden`` and ``ref_weight`` given,
     ``ref_hidden [..., D_ref]`` of hidden's token shape, ``ref_weight [V, D_ref]`` of the same
     vocabulary, ``ref_bias`` None or ``[V]``, all on hidden's device. Returns them in their
-    compute dtype."""
+    compute dtype (of ``head_dtype``, the policy's)."""
     for name, t in (("ref_hidden", ref_hidden), ("ref_weight", ref_weight)):
         if t is None:
             raise ValueError(f"{name}: the exact KL needs both ref_hidden and ref_weight "
                              "(the reference model's hidden states and head)")
-    h, w, b = _check_head("ref_", ref_hidden, ref_weight, ref_bias, tuple(hidden.shape[:-1]))
+    h, w, b = _check_head("ref_", ref_hidden, ref_weight, ref_bias, tuple(hidden.shape[:-1]),
+                          head_dtype)
     check_devices(hidden, (("ref_hidden", h), ("ref_weight", w), ("ref_bias", b)))
     if w.shape[0] != weight.shape[0]:
         raise ValueError(f"ref_weight must have the policy's vocabulary size {weight.shape[0]} "
@@ -275,11 +288,14 @@ def reference_head(hidden, weight, ref_hidden, ref_weight, ref_bias):
     return h, w, b
 
 
-def exact_kl_rows(hidden, weight, bias, ref_hidden, ref_weight, ref_bias, temperature):
+def exact_kl_rows(hidden, weight, bias, ref_hidden, ref_weight, ref_bias, temperature,
+                  head_dtype=None):
     """KL(policy || reference) per row of ``hidden [n, D]`` against ``ref_hidden [n, D_ref]``
     (rows already compacted, inputs checked): `linear_divergence`'s ``beta = 1`` passes, the
-    gradient reaching the policy's tensors that require it, the reference's detached."""
-    spec = spec_for(1.0, temperature, None, hidden, ref_hidden)
+    gradient reaching the policy's tensors that require it, the reference's detached; the
+    backward under `head_precision` of ``head_dtype`` (the caller runs the forward so)."""
+    spec = dataclasses.replace(spec_for(1.0, temperature, None, hidden, ref_hidden),
+                               head_dtype=head_dtype)
     kl, _ = _Divergence.apply(hidden, weight, bias, ref_hidden.detach(), ref_weight.detach(),
                               None if ref_bias is None else ref_bias.detach(), spec)
     return kl
@@ -302,6 +318,7 @@ def linear_topk_distill(
     teacher_hidden: torch.Tensor | None = None,
     teacher_weight: torch.Tensor | None = None,
     teacher_bias: torch.Tensor | None = None,
+    head_dtype: str | None = None,
 ) -> torch.Tensor:
     """Per-token top-k KL to a teacher: forward over the teacher's top-k log-probabilities
     (``direction="forward"``), or reverse over the student's top-k, renormalised
@@ -335,19 +352,27 @@ def linear_topk_distill(
             The clamps apply as in the forward direction (to the renormalised log-probs,
             then to the loss). ``S`` is selected without gradient; the gradient reaches the
             student's ``hidden``, ``weight`` and ``bias`` only. See ``docs/distillation.md``.
+        head_dtype: the precision of heads' GEMMs (the student's; the teacher head's too
+            with direction="reverse"), as in :func:`linear_logprobs`: None
+            (the compute dtype), ``"float32"`` (16-bit inputs upcast, fp32 logits, gradients
+            in the inputs' dtypes) or ``"tf32"`` (as ``"float32"``, the GEMMs under torch's
+            fp32 matmul precision ``"high"``: TF32 on CUDA, fp32 on a CPU).
 
     Returns:
         fp32 tensor (fp64 for fp64 inputs) of the token shape.
     """
     if direction not in ("forward", "reverse"):
         raise ValueError(f"direction must be 'forward' or 'reverse', got {direction!r}")
-    hidden, weight, bias = _check_head("", hidden, weight, bias)
+    check_head_dtype(head_dtype)
+    hidden, weight, bias = _check_head("", hidden, weight, bias, head_dtype=head_dtype)
     _check_clamps(log_prob_min_clamp, loss_max_clamp)
     check_byte_budget("max_tile_bytes", max_tile_bytes)
     if direction == "reverse":
-        return _reverse_topk(hidden, weight, bias, teacher_ids, teacher_logprobs, mask, k,
-                             teacher_hidden, teacher_weight, teacher_bias, temperature,
-                             log_prob_min_clamp, loss_max_clamp, max_tile_bytes)
+        with head_precision(head_dtype):
+            return _reverse_topk(hidden, weight, bias, teacher_ids, teacher_logprobs, mask, k,
+                                 teacher_hidden, teacher_weight, teacher_bias, temperature,
+                                 log_prob_min_clamp, loss_max_clamp, max_tile_bytes,
+                                 head_dtype)
     given = [n for n, v in (("k", k), ("teacher_hidden", teacher_hidden),
                             ("teacher_weight", teacher_weight),
                             ("teacher_bias", teacher_bias)) if v is not None]
@@ -357,7 +382,8 @@ def linear_topk_distill(
     _check_teacher_topk(hidden, weight, bias, teacher_ids, teacher_logprobs, mask, temperature)
     # One graph node under torch.compile (the op defined at the end of this module).
     log_q = torch.ops.logitless.linear_topk_logprobs(hidden, weight, bias, teacher_ids, mask,
-                                                     float(temperature), max_tile_bytes)[0]
+                                                     float(temperature), max_tile_bytes,
+                                                     head_dtype)[0]
     # Dropped rows: log q = log t = 0 below, so their loss is 0 (and gets no gradient).
     log_t = teacher_logprobs.detach().to(log_q.dtype)
     if mask is not None:
@@ -413,7 +439,7 @@ def _clamped_kl(log_p, log_q, log_prob_min_clamp, loss_max_clamp):
 
 def _reverse_topk(hidden, weight, bias, teacher_ids, teacher_logprobs, mask, k, t_hidden,
                   t_weight, t_bias, temperature, log_prob_min_clamp, loss_max_clamp,
-                  max_tile_bytes):
+                  max_tile_bytes, head_dtype=None):
     """``linear_topk_distill(direction="reverse")`` on checked student tensors: the student's
     top-k ids streamed through its tiles (no gradient) and the teacher head's logits gathered
     at them (`kept.gathered_logits`, detached), or a recorded set ``teacher_ids`` with the
@@ -433,12 +459,13 @@ def _reverse_topk(hidden, weight, bias, teacher_ids, teacher_logprobs, mask, k, 
         ids = _topk_ids(teacher_ids, rows, weight.shape[0])
         z_t = take_rows(teacher_logprobs.detach(), rows, teacher_logprobs.shape[-1])
         return _reverse_rows(hidden, weight, bias, ids, z_t, rows, lead, temperature,
-                             log_prob_min_clamp, loss_max_clamp, max_tile_bytes)
+                             log_prob_min_clamp, loss_max_clamp, max_tile_bytes, head_dtype)
     if t_hidden is None or t_weight is None:
         raise ValueError("direction='reverse' needs the teacher head (teacher_hidden and "
                          "teacher_weight, teacher_bias optional) with k, or a recorded set "
                          "(teacher_ids and teacher_logprobs)")
-    t_hidden, t_weight, t_bias = _check_head("teacher_", t_hidden, t_weight, t_bias, lead)
+    t_hidden, t_weight, t_bias = _check_head("teacher_", t_hidden, t_weight, t_bias, lead,
+                                             head_dtype)
     if t_weight.shape[0] != weight.shape[0]:
         raise ValueError(f"teacher_weight must have the student's vocabulary of "
                          f"{weight.shape[0]} rows, got {t_weight.shape[0]}")
@@ -462,16 +489,17 @@ def _reverse_topk(hidden, weight, bias, teacher_ids, teacher_logprobs, mask, k, 
                                    temperature=float(temperature), dtype=t_hidden.dtype,
                                    max_tile_bytes=max_tile_bytes)
     return _reverse_rows(hidden, weight, bias, ids, z_t, rows, lead, temperature,
-                         log_prob_min_clamp, loss_max_clamp, max_tile_bytes)
+                         log_prob_min_clamp, loss_max_clamp, max_tile_bytes, head_dtype)
 
 
 def _reverse_rows(hidden, weight, bias, ids, z_t, rows, lead, temperature,
-                  log_prob_min_clamp, loss_max_clamp, max_tile_bytes):
+                  log_prob_min_clamp, loss_max_clamp, max_tile_bytes, head_dtype=None):
     """The reverse KL of the kept ``rows`` over their sets ``ids [n_kept, k]``, the teacher's
     logits (or log-probs: the same once renormalised) ``z_t`` there, scattered to ``lead``."""
     h = take_rows(hidden, rows, hidden.shape[-1])
     z_s = kept.gathered_logits(h, weight, bias, ids, temperature=float(temperature),
-                               dtype=hidden.dtype, max_tile_bytes=max_tile_bytes)
+                               dtype=hidden.dtype, max_tile_bytes=max_tile_bytes,
+                               gather_weight=precision_gather(None, head_dtype))
     log_s = torch.log_softmax(z_s, dim=-1)
     log_t = torch.log_softmax(z_t.to(z_s.dtype), dim=-1)
     loss = _clamped_kl(log_s, log_t, log_prob_min_clamp, loss_max_clamp)
@@ -513,7 +541,7 @@ LINEAR_DIVERGENCE = Op(
     "linear_divergence",
     ("Tensor hidden", "Tensor weight", "Tensor? bias", "Tensor t_hidden", "Tensor t_weight",
      "Tensor? t_bias", "Tensor? mask", "float beta", "float temperature", "int? tile_bytes",
-     "bool entropy"),
+     "bool entropy", "str? head_dtype=None"),
     ("divergence", "entropy", "top_s", "log_l_s", "top_t", "log_l_t", "aux"),
     _div_forward, _div_forward_fake, wrt=_WRT, grads=("divergence",),
     saved=("top_s", "log_l_s", "top_t", "log_l_t", "aux"), backward=_div_backward,
@@ -550,7 +578,7 @@ def _topk_backward(a):
 LINEAR_TOPK_LOGPROBS = Op(
     "linear_topk_logprobs",
     ("Tensor hidden", "Tensor weight", "Tensor? bias", "Tensor ids", "Tensor? mask",
-     "float temperature", "int? tile_bytes"),
+     "float temperature", "int? tile_bytes", "str? head_dtype=None"),
     ("logprobs", "top", "log_l"), _topk_forward, _topk_forward_fake, wrt=_WRT,
     grads=("logprobs",), saved=("top", "log_l"), backward=_topk_backward)
 

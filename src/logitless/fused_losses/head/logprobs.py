@@ -7,6 +7,7 @@ in ``kernels/`` (Triton and its chunked torch twin, which share one launcher con
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 from collections.abc import Callable
@@ -26,12 +27,15 @@ from logitless.fused_losses.oplib import (
     Op,
     check_devices,
     check_head,
+    check_head_dtype,
     check_temperature,
     compact_rows,
     compute_dtype,
     distinct,
     grads_or_empty,
+    head_precision,
     is_number,
+    precision_gather,
     put_rows,
     take_rows,
 )
@@ -224,9 +228,19 @@ def check_head_args(hidden, weight, targets, bias, temperature, softcap, logit_s
         raise ValueError(f"stats must be drawn from {STATS}, got unknown {unknown}")
 
 
+def _upcast(hidden, weight, bias, head_dtype):
+    """With ``head_dtype``, the head in its compute dtype, cast once (differentiably) for a
+    call of two passes: their gradients then add up in fp32 and round to the inputs' dtypes
+    once, not once a pass."""
+    if head_dtype is None:
+        return hidden, weight, bias
+    dtype = compute_dtype(hidden, head_dtype)
+    return hidden.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
+
+
 def _kept_set(hidden, weight, targets, kept_ids, bias, temperature, top_k, top_p, min_p,
               softcap, logit_scale, ignore_index, return_entropy, stats, vocab_parallel,
-              max_tile_bytes, gather_weight) -> LogprobOutput:
+              max_tile_bytes, gather_weight, head_dtype) -> LogprobOutput:
     """``linear_logprobs(kept_ids=...)``: the checks of the combination, then `kept`."""
     given = [n for n, v in (("top_k", top_k), ("top_p", top_p), ("min_p", min_p)) if v is not None]
     if given:
@@ -240,25 +254,30 @@ def _kept_set(hidden, weight, targets, kept_ids, bias, temperature, top_k, top_p
     check_byte_budget("max_tile_bytes", max_tile_bytes)
     kept.check_kept_temperature(temperature, targets, compute_dtype(hidden))
     want_mass = "log_kept_mass" in stats
+    if want_mass:
+        hidden, weight, bias = _upcast(hidden, weight, bias, head_dtype)
 
     def full_lse():
         return linear_logprobs(hidden, weight, targets, bias=bias, temperature=temperature,
                                softcap=softcap, logit_scale=logit_scale,
                                ignore_index=ignore_index, stats=("lse",),
-                               max_tile_bytes=max_tile_bytes, gather_weight=gather_weight).lse
+                               max_tile_bytes=max_tile_bytes, gather_weight=gather_weight,
+                               head_dtype=head_dtype).lse
 
-    lp, ent, mass = kept.kept_logprobs(
-        hidden, weight, targets, kept_ids, bias=bias, temperature=temperature,
-        softcap=None if logit_scale == 0 else softcap, logit_scale=logit_scale,
-        ignore_index=ignore_index, dtype=compute_dtype(hidden), return_entropy=return_entropy,
-        want_mass=want_mass, full_lse=full_lse, max_tile_bytes=max_tile_bytes,
-        gather_weight=gather_weight)
+    with head_precision(head_dtype):
+        lp, ent, mass = kept.kept_logprobs(
+            hidden, weight, targets, kept_ids, bias=bias, temperature=temperature,
+            softcap=None if logit_scale == 0 else softcap, logit_scale=logit_scale,
+            ignore_index=ignore_index, dtype=compute_dtype(hidden, head_dtype),
+            return_entropy=return_entropy, want_mass=want_mass, full_lse=full_lse,
+            max_tile_bytes=max_tile_bytes,
+            gather_weight=precision_gather(gather_weight, head_dtype))
     return LogprobOutput(logprobs=lp, entropy=ent, log_kept_mass=mass)
 
 
 def _at_ids(hidden, weight, targets, ids, bias, temperature, top_k, top_p, min_p, kept_ids,
             sampler, softcap, logit_scale, ignore_index, return_entropy, stats, vocab_parallel,
-            max_tile_bytes, gather_weight, hidden_grad) -> LogprobOutput:
+            max_tile_bytes, gather_weight, hidden_grad, head_dtype) -> LogprobOutput:
     """``linear_logprobs(ids=...)``: the plain call (with ``"lse"``, one streamed pass of the
     whole head, on its backend) and the logits at ``ids`` from a gather of their rows
     (`kept.id_logits`); ``id_logprobs = z_ids - lse``, -inf at padding (where no gradient
@@ -274,16 +293,20 @@ def _at_ids(hidden, weight, targets, ids, bias, temperature, top_k, top_p, min_p
     check_ignore_index(ignore_index)
     check_byte_budget("max_tile_bytes", max_tile_bytes)
     kept.check_kept_temperature(temperature, targets, compute_dtype(hidden))
+    hidden, weight, bias = _upcast(hidden, weight, bias, head_dtype)
     want = tuple(stats) if "lse" in stats else (*stats, "lse")
     out = linear_logprobs(hidden, weight, targets, bias=bias, temperature=temperature,
                           sampler=sampler, softcap=softcap, logit_scale=logit_scale,
                           ignore_index=ignore_index, return_entropy=return_entropy, stats=want,
                           max_tile_bytes=max_tile_bytes, gather_weight=gather_weight,
-                          hidden_grad=hidden_grad)
-    z = kept.id_logits(hidden, weight, targets, ids, bias=bias, temperature=temperature,
-                       softcap=None if logit_scale == 0 else softcap, logit_scale=logit_scale,
-                       ignore_index=ignore_index, dtype=compute_dtype(hidden),
-                       max_tile_bytes=max_tile_bytes, gather_weight=gather_weight)
+                          hidden_grad=hidden_grad, head_dtype=head_dtype)
+    with head_precision(head_dtype):
+        z = kept.id_logits(hidden, weight, targets, ids, bias=bias, temperature=temperature,
+                           softcap=None if logit_scale == 0 else softcap,
+                           logit_scale=logit_scale, ignore_index=ignore_index,
+                           dtype=compute_dtype(hidden, head_dtype),
+                           max_tile_bytes=max_tile_bytes,
+                           gather_weight=precision_gather(gather_weight, head_dtype))
     lp = torch.where(ids >= 0, z - out.lse.unsqueeze(-1).to(z.dtype), -math.inf)
     out.id_logprobs = torch.where((targets != ignore_index).unsqueeze(-1), lp, 0.0)
     if "lse" not in stats:
@@ -313,6 +336,7 @@ def linear_logprobs(
     max_tile_bytes: int | None = None,
     gather_weight: Callable[[], AbstractContextManager] | None = None,
     hidden_grad: str = "sum",
+    head_dtype: str | None = None,
 ) -> LogprobOutput:
     """Per-token logprob (and entropy, softmax statistics) of ``targets`` under the LM head.
 
@@ -380,6 +404,14 @@ def linear_logprobs(
         hidden_grad: with ``vocab_parallel``, ``"sum"`` returns the hidden gradient summed over
             the group; ``"partial"`` returns this rank's slice's contribution only, for callers
             whose own communication sums it (Megatron's sequence-parallel reduce-scatter).
+        head_dtype: the precision of the head's GEMMs. None: the compute dtype above.
+            ``"float32"``: fp32 GEMMs and logits from 16-bit inputs (upcast inside, chunk by
+            chunk on the torch path), gradients back in each input's dtype (TRL's
+            ``cast_lm_head_to_fp32``, NeMo-RL's ``fp32_lm_head``); fp64 inputs stay fp64.
+            ``"tf32"``: as ``"float32"``, every GEMM of the head (forward and backward)
+            under torch's fp32 matmul precision ``"high"`` (TF32 tensor cores on CUDA; a CPU
+            has no TF32 and computes fp32), restored after. On every path (plain,
+            ``top_k`` / ``top_p`` / ``min_p``, ``kept_ids``, ``ids``, ``vocab_parallel``).
 
     Returns:
         :class:`LogprobOutput` with fp32 tensors shaped like ``targets``. Gradients reach
@@ -392,10 +424,12 @@ def linear_logprobs(
                     1.0 if isinstance(temperature, torch.Tensor) else temperature, softcap,
                     logit_scale, stats, zero_scale=True)
     sampled.check_sampler(sampler)
+    check_head_dtype(head_dtype)
     if ids is not None:
         return _at_ids(hidden, weight, targets, ids, bias, temperature, top_k, top_p, min_p,
                        kept_ids, sampler, softcap, logit_scale, ignore_index, return_entropy,
-                       stats, vocab_parallel, max_tile_bytes, gather_weight, hidden_grad)
+                       stats, vocab_parallel, max_tile_bytes, gather_weight, hidden_grad,
+                       head_dtype)
     fsdp = sharded_head(weight, bias)
     if fsdp is not None:  # an FSDP2 DTensor head: the tokens gathered, never the weight
         return sharded_logprobs(
@@ -403,11 +437,12 @@ def linear_logprobs(
             vocab_parallel=vocab_parallel, gather_weight=gather_weight, hidden_grad=hidden_grad,
             return_entropy=return_entropy, stats=stats, temperature=temperature, top_k=top_k,
             top_p=top_p, min_p=min_p, sampler=sampler, softcap=softcap,
-            logit_scale=logit_scale, ignore_index=ignore_index, max_tile_bytes=max_tile_bytes)
+            logit_scale=logit_scale, ignore_index=ignore_index, max_tile_bytes=max_tile_bytes,
+            head_dtype=head_dtype)
     if kept_ids is not None:
         return _kept_set(hidden, weight, targets, kept_ids, bias, temperature, top_k, top_p,
                          min_p, softcap, logit_scale, ignore_index, return_entropy, stats,
-                         vocab_parallel, max_tile_bytes, gather_weight)
+                         vocab_parallel, max_tile_bytes, gather_weight, head_dtype)
     # with vocab_parallel the whole vocabulary's size is known inside the op only
     sampler = sampled.sampler_settings(targets, None if vocab_parallel is not None
                                        else weight.shape[0], temperature, top_k, top_p, min_p,
@@ -428,7 +463,7 @@ def linear_logprobs(
         raise ValueError(f"hidden_grad must be 'sum' or 'partial', got {hidden_grad!r}")
     check_ignore_index(ignore_index)
     check_byte_budget("max_tile_bytes", max_tile_bytes)
-    dtype = compute_dtype(hidden)
+    dtype = compute_dtype(hidden, head_dtype)
     want_s2, want_sum_z = "sum_p_sq" in stats, "mean_logit" in stats
     kept_mass = None
     if sampler is not None:
@@ -442,7 +477,8 @@ def linear_logprobs(
             *sampled.per_token(sampler, targets, float(temperature), dtype),
             None if softcap is None else float(softcap), float(logit_scale), int(ignore_index),
             max_tile_bytes, dtype, sampler.sampler,
-            None if vocab_parallel is None else vocab_parallel.group_name, hidden_grad)
+            None if vocab_parallel is None else vocab_parallel.group_name, hidden_grad,
+            head_dtype)
         outs = (lp, ent, None, None, None, lse)
     elif gather_weight is None:
         # One graph node under torch.compile: the op compacts, validates and plans inside; a
@@ -451,7 +487,8 @@ def linear_logprobs(
             hidden, weight, bias, targets, float(temperature),
             None if softcap is None else float(softcap), float(logit_scale), int(ignore_index),
             max_tile_bytes, dtype, want_s2, want_sum_z,
-            None if vocab_parallel is None else vocab_parallel.group_name, hidden_grad)
+            None if vocab_parallel is None else vocab_parallel.group_name, hidden_grad,
+            head_dtype)
     else:
         # A gather callable does not fit an op's schema: eager only.
         group = vocab_parallel
@@ -462,9 +499,10 @@ def linear_logprobs(
         spec = _Spec(float(temperature), None if softcap is None else float(softcap),
                      float(logit_scale), v_total, want_s2, want_sum_z,
                      _backend_for(hidden.device, dtype), group, hidden_grad, max_tile_bytes,
-                     gather_weight, dtype)
-        outs = _logprobs_impl(hidden, weight, bias, targets, spec, ignore_index, offset,
-                              _LinearSoftmax.apply)
+                     precision_gather(gather_weight, head_dtype), dtype)
+        with head_precision(head_dtype):
+            outs = _logprobs_impl(hidden, weight, bias, targets, spec, ignore_index, offset,
+                                  _LinearSoftmax.apply)
     lp, ent, s2, mean, top1, lse = outs[:6]
     if kept_mass is None and "log_kept_mass" in stats:
         kept_mass = torch.zeros_like(lp)
@@ -501,12 +539,14 @@ def _logprobs_impl(hidden, weight, bias, targets, spec: _Spec, ignore_index: int
 
 
 def rows_logprobs(hidden, weight, targets, *, bias=None, temperature=1.0, softcap=None,
-                   logit_scale=1.0):
+                   logit_scale=1.0, head_dtype=None):
     """`linear_logprobs`'s private path for rows a caller has checked already (the chunks of
     ``fused_policy_loss``): ``hidden [N, D]``, ``weight`` and ``bias`` in one compute dtype,
     every target in ``[0, V)``. No checks, no host synchronisation, no vocab parallelism.
-    Returns ``(logprobs, entropy)``, each ``[N]``, with gradient."""
-    spec = _local_spec(hidden, weight, temperature, softcap, logit_scale)
+    Returns ``(logprobs, entropy)``, each ``[N]``, with gradient; the backward under
+    `head_precision` of ``head_dtype`` (the caller runs the forward so)."""
+    spec = dataclasses.replace(_local_spec(hidden, weight, temperature, softcap, logit_scale),
+                               gather_weight=precision_gather(None, head_dtype))
     lp, ent, *_ = _LinearSoftmax.apply(hidden, weight, bias, targets, spec)
     return lp, ent
 
@@ -520,7 +560,7 @@ def rows_logprobs(hidden, weight, targets, *, bias=None, temperature=1.0, softca
 _LP_ARGS = ("Tensor hidden", "Tensor weight", "Tensor? bias", "Tensor targets",
             "float temperature", "float? softcap", "float logit_scale", "int ignore_index",
             "int? tile_bytes", "ScalarType dtype", "bool want_s2", "bool want_sum_z",
-            "str? group_name=None", 'str hidden_grad="sum"')
+            "str? group_name=None", 'str hidden_grad="sum"', "str? head_dtype=None")
 
 
 def _lp_spec(a, want_s2=False, want_sum_z=False):
@@ -528,7 +568,6 @@ def _lp_spec(a, want_s2=False, want_sum_z=False):
     slice. ``a.group_name`` names the process group the vocabulary is sharded over (None: not
     sharded, offset 0); the group's all-gather of slice sizes and its all-reduces run here,
     inside the op."""
-    import dataclasses
 
     spec = _local_spec(a.hidden, a.weight, a.temperature, a.softcap, a.logit_scale, want_s2,
                        want_sum_z, a.tile_bytes, a.dtype)

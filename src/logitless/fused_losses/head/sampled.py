@@ -208,7 +208,8 @@ def rows_backward(hidden, weight, bias, targets, params: RowParams, key, count, 
 _SP_ARGS = ("Tensor hidden", "Tensor weight", "Tensor? bias", "Tensor targets",
             "Tensor temperature", "Tensor? top_k", "Tensor? top_p", "Tensor? min_p",
             "float? softcap", "float logit_scale", "int ignore_index", "int? tile_bytes",
-            "ScalarType dtype", "str sampler", "str? group_name=None", 'str hidden_grad="sum"')
+            "ScalarType dtype", "str sampler", "str? group_name=None", 'str hidden_grad="sum"',
+            "str? head_dtype=None")
 
 
 def _shards(group_name, weight, device):
