@@ -53,6 +53,7 @@ from logitless.integrations.sampler_config import (
 from logitless.integrations.trl_config import (
     check_grpo_replay,
     config_from_grpo,
+    head_dtype_from_grpo,
     loss_config_over_grpo,
     sampler_from_generate,
     sampler_from_grpo,
@@ -655,7 +656,8 @@ class GRPOTrainer(trl.GRPOTrainer):
             fused = _FusedLoss(_label_mask(input_ids, attention_mask, logits_to_keep),
                                logits_to_keep, completion_ids, old_logprobs=old,
                                advantages=inputs["advantages"], mask=mask, config=cfg,
-                               ref_logprobs=ref, **batch, **loss_args)
+                               ref_logprobs=ref, head_dtype=head_dtype_from_grpo(self.args),
+                               **batch, **loss_args)
             with _fused_head(fused):
                 _, _, aux_loss = super()._get_per_token_logps_and_entropies(
                     model, input_ids, attention_mask, logits_to_keep, **forward)
