@@ -274,10 +274,6 @@ def _refusals(rank, world):
                                     strategy="chunked", cp_group=group)
 
 
-def test_cp_refusals_name_the_option():
-    run_on_gloo(2, _refusals)
-
-
 def test_cp_group_needs_torch_distributed():
     lp = torch.randn(2, 3)
     cfg = PolicyLossConfig()
@@ -316,5 +312,11 @@ def _count_collectives(rank, world):
         assert len(calls) == expected, (opts, len(calls))
 
 
-def test_cp_collectives_per_call():
-    run_on_gloo(2, _count_collectives)
+def _refusals_and_collectives(rank, world):
+    _refusals(rank, world)
+    _count_collectives(rank, world)
+
+
+def test_cp_refusals_name_the_option_and_collectives_per_call():
+    """One launch of two ranks for both (a launch costs more than either check)."""
+    run_on_gloo(2, _refusals_and_collectives)
