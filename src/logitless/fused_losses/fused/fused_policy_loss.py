@@ -41,6 +41,7 @@ from logitless.fused_losses.fused.op import as_op, metric_names, op_call
 from logitless.fused_losses.fused.plan import CPU_MEMORY_BUDGET, ChunkStore, plan_chunks
 from logitless.fused_losses.fused.validation import Request
 from logitless.fused_losses.head.logprobs import check_byte_budget, check_ignore_index
+from logitless.fused_losses.head.shards import VocabShard, check_vocab_parallel
 from logitless.fused_losses.objectives.config import PolicyLossConfig
 from logitless.fused_losses.objectives.policy_loss import (
     check_cp_config,
@@ -118,6 +119,8 @@ def fused_policy_loss(
     topk_logprobs=None,
     old_topk_logprobs=None,
     memory_budget: int | None = None,
+    vocab_parallel=None,
+    hidden_grad: str = "sum",
 ):
     """The policy loss from hidden states and the LM head, without the full logits.
 
@@ -170,6 +173,22 @@ def fused_policy_loss(
             rollout's top-k ids under ``torch.no_grad()``, same head and temperature). Not
             under ``torch.compile``.
 
+        vocab_parallel: a ``torch.distributed`` process group over which the head's
+            vocabulary is sharded in rank order, as in :func:`linear_logprobs`: ``weight``
+            (and ``bias``, ``ref_weight``, ``ref_bias``) this rank's slice, slices of any
+            sizes, every other input the same on every rank, ``targets`` global ids. Each
+            chunk's per-token statistics (and the exact KL's) are all-reduced once; the
+            objective then runs on the whole vocabulary's values on every rank, each rank's
+            logits slice gives its slice's weight and bias gradients, and ``hidden``'s is
+            summed over the group (``hidden_grad``). Every rank gets the same loss and
+            metrics. The ranks must agree on which inputs require a gradient (they run the
+            same collectives). Not with a DTensor head, ``cp_group`` or under
+            ``torch.compile``; the exact KL only where the batch runs in chunks (not
+            ``strategy="streaming"``, not ``clip_cov`` / ``kl_cov``).
+        hidden_grad: with ``vocab_parallel``, ``"sum"`` (the hidden gradient summed over the
+            group) or ``"partial"`` (this rank's slice's share, for callers whose own
+            communication sums it, e.g. Megatron's sequence-parallel reduce-scatter).
+
     Returns:
         ``(loss, metrics)`` as :func:`policy_loss`.
 
@@ -196,6 +215,7 @@ def fused_policy_loss(
     memory_budget = renamed_keyword("memory_budget", memory_budget, "max_tile_bytes",
                                     max_tile_bytes)
     check_byte_budget("max_tile_bytes", memory_budget)
+    check_vocab_parallel(vocab_parallel, hidden_grad)
     mask = _drop_ignored(targets, mask, ignore_index)
     req = Request(
         hidden=hidden, weight=weight, bias=bias, targets=targets, old_logprobs=old_logprobs,
@@ -207,11 +227,16 @@ def fused_policy_loss(
         global_batch_size=global_batch_size, temperature=temperature, softcap=softcap,
         logit_scale=logit_scale, training_progress=training_progress,
         entropy_coef=entropy_coef, memory_budget=memory_budget, strategy=strategy,
-        cp_group=cp_group, **check_topk_inputs(config, topk_logprobs=topk_logprobs,
+        cp_group=cp_group,
+        vocab_parallel=None if vocab_parallel is None else VocabShard(vocab_parallel, hidden_grad),
+        **check_topk_inputs(config, topk_logprobs=topk_logprobs,
                                                old_topk_logprobs=old_topk_logprobs))
     if cp_group is not None:
         return _context_parallel(req)
     if as_op(hidden):
+        if vocab_parallel is not None:
+            raise ValueError("vocab_parallel: not supported under torch.compile or for "
+                             "meta/fake tensors")
         if req.topk_logprobs is not None or req.old_topk_logprobs is not None:
             raise ValueError("topk_logprobs: the DPPO top-k objectives are not supported under "
                              "torch.compile or for meta/fake tensors")
