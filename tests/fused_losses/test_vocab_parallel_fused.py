@@ -5,6 +5,8 @@ slices equal those of one process over the whole head, in fp64, for every object
 catalog (token, sequence and prefix ratios, the whole-batch ones streamed), the exact KL and
 the entropy terms. One launch per world size, every case looped inside."""
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -160,9 +162,35 @@ def _check_refusals(rank, world):
         _run(dict(p, targets=bad), PolicyLossConfig(), {}, lo, hi, group)
 
 
+def _check_triton(rank, world):
+    """The Triton chunk store and two-head passes (``LOGITLESS_BACKEND=triton``, under the CPU
+    interpreter) in fp32, against one process in fp64 (fp32 rounding apart): their partials
+    and their normalisers (the exact KL's maxima untempered) reduced over the group."""
+    p = _problem(world)
+    lo, hi = sum(SPLITS[world][:rank]), sum(SPLITS[world][:rank + 1])
+    f32 = {k: v.float() if k in ("hidden", "weight", "bias") else v for k, v in p.items()}
+    f32["ref"] = {k: v.float() for k, v in p["ref"].items()}
+    for cfg, kw in ((PolicyLossConfig(objective="gspo", beta=0.1, kl_estimator="exact",
+                                      entropy_coef=0.02), {}),
+                    (PolicyLossConfig(objective="minpro", entropy_coef=0.01), dict(softcap=4.0))):
+        want = _run(p, cfg, kw, max_tile_bytes=16000)
+        os.environ["LOGITLESS_BACKEND"] = "triton"
+        try:
+            got = _run(f32, cfg, kw, lo, hi, dist.group.WORLD, max_tile_bytes=6000)
+        finally:
+            del os.environ["LOGITLESS_BACKEND"]
+        for name, g, w in (("loss", got[0], want[0]), ("hidden", got[2][0], want[2][0]),
+                           ("weight", got[2][1], want[2][1][lo:hi]),
+                           ("bias", got[2][2], want[2][2][lo:hi])):
+            err = float((g.double() - w).abs().max() / w.abs().max())
+            assert err < 1e-5, (cfg.objective, name, err)
+
+
 def _worker(rank, world):
     _check_refusals(rank, world)
     _check_cases(rank, world)
+    if world == 2 and os.environ.get("TRITON_INTERPRET") == "1":  # as make test-dist runs
+        _check_triton(rank, world)
 
 
 @pytest.mark.dist  # one spawn per world size (~20 s of imports each): make test-dist

@@ -24,6 +24,7 @@ from logitless.fused_losses.objectives.config import PolicyLossConfig
 from logitless.fused_losses.objectives.policy_inputs import Batch, promoted_dtype, to_batch
 from logitless.fused_losses.objectives.policy_loss import check_exact_kl
 from logitless.fused_losses.oplib import compute_dtype
+from logitless.kernels import divergence_torch
 from logitless.kernels import linear_softmax_torch as tiles
 
 if TYPE_CHECKING:
@@ -211,7 +212,8 @@ class RefHead:
             hidden, weight, bias, ref, self.weight, self.bias, beta=1.0,
             temperature=self.temperature)
         if shard is not None:  # beta = 1: the last of the norms is the KL itself
-            kl, *norm = shard.kl(kl, *norm[:4])
+            unit = 1.0 if kernels is divergence_torch else 1.0 / self.temperature
+            kl, *norm = shard.kl(kl, *norm[:4], unit=unit)
             norm.append(kl)
         return kl, (kernels, ref, *norm)
 

@@ -92,21 +92,23 @@ class VocabShard:
             torch.distributed.all_reduce(d_hidden, group=self.group)
         return d_hidden
 
-    def kl(self, kl, top_s, log_l_s, top_t, log_l_t):
+    def kl(self, kl, top_s, log_l_s, top_t, log_l_t, unit: float = 1.0):
         """KL(policy || reference) over the whole vocabulary from each rank's over its slice,
         with each head's normaliser ``(top, log l)`` over its slice: ``(kl, top_s, log_l_s,
-        top_t, log_l_t)`` of the whole vocabulary, the same on every rank. A slice's
-        ``E_s[z_s - z_t]`` is ``kl + (top_s - top_t) + (log l_s - log l_t)``; its weight in
-        the whole expectation is its share of the policy's sum of exponentials."""
+        top_t, log_l_t)`` of the whole vocabulary, the same on every rank. ``unit``: the
+        tempered logit of a ``top`` of 1 (1 for the torch passes; the Triton passes keep the
+        untempered maximum, ``1 / T``). A slice's ``E_s[z_s - z_t]`` is ``kl + (top_s -
+        top_t) unit + (log l_s - log l_t)``; its weight in the whole expectation is its share
+        of the policy's sum of exponentials."""
         dist = torch.distributed
         tops = torch.stack([top_s, top_t])
         dist.all_reduce(tops, op=dist.ReduceOp.MAX, group=self.group)
-        gap = kl + (top_s - top_t) + (log_l_s - log_l_t)
-        w_s = torch.exp(top_s - tops[0] + log_l_s)
-        sums = torch.stack([w_s, w_s * gap, torch.exp(top_t - tops[1] + log_l_t)])
+        gap = kl + (top_s - top_t) * unit + (log_l_s - log_l_t)
+        w_s = torch.exp((top_s - tops[0]) * unit + log_l_s)
+        sums = torch.stack([w_s, w_s * gap, torch.exp((top_t - tops[1]) * unit + log_l_t)])
         dist.all_reduce(sums, group=self.group)
         log_l_s, log_l_t = sums[0].log(), sums[2].log()
-        whole = sums[1] / sums[0] - (tops[0] - tops[1]) - (log_l_s - log_l_t)
+        whole = sums[1] / sums[0] - (tops[0] - tops[1]) * unit - (log_l_s - log_l_t)
         return whole, tops[0], log_l_s, tops[1], log_l_t
 
 
