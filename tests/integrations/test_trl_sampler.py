@@ -126,8 +126,10 @@ def test_match_sampler_min_p_after_top_p_under_generate(tiny, tmp_path):
 
 
 def test_without_match_sampler_the_head_is_untruncated(tiny, tmp_path):
+    """The composed head (``fused=False``, whose per-token calls ``Recording`` sees) scores the
+    untruncated softmax; the fused step (the default) has no truncation to apply."""
     args = grpo_args(tmp_path, num_iterations=1, gradient_accumulation_steps=1)
-    trainer = make_trainer(Recording, tiny, args)
+    trainer = make_trainer(Recording, tiny, args, fused=False)
     trainer.train()
     assert trainer.calls
     for c in trainer.calls:
