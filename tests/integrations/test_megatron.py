@@ -9,9 +9,11 @@ LOGITLESS_MEGATRON_TABLE when it is set:
 `LOGITLESS_MEGATRON_TABLE=/tmp/t.json make test-dist PYTEST_ARGS="-k megatron"`.
 """
 
+import functools
 import json
 import os
 import tempfile
+import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -20,7 +22,7 @@ import torch.distributed as dist
 
 import logitless.reference as reference
 from logitless.integrations.megatron import MegatronHead, forward, output_processor
-from megatron_cpu import megatron_dir, start_megatron
+from megatron_cpu import megatron_dir, save_tiny_hf_model, start_megatron, verl_megatron_engine
 
 from testing import run_on_gloo
 
@@ -319,6 +321,74 @@ def _verl_case(world, rows, hook):
     assert _rel(out.log_probs, -loss) <= TOL[torch.float32] and whole <= TOL[torch.float32]
 
 
+# (logitless loss mode, loss_agg_mode, verl's built-in loss mode): the same objective
+ENGINE_CASES = (("logitless_grpo", "token-mean", "vanilla"),
+                ("logitless_cispo", "seq-mean-token-mean", "cispo"))
+
+
+def _verl_engine_case(world, rows, model_path):
+    """verl 0.9.1's Megatron actor step (`MegatronEngineWithLMHead.forward_backward_batch`,
+    verl's `ppo_loss` bound as its actor worker binds it, Megatron's schedule, DDP's gradient
+    buffers) with a `logitless_*` loss mode against verl's built-in one: the loss and every
+    parameter's gradient; and `policy_loss.fused`, which this engine runs composed. The old
+    logprobs are the engine's own (its forward-only pass, fp32), a little off, so that some
+    ratios clip."""
+    from verl.utils import tensordict_utils as tu
+    from verl.workers import config as verl_config
+    from verl.workers.utils.losses import ppo_loss
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    from integrations.test_verl_ulysses_adapter import _batch
+    from logitless.integrations.verl import LogitlessPolicyLossConfig
+
+    def data():
+        batch = _batch()
+        tu.assign_non_tensor(batch, calculate_entropy=False, use_fused_kernels=False)
+        return batch
+
+    with verl_megatron_engine(model_path, world) as engine:
+        with engine.eval_mode():
+            out = engine.forward_backward_batch(data(), None, forward_only=True)
+        old = no_padding_2_padding(out["model_output"]["log_probs"], data())
+        old += 0.2 * torch.randn(old.shape, generator=torch.Generator().manual_seed(8))
+
+        def step(mode, agg, **options):
+            actor = verl_config.McoreActorConfig(
+                strategy="megatron", rollout_n=1, ppo_micro_batch_size_per_gpu=1,
+                clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0, loss_agg_mode=agg,
+                policy_loss=(LogitlessPolicyLossConfig(loss_mode=mode, **options)
+                             if options else verl_config.PolicyLossConfig(loss_mode=mode)))
+            batch = data()
+            batch["old_log_probs"] = old
+            with engine.train_mode():
+                out = engine.forward_backward_batch(batch, functools.partial(ppo_loss,
+                                                                             config=actor))
+                grads = {n: p.main_grad.clone()
+                         for n, p in engine.module[0].named_parameters()}
+            clipped = float(out["metrics"]["actor/pg_clipfrac"].aggregate())
+            return out["loss"][0], grads, clipped
+
+        for ours, agg, theirs in ENGINE_CASES:
+            loss, grads, clipped = step(ours, agg)
+            want_loss, want, _ = step(theirs, agg)
+            name = f"verl Megatron engine {ours} vs {theirs}, bf16 model, TP {world} sp=1"
+            whole = _norm_rel(grads, want, list(want))
+            rows.append((name, "loss", abs(loss - want_loss) / abs(want_loss), None, None))
+            rows.append((name, f"all {len(want)} parameter grads", whole, None, None))
+            norms = torch.stack([g.double().norm() for g in want.values()])
+            dist.all_reduce(norms)  # a rank's embedding slice may hold no token of the batch
+            assert bool((norms > 0).all()) and clipped > 0, name
+            assert abs(loss - want_loss) <= TOL[torch.float32] * abs(want_loss), name
+            assert whole <= TOL[torch.float32], (name, whole)
+        # policy_loss.fused is the FSDP engine's: here the composed loss runs, said once
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fused_loss, fused, _ = step("logitless_grpo", "token-mean", fused=True)
+        assert any("verl's FSDP engine" in str(w.message) for w in caught)
+        composed_loss, composed, _ = step("logitless_grpo", "token-mean", fused=False)
+        assert fused_loss == composed_loss
+        assert all(torch.equal(fused[n], composed[n]) for n in composed)
+
 def _verl_cp_case(world, rows):
     """verl's Megatron context-parallel THD data path (zigzag, CP = world, jagged sequences)
     around the head drop-in, as verl's fused forward runs it: labels rolled within each sequence
@@ -371,7 +441,7 @@ def _verl_cp_case(world, rows):
         assert _rel(ours, oracle) <= 1e-12, (name, what, _rel(ours, oracle))
 
 
-def _megatron_rank(rank, world, path, table):
+def _megatron_rank(rank, world, path, table, model_path):
     version = start_megatron(path, world)
     torch.set_num_threads(1)
     rows = []
@@ -383,6 +453,7 @@ def _megatron_rank(rank, world, path, table):
         _gpt_cases(world, rows, hook)
         _verl_case(world, rows, hook)
         if world == 2:
+            _verl_engine_case(world, rows, model_path)
             _verl_cp_case(world, rows)
     finally:  # the table so far, also when a case fails
         if rank == 0:
@@ -396,8 +467,10 @@ def test_megatron_head(version, world):
     path = megatron_dir(version)
     with tempfile.TemporaryDirectory() as tmp:
         table = os.path.join(tmp, "table.json")
+        model_path = os.path.join(tmp, "model")
+        save_tiny_hf_model(model_path)
         try:
-            run_on_gloo(world, _megatron_rank, path, table)
+            run_on_gloo(world, _megatron_rank, path, table, model_path)
         finally:
             out = os.environ.get("LOGITLESS_MEGATRON_TABLE")
             if out and os.path.exists(table):
