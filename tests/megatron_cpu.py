@@ -54,13 +54,25 @@ def start_megatron(path: str, world: int):
     return megatron.core.__version__
 
 
-def _padding_causal(forward):
-    """Megatron's local attention given verl's BSHD ``[b, s]`` keep mask (the form Transformer
-    Engine's ``padding_causal`` attention takes) as the ``[b, 1, s, s]`` masked-out one it
-    takes: a pair is masked when it looks ahead or either end is padding."""
+def _masked_attention(forward):
+    """Megatron's local attention given what verl gives Transformer Engine's: BSHD's ``[b, s]``
+    keep mask (TE's ``padding_causal``) becomes the ``[b, 1, s, s]`` masked-out one the local
+    attention takes, a pair masked when it looks ahead or either end is padding; THD's packed
+    ``[t, heads, dim]`` rows (``packed_seq_params``) become one ``[t, 1, ...]`` row whose mask
+    also keeps each packed sequence to itself (the padded boundaries, as TE's)."""
 
-    def wrapped(self, query, key, value, attention_mask, *args, **kwargs):
-        if attention_mask is not None and attention_mask.dim() == 2:
+    def wrapped(self, query, key, value, attention_mask, *args, packed_seq_params=None,
+                **kwargs):
+        if packed_seq_params is not None:
+            bounds = packed_seq_params.cu_seqlens_q_padded
+            bounds = packed_seq_params.cu_seqlens_q if bounds is None else bounds
+            t = query.shape[0]
+            seq = torch.bucketize(torch.arange(t, device=query.device), bounds[1:].long(),
+                                  right=True)
+            ahead = torch.ones(t, t, dtype=torch.bool, device=query.device).triu(1)
+            attention_mask = (ahead | (seq[:, None] != seq[None, :]))[None, None]
+            query, key, value = (x.unsqueeze(1) for x in (query, key, value))
+        elif attention_mask is not None and attention_mask.dim() == 2:
             keep = attention_mask.bool()
             s = keep.shape[1]
             ahead = torch.ones(s, s, dtype=torch.bool, device=keep.device).triu(1)
@@ -90,17 +102,19 @@ def save_tiny_hf_model(path: str, heads: int = 4) -> None:
 
 
 @contextlib.contextmanager
-def verl_megatron_engine(model_path: str, world: int):
+def verl_megatron_engine(model_path: str, world: int, remove_padding: bool,
+                        fused_kernels: bool = False):
     """verl 0.9.1's ``MegatronEngineWithLMHead`` (vanilla mbridge, TP ``world``, SP on, bf16:
-    the engine takes nothing else, BSHD) over the model in ``model_path``, initialised on CPU
-    after `start_megatron`. What CPU lacks, each stand-in undone on exit (docs/megatron.md,
+    the engine takes nothing else; THD with ``remove_padding``, else BSHD; verl's fused forward
+    with ``fused_kernels``, which needs THD) over the model in ``model_path``, initialised on
+    CPU after `start_megatron`. What CPU lacks, each stand-in undone on exit (docs/megatron.md,
     "verl's Megatron actor", lists where each one sits in verl, mbridge and Megatron):
     mbridge's Transformer Engine layer spec becomes the local one, and its ``.cuda()`` and
     weight loading (Transformer Engine's parameter names only) are skipped, so the weights are
     Megatron's random ones; the optimizer (``device='cuda'`` buffers) is not built, so the
     engine runs forward and backward but no step; Megatron's schedule's ``device="cuda"``
-    counters go to the CPU; verl's BSHD padding mask reaches the local attention as a mask it
-    takes (`_padding_causal`)."""
+    counters go to the CPU; verl's attention inputs, meant for Transformer Engine, reach the
+    local attention as a mask it takes (`_masked_attention`)."""
     from unittest import mock
 
     import verl.workers.engine.megatron.transformer_impl as impl
@@ -126,13 +140,14 @@ def verl_megatron_engine(model_path: str, world: int):
                 (impl, "log_gpu_memory_usage", lambda *args, **kwargs: None),
                 (impl, "get_device_id", lambda: "cpu"),
                 (torch, "zeros", _cuda_to_cpu(torch.zeros)),
-                (attention, "forward", _padding_causal(attention.forward))):
+                (attention, "forward", _masked_attention(attention.forward))):
             stack.enter_context(mock.patch.object(target, name, value))
         engine = impl.MegatronEngineWithLMHead(
             HFModelConfig(path=model_path),
             McoreEngineConfig(tensor_model_parallel_size=world, sequence_parallel=True,
                               use_mbridge=True, vanilla_mbridge=True, dtype="bfloat16",
-                              use_remove_padding=False, use_distributed_optimizer=False,
+                              use_remove_padding=remove_padding, use_fused_kernels=fused_kernels,
+                              use_distributed_optimizer=False,
                               override_transformer_config={"attention_backend": "local"}),
             McoreOptimizerConfig(lr=1e-3), CheckpointConfig())
         engine.initialize()

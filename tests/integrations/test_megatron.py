@@ -322,6 +322,8 @@ def _verl_case(world, rows, hook):
 
 
 # (logitless loss mode, loss_agg_mode, verl's built-in loss mode): the same objective
+# the loss: fp32 terms summed in another order than verl's (a few ulp; the gradients are equal)
+LOSS_TOL = 1e-6
 ENGINE_CASES = (("logitless_grpo", "token-mean", "vanilla"),
                 ("logitless_cispo", "seq-mean-token-mean", "cispo"))
 
@@ -330,64 +332,82 @@ def _verl_engine_case(world, rows, model_path):
     """verl 0.9.1's Megatron actor step (`MegatronEngineWithLMHead.forward_backward_batch`,
     verl's `ppo_loss` bound as its actor worker binds it, Megatron's schedule, DDP's gradient
     buffers) with a `logitless_*` loss mode against verl's built-in one: the loss and every
-    parameter's gradient; and `policy_loss.fused`, which this engine runs composed. The old
-    logprobs are the engine's own (its forward-only pass, fp32), a little off, so that some
-    ratios clip."""
+    parameter's gradient; and `policy_loss.fused`, which this engine runs composed. Twice: BSHD
+    with verl's logits, and THD (verl's default) with verl's fused forward, whose head is
+    logitless's drop-in. The old logprobs are the engine's own (its forward-only pass, fp32),
+    a little off, so that some ratios clip; both layouts give the same ones."""
+    from verl.models.mcore import model_forward_fused
     from verl.utils import tensordict_utils as tu
     from verl.workers import config as verl_config
     from verl.workers.utils.losses import ppo_loss
     from verl.workers.utils.padding import no_padding_2_padding
 
     from integrations.test_verl_ulysses_adapter import _batch
+    from logitless.integrations import verl_head
     from logitless.integrations.verl import LogitlessPolicyLossConfig
 
-    def data():
-        batch = _batch()
-        tu.assign_non_tensor(batch, calculate_entropy=False, use_fused_kernels=False)
-        return batch
+    verl_head.enable_fused_head()
+    assert model_forward_fused.linear_cross_entropy is verl_head.linear_cross_entropy
+    current = []
+    for fused_kernels in (False, True):
 
-    with verl_megatron_engine(model_path, world) as engine:
-        with engine.eval_mode():
-            out = engine.forward_backward_batch(data(), None, forward_only=True)
-        old = no_padding_2_padding(out["model_output"]["log_probs"], data())
-        old += 0.2 * torch.randn(old.shape, generator=torch.Generator().manual_seed(8))
+        def data(fused_kernels=fused_kernels):
+            batch = _batch()
+            tu.assign_non_tensor(batch, calculate_entropy=False, use_fused_kernels=fused_kernels)
+            return batch
 
-        def step(mode, agg, **options):
-            actor = verl_config.McoreActorConfig(
-                strategy="megatron", rollout_n=1, ppo_micro_batch_size_per_gpu=1,
-                clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0, loss_agg_mode=agg,
-                policy_loss=(LogitlessPolicyLossConfig(loss_mode=mode, **options)
-                             if options else verl_config.PolicyLossConfig(loss_mode=mode)))
-            batch = data()
-            batch["old_log_probs"] = old
-            with engine.train_mode():
-                out = engine.forward_backward_batch(batch, functools.partial(ppo_loss,
-                                                                             config=actor))
-                grads = {n: p.main_grad.clone()
-                         for n, p in engine.module[0].named_parameters()}
-            clipped = float(out["metrics"]["actor/pg_clipfrac"].aggregate())
-            return out["loss"][0], grads, clipped
+        with verl_megatron_engine(model_path, world, remove_padding=fused_kernels,
+                                  fused_kernels=fused_kernels) as engine:
+            with engine.eval_mode():
+                out = engine.forward_backward_batch(data(), None, forward_only=True)
+            current.append(no_padding_2_padding(out["model_output"]["log_probs"], data()))
+            old = current[0] + 0.2 * torch.randn(current[0].shape,
+                                                 generator=torch.Generator().manual_seed(8))
 
-        for ours, agg, theirs in ENGINE_CASES:
-            loss, grads, clipped = step(ours, agg)
-            want_loss, want, _ = step(theirs, agg)
-            name = f"verl Megatron engine {ours} vs {theirs}, bf16 model, TP {world} sp=1"
-            whole = _norm_rel(grads, want, list(want))
-            rows.append((name, "loss", abs(loss - want_loss) / abs(want_loss), None, None))
-            rows.append((name, f"all {len(want)} parameter grads", whole, None, None))
-            norms = torch.stack([g.double().norm() for g in want.values()])
-            dist.all_reduce(norms)  # a rank's embedding slice may hold no token of the batch
-            assert bool((norms > 0).all()) and clipped > 0, name
-            assert abs(loss - want_loss) <= TOL[torch.float32] * abs(want_loss), name
-            assert whole <= TOL[torch.float32], (name, whole)
-        # policy_loss.fused is the FSDP engine's: here the composed loss runs, said once
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            fused_loss, fused, _ = step("logitless_grpo", "token-mean", fused=True)
-        assert any("verl's FSDP engine" in str(w.message) for w in caught)
-        composed_loss, composed, _ = step("logitless_grpo", "token-mean", fused=False)
-        assert fused_loss == composed_loss
-        assert all(torch.equal(fused[n], composed[n]) for n in composed)
+            def step(mode, agg, old=old, **options):
+                actor = verl_config.McoreActorConfig(
+                    strategy="megatron", rollout_n=1, ppo_micro_batch_size_per_gpu=1,
+                    clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0,
+                    loss_agg_mode=agg,
+                    policy_loss=(LogitlessPolicyLossConfig(loss_mode=mode, **options)
+                                 if options else verl_config.PolicyLossConfig(loss_mode=mode)))
+                batch = data()
+                batch["old_log_probs"] = old
+                with engine.train_mode():
+                    out = engine.forward_backward_batch(batch, functools.partial(ppo_loss,
+                                                                                 config=actor))
+                    grads = {n: p.main_grad.clone()
+                             for n, p in engine.module[0].named_parameters()}
+                clipped = float(out["metrics"]["actor/pg_clipfrac"].aggregate())
+                return out["loss"][0], grads, clipped
+
+            layout = "THD, logitless head" if fused_kernels else "BSHD, verl's logits"
+            for ours, agg, theirs in ENGINE_CASES:
+                loss, grads, clipped = step(ours, agg)
+                want_loss, want, _ = step(theirs, agg)
+                name = f"verl Megatron engine ({layout}) {ours} vs {theirs}, bf16, TP {world} sp=1"
+                whole = _norm_rel(grads, want, list(want))
+                rows.append((name, "loss", abs(loss - want_loss) / abs(want_loss), None, None))
+                rows.append((name, f"all {len(want)} parameter grads", whole, None, None))
+                norms = torch.stack([g.double().norm() for g in want.values()])
+                dist.all_reduce(norms)  # a rank's embedding slice may hold no token of the batch
+                assert bool((norms > 0).all()) and clipped > 0, name
+                assert abs(loss - want_loss) <= LOSS_TOL * abs(want_loss), name
+                assert whole <= TOL[torch.float32], (name, whole)
+            # policy_loss.fused is the FSDP engine's: here the composed loss runs, said once
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                fused_loss, fused, _ = step("logitless_grpo", "token-mean", fused=True)
+            said = sum("verl's FSDP engine" in str(w.message) for w in caught)
+            assert said == (0 if fused_kernels else 1), said
+            composed_loss, composed, _ = step("logitless_grpo", "token-mean", fused=False)
+            assert fused_loss == composed_loss
+            assert all(torch.equal(fused[n], composed[n]) for n in composed)
+    # the logitless head's logprobs (THD) against verl's from its logits (BSHD), same weights
+    err = _rel(current[1], current[0])
+    rows.append(("verl Megatron engine forward-only, bf16, TP 2 sp=1", "logprob THD+logitless "
+                 "head vs BSHD+verl's logits", err, None, None))
+    assert err <= TOL[torch.float32], err
 
 def _verl_cp_case(world, rows):
     """verl's Megatron context-parallel THD data path (zigzag, CP = world, jagged sequences)
