@@ -332,7 +332,8 @@ def _verl_engine_case(world, rows, model_path):
     """verl 0.9.1's Megatron actor step (`MegatronEngineWithLMHead.forward_backward_batch`,
     verl's `ppo_loss` bound as its actor worker binds it, Megatron's schedule, DDP's gradient
     buffers) with a `logitless_*` loss mode against verl's built-in one: the loss and every
-    parameter's gradient; and `policy_loss.fused`, which this engine runs composed. Twice: BSHD
+    parameter's gradient; and `policy_loss.fused` through logitless's hook on this engine (the
+    composed loss until `fused_policy_loss` takes `vocab_parallel=`). Twice: BSHD
     with verl's logits, and THD (verl's default) with verl's fused forward, whose head is
     logitless's drop-in. The old logprobs are the engine's own (its forward-only pass, fp32),
     a little off, so that some ratios clip; both layouts give the same ones."""
@@ -394,12 +395,19 @@ def _verl_engine_case(world, rows, model_path):
                 assert bool((norms > 0).all()) and clipped > 0, name
                 assert abs(loss - want_loss) <= LOSS_TOL * abs(want_loss), name
                 assert whole <= TOL[torch.float32], (name, whole)
-            # policy_loss.fused is the FSDP engine's: here the composed loss runs, said once
+            # policy_loss.fused: it needs the fused head; with it (THD) the head is
+            # tensor-parallel, so the composed loss runs until fused_policy_loss has
+            # vocab_parallel=, said once
+            if not fused_kernels:
+                with pytest.raises(ValueError, match=r"^policy_loss\.fused: needs .*fused_kern"):
+                    step("logitless_grpo", "token-mean", fused=True)
+                continue
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 fused_loss, fused, _ = step("logitless_grpo", "token-mean", fused=True)
-            said = sum("verl's FSDP engine" in str(w.message) for w in caught)
-            assert said == (0 if fused_kernels else 1), said
+                step("logitless_grpo", "token-mean", fused=True)
+            said = [w for w in caught if "policy_loss.fused" in str(w.message)]
+            assert len(said) == 1 and "vocab_parallel=" in str(said[0].message), said
             composed_loss, composed, _ = step("logitless_grpo", "token-mean", fused=False)
             assert fused_loss == composed_loss
             assert all(torch.equal(fused[n], composed[n]) for n in composed)

@@ -461,8 +461,9 @@ def _verl_policy_loss(objective: str):
             rollout_is_weights = _geometric_sequence_weights(rollout_is_weights, response_mask)
         step = _step_of(config)
         if step is None and _get(_get(config, "policy_loss"), "fused", False):
-            _warn_composed("the loss was not called by verl's FSDP engine from its ppo_loss "
-                           "(partial(ppo_loss, config=...), as verl's actor worker binds it)")
+            _warn_composed("the loss was not called by verl's FSDP or Megatron engine from its "
+                           "ppo_loss (partial(ppo_loss, config=...), as verl's actor worker "
+                           "binds it)")
         if step is not None and step.rows is not None:
             loss, metrics = _fused_loss(step.take_rows(), log_prob, old_log_prob, advantages,
                                         response_mask, cfg, rollout_is_weights, normalisers)
@@ -496,10 +497,19 @@ def _verl_policy_loss(objective: str):
 # micro-batch that trains with verl's ``ppo_loss``, this module knows the step's actor config
 # and its ``rollout_log_probs``; with ``policy_loss.fused`` the head call then hands its
 # inputs over (``set_head_deferral``) and the policy loss runs ``fused_policy_loss`` on them.
+# verl's Megatron engine is wrapped the same way around its whole ``forward_backward_batch``;
+# its head is tensor-parallel, which the deferral turns down until ``fused_policy_loss`` takes
+# ``vocab_parallel=`` (docs/megatron.md).
 
 _ENGINE_MODULE = "verl.workers.engine.fsdp.transformer_impl"
 _ENGINE_CLASS = "FSDPEngineWithLMHead"
+# verl's Megatron engine (importable where megatron-core is): its forward_step runs inside
+# Megatron's schedule, so its whole forward_backward_batch is wrapped (one head call, then its
+# loss, per micro-batch)
+_MEGATRON_MODULE = "verl.workers.engine.megatron.transformer_impl"
+_MEGATRON_CLASS = "MegatronEngineWithLMHead"
 _original_forward_step = None
+_original_megatron_step = None
 _step = None  # the _TrainStep of the micro-batch being trained, or None
 _warned: set[str] = set()
 
@@ -529,21 +539,28 @@ class _TrainStep:
 
 
 def _step_of(config) -> _TrainStep | None:
-    """The engine step of this loss call (None outside verl's hooked engine)."""
+    """The engine step of this loss call (None outside verl's hooked engines)."""
     return _step if _step is not None and _step.config is config else None
 
 
 def _hook_engine() -> None:
-    """Wrap verl's FSDP engine's ``forward_step`` (once per process; idempotent)."""
-    global _original_forward_step
+    """Wrap verl's FSDP engine's ``forward_step`` and, where megatron-core is importable, its
+    Megatron engine's ``forward_backward_batch`` (once per process; idempotent)."""
+    global _original_forward_step, _original_megatron_step
     import importlib
 
-    if _original_forward_step is not None:
-        return
-    engine = getattr(importlib.import_module(_ENGINE_MODULE), _ENGINE_CLASS)
-    _original_forward_step = engine.forward_step
-    engine.forward_step = _forward_step
-    set_head_deferral(_defer_head)
+    if _original_forward_step is None:
+        engine = getattr(importlib.import_module(_ENGINE_MODULE), _ENGINE_CLASS)
+        _original_forward_step = engine.forward_step
+        engine.forward_step = _forward_step
+        set_head_deferral(_defer_head)
+    if _original_megatron_step is None:
+        try:
+            engine = getattr(importlib.import_module(_MEGATRON_MODULE), _MEGATRON_CLASS)
+        except ImportError:  # no megatron-core here: verl's Megatron engine cannot run either
+            return
+        _original_megatron_step = engine.forward_backward_batch
+        engine.forward_backward_batch = _megatron_step
 
 
 def _ppo_loss_config(loss_function):
@@ -556,6 +573,22 @@ def _ppo_loss_config(loss_function):
     return None
 
 
+def _train_step(engine, batch, config, fused_kernels: bool, rollout) -> _TrainStep:
+    """The `_TrainStep` of a batch that trains with verl's ``ppo_loss`` bound to ``config``."""
+    from verl.utils import tensordict_utils as tu
+
+    fused = "off"
+    if _get(_get(config, "policy_loss"), "fused", False):
+        if not fused_kernels:
+            raise ValueError(
+                "policy_loss.fused: needs actor_rollout_ref.model.use_fused_kernels=True (with "
+                "fused_kernel_options.impl_backend=triton and LOGITLESS_VERL_FUSED_HEAD=1): the "
+                "fused loss takes its inputs from the fused head")
+        entropy = tu.get_non_tensor_data(data=batch, key="calculate_entropy", default=False)
+        fused = _composed_reason(engine, config, entropy)
+    return _TrainStep(config=config, fused=fused, rollout_log_probs=rollout)
+
+
 def _forward_step(self, micro_batch, loss_function, forward_only):
     """verl's ``forward_step``, with the micro-batch's training step known to the head and the
     policy loss (see `_TrainStep`)."""
@@ -566,24 +599,30 @@ def _forward_step(self, micro_batch, loss_function, forward_only):
                                       forward_only=forward_only)
     from verl.utils import tensordict_utils as tu
 
-    def flag(key):
-        return tu.get_non_tensor_data(data=micro_batch, key=key, default=False)
-
-    fused = "off"
-    if _get(_get(config, "policy_loss"), "fused", False):
-        if not flag("use_fused_kernels"):
-            raise ValueError(
-                "policy_loss.fused: needs actor_rollout_ref.model.use_fused_kernels=True (with "
-                "fused_kernel_options.impl_backend=triton and LOGITLESS_VERL_FUSED_HEAD=1): the "
-                "fused loss takes its inputs from the fused head")
-        fused = _composed_reason(self, config, flag("calculate_entropy"))
     rollout = None
     if "rollout_log_probs" in micro_batch:
         rollout = micro_batch.select("rollout_log_probs").to_padded_tensor()["rollout_log_probs"]
-    _step = _TrainStep(config=config, fused=fused, rollout_log_probs=rollout)
+    fused_kernels = tu.get_non_tensor_data(data=micro_batch, key="use_fused_kernels",
+                                           default=False)
+    _step = _train_step(self, micro_batch, config, fused_kernels, rollout)
     try:
         return _original_forward_step(self, micro_batch, loss_function=loss_function,
                                       forward_only=forward_only)
+    finally:
+        _step = None
+
+
+def _megatron_step(self, data, loss_function, forward_only=False):
+    """verl's Megatron ``forward_backward_batch``, with the batch's training step known to the
+    head and the policy loss (see `_TrainStep`); the rollout logprobs are not passed on (the
+    batch is split into micro-batches inside)."""
+    global _step
+    config = None if forward_only else _ppo_loss_config(loss_function)
+    if config is None:
+        return _original_megatron_step(self, data, loss_function, forward_only=forward_only)
+    _step = _train_step(self, data, config, bool(self.engine_config.use_fused_kernels), None)
+    try:
+        return _original_megatron_step(self, data, loss_function, forward_only=forward_only)
     finally:
         _step = None
 
@@ -613,7 +652,12 @@ def _defer_head(hidden, weight, labels, temperature, reduction, dist_process_gro
         return None
     reason = step.fused
     if reason is None:
-        if dist_process_group is not None or is_dtensor(weight):
+        if dist_process_group is not None and not is_dtensor(weight):
+            # verl's Megatron fused forward: the hidden rows are whole (verl gathers the
+            # sequence-parallel ones first), the weight this rank's vocabulary slice
+            reason = ("a tensor-parallel head (verl's Megatron engine): the fused loss over a "
+                      "vocabulary-sharded head needs fused_policy_loss(..., vocab_parallel=)")
+        elif dist_process_group is not None or is_dtensor(weight):
             reason = "a sharded head (dist_process_group or an FSDP2 DTensor weight)"
         elif head_sampler() is not None or head_replays():
             reason = "policy_loss.match_sampler: the fused loss scores the full distribution"
