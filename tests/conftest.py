@@ -30,6 +30,12 @@ def _seed():
     torch.manual_seed(0)
 
 
+# The processes the suite starts (gloo ranks, scripts, the bench's children) read this when they
+# import torch: one intra-op thread each, as `_one_thread` gives the suite's own. Three ranks of
+# two threads each on two cores spin-wait in OpenMP (a 3-rank test: 35 s of CPU against 26 s).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _one_thread():
     """The suite runs small shapes on a 2-core machine: one intra-op thread avoids OpenMP

@@ -91,7 +91,10 @@ if [[ $DRY == 1 ]]; then
   POLICY_PROVIDERS=(--providers gemm,logitless-fused,logitless,naive)
   MID=(--tokens 48 --hidden 32 --vocab 500)
   DIV_PROVIDERS=(--providers gemm,logitless,naive,trl)
-  CHECK=(--device cpu --backend torch --dtype float32)
+  # The smallest shapes that still run every op and case: their content is checked at these
+  # shapes by tests/tools/test_check.py (test_every_op_passes_on_the_torch_twins).
+  CHECK=(--device cpu --backend torch --dtype float32 --batch 2 --seq-len 9 --hidden 40
+         --vocab 300 --attn-seq-len 70)
   CHECK_LIMIT=300
   INVARIANCE=(--device cpu --tokens 195 --hidden 32 --vocab 500 --chunk 64)
   PASSES=(--device cpu --tokens 64 --hidden 32 --vocab 500)

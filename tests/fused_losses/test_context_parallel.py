@@ -274,10 +274,6 @@ def _refusals(rank, world):
                                     strategy="chunked", cp_group=group)
 
 
-def test_cp_refusals_name_the_option():
-    run_on_gloo(2, _refusals)
-
-
 def test_cp_group_needs_torch_distributed():
     lp = torch.randn(2, 3)
     cfg = PolicyLossConfig()
@@ -314,10 +310,6 @@ def _count_collectives(rank, world):
         finally:
             dist.all_reduce = orig
         assert len(calls) == expected, (opts, len(calls))
-
-
-def test_cp_collectives_per_call():
-    run_on_gloo(2, _count_collectives)
 
 
 def _explicit_group(rank, world):
@@ -365,8 +357,15 @@ def _explicit_group(rank, world):
     assert seen == [group, None]
 
 
-def test_cp_group_is_an_explicit_argument():
-    """The segment ops reduce over the group passed to them (``group=``), never over one set
-    by an enclosing call, and an objective reads the call's group from its inputs
-    (``x.cp_group``): a call without ``cp_group`` sees None."""
-    run_on_gloo(2, _explicit_group)
+def _refusals_collectives_and_groups(rank, world):
+    _refusals(rank, world)
+    _count_collectives(rank, world)
+    _explicit_group(rank, world)
+
+
+def test_cp_refusals_collectives_and_explicit_groups():
+    """One launch of two ranks for three checks (a launch costs more than any of them): the
+    refusals name the option; the collectives of one call; and the segment ops reduce over the
+    group passed to them (``group=``), never over one set by an enclosing call, with an
+    objective reading the call's group from its inputs (``x.cp_group``: None without one)."""
+    run_on_gloo(2, _refusals_collectives_and_groups)

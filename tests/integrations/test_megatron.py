@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 
 import logitless.reference as reference
-from logitless.integrations.megatron import MegatronHead, forward, output_processor
+from logitless import PolicyLossConfig, policy_loss
+from logitless.integrations.megatron import FusedLoss, MegatronHead, forward, output_processor
 from megatron_cpu import megatron_dir, save_tiny_hf_model, start_megatron, verl_megatron_engine
 
 from testing import run_on_gloo
@@ -70,8 +71,8 @@ def _output_layer(world, sp, dtype, weight):
 def _check_reference(name, rows, out, ref, h, h_ref, layer, w_ref, world, sp):
     """logitless's results and gradients against the fp64 reference's, to 1e-12."""
     h_grad_ref = _slice(h_ref.grad, world) if sp else h_ref.grad
-    for what, ours, oracle in (("logprob", out.logprobs, ref["logprobs"]),
-                               ("entropy", out.entropy, ref["entropy"]),
+    for what, ours, oracle in (("logprob", out.logprobs, ref.logprobs),
+                               ("entropy", out.entropy, ref.entropy),
                                ("hidden grad", h.grad, h_grad_ref),
                                ("weight grad", layer.weight.grad, _slice(w_ref.grad, world))):
         err = _rel(ours, oracle)
@@ -112,9 +113,9 @@ def _cpl_cases(world, rows):
             h_ref = hidden.to(dtype).to(torch.float64, copy=True).requires_grad_()
             w_ref = weight.to(dtype).to(torch.float64, copy=True).requires_grad_()
             ref = reference.linear_logprobs(h_ref, w_ref, targets)
-            (-ref["logprobs"] * g).sum().backward()
+            (-ref.logprobs * g).sum().backward()
             h_grad_ref = _slice(h_ref.grad, world) if sp else h_ref.grad
-            pairs = (("logprob", lp, -loss, ref["logprobs"]),
+            pairs = (("logprob", lp, -loss, ref.logprobs),
                      ("hidden grad", h_ll.grad, h_meg.grad, h_grad_ref),
                      ("weight grad", layer.weight.grad, w_meg, _slice(w_ref.grad, world)))
             for what, ours, meg, oracle in pairs:
@@ -126,7 +127,7 @@ def _cpl_cases(world, rows):
                     assert _rel(ours, oracle) <= 1e-12, (name, what, _rel(ours, oracle))
                 else:
                     assert _rel(ours, meg) <= TOL[dtype], (name, what, _rel(ours, meg))
-            err = _rel(out.entropy.t(), ref["entropy"])  # Megatron has no entropy
+            err = _rel(out.entropy.t(), ref.entropy)  # Megatron has no entropy
             rows.append((name, "entropy", None, err, None))
             assert err <= ENTROPY_TOL[dtype], (name, err)
 
@@ -153,9 +154,9 @@ def _vocab_size_case(world, rows):
         w_ref = weight.clone().requires_grad_()
         ref = reference.linear_logprobs(h_ref.transpose(0, 1), w_ref[:V_REAL], labels,
                                         temperature=temperature, top_p=0.9)
-        kept = ref["logprobs"].isfinite()  # -inf: the target is outside the kept set
+        kept = ref.logprobs.isfinite()  # -inf: the target is outside the kept set
         assert not kept.all()
-        ((ref["logprobs"].where(kept, 0.0) + ref["entropy"]) * g).sum().backward()
+        ((ref.logprobs.where(kept, 0.0) + ref.entropy) * g).sum().backward()
         ((out.logprobs.where(kept, 0.0) + out.entropy) * g).sum().backward()
         name = f"vocab_size + top_p + -100 fp64 sp={int(sp)}"
         _check_reference(name, rows, out, ref, h, h_ref, layer, w_ref, world, sp)
@@ -192,9 +193,9 @@ def _kept_case(world, rows):
         w_ref = weight.clone().requires_grad_()
         ref = reference.linear_logprobs(h_ref.transpose(0, 1), w_ref[:V_REAL], labels,
                                         temperature=0.7, kept_ids=kept)
-        inside = ref["logprobs"].isfinite()
+        inside = ref.logprobs.isfinite()
         assert not inside.all()
-        ((ref["logprobs"].where(inside, 0.0) + ref["entropy"]) * g).sum().backward()
+        ((ref.logprobs.where(inside, 0.0) + ref.entropy) * g).sum().backward()
         ((out.logprobs.where(inside, 0.0) + out.entropy) * g).sum().backward()
         name = f"kept_ids + vocab_size + -100 fp64 sp={int(sp)}"
         _check_reference(name, rows, out, ref, h, h_ref, layer, w_ref, world, sp)
@@ -278,6 +279,56 @@ def _gpt_cases(world, rows, hook):
             assert whole <= TOL[torch.float32], (name, whole)
             for n in want:  # as close to the fp64 gradient as Megatron's, to fp32 rounding
                 assert _norm_rel(got, exact, [n]) <= 2 * _norm_rel(want, exact, [n]) + 1e-6, n
+
+
+def _fused_loss_case(world, rows, hook):
+    """``MegatronHead(loss=FusedLoss(...))``: the fused policy loss over the model's sharded
+    output layer (fp64) against `policy_loss` on the processor's own per-token logprobs and
+    entropies from the same model: the loss and every parameter's gradient, SP off and on,
+    tied, padded vocabulary rows left out (`vocab_size`), through the hook and `forward`."""
+    b, s = 3, 12  # s divisible by TP 2 and 3 (sequence parallelism)
+    gen = torch.Generator().manual_seed(5)
+    f64 = dict(generator=gen, dtype=torch.float64)
+    input_ids = torch.randint(0, V_REAL, (b, s), generator=gen)
+    labels = torch.randint(0, V_REAL, (b, s), generator=gen)
+    labels[1, 7:] = -100  # a shorter response
+    old = -torch.rand(b, s, **f64) * 5
+    adv = torch.randn(b, **f64)
+    ref = old + 0.3 * torch.randn(b, s, **f64)
+    mask = torch.ones(b, s, dtype=torch.bool)
+    mask[0, 0] = False
+    cfg = PolicyLossConfig(objective="gspo", beta=0.1, kl_estimator="k3", entropy_coef=0.02)
+    args = dict(input_ids=input_ids, position_ids=torch.arange(s).expand(b, s),
+                attention_mask=torch.ones(1, 1, s, s, dtype=torch.bool).triu(1))
+    ways = ("hook", "forward") if hook else ("forward",)
+
+    def run(model, head, way):
+        model.zero_grad(set_to_none=True)
+        if way == "hook":
+            return model(**args, labels=labels, output_processor=output_processor,
+                         output_processor_context=head)
+        return forward(model, head, labels=labels, **args)
+
+    for sp, tied in ((False, False), (True, True)):
+        model = _gpt_model(world, sp, tied, torch.float64)
+        for way in ways:
+            out = run(model, MegatronHead(vocab_size=V_REAL), way)
+            want, _ = policy_loss(out.logprobs, old, adv, mask & (labels != -100), cfg,
+                                  entropy=out.entropy, ref_logprobs=ref)
+            want.backward()
+            expected = {n: p.grad.clone() for n, p in model.named_parameters()}
+            loss = FusedLoss(cfg, old, adv, mask, dict(ref_logprobs=ref))
+            got, metrics = run(model, MegatronHead(vocab_size=V_REAL, loss=loss), way)
+            got.backward()
+            grads = {n: p.grad for n, p in model.named_parameters()}
+            name = f"fused loss GPTModel {way} fp64 sp={int(sp)} tied={int(tied)}"
+            rows.append((name, "loss", _rel(got, want), None, None))
+            rows.append((name, f"all {len(grads)} parameter grads",
+                         _norm_rel(grads, expected, list(expected)), None, None))
+            assert _rel(got, want) <= 1e-12, name
+            assert "kl" in metrics, name
+            for n in expected:
+                assert _norm_rel(grads, expected, [n]) <= 1e-10, (name, n)
 
 
 def _verl_case(world, rows, hook):
@@ -456,7 +507,7 @@ def _verl_cp_case(world, rows):
     # one process, whole sequences
     emb_one = emb.clone().requires_grad_()
     weight_one = weight.detach().clone().requires_grad_()
-    want = [reference.linear_logprobs(emb_one[s], weight_one, torch.roll(s, -1))["logprobs"]
+    want = [reference.linear_logprobs(emb_one[s], weight_one, torch.roll(s, -1)).logprobs
             for s in seqs]
     sum((x * w).sum() for x, w in zip(want, g, strict=True)).backward()
     name = f"verl CP THD data path, CP {world}, zigzag, fp64"
@@ -479,6 +530,7 @@ def _megatron_rank(rank, world, path, table, model_path):
         _kept_case(world, rows)
         hook = tuple(map(int, version.split(".")[:2])) >= (0, 18)
         _gpt_cases(world, rows, hook)
+        _fused_loss_case(world, rows, hook)
         _verl_case(world, rows, hook)
         if world == 2:
             _verl_engine_case(world, rows, model_path)
@@ -517,5 +569,12 @@ def test_processor_refuses_bad_arguments():
     with pytest.raises(ValueError, match="labels"):
         output_processor(labels=torch.zeros(6, dtype=torch.long), context=MegatronHead(),
                          **kwargs)
+    loss = FusedLoss(PolicyLossConfig(), torch.zeros(2, 3), torch.zeros(2))
+    for head, what in ((MegatronHead(loss=loss, top_p=0.9), "top_p"),
+                       (MegatronHead(loss=loss, temperature=torch.ones(2, 3)), "temperature"),
+                       (MegatronHead(loss={}), "loss must be a FusedLoss")):
+        with pytest.raises(ValueError, match=what):
+            output_processor(labels=torch.zeros(2, 3, dtype=torch.long), context=head,
+                             **kwargs)
     with pytest.raises(ValueError, match="post_process"):
         forward(SimpleNamespace(post_process=False), MegatronHead(), labels=None)

@@ -375,7 +375,7 @@ def test_a_call_pads_less_than_one_granule(n, groups_of):
     hidden = torch.empty(n, 1)
     weight = torch.empty(3, 1)
     tile_bytes = groups_of * kernel.ROW_CHUNK * 3 * hidden.element_size()
-    plan = kernel._Plan(hidden, weight, tile_bytes)
+    plan = kernel.TilePlan(hidden, weight, tile_bytes)
     granule = 128
     assert 0 <= plan.n_pad - n < granule
     heights = []

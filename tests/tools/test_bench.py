@@ -115,7 +115,10 @@ def test_gpu_script_dry_run(tmp_path):
     assert "== invariance: exit 0" in done.stdout and "== passes: exit 0" in done.stdout
     invariance = (tmp_path / "invariance.log").read_text()
     assert invariance.rstrip().endswith("all bitwise equal")
-    assert invariance.count(" ok\n") == 2 * 5 * 3  # ops x placements x outputs
+    # ops x placements (five, then the last chunk padded to 64 rows: the one height of a
+    # 64-row chunk's family, its granule capped at the chunk) x outputs
+    assert invariance.count(" ok\n") == 2 * (5 + 1) * 3
+    assert "last chunk 64" in invariance
     (passes,) = tmp_path.glob("passes-*.json")
     assert [r["path"] for r in json.loads(passes.read_text())] == [
         "logprobs-nograd", "logprobs-fwd-bwd", "fused-policy-loss"]

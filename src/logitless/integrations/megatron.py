@@ -22,18 +22,49 @@ rows are skipped (Megatron's own cross-entropy has no ignore index). With ``voca
 padded rows Megatron adds (``make_vocab_size_divisible_by``) are left out of the softmax, so the
 logprobs are those of the real vocabulary, as a rollout engine computes them.
 
+With ``MegatronHead(loss=FusedLoss(config, old_logprobs, advantages))`` the same pass computes
+the policy loss instead, by :func:`fused_policy_loss` over the sharded head
+(``vocab_parallel=``), and the model returns ``(loss, metrics)``.
+
 This module does not import megatron until a head is computed.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from logitless.fused_losses.fused.fused_policy_loss import fused_policy_loss
 from logitless.fused_losses.head.logprobs import LogprobOutput, linear_logprobs
+from logitless.fused_losses.objectives.config import PolicyLossConfig
 
-__all__ = ["MegatronHead", "forward", "output_processor"]
+__all__ = ["FusedLoss", "MegatronHead", "forward", "output_processor"]
+
+
+@dataclass
+class FusedLoss:
+    """The policy loss a :class:`MegatronHead` computes in place of the per-token results:
+    :func:`fused_policy_loss` over the tensor-parallel output layer (``vocab_parallel=`` its
+    group), the logits never formed.
+
+    Attributes:
+        config: the objective, a :class:`PolicyLossConfig`.
+        old_logprobs: ``[b, s]`` like ``labels``.
+        advantages: ``[b]`` or ``[b, s]``.
+        mask: ``[b, s]``, the tokens in the loss (None: every token whose label is not
+            ``ignore_index``; an ``ignore_index`` label drops its token either way).
+        options: further keywords of :func:`fused_policy_loss` (``ref_logprobs``,
+            ``rollout_logprobs``, ``entropy_coef``, ``ref_hidden`` / ``ref_weight`` for the
+            exact KL with this rank's slice of the reference head, ``max_tile_bytes``, ...),
+            per-token tensors ``[b, s]`` like ``labels``.
+    """
+
+    config: PolicyLossConfig
+    old_logprobs: torch.Tensor
+    advantages: torch.Tensor
+    mask: torch.Tensor | None = None
+    options: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -56,6 +87,9 @@ class MegatronHead:
         ignore_index: the label of rows to skip.
         head_dtype: the precision of the head's GEMMs, ``linear_logprobs``' (None,
             ``"float32"``: fp32 logits from bf16 hidden states, or ``"tf32"``).
+        loss: a :class:`FusedLoss`: the model returns ``(loss, metrics)`` of
+            :func:`fused_policy_loss` instead (a number ``temperature``; not with the
+            sampler's truncations, ``kept_ids`` or ``stats``).
     """
 
     temperature: float | torch.Tensor = 1.0
@@ -69,9 +103,7 @@ class MegatronHead:
     stats: tuple[str, ...] = ()
     ignore_index: int = -100
     head_dtype: str | None = None
-    # The fused policy loss over this head (fused_policy_loss(..., vocab_parallel=group)) goes
-    # here once it exists: a PolicyLossConfig with the batch's old logprobs and advantages,
-    # computed in _compute in place of linear_logprobs.
+    loss: FusedLoss | None = None
 
 
 def _tp_group(output_layer):
@@ -144,6 +176,8 @@ def _compute(hidden_states, weight, bias, labels, head, sequence_parallel, group
     if not isinstance(labels, torch.Tensor) or labels.dim() != 2:
         raise ValueError("labels must be the [b, s] token ids the model's loss would take, got "
                          f"{getattr(labels, 'shape', labels)!r}")
+    if head.loss is not None:
+        _check_loss(head)
     offset = torch.distributed.get_rank(group) * weight.shape[0]
     weight, bias = _real_rows(weight, bias, head.vocab_size, group)
     targets = labels.transpose(0, 1)  # [b, s] -> the hidden states' [s, b]
@@ -162,6 +196,9 @@ def _compute(hidden_states, weight, bias, labels, head, sequence_parallel, group
         hidden_states = gather_from_sequence_parallel_region(
             hidden_states, tensor_parallel_output_grad=not gathered, group=group)
     alone = gathered or torch.distributed.get_world_size(group) == 1
+    if head.loss is not None:
+        return _fused_loss(hidden_states, weight, bias, labels, head, logit_scale,
+                           None if alone else group, sequence_parallel)
     out = linear_logprobs(
         hidden_states, weight, targets, bias=bias,
         temperature=_per_token(head.temperature, labels), top_k=_per_token(head.top_k, labels),
@@ -175,6 +212,33 @@ def _compute(hidden_states, weight, bias, labels, head, sequence_parallel, group
         if value is not None:
             setattr(out, name, value.transpose(0, 1))
     return out
+
+
+def _check_loss(head: MegatronHead) -> None:
+    """What a `FusedLoss` head refuses (``ValueError``)."""
+    if not isinstance(head.loss, FusedLoss):
+        raise ValueError(f"loss must be a FusedLoss, got {type(head.loss).__name__}")
+    if isinstance(head.temperature, torch.Tensor):
+        raise ValueError("temperature: a FusedLoss takes a number, not per-token temperatures")
+    given = [name for name in ("top_k", "top_p", "min_p", "kept_ids")
+             if getattr(head, name) is not None] + (["stats"] if head.stats else [])
+    if given:
+        raise ValueError(f"{', '.join(given)}: not with a FusedLoss (fused_policy_loss scores "
+                         "the untruncated softmax)")
+
+
+def _fused_loss(hidden_states, weight, bias, labels, head: MegatronHead, logit_scale, group,
+                sequence_parallel):
+    """`fused_policy_loss` over this rank's vocabulary slice, on the ``[b, s]`` grid: the
+    hidden states ``[s, b, h]`` (gathered) transposed, the hidden gradient left partial under
+    sequence parallelism (the gather's backward reduce-scatters it)."""
+    loss = head.loss
+    mask = torch.ones_like(labels, dtype=torch.bool) if loss.mask is None else loss.mask
+    return fused_policy_loss(
+        hidden_states.transpose(0, 1), weight, labels, loss.old_logprobs, loss.advantages,
+        mask, loss.config, bias=bias, temperature=head.temperature, logit_scale=logit_scale,
+        ignore_index=head.ignore_index, vocab_parallel=group, head_dtype=head.head_dtype,
+        hidden_grad="partial" if sequence_parallel else "sum", **loss.options)
 
 
 def _logit_scale(config) -> float:

@@ -76,9 +76,12 @@ class StoredLogitsTriton:
         del softcap
         return dtype.itemsize * (head.row_stride(vocab) + 2 * hidden_size)
 
-    def forward(self, hidden, weight, bias, targets, *, temperature, softcap, logit_scale):
+    def forward(self, hidden, weight, bias, targets, *, temperature, softcap, logit_scale,
+                reduce=None):
         """Store the logits of ``hidden [rows, D]``; return per-token fp32 ``(logprobs,
-        entropy, lse)``. ``targets`` lie in ``[0, V)``."""
+        entropy, lse)``. ``targets`` lie in ``[0, V)``; with ``reduce`` (a vocabulary slice's
+        partials to the whole vocabulary's) they are local to this slice, outside ``[0, V)``
+        when in another rank's."""
         rows = hidden.shape[0]
         self.rows, self.targets = rows, targets.contiguous()
         self.scalars = dict(softcap=1.0 if softcap is None else float(softcap),
@@ -95,6 +98,8 @@ class StoredLogitsTriton:
             x, x.stride(0), self.targets, state, state.stride(0), self.vocab, 0,
             **self.scalars, **stats_meta(self.dtype, softcap, self.scalars["z_scale"] < 0))
         parts = Partials(*state)
+        if reduce is not None:
+            parts = reduce(parts)
         # The normaliser as the dz pass reads it (``softmax_partials.normaliser``), kept with
         # the logits it belongs to.
         self.top, self.log_l = normaliser(parts)  # rows of the state: contiguous

@@ -87,10 +87,13 @@ class StoredLogits:
     def _view(self, flat, v0, v1):
         return flat[:(v1 - v0) * self.rows].view(v1 - v0, self.rows)
 
-    def forward(self, hidden, weight, bias, targets, *, temperature, softcap, logit_scale):
+    def forward(self, hidden, weight, bias, targets, *, temperature, softcap, logit_scale,
+                reduce=None):
         """Compute the logits of ``hidden [rows, D]`` block by block and keep their
         exponentials; return per-token ``logprobs``, ``entropy`` and ``lse`` (fp32; fp64 for
-        fp64 inputs). ``targets`` lie in ``[0, V)``."""
+        fp64 inputs). ``targets`` lie in ``[0, V)``; with ``reduce`` (a vocabulary slice's
+        partials to the whole vocabulary's, over the ranks that hold the other slices) they
+        are local to this slice, below 0 or at least ``V`` when in another."""
         rows = hidden.shape[0]
         self.rows, self.head, self.targets = rows, (temperature, softcap, logit_scale), targets
         parts, self.slot = [], []
@@ -110,6 +113,8 @@ class StoredLogits:
         stacked = stack(parts)
         self.block_max = stacked.m
         merged = merge(stacked)
+        if reduce is not None:
+            merged = reduce(merged)
         self.z_y = merged.z_y
         self.top, self.log_l = normaliser(merged)
         return finish_logprobs(merged, self.log_l)

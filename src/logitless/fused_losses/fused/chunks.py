@@ -13,9 +13,11 @@ from logitless.fused_losses.fused.plan import Chunk, make_plan, new_store
 from logitless.fused_losses.fused.validation import (
     Call,
     Request,
+    check_shard_kl,
     check_sharded,
     checked_call,
     checked_ref,
+    placed_shard,
 )
 from logitless.fused_losses.head.dtensor import is_dtensor
 from logitless.fused_losses.head.logprobs import linear_logprobs, rows_logprobs
@@ -38,11 +40,13 @@ def run_call(req: Request) -> tuple:
     the whole batch streamed (the loss then carries its autograd graph)."""
     head, need, config, loss_args = req.head, req.needs, req.config, req.loss_args
     sharded = check_sharded(head, req.strategy, req.ref_args)
+    shard = placed_shard(req)
     call = checked_call(head, req.targets, req.old_logprobs, req.advantages, req.mask, config,
                         req.strategy, req.cu_seqlens, req.selection_entropy, req.memory_budget,
-                        cp_group=req.cp_group, **req.tensors)
+                        cp_group=req.cp_group, shard=shard, **req.tensors)
     call.ref = checked_ref(head, config, *req.ref_args)
     call.out = (req.out_logprobs, req.out_entropy)
+    check_shard_kl(call)
     if call.whole or sharded:
         return (*streamed_whole(call, loss_args), None)
 
@@ -80,7 +84,7 @@ def streamed_whole(call: Call, loss_args) -> tuple:
         weight = bias = None  # no exact KL with a sharded head (`check_sharded`)
     else:
         weight, bias = head.weight.to(dtype), None if head.bias is None else head.bias.to(dtype)
-        lp, ent = rows_logprobs(hidden, weight, call.targets, bias=bias,
+        lp, ent = rows_logprobs(hidden, weight, call.targets, bias=bias, shard=call.shard,
                                 head_dtype=head.head_dtype, **head.transform())
     kl = None if call.ref is None else call.ref.kl(call.rows, hidden, weight, bias)
     call.hand_back(lp, ent)
@@ -109,7 +113,7 @@ def globals_inputs(call: Call) -> tuple:
     h, w, b = call.detached
     with torch.no_grad():
         lp, ent = rows_logprobs(h.index_select(0, call.rows), w, call.targets, bias=b,
-                                **call.head.transform())
+                                shard=call.shard, **call.head.transform())
     return (call.grid(ent) if want_entropy else entropy), (call.grid(lp) if want_old else None)
 
 
@@ -131,6 +135,7 @@ class ChunkRunner:
         self.objective = ChunkObjective(call, glob, masks, loss_args, call.head.hidden.device)
         self.h, self.w, self.b = call.detached
         self.transform = call.head.transform()
+        self.shard = call.shard
         # each chunk's (lp, H[, KL]), in the order of its rows: the chunks cover the loss rows
         # in order, so one concatenation per call (`collected`) lays them out, no copy a chunk
         self._parts = ([], [], None if call.ref is None else [])
@@ -166,15 +171,22 @@ class ChunkRunner:
         None without a reference head."""
         if self.call.ref is None:
             return None
+        if self.shard is not None:  # the streamed chunk's two-head passes see one slice
+            raise ValueError("max_tile_bytes: a sequence longer than the budget streams, and "
+                             "the exact KL with vocab_parallel runs in dense chunks only; "
+                             "raise max_tile_bytes")
         return self.call.ref.kl(self.call.rows[chunk.a:chunk.b], *leaves)
 
     def _dense(self, chunk, h, t):
         """One chunk at the 3-GEMM floor; returns its hidden-gradient rows (or None)."""
-        lp, ent, _ = self.store.forward(h, self.w, self.b, t, **self.transform)  # GEMM 1
+        reduce = None if self.shard is None else self.shard.partials
+        lp, ent, _ = self.store.forward(h, self.w, self.b, t, reduce=reduce,  # GEMM 1
+                                        **self.transform)
         ref = self.call.ref
         kl = saved = None
         if ref is not None:  # the exact KL's own passes over both heads' tiles
-            kl, saved = ref.kl_forward(self.call.rows[chunk.a:chunk.b], h, self.w, self.b)
+            kl, saved = ref.kl_forward(self.call.rows[chunk.a:chunk.b], h, self.w, self.b,
+                                       self.shard)
         self._record(chunk, lp, ent, kl)
         if not self.need.any:
             return None
@@ -189,7 +201,7 @@ class ChunkRunner:
         if g_kl is not None:  # the KL's backward pass, into the same accumulators
             gh_kl = ref.kl_backward(saved, g_kl, h, self.w, self.b, self.grads, self.need)
             gh = gh_kl if gh is None else gh + gh_kl
-        return gh
+        return gh if self.shard is None else self.shard.hidden(gh)
 
     def _streamed(self, chunk, h, t):
         """A sequence longer than the budget: its vocabulary streamed (4 GEMMs), never the
@@ -197,7 +209,8 @@ class ChunkRunner:
         leaves = [None if x is None else x.detach().requires_grad_(flag)
                   for x, flag in zip((h, self.w, self.b), self.need)]
         with torch.enable_grad() if self.need.any else torch.no_grad():
-            lp, ent = rows_logprobs(leaves[0], leaves[1], t, bias=leaves[2], **self.transform)
+            lp, ent = rows_logprobs(leaves[0], leaves[1], t, bias=leaves[2], shard=self.shard,
+                                    **self.transform)
             kl = self._kl(chunk, leaves)
             self._record(chunk, lp, ent, kl)
             if not self.need.any:

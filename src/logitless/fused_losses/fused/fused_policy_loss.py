@@ -41,6 +41,7 @@ from logitless.fused_losses.fused.op import as_op, metric_names, op_call
 from logitless.fused_losses.fused.plan import CPU_MEMORY_BUDGET, ChunkStore, plan_chunks
 from logitless.fused_losses.fused.validation import Request, check_out_buffers
 from logitless.fused_losses.head.logprobs import check_byte_budget, check_ignore_index
+from logitless.fused_losses.head.shards import VocabShard, check_vocab_parallel
 from logitless.fused_losses.objectives.config import PolicyLossConfig
 from logitless.fused_losses.objectives.policy_loss import (
     check_cp_config,
@@ -121,6 +122,8 @@ def fused_policy_loss(
     out_logprobs=None,
     out_entropy=None,
     head_dtype: str | None = None,
+    vocab_parallel=None,
+    hidden_grad: str = "sum",
 ):
     """The policy loss from hidden states and the LM head, without the full logits.
 
@@ -191,6 +194,22 @@ def fused_policy_loss(
             the caller's (values cast). Not under ``torch.compile`` or for meta/fake tensors
             (``ValueError``).
 
+        vocab_parallel: a ``torch.distributed`` process group over which the head's
+            vocabulary is sharded in rank order, as in :func:`linear_logprobs`: ``weight``
+            (and ``bias``, ``ref_weight``, ``ref_bias``) this rank's slice, slices of any
+            sizes, every other input the same on every rank, ``targets`` global ids. Each
+            chunk's per-token statistics (and the exact KL's) are all-reduced once; the
+            objective then runs on the whole vocabulary's values on every rank, each rank's
+            logits slice gives its slice's weight and bias gradients, and ``hidden``'s is
+            summed over the group (``hidden_grad``). Every rank gets the same loss and
+            metrics. The ranks must agree on which inputs require a gradient (they run the
+            same collectives). Not with a DTensor head, ``cp_group`` or under
+            ``torch.compile``; the exact KL only where the batch runs in chunks (not
+            ``strategy="streaming"``, not ``clip_cov`` / ``kl_cov``).
+        hidden_grad: with ``vocab_parallel``, ``"sum"`` (the hidden gradient summed over the
+            group) or ``"partial"`` (this rank's slice's share, for callers whose own
+            communication sums it, e.g. Megatron's sequence-parallel reduce-scatter).
+
     Returns:
         ``(loss, metrics)`` as :func:`policy_loss`.
 
@@ -219,6 +238,7 @@ def fused_policy_loss(
     check_byte_budget("max_tile_bytes", memory_budget)
     check_out_buffers(mask, out_logprobs=out_logprobs, out_entropy=out_entropy)
     check_head_dtype(head_dtype)
+    check_vocab_parallel(vocab_parallel, hidden_grad)
     mask = _drop_ignored(targets, mask, ignore_index)
     req = Request(
         hidden=hidden, weight=weight, bias=bias, targets=targets, old_logprobs=old_logprobs,
@@ -232,11 +252,15 @@ def fused_policy_loss(
         entropy_coef=entropy_coef, memory_budget=memory_budget, strategy=strategy,
         cp_group=cp_group, head_dtype=head_dtype, out_logprobs=out_logprobs,
         out_entropy=out_entropy,
+        vocab_parallel=None if vocab_parallel is None else VocabShard(vocab_parallel, hidden_grad),
         **check_topk_inputs(config, topk_logprobs=topk_logprobs,
                             old_topk_logprobs=old_topk_logprobs))
     if cp_group is not None:
         return _context_parallel(req)
     if as_op(hidden):
+        if vocab_parallel is not None:
+            raise ValueError("vocab_parallel: not supported under torch.compile or for "
+                             "meta/fake tensors")
         if req.topk_logprobs is not None or req.old_topk_logprobs is not None:
             raise ValueError("topk_logprobs: the DPPO top-k objectives are not supported under "
                              "torch.compile or for meta/fake tensors")

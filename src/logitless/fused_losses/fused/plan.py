@@ -125,8 +125,11 @@ def make_plan(call: Call, memory_budget) -> Plan:
     device = call.head.hidden.device
     budget = memory_budget if memory_budget is not None else default_budget(device)
     head = call.head
+    # a vocab-parallel call plans by the largest slice: every rank the same chunks (and
+    # collectives)
+    vocab = head.vocab if call.shard is None else call.shard.largest
     row_bytes = store_type(device, head.dtype).bytes_per_row(
-        head.vocab, head.dtype, head.softcap, hidden_size=head.weight.shape[1])
+        vocab, head.dtype, head.softcap, hidden_size=head.weight.shape[1])
     starts = list(itertools.accumulate(per_seq, initial=0))
     cap = rows_cap(device, budget, row_bytes, head.weight.shape[1])
     chunks = [Chunk(s0, s1, starts[s0], starts[s1], max(widths[s0:s1], default=0), streamed)
@@ -149,9 +152,12 @@ class ChunkStore(Protocol):
         """Bytes one token row of a chunk needs (sizes the chunks within the budget);
         ``hidden_size`` is D, for a store that counts the chunk's hidden rows."""
 
-    def forward(self, hidden, weight, bias, targets, *, temperature, softcap, logit_scale):
+    def forward(self, hidden, weight, bias, targets, *, temperature, softcap, logit_scale,
+                reduce=None):
         """Keep the logits of ``hidden [rows, D]``; return per-token ``(logprobs, entropy,
-        lse)`` (fp32; fp64 for fp64 inputs). ``targets`` lie in ``[0, V)``."""
+        lse)`` (fp32; fp64 for fp64 inputs). ``targets`` lie in ``[0, V)``; with ``reduce``
+        (a vocabulary slice's partials to the whole vocabulary's) they are local to the
+        slice, outside ``[0, V)`` when in another rank's."""
 
     def backward_(self, hidden, weight, entropy, g_lp, g_entropy, d_weight, d_bias,
                   want_hidden: bool, weight_beta: float = 1.0):

@@ -18,11 +18,13 @@ from logitless.fused_losses.head.divergence import (
 )
 from logitless.fused_losses.head.dtensor import is_dtensor
 from logitless.fused_losses.head.logprobs import check_byte_budget, check_head_args
+from logitless.fused_losses.head.shards import VocabShard
 from logitless.fused_losses.objectives.catalog import needs_whole_batch
 from logitless.fused_losses.objectives.config import PolicyLossConfig
 from logitless.fused_losses.objectives.policy_inputs import Batch, promoted_dtype, to_batch
 from logitless.fused_losses.objectives.policy_loss import check_exact_kl
 from logitless.fused_losses.oplib import compute_dtype
+from logitless.kernels import divergence_torch
 from logitless.kernels import linear_softmax_torch as tiles
 
 if TYPE_CHECKING:
@@ -114,6 +116,8 @@ class Request:
                                                          metadata=_NOT_AN_OP_ARGUMENT)
     out_entropy: torch.Tensor | None = dataclasses.field(default=None,
                                                         metadata=_NOT_AN_OP_ARGUMENT)
+    vocab_parallel: VocabShard | None = dataclasses.field(default=None,
+                                                          metadata=_NOT_AN_OP_ARGUMENT)
 
     @property
     def head(self) -> Head:
@@ -171,6 +175,7 @@ class Call:
     def on_policy(self) -> bool:
         """No old logprobs given: the old policy is the current one (`current_tensors`)."""
         return self.full["old_logprobs"] is None
+    shard: VocabShard | None = None  # the vocabulary's slice (placed) with vocab_parallel
 
     @functools.cached_property
     def detached(self):
@@ -251,13 +256,20 @@ class RefHead:
     temperature: float
     head_dtype: str | None = None  # the policy head's (`Head.head_dtype`)
 
-    def kl_forward(self, rows, hidden, weight, bias):
-        """The KL of the loss rows ``rows`` without a graph, and what `kl_backward` needs."""
+    def kl_forward(self, rows, hidden, weight, bias, shard: VocabShard | None = None):
+        """The KL of the loss rows ``rows`` without a graph, and what `kl_backward` needs.
+        With ``shard`` (both heads this rank's vocabulary slice), the whole vocabulary's KL and
+        normalisers, reduced over its group (`VocabShard.kl`): each rank's backward then
+        gives its slice's gradient."""
         ref = self.hidden.index_select(0, rows)
         kernels = divergence_kernels(hidden.device, hidden.dtype, ref.dtype)
         kl, *norm = kernels.divergence_forward(
             hidden, weight, bias, ref, self.weight, self.bias, beta=1.0,
             temperature=self.temperature)
+        if shard is not None:  # beta = 1: the last of the norms is the KL itself
+            unit = 1.0 if kernels is divergence_torch else 1.0 / self.temperature
+            kl, *norm = shard.kl(kl, *norm[:4], unit=unit)
+            norm.append(kl)
         return kl, (kernels, ref, *norm)
 
     def kl_backward(self, saved, grad, hidden, weight, bias, grads: Grads, need: Need):
@@ -301,6 +313,31 @@ def check_static(head, targets, mask, strategy, cu_seqlens, memory_budget) -> No
                     head.logit_scale, ())
 
 
+def placed_shard(req: Request) -> VocabShard | None:
+    """The call's vocabulary slice placed in the whole vocabulary (`VocabShard.place`, one
+    all-gather), or None without ``vocab_parallel``. Refused (``ValueError``): a DTensor head
+    (its mesh shards it already) and ``cp_group``."""
+    shard = req.vocab_parallel
+    if shard is None:
+        return None
+    if is_dtensor(req.weight):
+        raise ValueError("vocab_parallel: not with a DTensor (FSDP2) weight, whose mesh gives "
+                         "the group")
+    if req.cp_group is not None:
+        raise ValueError("vocab_parallel: not supported together with cp_group")
+    return shard.place(req.weight.shape[0], req.hidden.device)
+
+
+def check_shard_kl(call: Call) -> None:
+    """The exact KL over a vocab-parallel head runs in the sequence-aligned chunks only (their
+    two-head passes reduce over the group): refused (``ValueError``) where the batch streams,
+    ``strategy="streaming"`` or an objective that needs the whole batch."""
+    if call.shard is not None and call.ref is not None and call.whole:
+        raise ValueError("vocab_parallel: the exact KL (ref_hidden/ref_weight) runs in the "
+                         "sequence-aligned chunks only; use strategy='auto' or 'chunked' and "
+                         "an objective that does not need the whole batch")
+
+
 def check_sharded(head: Head, strategy: str, ref_args) -> bool:
     """Whether the head is an FSDP2 DTensor (`head.dtensor`), which runs streamed, its
     vocabulary shards a vocabulary-parallel head over the mesh: ``strategy="chunked"`` (the
@@ -318,16 +355,19 @@ def check_sharded(head: Head, strategy: str, ref_args) -> bool:
 
 
 def checked_call(head, targets, old_logprobs, advantages, mask, config, strategy, cu_seqlens,
-                  selection_entropy, memory_budget, *, cp_group=None, **tensors) -> Call:
+                  selection_entropy, memory_budget, *, cp_group=None, shard=None,
+                  **tensors) -> Call:
     """Every check of the call, once, here: arguments, head, targets (one host sync), and the
-    policy inputs (`policy_loss`'s checks); the batch laid out on the grid once."""
+    policy inputs (`policy_loss`'s checks); the batch laid out on the grid once. With
+    ``shard`` (placed) the targets are global ids, and the call's are local to the slice."""
     check_static(head, targets, mask, strategy, cu_seqlens, memory_budget)
     packed = cu_seqlens is not None
     m_flat = mask.reshape(-1) != 0
     t_flat = targets.reshape(-1).long()
-    bad = m_flat & ((t_flat < 0) | (t_flat >= head.vocab))
+    vocab = head.vocab if shard is None else shard.total
+    bad = m_flat & ((t_flat < 0) | (t_flat >= vocab))
     if bool(bad.any()):
-        raise ValueError(f"targets must lie in [0, {head.vocab}) wherever mask is set; found "
+        raise ValueError(f"targets must lie in [0, {vocab}) wherever mask is set; found "
                          f"{t_flat[bad][:5].tolist()}")
     loss_dtype = tiles.acc_dtype(head.dtype)
     # on-policy the old logprobs are the current ones: the loss's dtype
@@ -336,9 +376,10 @@ def checked_call(head, targets, old_logprobs, advantages, mask, config, strategy
                      True, config, cp_group=cp_group, old_logprobs=old_logprobs,
                      selection_entropy=selection_entropy, **tensors)
     rows = torch.nonzero(m_flat).squeeze(1)
-    return Call(head, config, full.to(loss_dtype), full, globals_dtype, rows,
-                 t_flat.index_select(0, rows), full.positions(rows), packed, cu_seqlens,
-                 strategy, selection_entropy is not None)
+    local = t_flat.index_select(0, rows) - (0 if shard is None else shard.offset)
+    return Call(head, config, full.to(loss_dtype), full, globals_dtype, rows, local,
+                 full.positions(rows), packed, cu_seqlens, strategy, selection_entropy is not None,
+                 shard=shard)
 
 
 def checked_ref(head: Head, config, ref_hidden, ref_weight, ref_bias) -> RefHead | None:

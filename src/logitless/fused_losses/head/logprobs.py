@@ -20,7 +20,12 @@ import torch
 from logitless.fused_losses.backend import triton_selected
 from logitless.fused_losses.head import kept, sampled
 from logitless.fused_losses.head.dtensor import sharded_head, sharded_logprobs
-from logitless.fused_losses.head.shards import resolve
+from logitless.fused_losses.head.shards import (
+    VocabShard,
+    all_reduce_partials,
+    check_vocab_parallel,
+    resolve,
+)
 from logitless.fused_losses.head.shards import vocab_offset as _vocab_offset
 from logitless.fused_losses.oplib import (
     LogprobOutput,
@@ -41,7 +46,7 @@ from logitless.fused_losses.oplib import (
 )
 from logitless.kernels import linear_softmax_torch
 from logitless.kernels.linear_softmax_torch import acc_dtype
-from logitless.kernels.softmax_partials import Partials, empty, finish, normaliser, rescale_to
+from logitless.kernels.softmax_partials import empty, finish, normaliser
 
 __all__ = ["STATS", "LogprobOutput", "check_ignore_index", "linear_logprobs"]
 
@@ -117,7 +122,7 @@ def _rows_forward(spec: _Spec, hidden, weight, bias, targets) -> tuple[torch.Ten
         else:
             parts = empty(hidden.device, linear_softmax_torch.acc_dtype(spec.dtype))
         if spec.group is not None:
-            parts = _all_reduce_partials(parts, spec.group)
+            parts = all_reduce_partials(parts, spec.group)
         stats = finish(parts, spec.vocab_total)
     return (stats["logprobs"], stats["entropy"], stats["sum_p_sq"], stats["mean_logit"],
             stats["is_top1"], stats["lse"], *normaliser(parts))
@@ -168,19 +173,6 @@ def _operands(spec: _Spec, hidden, weight, bias):
 
 def _acc(g, like):
     return None if g is None else g.to(like.dtype).contiguous()
-
-
-def _all_reduce_partials(parts: Partials, group) -> Partials:
-    """Combine per-rank partials: max of the maxima (of the maxima before the target, and of
-    a kernel's ``top``), then sums rescaled to the common maximum."""
-    dist = torch.distributed
-    maxima = torch.stack([parts.m, parts.m_before, *(() if parts.top is None else (parts.top,))])
-    dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group)
-    m, m_before, *top = maxima.unbind(0)
-    local = rescale_to(parts, m)
-    sums = torch.stack([local.l, local.a, local.s2, local.sum_z, local.z_y])
-    dist.all_reduce(sums, group=group)
-    return Partials(m, *sums.unbind(0), m_before, *top)
 
 
 def _finite(x) -> bool:
@@ -455,12 +447,7 @@ def linear_logprobs(
                              f"per-token temperature")
     if logit_scale == 0:
         softcap = None  # every logit is 0 whatever the cap (and so is every gradient)
-    if vocab_parallel is not None and not isinstance(vocab_parallel,
-                                                     torch.distributed.ProcessGroup):
-        raise ValueError(f"vocab_parallel must be None or a torch.distributed ProcessGroup, got "
-                         f"{type(vocab_parallel).__name__}")
-    if hidden_grad not in ("sum", "partial"):
-        raise ValueError(f"hidden_grad must be 'sum' or 'partial', got {hidden_grad!r}")
+    check_vocab_parallel(vocab_parallel, hidden_grad)
     check_ignore_index(ignore_index)
     check_byte_budget("max_tile_bytes", max_tile_bytes)
     dtype = compute_dtype(hidden, head_dtype)
@@ -539,14 +526,19 @@ def _logprobs_impl(hidden, weight, bias, targets, spec: _Spec, ignore_index: int
 
 
 def rows_logprobs(hidden, weight, targets, *, bias=None, temperature=1.0, softcap=None,
-                   logit_scale=1.0, head_dtype=None):
+                   logit_scale=1.0, head_dtype=None, shard: VocabShard | None = None):
     """`linear_logprobs`'s private path for rows a caller has checked already (the chunks of
     ``fused_policy_loss``): ``hidden [N, D]``, ``weight`` and ``bias`` in one compute dtype,
-    every target in ``[0, V)``. No checks, no host synchronisation, no vocab parallelism.
+    every target in ``[0, V)``. No checks, no host synchronisation. With ``shard`` (placed),
+    ``weight`` is this rank's slice, the targets local to it, and the statistics and the
+    hidden gradient are reduced over its group as in `linear_logprobs`.
     Returns ``(logprobs, entropy)``, each ``[N]``, with gradient; the backward under
     `head_precision` of ``head_dtype`` (the caller runs the forward so)."""
     spec = dataclasses.replace(_local_spec(hidden, weight, temperature, softcap, logit_scale),
                                gather_weight=precision_gather(None, head_dtype))
+    if shard is not None:
+        spec = dataclasses.replace(spec, vocab_total=shard.total, group=shard.group,
+                                   hidden_grad=shard.hidden_grad)
     lp, ent, *_ = _LinearSoftmax.apply(hidden, weight, bias, targets, spec)
     return lp, ent
 
