@@ -15,6 +15,7 @@ import os
 import tempfile
 import warnings
 from types import SimpleNamespace
+from unittest import mock
 
 import pytest
 import torch
@@ -383,11 +384,12 @@ def _verl_engine_case(world, rows, model_path):
     """verl 0.9.1's Megatron actor step (`MegatronEngineWithLMHead.forward_backward_batch`,
     verl's `ppo_loss` bound as its actor worker binds it, Megatron's schedule, DDP's gradient
     buffers) with a `logitless_*` loss mode against verl's built-in one: the loss and every
-    parameter's gradient; and `policy_loss.fused` through logitless's hook on this engine (the
-    composed loss until `fused_policy_loss` takes `vocab_parallel=`). Twice: BSHD
-    with verl's logits, and THD (verl's default) with verl's fused forward, whose head is
-    logitless's drop-in. The old logprobs are the engine's own (its forward-only pass, fp32),
-    a little off, so that some ratios clip; both layouts give the same ones."""
+    parameter's gradient. Twice: BSHD with verl's logits, and THD (verl's default) with verl's
+    fused forward, whose head is logitless's drop-in; there also `policy_loss.fused` through
+    logitless's hook on this engine (`fused_policy_loss(vocab_parallel=)` over the
+    tensor-parallel head) against the composed loss (BSHD: refused, no fused head). The old
+    logprobs are the engine's own (its forward-only pass, fp32), a little off, so that some
+    ratios clip; both layouts give the same ones."""
     from verl.models.mcore import model_forward_fused
     from verl.utils import tensordict_utils as tu
     from verl.workers import config as verl_config
@@ -395,6 +397,7 @@ def _verl_engine_case(world, rows, model_path):
     from verl.workers.utils.padding import no_padding_2_padding
 
     from integrations.test_verl_ulysses_adapter import _batch
+    from logitless.integrations import verl as verl_adapter
     from logitless.integrations import verl_head
     from logitless.integrations.verl import LogitlessPolicyLossConfig
 
@@ -446,22 +449,29 @@ def _verl_engine_case(world, rows, model_path):
                 assert bool((norms > 0).all()) and clipped > 0, name
                 assert abs(loss - want_loss) <= LOSS_TOL * abs(want_loss), name
                 assert whole <= TOL[torch.float32], (name, whole)
-            # policy_loss.fused: it needs the fused head; with it (THD) the head is
-            # tensor-parallel, so the composed loss runs until fused_policy_loss has
-            # vocab_parallel=, said once
+            # policy_loss.fused: it needs the fused head; with it (THD) it runs fused over the
+            # tensor-parallel head
             if not fused_kernels:
                 with pytest.raises(ValueError, match=r"^policy_loss\.fused: needs .*fused_kern"):
                     step("logitless_grpo", "token-mean", fused=True)
                 continue
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                fused_loss, fused, _ = step("logitless_grpo", "token-mean", fused=True)
-                step("logitless_grpo", "token-mean", fused=True)
-            said = [w for w in caught if "policy_loss.fused" in str(w.message)]
-            assert len(said) == 1 and "vocab_parallel=" in str(said[0].message), said
-            composed_loss, composed, _ = step("logitless_grpo", "token-mean", fused=False)
-            assert fused_loss == composed_loss
-            assert all(torch.equal(fused[n], composed[n]) for n in composed)
+            for ours, agg, _ in ENGINE_CASES:
+                spy = mock.patch.object(verl_adapter, "fused_policy_loss",
+                                        wraps=verl_adapter.fused_policy_loss)
+                with warnings.catch_warnings(record=True) as caught, spy as called:
+                    warnings.simplefilter("always")
+                    fused_loss, fused, _ = step(ours, agg, fused=True)
+                fell_back = [w for w in caught if "policy_loss.fused" in str(w.message)]
+                assert not fell_back and called.call_count == 1, fell_back  # it ran fused
+                assert called.call_args.kwargs["vocab_parallel"] is not None
+                composed_loss, composed, _ = step(ours, agg, fused=False)
+                name = f"verl Megatron engine (THD) {ours} fused vs composed, bf16, TP {world}"
+                whole = _norm_rel(fused, composed, list(composed))
+                rows.append((name, "loss", abs(fused_loss - composed_loss) / abs(composed_loss),
+                             None, None))
+                rows.append((name, f"all {len(composed)} parameter grads", whole, None, None))
+                assert abs(fused_loss - composed_loss) <= LOSS_TOL * abs(composed_loss), name
+                assert whole <= TOL[torch.float32], (name, whole)
     # the logitless head's logprobs (THD) against verl's from its logits (BSHD), same weights
     err = _rel(current[1], current[0])
     rows.append(("verl Megatron engine forward-only, bf16, TP 2 sp=1", "logprob THD+logitless "

@@ -320,9 +320,10 @@ and ``policy_loss.loss_mode=logitless_<objective>``. Its own fields:
   :func:`logitless.fused_policy_loss` (three GEMM passes over the response rows, the
   gradients formed in the forward) instead of from the head's logprobs; needs
   ``use_fused_kernels`` (``triton`` backend) with ``LOGITLESS_VERL_FUSED_HEAD=1`` and verl's
-  FSDP engine. A micro-batch that cannot run fused (entropy or reference KL in verl's loss,
-  Ulysses, ``match_sampler``, a sharded head) runs the composed path, with one warning naming
-  the reason (docs/verl.md).
+  FSDP or Megatron engine (its tensor-parallel head with ``vocab_parallel=``). A micro-batch
+  that cannot run fused (entropy or reference KL in verl's loss, Ulysses, ``match_sampler``,
+  an FSDP2 DTensor head) runs the composed path, with one warning naming the reason
+  (docs/verl.md).
 - ``loss_agg``: overrides the actor's ``loss_agg_mode`` for this loss (any logitless
   aggregation, e.g. ``balanced`` or ``length-power``); None keeps verl's.
 - ``dual_clip``: apply ``clip_ratio_c`` as a dual clip; None does what verl's matching loss
@@ -498,8 +499,7 @@ def _verl_policy_loss(objective: str):
 # and its ``rollout_log_probs``; with ``policy_loss.fused`` the head call then hands its
 # inputs over (``set_head_deferral``) and the policy loss runs ``fused_policy_loss`` on them.
 # verl's Megatron engine is wrapped the same way around its whole ``forward_backward_batch``;
-# its head is tensor-parallel, which the deferral turns down until ``fused_policy_loss`` takes
-# ``vocab_parallel=`` (docs/megatron.md).
+# its head is tensor-parallel: the fused loss runs with ``vocab_parallel=`` its group.
 
 _ENGINE_MODULE = "verl.workers.engine.fsdp.transformer_impl"
 _ENGINE_CLASS = "FSDPEngineWithLMHead"
@@ -522,6 +522,7 @@ class _HeadRows:
     weight: torch.Tensor
     labels: torch.Tensor
     temperature: float
+    group: Any = None  # the tensor-parallel group the weight's vocabulary is sharded over
 
 
 @dataclasses.dataclass
@@ -652,13 +653,8 @@ def _defer_head(hidden, weight, labels, temperature, reduction, dist_process_gro
         return None
     reason = step.fused
     if reason is None:
-        if dist_process_group is not None and not is_dtensor(weight):
-            # verl's Megatron fused forward: the hidden rows are whole (verl gathers the
-            # sequence-parallel ones first), the weight this rank's vocabulary slice
-            reason = ("a tensor-parallel head (verl's Megatron engine): the fused loss over a "
-                      "vocabulary-sharded head needs fused_policy_loss(..., vocab_parallel=)")
-        elif dist_process_group is not None or is_dtensor(weight):
-            reason = "a sharded head (dist_process_group or an FSDP2 DTensor weight)"
+        if is_dtensor(weight):
+            reason = "a sharded head (an FSDP2 DTensor weight)"
         elif head_sampler() is not None or head_replays():
             reason = "policy_loss.match_sampler: the fused loss scores the full distribution"
         elif reduction.lower() != "none" or step.rows is not None:
@@ -668,8 +664,10 @@ def _defer_head(hidden, weight, labels, temperature, reduction, dist_process_gro
         _warn_composed(reason)
         return None
     n = labels.numel()
+    # verl's Megatron fused forward: whole hidden rows (verl gathers the sequence-parallel
+    # ones first), this rank's vocabulary slice of the weight, the tensor-parallel group
     step.rows = _HeadRows(hidden.reshape(n, hidden.shape[-1]), weight, labels.reshape(n),
-                          float(temperature))
+                          float(temperature), dist_process_group)
     dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
     ids = torch.arange(1, n + 1, dtype=dtype, device=hidden.device)
     return ids, torch.zeros_like(ids)
@@ -693,10 +691,14 @@ def _fused_loss(rows: _HeadRows, ids, old_log_prob, advantages, response_mask, c
         raise ValueError("policy_loss.fused: a response token in the loss has no head row "
                          "(the micro-batch's head call and its loss do not match)")
     pick = torch.where(mask, ids - 1, torch.zeros_like(ids))
+    # a tensor-parallel head: each rank's share of the hidden gradient, as the head drop-in
+    # returns it (verl's sequence-parallel gather sums it)
+    parallel = {} if rows.group is None else dict(vocab_parallel=rows.group,
+                                                  hidden_grad="partial")
     loss, metrics = fused_policy_loss(rows.hidden[pick], rows.weight, rows.labels[pick],
                                       old_log_prob, advantages, response_mask, cfg,
                                       token_weights=token_weights, head_dtype=head_dtype(),
-                                      temperature=rows.temperature, **normalisers)
+                                      temperature=rows.temperature, **parallel, **normalisers)
     # the composed path's metrics: verl passes a policy loss no entropies
     return loss, {k: v for k, v in metrics.items() if not k.startswith("entropy/")}
 
