@@ -113,7 +113,7 @@ def _cpl_cases(world, rows):
             # the fp64 oracle over the whole head, from the same (rounded) inputs
             h_ref = hidden.to(dtype).to(torch.float64, copy=True).requires_grad_()
             w_ref = weight.to(dtype).to(torch.float64, copy=True).requires_grad_()
-            ref = reference.linear_logprobs(h_ref, w_ref, targets)
+            ref = reference.linear_logprobs(h_ref, w_ref, targets, return_entropy=True)
             (-ref.logprobs * g).sum().backward()
             h_grad_ref = _slice(h_ref.grad, world) if sp else h_ref.grad
             pairs = (("logprob", lp, -loss, ref.logprobs),
@@ -154,7 +154,8 @@ def _vocab_size_case(world, rows):
         h_ref = hidden.clone().requires_grad_()
         w_ref = weight.clone().requires_grad_()
         ref = reference.linear_logprobs(h_ref.transpose(0, 1), w_ref[:V_REAL], labels,
-                                        temperature=temperature, top_p=0.9)
+                                        temperature=temperature, top_p=0.9,
+                                        return_entropy=True)
         kept = ref.logprobs.isfinite()  # -inf: the target is outside the kept set
         assert not kept.all()
         ((ref.logprobs.where(kept, 0.0) + ref.entropy) * g).sum().backward()
@@ -193,7 +194,7 @@ def _kept_case(world, rows):
         h_ref = hidden.clone().requires_grad_()
         w_ref = weight.clone().requires_grad_()
         ref = reference.linear_logprobs(h_ref.transpose(0, 1), w_ref[:V_REAL], labels,
-                                        temperature=0.7, kept_ids=kept)
+                                        temperature=0.7, kept_ids=kept, return_entropy=True)
         inside = ref.logprobs.isfinite()
         assert not inside.all()
         ((ref.logprobs.where(inside, 0.0) + ref.entropy) * g).sum().backward()
