@@ -25,7 +25,9 @@ DEEPSPEED := .venv-deepspeed
 DEEPSPEED_STAMP := $(DEEPSPEED)/.installed
 # megatron-core for tests/integrations/test_megatron.py, two versions in --target folders: 0.16.1
 # (the newest with a Python 3.11 wheel) and 0.19.2 (cp312 wheels only, pure Python but for a
-# dataset helper the tests never load: installed for 3.12, run on this interpreter).
+# dataset helper the tests never load: installed for 3.12, run on this interpreter). mbridge
+# (pure Python, and einops, which it imports) beside each: verl's Megatron engine builds its
+# model through it.
 MEGATRON16 := .venv-megatron-0.16.1
 MEGATRON19 := .venv-megatron-0.19.2
 MEGATRON_STAMPS := $(MEGATRON16)/.installed $(MEGATRON19)/.installed
@@ -86,13 +88,14 @@ $(DEEPSPEED_STAMP): Makefile | $(PY)
 
 $(MEGATRON16)/.installed: Makefile | $(PY)
 	rm -rf $(MEGATRON16)
-	$(PIP) install --no-deps --target $(MEGATRON16) megatron-core==0.16.1
+	$(PIP) install --no-deps --target $(MEGATRON16) megatron-core==0.16.1 mbridge==0.15.1 \
+	  einops==0.8.2
 	touch $@
 
 $(MEGATRON19)/.installed: Makefile | $(PY)
 	rm -rf $(MEGATRON19)
 	$(PIP) install --no-deps --ignore-requires-python --target $(MEGATRON19) \
-	  --python-version 3.12 --only-binary=:all: megatron-core==0.19.2
+	  --python-version 3.12 --only-binary=:all: megatron-core==0.19.2 mbridge==0.15.1 einops==0.8.2
 	touch $@
 
 test-dist: setup $(DEEPSPEED_STAMP) $(MEGATRON_STAMPS)

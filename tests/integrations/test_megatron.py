@@ -9,10 +9,13 @@ LOGITLESS_MEGATRON_TABLE when it is set:
 `LOGITLESS_MEGATRON_TABLE=/tmp/t.json make test-dist PYTEST_ARGS="-k megatron"`.
 """
 
+import functools
 import json
 import os
 import tempfile
+import warnings
 from types import SimpleNamespace
+from unittest import mock
 
 import pytest
 import torch
@@ -21,7 +24,7 @@ import torch.distributed as dist
 import logitless.reference as reference
 from logitless import PolicyLossConfig, policy_loss
 from logitless.integrations.megatron import FusedLoss, MegatronHead, forward, output_processor
-from megatron_cpu import megatron_dir, start_megatron
+from megatron_cpu import megatron_dir, save_tiny_hf_model, start_megatron, verl_megatron_engine
 
 from testing import run_on_gloo
 
@@ -110,7 +113,7 @@ def _cpl_cases(world, rows):
             # the fp64 oracle over the whole head, from the same (rounded) inputs
             h_ref = hidden.to(dtype).to(torch.float64, copy=True).requires_grad_()
             w_ref = weight.to(dtype).to(torch.float64, copy=True).requires_grad_()
-            ref = reference.linear_logprobs(h_ref, w_ref, targets)
+            ref = reference.linear_logprobs(h_ref, w_ref, targets, return_entropy=True)
             (-ref.logprobs * g).sum().backward()
             h_grad_ref = _slice(h_ref.grad, world) if sp else h_ref.grad
             pairs = (("logprob", lp, -loss, ref.logprobs),
@@ -151,7 +154,8 @@ def _vocab_size_case(world, rows):
         h_ref = hidden.clone().requires_grad_()
         w_ref = weight.clone().requires_grad_()
         ref = reference.linear_logprobs(h_ref.transpose(0, 1), w_ref[:V_REAL], labels,
-                                        temperature=temperature, top_p=0.9)
+                                        temperature=temperature, top_p=0.9,
+                                        return_entropy=True)
         kept = ref.logprobs.isfinite()  # -inf: the target is outside the kept set
         assert not kept.all()
         ((ref.logprobs.where(kept, 0.0) + ref.entropy) * g).sum().backward()
@@ -190,7 +194,7 @@ def _kept_case(world, rows):
         h_ref = hidden.clone().requires_grad_()
         w_ref = weight.clone().requires_grad_()
         ref = reference.linear_logprobs(h_ref.transpose(0, 1), w_ref[:V_REAL], labels,
-                                        temperature=0.7, kept_ids=kept)
+                                        temperature=0.7, kept_ids=kept, return_entropy=True)
         inside = ref.logprobs.isfinite()
         assert not inside.all()
         ((ref.logprobs.where(inside, 0.0) + ref.entropy) * g).sum().backward()
@@ -370,6 +374,111 @@ def _verl_case(world, rows, hook):
     assert _rel(out.log_probs, -loss) <= TOL[torch.float32] and whole <= TOL[torch.float32]
 
 
+# (logitless loss mode, loss_agg_mode, verl's built-in loss mode): the same objective
+# the loss: fp32 terms summed in another order than verl's (a few ulp; the gradients are equal)
+LOSS_TOL = 1e-6
+ENGINE_CASES = (("logitless_grpo", "token-mean", "vanilla"),
+                ("logitless_cispo", "seq-mean-token-mean", "cispo"))
+
+
+def _verl_engine_case(world, rows, model_path):
+    """verl 0.9.1's Megatron actor step (`MegatronEngineWithLMHead.forward_backward_batch`,
+    verl's `ppo_loss` bound as its actor worker binds it, Megatron's schedule, DDP's gradient
+    buffers) with a `logitless_*` loss mode against verl's built-in one: the loss and every
+    parameter's gradient. Twice: BSHD with verl's logits, and THD (verl's default) with verl's
+    fused forward, whose head is logitless's drop-in; there also `policy_loss.fused` through
+    logitless's hook on this engine (`fused_policy_loss(vocab_parallel=)` over the
+    tensor-parallel head) against the composed loss (BSHD: refused, no fused head). The old
+    logprobs are the engine's own (its forward-only pass, fp32), a little off, so that some
+    ratios clip; both layouts give the same ones."""
+    from verl.models.mcore import model_forward_fused
+    from verl.utils import tensordict_utils as tu
+    from verl.workers import config as verl_config
+    from verl.workers.utils.losses import ppo_loss
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    from integrations.test_verl_ulysses_adapter import _batch
+    from logitless.integrations import verl as verl_adapter
+    from logitless.integrations import verl_head
+    from logitless.integrations.verl import LogitlessPolicyLossConfig
+
+    verl_head.enable_fused_head()
+    assert model_forward_fused.linear_cross_entropy is verl_head.linear_cross_entropy
+    current = []
+    for fused_kernels in (False, True):
+
+        def data(fused_kernels=fused_kernels):
+            batch = _batch()
+            tu.assign_non_tensor(batch, calculate_entropy=False, use_fused_kernels=fused_kernels)
+            return batch
+
+        with verl_megatron_engine(model_path, world, remove_padding=fused_kernels,
+                                  fused_kernels=fused_kernels) as engine:
+            with engine.eval_mode():
+                out = engine.forward_backward_batch(data(), None, forward_only=True)
+            current.append(no_padding_2_padding(out["model_output"]["log_probs"], data()))
+            old = current[0] + 0.2 * torch.randn(current[0].shape,
+                                                 generator=torch.Generator().manual_seed(8))
+
+            def step(mode, agg, old=old, **options):
+                actor = verl_config.McoreActorConfig(
+                    strategy="megatron", rollout_n=1, ppo_micro_batch_size_per_gpu=1,
+                    clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0,
+                    loss_agg_mode=agg,
+                    policy_loss=(LogitlessPolicyLossConfig(loss_mode=mode, **options)
+                                 if options else verl_config.PolicyLossConfig(loss_mode=mode)))
+                batch = data()
+                batch["old_log_probs"] = old
+                with engine.train_mode():
+                    out = engine.forward_backward_batch(batch, functools.partial(ppo_loss,
+                                                                                 config=actor))
+                    grads = {n: p.main_grad.clone()
+                             for n, p in engine.module[0].named_parameters()}
+                clipped = float(out["metrics"]["actor/pg_clipfrac"].aggregate())
+                return out["loss"][0], grads, clipped
+
+            layout = "THD, logitless head" if fused_kernels else "BSHD, verl's logits"
+            for ours, agg, theirs in ENGINE_CASES:
+                loss, grads, clipped = step(ours, agg)
+                want_loss, want, _ = step(theirs, agg)
+                name = f"verl Megatron engine ({layout}) {ours} vs {theirs}, bf16, TP {world} sp=1"
+                whole = _norm_rel(grads, want, list(want))
+                rows.append((name, "loss", abs(loss - want_loss) / abs(want_loss), None, None))
+                rows.append((name, f"all {len(want)} parameter grads", whole, None, None))
+                norms = torch.stack([g.double().norm() for g in want.values()])
+                dist.all_reduce(norms)  # a rank's embedding slice may hold no token of the batch
+                assert bool((norms > 0).all()) and clipped > 0, name
+                assert abs(loss - want_loss) <= LOSS_TOL * abs(want_loss), name
+                assert whole <= TOL[torch.float32], (name, whole)
+            # policy_loss.fused: it needs the fused head; with it (THD) it runs fused over the
+            # tensor-parallel head
+            if not fused_kernels:
+                with pytest.raises(ValueError, match=r"^policy_loss\.fused: needs .*fused_kern"):
+                    step("logitless_grpo", "token-mean", fused=True)
+                continue
+            for ours, agg, _ in ENGINE_CASES:
+                spy = mock.patch.object(verl_adapter, "fused_policy_loss",
+                                        wraps=verl_adapter.fused_policy_loss)
+                with warnings.catch_warnings(record=True) as caught, spy as called:
+                    warnings.simplefilter("always")
+                    fused_loss, fused, _ = step(ours, agg, fused=True)
+                fell_back = [w for w in caught if "policy_loss.fused" in str(w.message)]
+                assert not fell_back and called.call_count == 1, fell_back  # it ran fused
+                assert called.call_args.kwargs["vocab_parallel"] is not None
+                composed_loss, composed, _ = step(ours, agg, fused=False)
+                name = f"verl Megatron engine (THD) {ours} fused vs composed, bf16, TP {world}"
+                whole = _norm_rel(fused, composed, list(composed))
+                rows.append((name, "loss", abs(fused_loss - composed_loss) / abs(composed_loss),
+                             None, None))
+                rows.append((name, f"all {len(composed)} parameter grads", whole, None, None))
+                assert abs(fused_loss - composed_loss) <= LOSS_TOL * abs(composed_loss), name
+                assert whole <= TOL[torch.float32], (name, whole)
+    # the logitless head's logprobs (THD) against verl's from its logits (BSHD), same weights
+    err = _rel(current[1], current[0])
+    rows.append(("verl Megatron engine forward-only, bf16, TP 2 sp=1", "logprob THD+logitless "
+                 "head vs BSHD+verl's logits", err, None, None))
+    assert err <= TOL[torch.float32], err
+
 def _verl_cp_case(world, rows):
     """verl's Megatron context-parallel THD data path (zigzag, CP = world, jagged sequences)
     around the head drop-in, as verl's fused forward runs it: labels rolled within each sequence
@@ -422,7 +531,7 @@ def _verl_cp_case(world, rows):
         assert _rel(ours, oracle) <= 1e-12, (name, what, _rel(ours, oracle))
 
 
-def _megatron_rank(rank, world, path, table):
+def _megatron_rank(rank, world, path, table, model_path):
     version = start_megatron(path, world)
     torch.set_num_threads(1)
     rows = []
@@ -435,6 +544,7 @@ def _megatron_rank(rank, world, path, table):
         _fused_loss_case(world, rows, hook)
         _verl_case(world, rows, hook)
         if world == 2:
+            _verl_engine_case(world, rows, model_path)
             _verl_cp_case(world, rows)
     finally:  # the table so far, also when a case fails
         if rank == 0:
@@ -448,8 +558,10 @@ def test_megatron_head(version, world):
     path = megatron_dir(version)
     with tempfile.TemporaryDirectory() as tmp:
         table = os.path.join(tmp, "table.json")
+        model_path = os.path.join(tmp, "model")
+        save_tiny_hf_model(model_path)
         try:
-            run_on_gloo(world, _megatron_rank, path, table)
+            run_on_gloo(world, _megatron_rank, path, table, model_path)
         finally:
             out = os.environ.get("LOGITLESS_MEGATRON_TABLE")
             if out and os.path.exists(table):

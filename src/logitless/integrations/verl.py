@@ -320,9 +320,10 @@ and ``policy_loss.loss_mode=logitless_<objective>``. Its own fields:
   :func:`logitless.fused_policy_loss` (three GEMM passes over the response rows, the
   gradients formed in the forward) instead of from the head's logprobs; needs
   ``use_fused_kernels`` (``triton`` backend) with ``LOGITLESS_VERL_FUSED_HEAD=1`` and verl's
-  FSDP engine. A micro-batch that cannot run fused (entropy or reference KL in verl's loss,
-  Ulysses, ``match_sampler``, a sharded head) runs the composed path, with one warning naming
-  the reason (docs/verl.md).
+  FSDP or Megatron engine (its tensor-parallel head with ``vocab_parallel=``). A micro-batch
+  that cannot run fused (entropy or reference KL in verl's loss, Ulysses, ``match_sampler``,
+  an FSDP2 DTensor head) runs the composed path, with one warning naming the reason
+  (docs/verl.md).
 - ``loss_agg``: overrides the actor's ``loss_agg_mode`` for this loss (any logitless
   aggregation, e.g. ``balanced`` or ``length-power``); None keeps verl's.
 - ``dual_clip``: apply ``clip_ratio_c`` as a dual clip; None does what verl's matching loss
@@ -461,8 +462,9 @@ def _verl_policy_loss(objective: str):
             rollout_is_weights = _geometric_sequence_weights(rollout_is_weights, response_mask)
         step = _step_of(config)
         if step is None and _get(_get(config, "policy_loss"), "fused", False):
-            _warn_composed("the loss was not called by verl's FSDP engine from its ppo_loss "
-                           "(partial(ppo_loss, config=...), as verl's actor worker binds it)")
+            _warn_composed("the loss was not called by verl's FSDP or Megatron engine from its "
+                           "ppo_loss (partial(ppo_loss, config=...), as verl's actor worker "
+                           "binds it)")
         if step is not None and step.rows is not None:
             loss, metrics = _fused_loss(step.take_rows(), log_prob, old_log_prob, advantages,
                                         response_mask, cfg, rollout_is_weights, normalisers)
@@ -496,10 +498,18 @@ def _verl_policy_loss(objective: str):
 # micro-batch that trains with verl's ``ppo_loss``, this module knows the step's actor config
 # and its ``rollout_log_probs``; with ``policy_loss.fused`` the head call then hands its
 # inputs over (``set_head_deferral``) and the policy loss runs ``fused_policy_loss`` on them.
+# verl's Megatron engine is wrapped the same way around its whole ``forward_backward_batch``;
+# its head is tensor-parallel: the fused loss runs with ``vocab_parallel=`` its group.
 
 _ENGINE_MODULE = "verl.workers.engine.fsdp.transformer_impl"
 _ENGINE_CLASS = "FSDPEngineWithLMHead"
+# verl's Megatron engine (importable where megatron-core is): its forward_step runs inside
+# Megatron's schedule, so its whole forward_backward_batch is wrapped (one head call, then its
+# loss, per micro-batch)
+_MEGATRON_MODULE = "verl.workers.engine.megatron.transformer_impl"
+_MEGATRON_CLASS = "MegatronEngineWithLMHead"
 _original_forward_step = None
+_original_megatron_step = None
 _step = None  # the _TrainStep of the micro-batch being trained, or None
 _warned: set[str] = set()
 
@@ -512,6 +522,7 @@ class _HeadRows:
     weight: torch.Tensor
     labels: torch.Tensor
     temperature: float
+    group: Any = None  # the tensor-parallel group the weight's vocabulary is sharded over
 
 
 @dataclasses.dataclass
@@ -529,21 +540,28 @@ class _TrainStep:
 
 
 def _step_of(config) -> _TrainStep | None:
-    """The engine step of this loss call (None outside verl's hooked engine)."""
+    """The engine step of this loss call (None outside verl's hooked engines)."""
     return _step if _step is not None and _step.config is config else None
 
 
 def _hook_engine() -> None:
-    """Wrap verl's FSDP engine's ``forward_step`` (once per process; idempotent)."""
-    global _original_forward_step
+    """Wrap verl's FSDP engine's ``forward_step`` and, where megatron-core is importable, its
+    Megatron engine's ``forward_backward_batch`` (once per process; idempotent)."""
+    global _original_forward_step, _original_megatron_step
     import importlib
 
-    if _original_forward_step is not None:
-        return
-    engine = getattr(importlib.import_module(_ENGINE_MODULE), _ENGINE_CLASS)
-    _original_forward_step = engine.forward_step
-    engine.forward_step = _forward_step
-    set_head_deferral(_defer_head)
+    if _original_forward_step is None:
+        engine = getattr(importlib.import_module(_ENGINE_MODULE), _ENGINE_CLASS)
+        _original_forward_step = engine.forward_step
+        engine.forward_step = _forward_step
+        set_head_deferral(_defer_head)
+    if _original_megatron_step is None:
+        try:
+            engine = getattr(importlib.import_module(_MEGATRON_MODULE), _MEGATRON_CLASS)
+        except ImportError:  # no megatron-core here: verl's Megatron engine cannot run either
+            return
+        _original_megatron_step = engine.forward_backward_batch
+        engine.forward_backward_batch = _megatron_step
 
 
 def _ppo_loss_config(loss_function):
@@ -556,6 +574,22 @@ def _ppo_loss_config(loss_function):
     return None
 
 
+def _train_step(engine, batch, config, fused_kernels: bool, rollout) -> _TrainStep:
+    """The `_TrainStep` of a batch that trains with verl's ``ppo_loss`` bound to ``config``."""
+    from verl.utils import tensordict_utils as tu
+
+    fused = "off"
+    if _get(_get(config, "policy_loss"), "fused", False):
+        if not fused_kernels:
+            raise ValueError(
+                "policy_loss.fused: needs actor_rollout_ref.model.use_fused_kernels=True (with "
+                "fused_kernel_options.impl_backend=triton and LOGITLESS_VERL_FUSED_HEAD=1): the "
+                "fused loss takes its inputs from the fused head")
+        entropy = tu.get_non_tensor_data(data=batch, key="calculate_entropy", default=False)
+        fused = _composed_reason(engine, config, entropy)
+    return _TrainStep(config=config, fused=fused, rollout_log_probs=rollout)
+
+
 def _forward_step(self, micro_batch, loss_function, forward_only):
     """verl's ``forward_step``, with the micro-batch's training step known to the head and the
     policy loss (see `_TrainStep`)."""
@@ -566,24 +600,30 @@ def _forward_step(self, micro_batch, loss_function, forward_only):
                                       forward_only=forward_only)
     from verl.utils import tensordict_utils as tu
 
-    def flag(key):
-        return tu.get_non_tensor_data(data=micro_batch, key=key, default=False)
-
-    fused = "off"
-    if _get(_get(config, "policy_loss"), "fused", False):
-        if not flag("use_fused_kernels"):
-            raise ValueError(
-                "policy_loss.fused: needs actor_rollout_ref.model.use_fused_kernels=True (with "
-                "fused_kernel_options.impl_backend=triton and LOGITLESS_VERL_FUSED_HEAD=1): the "
-                "fused loss takes its inputs from the fused head")
-        fused = _composed_reason(self, config, flag("calculate_entropy"))
     rollout = None
     if "rollout_log_probs" in micro_batch:
         rollout = micro_batch.select("rollout_log_probs").to_padded_tensor()["rollout_log_probs"]
-    _step = _TrainStep(config=config, fused=fused, rollout_log_probs=rollout)
+    fused_kernels = tu.get_non_tensor_data(data=micro_batch, key="use_fused_kernels",
+                                           default=False)
+    _step = _train_step(self, micro_batch, config, fused_kernels, rollout)
     try:
         return _original_forward_step(self, micro_batch, loss_function=loss_function,
                                       forward_only=forward_only)
+    finally:
+        _step = None
+
+
+def _megatron_step(self, data, loss_function, forward_only=False):
+    """verl's Megatron ``forward_backward_batch``, with the batch's training step known to the
+    head and the policy loss (see `_TrainStep`); the rollout logprobs are not passed on (the
+    batch is split into micro-batches inside)."""
+    global _step
+    config = None if forward_only else _ppo_loss_config(loss_function)
+    if config is None:
+        return _original_megatron_step(self, data, loss_function, forward_only=forward_only)
+    _step = _train_step(self, data, config, bool(self.engine_config.use_fused_kernels), None)
+    try:
+        return _original_megatron_step(self, data, loss_function, forward_only=forward_only)
     finally:
         _step = None
 
@@ -613,8 +653,8 @@ def _defer_head(hidden, weight, labels, temperature, reduction, dist_process_gro
         return None
     reason = step.fused
     if reason is None:
-        if dist_process_group is not None or is_dtensor(weight):
-            reason = "a sharded head (dist_process_group or an FSDP2 DTensor weight)"
+        if is_dtensor(weight):
+            reason = "a sharded head (an FSDP2 DTensor weight)"
         elif head_sampler() is not None or head_replays():
             reason = "policy_loss.match_sampler: the fused loss scores the full distribution"
         elif reduction.lower() != "none" or step.rows is not None:
@@ -624,8 +664,10 @@ def _defer_head(hidden, weight, labels, temperature, reduction, dist_process_gro
         _warn_composed(reason)
         return None
     n = labels.numel()
+    # verl's Megatron fused forward: whole hidden rows (verl gathers the sequence-parallel
+    # ones first), this rank's vocabulary slice of the weight, the tensor-parallel group
     step.rows = _HeadRows(hidden.reshape(n, hidden.shape[-1]), weight, labels.reshape(n),
-                          float(temperature))
+                          float(temperature), dist_process_group)
     dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
     ids = torch.arange(1, n + 1, dtype=dtype, device=hidden.device)
     return ids, torch.zeros_like(ids)
@@ -649,10 +691,14 @@ def _fused_loss(rows: _HeadRows, ids, old_log_prob, advantages, response_mask, c
         raise ValueError("policy_loss.fused: a response token in the loss has no head row "
                          "(the micro-batch's head call and its loss do not match)")
     pick = torch.where(mask, ids - 1, torch.zeros_like(ids))
+    # a tensor-parallel head: each rank's share of the hidden gradient, as the head drop-in
+    # returns it (verl's sequence-parallel gather sums it)
+    parallel = {} if rows.group is None else dict(vocab_parallel=rows.group,
+                                                  hidden_grad="partial")
     loss, metrics = fused_policy_loss(rows.hidden[pick], rows.weight, rows.labels[pick],
                                       old_log_prob, advantages, response_mask, cfg,
                                       token_weights=token_weights, head_dtype=head_dtype(),
-                                      temperature=rows.temperature, **normalisers)
+                                      temperature=rows.temperature, **parallel, **normalisers)
     # the composed path's metrics: verl passes a policy loss no entropies
     return loss, {k: v for k, v in metrics.items() if not k.startswith("entropy/")}
 
