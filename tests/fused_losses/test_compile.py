@@ -20,7 +20,6 @@ import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from logitless.fused_losses import oplib
-from logitless.fused_losses.fused import op as fused_op
 from logitless.fused_losses.fused.fused_policy_loss import fused_policy_loss, metric_names
 from logitless.fused_losses.head.attention_entropy import attention_entropy
 from logitless.fused_losses.head.divergence import linear_divergence, linear_topk_distill
@@ -28,6 +27,8 @@ from logitless.fused_losses.head.logprobs import linear_logprobs
 from logitless.fused_losses.objectives.catalog import OBJECTIVES
 from logitless.fused_losses.objectives.config import PolicyLossConfig
 from logitless.fused_losses.objectives.policy_loss import policy_loss
+
+CONFIG_LAYOUT = oplib.config_layout(PolicyLossConfig)
 
 D, V, T = 96, 1007, 37
 IGNORE = -100
@@ -381,7 +382,7 @@ def _opcheck_args(name):
         return (hidden.requires_grad_(), weight.requires_grad_(), bias.requires_grad_(), targets,
                 randn(2, 3) - 3, randn(2), mask, randn(2, 3) - 3, *(None,) * 10, 0.9, 20.0, 1.1,
                 None, None, None, None, None, "auto", torch.float64, True, True, True,
-                list(metric_names("grpo", None, kl=True)), *fused_op.config_args(cfg),
+                list(metric_names("grpo", None, kl=True)), *oplib.config_args(cfg, CONFIG_LAYOUT),
                 "tf32")  # head_dtype
     if name.startswith("logitless::sampled_logprobs"):
         settings = (0.5 + randn(2, 3).abs(), torch.tensor([[3, 11, 1], [20, 2, 5]]),
@@ -636,7 +637,8 @@ def test_config_crosses_the_op_boundary_whole():
                            rollout_is="token", rollout_rs="token_k1,seq_max_k2",
                            rollout_rs_threshold="2.0,0.5", max_response_length=64, cov_seed=3,
                            hard_trust_region=True)
-    back = fused_op.config_from_args(*fused_op.config_args(cfg))
+    back = oplib.config_from_args(PolicyLossConfig, CONFIG_LAYOUT,
+                                  *oplib.config_args(cfg, CONFIG_LAYOUT))
     for f in dataclasses.fields(cfg):
         a, b = getattr(cfg, f.name), getattr(back, f.name)
         if isinstance(a, torch.Tensor):

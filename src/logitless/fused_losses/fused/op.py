@@ -20,9 +20,7 @@ from logitless.fused_losses.fused.validation import Request, check_static, check
 from logitless.fused_losses.objectives.config import KL_EXACT, PolicyLossConfig
 from logitless.fused_losses.objectives.policy_inputs import check_shapes
 from logitless.fused_losses.objectives.policy_loss import policy_loss
-from logitless.fused_losses.oplib import Op, Record, config_layout, distinct, is_compiling
-from logitless.fused_losses.oplib import config_args as _pack
-from logitless.fused_losses.oplib import config_from_args as _unpack
+from logitless.fused_losses.oplib import Op, Record, distinct, is_compiling
 from logitless.kernels import linear_softmax_torch as tiles
 
 
@@ -157,17 +155,6 @@ def metric_names(objective: str, rollout_is: str | None, kl: bool = False) -> tu
     return _METRIC_NAMES[key]
 
 
-_CONFIG_LAYOUT = config_layout(PolicyLossConfig)
-
-
-def config_args(config: PolicyLossConfig) -> tuple[list, list, list, list]:
-    """The config's fields as the op's four list arguments."""
-    return _pack(config, _CONFIG_LAYOUT)
-
-
-def config_from_args(numbers, strings, flags, tensors) -> PolicyLossConfig:
-    """The `PolicyLossConfig` back from `config_args`'s lists (checked again on the way)."""
-    return _unpack(PolicyLossConfig, _CONFIG_LAYOUT, numbers, strings, flags, tensors)
 
 
 # The op's arguments: the request's fields (`Request`, flattened by `oplib.Record`).
