@@ -322,6 +322,8 @@ EXTRA_OBJECTIVES = {
     "ctpo": dict(objective="ctpo"),
     "k1_kl": dict(objective="dapo", beta=0.05, kl_estimator="k1"),
     "k2_kl": dict(objective="dapo", beta=0.05, kl_estimator="k2"),
+    # the reference model's backbone and head: its hidden states from TRL's reference pass
+    "exact_kl": dict(objective="dapo", beta=0.05, kl_estimator="exact"),
     "balanced": dict(objective="dapo", loss_agg="balanced"),
     "attention_entropy": dict(objective="dapo", attn_entropy_weighting="tanh",
                               attn_entropy_alpha=0.5, attn_entropy_alpha_final=0.1),
@@ -805,6 +807,114 @@ def test_fused_equals_composed(name, tmp_path, model_dir, tokenizer, fused_calls
     # loss values near 0 (on-policy steps: +-A terms that cancel): see test_fused_equals_stock_trl
     assert_same_logs(fused.state.log_history, composed.state.log_history, loss_atol=2e-6)
     assert_same_parameters(fused.model, composed.model)
+
+
+def _perturbed_trainer(tmp_path, model_dir, tokenizer, cfg, **overrides):
+    """A built trainer (not trained) whose policy is moved off the reference (TRL's reference
+    model is loaded on its own), in training mode, and one generation batch of it."""
+    args = grpo_args(tmp_path, gradient_accumulation_steps=1, **overrides)
+    trainer = GRPOTrainer(model=model_dir, reward_funcs=vowel_reward, args=args,
+                          train_dataset=prompt_dataset(), processing_class=tokenizer,
+                          loss_config=cfg)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in trainer.model.parameters():
+            p.add_(2 * p.abs().mean() * torch.randn(p.shape, generator=gen))
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1  # set by Trainer.train
+    inputs = trainer._generate_and_score_completions(
+        next(iter(trainer.get_train_dataloader())))
+    return trainer, inputs
+
+
+def _loss_and_grads(trainer, inputs, fused):
+    trainer._fused = fused
+    trainer.model.zero_grad()
+    trainer._metrics["train"].clear()
+    loss = trainer.compute_loss(trainer.model, inputs)
+    loss.backward()
+    logged = {k: v[-1] for k, v in trainer._metrics["train"].items()}
+    return loss.detach(), {k: p.grad.clone() for k, p in trainer.model.named_parameters()}, logged
+
+
+def _last_hidden64(model, ids, attention, width):
+    """``model``'s last hidden states in fp64 at the positions that predict the last ``width``
+    tokens, and its head."""
+    import copy
+
+    model64 = copy.deepcopy(model).double()
+    vars(model64).pop("forward", None)  # accelerate's wrapper, bound to the fp32 original
+    out = model64(input_ids=ids, attention_mask=attention, output_hidden_states=True)
+    return out.hidden_states[-1][:, -width - 1:-1], model64
+
+
+def test_exact_kl_against_fp64_oracle(tmp_path, model_dir, tokenizer, fused_calls):
+    """kl_estimator="exact" with beta > 0: the reference model's last hidden states come from
+    TRL's reference pass (in the generation batch), its head from the reference model; the
+    fused step (one fused_policy_loss call) and the composed one (linear_divergence, then
+    policy_loss(kl=...)) give the loss, the logged KL and the gradients of an fp64 oracle:
+    both models in fp64, the KL from logitless.reference's linear_divergence."""
+    from logitless import reference
+    from logitless.integrations.trl import REF_HIDDEN_KEY
+
+    cfg = PolicyLossConfig(objective="dapo", beta=1.0, kl_estimator="exact")
+    trainer, inputs = _perturbed_trainer(tmp_path, model_dir, tokenizer, cfg, beta=1.0)
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+    attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+    width = inputs["completion_ids"].shape[1]
+    mask = inputs["completion_mask"].bool()
+    with torch.no_grad():
+        ref_h, ref64 = _last_hidden64(trainer.ref_model, ids, attention, width)
+    kept = inputs[REF_HIDDEN_KEY]
+    assert kept.shape == (*mask.shape, ref_h.shape[-1])
+    torch.testing.assert_close(kept[mask].double(), ref_h[mask], rtol=1e-5, atol=1e-5)
+
+    h, policy64 = _last_hidden64(trainer.model, ids, attention, width)
+    w = policy64.lm_head.weight
+    kl = reference.linear_divergence(h, w, ref_h, ref64.lm_head.weight, mask, beta=1.0).divergence
+    logits = torch.log_softmax(h @ w.T, -1)
+    lp = logits.gather(-1, inputs["completion_ids"][..., None]).squeeze(-1)
+    ent = -(logits.exp() * logits).sum(-1)
+    loss64, _ = policy_loss(lp, inputs["old_per_token_logps"].double(),
+                            inputs["advantages"].double(), mask, trainer._config_for(1),
+                            entropy=ent, kl=kl, num_items_in_batch=inputs["num_items_in_batch"])
+    loss64.backward()
+    grads64 = dict(policy64.named_parameters())
+    assert float(kl[mask].mean()) > 1e-3  # the policy is off the reference
+
+    for fused in (True, False):
+        fused_calls.clear()
+        loss, grads, logged = _loss_and_grads(trainer, inputs, fused)
+        assert bool(fused_calls) == fused
+        # the policy term's +-A lp terms cancel: see test_fused_equals_stock_trl's loss_atol
+        assert abs(float(loss) - float(loss64)) <= 1e-5 * abs(float(loss64)) + 2e-6, fused
+        assert logged["kl"] == pytest.approx(float(kl[mask].mean()), rel=1e-5)
+        for name, g in grads.items():
+            g64 = grads64[name].grad
+            err = float((g.double() - g64).abs().max() / g64.abs().max())
+            assert err <= 1e-5, (fused, name, err)
+
+
+def test_lora_exact_kl_fused_equals_composed(tmp_path, model_dir, tokenizer, fused_calls):
+    """LoRA with the exact KL: the reference is the model with its adapters disabled (TRL's
+    reference pass, whose head rows the batch keeps); fused equals composed through training."""
+    from peft import LoraConfig
+
+    cfg = PolicyLossConfig(objective="dapo", beta=0.5, kl_estimator="exact")
+
+    def run(fused):
+        lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                          task_type="CAUSAL_LM")
+        return train(GRPOTrainer, model_dir, tokenizer, grpo_args(tmp_path, beta=0.5),
+                     peft_config=lora, loss_config=cfg, fused=fused)
+
+    composed = run(False)
+    assert not fused_calls
+    fused = run(True)
+    assert fused_calls
+    assert_same_logs(fused.state.log_history, composed.state.log_history, loss_atol=2e-6)
+    assert_same_parameters(fused.model, composed.model)
+    assert any(h.get("kl", 0) > 0 for h in fused.state.log_history)
 
 
 ON_POLICY = [

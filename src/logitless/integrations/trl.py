@@ -37,6 +37,7 @@ import torch
 import trl
 
 from logitless.fused_losses.fused.fused_policy_loss import fused_policy_loss
+from logitless.fused_losses.head.divergence import linear_divergence
 from logitless.fused_losses.head.dtensor import is_dtensor
 from logitless.fused_losses.objectives.aggregation import agg_counts
 from logitless.fused_losses.objectives.catalog import CLIPPED_SURROGATE, OBJECTIVES, clip_flags
@@ -84,10 +85,33 @@ __all__ = [
     "unpatch_trl",
 ]
 
+# The generation batch's key for the reference model's last hidden states on the completion
+# grid, ``[B, T, D_ref]`` (kl_estimator="exact"): TRL's shuffling and splitting carry them.
+REF_HIDDEN_KEY = "ref_hidden_states"
+
 # Multimodal inputs TRL's forward helper takes from the batch.
 _FORWARD_KEYS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask",
                  "spatial_shapes", "num_tiles", "image_sizes", "token_type_ids",
                  "mm_token_type_ids", "image_position_ids")
+
+
+@dataclasses.dataclass(frozen=True)
+class _HeadCall:
+    """What one call of TRL's fused head received: its rows (TRL's ``hidden[mask]``, or every
+    position), the head and the logit transform."""
+
+    hidden: torch.Tensor
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    temperature: float
+    softcap: float | None
+    logit_scale: float
+
+    def check_exact_kl(self) -> None:
+        """The exact KL's two-head passes take temperature and logit scale, not a softcap."""
+        if self.softcap is not None:
+            raise ValueError("kl_estimator='exact': the exact KL supports temperature and "
+                             "logit scale, not the model's final_logit_softcapping")
 
 
 class _Head:
@@ -95,16 +119,21 @@ class _Head:
     (TRL's policy head always computes it, even in the old-policy pass that discards it), and
     applies the sampler's truncations when given them, or the recorded kept sets: ``kept``,
     one ``(mask, kept_ids)`` per model call of the helper's batch loop, in its order (see
-    `_replay_chunks`)."""
+    `_replay_chunks`). ``calls``: a list that gets each call's `_HeadCall` (the exact KL reads
+    the head's rows)."""
 
     def __init__(self, entropy: bool, sampler: SamplerTruncation | None = None,
-                 kept: list | None = None):
+                 kept: list | None = None, calls: list | None = None):
         self.entropy = entropy
         self.sampler = sampler
         self.kept = kept
+        self.calls = calls
 
     def apply(self, hidden, weight, bias, targets, temperature, chunk_size,
               final_logit_softcapping=None, logit_scale=1.0, outputs=()):
+        if self.calls is not None:
+            self.calls.append(_HeadCall(hidden, weight, bias, temperature,
+                                        final_logit_softcapping, logit_scale))
         if not self.entropy:
             outputs = tuple(o for o in outputs if o != "entropy")
         kept_ids = None if self.kept is None else self._rows(hidden.shape[0])
@@ -134,6 +163,18 @@ def _label_mask(input_ids, attention_mask, logits_to_keep):
     labels = input_ids.masked_fill(attention_mask == 0, -100)
     labels[:, :-logits_to_keep] = -100
     return labels[:, 1:] != -100
+
+
+def _on_grid(hidden, mask, who: str):
+    """TRL's head rows of one model call on its position grid ``[b, L - 1, D]``: TRL's compact
+    rows (``hidden[mask]``, the labelled positions; 0 elsewhere) or every position."""
+    rows, width = hidden.shape
+    if rows == int(mask.sum()):
+        return hidden.new_zeros(*mask.shape, width).masked_scatter(mask[..., None], hidden)
+    if rows == mask.numel():
+        return hidden.view(*mask.shape, width)
+    raise RuntimeError(f"{who}: TRL's head got {rows} rows for {tuple(mask.shape)} positions "
+                       f"({int(mask.sum())} labelled)")
 
 
 def _replay_chunks(input_ids, attention_mask, logits_to_keep, batch_size, kept_ids):
@@ -174,10 +215,10 @@ def _kernel(kernel):
 
 @contextlib.contextmanager
 def _logitless_head(entropy: bool, sampler: SamplerTruncation | None = None,
-                    kept: list | None = None):
+                    kept: list | None = None, calls: list | None = None):
     """TRL's fused head computes through logitless inside the block (TRL looks the kernel up
     at each call; the backward belongs to the returned tensors, so it needs no patch)."""
-    with _kernel(_Head(entropy, sampler, kept)):
+    with _kernel(_Head(entropy, sampler, kept, calls)):
         yield
     if kept:
         raise RuntimeError("match_sampler='replay': TRL's head was called fewer times than "
@@ -202,15 +243,8 @@ class _FusedLoss:
         if self.result is not None:
             raise RuntimeError("GRPOTrainer(fused=True): TRL's head was called more than once "
                                "in the training forward")
-        mask = self.label_mask.to(hidden.device)
-        rows, width = hidden.shape
-        if rows == int(mask.sum()):  # TRL's compact rows: the labelled positions
-            grid = hidden.new_zeros(*mask.shape, width).masked_scatter(mask[..., None], hidden)
-        elif rows == mask.numel():
-            grid = hidden.view(*mask.shape, width)
-        else:
-            raise RuntimeError(f"GRPOTrainer(fused=True): TRL's head got {rows} rows for "
-                               f"{tuple(mask.shape)} positions ({int(mask.sum())} labelled)")
+        rows = hidden.shape[0]
+        grid = _on_grid(hidden, self.label_mask.to(hidden.device), "GRPOTrainer(fused=True)")
         # the per-token logprobs the loss used, for TRL's per-sequence clip metrics and VESPO
         self.logprobs = torch.empty(self.loss_args["mask"].shape, device=hidden.device,
                                     dtype=torch.promote_types(hidden.dtype, torch.float32))
@@ -328,6 +362,8 @@ class GRPOTrainer(trl.GRPOTrainer):
     _replay_masks = None
     _replay_kept = None
     _fused = False
+    _ref_hidden = None  # the exact KL's reference rows of the generation in progress
+    _ref_head = None  # and its head, (weight, bias)
 
     def __init__(self, *args, loss_config: PolicyLossConfig | None = None,
                  attention_entropy_layers: Sequence[int] | None = None,
@@ -441,11 +477,20 @@ class GRPOTrainer(trl.GRPOTrainer):
         """Whether the head follows the sampler (its settings, or the recorded sets)."""
         return self._sampler is not None or self._replay
 
+    @property
+    def _exact_kl(self) -> bool:
+        """Whether the loss has the exact KL term (its reference head's passes)."""
+        cfg = getattr(self, "loss_config", None)
+        return cfg is not None and cfg.kl_estimator == KL_EXACT and _uses_kl(cfg)
+
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask,
                                            logits_to_keep, batch_size=None,
-                                           compute_entropy=False, kept_ids=None, **kwargs):
+                                           compute_entropy=False, kept_ids=None,
+                                           head_calls=None, **kwargs):
         """TRL's, plus ``kept_ids`` (replay: the batch's recorded sets, ``[B, T, K]``; during
-        generation, TRL's old-policy and reference passes read the sets just generated)."""
+        generation, TRL's old-policy and reference passes read the sets just generated) and
+        ``head_calls`` (a list that gets each head call's `_HeadCall`). With the exact KL, the
+        reference pass keeps the reference head's rows (`_keep_reference_head`)."""
         record = self._attention_pending and model is self.model
         recording = (self._recording_attention(model, logits_to_keep) if record
                      else contextlib.nullcontext())
@@ -460,10 +505,49 @@ class GRPOTrainer(trl.GRPOTrainer):
                 kept_ids = self._generation_kept_ids(logits_to_keep)
             kept = _replay_chunks(input_ids, attention_mask, logits_to_keep, batch_size,
                                   kept_ids.to(input_ids.device))
-        with _logitless_head(compute_entropy, sampler, kept), recording:
-            return super()._get_per_token_logps_and_entropies(
+        keep_reference = reference and self._exact_kl
+        calls = [] if keep_reference else head_calls
+        with _logitless_head(compute_entropy, sampler, kept, calls), recording:
+            out = super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
                 compute_entropy=compute_entropy, **kwargs)
+        if keep_reference:
+            self._keep_reference_head(calls, input_ids, attention_mask, logits_to_keep,
+                                      batch_size)
+        return out
+
+    def _keep_reference_head(self, calls, input_ids, attention_mask, logits_to_keep,
+                             batch_size) -> None:
+        """The exact KL's reference: the reference pass's head rows on the completion grid,
+        ``[B, logits_to_keep, D_ref]`` (detached; the generation batch carries them under
+        `REF_HIDDEN_KEY`), and its head (weight and bias, which stay with the trainer)."""
+        mask = _label_mask(input_ids, attention_mask, logits_to_keep)
+        step = batch_size or input_ids.shape[0]
+        starts = range(0, input_ids.shape[0], step)
+        if len(calls) != len(starts):
+            raise RuntimeError(f"kl_estimator='exact': TRL's reference head was called "
+                               f"{len(calls)} times for {len(starts)} model calls")
+        grids = []
+        for call, start in zip(calls, starts):
+            call.check_exact_kl()
+            grid = _on_grid(call.hidden.detach(), mask[start:start + step].to(call.hidden.device),
+                            "kl_estimator='exact'")
+            grids.append(grid[:, -logits_to_keep:])
+        head = calls[0]
+        self._ref_hidden = torch.cat(grids)
+        self._ref_head = (head.weight.detach(),
+                          None if head.bias is None else head.bias.detach())
+
+    def _reference_inputs(self, inputs) -> dict:
+        """The exact KL's reference head for `fused_policy_loss` (``ref_hidden``,
+        ``ref_weight``, ``ref_bias``); empty without the exact KL."""
+        if not self._exact_kl:
+            return {}
+        if inputs.get(REF_HIDDEN_KEY) is None or self._ref_head is None:
+            raise RuntimeError("kl_estimator='exact': the batch has no reference hidden states "
+                               f"({REF_HIDDEN_KEY!r}); TRL's reference pass did not run")
+        weight, bias = self._ref_head
+        return dict(ref_hidden=inputs[REF_HIDDEN_KEY], ref_weight=weight, ref_bias=bias)
 
     @contextlib.contextmanager
     def _recording_attention(self, model, logits_to_keep):
@@ -494,7 +578,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         ``use_adapter`` block (adapter disabled or "ref"): mark those passes for the duration."""
         import trl.trainer.grpo_trainer as grpo_module
 
-        if not self._matching:
+        if not (self._matching or self._exact_kl):
             yield
             return
         inner = grpo_module.use_adapter
@@ -515,8 +599,13 @@ class GRPOTrainer(trl.GRPOTrainer):
             grpo_module.use_adapter = inner
 
     def _generate_and_score_completions(self, inputs):
+        self._ref_hidden = None
         with self._marking_reference_passes():
             output = self._generate_and_score(inputs)
+        if self._exact_kl:
+            if self._ref_hidden is None:
+                raise RuntimeError("kl_estimator='exact': TRL made no reference pass")
+            output[REF_HIDDEN_KEY], self._ref_hidden = self._ref_hidden, None
         if self._replay:
             output[KEPT_IDS_KEY] = self._generation_kept_ids(output["completion_ids"].size(1))
             self._replay_masks = self._replay_kept = None
@@ -652,21 +741,27 @@ class GRPOTrainer(trl.GRPOTrainer):
         loss_args = dict(num_items_in_batch=num_items, entropy_coef=coef,
                          training_progress=self.state.global_step / max(self.state.max_steps, 1))
         outside = None
+        reference = self._reference_inputs(inputs)
         if self._fused_reason(cfg) is None:
             fused = _FusedLoss(_label_mask(input_ids, attention_mask, logits_to_keep),
                                logits_to_keep, completion_ids, old_logprobs=old,
                                advantages=inputs["advantages"], mask=mask, config=cfg,
                                ref_logprobs=ref, head_dtype=head_dtype_from_grpo(self.args),
-                               **batch, **loss_args)
+                               **reference, **batch, **loss_args)
             with _fused_head(fused):
                 _, _, aux_loss = super()._get_per_token_logps_and_entropies(
                     model, input_ids, attention_mask, logits_to_keep, **forward)
             (loss, metrics), logps = fused.result, fused.logprobs
             old = logps if old is None else old  # on-policy: TRL's per_token_logps.detach()
         else:
+            calls = [] if reference else None
             logps, entropies, aux_loss = self._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, compute_entropy=True,
-                kept_ids=inputs.get(KEPT_IDS_KEY), **forward)
+                kept_ids=inputs.get(KEPT_IDS_KEY), head_calls=calls, **forward)
+            kl = None
+            if reference:
+                kl = self._exact_kl_term(calls, input_ids, attention_mask, logits_to_keep, mask,
+                                         **reference)
             old = logps.detach() if old is None else old
             if self._matching:
                 tokens = mask.sum()
@@ -682,7 +777,7 @@ class GRPOTrainer(trl.GRPOTrainer):
                     cfg, mask, inputs["advantages"], entropies, dict(old_logprobs=old, **batch))
             loss, metrics = policy_loss(
                 logps, old, inputs["advantages"], mask, cfg, ref_logprobs=ref, entropy=entropies,
-                batch_globals=batch_globals, **batch, **loss_args)
+                batch_globals=batch_globals, kl=kl, **batch, **loss_args)
         self._log_entropy_bonus(mode, loss, metrics, coef, cfg, grad_accum)
         if batch["rollout_logprobs"] is not None:
             # the old policy's logprobs are the trainer's at the weights that generated
@@ -696,6 +791,24 @@ class GRPOTrainer(trl.GRPOTrainer):
             self._metrics[mode]["logitless/sampler/outside_kept"].append(
                 self._global_mean(outside, tokens))
         return loss
+
+    def _exact_kl_term(self, calls, input_ids, attention_mask, logits_to_keep, mask,
+                       ref_hidden, ref_weight, ref_bias):
+        """The composed path's exact KL(policy || reference) per completion token, with its
+        graph: `linear_divergence` (``beta=1``) of the training forward's head rows against
+        the reference's, both heads' logits divided by the policy's temperature over its
+        logit scale (`fused_policy_loss`'s rule)."""
+        if len(calls) != 1:
+            raise RuntimeError(f"kl_estimator='exact': TRL's head was called {len(calls)} "
+                               "times in the training forward")
+        call = calls[0]
+        call.check_exact_kl()
+        grid = _on_grid(call.hidden, _label_mask(input_ids, attention_mask, logits_to_keep).to(
+            call.hidden.device), "kl_estimator='exact'")
+        return linear_divergence(
+            grid[:, -logits_to_keep:], call.weight, ref_hidden, ref_weight, mask.bool(),
+            beta=1.0, temperature=call.temperature / call.logit_scale, bias=call.bias,
+            teacher_bias=ref_bias, head_dtype=head_dtype_from_grpo(self.args)).divergence
 
     def _fused_reason(self, cfg: PolicyLossConfig) -> str | None:
         """Why this loss step cannot run as one `fused_policy_loss` call (None: it can). Each
@@ -719,9 +832,6 @@ class GRPOTrainer(trl.GRPOTrainer):
         elif is_dtensor(self.accelerator.unwrap_model(self.model).get_output_embeddings().weight):
             reason = ("an FSDP2 (DTensor) head: fused_policy_loss runs it streamed, four passes "
                       "like the composed path, and that has not been run inside the trainer")
-        elif cfg.kl_estimator == KL_EXACT and _uses_kl(cfg):
-            reason = ("kl_estimator='exact': the reference model's hidden states are not "
-                      "computed in the loss step")
         elif cfg.objective.startswith("dppo_topk"):
             reason = f"objective={cfg.objective!r}: needs the rollout's top-k logprobs"
         if reason is not None and reason not in self._fallbacks:
