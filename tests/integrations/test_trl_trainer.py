@@ -405,13 +405,15 @@ class _TwoRanks:
         return 2 * x
 
 
-def test_entropy_quantile_over_processes(tmp_path, model_dir, tokenizer):
-    """TRL's top-entropy threshold is a quantile over every process's tokens; ours too."""
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "composed"])
+def test_entropy_quantile_over_processes(fused, tmp_path, model_dir, tokenizer, fused_calls):
+    """TRL's top-entropy threshold is a quantile over every process's tokens; ours too, fused
+    (the threshold handed to fused_policy_loss as its batch_globals) and composed."""
     args = dict(loss_type="dapo", top_entropy_quantile=0.5, entropy_coef=0.05,
                 gradient_accumulation_steps=1)
     trainers = [cls(model=model_dir, reward_funcs=vowel_reward, args=grpo_args(tmp_path, **args),
-                    train_dataset=prompt_dataset(), processing_class=tokenizer)
-                for cls in (trl.GRPOTrainer, GRPOTrainer)]
+                    train_dataset=prompt_dataset(), processing_class=tokenizer, **kwargs)
+                for cls, kwargs in ((trl.GRPOTrainer, {}), (GRPOTrainer, dict(fused=fused)))]
     for trainer in trainers:
         trainer.model.train()
         trainer.current_gradient_accumulation_steps = 1  # set by Trainer.train
@@ -421,10 +423,14 @@ def test_entropy_quantile_over_processes(tmp_path, model_dir, tokenizer):
     for trainer in trainers:
         trainer.accelerator = _TwoRanks(trainer.accelerator)
         trainer._metrics["train"].clear()
-        loss = trainer.compute_loss(trainer.model, inputs)
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            loss = trainer.compute_loss(trainer.model, inputs)
+        assert not _fused_warnings(record)
         loss.backward()
         grads = torch.cat([p.grad.flatten() for p in trainer.model.parameters()])
         results.append((loss.detach(), grads))
+    assert fused_calls == ([True] if fused else [])
     (theirs, g_theirs), (ours, g_ours) = results
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(g_ours, g_theirs, rtol=1e-5, atol=1e-5 * g_theirs.abs().max())
@@ -442,6 +448,49 @@ def test_entropy_quantile_over_processes(tmp_path, model_dir, tokenizer):
                            inputs["advantages"], inputs["completion_mask"], local, entropy=ent,
                            num_items_in_batch=inputs["num_items_in_batch"])
     assert abs(float(alone) - float(theirs)) > 1e-4 * abs(float(theirs))
+
+def _entropy_quantile_worker(rank, world, model_dir, out_dir):
+    """One gloo rank of `test_entropy_quantile_on_two_processes`: accelerate's multi-CPU
+    state over the spawned group, then stock TRL, the fused and the composed trainer."""
+    from accelerate import PartialState
+    from accelerate.state import AcceleratorState
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world))
+    assert PartialState(cpu=True, backend="gloo").num_processes == world
+    tokenizer = tiny_tokenizer()
+    fused_calls = []
+    inner = trl_module._FusedLoss.apply
+    trl_module._FusedLoss.apply = lambda self, *a, **k: fused_calls.append(1) or inner(
+        self, *a, **k)
+    trainers = {}
+    for name, cls, kwargs in (("stock", trl.GRPOTrainer, {}), ("fused", GRPOTrainer, {}),
+                              ("composed", GRPOTrainer, dict(fused=False))):
+        args = grpo_args(f"{out_dir}/{name}", loss_type="dapo", top_entropy_quantile=0.5,
+                         entropy_coef=0.05, accelerator_config={"use_configured_state": True})
+        calls = len(fused_calls)
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            trainers[name] = train(cls, model_dir, tokenizer, args, **kwargs)
+        assert trainers[name].accelerator.num_processes == world
+        if name == "fused":
+            assert not _fused_warnings(record)
+            assert len(fused_calls) > calls
+        AcceleratorState._reset_state()  # the next trainer's; the processes stay
+    fused, composed, stock = (trainers[k] for k in ("fused", "composed", "stock"))
+    assert_same_logs(fused.state.log_history, composed.state.log_history, loss_atol=2e-6)
+    assert_same_parameters(fused.model, composed.model)
+    assert_same_logs(fused.state.log_history, stock.state.log_history, loss_atol=2e-6)
+    assert_same_parameters(fused.model, stock.model)
+
+
+@pytest.mark.dist
+def test_entropy_quantile_on_two_processes(model_dir, tmp_path):
+    """Two gloo processes training (accelerate's multi-CPU data parallelism): the top-entropy
+    threshold is the quantile over both processes' tokens, and the fused trainer (that
+    threshold handed to fused_policy_loss) trains like the composed one and like stock TRL."""
+    run_on_gloo(2, _entropy_quantile_worker, model_dir, str(tmp_path))
+
 
 @pytest.mark.parametrize("grpo,config,message", [
     (dict(beta=0.04), PolicyLossConfig(objective="gmpo", beta=0.0),

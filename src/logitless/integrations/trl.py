@@ -165,14 +165,16 @@ def _label_mask(input_ids, attention_mask, logits_to_keep):
     return labels[:, 1:] != -100
 
 
-def _on_grid(hidden, mask, who: str):
-    """TRL's head rows of one model call on its position grid ``[b, L - 1, D]``: TRL's compact
-    rows (``hidden[mask]``, the labelled positions; 0 elsewhere) or every position."""
-    rows, width = hidden.shape
+def _on_grid(values, mask, who: str):
+    """TRL's head rows of one model call (``[rows, D]`` hidden states, or ``[rows]`` per-row
+    values) on its position grid ``[b, L - 1, ...]``: TRL's compact rows (``hidden[mask]``,
+    the labelled positions; 0 elsewhere) or every position."""
+    rows, tail = values.shape[0], values.shape[1:]
     if rows == int(mask.sum()):
-        return hidden.new_zeros(*mask.shape, width).masked_scatter(mask[..., None], hidden)
+        where = mask.view(*mask.shape, *(1,) * len(tail))
+        return values.new_zeros(*mask.shape, *tail).masked_scatter(where, values)
     if rows == mask.numel():
-        return hidden.view(*mask.shape, width)
+        return values.view(*mask.shape, *tail)
     raise RuntimeError(f"{who}: TRL's head got {rows} rows for {tuple(mask.shape)} positions "
                        f"({int(mask.sum())} labelled)")
 
@@ -230,21 +232,37 @@ class _FusedLoss:
     the loss are one `fused_policy_loss` call: the head's rows (TRL's ``hidden[mask]``, or
     every position) are laid out on the completion grid, the loss computed there (inside TRL's
     autocast and ZeRO-3 gather context, which hold the kernel call) and kept in ``result``.
-    TRL's forward gets zeros for its per-token outputs, which nothing reads."""
+    TRL's forward gets zeros for its per-token outputs, which nothing reads.
 
-    def __init__(self, label_mask, logits_to_keep, targets, **loss_args):
+    ``world_globals``: a function of the current entropies and logprobs on the completion grid
+    that returns the batch's `BatchGlobals` over every process (`_world_entropy_globals`);
+    the entropies come from one no-grad pass of TRL's head contract over TRL's rows (the
+    composed path's values), and the call selects with them (``selection_entropy``), so it
+    makes no pass of its own."""
+
+    def __init__(self, label_mask, logits_to_keep, targets, world_globals=None, **loss_args):
         self.label_mask, self.logits_to_keep = label_mask, logits_to_keep
         self.targets, self.loss_args = targets, loss_args
+        self.world_globals = world_globals
         self.result = None
 
     def apply(self, hidden, weight, bias, targets, temperature, chunk_size,
               final_logit_softcapping=None, logit_scale=1.0, outputs=()):
-        del targets, chunk_size  # the completion ids, on the grid; logitless sizes its tiles
         if self.result is not None:
             raise RuntimeError("GRPOTrainer(fused=True): TRL's head was called more than once "
                                "in the training forward")
         rows = hidden.shape[0]
-        grid = _on_grid(hidden, self.label_mask.to(hidden.device), "GRPOTrainer(fused=True)")
+        mask = self.label_mask.to(hidden.device)
+        grid = _on_grid(hidden, mask, "GRPOTrainer(fused=True)")
+        extra = {}
+        if self.world_globals is not None:
+            with torch.no_grad():
+                lp, ent, *_ = LogitlessChunkedLogProb.apply(
+                    hidden, weight, bias, targets, temperature, chunk_size,
+                    final_logit_softcapping, logit_scale, ("log_probs", "entropy"))
+            lp, ent = (_on_grid(x, mask, "GRPOTrainer(fused=True)")[:, -self.logits_to_keep:]
+                       for x in (lp, ent))
+            extra = dict(selection_entropy=ent, batch_globals=self.world_globals(ent, lp))
         # the per-token logprobs the loss used, for TRL's per-sequence clip metrics and VESPO
         self.logprobs = torch.empty(self.loss_args["mask"].shape, device=hidden.device,
                                     dtype=torch.promote_types(hidden.dtype, torch.float32))
@@ -252,7 +270,7 @@ class _FusedLoss:
             grid[:, -self.logits_to_keep:], weight, self.targets, bias=bias,
             temperature=temperature,
             softcap=logitless_softcap(final_logit_softcapping, logit_scale),
-            logit_scale=logit_scale, out_logprobs=self.logprobs, **self.loss_args)
+            logit_scale=logit_scale, out_logprobs=self.logprobs, **extra, **self.loss_args)
         zeros = hidden.new_zeros(rows)
         return zeros, zeros if "entropy" in outputs else None, None, None, None
 
@@ -742,9 +760,18 @@ class GRPOTrainer(trl.GRPOTrainer):
                          training_progress=self.state.global_step / max(self.state.max_steps, 1))
         outside = None
         reference = self._reference_inputs(inputs)
+        world = cfg.top_entropy_quantile < 1 and self.accelerator.num_processes > 1
+
+        def world_globals(entropies, logps):
+            # on-policy the old logprobs are the current ones (TRL's per_token_logps.detach())
+            return self._world_entropy_globals(
+                cfg, mask, inputs["advantages"], entropies,
+                dict(old_logprobs=logps if old is None else old, **batch))
+
         if self._fused_reason(cfg) is None:
             fused = _FusedLoss(_label_mask(input_ids, attention_mask, logits_to_keep),
-                               logits_to_keep, completion_ids, old_logprobs=old,
+                               logits_to_keep, completion_ids,
+                               world_globals=world_globals if world else None, old_logprobs=old,
                                advantages=inputs["advantages"], mask=mask, config=cfg,
                                ref_logprobs=ref, head_dtype=head_dtype_from_grpo(self.args),
                                **reference, **batch, **loss_args)
@@ -771,10 +798,7 @@ class GRPOTrainer(trl.GRPOTrainer):
                     _, ref, mask, ref_outside = drop_outside_kept(ref, ref, mask)
                     self._metrics[mode]["logitless/sampler/outside_kept_reference"].append(
                         self._global_mean(ref_outside, tokens))
-            batch_globals = None
-            if cfg.top_entropy_quantile < 1 and self.accelerator.num_processes > 1:
-                batch_globals = self._world_entropy_globals(
-                    cfg, mask, inputs["advantages"], entropies, dict(old_logprobs=old, **batch))
+            batch_globals = world_globals(entropies, old) if world else None
             loss, metrics = policy_loss(
                 logps, old, inputs["advantages"], mask, cfg, ref_logprobs=ref, entropy=entropies,
                 batch_globals=batch_globals, kl=kl, **batch, **loss_args)
@@ -821,10 +845,6 @@ class GRPOTrainer(trl.GRPOTrainer):
         if self._matching:
             reason = ("match_sampler: fused_policy_loss has no sampler truncation or recorded "
                       "kept sets")
-        elif cfg.top_entropy_quantile < 1 and self.accelerator.num_processes > 1:
-            reason = ("top_entropy_quantile: over several processes the threshold is the "
-                      "quantile of every process's entropies, which fused_policy_loss takes "
-                      "over this process's")
         elif is_deepspeed_zero3_enabled():
             reason = ("DeepSpeed ZeRO-3: fused_policy_loss computes the head's gradient in the "
                       "forward, inside TRL's gather, and the backward hands it to the "

@@ -19,6 +19,7 @@ from logitless.fused_losses.head.divergence import (
 from logitless.fused_losses.head.dtensor import is_dtensor
 from logitless.fused_losses.head.logprobs import check_byte_budget, check_head_args
 from logitless.fused_losses.head.shards import VocabShard
+from logitless.fused_losses.objectives.aggregation import BatchGlobals
 from logitless.fused_losses.objectives.catalog import needs_whole_batch
 from logitless.fused_losses.objectives.config import PolicyLossConfig
 from logitless.fused_losses.objectives.policy_inputs import Batch, promoted_dtype, to_batch
@@ -118,6 +119,8 @@ class Request:
                                                         metadata=_NOT_AN_OP_ARGUMENT)
     vocab_parallel: VocabShard | None = dataclasses.field(default=None,
                                                           metadata=_NOT_AN_OP_ARGUMENT)
+    batch_globals: BatchGlobals | None = dataclasses.field(default=None,
+                                                          metadata=_NOT_AN_OP_ARGUMENT)
 
     @property
     def head(self) -> Head:
@@ -168,6 +171,7 @@ class Call:
     strategy: str
     selection_entropy: bool
     ref: RefHead | None = None  # the reference head of the exact KL
+    given_globals: BatchGlobals | None = None  # the caller's `BatchGlobals` (`batch_globals`)
     # the caller's buffers for the per-token logprobs and entropies (`hand_back`)
     out: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
 
@@ -380,6 +384,20 @@ def checked_call(head, targets, old_logprobs, advantages, mask, config, strategy
     return Call(head, config, full.to(loss_dtype), full, globals_dtype, rows, local,
                  full.positions(rows), packed, cu_seqlens, strategy, selection_entropy is not None,
                  shard=shard)
+
+
+def checked_globals(glob, config: PolicyLossConfig) -> BatchGlobals | None:
+    """The caller's ``batch_globals``: None, or a `BatchGlobals` for an objective whose
+    globals do not read the current logprobs (``ValueError`` otherwise)."""
+    if glob is None:
+        return None
+    if not isinstance(glob, BatchGlobals):
+        raise ValueError(f"batch_globals: expected a BatchGlobals (e.g. from "
+                         f"policy_loss_globals), got {type(glob).__name__}")
+    if needs_whole_batch(config.objective):
+        raise ValueError(f"batch_globals: {config.objective} selects tokens from statistics of "
+                         "the whole batch's current logprobs, which the call computes itself")
+    return glob
 
 
 def checked_ref(head: Head, config, ref_hidden, ref_weight, ref_bias) -> RefHead | None:
