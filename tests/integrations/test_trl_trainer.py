@@ -577,8 +577,13 @@ def test_loss_config_keeps_grpo_config_kl(tmp_path, model_dir, tokenizer):
      r"loss_config\.loss_agg: prompt-mean groups .* TRL shuffles"),
     (PolicyLossConfig(entropy_coef=0.01, entropy_agg="prompt-mean", prompt_group_size=4), {},
      r"loss_config\.entropy_agg: prompt-mean groups .* TRL shuffles"),
+    # neither path can train it: TRL's generation records no top-k ids or their logprobs
+    (PolicyLossConfig(objective="dppo_topk_tv"), {},
+     r"loss_config\.objective: dppo_topk_tv needs the rollout's top-k token ids"),
+    (PolicyLossConfig(objective="dppo_topk_kl"), {},
+     r"loss_config\.objective: dppo_topk_kl needs the rollout's top-k token ids"),
 ], ids=["kl-without-reference", "attention-layer-out-of-range", "prompt-mean",
-        "entropy-prompt-mean"])
+        "entropy-prompt-mean", "dppo-topk-tv", "dppo-topk-kl"])
 def test_bad_configuration_fails_at_construction(config, kwargs, message, tmp_path, model_dir,
                                                  tokenizer):
     with pytest.raises(ValueError, match=message):
@@ -964,6 +969,81 @@ def test_lora_exact_kl_fused_equals_composed(tmp_path, model_dir, tokenizer, fus
     assert_same_logs(fused.state.log_history, composed.state.log_history, loss_atol=2e-6)
     assert_same_parameters(fused.model, composed.model)
     assert any(h.get("kl", 0) > 0 for h in fused.state.log_history)
+
+
+class _FakeVLLM:
+    """Stands in for TRL's ``VLLMGeneration`` (vLLM is not installed here): each completion's
+    tokens drawn from the policy's own distribution at its current weights (TRL syncs vLLM's
+    weights every step), and as vLLM's logprobs of them the policy's, perturbed as an engine's
+    numerics would be (with a None, vLLM's NaN, now and then), so TRL's importance-sampling
+    ratios are away from 1 and some are clipped or masked."""
+
+    def __init__(self, model, max_completion_length, **kwargs):
+        self.model, self.length = model, max_completion_length
+        self.gen = torch.Generator().manual_seed(11)
+
+    def sync_weights(self):
+        pass
+
+    @torch.no_grad()
+    def generate(self, prompts, images, num_generations, profiler=None):
+        completions, logprobs = [], []
+        for prompt in prompts:
+            ids = torch.tensor(prompt)[None]
+            for _ in range(self.length):
+                logits = self.model(input_ids=ids).logits[0, -1].float()
+                token = torch.multinomial(logits.softmax(-1), 1, generator=self.gen)
+                ids = torch.cat([ids, token[None]], 1)
+            tokens = ids[0, len(prompt):]
+            lp = torch.log_softmax(self.model(input_ids=ids).logits[0, len(prompt) - 1:-1].float(),
+                                   -1).gather(-1, tokens[:, None])[:, 0]
+            lp = lp + 0.3 * torch.randn(lp.shape, generator=self.gen)
+            completions.append(tokens.tolist())
+            logprobs.append([[None if float(u) < 0.05 else float(x)]
+                             for x, u in zip(lp, torch.rand(lp.shape, generator=self.gen))])
+        return prompts, completions, logprobs, None
+
+
+VLLM_IS = [
+    pytest.param(dict(loss_type="dapo", vllm_importance_sampling_mode="token_truncate",
+                      vllm_importance_sampling_clip_max=1.5), id="dapo-token-truncate"),
+    pytest.param(dict(loss_type="grpo", beta=0.04, vllm_importance_sampling_mode="sequence_mask",
+                      vllm_importance_sampling_clip_max=1.5), id="grpo-kl-sequence-mask"),
+]
+
+
+@pytest.mark.parametrize("overrides", VLLM_IS)
+def test_vllm_importance_sampling_fused(overrides, tmp_path, model_dir, tokenizer, fused_calls,
+                                        monkeypatch):
+    """TRL's vLLM importance-sampling correction (``sampling_per_token_logps``, vLLM's
+    logprobs, as ``rollout_logprobs``): the fused trainer trains like the composed one and
+    like stock TRL (losses, logged metrics, parameters), generating with a stand-in for vLLM."""
+    import trl.trainer.grpo_trainer as grpo_module
+
+    monkeypatch.setattr(grpo_module, "VLLMGeneration", _FakeVLLM)
+    overrides = dict(overrides, use_vllm=True, vllm_mode="colocate",
+                     vllm_importance_sampling_correction=True)
+
+    def run(cls, **kwargs):
+        return train(cls, model_dir, tokenizer, grpo_args(tmp_path, **overrides), **kwargs)
+
+    theirs = run(trl.GRPOTrainer)
+    composed = run(GRPOTrainer, fused=False)
+    assert not fused_calls
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        fused = run(GRPOTrainer)
+    assert not _fused_warnings(record)
+    assert fused_calls and all(fused_calls)
+    ratios = [h["sampling/importance_sampling_ratio/min"] for h in theirs.state.log_history
+              if "sampling/importance_sampling_ratio/min" in h]
+    assert ratios and min(ratios) < 0.9  # the correction is away from 1
+    for ours in (fused, composed):
+        assert_same_logs(ours.state.log_history, theirs.state.log_history, loss_atol=2e-6)
+        assert_same_parameters(ours.model, theirs.model)
+    assert_same_logs(fused.state.log_history, composed.state.log_history, loss_atol=2e-6)
+    assert_same_parameters(fused.model, composed.model)
+    assert_moved(fused.model, initial_parameters(model_dir), at_least=1e-4)
 
 
 ON_POLICY = [

@@ -430,6 +430,12 @@ class GRPOTrainer(trl.GRPOTrainer):
                 "loss_config: a KL term (beta or future_kl_coef) needs the reference logprobs, "
                 "which TRL computes only with GRPOConfig.beta != 0; set GRPOConfig.beta too"
             )
+        if OBJECTIVES[cfg.objective].needs_topk:
+            raise ValueError(
+                f"loss_config.objective: {cfg.objective} needs the rollout's top-k token ids "
+                "and the engine's logprobs there (old_topk_logprobs), which TRL's generation "
+                "does not return (it asks vLLM for the sampled token's logprob only, and "
+                "transformers' generate records none); choose another objective")
         for field in ("loss_agg", "entropy_agg"):
             if getattr(cfg, field) == "prompt-mean":
                 raise ValueError(
@@ -852,8 +858,6 @@ class GRPOTrainer(trl.GRPOTrainer):
         elif is_dtensor(self.accelerator.unwrap_model(self.model).get_output_embeddings().weight):
             reason = ("an FSDP2 (DTensor) head: fused_policy_loss runs it streamed, four passes "
                       "like the composed path, and that has not been run inside the trainer")
-        elif cfg.objective.startswith("dppo_topk"):
-            reason = f"objective={cfg.objective!r}: needs the rollout's top-k logprobs"
         if reason is not None and reason not in self._fallbacks:
             self._fallbacks.add(reason)
             warnings.warn(f"GRPOTrainer: the loss runs on the composed path (linear_logprobs, "
