@@ -37,6 +37,7 @@ import torch
 import trl
 
 from logitless.fused_losses.fused.fused_policy_loss import fused_policy_loss
+from logitless.fused_losses.fused.validation import Head
 from logitless.fused_losses.head.divergence import linear_divergence
 from logitless.fused_losses.head.dtensor import is_dtensor
 from logitless.fused_losses.objectives.aggregation import agg_counts
@@ -95,23 +96,11 @@ _FORWARD_KEYS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attentio
                  "mm_token_type_ids", "image_position_ids")
 
 
-@dataclasses.dataclass(frozen=True)
-class _HeadCall:
-    """What one call of TRL's fused head received: its rows (TRL's ``hidden[mask]``, or every
-    position), the head and the logit transform."""
-
-    hidden: torch.Tensor
-    weight: torch.Tensor
-    bias: torch.Tensor | None
-    temperature: float
-    softcap: float | None
-    logit_scale: float
-
-    def check_exact_kl(self) -> None:
-        """The exact KL's two-head passes take temperature and logit scale, not a softcap."""
-        if self.softcap is not None:
-            raise ValueError("kl_estimator='exact': the exact KL supports temperature and "
-                             "logit scale, not the model's final_logit_softcapping")
+def _check_exact_kl_head(call: Head) -> None:
+    """The exact KL's two-head passes take temperature and logit scale, not a softcap."""
+    if call.softcap is not None:
+        raise ValueError("kl_estimator='exact': the exact KL supports temperature and "
+                         "logit scale, not the model's final_logit_softcapping")
 
 
 class _Head:
@@ -119,8 +108,9 @@ class _Head:
     (TRL's policy head always computes it, even in the old-policy pass that discards it), and
     applies the sampler's truncations when given them, or the recorded kept sets: ``kept``,
     one ``(mask, kept_ids)`` per model call of the helper's batch loop, in its order (see
-    `_replay_chunks`). ``calls``: a list that gets each call's `_HeadCall` (the exact KL reads
-    the head's rows)."""
+    `_replay_chunks`). ``calls``: a list that gets each call's `Head` (its rows, as TRL's
+    ``hidden[mask]`` or every position, the head and the logit transform: the exact KL reads
+    them)."""
 
     def __init__(self, entropy: bool, sampler: SamplerTruncation | None = None,
                  kept: list | None = None, calls: list | None = None):
@@ -132,8 +122,8 @@ class _Head:
     def apply(self, hidden, weight, bias, targets, temperature, chunk_size,
               final_logit_softcapping=None, logit_scale=1.0, outputs=()):
         if self.calls is not None:
-            self.calls.append(_HeadCall(hidden, weight, bias, temperature,
-                                        final_logit_softcapping, logit_scale))
+            self.calls.append(Head(hidden, weight, bias, temperature, logitless_softcap(
+                final_logit_softcapping, logit_scale), logit_scale))
         if not self.entropy:
             outputs = tuple(o for o in outputs if o != "entropy")
         kept_ids = None if self.kept is None else self._rows(hidden.shape[0])
@@ -513,7 +503,7 @@ class GRPOTrainer(trl.GRPOTrainer):
                                            head_calls=None, **kwargs):
         """TRL's, plus ``kept_ids`` (replay: the batch's recorded sets, ``[B, T, K]``; during
         generation, TRL's old-policy and reference passes read the sets just generated) and
-        ``head_calls`` (a list that gets each head call's `_HeadCall`). With the exact KL, the
+        ``head_calls`` (a list that gets each head call's `Head`). With the exact KL, the
         reference pass keeps the reference head's rows (`_keep_reference_head`)."""
         record = self._attention_pending and model is self.model
         recording = (self._recording_attention(model, logits_to_keep) if record
@@ -553,7 +543,7 @@ class GRPOTrainer(trl.GRPOTrainer):
                                f"{len(calls)} times for {len(starts)} model calls")
         grids = []
         for call, start in zip(calls, starts):
-            call.check_exact_kl()
+            _check_exact_kl_head(call)
             grid = _on_grid(call.hidden.detach(), mask[start:start + step].to(call.hidden.device),
                             "kl_estimator='exact'")
             grids.append(grid[:, -logits_to_keep:])
@@ -832,7 +822,7 @@ class GRPOTrainer(trl.GRPOTrainer):
             raise RuntimeError(f"kl_estimator='exact': TRL's head was called {len(calls)} "
                                "times in the training forward")
         call = calls[0]
-        call.check_exact_kl()
+        _check_exact_kl_head(call)
         grid = _on_grid(call.hidden, _label_mask(input_ids, attention_mask, logits_to_keep).to(
             call.hidden.device), "kl_estimator='exact'")
         return linear_divergence(
