@@ -326,6 +326,10 @@ def test_batch_globals_refusals():
     glob = policy_loss_globals(batch["mask"], batch["adv"], cov)
     with pytest.raises(ValueError, match="batch_globals: clip_cov selects tokens"):
         fused_policy_loss(*args, cov, batch_globals=glob)
+    meta = [a.to("meta") if a.is_floating_point() else a for a in args]  # the op's path
+    with pytest.raises(ValueError, match=r"batch_globals: not supported under torch\.compile"):
+        fused_policy_loss(*meta, cfg, batch_globals=policy_loss_globals(
+            batch["mask"], batch["adv"], cfg))
 
 
 @pytest.mark.parametrize("entropy_coef", [0.0, 0.01])
