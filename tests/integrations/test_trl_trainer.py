@@ -956,6 +956,18 @@ def test_exact_kl_against_fp64_oracle(tmp_path, model_dir, tokenizer, fused_call
             assert err <= 1e-5, (fused, name, err)
 
 
+def test_exact_kl_refused_under_zero3(tmp_path, model_dir, tokenizer, monkeypatch):
+    """Under DeepSpeed ZeRO-3 (seen through transformers' switch, as the trainer reads it) the
+    exact KL is refused at construction, naming the estimators that work."""
+    import transformers.integrations.deepspeed as hf_deepspeed
+
+    monkeypatch.setattr(hf_deepspeed, "is_deepspeed_zero3_enabled", lambda: True)
+    with pytest.raises(ValueError, match=r"'exact' is not supported under DeepSpeed ZeRO-3"):
+        GRPOTrainer(model=model_dir, reward_funcs=vowel_reward, args=grpo_args(tmp_path, beta=0.1),
+                    train_dataset=prompt_dataset(), processing_class=tokenizer,
+                    loss_config=PolicyLossConfig(kl_estimator="exact"))
+
+
 def test_lora_exact_kl_fused_equals_composed(tmp_path, model_dir, tokenizer, fused_calls):
     """LoRA with the exact KL: the reference is the model with its adapters disabled (TRL's
     reference pass, whose head rows the batch keeps); fused equals composed through training."""

@@ -280,6 +280,19 @@ def _uses_kl(cfg: PolicyLossConfig) -> bool:
     return isinstance(cfg.beta, torch.Tensor) or cfg.beta != 0 or cfg.future_kl_coef != 0
 
 
+def _check_exact_kl_backend(cfg: PolicyLossConfig) -> None:
+    """The exact KL keeps the reference head's weight from TRL's reference pass; under
+    DeepSpeed ZeRO-3 that is a gathered copy of a partitioned parameter, released when TRL's
+    gather ends, and the training forward's head is partitioned again before the KL's passes:
+    refused (``ValueError``), not run."""
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+    if cfg.kl_estimator == KL_EXACT and _uses_kl(cfg) and is_deepspeed_zero3_enabled():
+        raise ValueError("loss_config.kl_estimator: 'exact' is not supported under DeepSpeed "
+                         "ZeRO-3 (the reference and policy heads are partitioned outside TRL's "
+                         "gathers); use a sampled estimator ('k1', 'k2', 'k3')")
+
+
 def _check_reference_source(model, args, peft_config) -> None:
     """TRL 1.16 builds the reference model (``beta != 0``, no PEFT) from the policy's
     ``config._name_or_path``, which a model built in memory does not have (TRL then fails
@@ -420,6 +433,7 @@ class GRPOTrainer(trl.GRPOTrainer):
                 "loss_config: a KL term (beta or future_kl_coef) needs the reference logprobs, "
                 "which TRL computes only with GRPOConfig.beta != 0; set GRPOConfig.beta too"
             )
+        _check_exact_kl_backend(cfg)
         if OBJECTIVES[cfg.objective].needs_topk:
             raise ValueError(
                 f"loss_config.objective: {cfg.objective} needs the rollout's top-k token ids "
