@@ -929,6 +929,11 @@ def test_exact_kl_against_fp64_oracle(tmp_path, model_dir, tokenizer, fused_call
     kept = inputs[REF_HIDDEN_KEY]
     assert kept.shape == (*mask.shape, ref_h.shape[-1])
     torch.testing.assert_close(kept[mask].double(), ref_h[mask], rtol=1e-5, atol=1e-5)
+    with torch.no_grad():  # TRL's forward helper in model calls of 3 rows: 3 + 1 here
+        trainer._get_per_token_logps_and_entropies(trainer.ref_model, ids, attention, width,
+                                                   batch_size=3)
+    torch.testing.assert_close(trainer._ref_hidden[mask].double(), ref_h[mask], rtol=1e-5,
+                               atol=1e-5)
 
     h, policy64 = _last_hidden64(trainer.model, ids, attention, width)
     w = policy64.lm_head.weight
