@@ -320,9 +320,11 @@ and ``policy_loss.loss_mode=logitless_<objective>``. Its own fields:
   :func:`logitless.fused_policy_loss` (three GEMM passes over the response rows, the
   gradients formed in the forward) instead of from the head's logprobs; needs
   ``use_fused_kernels`` (``triton`` backend) with ``LOGITLESS_VERL_FUSED_HEAD=1`` and verl's
-  FSDP or Megatron engine (its tensor-parallel head with ``vocab_parallel=``). A micro-batch
-  that cannot run fused (entropy or reference KL in verl's loss, Ulysses, ``match_sampler``,
-  an FSDP2 DTensor head) runs the composed path, with one warning naming the reason
+  FSDP or Megatron engine (its tensor-parallel head with ``vocab_parallel=``). On the FSDP
+  engine verl's entropy and KL terms (``calculate_entropy`` / ``entropy_coeff``,
+  ``use_kl_loss``) join the fused call. A micro-batch that cannot run fused (Ulysses,
+  ``match_sampler``, an FSDP2 DTensor head, verl's terms aggregated otherwise than the
+  policy term, ...) runs the composed path, with one warning naming the reason
   (docs/verl.md).
 - ``loss_agg``: overrides the actor's ``loss_agg_mode`` for this loss (any logitless
   aggregation, e.g. ``balanced`` or ``length-power``); None keeps verl's.
@@ -466,8 +468,9 @@ def _verl_policy_loss(objective: str):
                            "ppo_loss (partial(ppo_loss, config=...), as verl's actor worker "
                            "binds it)")
         if step is not None and step.rows is not None:
-            loss, metrics = _fused_loss(step.take_rows(), log_prob, old_log_prob, advantages,
-                                        response_mask, cfg, rollout_is_weights, normalisers)
+            loss, metrics = _fused_loss(step, log_prob, old_log_prob, advantages,
+                                        response_mask, cfg, rollout_is_weights, normalisers,
+                                        config)
         else:
             loss, metrics = policy_loss(log_prob, old_log_prob, advantages, response_mask, cfg,
                                         token_weights=rollout_is_weights, **normalisers)
@@ -533,6 +536,10 @@ class _TrainStep:
     fused: str | None  # None: run fused; else why the composed path runs
     rollout_log_probs: torch.Tensor | None  # [B, response_length], as ppo_loss pads its fields
     rows: _HeadRows | None = None
+    entropy: bool = False  # the batch's calculate_entropy: verl's loss has its entropy term
+    ref_log_prob: torch.Tensor | None = None  # with actor.use_kl_loss: [B, response_length]
+    # verl's metrics of the terms the fused loss folded in (`_fused_loss`, `_fused_ppo_loss`)
+    logged: dict | None = None
 
     def take_rows(self) -> _HeadRows:
         rows, self.rows = self.rows, None
@@ -574,20 +581,29 @@ def _ppo_loss_config(loss_function):
     return None
 
 
-def _train_step(engine, batch, config, fused_kernels: bool, rollout) -> _TrainStep:
-    """The `_TrainStep` of a batch that trains with verl's ``ppo_loss`` bound to ``config``."""
+def _train_step(engine, batch, config, fused_kernels: bool, rollout,
+                folds_terms: bool) -> _TrainStep:
+    """The `_TrainStep` of a batch that trains with verl's ``ppo_loss`` bound to ``config``
+    (``folds_terms``: the engine's hook runs ppo_loss through `_fused_ppo_loss`, so verl's
+    entropy and KL terms can join the fused call)."""
     from verl.utils import tensordict_utils as tu
 
-    fused = "off"
+    fused, ref = "off", None
+    entropy = bool(tu.get_non_tensor_data(data=batch, key="calculate_entropy", default=False))
     if _get(_get(config, "policy_loss"), "fused", False):
         if not fused_kernels:
             raise ValueError(
                 "policy_loss.fused: needs actor_rollout_ref.model.use_fused_kernels=True (with "
                 "fused_kernel_options.impl_backend=triton and LOGITLESS_VERL_FUSED_HEAD=1): the "
                 "fused loss takes its inputs from the fused head")
-        entropy = tu.get_non_tensor_data(data=batch, key="calculate_entropy", default=False)
-        fused = _composed_reason(engine, config, entropy)
-    return _TrainStep(config=config, fused=fused, rollout_log_probs=rollout)
+        fused = _composed_reason(engine, config, entropy, folds_terms)
+        if fused is None and _get(config, "use_kl_loss", False):
+            if "ref_log_prob" in batch:
+                ref = batch.select("ref_log_prob").to_padded_tensor()["ref_log_prob"]
+            else:  # verl's own loss raises for it
+                fused = "actor.use_kl_loss: the batch has no ref_log_prob"
+    return _TrainStep(config=config, fused=fused, rollout_log_probs=rollout, entropy=entropy,
+                      ref_log_prob=ref)
 
 
 def _forward_step(self, micro_batch, loss_function, forward_only):
@@ -605,7 +621,9 @@ def _forward_step(self, micro_batch, loss_function, forward_only):
         rollout = micro_batch.select("rollout_log_probs").to_padded_tensor()["rollout_log_probs"]
     fused_kernels = tu.get_non_tensor_data(data=micro_batch, key="use_fused_kernels",
                                            default=False)
-    _step = _train_step(self, micro_batch, config, fused_kernels, rollout)
+    _step = _train_step(self, micro_batch, config, fused_kernels, rollout, folds_terms=True)
+    if _step.fused is None:
+        loss_function = functools.partial(_fused_ppo_loss, loss_function)
     try:
         return _original_forward_step(self, micro_batch, loss_function=loss_function,
                                       forward_only=forward_only)
@@ -621,29 +639,67 @@ def _megatron_step(self, data, loss_function, forward_only=False):
     config = None if forward_only else _ppo_loss_config(loss_function)
     if config is None:
         return _original_megatron_step(self, data, loss_function, forward_only=forward_only)
-    _step = _train_step(self, data, config, bool(self.engine_config.use_fused_kernels), None)
+    _step = _train_step(self, data, config, bool(self.engine_config.use_fused_kernels), None,
+                        folds_terms=False)
     try:
         return _original_megatron_step(self, data, loss_function, forward_only=forward_only)
     finally:
         _step = None
 
 
-def _composed_reason(engine, config, calculate_entropy: bool) -> str | None:
+def _composed_reason(engine, config, calculate_entropy: bool, folds_terms: bool) -> str | None:
     """Why this micro-batch cannot run the fused loss (None: it can)."""
     if getattr(engine, "use_ulysses_sp", False):
         return ("ulysses_sequence_parallel_size > 1: each rank's head holds a slice of the "
                 "sequences")
-    if _get(config, "use_kl_loss", False):
-        return "actor.use_kl_loss: verl's KL term reads the per-token logprobs"
-    if calculate_entropy or _get(config, "entropy_coeff", 0.0) != 0:
-        return ("actor.entropy_coeff / calculate_entropy: verl's entropy term reads the "
-                "per-token entropies")
-    if _get(_get(config, "policy_loss"), "match_sampler") is not None:
+    kl = _get(config, "use_kl_loss", False)
+    if (kl or calculate_entropy) and not folds_terms:
+        return ("actor.use_kl_loss / calculate_entropy on verl's Megatron engine: its entropy "
+                "and KL terms read the per-token logprobs and entropies")
+    pl = _get(config, "policy_loss")
+    if kl or calculate_entropy:
+        # verl aggregates its entropy and KL terms with agg_loss(loss_agg_mode, the global
+        # batch info): the fused loss's aggregation of them must be that one
+        if not _get(pl, "use_global_batch_info", True):
+            return ("policy_loss.use_global_batch_info=False: verl normalises its entropy and "
+                    "KL terms by the global batch")
+        if _raw(pl, "seq_count", _passthrough_default("seq_count")) != "nonempty":
+            return ("policy_loss.seq_count: verl's entropy and KL terms count non-empty "
+                    "sequences")
+    if kl:
+        if _kl_estimator(_get(config, "kl_loss_type")) is None:
+            return (f"actor.kl_loss_type={_get(config, 'kl_loss_type')!r}: not an estimator "
+                    f"from the sampled token's logprobs")
+        if _get(pl, "loss_agg") not in (None, _get(config, "loss_agg_mode")):
+            return ("policy_loss.loss_agg: verl aggregates its KL term with "
+                    "actor.loss_agg_mode, the fused loss with the policy term's aggregation")
+        if not dataclasses.is_dataclass(config):
+            return "actor.use_kl_loss: the actor config is not verl's ActorConfig dataclass"
+    if _get(pl, "match_sampler") is not None:
         return "policy_loss.match_sampler: the fused loss scores the full distribution"
     return None
 
 
-def _defer_head(hidden, weight, labels, temperature, reduction, dist_process_group):
+# verl's kl_loss_type (kl_penalty's names, each with an optional ``+``) -> logitless's estimator
+_KL_TYPES = {"kl": "k1", "k1": "k1", "abs": "abs", "mse": "k2", "k2": "k2",
+             "low_var_kl": "k3", "k3": "k3"}
+
+
+def _kl_estimator(kl_loss_type) -> str | None:
+    """verl's ``kl_loss_type`` as ``PolicyLossConfig.kl_estimator`` (with ``kl_clamp``, verl's
+    guard of k3), or None for one verl computes otherwise (``full``) or refuses. A ``+`` is
+    k2's gradient under the estimate's value, which for k2 itself is k2."""
+    if not isinstance(kl_loss_type, str):
+        return None
+    plus = kl_loss_type.endswith("+")
+    base = _KL_TYPES.get(kl_loss_type[:-1] if plus else kl_loss_type)
+    if base is None:
+        return None
+    return f"{base}+" if plus and base != "k2" else base
+
+
+def _defer_head(hidden, weight, labels, temperature, reduction, dist_process_group,
+                entropy_grad=True):
     """The head hook (`set_head_deferral`): in a fused training step, keep the head's inputs
     for the policy loss and return placeholders: the logprobs are the rows' numbers (1-based,
     0 nowhere), so verl's own layout code (unpad, nested, ``no_padding_2_padding``) tells the
@@ -659,6 +715,10 @@ def _defer_head(hidden, weight, labels, temperature, reduction, dist_process_gro
             reason = "policy_loss.match_sampler: the fused loss scores the full distribution"
         elif reduction.lower() != "none" or step.rows is not None:
             reason = "a head call that is not one per-token call per micro-batch"
+        elif step.entropy and _get(step.config, "entropy_coeff", 0.0) != 0 \
+                and not entropy_grad:
+            reason = ("enable_fused_head(entropy_grad=False): verl's entropy term has no "
+                      "gradient there")
     if reason is not None:
         step.fused = "off"
         _warn_composed(reason)
@@ -681,10 +741,12 @@ def _warn_composed(reason: str) -> None:
                       f"head's logprobs, then the policy loss): {reason}", stacklevel=3)
 
 
-def _fused_loss(rows: _HeadRows, ids, old_log_prob, advantages, response_mask, cfg,
-                token_weights, normalisers):
+def _fused_loss(step: _TrainStep, ids, old_log_prob, advantages, response_mask, cfg,
+                token_weights, normalisers, config):
     """``fused_policy_loss`` over the response tokens, their hidden rows picked by the row
-    numbers verl laid out in ``log_prob``'s place (`_defer_head`)."""
+    numbers verl laid out in ``log_prob``'s place (`_defer_head`), with verl's entropy and KL
+    terms (`_verl_terms`) in the same call."""
+    rows = step.take_rows()
     ids = ids.detach().round().long()
     mask = response_mask.bool()
     if bool(((ids < 1) | (ids > rows.labels.numel()))[mask].any()):
@@ -695,12 +757,89 @@ def _fused_loss(rows: _HeadRows, ids, old_log_prob, advantages, response_mask, c
     # returns it (verl's sequence-parallel gather sums it)
     parallel = {} if rows.group is None else dict(vocab_parallel=rows.group,
                                                   hidden_grad="partial")
+    cfg, terms = _verl_terms(step, cfg, config, old_log_prob)
     loss, metrics = fused_policy_loss(rows.hidden[pick], rows.weight, rows.labels[pick],
                                       old_log_prob, advantages, response_mask, cfg,
                                       token_weights=token_weights, head_dtype=head_dtype(),
-                                      temperature=rows.temperature, **parallel, **normalisers)
-    # the composed path's metrics: verl passes a policy loss no entropies
-    return loss, {k: v for k, v in metrics.items() if not k.startswith("entropy/")}
+                                      temperature=rows.temperature, **parallel, **normalisers,
+                                      **terms)
+    if terms:
+        step.logged = _logged_terms(loss, terms, response_mask, config)
+    # the composed path's metrics: verl passes a policy loss no entropies or reference
+    return loss, {k: v for k, v in metrics.items()
+                  if not k.startswith("entropy/") and k != "kl"}
+
+
+def _verl_terms(step: _TrainStep, cfg: PolicyLossConfig, config, like: torch.Tensor):
+    """The config and ``fused_policy_loss`` arguments of the terms verl's ``ppo_loss`` adds to
+    the policy loss: ``- entropy_coeff * agg_loss(entropy)`` when the batch calculates
+    entropies, ``+ kl_loss_coef * agg_loss(kl_penalty(log_prob, ref_log_prob))`` with
+    ``use_kl_loss``, both aggregated with the actor's ``loss_agg_mode`` and the global batch
+    information, as the policy term (`_composed_reason` sends the rest to the composed path).
+    The KL joins each token's policy term before the aggregation, which is linear. The
+    per-token entropies and logprobs come back in ``out_`` buffers for verl's metrics."""
+    changes, terms = {}, {}
+    if step.entropy:
+        changes.update(entropy_coef=float(_get(config, "entropy_coeff", 0.0)),
+                       entropy_agg=_get(config, "loss_agg_mode"))
+        terms["out_entropy"] = torch.zeros_like(like)
+    if step.ref_log_prob is not None:
+        changes.update(beta=float(_get(config, "kl_loss_coef")), kl_clamp=True,
+                       kl_estimator=_kl_estimator(_get(config, "kl_loss_type")))
+        terms.update(ref_logprobs=step.ref_log_prob.to(like.device),
+                     out_logprobs=torch.zeros_like(like))
+    return (dataclasses.replace(cfg, **changes) if changes else cfg), terms
+
+
+def _logged_terms(loss, terms, response_mask, config) -> dict:
+    """verl's ``actor/pg_loss``, ``actor/entropy_loss`` and ``kl_loss`` of a fused loss that
+    holds the entropy and KL terms: the terms from the per-token values by verl's own
+    ``agg_loss`` and ``kl_penalty``, the policy term the rest of the loss."""
+    from verl.trainer.ppo.core_algos import agg_loss, kl_penalty
+
+    def agg(mat):
+        return agg_loss(loss_mat=mat, loss_mask=response_mask,
+                        loss_agg_mode=config.loss_agg_mode, **config.global_batch_info)
+
+    pg = loss.detach()
+    logged = {}
+    if "out_entropy" in terms:
+        logged["actor/entropy_loss"] = agg(terms["out_entropy"])
+        pg = pg + config.entropy_coeff * logged["actor/entropy_loss"]
+    if "ref_logprobs" in terms:
+        kld = kl_penalty(logprob=terms["out_logprobs"], ref_logprob=terms["ref_logprobs"],
+                         kl_penalty=config.kl_loss_type)
+        logged["kl_loss"] = agg(kld)
+        pg = pg - config.kl_loss_coef * logged["kl_loss"]
+    logged["actor/pg_loss"] = pg
+    return logged
+
+
+def _fused_ppo_loss(loss_function, model_output, data, dp_group=None):
+    """verl's ``ppo_loss`` (``loss_function``, ``partial(ppo_loss, config=...)``) in a fused
+    step: the fused loss holds verl's entropy and KL terms, so ppo_loss runs without them (the
+    model output without its placeholder entropies, ``use_kl_loss`` off in a copy of the actor
+    config), and their metrics are put back as verl logs them. A step whose head fell back to
+    the composed path runs ``loss_function`` as it is."""
+    from verl.utils.metric import Metric
+
+    step = _step
+    if step is None or step.rows is None:
+        return loss_function(model_output=model_output, data=data, dp_group=dp_group)
+    config = loss_function.keywords["config"]
+    if step.ref_log_prob is not None:
+        step.config = dataclasses.replace(config, use_kl_loss=False)
+    output = {k: v for k, v in model_output.items() if k != "entropy"}
+    loss, metrics = loss_function.func(*loss_function.args,
+                                       **{**loss_function.keywords, "config": step.config},
+                                       model_output=output, data=data, dp_group=dp_group)
+    if step.logged is not None:
+        aggregation = metrics["actor/pg_loss"].aggregation
+        metrics.update({k: Metric(value=v, aggregation=aggregation)
+                        for k, v in step.logged.items()})
+        if step.ref_log_prob is not None:
+            metrics["kl_coef"] = config.kl_loss_coef
+    return loss, metrics
 
 
 def _check_sampler_matching(actor_config) -> None:
