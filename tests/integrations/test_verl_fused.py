@@ -224,6 +224,14 @@ def test_fused_falls_back_with_one_warning_where_it_cannot_run(cpu_engine):
     composed = _step(cfg(False, loss_agg="token-mean"), data=_data(ref=True), **kl)
     _same(fused, composed, "loss_agg with KL")
     assert fused["flops"] == composed["flops"]
+    # under Ulysses the loss runs with cp_group (test_verl_ulysses_adapter): what cp_group
+    # refuses keeps the composed path, its reason named
+    actor = lambda mode: verl_config.ActorConfig(
+        strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1,
+        policy_loss=LogitlessPolicyLossConfig(loss_mode=mode, fused=True))
+    reason = verl_adapter._ulysses_reason(actor("logitless_clip_cov"), dist.group.WORLD)
+    assert reason.startswith("ulysses_sequence_parallel_size > 1") and "clip_cov" in reason
+    assert verl_adapter._ulysses_reason(actor("logitless_grpo"), dist.group.WORLD) is None
     disable_fused_head()
     enable_fused_head(entropy_grad=False)
     with pytest.warns(UserWarning, match="entropy_grad=False"):

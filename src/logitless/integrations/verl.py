@@ -56,7 +56,7 @@ from logitless.fused_losses.head.dtensor import is_dtensor
 from logitless.fused_losses.objectives.catalog import OBJECTIVES, get_objective
 from logitless.fused_losses.objectives.config import PolicyLossConfig
 from logitless.fused_losses.objectives.mismatch import logged_mismatch
-from logitless.fused_losses.objectives.policy_loss import policy_loss
+from logitless.fused_losses.objectives.policy_loss import check_cp_config, policy_loss
 from logitless.integrations import objective_fields
 from logitless.integrations.sampler_config import (
     SamplerTruncation,
@@ -322,9 +322,10 @@ and ``policy_loss.loss_mode=logitless_<objective>``. Its own fields:
   ``use_fused_kernels`` (``triton`` backend) with ``LOGITLESS_VERL_FUSED_HEAD=1`` and verl's
   FSDP or Megatron engine (its tensor-parallel head with ``vocab_parallel=``). On the FSDP
   engine verl's entropy and KL terms (``calculate_entropy`` / ``entropy_coeff``,
-  ``use_kl_loss``) join the fused call. A micro-batch that cannot run fused (Ulysses,
-  ``match_sampler``, an FSDP2 DTensor head, verl's terms aggregated otherwise than the
-  policy term, ...) runs the composed path, with one warning naming the reason
+  ``use_kl_loss``) join the fused call, and under Ulysses it runs with ``cp_group=`` the
+  Ulysses group. A micro-batch that cannot run fused (``match_sampler``, an FSDP2 DTensor
+  head, verl's terms aggregated otherwise than the policy term, an objective ``cp_group``
+  refuses under Ulysses, ...) runs the composed path, with one warning naming the reason
   (docs/verl.md).
 - ``loss_agg``: overrides the actor's ``loss_agg_mode`` for this loss (any logitless
   aggregation, e.g. ``balanced`` or ``length-power``); None keeps verl's.
@@ -526,6 +527,9 @@ class _HeadRows:
     labels: torch.Tensor
     temperature: float
     group: Any = None  # the tensor-parallel group the weight's vocabulary is sharded over
+    # Ulysses: the rows are positions [offset, offset + N) of the packed stream, sp_group's
+    sp_group: Any = None
+    offset: int = 0
 
 
 @dataclasses.dataclass
@@ -537,6 +541,7 @@ class _TrainStep:
     rollout_log_probs: torch.Tensor | None  # [B, response_length], as ppo_loss pads its fields
     rows: _HeadRows | None = None
     entropy: bool = False  # the batch's calculate_entropy: verl's loss has its entropy term
+    sp_group: Any = None  # verl's Ulysses group, with ulysses_sequence_parallel_size > 1
     ref_log_prob: torch.Tensor | None = None  # with actor.use_kl_loss: [B, response_length]
     # verl's metrics of the terms the fused loss folded in (`_fused_loss`, `_fused_ppo_loss`)
     logged: dict | None = None
@@ -588,7 +593,7 @@ def _train_step(engine, batch, config, fused_kernels: bool, rollout,
     entropy and KL terms can join the fused call)."""
     from verl.utils import tensordict_utils as tu
 
-    fused, ref = "off", None
+    fused, ref, sp_group = "off", None, None
     entropy = bool(tu.get_non_tensor_data(data=batch, key="calculate_entropy", default=False))
     if _get(_get(config, "policy_loss"), "fused", False):
         if not fused_kernels:
@@ -597,13 +602,18 @@ def _train_step(engine, batch, config, fused_kernels: bool, rollout,
                 "fused_kernel_options.impl_backend=triton and LOGITLESS_VERL_FUSED_HEAD=1): the "
                 "fused loss takes its inputs from the fused head")
         fused = _composed_reason(engine, config, entropy, folds_terms)
+        if fused is None and getattr(engine, "use_ulysses_sp", False):
+            from verl.utils.ulysses import get_ulysses_sequence_parallel_group
+
+            sp_group = get_ulysses_sequence_parallel_group()
+            fused = _ulysses_reason(config, sp_group)
         if fused is None and _get(config, "use_kl_loss", False):
             if "ref_log_prob" in batch:
                 ref = batch.select("ref_log_prob").to_padded_tensor()["ref_log_prob"]
             else:  # verl's own loss raises for it
                 fused = "actor.use_kl_loss: the batch has no ref_log_prob"
     return _TrainStep(config=config, fused=fused, rollout_log_probs=rollout, entropy=entropy,
-                      ref_log_prob=ref)
+                      ref_log_prob=ref, sp_group=None if fused is not None else sp_group)
 
 
 def _forward_step(self, micro_batch, loss_function, forward_only):
@@ -648,10 +658,8 @@ def _megatron_step(self, data, loss_function, forward_only=False):
 
 
 def _composed_reason(engine, config, calculate_entropy: bool, folds_terms: bool) -> str | None:
-    """Why this micro-batch cannot run the fused loss (None: it can)."""
-    if getattr(engine, "use_ulysses_sp", False):
-        return ("ulysses_sequence_parallel_size > 1: each rank's head holds a slice of the "
-                "sequences")
+    """Why this micro-batch cannot run the fused loss (None: it can; Ulysses: see
+    `_ulysses_reason`)."""
     kl = _get(config, "use_kl_loss", False)
     if (kl or calculate_entropy) and not folds_terms:
         return ("actor.use_kl_loss / calculate_entropy on verl's Megatron engine: its entropy "
@@ -677,6 +685,20 @@ def _composed_reason(engine, config, calculate_entropy: bool, folds_terms: bool)
             return "actor.use_kl_loss: the actor config is not verl's ActorConfig dataclass"
     if _get(pl, "match_sampler") is not None:
         return "policy_loss.match_sampler: the fused loss scores the full distribution"
+    return None
+
+
+def _ulysses_reason(config, sp_group) -> str | None:
+    """Why a Ulysses micro-batch cannot run the fused loss: what ``cp_group=`` refuses
+    (`check_cp_config`: objectives and selections over whole-batch statistics), for the
+    logitless config of the loss mode. ``max_response_length`` is left out of the check: the
+    loss sets it to the grid's width, verl's horizon, where verl's config leaves it open."""
+    objective = _get(_get(config, "policy_loss"), "loss_mode")[len(LOSS_PREFIX):]
+    cfg, _ = to_logitless_config(objective, config)
+    try:
+        check_cp_config(dataclasses.replace(cfg, max_response_length=1), sp_group)
+    except ValueError as err:
+        return f"ulysses_sequence_parallel_size > 1 (the loss runs with cp_group): {err}"
     return None
 
 
@@ -724,12 +746,16 @@ def _defer_head(hidden, weight, labels, temperature, reduction, dist_process_gro
         _warn_composed(reason)
         return None
     n = labels.numel()
+    # Ulysses: the rank's n rows are positions [rank n, (rank + 1) n) of the padded stream
+    # (ulysses_pad_and_slice_inputs), numbered so, and verl's gather gives every rank them all
+    offset = 0 if step.sp_group is None else \
+        torch.distributed.get_rank(group=step.sp_group) * n
     # verl's Megatron fused forward: whole hidden rows (verl gathers the sequence-parallel
     # ones first), this rank's vocabulary slice of the weight, the tensor-parallel group
     step.rows = _HeadRows(hidden.reshape(n, hidden.shape[-1]), weight, labels.reshape(n),
-                          float(temperature), dist_process_group)
+                          float(temperature), dist_process_group, step.sp_group, offset)
     dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
-    ids = torch.arange(1, n + 1, dtype=dtype, device=hidden.device)
+    ids = torch.arange(offset + 1, offset + n + 1, dtype=dtype, device=hidden.device)
     return ids, torch.zeros_like(ids)
 
 
@@ -749,9 +775,14 @@ def _fused_loss(step: _TrainStep, ids, old_log_prob, advantages, response_mask, 
     rows = step.take_rows()
     ids = ids.detach().round().long()
     mask = response_mask.bool()
-    if bool(((ids < 1) | (ids > rows.labels.numel()))[mask].any()):
+    n = rows.labels.numel()
+    stream = n if rows.sp_group is None else n * torch.distributed.get_world_size(rows.sp_group)
+    if bool(((ids < 1) | (ids > stream))[mask].any()):
         raise ValueError("policy_loss.fused: a response token in the loss has no head row "
                          "(the micro-batch's head call and its loss do not match)")
+    if rows.sp_group is not None:
+        return _ulysses_loss(step, rows, ids, old_log_prob, advantages, response_mask, cfg,
+                             token_weights, normalisers, config)
     pick = torch.where(mask, ids - 1, torch.zeros_like(ids))
     # a tensor-parallel head: each rank's share of the hidden gradient, as the head drop-in
     # returns it (verl's sequence-parallel gather sums it)
@@ -768,6 +799,62 @@ def _fused_loss(step: _TrainStep, ids, old_log_prob, advantages, response_mask, 
     # the composed path's metrics: verl passes a policy loss no entropies or reference
     return loss, {k: v for k, v in metrics.items()
                   if not k.startswith("entropy/") and k != "kl"}
+
+
+def _ulysses_loss(step: _TrainStep, rows: _HeadRows, ids, old_log_prob, advantages,
+                  response_mask, cfg, token_weights, normalisers, config):
+    """`_fused_loss` under Ulysses: ``fused_policy_loss(cp_group=)`` over this rank's piece of
+    every response (docs/scale.md). The rank's rows are stream positions
+    ``[offset, offset + n)``; a response's positions are consecutive in the stream, so its
+    tokens on this rank are one run of the ``[B, T]`` grid, in rank order: they become the
+    rank's ``[B, T_r]`` grid. The loss is the whole sequences' on every rank; its gradient is
+    scaled by the Ulysses size, as verl's gather scales the composed path's (FSDP's average
+    over the ranks takes it back). The metrics are the composed path's: ``policy_loss`` on
+    the whole grid of logprobs, each rank's ``out_logprobs`` summed over the group."""
+    group = rows.sp_group
+    local = ids - rows.offset  # 1-based row numbers on this rank
+    mine = (local >= 1) & (local <= rows.labels.numel())
+    count = mine.sum(-1)
+    start = torch.where(count > 0, mine.to(torch.int8).argmax(-1), torch.zeros_like(count))
+    # at least one column: a rank with no response token still joins the group's reductions
+    j = torch.arange(max(int(count.max()), 1), device=ids.device)
+    inside = j < count[:, None]
+    pos = torch.where(inside, start[:, None] + j, torch.zeros_like(j))
+
+    def take(x):
+        return None if x is None else torch.gather(x, 1, pos)
+
+    def whole(x):  # the rank's [B, T_r] values summed into the [B, T] grid over the group
+        grid = torch.zeros_like(old_log_prob)
+        grid.scatter_add_(1, pos, torch.where(inside, x, torch.zeros_like(x)))
+        torch.distributed.all_reduce(grid, group=group)
+        return grid
+
+    pick = torch.where(inside, take(local) - 1, torch.zeros_like(pos))
+    cfg_cp = cfg
+    if cfg.max_response_length is None:  # verl's horizon: the grid's width, not the rank's
+        cfg_cp = dataclasses.replace(cfg, max_response_length=response_mask.shape[-1])
+    cfg_cp, terms = _verl_terms(step, cfg_cp, config, take(old_log_prob))
+    local_terms = {k: take(v) if k == "ref_logprobs" else v for k, v in terms.items()}
+    local_terms.setdefault("out_logprobs", torch.zeros_like(take(old_log_prob)))
+    loss, _ = fused_policy_loss(rows.hidden[pick], rows.weight, rows.labels[pick],
+                                take(old_log_prob), take(advantages),
+                                take(response_mask) & inside, cfg_cp,
+                                token_weights=take(token_weights), head_dtype=head_dtype(),
+                                temperature=rows.temperature, cp_group=group, **normalisers,
+                                **local_terms)
+    with torch.no_grad():
+        log_prob = whole(local_terms["out_logprobs"])
+        _, metrics = policy_loss(log_prob, old_log_prob, advantages, response_mask, cfg,
+                                 token_weights=token_weights, **normalisers)
+        if terms:
+            whole_terms = dict(out_logprobs=log_prob, ref_logprobs=terms.get("ref_logprobs"))
+            if "out_entropy" in terms:
+                whole_terms["out_entropy"] = whole(local_terms["out_entropy"])
+            step.logged = _logged_terms(loss, {k: v for k, v in whole_terms.items()
+                                               if k in terms}, response_mask, config)
+    sp = torch.distributed.get_world_size(group)
+    return loss + (sp - 1) * (loss - loss.detach()), metrics
 
 
 def _verl_terms(step: _TrainStep, cfg: PolicyLossConfig, config, like: torch.Tensor):
