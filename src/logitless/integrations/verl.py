@@ -839,7 +839,7 @@ def _ulysses_loss(step: _TrainStep, rows: _HeadRows, ids, old_log_prob, advantag
     local_terms.setdefault("out_logprobs", torch.zeros_like(take(old_log_prob)))
     loss, _ = fused_policy_loss(rows.hidden[pick], rows.weight, rows.labels[pick],
                                 take(old_log_prob), take(advantages),
-                                take(response_mask) & inside, cfg_cp,
+                                take(response_mask).bool() & inside, cfg_cp,
                                 token_weights=take(token_weights), head_dtype=head_dtype(),
                                 temperature=rows.temperature, cp_group=group, **normalisers,
                                 **local_terms)
