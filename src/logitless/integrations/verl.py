@@ -320,8 +320,8 @@ and ``policy_loss.loss_mode=logitless_<objective>``. Its own fields:
   :func:`logitless.fused_policy_loss` (three GEMM passes over the response rows, the
   gradients formed in the forward) instead of from the head's logprobs; needs
   ``use_fused_kernels`` (``triton`` backend) with ``LOGITLESS_VERL_FUSED_HEAD=1`` and verl's
-  FSDP or Megatron engine (its tensor-parallel head with ``vocab_parallel=``). On the FSDP
-  engine verl's entropy and KL terms (``calculate_entropy`` / ``entropy_coeff``,
+  FSDP or Megatron engine (its tensor-parallel head with ``vocab_parallel=``). verl's
+  entropy and KL terms (``calculate_entropy`` / ``entropy_coeff``,
   ``use_kl_loss``) join the fused call, and under Ulysses it runs with ``cp_group=`` the
   Ulysses group. A micro-batch that cannot run fused (``match_sampler``, an FSDP2 DTensor
   head, verl's terms aggregated otherwise than the policy term, an objective ``cp_group``
@@ -541,8 +541,10 @@ class _TrainStep:
     rollout_log_probs: torch.Tensor | None  # [B, response_length], as ppo_loss pads its fields
     rows: _HeadRows | None = None
     entropy: bool = False  # the batch's calculate_entropy: verl's loss has its entropy term
+    kl: bool = False  # actor.use_kl_loss, fused: verl's KL term joins the fused call
     sp_group: Any = None  # verl's Ulysses group, with ulysses_sequence_parallel_size > 1
-    ref_log_prob: torch.Tensor | None = None  # with actor.use_kl_loss: [B, response_length]
+    # the micro-batch's ref_log_prob [B, response_length] (`_fused_ppo_loss`)
+    ref_log_prob: torch.Tensor | None = None
     # verl's metrics of the terms the fused loss folded in (`_fused_loss`, `_fused_ppo_loss`)
     logged: dict | None = None
 
@@ -586,14 +588,11 @@ def _ppo_loss_config(loss_function):
     return None
 
 
-def _train_step(engine, batch, config, fused_kernels: bool, rollout,
-                folds_terms: bool) -> _TrainStep:
-    """The `_TrainStep` of a batch that trains with verl's ``ppo_loss`` bound to ``config``
-    (``folds_terms``: the engine's hook runs ppo_loss through `_fused_ppo_loss`, so verl's
-    entropy and KL terms can join the fused call)."""
+def _train_step(engine, batch, config, fused_kernels: bool, rollout) -> _TrainStep:
+    """The `_TrainStep` of a batch that trains with verl's ``ppo_loss`` bound to ``config``."""
     from verl.utils import tensordict_utils as tu
 
-    fused, ref, sp_group = "off", None, None
+    fused, sp_group = "off", None
     entropy = bool(tu.get_non_tensor_data(data=batch, key="calculate_entropy", default=False))
     if _get(_get(config, "policy_loss"), "fused", False):
         if not fused_kernels:
@@ -601,19 +600,18 @@ def _train_step(engine, batch, config, fused_kernels: bool, rollout,
                 "policy_loss.fused: needs actor_rollout_ref.model.use_fused_kernels=True (with "
                 "fused_kernel_options.impl_backend=triton and LOGITLESS_VERL_FUSED_HEAD=1): the "
                 "fused loss takes its inputs from the fused head")
-        fused = _composed_reason(engine, config, entropy, folds_terms)
+        fused = _composed_reason(config, entropy)
         if fused is None and getattr(engine, "use_ulysses_sp", False):
             from verl.utils.ulysses import get_ulysses_sequence_parallel_group
 
             sp_group = get_ulysses_sequence_parallel_group()
             fused = _ulysses_reason(config, sp_group)
-        if fused is None and _get(config, "use_kl_loss", False):
-            if "ref_log_prob" in batch:
-                ref = batch.select("ref_log_prob").to_padded_tensor()["ref_log_prob"]
-            else:  # verl's own loss raises for it
-                fused = "actor.use_kl_loss: the batch has no ref_log_prob"
+        if fused is None and _get(config, "use_kl_loss", False) \
+                and "ref_log_prob" not in batch:  # verl's own loss raises for it
+            fused = "actor.use_kl_loss: the batch has no ref_log_prob"
+    kl = fused is None and bool(_get(config, "use_kl_loss", False))
     return _TrainStep(config=config, fused=fused, rollout_log_probs=rollout, entropy=entropy,
-                      ref_log_prob=ref, sp_group=None if fused is not None else sp_group)
+                      kl=kl, sp_group=None if fused is not None else sp_group)
 
 
 def _forward_step(self, micro_batch, loss_function, forward_only):
@@ -631,7 +629,7 @@ def _forward_step(self, micro_batch, loss_function, forward_only):
         rollout = micro_batch.select("rollout_log_probs").to_padded_tensor()["rollout_log_probs"]
     fused_kernels = tu.get_non_tensor_data(data=micro_batch, key="use_fused_kernels",
                                            default=False)
-    _step = _train_step(self, micro_batch, config, fused_kernels, rollout, folds_terms=True)
+    _step = _train_step(self, micro_batch, config, fused_kernels, rollout)
     if _step.fused is None:
         loss_function = functools.partial(_fused_ppo_loss, loss_function)
     try:
@@ -649,21 +647,19 @@ def _megatron_step(self, data, loss_function, forward_only=False):
     config = None if forward_only else _ppo_loss_config(loss_function)
     if config is None:
         return _original_megatron_step(self, data, loss_function, forward_only=forward_only)
-    _step = _train_step(self, data, config, bool(self.engine_config.use_fused_kernels), None,
-                        folds_terms=False)
+    _step = _train_step(self, data, config, bool(self.engine_config.use_fused_kernels), None)
+    if _step.fused is None:
+        loss_function = functools.partial(_fused_ppo_loss, loss_function)
     try:
         return _original_megatron_step(self, data, loss_function, forward_only=forward_only)
     finally:
         _step = None
 
 
-def _composed_reason(engine, config, calculate_entropy: bool, folds_terms: bool) -> str | None:
+def _composed_reason(config, calculate_entropy: bool) -> str | None:
     """Why this micro-batch cannot run the fused loss (None: it can; Ulysses: see
     `_ulysses_reason`)."""
     kl = _get(config, "use_kl_loss", False)
-    if (kl or calculate_entropy) and not folds_terms:
-        return ("actor.use_kl_loss / calculate_entropy on verl's Megatron engine: its entropy "
-                "and KL terms read the per-token logprobs and entropies")
     pl = _get(config, "policy_loss")
     if kl or calculate_entropy:
         # verl aggregates its entropy and KL terms with agg_loss(loss_agg_mode, the global
@@ -870,7 +866,7 @@ def _verl_terms(step: _TrainStep, cfg: PolicyLossConfig, config, like: torch.Ten
         changes.update(entropy_coef=float(_get(config, "entropy_coeff", 0.0)),
                        entropy_agg=_get(config, "loss_agg_mode"))
         terms["out_entropy"] = torch.zeros_like(like)
-    if step.ref_log_prob is not None:
+    if step.kl:
         changes.update(beta=float(_get(config, "kl_loss_coef")), kl_clamp=True,
                        kl_estimator=_kl_estimator(_get(config, "kl_loss_type")))
         terms.update(ref_logprobs=step.ref_log_prob.to(like.device),
@@ -914,7 +910,8 @@ def _fused_ppo_loss(loss_function, model_output, data, dp_group=None):
     if step is None or step.rows is None:
         return loss_function(model_output=model_output, data=data, dp_group=dp_group)
     config = loss_function.keywords["config"]
-    if step.ref_log_prob is not None:
+    if step.kl:  # the micro-batch's reference logprobs, padded as ppo_loss pads its fields
+        step.ref_log_prob = data.select("ref_log_prob").to_padded_tensor()["ref_log_prob"]
         step.config = dataclasses.replace(config, use_kl_loss=False)
     output = {k: v for k, v in model_output.items() if k != "entropy"}
     loss, metrics = loss_function.func(*loss_function.args,
@@ -924,7 +921,7 @@ def _fused_ppo_loss(loss_function, model_output, data, dp_group=None):
         aggregation = metrics["actor/pg_loss"].aggregation
         metrics.update({k: Metric(value=v, aggregation=aggregation)
                         for k, v in step.logged.items()})
-        if step.ref_log_prob is not None:
+        if step.kl:
             metrics["kl_coef"] = config.kl_loss_coef
     return loss, metrics
 
