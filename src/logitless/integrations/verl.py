@@ -501,7 +501,9 @@ def _verl_policy_loss(objective: str):
 # calls the registered policy loss). ``_hook_engine`` wraps ``forward_step`` so that, for a
 # micro-batch that trains with verl's ``ppo_loss``, this module knows the step's actor config
 # and its ``rollout_log_probs``; with ``policy_loss.fused`` the head call then hands its
-# inputs over (``set_head_deferral``) and the policy loss runs ``fused_policy_loss`` on them.
+# inputs over (``set_head_deferral``) and the policy loss runs ``fused_policy_loss`` on them,
+# with ``ppo_loss``'s own entropy and KL terms folded in (``_fused_ppo_loss``), and under
+# Ulysses with ``cp_group=`` the Ulysses group (``_ulysses_loss``).
 # verl's Megatron engine is wrapped the same way around its whole ``forward_backward_batch``;
 # its head is tensor-parallel: the fused loss runs with ``vocab_parallel=`` its group.
 
@@ -811,7 +813,7 @@ def _ulysses_loss(step: _TrainStep, rows: _HeadRows, ids, old_log_prob, advantag
     local = ids - rows.offset  # 1-based row numbers on this rank
     mine = (local >= 1) & (local <= rows.labels.numel())
     count = mine.sum(-1)
-    start = torch.where(count > 0, mine.to(torch.int8).argmax(-1), torch.zeros_like(count))
+    start = torch.where(count > 0, mine.int().argmax(-1), torch.zeros_like(count))
     # at least one column: a rank with no response token still joins the group's reductions
     j = torch.arange(max(int(count.max()), 1), device=ids.device)
     inside = j < count[:, None]
