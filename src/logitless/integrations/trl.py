@@ -16,12 +16,14 @@ and the weight gradient lands sharded, the mean over ranks of each rank's loss g
 its own loss's gradient only, the same when every rank scores the same batch. Under DeepSpeed
 ZeRO-3 TRL gathers the weight with ``maybe_gather_lm_head_ctx`` around the forward; our
 kernel's backward, which recomputes the logits, re-enters that same TRL context
-(``gather_weight``). Verified on CPU: FSDP2 with the head sharded over two and three gloo ranks
+(``gather_weight``); the fused loss, computed inside it, gets its head gathered again for its
+backward by DeepSpeed's own pre-backward hook of the head module (`_gathered_for_backward`).
+Verified on CPU: FSDP2 with the head sharded over two and three gloo ranks
 (values and the sharded weight gradient against the unsharded head and TRL's gathering path),
 that the backward enters TRL's ZeRO-3 gather context, and DeepSpeed ZeRO-3 itself on two gloo
-ranks (tests/integrations/test_zero3.py: losses and gathered parameters equal to stock TRL's
-under the same config; docs/trl.md). Not verified (no GPUs here): ZeRO-3 over NCCL, and FSDP2
-on GPUs with the whole model sharded and mixed precision.
+ranks (tests/integrations/test_zero3.py: losses and gathered parameters, fused and composed,
+equal to stock TRL's under the same config; docs/trl.md). Not verified (no GPUs here): ZeRO-3
+over NCCL, and FSDP2 on GPUs with the whole model sharded and mixed precision.
 """
 
 from __future__ import annotations
@@ -188,12 +190,14 @@ class _FusedLoss:
     """TRL's kernel contract for the one model call of the training forward, where the head and
     the loss are one `fused_policy_loss` call: the head's rows (TRL's ``hidden[mask]``, or
     every position) are laid out on the completion grid, the loss computed there (inside TRL's
-    autocast and ZeRO-3 gather context, which hold the kernel call) and kept in ``result``.
-    TRL's forward gets zeros for its per-token outputs, which nothing reads."""
+    autocast and ZeRO-3 gather context, which hold the kernel call) and kept in ``result``;
+    under ZeRO-3 (``zero3_head``, the head module) through `_gathered_for_backward`. TRL's
+    forward gets zeros for its per-token outputs, which nothing reads."""
 
-    def __init__(self, label_mask, logits_to_keep, targets, **loss_args):
+    def __init__(self, label_mask, logits_to_keep, targets, zero3_head=None, **loss_args):
         self.label_mask, self.logits_to_keep = label_mask, logits_to_keep
         self.targets, self.loss_args = targets, loss_args
+        self.zero3_head = zero3_head
         self.result = None
 
     def apply(self, hidden, weight, bias, targets, temperature, chunk_size,
@@ -219,8 +223,32 @@ class _FusedLoss:
             temperature=temperature,
             softcap=logitless_softcap(final_logit_softcapping, logit_scale),
             logit_scale=logit_scale, out_logprobs=self.logprobs, **self.loss_args)
+        if self.zero3_head is not None:
+            loss, metrics = self.result
+            self.result = _gathered_for_backward(self.zero3_head, loss), metrics
         zeros = hidden.new_zeros(rows)
         return zeros, zeros if "entropy" in outputs else None, None, None, None
+
+
+def _gathered_for_backward(head, loss):
+    """``loss`` through DeepSpeed ZeRO-3's pre-backward function of the ``head`` module, the
+    one DeepSpeed applies to the outputs of every module it partitions: when the backward
+    reaches it, DeepSpeed gathers the head's parameters (as for the backward of the head's own
+    forward), so the weight and bias gradients `fused_policy_loss` computed in the forward,
+    full-size, accumulate into full parameters, and DeepSpeed's gradient hooks reduce-scatter
+    them into the partitions. Without it the parameters are partitioned (empty) when the
+    backward hands the gradients over: TRL's fused forward reads the head inside its
+    ``maybe_gather_lm_head_ctx``, never calling the head module, and only its per-token
+    outputs, which the model returns, pass DeepSpeed's backward hooks. DeepSpeed partitions
+    the parameters again as for any module whose post-backward hook does not fire (its
+    leftovers at the end of the backward, at the latest the optimizer step).
+    tests/integrations/test_zero3.py runs it under DeepSpeed on two ranks."""
+    pre_backward = getattr(head, "pre_bwd_fn", None)
+    if pre_backward is None:
+        raise RuntimeError("GRPOTrainer(fused=True): under DeepSpeed ZeRO-3 the LM head module "
+                           "has no DeepSpeed pre-backward function (pre_bwd_fn); DeepSpeed "
+                           "did not register the head, or its hooks changed")
+    return pre_backward.apply(loss)
 
 
 @contextlib.contextmanager
@@ -654,7 +682,8 @@ class GRPOTrainer(trl.GRPOTrainer):
         outside = None
         if self._fused_reason(cfg) is None:
             fused = _FusedLoss(_label_mask(input_ids, attention_mask, logits_to_keep),
-                               logits_to_keep, completion_ids, old_logprobs=old,
+                               logits_to_keep, completion_ids, zero3_head=self._zero3_head(),
+                               old_logprobs=old,
                                advantages=inputs["advantages"], mask=mask, config=cfg,
                                ref_logprobs=ref, head_dtype=head_dtype_from_grpo(self.args),
                                **batch, **loss_args)
@@ -697,11 +726,18 @@ class GRPOTrainer(trl.GRPOTrainer):
                 self._global_mean(outside, tokens))
         return loss
 
+    def _zero3_head(self):
+        """The LM head module under DeepSpeed ZeRO-3 (None otherwise), whose parameters the fused
+        loss's backward gathers (`_gathered_for_backward`)."""
+        from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+        if not is_deepspeed_zero3_enabled():
+            return None
+        return self.accelerator.unwrap_model(self.model).get_output_embeddings()
+
     def _fused_reason(self, cfg: PolicyLossConfig) -> str | None:
         """Why this loss step cannot run as one `fused_policy_loss` call (None: it can). Each
         reason but ``fused=False`` is warned about once per trainer."""
-        from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
-
         if not self._fused:
             return "fused=False"
         reason = None
@@ -712,10 +748,6 @@ class GRPOTrainer(trl.GRPOTrainer):
             reason = ("top_entropy_quantile: over several processes the threshold is the "
                       "quantile of every process's entropies, which fused_policy_loss takes "
                       "over this process's")
-        elif is_deepspeed_zero3_enabled():
-            reason = ("DeepSpeed ZeRO-3: fused_policy_loss computes the head's gradient in the "
-                      "forward, inside TRL's gather, and the backward hands it to the "
-                      "partitioned parameter, whose shape it does not have")
         elif is_dtensor(self.accelerator.unwrap_model(self.model).get_output_embeddings().weight):
             reason = ("an FSDP2 (DTensor) head: fused_policy_loss runs it streamed, four passes "
                       "like the composed path, and that has not been run inside the trainer")
