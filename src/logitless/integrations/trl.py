@@ -12,8 +12,10 @@ Sharded heads. Under FSDP2 a head sharded on its own (``fully_shard(model.lm_hea
 ``full_tensor()``, and our kernel swaps that gather out (`trl_head.KeepShardedHead`): the head
 runs vocabulary-parallel over its mesh, the ranks' tokens all-gathered instead of the weight,
 and the weight gradient lands sharded, the mean over ranks of each rank's loss gradient
-(FSDP2's average; `logitless.fused_losses.head.dtensor`). TRL's gather gives each rank's shard
-its own loss's gradient only, the same when every rank scores the same batch. Under DeepSpeed
+(FSDP2's average; `logitless.fused_losses.head.dtensor`). The fused loss gets the sharded head
+too and keeps it sharded (`logitless.fused_losses.fused.fsdp2`: the ranks' batches in turn, in
+chunks). TRL's gather gives each rank's shard its own loss's gradient only, the same when every
+rank scores the same batch. Under DeepSpeed
 ZeRO-3 TRL gathers the weight with ``maybe_gather_lm_head_ctx`` around the forward; our
 kernel's backward, which recomputes the logits, re-enters that same TRL context
 (``gather_weight``); the fused loss, computed inside it, gets its head gathered again for its
@@ -39,7 +41,6 @@ import torch
 import trl
 
 from logitless.fused_losses.fused.fused_policy_loss import fused_policy_loss
-from logitless.fused_losses.head.dtensor import is_dtensor
 from logitless.fused_losses.objectives.aggregation import agg_counts
 from logitless.fused_losses.objectives.catalog import CLIPPED_SURROGATE, OBJECTIVES, clip_flags
 from logitless.fused_losses.objectives.config import KL_EXACT, PolicyLossConfig
@@ -336,9 +337,10 @@ class GRPOTrainer(trl.GRPOTrainer):
             the composed path make four). Without TRL's old-policy pass (its default,
             ``num_iterations=1``) the call runs on-policy (``old_logprobs=None``: the current
             logprobs, detached, as TRL's ``per_token_logps.detach()``). Where a step cannot
-            run fused (``match_sampler``, DeepSpeed ZeRO-3, an FSDP2 head, ...: see
-            `_fused_reason`) it runs composed, with one warning per reason. ``False``: always
-            composed (`linear_logprobs`, then `policy_loss`).
+            run fused (``match_sampler``, ...: see `_fused_reason`) it runs composed, with one
+            warning per reason. An FSDP2 head stays sharded (`fused.fsdp2`); under DeepSpeed
+            ZeRO-3 DeepSpeed gathers the head for the backward (`_gathered_for_backward`).
+            ``False``: always composed (`linear_logprobs`, then `policy_loss`).
 
     Logs TRL's metric names (``kl``, ``entropy``, ``clip_ratio/*``, ``cispo_clip_ratio``,
     ``vespo/phi_seq_mean``, ``policy_loss``, ``entropy_coef``, ``aux_loss``) with TRL's values,
@@ -748,9 +750,6 @@ class GRPOTrainer(trl.GRPOTrainer):
             reason = ("top_entropy_quantile: over several processes the threshold is the "
                       "quantile of every process's entropies, which fused_policy_loss takes "
                       "over this process's")
-        elif is_dtensor(self.accelerator.unwrap_model(self.model).get_output_embeddings().weight):
-            reason = ("an FSDP2 (DTensor) head: fused_policy_loss runs it streamed, four passes "
-                      "like the composed path, and that has not been run inside the trainer")
         elif cfg.kl_estimator == KL_EXACT and _uses_kl(cfg):
             reason = ("kl_estimator='exact': the reference model's hidden states are not "
                       "computed in the loss step")
