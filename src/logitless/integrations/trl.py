@@ -244,6 +244,8 @@ def _gathered_for_backward(head, loss):
     the parameters again as for any module whose post-backward hook does not fire (its
     leftovers at the end of the backward, at the latest the optimizer step).
     tests/integrations/test_zero3.py runs it under DeepSpeed on two ranks."""
+    if not loss.requires_grad:  # no backward (evaluation): nothing to gather for
+        return loss
     pre_backward = getattr(head, "pre_bwd_fn", None)
     if pre_backward is None:
         raise RuntimeError("GRPOTrainer(fused=True): under DeepSpeed ZeRO-3 the LM head module "
