@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from logitless.kernels import interpreter_compat
 
@@ -57,6 +58,29 @@ def _gloo_entry(rank, world, port, fn, args):
         fn(rank, world, *args)
     finally:
         dist.destroy_process_group()
+
+
+_MATMULS = {torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_,
+            torch.ops.aten.bmm, torch.ops.aten.baddbmm, torch.ops.aten.baddbmm_}
+_ADD_MATMULS = {torch.ops.aten.addmm, torch.ops.aten.addmm_, torch.ops.aten.baddbmm,
+                torch.ops.aten.baddbmm_}
+
+
+class MatmulFlops(TorchDispatchMode):
+    """2 M N K per matmul while ``counting`` (every overload: ``out=`` and in place too)."""
+
+    def __init__(self):
+        super().__init__()
+        self.counting, self.flops = False, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        packet = func.overloadpacket
+        if self.counting and packet in _MATMULS:
+            a, b = args[1:3] if packet in _ADD_MATMULS else args[:2]
+            batch = a.shape[0] if a.dim() == 3 else 1
+            self.flops += 2 * batch * a.shape[-2] * a.shape[-1] * b.shape[-1]
+        return func(*args, **kwargs)
 
 
 def run_on_gloo(world: int, fn, *args) -> None:

@@ -12,7 +12,7 @@ import torch.distributed as dist
 import logitless
 from logitless import PolicyLossConfig, reference
 
-from testing import run_on_gloo
+from testing import MatmulFlops, run_on_gloo
 
 pytestmark = pytest.mark.dist
 
@@ -141,8 +141,10 @@ def _check_sampled(rank, world):
 
 
 def _check_fused(rank, world):
-    """``fused_policy_loss`` on the DTensor head (the streaming strategy) against the reference
-    loss of each rank's own batch; the exact KL and the chunked strategy refused."""
+    """``fused_policy_loss`` on the DTensor head against the reference loss of each rank's own
+    batch: in chunks (``"auto"``, ``"chunked"``: the ranks' batches in turn, three GEMM passes
+    over the local slice), with a selection by entropy, and streamed (four); ``vocab_parallel``
+    and the exact KL refused."""
     gen, weight, bias, _ = _problem(world, seed=3)
     head = _sharded_head(weight, bias, world)
     config = PolicyLossConfig(objective="grpo", entropy_coef=0.01)
@@ -156,30 +158,45 @@ def _check_fused(rank, world):
         old = -torch.rand(b_, t_, generator=gen, dtype=torch.float64) * 3
         adv = torch.randn(b_, generator=gen, dtype=torch.float64)
         batches.append((hidden, targets, old, adv, mask))
-    w = weight.clone().requires_grad_(True)
-    b = bias.clone().requires_grad_(True)
-    hs = [x[0].clone().requires_grad_(True) for x in batches]
-    losses = [reference.fused_policy_loss(h, w, t, old, adv, m, config, bias=b)
-              for h, (_, t, old, adv, m) in zip(hs, batches)]
-    (sum(losses) / world).backward()
-
     hidden, targets, old, adv, mask = batches[rank]
     h = hidden.clone().requires_grad_(True)
-    for strategy in ("auto", "streaming"):
-        loss, _ = logitless.fused_policy_loss(h, head.weight, targets, old, adv, mask, config,
-                                              bias=head.bias, strategy=strategy)
-        loss.backward()
-        torch.testing.assert_close(loss.detach(), losses[rank].detach(), rtol=1e-10,
-                                   atol=1e-12)
-        torch.testing.assert_close(h.grad, hs[rank].grad * world, rtol=1e-10, atol=1e-12)
-        for param, full in ((head.weight, w), (head.bias, b)):
-            torch.testing.assert_close(param.grad.to_local(), _shard(full.grad, rank, world),
-                                       rtol=1e-10, atol=1e-12)
-            param.grad = None
-        h.grad = None
-    with pytest.raises(ValueError, match="strategy"):
+    rows = sum(int(x[4].sum()) for x in batches)  # every rank's loss rows
+    v_local = head.weight.to_local().shape[0]
+    # (config, {strategy: the head's GEMM passes in aten matmuls}): in chunks they are the only
+    # ones, over every rank's rows and the local slice; not counted (None) where the head
+    # streams (logitless's kernels) or a selection by entropy adds its no-grad pass (its rows
+    # padded to a tile)
+    cases = ((config, {"auto": 3, "chunked": 3, "streaming": None}),
+             (PolicyLossConfig(objective="dapo", top_entropy_quantile=0.5), {"auto": None}))
+    for cfg, strategies in cases:
+        w = weight.clone().requires_grad_(True)
+        b = bias.clone().requires_grad_(True)
+        hs = [x[0].clone().requires_grad_(True) for x in batches]
+        losses = [reference.fused_policy_loss(h_, w, t, old_, adv_, m, cfg, bias=b)
+                  for h_, (_, t, old_, adv_, m) in zip(hs, batches)]
+        (sum(losses) / world).backward()
+        for strategy, passes in strategies.items():
+            counter = MatmulFlops()
+            counter.counting = True
+            with counter:
+                loss, _ = logitless.fused_policy_loss(h, head.weight, targets, old, adv, mask,
+                                                      cfg, bias=head.bias, strategy=strategy)
+                loss.backward()
+            if passes is not None:
+                assert counter.flops == passes * 2 * rows * D * v_local, (strategy,
+                                                                          counter.flops)
+            torch.testing.assert_close(loss.detach(), losses[rank].detach(), rtol=1e-10,
+                                       atol=1e-12)
+            torch.testing.assert_close(h.grad, hs[rank].grad * world, rtol=1e-10, atol=1e-12)
+            for param, full in ((head.weight, w), (head.bias, b)):
+                torch.testing.assert_close(param.grad.to_local(),
+                                           _shard(full.grad, rank, world),
+                                           rtol=1e-10, atol=1e-12)
+                param.grad = None
+            h.grad = None
+    with pytest.raises(ValueError, match="vocab_parallel"):
         logitless.fused_policy_loss(h, head.weight, targets, old, adv, mask, config,
-                                    bias=head.bias, strategy="chunked")
+                                    bias=head.bias, vocab_parallel=dist.group.WORLD)
     kl = PolicyLossConfig(objective="grpo", beta=0.1, kl_estimator="exact")
     with pytest.raises(ValueError, match="ref_weight"):
         logitless.fused_policy_loss(h, head.weight, targets, old, adv, mask, kl,

@@ -14,13 +14,12 @@ import warnings
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from logitless import PolicyLossConfig, policy_loss
 from logitless.integrations import trl_head
 from logitless.tools import tiny
 
-from testing import run_on_gloo
+from testing import MatmulFlops, run_on_gloo
 from tiny_models import prompt_dataset, tiny_qwen2, tiny_tokenizer, vowel_reward
 
 trl = pytest.importorskip("trl", reason="TRL is installed by `make test`")
@@ -1105,29 +1104,6 @@ def test_fused_must_be_a_bool(tmp_path, model_dir, tokenizer):
 
 # -- matmul FLOPs of the loss step ---------------------------------------------------------
 
-_MATMULS = {torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_,
-            torch.ops.aten.bmm, torch.ops.aten.baddbmm, torch.ops.aten.baddbmm_}
-_ADD_MATMULS = {torch.ops.aten.addmm, torch.ops.aten.addmm_, torch.ops.aten.baddbmm,
-                torch.ops.aten.baddbmm_}
-
-
-class MatmulFlops(TorchDispatchMode):
-    """2 M N K per matmul while ``counting`` (every overload: ``out=`` and in place too)."""
-
-    def __init__(self):
-        super().__init__()
-        self.counting, self.flops = False, 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        packet = func.overloadpacket
-        if self.counting and packet in _MATMULS:
-            a, b = args[1:3] if packet in _ADD_MATMULS else args[:2]
-            batch = a.shape[0] if a.dim() == 3 else 1
-            self.flops += 2 * batch * a.shape[-2] * a.shape[-1] * b.shape[-1]
-        return func(*args, **kwargs)
-
-
 def _counting(cls):
     """``cls`` counting matmul FLOPs in each training step's ``compute_loss`` and backward
     (not in generation or TRL's old-policy and reference passes, made in `_prepare_inputs`)."""
@@ -1187,3 +1163,78 @@ def test_loss_step_matmul_flops(overrides, num_iterations, tmp_path, wide_vocab_
         flops[name] = sum(counting.flops)
     assert flops["stock"] > 0
     assert flops["fused"] <= 0.82 * flops["stock"], flops
+
+
+# Two GRPO configurations of the FSDP2 trainer run: TRL's default loss on-policy (no old-policy
+# pass), and DAPO with a KL term and TRL's old-policy pass (num_iterations=2).
+_FSDP2_CONFIGS = (dict(num_iterations=1, gradient_accumulation_steps=1),
+                  dict(loss_type="dapo", beta=0.04, num_iterations=2))
+
+
+def _fsdp2_trainer_worker(rank, world, model_dir, tokenizer, out_dir):
+    """One rank of `test_fsdp2_trainer_fused_equals_composed`."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    for i, overrides in enumerate(_FSDP2_CONFIGS):
+        args = grpo_args(f"{out_dir}/{rank}-{i}", **overrides)
+        trainers = {fused: GRPOTrainer(model=model_dir, reward_funcs=vowel_reward, args=args,
+                                       train_dataset=prompt_dataset(),
+                                       processing_class=tokenizer, fused=fused)
+                    for fused in (True, False)}
+        # each rank generates its own batch (own seed), before the head is sharded: generation
+        # runs the head module, FSDP2's gathers, a count of calls each rank would have its own
+        torch.manual_seed(100 + rank)
+        first = trainers[False]
+        first.model.train()
+        inputs = first._generate_and_score_completions(next(iter(first.get_train_dataloader())))
+        results = {}
+        for fused, trainer in trainers.items():
+            fully_shard(trainer.model.lm_head, mesh=init_device_mesh("cpu", (world,)))
+            assert type(trainer.model.lm_head.weight).__name__ == "DTensor"
+            trainer.model.train()
+            trainer.current_gradient_accumulation_steps = args.gradient_accumulation_steps
+            trainer._metrics["train"].clear()  # the generation's, logged by one of the two
+            calls, gathers = [], []
+            inner, full = trl_module._FusedLoss.apply, DTensor.full_tensor
+            trl_module._FusedLoss.apply = lambda self, *a, _i=inner, _c=calls, **k: (
+                _c.append(1), _i(self, *a, **k))[1]
+            DTensor.full_tensor = lambda self, *a, _g=gathers, _f=full, **k: (
+                _g.append(1), _f(self, *a, **k))[1]
+            try:
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    loss = trainer.compute_loss(trainer.model, inputs)
+                    loss.backward()
+            finally:
+                trl_module._FusedLoss.apply, DTensor.full_tensor = inner, full
+            assert not gathers  # the head stayed sharded
+            fallbacks = [str(w.message) for w in caught if "not fused" in str(w.message)]
+            # the fused trainer ran the loss as one fused_policy_loss call, without a fallback
+            assert (fallbacks, len(calls)) == (([], 1) if fused else ([], 0)), (fallbacks, calls)
+            grads = {}
+            for name, param in trainer.model.named_parameters():
+                grad = param.grad
+                # the head's gradient stays sharded: this rank's rows
+                grads[name] = grad.to_local() if type(grad).__name__ == "DTensor" else grad
+            results[fused] = (loss.detach(), grads, {k: v[-1] for k, v in
+                                                     trainer._metrics["train"].items()})
+        (loss, grads, logged), (loss_c, grads_c, logged_c) = results[True], results[False]
+        torch.testing.assert_close(loss, loss_c, rtol=1e-5, atol=1e-7)
+        assert grads.keys() == grads_c.keys()
+        for name, grad in grads_c.items():
+            err = float((grads[name] - grad).abs().max() / grad.abs().max().clamp(min=1e-30))
+            assert err <= 1e-5, (i, name, err)
+        assert grads_c["lm_head.weight"].abs().max() > 0
+        for key, value in logged_c.items():
+            assert abs(logged[key] - value) <= 1e-5 * abs(value) + 1e-7, (i, key)
+
+
+@pytest.mark.dist
+def test_fsdp2_trainer_fused_equals_composed(model_dir, tokenizer, tmp_path):
+    """Our `GRPOTrainer` with its head sharded by FSDP2 (``fully_shard(model.lm_head)``) on two
+    gloo ranks, each rank its own batch: the fused loss runs (no fallback warning) with the
+    head sharded and gives the composed path's loss, logged metrics and gradients, the head's
+    (each rank's shard: FSDP2's mean over the ranks) and the backbone's (each rank's own)."""
+    run_on_gloo(2, _fsdp2_trainer_worker, model_dir, tokenizer, str(tmp_path))

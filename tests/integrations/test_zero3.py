@@ -4,10 +4,12 @@ DeepSpeed into ``.venv-deepspeed`` and runs the ``dist`` tests).
 
 The worker (tests/integrations/zero3_worker.py) trains one saved tiny Qwen2 for two GRPO steps
 under one ZeRO-3 config (every parameter partitioned over the two ranks, the trainer's SGD
-wrapped by DeepSpeed's ZeRO-3 optimizer) with stock TRL, with ``patch_trl()`` and with
-logitless's ``GRPOTrainer``, for TRL's default loss and for DAPO with a KL term (a reference
-model that DeepSpeed partitions too). The logged losses and metrics of every step and the
-updated parameters, gathered from the partitions, must equal stock TRL's.
+wrapped by DeepSpeed's ZeRO-3 optimizer) with stock TRL, with ``patch_trl()``, with
+logitless's ``GRPOTrainer`` (fused: the head and the loss one ``fused_policy_loss`` call,
+whose head gradients, computed in the forward, reach the partitions) and with that trainer's
+composed path (``fused=False``), for TRL's default loss and for DAPO with a KL term (a
+reference model that DeepSpeed partitions too). The logged losses and metrics of every step
+and the updated parameters, gathered from the partitions, must equal stock TRL's.
 
 Tolerances: the heads compute the same fp32 logprobs with different reduction orders (TRL's
 4096-column chunks, logitless's tiles), a few ulps per logit; after two steps at learning rate
@@ -36,7 +38,7 @@ pytestmark = pytest.mark.dist
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("zero3_worker.py")
-RUNS = ("stock", "patch_trl", "grpo_trainer")
+RUNS = ("stock", "patch_trl", "grpo_trainer", "composed")
 CONFIGS = ("grpo", "dapo_kl")
 TIMING_KEYS = ("step_time", "runtime", "_per_second")  # wall-clock metrics
 
@@ -125,16 +127,23 @@ def test_zero3_runs_partitioned_on_two_ranks(zero3_runs, config):
 def test_zero3_patch_trl_and_grpo_trainer_match_stock_trl(zero3_runs, config):
     results, params, initial = zero3_runs
     stock = results[f"{config}-stock"]
-    assert stock["head_calls"] == {"grad": 0, "no_grad": 0}  # TRL's own kernel
+    assert stock["head_calls"] == {"grad": 0, "no_grad": 0, "fused": 0}  # TRL's own kernel
     theirs = params[f"{config}-stock"]
     moved = max(relative_difference(theirs[k], initial[k]) for k in initial)
     assert moved >= 1e-3, f"stock TRL moved the parameters by {moved:.2e} only"
-    for run in ("patch_trl", "grpo_trainer"):
+    for run in ("patch_trl", "grpo_trainer", "composed"):
         name = f"{config}-{run}"
-        # logitless's head served the training passes and the no-grad ones (old policy or
-        # reference logprobs) on both ranks' batches
         calls = results[name]["head_calls"]
-        assert calls["grad"] > 0 and calls["no_grad"] > 0, (name, calls)
+        # logitless's head served the no-grad passes (old policy or reference logprobs) on
+        # both ranks' batches, and the training forwards: the head and the loss one
+        # fused_policy_loss call in the fused trainer (no fallback to the composed path),
+        # linear_logprobs then the loss otherwise
+        assert calls["no_grad"] > 0, (name, calls)
+        if run == "grpo_trainer":
+            assert results[name]["fallbacks"] == [], (name, results[name]["fallbacks"])
+            assert calls["fused"] > 0 and calls["grad"] == 0, (name, calls)
+        else:
+            assert calls["grad"] > 0 and calls["fused"] == 0, (name, calls)
         assert_same_logs(results[name]["log_history"], stock["log_history"], name)
         ours = params[name]
         assert ours.keys() == theirs.keys() == initial.keys()

@@ -2,10 +2,12 @@
 ``torch.distributed.run``, DeepSpeed on its CPU accelerator with gloo).
 
 For each GRPO configuration of ``CONFIGS``, trains the same saved tiny Qwen2 for two steps
-three times under one ZeRO-3 config: stock TRL, stock TRL after ``patch_trl()``, and
-logitless's ``GRPOTrainer``. Rank 0 writes, per run, the logged history, the logitless head
-calls (with and without grad), the parameters' partition sizes, and the updated parameters
-gathered under ``deepspeed.zero.GatheredParameters`` (``<config>-<run>.pt``).
+four times under one ZeRO-3 config: stock TRL, stock TRL after ``patch_trl()``, logitless's
+``GRPOTrainer`` (its default: the loss as one ``fused_policy_loss`` call) and that trainer
+with ``fused=False`` (the composed path). Rank 0 writes, per run, the logged history, the
+logitless head calls (with and without grad), the fused loss calls, the trainer's fallback
+warnings, the parameters' partition sizes, and the updated parameters gathered under
+``deepspeed.zero.GatheredParameters`` (``<config>-<run>.pt``).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import argparse
 import json
 import os
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -26,7 +29,7 @@ from tiny_models import prompt_dataset, vowel_reward
 
 interpreter_compat.apply()  # the suite's interpreter, in each rank (a no-op without it)
 
-RUNS = ("stock", "patch_trl", "grpo_trainer")
+RUNS = ("stock", "patch_trl", "grpo_trainer", "composed")
 # TRL's default loss; DAPO with a KL term, whose reference model DeepSpeed partitions too
 CONFIGS = {"grpo": {}, "dapo_kl": dict(loss_type="dapo", beta=0.04)}
 
@@ -92,19 +95,37 @@ def head_spy(counts: dict):
     return lambda: setattr(trl_head.LogitlessChunkedLogProb, "apply", staticmethod(inner))
 
 
+def fused_spy(counts: dict):
+    """Counts the training forwards whose head and loss were one `fused_policy_loss` call."""
+    from logitless.integrations import trl as logitless_trl
+
+    inner = logitless_trl._FusedLoss.apply
+
+    def spy(self, *args, **kwargs):
+        counts["fused"] += 1
+        return inner(self, *args, **kwargs)
+
+    logitless_trl._FusedLoss.apply = spy
+    return lambda: setattr(logitless_trl._FusedLoss, "apply", inner)
+
+
 def train(run: str, model_dir: str, tokenizer, output_dir: str, overrides: dict):
     import trl
 
     from logitless.integrations import trl_head
     from logitless.integrations.trl import GRPOTrainer
 
-    cls = GRPOTrainer if run == "grpo_trainer" else trl.GRPOTrainer
+    kwargs = {}
+    if run in ("grpo_trainer", "composed"):
+        cls, kwargs = GRPOTrainer, dict(fused=run == "grpo_trainer")
+    else:
+        cls = trl.GRPOTrainer
     if run == "patch_trl":
         trl_head.patch_trl()
     try:
         trainer = cls(model=model_dir, reward_funcs=vowel_reward,
                       args=grpo_args(output_dir, **overrides), train_dataset=prompt_dataset(),
-                      processing_class=tokenizer)
+                      processing_class=tokenizer, **kwargs)
         trainer.train()
     finally:
         trl_head.unpatch_trl()
@@ -126,17 +147,21 @@ def gathered_parameters(model) -> tuple[dict, dict]:
 def one_run(run, model_dir, tokenizer, out: Path, name: str, overrides: dict, rank: int):
     from accelerate.state import AcceleratorState
 
-    counts = {"grad": 0, "no_grad": 0}
-    restore = head_spy(counts)
+    counts = {"grad": 0, "no_grad": 0, "fused": 0}
+    restore, restore_fused = head_spy(counts), fused_spy(counts)
     try:
-        trainer = train(run, model_dir, tokenizer, str(out / name), overrides)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer = train(run, model_dir, tokenizer, str(out / name), overrides)
     finally:
         restore()
+        restore_fused()
+    fallbacks = [str(w.message) for w in caught if "not fused" in str(w.message)]
     full, local = gathered_parameters(trainer.model)
     if rank == 0:
         torch.save(full, out / f"{name}.pt")
     result = dict(
-        log_history=trainer.state.log_history, head_calls=counts,
+        log_history=trainer.state.log_history, head_calls=counts, fallbacks=fallbacks,
         zero_stage=trainer.model_wrapped.zero_optimization_stage(),
         world_size=trainer.accelerator.num_processes, partition=local,
         reference_partitioned=trainer.ref_model is not None and all(

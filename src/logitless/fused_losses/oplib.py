@@ -224,15 +224,15 @@ class Op:
 
 
 def under_head_precision(f):
-    """``f(a)`` run under `head_precision` of ``a.head_dtype`` (an op's arguments, a
+    """``f(a, ...)`` run under `head_precision` of ``a.head_dtype`` (an op's arguments, a
     `fused_policy_loss` request); None stays None."""
     if f is None:
         return None
 
     @functools.wraps(f)
-    def run(a):
+    def run(a, *args, **kwargs):
         with head_precision(a.head_dtype):
-            return f(a)
+            return f(a, *args, **kwargs)
 
     return run
 

@@ -12,16 +12,20 @@ Sharded heads. Under FSDP2 a head sharded on its own (``fully_shard(model.lm_hea
 ``full_tensor()``, and our kernel swaps that gather out (`trl_head.KeepShardedHead`): the head
 runs vocabulary-parallel over its mesh, the ranks' tokens all-gathered instead of the weight,
 and the weight gradient lands sharded, the mean over ranks of each rank's loss gradient
-(FSDP2's average; `logitless.fused_losses.head.dtensor`). TRL's gather gives each rank's shard
-its own loss's gradient only, the same when every rank scores the same batch. Under DeepSpeed
+(FSDP2's average; `logitless.fused_losses.head.dtensor`). The fused loss gets the sharded head
+too and keeps it sharded (`logitless.fused_losses.fused.fsdp2`: the ranks' batches in turn, in
+chunks). TRL's gather gives each rank's shard its own loss's gradient only, the same when every
+rank scores the same batch. Under DeepSpeed
 ZeRO-3 TRL gathers the weight with ``maybe_gather_lm_head_ctx`` around the forward; our
 kernel's backward, which recomputes the logits, re-enters that same TRL context
-(``gather_weight``). Verified on CPU: FSDP2 with the head sharded over two and three gloo ranks
+(``gather_weight``); the fused loss, computed inside it, gets its head gathered again for its
+backward by DeepSpeed's own pre-backward hook of the head module (`_gathered_for_backward`).
+Verified on CPU: FSDP2 with the head sharded over two and three gloo ranks
 (values and the sharded weight gradient against the unsharded head and TRL's gathering path),
 that the backward enters TRL's ZeRO-3 gather context, and DeepSpeed ZeRO-3 itself on two gloo
-ranks (tests/integrations/test_zero3.py: losses and gathered parameters equal to stock TRL's
-under the same config; docs/trl.md). Not verified (no GPUs here): ZeRO-3 over NCCL, and FSDP2
-on GPUs with the whole model sharded and mixed precision.
+ranks (tests/integrations/test_zero3.py: losses and gathered parameters, fused and composed,
+equal to stock TRL's under the same config; docs/trl.md). Not verified (no GPUs here): ZeRO-3
+over NCCL, and FSDP2 on GPUs with the whole model sharded and mixed precision.
 """
 
 from __future__ import annotations
@@ -39,7 +43,6 @@ import trl
 from logitless.fused_losses.fused.fused_policy_loss import fused_policy_loss
 from logitless.fused_losses.fused.validation import Head
 from logitless.fused_losses.head.divergence import linear_divergence
-from logitless.fused_losses.head.dtensor import is_dtensor
 from logitless.fused_losses.objectives.aggregation import agg_counts
 from logitless.fused_losses.objectives.catalog import CLIPPED_SURROGATE, OBJECTIVES, clip_flags
 from logitless.fused_losses.objectives.config import KL_EXACT, PolicyLossConfig
@@ -221,8 +224,9 @@ class _FusedLoss:
     """TRL's kernel contract for the one model call of the training forward, where the head and
     the loss are one `fused_policy_loss` call: the head's rows (TRL's ``hidden[mask]``, or
     every position) are laid out on the completion grid, the loss computed there (inside TRL's
-    autocast and ZeRO-3 gather context, which hold the kernel call) and kept in ``result``.
-    TRL's forward gets zeros for its per-token outputs, which nothing reads.
+    autocast and ZeRO-3 gather context, which hold the kernel call) and kept in ``result``;
+    under ZeRO-3 (``zero3_head``, the head module) through `_gathered_for_backward`. TRL's
+    forward gets zeros for its per-token outputs, which nothing reads.
 
     ``world_globals``: a function of the current entropies and logprobs on the completion grid
     that returns the batch's `BatchGlobals` over every process (`_world_entropy_globals`);
@@ -230,10 +234,11 @@ class _FusedLoss:
     composed path's values), and the call selects with them (``selection_entropy``), so it
     makes no pass of its own."""
 
-    def __init__(self, label_mask, logits_to_keep, targets, world_globals=None, **loss_args):
+    def __init__(self, label_mask, logits_to_keep, targets, world_globals=None, zero3_head=None,
+                 **loss_args):
         self.label_mask, self.logits_to_keep = label_mask, logits_to_keep
         self.targets, self.loss_args = targets, loss_args
-        self.world_globals = world_globals
+        self.world_globals, self.zero3_head = world_globals, zero3_head
         self.result = None
 
     def apply(self, hidden, weight, bias, targets, temperature, chunk_size,
@@ -261,8 +266,34 @@ class _FusedLoss:
             temperature=temperature,
             softcap=logitless_softcap(final_logit_softcapping, logit_scale),
             logit_scale=logit_scale, out_logprobs=self.logprobs, **extra, **self.loss_args)
+        if self.zero3_head is not None:
+            loss, metrics = self.result
+            self.result = _gathered_for_backward(self.zero3_head, loss), metrics
         zeros = hidden.new_zeros(rows)
         return zeros, zeros if "entropy" in outputs else None, None, None, None
+
+
+def _gathered_for_backward(head, loss):
+    """``loss`` through DeepSpeed ZeRO-3's pre-backward function of the ``head`` module, the
+    one DeepSpeed applies to the outputs of every module it partitions: when the backward
+    reaches it, DeepSpeed gathers the head's parameters (as for the backward of the head's own
+    forward), so the weight and bias gradients `fused_policy_loss` computed in the forward,
+    full-size, accumulate into full parameters, and DeepSpeed's gradient hooks reduce-scatter
+    them into the partitions. Without it the parameters are partitioned (empty) when the
+    backward hands the gradients over: TRL's fused forward reads the head inside its
+    ``maybe_gather_lm_head_ctx``, never calling the head module, and only its per-token
+    outputs, which the model returns, pass DeepSpeed's backward hooks. DeepSpeed partitions
+    the parameters again as for any module whose post-backward hook does not fire (its
+    leftovers at the end of the backward, at the latest the optimizer step).
+    tests/integrations/test_zero3.py runs it under DeepSpeed on two ranks."""
+    if not loss.requires_grad:  # no backward (evaluation): nothing to gather for
+        return loss
+    pre_backward = getattr(head, "pre_bwd_fn", None)
+    if pre_backward is None:
+        raise RuntimeError("GRPOTrainer(fused=True): under DeepSpeed ZeRO-3 the LM head module "
+                           "has no DeepSpeed pre-backward function (pre_bwd_fn); DeepSpeed "
+                           "did not register the head, or its hooks changed")
+    return pre_backward.apply(loss)
 
 
 @contextlib.contextmanager
@@ -363,9 +394,10 @@ class GRPOTrainer(trl.GRPOTrainer):
             the composed path make four). Without TRL's old-policy pass (its default,
             ``num_iterations=1``) the call runs on-policy (``old_logprobs=None``: the current
             logprobs, detached, as TRL's ``per_token_logps.detach()``). Where a step cannot
-            run fused (``match_sampler``, DeepSpeed ZeRO-3, an FSDP2 head, ...: see
-            `_fused_reason`) it runs composed, with one warning per reason. ``False``: always
-            composed (`linear_logprobs`, then `policy_loss`).
+            run fused (``match_sampler``, ...: see `_fused_reason`) it runs composed, with one
+            warning per reason. An FSDP2 head stays sharded (`fused.fsdp2`); under DeepSpeed
+            ZeRO-3 DeepSpeed gathers the head for the backward (`_gathered_for_backward`).
+            ``False``: always composed (`linear_logprobs`, then `policy_loss`).
 
     Logs TRL's metric names (``kl``, ``entropy``, ``clip_ratio/*``, ``cispo_clip_ratio``,
     ``vespo/phi_seq_mean``, ``policy_loss``, ``entropy_coef``, ``aux_loss``) with TRL's values,
@@ -780,7 +812,7 @@ class GRPOTrainer(trl.GRPOTrainer):
 
         if self._fused_reason(cfg) is None:
             fused = _FusedLoss(_label_mask(input_ids, attention_mask, logits_to_keep),
-                               logits_to_keep, completion_ids,
+                               logits_to_keep, completion_ids, zero3_head=self._zero3_head(),
                                world_globals=world_globals if world else None, old_logprobs=old,
                                advantages=inputs["advantages"], mask=mask, config=cfg,
                                ref_logprobs=ref, head_dtype=head_dtype_from_grpo(self.args),
@@ -844,24 +876,24 @@ class GRPOTrainer(trl.GRPOTrainer):
             beta=1.0, temperature=call.temperature / call.logit_scale, bias=call.bias,
             teacher_bias=ref_bias, head_dtype=head_dtype_from_grpo(self.args)).divergence
 
+    def _zero3_head(self):
+        """The LM head module under DeepSpeed ZeRO-3 (None otherwise), whose parameters the fused
+        loss's backward gathers (`_gathered_for_backward`)."""
+        from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+        if not is_deepspeed_zero3_enabled():
+            return None
+        return self.accelerator.unwrap_model(self.model).get_output_embeddings()
+
     def _fused_reason(self, cfg: PolicyLossConfig) -> str | None:
         """Why this loss step cannot run as one `fused_policy_loss` call (None: it can). Each
         reason but ``fused=False`` is warned about once per trainer."""
-        from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
-
         if not self._fused:
             return "fused=False"
         reason = None
         if self._matching:
             reason = ("match_sampler: fused_policy_loss has no sampler truncation or recorded "
                       "kept sets")
-        elif is_deepspeed_zero3_enabled():
-            reason = ("DeepSpeed ZeRO-3: fused_policy_loss computes the head's gradient in the "
-                      "forward, inside TRL's gather, and the backward hands it to the "
-                      "partitioned parameter, whose shape it does not have")
-        elif is_dtensor(self.accelerator.unwrap_model(self.model).get_output_embeddings().weight):
-            reason = ("an FSDP2 (DTensor) head: fused_policy_loss runs it streamed, four passes "
-                      "like the composed path, and that has not been run inside the trainer")
         if reason is not None and reason not in self._fallbacks:
             self._fallbacks.add(reason)
             warnings.warn(f"GRPOTrainer: the loss runs on the composed path (linear_logprobs, "

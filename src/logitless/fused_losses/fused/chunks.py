@@ -35,10 +35,11 @@ from logitless.fused_losses.oplib import under_head_precision
 
 
 @under_head_precision  # every GEMM of the call's forward in the head's precision
-def run_call(req: Request) -> tuple:
+def run_call(req: Request, shared: dict | None = None) -> tuple:
     """The eager call: ``(loss, metrics, grads)``, ``grads`` the ``(d_hidden, d_weight,
     d_bias)`` the chunks computed in the forward (None where not needed), or None when
-    the whole batch streamed (the loss then carries its autograd graph)."""
+    the whole batch streamed (the loss then carries its autograd graph). ``shared``: weight
+    and bias accumulators shared with other calls over the same head (`Grads`)."""
     head, need, config, loss_args = req.head, req.needs, req.config, req.loss_args
     sharded = check_sharded(head, req.strategy, req.ref_args)
     shard = placed_shard(req)
@@ -57,7 +58,7 @@ def run_call(req: Request) -> tuple:
     check_global_counts(loss_args["num_items_in_batch"], loss_args["global_batch_size"],
                         glob.loss)
     plan = make_plan(call, req.memory_budget)
-    grads = Grads(need, head, call.batch.adv.dtype)
+    grads = Grads(need, head, call.batch.adv.dtype, shared)
     store = new_store(head.vocab, plan.dense_rows, head.dtype, head.hidden.device,
                        head.softcap)
     runner = ChunkRunner(call, glob, masks, loss_args, need, grads, store)

@@ -37,6 +37,7 @@ import dataclasses
 import torch
 
 from logitless.fused_losses.fused.chunks import run_call
+from logitless.fused_losses.fused.fsdp2 import run_sharded, runs_in_chunks
 from logitless.fused_losses.fused.op import as_op, metric_names, op_call
 from logitless.fused_losses.fused.plan import CPU_MEMORY_BUDGET, ChunkStore, plan_chunks
 from logitless.fused_losses.fused.validation import Request, check_out_buffers
@@ -138,7 +139,13 @@ def fused_policy_loss(
 
     Args:
         hidden: ``[B, T, D]`` right-padded, or ``[N, D]`` packed with ``cu_seqlens [B + 1]``.
-        weight, bias: the head, ``[V, D]`` and ``[V]``.
+        weight, bias: the head, ``[V, D]`` and ``[V]``; or FSDP2's (``fully_shard``: DTensors
+            ``Shard(0)`` over the vocabulary on a 1-D mesh, every other input this rank's own
+            batch), kept sharded: the ranks' batches broadcast in turn, each run in chunks over
+            every rank's slice (three GEMM passes; streamed, four, where the batch streams),
+            the loss and metrics this rank's batch's, the weight and bias gradients the mean
+            over the ranks of each rank's loss gradient (FSDP2's average; `fused.fsdp2`). The
+            ranks must agree on which inputs require a gradient. Not with the exact KL.
         targets: token ids like ``mask``; only positions where ``mask`` is nonzero and the
             target is not ``ignore_index`` are scored (a target of ``ignore_index`` drops its
             token whatever ``mask`` holds there).
@@ -281,7 +288,11 @@ def fused_policy_loss(
                              "for meta/fake tensors (the op returns no per-token values)")
         return op_call(req)
     need = req.needs
-    loss, metrics, grads = run_call(req)
+    if runs_in_chunks(req):  # an FSDP2 head, sharded: the ranks' batches in turn
+        loss, metrics, grads = run_sharded(req)
+        weight, bias = weight.to_local(), None if bias is None else bias.to_local()
+    else:
+        loss, metrics, grads = run_call(req)
     if grads is None or not need.any:  # the whole batch streamed: the loss has its graph
         return loss, metrics
     return _StoredGradients.apply(loss, hidden, weight, bias, grads), metrics

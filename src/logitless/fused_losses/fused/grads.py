@@ -57,15 +57,22 @@ class Need(NamedTuple):
 
 class Grads:
     """The call's gradient accumulators (None where not needed): hidden rows in the compute
-    dtype, weight and bias in the accumulation dtype."""
+    dtype, weight and bias in the accumulation dtype. ``shared``: a dict holding the weight
+    and bias accumulators of several calls over one head (`fused.fsdp2`, one call a rank's
+    batch), filled by the first."""
 
-    def __init__(self, need: Need, head, acc: torch.dtype):
+    def __init__(self, need: Need, head, acc: torch.dtype, shared: dict | None = None):
         h, w = head.hidden, head.weight
         rows = h.reshape(-1, h.shape[-1]).shape
         self.hidden = (torch.zeros(rows, dtype=head.dtype, device=h.device) if need.hidden
                        else None)
+        if shared:  # an earlier call's weight and bias accumulators, added to
+            self.weight, self.bias = shared["weight"], shared["bias"]
+            return
         self.weight = WeightGrad(w, acc) if need.weight else None
         self.bias = torch.zeros(head.vocab, dtype=acc, device=w.device) if need.bias else None
+        if shared is not None:  # the first of the calls that share them
+            shared.update(weight=self.weight, bias=self.bias)
 
     def weight_buffer(self):
         """``(buffer, beta)`` for a GEMM writing the weight gradient, or ``(None, 1.0)``."""

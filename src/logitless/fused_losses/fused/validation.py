@@ -343,19 +343,26 @@ def check_shard_kl(call: Call) -> None:
 
 
 def check_sharded(head: Head, strategy: str, ref_args) -> bool:
-    """Whether the head is an FSDP2 DTensor (`head.dtensor`), which runs streamed, its
-    vocabulary shards a vocabulary-parallel head over the mesh: ``strategy="chunked"`` (the
-    stored logits and gradients of a whole vocabulary) and the exact KL (the two-head passes)
-    are refused (``ValueError``)."""
+    """Whether the head is an FSDP2 DTensor (`head.dtensor`) that runs here streamed, its
+    vocabulary shards a vocabulary-parallel head over the mesh (``strategy="streaming"``, an
+    objective that needs the whole batch; otherwise `fused.fsdp2` runs it in chunks before
+    this): ``strategy="chunked"`` (for such an objective) and the exact KL (the two-head
+    passes) are refused (``ValueError``)."""
     if not is_dtensor(head.weight):
         return False
     if strategy == "chunked":
-        raise ValueError("strategy: a DTensor (FSDP2) head runs streamed, vocabulary-parallel "
-                         "over its mesh; pass strategy='auto' or 'streaming', not 'chunked'")
+        raise ValueError("strategy: a DTensor (FSDP2) head runs this objective streamed, "
+                         "vocabulary-parallel over its mesh; pass strategy='auto' or "
+                         "'streaming', not 'chunked'")
+    check_sharded_ref(ref_args)
+    return True
+
+
+def check_sharded_ref(ref_args) -> None:
+    """The exact KL's reference head refused (``ValueError``) beside a DTensor head."""
     if any(x is not None for x in ref_args):
         raise ValueError("ref_hidden/ref_weight: the exact KL is unsupported with a DTensor "
                          "(FSDP2) head; use a sampled kl_estimator with ref_logprobs")
-    return True
 
 
 def checked_call(head, targets, old_logprobs, advantages, mask, config, strategy, cu_seqlens,
