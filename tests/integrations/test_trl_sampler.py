@@ -8,10 +8,16 @@ refused at construction.
 import math
 import os
 import re
+import warnings
 
 import pytest
 import torch
 
+from integrations.test_trl_trainer import (  # noqa: F401 (fused_calls: a fixture)
+    assert_same_logs,
+    assert_same_parameters,
+    fused_calls,
+)
 from logitless.reference.sampler import sampler_logprobs
 
 from tiny_models import (
@@ -92,8 +98,10 @@ def test_match_sampler_logprobs_are_the_samplers_truncated_distribution(tiny, tm
 
         kwargs["peft_config"] = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"],
                                            task_type="CAUSAL_LM")
+    # the composed head (fused=False), whose policy calls Recording sees; the fused loss step
+    # equals it (test_match_sampler_runs_fused)
     trainer = make_trainer(Recording, tiny, grpo_args(tmp_path, beta=0.05), match_sampler=True,
-                           **kwargs)
+                           fused=False, **kwargs)
     trainer.train()
     policy = [c for c in trainer.calls if not c["reference"] and c["grad"]]
     old = [c for c in trainer.calls if not c["reference"] and not c["grad"]]
@@ -135,6 +143,45 @@ def test_without_match_sampler_the_head_is_untruncated(tiny, tmp_path):
     for c in trainer.calls:
         _close(c["logps"], c["full"]["logprobs"], c["mask"], "logprobs")
     assert "logitless/sampler/outside_kept" not in trainer.state.log_history[0]
+
+
+FUSED_CASES = [
+    pytest.param(dict(beta=0.05), {}, None, id="untruncated-reference"),
+    pytest.param(dict(beta=0.05, min_p=0.3, max_steps=3), dict(truncate_reference=True),
+                 "logitless/sampler/outside_kept_reference", id="truncate-reference"),
+    pytest.param(dict(min_p=0.3, max_steps=3), {}, "logitless/sampler/outside_kept",
+                 id="min_p-three-steps"),
+    pytest.param(dict(num_iterations=1, gradient_accumulation_steps=1, max_steps=3), {}, None,
+                 id="on-policy"),
+]
+
+
+@pytest.mark.parametrize("overrides,kwargs,outside", FUSED_CASES)
+def test_match_sampler_runs_fused(overrides, kwargs, outside, tiny, tmp_path,
+                                  fused_calls):  # noqa: F811
+    """``match_sampler=True`` runs the loss step as one fused_policy_loss call under the
+    truncation, with no fallback warning: the same losses, logged metrics
+    (``logitless/sampler/outside_kept`` and ``..._reference`` included) and final parameters
+    as the composed path (``fused=False``). After the first updates (min-p cuts hard here)
+    the kept sets move away from those the tokens were drawn from, so tokens leave the
+    loss (``outside``: the metric that counts them)."""
+    def run(fused):
+        trainer = make_trainer(GRPOTrainer, tiny, grpo_args(tmp_path / str(fused), **overrides),
+                               match_sampler=True, fused=fused, **kwargs)
+        trainer.train()
+        return trainer
+
+    composed = run(False)
+    assert not fused_calls
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        fused = run(True)
+    assert not [str(w.message) for w in record if "not fused" in str(w.message)]
+    assert fused_calls and all(fused_calls)
+    assert_same_logs(fused.state.log_history, composed.state.log_history, loss_atol=2e-6)
+    assert_same_parameters(fused.model, composed.model)
+    if outside is not None:
+        assert max(log.get(outside, 0.0) for log in composed.state.log_history) > 0
 
 
 def test_sampler_from_grpo_reads_trl_conventions(tmp_path):

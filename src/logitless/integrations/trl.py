@@ -38,6 +38,7 @@ import trl
 
 from logitless.fused_losses.fused.fused_policy_loss import fused_policy_loss
 from logitless.fused_losses.head.dtensor import is_dtensor
+from logitless.fused_losses.head.logprobs import linear_logprobs
 from logitless.fused_losses.objectives.aggregation import agg_counts
 from logitless.fused_losses.objectives.catalog import CLIPPED_SURROGATE, OBJECTIVES, clip_flags
 from logitless.fused_losses.objectives.config import KL_EXACT, PolicyLossConfig
@@ -191,9 +192,13 @@ class _FusedLoss:
     autocast and ZeRO-3 gather context, which hold the kernel call) and kept in ``result``.
     TRL's forward gets zeros for its per-token outputs, which nothing reads."""
 
-    def __init__(self, label_mask, logits_to_keep, targets, **loss_args):
+    def __init__(self, label_mask, logits_to_keep, targets, truncation=None, probe=None,
+                 **loss_args):
         self.label_mask, self.logits_to_keep = label_mask, logits_to_keep
         self.targets, self.loss_args = targets, loss_args
+        # match_sampler: the truncation (`linear_logprobs`'s keywords), and the tokens out of
+        # the loss whose current logprobs the trainer's metrics read all the same (`_probe`)
+        self.truncation, self.probe = truncation or {}, probe
         self.result = None
 
     def apply(self, hidden, weight, bias, targets, temperature, chunk_size,
@@ -214,13 +219,30 @@ class _FusedLoss:
         # the per-token logprobs the loss used, for TRL's per-sequence clip metrics and VESPO
         self.logprobs = torch.empty(self.loss_args["mask"].shape, device=hidden.device,
                                     dtype=torch.promote_types(hidden.dtype, torch.float32))
-        self.result = fused_policy_loss(
-            grid[:, -self.logits_to_keep:], weight, self.targets, bias=bias,
-            temperature=temperature,
-            softcap=logitless_softcap(final_logit_softcapping, logit_scale),
-            logit_scale=logit_scale, out_logprobs=self.logprobs, **self.loss_args)
+        head = dict(bias=bias, temperature=temperature,
+                    softcap=logitless_softcap(final_logit_softcapping, logit_scale),
+                    logit_scale=logit_scale)
+        completions = grid[:, -self.logits_to_keep:]
+        self.result = fused_policy_loss(completions, weight, self.targets,
+                                        out_logprobs=self.logprobs, **head, **self.truncation,
+                                        **self.loss_args)
+        self._probe(completions, weight, head)
         zeros = hidden.new_zeros(rows)
         return zeros, zeros if "entropy" in outputs else None, None, None, None
+
+
+    def _probe(self, hidden, weight, head) -> None:
+        """The current logprobs of the ``probe`` tokens (left out of the loss before the call,
+        so the fused loss did not score them) into ``logprobs``: one no-grad head call on
+        those rows, as the composed path has them for its ``outside_kept`` count."""
+        if self.probe is None or not bool(self.probe.any()):
+            return
+        at = self.probe.to(hidden.device)
+        kw = {k: v[at] if k == "kept_ids" else v for k, v in self.truncation.items()}
+        with torch.no_grad():
+            out = linear_logprobs(hidden[at], weight, self.targets[at],
+                                  head_dtype=self.loss_args.get("head_dtype"), **head, **kw)
+        self.logprobs[at] = out.logprobs.to(self.logprobs.dtype)
 
 
 @contextlib.contextmanager
@@ -307,8 +329,10 @@ class GRPOTrainer(trl.GRPOTrainer):
             call over the completion tokens (three GEMM passes over the head; TRL's head and
             the composed path make four). Without TRL's old-policy pass (its default,
             ``num_iterations=1``) the call runs on-policy (``old_logprobs=None``: the current
-            logprobs, detached, as TRL's ``per_token_logps.detach()``). Where a step cannot
-            run fused (``match_sampler``, DeepSpeed ZeRO-3, an FSDP2 head, ...: see
+            logprobs, detached, as TRL's ``per_token_logps.detach()``). With
+            ``match_sampler`` (and ``"replay"``) the call takes the truncation (the recorded
+            sets), with the composed path's tokens out of the loss and its metrics. Where a
+            step cannot run fused (DeepSpeed ZeRO-3, an FSDP2 head, ...: see
             `_fused_reason`) it runs composed, with one warning per reason. ``False``: always
             composed (`linear_logprobs`, then `policy_loss`).
 
@@ -652,30 +676,41 @@ class GRPOTrainer(trl.GRPOTrainer):
         loss_args = dict(num_items_in_batch=num_items, entropy_coef=coef,
                          training_progress=self.state.global_step / max(self.state.max_steps, 1))
         outside = None
-        if self._fused_reason(cfg) is None:
-            fused = _FusedLoss(_label_mask(input_ids, attention_mask, logits_to_keep),
-                               logits_to_keep, completion_ids, old_logprobs=old,
-                               advantages=inputs["advantages"], mask=mask, config=cfg,
-                               ref_logprobs=ref, head_dtype=head_dtype_from_grpo(self.args),
-                               **batch, **loss_args)
-            with _fused_head(fused):
+        truncating_ref = self._matching and ref is not None and self._truncate_reference
+        fused = self._fused_reason(cfg) is None
+        if fused:
+            # match_sampler: the loss's tokens are those the composed path keeps below, the
+            # reference's outside tokens left out before the call (their KL is undefined),
+            # the policy's and old policy's by fused_policy_loss itself
+            call_mask, call_ref, probe = mask, ref, None
+            if truncating_ref:
+                probe = torch.isneginf(ref) & mask.bool()
+                _, call_ref, call_mask, _ = drop_outside_kept(ref, ref, mask)
+            loss_step = _FusedLoss(
+                _label_mask(input_ids, attention_mask, logits_to_keep), logits_to_keep,
+                completion_ids, truncation=self._truncation(inputs), probe=probe,
+                old_logprobs=old, advantages=inputs["advantages"], mask=call_mask, config=cfg,
+                ref_logprobs=call_ref, head_dtype=head_dtype_from_grpo(self.args), **batch,
+                **loss_args)
+            with _fused_head(loss_step):
                 _, _, aux_loss = super()._get_per_token_logps_and_entropies(
                     model, input_ids, attention_mask, logits_to_keep, **forward)
-            (loss, metrics), logps = fused.result, fused.logprobs
+            (loss, metrics), logps = loss_step.result, loss_step.logprobs
             old = logps if old is None else old  # on-policy: TRL's per_token_logps.detach()
         else:
             logps, entropies, aux_loss = self._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, compute_entropy=True,
                 kept_ids=inputs.get(KEPT_IDS_KEY), **forward)
             old = logps.detach() if old is None else old
-            if self._matching:
-                tokens = mask.sum()
-                logps, old, mask, outside = drop_outside_kept(logps, old, mask)
-                if ref is not None and self._truncate_reference:
-                    # a token outside the reference's kept set: logprob -inf, the KL undefined
-                    _, ref, mask, ref_outside = drop_outside_kept(ref, ref, mask)
-                    self._metrics[mode]["logitless/sampler/outside_kept_reference"].append(
-                        self._global_mean(ref_outside, tokens))
+        if self._matching:
+            tokens = mask.sum()
+            logps, old, mask, outside = drop_outside_kept(logps, old, mask)
+            if truncating_ref:
+                # a token outside the reference's kept set: logprob -inf, the KL undefined
+                _, ref, mask, ref_outside = drop_outside_kept(ref, ref, mask)
+                self._metrics[mode]["logitless/sampler/outside_kept_reference"].append(
+                    self._global_mean(ref_outside, tokens))
+        if not fused:
             batch_globals = None
             if cfg.top_entropy_quantile < 1 and self.accelerator.num_processes > 1:
                 batch_globals = self._world_entropy_globals(
@@ -705,9 +740,9 @@ class GRPOTrainer(trl.GRPOTrainer):
         if not self._fused:
             return "fused=False"
         reason = None
-        if self._matching:
-            reason = ("match_sampler: fused_policy_loss has no sampler truncation or recorded "
-                      "kept sets")
+        if self._matching and cfg.kl_estimator == KL_EXACT and _uses_kl(cfg):
+            reason = ("match_sampler with kl_estimator='exact': fused_policy_loss takes no "
+                      "sampler truncation together with the exact KL")
         elif cfg.top_entropy_quantile < 1 and self.accelerator.num_processes > 1:
             reason = ("top_entropy_quantile: over several processes the threshold is the "
                       "quantile of every process's entropies, which fused_policy_loss takes "
@@ -729,6 +764,13 @@ class GRPOTrainer(trl.GRPOTrainer):
             warnings.warn(f"GRPOTrainer: the loss runs on the composed path (linear_logprobs, "
                           f"then policy_loss), not fused: {reason}", RuntimeWarning, stacklevel=3)
         return reason
+
+    def _truncation(self, inputs) -> dict:
+        """The head's truncation under match_sampler, as `fused_policy_loss`'s keywords: the
+        recorded sets with replay, the sampler's settings otherwise (empty: none)."""
+        if self._replay:
+            return dict(kept_ids=inputs[KEPT_IDS_KEY])
+        return {} if self._sampler is None else self._sampler.kwargs()
 
     def _world_entropy_globals(self, cfg, mask, advantages, entropies, batch):
         """`policy_loss`'s batch globals with TRL's top-entropy selection, whose threshold is
