@@ -13,8 +13,8 @@ import torch
 from logitless import PolicyLossConfig, linear_logprobs, policy_loss, reference
 from logitless.fused_losses.fused import chunks
 from logitless.fused_losses.fused.fused_policy_loss import fused_policy_loss
-from logitless.fused_losses.head.sampled import drop_outside_kept
-from logitless.kernels.sampler_torch import StoredSampled
+from logitless.integrations.sampler_config import drop_outside_kept
+from logitless.kernels import sampler_torch
 
 from testing import requires_triton
 
@@ -86,7 +86,7 @@ def composed(batch, trunc, head=linear_logprobs, old=True):
 def dense_rows(n, dtype=torch.float64):
     """A budget of ``n`` rows of the truncated store: sequences of up to ``n`` loss rows run
     as dense chunks, longer ones stream."""
-    return n * StoredSampled.bytes_per_row(V, dtype, None)
+    return n * sampler_torch.StoredSampled.bytes_per_row(V, dtype, None)
 
 
 TRUNCATIONS = [
@@ -242,3 +242,25 @@ def test_refusals():
     ]:
         with pytest.raises(ValueError, match=match):
             fused_policy_loss(*args, **kw)
+
+
+@pytest.mark.parametrize("spec", [dict(top_p=0.85, top_k=40), "kept_ids"], ids=["top_p", "kept"])
+def test_compiled_matches_eager(spec):
+    """Under ``torch.compile`` the call is the one custom op, the truncation (and the recorded
+    sets) among its arguments: the same loss, metrics and gradients as eagerly, targets
+    outside the kept sets included."""
+    batch = make_batch(7)
+    trunc = truncation(spec, batch)
+
+    def step(hidden, weight, bias):
+        return fused_policy_loss(hidden, weight, batch["targets"], batch["old"], batch["adv"],
+                                 batch["mask"], CFG, bias=bias, temperature=TEMPERATURE,
+                                 max_tile_bytes=dense_rows(40), **trunc)
+
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True, dynamic=False)
+    got, want = [], []
+    for fn, out in ((compiled, got), (step, want)):
+        x = leaves(batch)
+        loss, metrics = fn(*x)
+        out.extend([loss, metrics, torch.autograd.grad(loss, x), None])
+    assert_same(got, want, 1e-12, 1e-14)

@@ -223,6 +223,19 @@ def fused_policy_loss(
         hidden_grad: with ``vocab_parallel``, ``"sum"`` (the hidden gradient summed over the
             group) or ``"partial"`` (this rank's slice's share, for callers whose own
             communication sums it, e.g. Megatron's sequence-parallel reduce-scatter).
+        top_k, top_p, min_p, sampler, kept_ids: the sampler's truncation or the kept sets an
+            engine recorded, exactly as :func:`linear_logprobs` takes them (its checks; no-op
+            settings leave the plain path): the loss is that of the truncated, renormalised
+            distribution's logprobs and entropy, ``policy_loss(linear_logprobs(...,
+            top_k=..., return_entropy=True))``, with the trainers' rule for a token whose
+            target lies outside the kept set of the current policy, or whose old logprob is
+            -inf (`drop_outside_kept`): it leaves the loss (``out_logprobs`` reads -inf
+            there when the current policy left it out). ``kept_ids`` sets may be empty at
+            tokens out of the loss. Dense chunks keep their logits and select the kept set
+            from them with the sampler's own passes (three GEMM passes); where Triton is
+            selected (CUDA) the batch streams (four). Not with ``vocab_parallel``,
+            ``cp_group``, a DTensor head or the exact KL (``ValueError``); see
+            ``docs/sampler.md``, "The fused loss".
 
     Returns:
         ``(loss, metrics)`` as :func:`policy_loss`.
