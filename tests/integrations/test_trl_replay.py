@@ -12,12 +12,12 @@ and records the set, as vLLM's ``return_sampling_mask`` does.
 import math
 import os
 import re
-import warnings
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from integrations.test_trl_sampler import train_fused_and_composed
 from integrations.test_trl_trainer import (  # noqa: F401 (fused_calls: a fixture)
     assert_same_logs,
     assert_same_parameters,
@@ -257,19 +257,11 @@ def test_replay_runs_fused(overrides, kwargs, corrupt, tiny, tmp_path,
     miss their tokens (``outside``: out of the loss, counted in
     ``logitless/sampler/outside_kept`` and ``..._reference``)."""
     def run(fused):
-        trainer = make_trainer(tiny, grpo_args(tmp_path / str(fused), **overrides),
-                               cls=GRPOTrainer, engine=Engine(corrupt=corrupt),
-                               match_sampler="replay", fused=fused, **kwargs)
-        trainer.train()
-        return trainer
+        return make_trainer(tiny, grpo_args(tmp_path / str(fused), **overrides),
+                            cls=GRPOTrainer, engine=Engine(corrupt=corrupt),
+                            match_sampler="replay", fused=fused, **kwargs)
 
-    composed = run(False)
-    assert not fused_calls
-    with warnings.catch_warnings(record=True) as record:
-        warnings.simplefilter("always")
-        fused = run(True)
-    assert not [str(w.message) for w in record if "not fused" in str(w.message)]
-    assert fused_calls and all(fused_calls)
+    fused, composed = train_fused_and_composed(run, fused_calls)
     # on-policy the old logprobs are the current ones: the fused store's GEMM and the composed
     # path's gather of the sets' rows round them apart by an fp32 ulp (5e-7 at |lp| ~ 6), and
     # |old - rollout| (the mismatch's abs_diff, near 0 here) shows exactly that

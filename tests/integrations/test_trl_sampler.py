@@ -145,6 +145,22 @@ def test_without_match_sampler_the_head_is_untruncated(tiny, tmp_path):
     assert "logitless/sampler/outside_kept" not in trainer.state.log_history[0]
 
 
+def train_fused_and_composed(make, calls):
+    """Train ``make(fused)``'s trainer composed (``fused=False``: no fused call in ``calls``,
+    the `fused_calls` spy) and fused (every loss step one fused_policy_loss call, no fallback
+    warning); returns ``(fused, composed)``."""
+    composed = make(False)
+    composed.train()
+    assert not calls
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        fused = make(True)
+        fused.train()
+    assert not [str(w.message) for w in record if "not fused" in str(w.message)]
+    assert calls and all(calls)
+    return fused, composed
+
+
 FUSED_CASES = [
     pytest.param(dict(beta=0.05), {}, None, id="untruncated-reference"),
     pytest.param(dict(beta=0.05, min_p=0.3, max_steps=3), dict(truncate_reference=True),
@@ -166,18 +182,10 @@ def test_match_sampler_runs_fused(overrides, kwargs, outside, tiny, tmp_path,
     the kept sets move away from those the tokens were drawn from, so tokens leave the
     loss (``outside``: the metric that counts them)."""
     def run(fused):
-        trainer = make_trainer(GRPOTrainer, tiny, grpo_args(tmp_path / str(fused), **overrides),
-                               match_sampler=True, fused=fused, **kwargs)
-        trainer.train()
-        return trainer
+        return make_trainer(GRPOTrainer, tiny, grpo_args(tmp_path / str(fused), **overrides),
+                            match_sampler=True, fused=fused, **kwargs)
 
-    composed = run(False)
-    assert not fused_calls
-    with warnings.catch_warnings(record=True) as record:
-        warnings.simplefilter("always")
-        fused = run(True)
-    assert not [str(w.message) for w in record if "not fused" in str(w.message)]
-    assert fused_calls and all(fused_calls)
+    fused, composed = train_fused_and_composed(run, fused_calls)
     assert_same_logs(fused.state.log_history, composed.state.log_history, loss_atol=2e-6)
     assert_same_parameters(fused.model, composed.model)
     if outside is not None:
