@@ -16,7 +16,7 @@ from logitless.fused_losses.fused.fused_policy_loss import fused_policy_loss
 from logitless.integrations.sampler_config import drop_outside_kept
 from logitless.kernels import sampler_torch
 
-from testing import requires_triton
+from testing import assert_close_to_oracle, requires_triton
 
 B, T, D, V, K = 5, 37, 96, 1007, 29
 TEMPERATURE = 0.8
@@ -71,12 +71,12 @@ def fused(batch, trunc, budget=None, old=True, **kw):
     return loss, metrics, torch.autograd.grad(loss, x), out
 
 
-def composed(batch, trunc, head=linear_logprobs, old=True):
+def composed(batch, trunc, head=linear_logprobs, old=True, **kw):
     """What the trainers compose: the head's truncated logprobs and entropies, the tokens
     outside a kept set out of the loss (`drop_outside_kept`), `policy_loss`."""
     x = leaves(batch)
     out = head(x[0], x[1], batch["targets"], bias=x[2], temperature=TEMPERATURE,
-               return_entropy=True, **trunc)
+               return_entropy=True, **trunc, **kw)
     old_lp = batch["old"] if old else out.logprobs.detach()
     lp, old_lp, mask, _ = drop_outside_kept(out.logprobs, old_lp, batch["mask"])
     loss, metrics = policy_loss(lp, old_lp, batch["adv"], mask, CFG, entropy=out.entropy)
@@ -143,6 +143,18 @@ def test_equals_the_composed_path_and_the_oracle(spec, rows):
     assert torch.equal(torch.isneginf(got[3]), outside & ~old_inf)
     loss_tokens = batch["mask"] & ~outside & ~old_inf
     torch.testing.assert_close(got[3][loss_tokens], lp[loss_tokens], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("spec", [dict(top_p=0.9, min_p=0.02), "kept_ids"], ids=["top_p", "kept"])
+def test_softcap_and_logit_scale(spec):
+    """A soft-capped, scaled head: the stored chunk's ``1 - tanh^2`` is read back from its
+    logits; equal to the composed path and the oracle."""
+    batch = make_batch(10)
+    trunc, head = truncation(spec, batch), dict(softcap=3.0, logit_scale=0.7)
+    got = fused(batch, trunc, dense_rows(40), **head)
+    assert_same(got, composed(batch, trunc, **head), 1e-10, 1e-12)
+    assert_same(got, composed(batch, trunc, head=reference.linear_logprobs, **head), 1e-10,
+                1e-12)
 
 
 @pytest.mark.parametrize("spec", [dict(top_p=0.9, top_k=50), "kept_ids"], ids=["top_p", "kept"])
@@ -264,3 +276,21 @@ def test_compiled_matches_eager(spec):
         loss, metrics = fn(*x)
         out.extend([loss, metrics, torch.autograd.grad(loss, x), None])
     assert_same(got, want, 1e-12, 1e-14)
+
+
+@pytest.mark.parametrize("spec", [dict(top_p=0.9, top_k=50), "kept_ids"], ids=["top_p", "kept"])
+def test_bf16_within_the_composed_paths_error(spec):
+    """bf16 inputs: the fused loss and gradients are as far from the fp64 oracle as the
+    composed bf16 path is (three-way bound): the sampler's chunk logits rounded to bf16 as its
+    own forward rounds them, a recorded set's computed in fp32 as ``kept_ids`` computes
+    them."""
+    batch = make_batch(9, torch.bfloat16)
+    wide = {k: v.double() if v.is_floating_point() else v for k, v in batch.items()}
+    trunc = truncation(spec, batch)
+    got = fused(batch, trunc, dense_rows(40, torch.bfloat16))
+    same = composed(batch, trunc)
+    oracle = composed(wide, trunc, head=reference.linear_logprobs)
+    assert_close_to_oracle(got[0], oracle[0], same[0], 1e-6, "loss")
+    for i, name in enumerate(("hidden", "weight", "bias")):
+        tol = 1e-2 * float(oracle[2][i].abs().max())  # a bf16 gradient's rounding
+        assert_close_to_oracle(got[2][i], oracle[2][i], same[2][i], tol, name)

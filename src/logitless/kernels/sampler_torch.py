@@ -208,11 +208,14 @@ class _Buffers:
             else None
 
     def logits(self, x, h, w, b, softcap, logit_scale):
-        """Write the slice's logits ``[cols, R]`` into ``x``; ``tanh`` (a view) or None."""
+        """Write the slice's logits ``[cols, R]`` into ``x``; ``tanh`` (a view) or None. The
+        GEMM's output goes through ``low`` when ``h`` has the input dtype, straight into ``x``
+        when it has ``x``'s."""
         def view(buf):
             return None if buf is None else buf[:x.numel()].view(x.shape)
-        return logits_into(x, view(self.low), view(self.cap), h, w, b, 1.0, softcap,
-                           logit_scale, vocab_major=True)
+        low = None if h.dtype == x.dtype else view(self.low)
+        return logits_into(x, low, view(self.cap), h, w, b, 1.0, softcap, logit_scale,
+                           vocab_major=True)
 
 
 def ordered_keys(z: torch.Tensor) -> torch.Tensor:
@@ -649,11 +652,17 @@ class StoredSampled:
                              "fused_policy_loss needs the whole vocabulary on one process")
         rows, v, cols = hidden.shape[0], self.vocab, self.cols
         self.rows, self.targets, self.head = rows, targets, (softcap, logit_scale)
+        # a recorded set's logits in the accumulation dtype, from the inputs' values, as
+        # `linear_logprobs(kept_ids=...)` computes them (no rounding to 16 bits); the sampler's
+        # in the input dtype, as its own forward rounds them
+        sampled = isinstance(select, RowParams)
+        self.gemm = hidden.dtype if sampled else self.acc
+        hidden = hidden.to(self.gemm)
         z = self._z[:v * rows].view(v, rows)
         for c0 in range(0, v, cols):
-            w, b = head_slice(weight, bias, c0, cols, hidden.dtype)
+            w, b = head_slice(weight, bias, c0, cols, self.gemm)
             self._bufs.logits(z[c0:c0 + w.shape[0]], hidden, w, b, softcap, logit_scale)
-        if isinstance(select, RowParams):
+        if sampled:
             self.temperature = select.temperature
             z /= self.temperature
             self.sel = _Selection(z, select, cols)
@@ -686,7 +695,7 @@ class StoredSampled:
         ``want_hidden`` (the accumulation dtype)."""
         softcap, logit_scale = self.head
         temperature, rows = self.temperature, self.rows
-        acc = self.acc
+        acc, hidden = self.acc, hidden.to(self.gemm)
         g_lp, g_entropy, entropy = (None if g is None else g.to(acc)
                                     for g in (g_lp, g_entropy, entropy))
         d_hidden = (torch.zeros(rows, weight.shape[1], dtype=acc, device=weight.device)
@@ -706,9 +715,9 @@ class StoredSampled:
             dx /= temperature
             if d_bias is not None:
                 d_bias[c0:c0 + width] += dx.sum(1)
-            w, _ = head_slice(weight, None, c0, self.cols, hidden.dtype)
-            if acc != hidden.dtype:
-                dx = dx.to(hidden.dtype)
+            w, _ = head_slice(weight, None, c0, self.cols, self.gemm)
+            if acc != self.gemm:
+                dx = dx.to(self.gemm)
             if d_hidden is not None:
                 addmm_acc_(d_hidden, dx.t(), w)
             if d_weight is not None:
