@@ -294,3 +294,24 @@ def test_bf16_within_the_composed_paths_error(spec):
     for i, name in enumerate(("hidden", "weight", "bias")):
         tol = 1e-2 * float(oracle[2][i].abs().max())  # a bf16 gradient's rounding
         assert_close_to_oracle(got[2][i], oracle[2][i], same[2][i], tol, name)
+
+
+@pytest.mark.parametrize("spec", [dict(top_p=0.9, top_k=20), "kept_ids"], ids=["top_p", "kept"])
+def test_three_gemm_passes(spec):
+    """Forward and backward of the truncated loss, every target inside its kept set: three
+    GEMM passes over the head for the loss rows (``FlopCounterMode``; a token whose old
+    logprob is -inf is not a loss row), where the streamed sampler path makes four."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    batch = make_batch(11)
+    with torch.no_grad():
+        z = batch["hidden"] @ batch["weight"].T + batch["bias"]
+    batch["targets"] = z.argmax(-1)  # kept by every truncation and in every recorded set
+    batch["kept_ids"][..., 0] = batch["targets"]
+    batch["kept_ids"] = torch.where(
+        (batch["kept_ids"] == batch["targets"][..., None]) & (torch.arange(K) > 0), -1,
+        batch["kept_ids"])
+    rows = int((batch["mask"] & torch.isfinite(batch["old"])).sum())
+    with FlopCounterMode(display=False) as flops:
+        fused(batch, truncation(spec, batch), dense_rows(40))
+    assert flops.get_total_flops() == 3 * 2 * rows * D * V

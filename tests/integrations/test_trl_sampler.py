@@ -13,10 +13,13 @@ import warnings
 import pytest
 import torch
 
-from integrations.test_trl_trainer import (  # noqa: F401 (fused_calls: a fixture)
+from integrations.test_trl_trainer import (  # noqa: F401 (fused_calls, wide_vocab_dir: fixtures)
+    MatmulFlops,
+    _counting,
     assert_same_logs,
     assert_same_parameters,
     fused_calls,
+    wide_vocab_dir,
 )
 from logitless.reference.sampler import sampler_logprobs
 
@@ -190,6 +193,30 @@ def test_match_sampler_runs_fused(overrides, kwargs, outside, tiny, tmp_path,
     assert_same_parameters(fused.model, composed.model)
     if outside is not None:
         assert max(log.get(outside, 0.0) for log in composed.state.log_history) > 0
+
+
+def test_match_sampler_loss_step_matmul_flops(tmp_path, wide_vocab_dir):  # noqa: F811
+    """The issue's head-dominated model (V=4099, hidden 32), 8 completions of 62 tokens
+    sampled by ``generate`` with top-k and top-p, one step: under ``match_sampler`` the fused
+    loss step does the matmul FLOPs of the untruncated fused step (three GEMM passes over the
+    head: at most 0.82x stock TRL's, test_trl_trainer.py::test_loss_step_matmul_flops). The
+    composed sampler head runs inside its custom op, whose GEMMs the dispatch mode does not
+    see, so it is no baseline here."""
+    path, tok = wide_vocab_dir
+    args = dict(per_device_train_batch_size=8, num_generations=8, max_completion_length=62,
+                gradient_accumulation_steps=1, num_iterations=1, max_steps=1)
+    flops = {}
+    for match in (False, True):
+        counting = _counting(GRPOTrainer)
+        counting.counter, counting.flops = MatmulFlops(), []
+        trainer = counting(model=path, reward_funcs=vowel_reward,
+                           args=grpo_args(tmp_path / str(match), **args),
+                           train_dataset=prompt_dataset(4), processing_class=tok,
+                           match_sampler=match)
+        trainer.train()
+        flops[match] = sum(counting.flops)
+    assert trainer.state.log_history[0]["logitless/sampler/outside_kept"] == 0.0
+    assert flops[True] == flops[False] > 0, flops
 
 
 def test_sampler_from_grpo_reads_trl_conventions(tmp_path):
