@@ -265,6 +265,73 @@ def test_selection_entropy_from_the_old_pass(strategy):
         torch.testing.assert_close(g, gr, rtol=1e-10, atol=1e-14)
 
 
+@pytest.mark.parametrize("strategy", ["chunked", "streaming"])
+@pytest.mark.parametrize("given_entropy", [True, False], ids=["selection-entropy", "current"])
+def test_batch_globals_from_the_caller(strategy, given_entropy):
+    """``batch_globals`` computed by the caller (here a top-entropy threshold and an
+    |A| H threshold of a larger "world" batch, with this batch's own counts, as a trainer over
+    several processes builds them): the loss and gradients are `policy_loss`'s with the same
+    globals on the fp64 reference's logprobs and entropies, and not those of the call's own
+    thresholds."""
+    import dataclasses
+
+    from logitless import policy_loss_globals
+
+    batch = make_batch(seed=12)
+    cfg = PolicyLossConfig(objective="grpo", top_entropy_quantile=0.6,
+                           adv_entropy_top_fraction=0.8, entropy_coef=0.02)
+    ref_leaves = [batch[k].clone().requires_grad_(True) for k in ("hidden", "weight", "bias")]
+    scored = torch.where(batch["mask"], batch["targets"], -100)
+    stats = reference.linear_softmax_stats(*ref_leaves[:2], scored, ref_leaves[2], **HEAD)
+    ent = stats["entropy"].detach()
+    own = policy_loss_globals(batch["mask"], batch["adv"], cfg, entropy=ent)
+    # thresholds halfway between two of this batch's values, away from its own quantiles
+    values = ent[batch["mask"]].sort().values
+    scores = (batch["adv"][:, None].abs() * ent)[batch["mask"]].sort().values
+    glob = dataclasses.replace(own, entropy_threshold=float(values[6:8].mean()),
+                               adv_entropy_threshold=float(scores[3:5].mean()))
+    assert glob.entropy_threshold < own.entropy_threshold
+
+    def fused(globals_):
+        leaves = [batch[k].clone().requires_grad_(True) for k in ("hidden", "weight", "bias")]
+        loss, metrics = fused_policy_loss(
+            leaves[0], leaves[1], batch["targets"], batch["old"], batch["adv"], batch["mask"],
+            cfg, bias=leaves[2], selection_entropy=ent if given_entropy else None,
+            batch_globals=globals_, max_tile_bytes=rows(8), strategy=strategy, **HEAD)
+        return loss, metrics, torch.autograd.grad(loss, leaves)
+
+    loss, metrics, grads = fused(glob)
+    loss_r, metrics_r = policy_loss(stats["logprobs"], batch["old"], batch["adv"],
+                                    batch["mask"], cfg, entropy=stats["entropy"],
+                                    batch_globals=glob)
+    torch.testing.assert_close(loss, loss_r, rtol=1e-10, atol=1e-14)
+    for g, gr in zip(grads, torch.autograd.grad(loss_r, ref_leaves)):
+        torch.testing.assert_close(g, gr, rtol=1e-10, atol=1e-12 * float(gr.abs().max()))
+    for name, value in metrics_r.items():
+        torch.testing.assert_close(metrics[name], value, rtol=1e-10, atol=1e-14)
+    alone, _, _ = fused(None)  # the call's own thresholds select other tokens
+    assert abs(float(alone) - float(loss)) > 1e-3 * abs(float(loss))
+
+
+def test_batch_globals_refusals():
+    from logitless import policy_loss_globals
+
+    batch = make_batch(seed=13)
+    args = (batch["hidden"], batch["weight"], batch["targets"], batch["old"], batch["adv"],
+            batch["mask"])
+    cfg = PolicyLossConfig(objective="grpo")
+    with pytest.raises(ValueError, match="batch_globals: expected a BatchGlobals"):
+        fused_policy_loss(*args, cfg, batch_globals={"entropy_threshold": 1.0})
+    cov = PolicyLossConfig(objective="clip_cov")
+    glob = policy_loss_globals(batch["mask"], batch["adv"], cov)
+    with pytest.raises(ValueError, match="batch_globals: clip_cov selects tokens"):
+        fused_policy_loss(*args, cov, batch_globals=glob)
+    meta = [a.to("meta") if a.is_floating_point() else a for a in args]  # the op's path
+    with pytest.raises(ValueError, match=r"batch_globals: not supported under torch\.compile"):
+        fused_policy_loss(*meta, cfg, batch_globals=policy_loss_globals(
+            batch["mask"], batch["adv"], cfg))
+
+
 @pytest.mark.parametrize("entropy_coef", [0.0, 0.01])
 def test_plain_head_in_vocab_blocks(monkeypatch, entropy_coef):
     """No bias, no transform (the usual head), the vocabulary in blocks of 40, 9 rows a chunk."""

@@ -322,6 +322,8 @@ EXTRA_OBJECTIVES = {
     "ctpo": dict(objective="ctpo"),
     "k1_kl": dict(objective="dapo", beta=0.05, kl_estimator="k1"),
     "k2_kl": dict(objective="dapo", beta=0.05, kl_estimator="k2"),
+    # the reference model's backbone and head: its hidden states from TRL's reference pass
+    "exact_kl": dict(objective="dapo", beta=0.05, kl_estimator="exact"),
     "balanced": dict(objective="dapo", loss_agg="balanced"),
     "attention_entropy": dict(objective="dapo", attn_entropy_weighting="tanh",
                               attn_entropy_alpha=0.5, attn_entropy_alpha_final=0.1),
@@ -403,13 +405,15 @@ class _TwoRanks:
         return 2 * x
 
 
-def test_entropy_quantile_over_processes(tmp_path, model_dir, tokenizer):
-    """TRL's top-entropy threshold is a quantile over every process's tokens; ours too."""
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "composed"])
+def test_entropy_quantile_over_processes(fused, tmp_path, model_dir, tokenizer, fused_calls):
+    """TRL's top-entropy threshold is a quantile over every process's tokens; ours too, fused
+    (the threshold handed to fused_policy_loss as its batch_globals) and composed."""
     args = dict(loss_type="dapo", top_entropy_quantile=0.5, entropy_coef=0.05,
                 gradient_accumulation_steps=1)
     trainers = [cls(model=model_dir, reward_funcs=vowel_reward, args=grpo_args(tmp_path, **args),
-                    train_dataset=prompt_dataset(), processing_class=tokenizer)
-                for cls in (trl.GRPOTrainer, GRPOTrainer)]
+                    train_dataset=prompt_dataset(), processing_class=tokenizer, **kwargs)
+                for cls, kwargs in ((trl.GRPOTrainer, {}), (GRPOTrainer, dict(fused=fused)))]
     for trainer in trainers:
         trainer.model.train()
         trainer.current_gradient_accumulation_steps = 1  # set by Trainer.train
@@ -419,10 +423,14 @@ def test_entropy_quantile_over_processes(tmp_path, model_dir, tokenizer):
     for trainer in trainers:
         trainer.accelerator = _TwoRanks(trainer.accelerator)
         trainer._metrics["train"].clear()
-        loss = trainer.compute_loss(trainer.model, inputs)
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            loss = trainer.compute_loss(trainer.model, inputs)
+        assert not _fused_warnings(record)
         loss.backward()
         grads = torch.cat([p.grad.flatten() for p in trainer.model.parameters()])
         results.append((loss.detach(), grads))
+    assert fused_calls == ([True] if fused else [])
     (theirs, g_theirs), (ours, g_ours) = results
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(g_ours, g_theirs, rtol=1e-5, atol=1e-5 * g_theirs.abs().max())
@@ -440,6 +448,49 @@ def test_entropy_quantile_over_processes(tmp_path, model_dir, tokenizer):
                            inputs["advantages"], inputs["completion_mask"], local, entropy=ent,
                            num_items_in_batch=inputs["num_items_in_batch"])
     assert abs(float(alone) - float(theirs)) > 1e-4 * abs(float(theirs))
+
+def _entropy_quantile_worker(rank, world, model_dir, out_dir):
+    """One gloo rank of `test_entropy_quantile_on_two_processes`: accelerate's multi-CPU
+    state over the spawned group, then stock TRL, the fused and the composed trainer."""
+    from accelerate import PartialState
+    from accelerate.state import AcceleratorState
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world))
+    assert PartialState(cpu=True, backend="gloo").num_processes == world
+    tokenizer = tiny_tokenizer()
+    fused_calls = []
+    inner = trl_module._FusedLoss.apply
+    trl_module._FusedLoss.apply = lambda self, *a, **k: fused_calls.append(1) or inner(
+        self, *a, **k)
+    trainers = {}
+    for name, cls, kwargs in (("stock", trl.GRPOTrainer, {}), ("fused", GRPOTrainer, {}),
+                              ("composed", GRPOTrainer, dict(fused=False))):
+        args = grpo_args(f"{out_dir}/{name}", loss_type="dapo", top_entropy_quantile=0.5,
+                         entropy_coef=0.05, accelerator_config={"use_configured_state": True})
+        calls = len(fused_calls)
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            trainers[name] = train(cls, model_dir, tokenizer, args, **kwargs)
+        assert trainers[name].accelerator.num_processes == world
+        if name == "fused":
+            assert not _fused_warnings(record)
+            assert len(fused_calls) > calls
+        AcceleratorState._reset_state()  # the next trainer's; the processes stay
+    fused, composed, stock = (trainers[k] for k in ("fused", "composed", "stock"))
+    assert_same_logs(fused.state.log_history, composed.state.log_history, loss_atol=2e-6)
+    assert_same_parameters(fused.model, composed.model)
+    assert_same_logs(fused.state.log_history, stock.state.log_history, loss_atol=2e-6)
+    assert_same_parameters(fused.model, stock.model)
+
+
+@pytest.mark.dist
+def test_entropy_quantile_on_two_processes(model_dir, tmp_path):
+    """Two gloo processes training (accelerate's multi-CPU data parallelism): the top-entropy
+    threshold is the quantile over both processes' tokens, and the fused trainer (that
+    threshold handed to fused_policy_loss) trains like the composed one and like stock TRL."""
+    run_on_gloo(2, _entropy_quantile_worker, model_dir, str(tmp_path))
+
 
 @pytest.mark.parametrize("grpo,config,message", [
     (dict(beta=0.04), PolicyLossConfig(objective="gmpo", beta=0.0),
@@ -526,8 +577,13 @@ def test_loss_config_keeps_grpo_config_kl(tmp_path, model_dir, tokenizer):
      r"loss_config\.loss_agg: prompt-mean groups .* TRL shuffles"),
     (PolicyLossConfig(entropy_coef=0.01, entropy_agg="prompt-mean", prompt_group_size=4), {},
      r"loss_config\.entropy_agg: prompt-mean groups .* TRL shuffles"),
+    # neither path can train it: TRL's generation records no top-k ids or their logprobs
+    (PolicyLossConfig(objective="dppo_topk_tv"), {},
+     r"loss_config\.objective: dppo_topk_tv needs the rollout's top-k token ids"),
+    (PolicyLossConfig(objective="dppo_topk_kl"), {},
+     r"loss_config\.objective: dppo_topk_kl needs the rollout's top-k token ids"),
 ], ids=["kl-without-reference", "attention-layer-out-of-range", "prompt-mean",
-        "entropy-prompt-mean"])
+        "entropy-prompt-mean", "dppo-topk-tv", "dppo-topk-kl"])
 def test_bad_configuration_fails_at_construction(config, kwargs, message, tmp_path, model_dir,
                                                  tokenizer):
     with pytest.raises(ValueError, match=message):
@@ -798,6 +854,12 @@ def test_fused_equals_composed(name, tmp_path, model_dir, tokenizer, fused_calls
         return train(GRPOTrainer, model_dir, tokenizer, args,
                      loss_config=PolicyLossConfig(**fields), fused=fused)
 
+    _fused_equals_composed(run, fused_calls)
+
+
+def _fused_equals_composed(run, fused_calls):
+    """``run(fused)`` trains; the fused run (its loss steps fused_policy_loss calls) and the
+    composed one log the same values and end at the same parameters. Returns the fused run."""
     composed = run(False)
     assert not fused_calls
     fused = run(True)
@@ -805,6 +867,202 @@ def test_fused_equals_composed(name, tmp_path, model_dir, tokenizer, fused_calls
     # loss values near 0 (on-policy steps: +-A terms that cancel): see test_fused_equals_stock_trl
     assert_same_logs(fused.state.log_history, composed.state.log_history, loss_atol=2e-6)
     assert_same_parameters(fused.model, composed.model)
+    return fused
+
+
+def _perturbed_trainer(tmp_path, model_dir, tokenizer, cfg, **overrides):
+    """A built trainer (not trained) whose policy is moved off the reference (TRL's reference
+    model is loaded on its own), in training mode, and one generation batch of it."""
+    args = grpo_args(tmp_path, gradient_accumulation_steps=1, **overrides)
+    trainer = GRPOTrainer(model=model_dir, reward_funcs=vowel_reward, args=args,
+                          train_dataset=prompt_dataset(), processing_class=tokenizer,
+                          loss_config=cfg)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in trainer.model.parameters():
+            p.add_(2 * p.abs().mean() * torch.randn(p.shape, generator=gen))
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1  # set by Trainer.train
+    inputs = trainer._generate_and_score_completions(
+        next(iter(trainer.get_train_dataloader())))
+    return trainer, inputs
+
+
+def _loss_and_grads(trainer, inputs, fused):
+    trainer._fused = fused
+    trainer.model.zero_grad()
+    trainer._metrics["train"].clear()
+    loss = trainer.compute_loss(trainer.model, inputs)
+    loss.backward()
+    logged = {k: v[-1] for k, v in trainer._metrics["train"].items()}
+    return loss.detach(), {k: p.grad.clone() for k, p in trainer.model.named_parameters()}, logged
+
+
+def _last_hidden64(model, ids, attention, width):
+    """``model``'s last hidden states in fp64 at the positions that predict the last ``width``
+    tokens, and its head."""
+    import copy
+
+    model64 = copy.deepcopy(model).double()
+    vars(model64).pop("forward", None)  # accelerate's wrapper, bound to the fp32 original
+    out = model64(input_ids=ids, attention_mask=attention, output_hidden_states=True)
+    return out.hidden_states[-1][:, -width - 1:-1], model64
+
+
+def test_exact_kl_against_fp64_oracle(tmp_path, model_dir, tokenizer, fused_calls):
+    """kl_estimator="exact" with beta > 0: the reference model's last hidden states come from
+    TRL's reference pass (in the generation batch), its head from the reference model; the
+    fused step (one fused_policy_loss call) and the composed one (linear_divergence, then
+    policy_loss(kl=...)) give the loss, the logged KL and the gradients of an fp64 oracle:
+    both models in fp64, the KL from logitless.reference's linear_divergence."""
+    from logitless import reference
+    from logitless.integrations.trl import REF_HIDDEN_KEY
+
+    cfg = PolicyLossConfig(objective="dapo", beta=1.0, kl_estimator="exact")
+    trainer, inputs = _perturbed_trainer(tmp_path, model_dir, tokenizer, cfg, beta=1.0)
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+    attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+    width = inputs["completion_ids"].shape[1]
+    mask = inputs["completion_mask"].bool()
+    with torch.no_grad():
+        ref_h, ref64 = _last_hidden64(trainer.ref_model, ids, attention, width)
+    kept = inputs[REF_HIDDEN_KEY]
+    assert kept.shape == (*mask.shape, ref_h.shape[-1])
+    torch.testing.assert_close(kept[mask].double(), ref_h[mask], rtol=1e-5, atol=1e-5)
+    with torch.no_grad():  # TRL's forward helper in model calls of 3 rows: 3 + 1 here
+        trainer._get_per_token_logps_and_entropies(trainer.ref_model, ids, attention, width,
+                                                   batch_size=3)
+    torch.testing.assert_close(trainer._ref_hidden[mask].double(), ref_h[mask], rtol=1e-5,
+                               atol=1e-5)
+
+    h, policy64 = _last_hidden64(trainer.model, ids, attention, width)
+    w = policy64.lm_head.weight
+    kl = reference.linear_divergence(h, w, ref_h, ref64.lm_head.weight, mask, beta=1.0).divergence
+    logits = torch.log_softmax(h @ w.T, -1)
+    lp = logits.gather(-1, inputs["completion_ids"][..., None]).squeeze(-1)
+    ent = -(logits.exp() * logits).sum(-1)
+    loss64, _ = policy_loss(lp, inputs["old_per_token_logps"].double(),
+                            inputs["advantages"].double(), mask, trainer._config_for(1),
+                            entropy=ent, kl=kl, num_items_in_batch=inputs["num_items_in_batch"])
+    loss64.backward()
+    grads64 = dict(policy64.named_parameters())
+    assert float(kl[mask].mean()) > 1e-3  # the policy is off the reference
+
+    for fused in (True, False):
+        fused_calls.clear()
+        loss, grads, logged = _loss_and_grads(trainer, inputs, fused)
+        assert bool(fused_calls) == fused
+        # the policy term's +-A lp terms cancel: see test_fused_equals_stock_trl's loss_atol
+        assert abs(float(loss) - float(loss64)) <= 1e-5 * abs(float(loss64)) + 2e-6, fused
+        assert logged["kl"] == pytest.approx(float(kl[mask].mean()), rel=1e-5)
+        for name, g in grads.items():
+            g64 = grads64[name].grad
+            err = float((g.double() - g64).abs().max() / g64.abs().max())
+            assert err <= 1e-5, (fused, name, err)
+
+
+def test_exact_kl_refused_under_zero3(tmp_path, model_dir, tokenizer, monkeypatch):
+    """Under DeepSpeed ZeRO-3 (seen through transformers' switch, as the trainer reads it) the
+    exact KL is refused at construction, naming the estimators that work."""
+    import transformers.integrations.deepspeed as hf_deepspeed
+
+    monkeypatch.setattr(hf_deepspeed, "is_deepspeed_zero3_enabled", lambda: True)
+    with pytest.raises(ValueError, match=r"'exact' is not supported under DeepSpeed ZeRO-3"):
+        GRPOTrainer(model=model_dir, reward_funcs=vowel_reward, args=grpo_args(tmp_path, beta=0.1),
+                    train_dataset=prompt_dataset(), processing_class=tokenizer,
+                    loss_config=PolicyLossConfig(kl_estimator="exact"))
+
+
+def test_lora_exact_kl_fused_equals_composed(tmp_path, model_dir, tokenizer, fused_calls):
+    """LoRA with the exact KL: the reference is the model with its adapters disabled (TRL's
+    reference pass, whose head rows the batch keeps); fused equals composed through training."""
+    from peft import LoraConfig
+
+    cfg = PolicyLossConfig(objective="dapo", beta=0.5, kl_estimator="exact")
+
+    def run(fused):
+        lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                          task_type="CAUSAL_LM")
+        return train(GRPOTrainer, model_dir, tokenizer, grpo_args(tmp_path, beta=0.5),
+                     peft_config=lora, loss_config=cfg, fused=fused)
+
+    fused = _fused_equals_composed(run, fused_calls)
+    assert any(h.get("kl", 0) > 0 for h in fused.state.log_history)
+
+
+class _FakeVLLM:
+    """Stands in for TRL's ``VLLMGeneration`` (vLLM is not installed here): each completion's
+    tokens drawn from the policy's own distribution at its current weights (TRL syncs vLLM's
+    weights every step), and as vLLM's logprobs of them the policy's, perturbed as an engine's
+    numerics would be (with a None, vLLM's NaN, now and then), so TRL's importance-sampling
+    ratios are away from 1 and some are clipped or masked."""
+
+    def __init__(self, model, max_completion_length, **kwargs):
+        self.model, self.length = model, max_completion_length
+        self.gen = torch.Generator().manual_seed(11)
+
+    def sync_weights(self):
+        pass
+
+    @torch.no_grad()
+    def generate(self, prompts, images, num_generations, profiler=None):
+        completions, logprobs = [], []
+        for prompt in prompts:
+            ids = torch.tensor(prompt)[None]
+            for _ in range(self.length):
+                logits = self.model(input_ids=ids).logits[0, -1].float()
+                token = torch.multinomial(logits.softmax(-1), 1, generator=self.gen)
+                ids = torch.cat([ids, token[None]], 1)
+            tokens = ids[0, len(prompt):]
+            lp = torch.log_softmax(self.model(input_ids=ids).logits[0, len(prompt) - 1:-1].float(),
+                                   -1).gather(-1, tokens[:, None])[:, 0]
+            lp = lp + 0.3 * torch.randn(lp.shape, generator=self.gen)
+            completions.append(tokens.tolist())
+            logprobs.append([[None if float(u) < 0.05 else float(x)]
+                             for x, u in zip(lp, torch.rand(lp.shape, generator=self.gen))])
+        return prompts, completions, logprobs, None
+
+
+VLLM_IS = [
+    pytest.param(dict(loss_type="dapo", vllm_importance_sampling_mode="token_truncate",
+                      vllm_importance_sampling_clip_max=1.5), id="dapo-token-truncate"),
+    pytest.param(dict(loss_type="grpo", beta=0.04, vllm_importance_sampling_mode="sequence_mask",
+                      vllm_importance_sampling_clip_max=1.5), id="grpo-kl-sequence-mask"),
+]
+
+
+@pytest.mark.parametrize("overrides", VLLM_IS)
+def test_vllm_importance_sampling_fused(overrides, tmp_path, model_dir, tokenizer, fused_calls,
+                                        monkeypatch):
+    """TRL's vLLM importance-sampling correction (``sampling_per_token_logps``, vLLM's
+    logprobs, as ``rollout_logprobs``): the fused trainer trains like the composed one and
+    like stock TRL (losses, logged metrics, parameters), generating with a stand-in for vLLM."""
+    import trl.trainer.grpo_trainer as grpo_module
+
+    monkeypatch.setattr(grpo_module, "VLLMGeneration", _FakeVLLM)
+    overrides = dict(overrides, use_vllm=True, vllm_mode="colocate",
+                     vllm_importance_sampling_correction=True)
+
+    def run(cls, **kwargs):
+        return train(cls, model_dir, tokenizer, grpo_args(tmp_path, **overrides), **kwargs)
+
+    theirs = run(trl.GRPOTrainer)
+    composed = run(GRPOTrainer, fused=False)
+    assert not fused_calls
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        fused = run(GRPOTrainer)
+    assert not _fused_warnings(record)
+    assert fused_calls and all(fused_calls)
+    ratios = [h["sampling/importance_sampling_ratio/min"] for h in theirs.state.log_history
+              if "sampling/importance_sampling_ratio/min" in h]
+    assert ratios and min(ratios) < 0.9  # the correction is away from 1
+    for ours in (fused, composed):
+        assert_same_logs(ours.state.log_history, theirs.state.log_history, loss_atol=2e-6)
+        assert_same_parameters(ours.model, theirs.model)
+    assert_same_logs(fused.state.log_history, composed.state.log_history, loss_atol=2e-6)
+    assert_same_parameters(fused.model, composed.model)
+    assert_moved(fused.model, initial_parameters(model_dir), at_least=1e-4)
 
 
 ON_POLICY = [

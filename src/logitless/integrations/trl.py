@@ -37,6 +37,8 @@ import torch
 import trl
 
 from logitless.fused_losses.fused.fused_policy_loss import fused_policy_loss
+from logitless.fused_losses.fused.validation import Head
+from logitless.fused_losses.head.divergence import linear_divergence
 from logitless.fused_losses.head.dtensor import is_dtensor
 from logitless.fused_losses.head.logprobs import linear_logprobs
 from logitless.fused_losses.objectives.aggregation import agg_counts
@@ -85,10 +87,21 @@ __all__ = [
     "unpatch_trl",
 ]
 
+# The generation batch's key for the reference model's last hidden states on the completion
+# grid, ``[B, T, D_ref]`` (kl_estimator="exact"): TRL's shuffling and splitting carry them.
+REF_HIDDEN_KEY = "ref_hidden_states"
+
 # Multimodal inputs TRL's forward helper takes from the batch.
 _FORWARD_KEYS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask",
                  "spatial_shapes", "num_tiles", "image_sizes", "token_type_ids",
                  "mm_token_type_ids", "image_position_ids")
+
+
+def _check_exact_kl_head(call: Head) -> None:
+    """The exact KL's two-head passes take temperature and logit scale, not a softcap."""
+    if call.softcap is not None:
+        raise ValueError("kl_estimator='exact': the exact KL supports temperature and "
+                         "logit scale, not the model's final_logit_softcapping")
 
 
 class _Head:
@@ -96,16 +109,22 @@ class _Head:
     (TRL's policy head always computes it, even in the old-policy pass that discards it), and
     applies the sampler's truncations when given them, or the recorded kept sets: ``kept``,
     one ``(mask, kept_ids)`` per model call of the helper's batch loop, in its order (see
-    `_replay_chunks`)."""
+    `_replay_chunks`). ``calls``: a list that gets each call's `Head` (its rows, as TRL's
+    ``hidden[mask]`` or every position, the head and the logit transform: the exact KL reads
+    them)."""
 
     def __init__(self, entropy: bool, sampler: SamplerTruncation | None = None,
-                 kept: list | None = None):
+                 kept: list | None = None, calls: list | None = None):
         self.entropy = entropy
         self.sampler = sampler
         self.kept = kept
+        self.calls = calls
 
     def apply(self, hidden, weight, bias, targets, temperature, chunk_size,
               final_logit_softcapping=None, logit_scale=1.0, outputs=()):
+        if self.calls is not None:
+            self.calls.append(Head(hidden, weight, bias, temperature, logitless_softcap(
+                final_logit_softcapping, logit_scale), logit_scale))
         if not self.entropy:
             outputs = tuple(o for o in outputs if o != "entropy")
         kept_ids = None if self.kept is None else self._rows(hidden.shape[0])
@@ -135,6 +154,20 @@ def _label_mask(input_ids, attention_mask, logits_to_keep):
     labels = input_ids.masked_fill(attention_mask == 0, -100)
     labels[:, :-logits_to_keep] = -100
     return labels[:, 1:] != -100
+
+
+def _on_grid(values, mask, who: str):
+    """TRL's head rows of one model call (``[rows, D]`` hidden states, or ``[rows]`` per-row
+    values) on its position grid ``[b, L - 1, ...]``: TRL's compact rows (``hidden[mask]``,
+    the labelled positions; 0 elsewhere) or every position."""
+    rows, tail = values.shape[0], values.shape[1:]
+    if rows == int(mask.sum()):
+        where = mask.view(*mask.shape, *(1,) * len(tail))
+        return values.new_zeros(*mask.shape, *tail).masked_scatter(where, values)
+    if rows == mask.numel():
+        return values.view(*mask.shape, *tail)
+    raise RuntimeError(f"{who}: TRL's head got {rows} rows for {tuple(mask.shape)} positions "
+                       f"({int(mask.sum())} labelled)")
 
 
 def _replay_chunks(input_ids, attention_mask, logits_to_keep, batch_size, kept_ids):
@@ -175,10 +208,10 @@ def _kernel(kernel):
 
 @contextlib.contextmanager
 def _logitless_head(entropy: bool, sampler: SamplerTruncation | None = None,
-                    kept: list | None = None):
+                    kept: list | None = None, calls: list | None = None):
     """TRL's fused head computes through logitless inside the block (TRL looks the kernel up
     at each call; the backward belongs to the returned tensors, so it needs no patch)."""
-    with _kernel(_Head(entropy, sampler, kept)):
+    with _kernel(_Head(entropy, sampler, kept, calls)):
         yield
     if kept:
         raise RuntimeError("match_sampler='replay': TRL's head was called fewer times than "
@@ -190,32 +223,41 @@ class _FusedLoss:
     the loss are one `fused_policy_loss` call: the head's rows (TRL's ``hidden[mask]``, or
     every position) are laid out on the completion grid, the loss computed there (inside TRL's
     autocast and ZeRO-3 gather context, which hold the kernel call) and kept in ``result``.
-    TRL's forward gets zeros for its per-token outputs, which nothing reads."""
+    TRL's forward gets zeros for its per-token outputs, which nothing reads.
 
-    def __init__(self, label_mask, logits_to_keep, targets, truncation=None, probe=None,
-                 **loss_args):
+    ``world_globals``: a function of the current entropies and logprobs on the completion grid
+    that returns the batch's `BatchGlobals` over every process (`_world_entropy_globals`);
+    the entropies come from one no-grad pass of TRL's head contract over TRL's rows (the
+    composed path's values), and the call selects with them (``selection_entropy``), so it
+    makes no pass of its own. ``truncation``: match_sampler's (`linear_logprobs`'s keywords);
+    ``probe``: the tokens out of the loss whose current logprobs the trainer's metrics read
+    all the same (`_probe`)."""
+
+    def __init__(self, label_mask, logits_to_keep, targets, world_globals=None, truncation=None,
+                 probe=None, **loss_args):
         self.label_mask, self.logits_to_keep = label_mask, logits_to_keep
         self.targets, self.loss_args = targets, loss_args
-        # match_sampler: the truncation (`linear_logprobs`'s keywords), and the tokens out of
-        # the loss whose current logprobs the trainer's metrics read all the same (`_probe`)
+        self.world_globals = world_globals
         self.truncation, self.probe = truncation or {}, probe
         self.result = None
 
     def apply(self, hidden, weight, bias, targets, temperature, chunk_size,
               final_logit_softcapping=None, logit_scale=1.0, outputs=()):
-        del targets, chunk_size  # the completion ids, on the grid; logitless sizes its tiles
         if self.result is not None:
             raise RuntimeError("GRPOTrainer(fused=True): TRL's head was called more than once "
                                "in the training forward")
+        rows = hidden.shape[0]
         mask = self.label_mask.to(hidden.device)
-        rows, width = hidden.shape
-        if rows == int(mask.sum()):  # TRL's compact rows: the labelled positions
-            grid = hidden.new_zeros(*mask.shape, width).masked_scatter(mask[..., None], hidden)
-        elif rows == mask.numel():
-            grid = hidden.view(*mask.shape, width)
-        else:
-            raise RuntimeError(f"GRPOTrainer(fused=True): TRL's head got {rows} rows for "
-                               f"{tuple(mask.shape)} positions ({int(mask.sum())} labelled)")
+        grid = _on_grid(hidden, mask, "GRPOTrainer(fused=True)")
+        extra = {}
+        if self.world_globals is not None:
+            with torch.no_grad():
+                lp, ent, *_ = LogitlessChunkedLogProb.apply(
+                    hidden, weight, bias, targets, temperature, chunk_size,
+                    final_logit_softcapping, logit_scale, ("log_probs", "entropy"))
+            lp, ent = (_on_grid(x, mask, "GRPOTrainer(fused=True)")[:, -self.logits_to_keep:]
+                       for x in (lp, ent))
+            extra = dict(selection_entropy=ent, batch_globals=self.world_globals(ent, lp))
         # the per-token logprobs the loss used, for TRL's per-sequence clip metrics and VESPO
         self.logprobs = torch.empty(self.loss_args["mask"].shape, device=hidden.device,
                                     dtype=torch.promote_types(hidden.dtype, torch.float32))
@@ -225,7 +267,7 @@ class _FusedLoss:
         completions = grid[:, -self.logits_to_keep:]
         self.result = fused_policy_loss(completions, weight, self.targets,
                                         out_logprobs=self.logprobs, **head, **self.truncation,
-                                        **self.loss_args)
+                                        **extra, **self.loss_args)
         self._probe(completions, weight, head)
         zeros = hidden.new_zeros(rows)
         return zeros, zeros if "entropy" in outputs else None, None, None, None
@@ -258,6 +300,19 @@ def _fused_head(loss: _FusedLoss):
 
 def _uses_kl(cfg: PolicyLossConfig) -> bool:
     return isinstance(cfg.beta, torch.Tensor) or cfg.beta != 0 or cfg.future_kl_coef != 0
+
+
+def _check_exact_kl_backend(cfg: PolicyLossConfig) -> None:
+    """The exact KL keeps the reference head's weight from TRL's reference pass; under
+    DeepSpeed ZeRO-3 that is a gathered copy of a partitioned parameter, released when TRL's
+    gather ends, and the training forward's head is partitioned again before the KL's passes:
+    refused (``ValueError``), not run."""
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+    if cfg.kl_estimator == KL_EXACT and _uses_kl(cfg) and is_deepspeed_zero3_enabled():
+        raise ValueError("loss_config.kl_estimator: 'exact' is not supported under DeepSpeed "
+                         "ZeRO-3 (the reference and policy heads are partitioned outside TRL's "
+                         "gathers); use a sampled estimator ('k1', 'k2', 'k3')")
 
 
 def _check_reference_source(model, args, peft_config) -> None:
@@ -352,6 +407,8 @@ class GRPOTrainer(trl.GRPOTrainer):
     _replay_masks = None
     _replay_kept = None
     _fused = False
+    _ref_hidden = None  # the exact KL's reference rows of the generation in progress
+    _ref_head = None  # and its head, (weight, bias)
 
     def __init__(self, *args, loss_config: PolicyLossConfig | None = None,
                  attention_entropy_layers: Sequence[int] | None = None,
@@ -400,6 +457,13 @@ class GRPOTrainer(trl.GRPOTrainer):
                 "loss_config: a KL term (beta or future_kl_coef) needs the reference logprobs, "
                 "which TRL computes only with GRPOConfig.beta != 0; set GRPOConfig.beta too"
             )
+        _check_exact_kl_backend(cfg)
+        if OBJECTIVES[cfg.objective].needs_topk:
+            raise ValueError(
+                f"loss_config.objective: {cfg.objective} needs the rollout's top-k token ids "
+                "and the engine's logprobs there (old_topk_logprobs), which TRL's generation "
+                "does not return (it asks vLLM for the sampled token's logprob only, and "
+                "transformers' generate records none); choose another objective")
         for field in ("loss_agg", "entropy_agg"):
             if getattr(cfg, field) == "prompt-mean":
                 raise ValueError(
@@ -465,11 +529,20 @@ class GRPOTrainer(trl.GRPOTrainer):
         """Whether the head follows the sampler (its settings, or the recorded sets)."""
         return self._sampler is not None or self._replay
 
+    @property
+    def _exact_kl(self) -> bool:
+        """Whether the loss has the exact KL term (its reference head's passes)."""
+        cfg = getattr(self, "loss_config", None)
+        return cfg is not None and cfg.kl_estimator == KL_EXACT and _uses_kl(cfg)
+
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask,
                                            logits_to_keep, batch_size=None,
-                                           compute_entropy=False, kept_ids=None, **kwargs):
+                                           compute_entropy=False, kept_ids=None,
+                                           head_calls=None, **kwargs):
         """TRL's, plus ``kept_ids`` (replay: the batch's recorded sets, ``[B, T, K]``; during
-        generation, TRL's old-policy and reference passes read the sets just generated)."""
+        generation, TRL's old-policy and reference passes read the sets just generated) and
+        ``head_calls`` (a list that gets each head call's `Head`). With the exact KL, the
+        reference pass keeps the reference head's rows (`_keep_reference_head`)."""
         record = self._attention_pending and model is self.model
         recording = (self._recording_attention(model, logits_to_keep) if record
                      else contextlib.nullcontext())
@@ -484,10 +557,49 @@ class GRPOTrainer(trl.GRPOTrainer):
                 kept_ids = self._generation_kept_ids(logits_to_keep)
             kept = _replay_chunks(input_ids, attention_mask, logits_to_keep, batch_size,
                                   kept_ids.to(input_ids.device))
-        with _logitless_head(compute_entropy, sampler, kept), recording:
-            return super()._get_per_token_logps_and_entropies(
+        keep_reference = reference and self._exact_kl
+        calls = [] if keep_reference else head_calls
+        with _logitless_head(compute_entropy, sampler, kept, calls), recording:
+            out = super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
                 compute_entropy=compute_entropy, **kwargs)
+        if keep_reference:
+            self._keep_reference_head(calls, input_ids, attention_mask, logits_to_keep,
+                                      batch_size)
+        return out
+
+    def _keep_reference_head(self, calls, input_ids, attention_mask, logits_to_keep,
+                             batch_size) -> None:
+        """The exact KL's reference: the reference pass's head rows on the completion grid,
+        ``[B, logits_to_keep, D_ref]`` (detached; the generation batch carries them under
+        `REF_HIDDEN_KEY`), and its head (weight and bias, which stay with the trainer)."""
+        mask = _label_mask(input_ids, attention_mask, logits_to_keep)
+        step = batch_size or input_ids.shape[0]
+        starts = range(0, input_ids.shape[0], step)
+        if len(calls) != len(starts):
+            raise RuntimeError(f"kl_estimator='exact': TRL's reference head was called "
+                               f"{len(calls)} times for {len(starts)} model calls")
+        grids = []
+        for call, start in zip(calls, starts):
+            _check_exact_kl_head(call)
+            grid = _on_grid(call.hidden.detach(), mask[start:start + step].to(call.hidden.device),
+                            "kl_estimator='exact'")
+            grids.append(grid[:, -logits_to_keep:])
+        head = calls[0]
+        self._ref_hidden = torch.cat(grids)
+        self._ref_head = (head.weight.detach(),
+                          None if head.bias is None else head.bias.detach())
+
+    def _reference_inputs(self, inputs) -> dict:
+        """The exact KL's reference head for `fused_policy_loss` (``ref_hidden``,
+        ``ref_weight``, ``ref_bias``); empty without the exact KL."""
+        if not self._exact_kl:
+            return {}
+        if inputs.get(REF_HIDDEN_KEY) is None or self._ref_head is None:
+            raise RuntimeError("kl_estimator='exact': the batch has no reference hidden states "
+                               f"({REF_HIDDEN_KEY!r}); TRL's reference pass did not run")
+        weight, bias = self._ref_head
+        return dict(ref_hidden=inputs[REF_HIDDEN_KEY], ref_weight=weight, ref_bias=bias)
 
     @contextlib.contextmanager
     def _recording_attention(self, model, logits_to_keep):
@@ -518,7 +630,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         ``use_adapter`` block (adapter disabled or "ref"): mark those passes for the duration."""
         import trl.trainer.grpo_trainer as grpo_module
 
-        if not self._matching:
+        if not (self._matching or self._exact_kl):
             yield
             return
         inner = grpo_module.use_adapter
@@ -539,8 +651,13 @@ class GRPOTrainer(trl.GRPOTrainer):
             grpo_module.use_adapter = inner
 
     def _generate_and_score_completions(self, inputs):
+        self._ref_hidden = None
         with self._marking_reference_passes():
             output = self._generate_and_score(inputs)
+        if self._exact_kl:
+            if self._ref_hidden is None:
+                raise RuntimeError("kl_estimator='exact': TRL made no reference pass")
+            output[REF_HIDDEN_KEY], self._ref_hidden = self._ref_hidden, None
         if self._replay:
             output[KEPT_IDS_KEY] = self._generation_kept_ids(output["completion_ids"].size(1))
             self._replay_masks = self._replay_kept = None
@@ -676,6 +793,15 @@ class GRPOTrainer(trl.GRPOTrainer):
         loss_args = dict(num_items_in_batch=num_items, entropy_coef=coef,
                          training_progress=self.state.global_step / max(self.state.max_steps, 1))
         outside = None
+        reference = self._reference_inputs(inputs)
+        world = cfg.top_entropy_quantile < 1 and self.accelerator.num_processes > 1
+
+        def world_globals(entropies, logps):
+            # on-policy the old logprobs are the current ones (TRL's per_token_logps.detach())
+            return self._world_entropy_globals(
+                cfg, mask, inputs["advantages"], entropies,
+                dict(old_logprobs=logps if old is None else old, **batch))
+
         truncating_ref = self._matching and ref is not None and self._truncate_reference
         fused = self._fused_reason(cfg) is None
         if fused:
@@ -688,19 +814,25 @@ class GRPOTrainer(trl.GRPOTrainer):
                 _, call_ref, call_mask, _ = drop_outside_kept(ref, ref, mask)
             loss_step = _FusedLoss(
                 _label_mask(input_ids, attention_mask, logits_to_keep), logits_to_keep,
-                completion_ids, truncation=self._truncation(inputs), probe=probe,
-                old_logprobs=old, advantages=inputs["advantages"], mask=call_mask, config=cfg,
-                ref_logprobs=call_ref, head_dtype=head_dtype_from_grpo(self.args), **batch,
-                **loss_args)
+                completion_ids, world_globals=world_globals if world else None,
+                truncation=self._truncation(inputs), probe=probe, old_logprobs=old,
+                advantages=inputs["advantages"], mask=call_mask, config=cfg,
+                ref_logprobs=call_ref, head_dtype=head_dtype_from_grpo(self.args),
+                **reference, **batch, **loss_args)
             with _fused_head(loss_step):
                 _, _, aux_loss = super()._get_per_token_logps_and_entropies(
                     model, input_ids, attention_mask, logits_to_keep, **forward)
             (loss, metrics), logps = loss_step.result, loss_step.logprobs
             old = logps if old is None else old  # on-policy: TRL's per_token_logps.detach()
         else:
+            calls = [] if reference else None
             logps, entropies, aux_loss = self._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, compute_entropy=True,
-                kept_ids=inputs.get(KEPT_IDS_KEY), **forward)
+                kept_ids=inputs.get(KEPT_IDS_KEY), head_calls=calls, **forward)
+            kl = None
+            if reference:
+                kl = self._exact_kl_term(calls, input_ids, attention_mask, logits_to_keep, mask,
+                                         **reference)
             old = logps.detach() if old is None else old
         if self._matching:
             tokens = mask.sum()
@@ -711,13 +843,10 @@ class GRPOTrainer(trl.GRPOTrainer):
                 self._metrics[mode]["logitless/sampler/outside_kept_reference"].append(
                     self._global_mean(ref_outside, tokens))
         if not fused:
-            batch_globals = None
-            if cfg.top_entropy_quantile < 1 and self.accelerator.num_processes > 1:
-                batch_globals = self._world_entropy_globals(
-                    cfg, mask, inputs["advantages"], entropies, dict(old_logprobs=old, **batch))
+            batch_globals = world_globals(entropies, old) if world else None
             loss, metrics = policy_loss(
                 logps, old, inputs["advantages"], mask, cfg, ref_logprobs=ref, entropy=entropies,
-                batch_globals=batch_globals, **batch, **loss_args)
+                batch_globals=batch_globals, kl=kl, **batch, **loss_args)
         self._log_entropy_bonus(mode, loss, metrics, coef, cfg, grad_accum)
         if batch["rollout_logprobs"] is not None:
             # the old policy's logprobs are the trainer's at the weights that generated
@@ -732,6 +861,24 @@ class GRPOTrainer(trl.GRPOTrainer):
                 self._global_mean(outside, tokens))
         return loss
 
+    def _exact_kl_term(self, calls, input_ids, attention_mask, logits_to_keep, mask,
+                       ref_hidden, ref_weight, ref_bias):
+        """The composed path's exact KL(policy || reference) per completion token, with its
+        graph: `linear_divergence` (``beta=1``) of the training forward's head rows against
+        the reference's, both heads' logits divided by the policy's temperature over its
+        logit scale (`fused_policy_loss`'s rule)."""
+        if len(calls) != 1:
+            raise RuntimeError(f"kl_estimator='exact': TRL's head was called {len(calls)} "
+                               "times in the training forward")
+        call = calls[0]
+        _check_exact_kl_head(call)
+        grid = _on_grid(call.hidden, _label_mask(input_ids, attention_mask, logits_to_keep).to(
+            call.hidden.device), "kl_estimator='exact'")
+        return linear_divergence(
+            grid[:, -logits_to_keep:], call.weight, ref_hidden, ref_weight, mask.bool(),
+            beta=1.0, temperature=call.temperature / call.logit_scale, bias=call.bias,
+            teacher_bias=ref_bias, head_dtype=head_dtype_from_grpo(self.args)).divergence
+
     def _fused_reason(self, cfg: PolicyLossConfig) -> str | None:
         """Why this loss step cannot run as one `fused_policy_loss` call (None: it can). Each
         reason but ``fused=False`` is warned about once per trainer."""
@@ -743,10 +890,11 @@ class GRPOTrainer(trl.GRPOTrainer):
         if self._matching and cfg.kl_estimator == KL_EXACT and _uses_kl(cfg):
             reason = ("match_sampler with kl_estimator='exact': fused_policy_loss takes no "
                       "sampler truncation together with the exact KL")
-        elif cfg.top_entropy_quantile < 1 and self.accelerator.num_processes > 1:
-            reason = ("top_entropy_quantile: over several processes the threshold is the "
-                      "quantile of every process's entropies, which fused_policy_loss takes "
-                      "over this process's")
+        elif self._matching and cfg.top_entropy_quantile < 1 \
+                and self.accelerator.num_processes > 1:
+            reason = ("match_sampler with top_entropy_quantile over several processes: the "
+                      "world threshold is taken before the tokens outside the kept set leave "
+                      "the loss")
         elif is_deepspeed_zero3_enabled():
             reason = ("DeepSpeed ZeRO-3: fused_policy_loss computes the head's gradient in the "
                       "forward, inside TRL's gather, and the backward hands it to the "
@@ -754,11 +902,6 @@ class GRPOTrainer(trl.GRPOTrainer):
         elif is_dtensor(self.accelerator.unwrap_model(self.model).get_output_embeddings().weight):
             reason = ("an FSDP2 (DTensor) head: fused_policy_loss runs it streamed, four passes "
                       "like the composed path, and that has not been run inside the trainer")
-        elif cfg.kl_estimator == KL_EXACT and _uses_kl(cfg):
-            reason = ("kl_estimator='exact': the reference model's hidden states are not "
-                      "computed in the loss step")
-        elif cfg.objective.startswith("dppo_topk"):
-            reason = f"objective={cfg.objective!r}: needs the rollout's top-k logprobs"
         if reason is not None and reason not in self._fallbacks:
             self._fallbacks.add(reason)
             warnings.warn(f"GRPOTrainer: the loss runs on the composed path (linear_logprobs, "

@@ -20,6 +20,7 @@ from logitless.fused_losses.fused.validation import (
     check_shard_kl,
     check_sharded,
     checked_call,
+    checked_globals,
     checked_ref,
     checked_truncation,
     placed_shard,
@@ -126,12 +127,14 @@ def run_chunks(req: Request) -> tuple:
                         cp_group=req.cp_group, shard=shard, **req.tensors)
     call.ref = checked_ref(head, config, *req.ref_args)
     call.truncation = checked_truncation(req, call)
+    call.given_globals = checked_globals(req.batch_globals, config)
     call.out = (req.out_logprobs, req.out_entropy)
     check_shard_kl(call)
     if call.whole or sharded:
         return (*streamed_whole(call, loss_args), None)
 
-    glob, masks = globals_and_masks(call.globals_batch(*globals_inputs(call)), config)
+    glob, masks = globals_and_masks(call.globals_batch(*globals_inputs(call)), config,
+                                    call.given_globals)
     check_global_counts(loss_args["num_items_in_batch"], loss_args["global_batch_size"],
                         glob.loss)
     plan = make_plan(call, req.memory_budget)
@@ -171,10 +174,10 @@ def streamed_whole(call: Call, loss_args) -> tuple:
     call.hand_back(lp, ent)
     batch = call.with_logprobs(lp, ent, kl)
     if not call.selection_entropy:
-        return loss_of_batch(batch, call.config, None, validate=True, **loss_args)
+        return loss_of_batch(batch, call.config, call.given_globals, validate=True, **loss_args)
     old = batch["old_logprobs"] if call.on_policy else None
     glob, masks = globals_and_masks(call.globals_batch(call.full["selection_entropy"], old),
-                                     call.config)
+                                     call.config, call.given_globals)
     check_global_counts(loss_args["num_items_in_batch"], loss_args["global_batch_size"],
                         glob.loss)
     return batch_policy_loss(batch, call.config, glob, masks=masks, **loss_args)

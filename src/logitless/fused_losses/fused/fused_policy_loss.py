@@ -119,6 +119,7 @@ def fused_policy_loss(
     training_progress: float | None = None,
     entropy_coef: float | None = None,
     selection_entropy=None,
+    batch_globals=None,
     max_tile_bytes: int | None = None,
     strategy: str = "auto",
     ref_hidden=None,
@@ -165,6 +166,14 @@ def fused_policy_loss(
         advantages, mask, config, ref_logprobs, rollout_logprobs, token_weights,
         attention_entropy, num_items_in_batch, global_batch_size, training_progress,
             entropy_coef: as in :func:`policy_loss`.
+        batch_globals: `BatchGlobals` of the whole batch, computed by the caller (as
+            ``policy_loss``'s ``batch_globals``): the call's counts, thresholds and other
+            batch statistics are these instead of its own batch's, for example a
+            top-entropy threshold taken over every data-parallel process's tokens (TRL's
+            ``get_high_entropy_mask``). The selections compare ``selection_entropy`` (give
+            the entropies the threshold was taken from) or, without it, the current
+            entropies with its thresholds. Not for ``clip_cov`` / ``kl_cov``, ``cp_group``
+            or under ``torch.compile`` (``ValueError``).
         temperature, softcap, logit_scale: the logit transform, as in :func:`linear_logprobs`.
         ignore_index: the target id of tokens out of the loss, as in :func:`linear_logprobs`
             (-100, PyTorch's and TRL's label padding).
@@ -280,7 +289,7 @@ def fused_policy_loss(
         logit_scale=logit_scale, training_progress=training_progress,
         entropy_coef=entropy_coef, memory_budget=memory_budget, strategy=strategy,
         cp_group=cp_group, head_dtype=head_dtype, out_logprobs=out_logprobs,
-        out_entropy=out_entropy,
+        out_entropy=out_entropy, batch_globals=batch_globals,
         vocab_parallel=None if vocab_parallel is None else VocabShard(vocab_parallel, hidden_grad),
         **truncation, **check_topk_inputs(config, topk_logprobs=topk_logprobs,
                                           old_topk_logprobs=old_topk_logprobs))
@@ -290,6 +299,9 @@ def fused_policy_loss(
     if as_op(hidden):
         if vocab_parallel is not None:
             raise ValueError("vocab_parallel: not supported under torch.compile or for "
+                             "meta/fake tensors")
+        if batch_globals is not None:
+            raise ValueError("batch_globals: not supported under torch.compile or for "
                              "meta/fake tensors")
         if req.topk_logprobs is not None or req.old_topk_logprobs is not None:
             raise ValueError("topk_logprobs: the DPPO top-k objectives are not supported under "
@@ -338,7 +350,7 @@ def _context_parallel(req: Request):
     """`fused_policy_loss` under ``cp_group``: the batch streamed, its loss over the group."""
     if not isinstance(req.config, PolicyLossConfig):
         raise ValueError(f"config must be a PolicyLossConfig, got {type(req.config).__name__}")
-    check_cp_config(req.config, req.cp_group)
+    check_cp_config(req.config, req.cp_group, req.batch_globals)
     if req.strategy == "chunked":
         raise ValueError("strategy: 'chunked' is not supported with cp_group (a chunk's "
                          "sequence-level terms need the other ranks' tokens of the same "

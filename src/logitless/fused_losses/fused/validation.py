@@ -21,6 +21,7 @@ from logitless.fused_losses.head.kept import check_kept_ids
 from logitless.fused_losses.head.logprobs import check_byte_budget, check_head_args
 from logitless.fused_losses.head.sampled import SamplerSettings, check_values, per_token
 from logitless.fused_losses.head.shards import VocabShard
+from logitless.fused_losses.objectives.aggregation import BatchGlobals
 from logitless.fused_losses.objectives.catalog import needs_whole_batch
 from logitless.fused_losses.objectives.config import PolicyLossConfig
 from logitless.fused_losses.objectives.policy_inputs import Batch, promoted_dtype, to_batch
@@ -127,6 +128,8 @@ class Request:
     out_entropy: torch.Tensor | None = dataclasses.field(default=None,
                                                         metadata=_NOT_AN_OP_ARGUMENT)
     vocab_parallel: VocabShard | None = dataclasses.field(default=None,
+                                                          metadata=_NOT_AN_OP_ARGUMENT)
+    batch_globals: BatchGlobals | None = dataclasses.field(default=None,
                                                           metadata=_NOT_AN_OP_ARGUMENT)
 
     @property
@@ -251,6 +254,7 @@ class Call:
     selection_entropy: bool
     ref: RefHead | None = None  # the reference head of the exact KL
     truncation: Truncation | None = None  # the sampler's truncation or recorded kept sets
+    given_globals: BatchGlobals | None = None  # the caller's `BatchGlobals` (`batch_globals`)
     # the caller's buffers for the per-token logprobs and entropies (`hand_back`)
     out: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
 
@@ -463,6 +467,20 @@ def checked_call(head, targets, old_logprobs, advantages, mask, config, strategy
     return Call(head, config, full.to(loss_dtype), full, globals_dtype, rows, local,
                  full.positions(rows), packed, cu_seqlens, strategy, selection_entropy is not None,
                  shard=shard)
+
+
+def checked_globals(glob, config: PolicyLossConfig) -> BatchGlobals | None:
+    """The caller's ``batch_globals``: None, or a `BatchGlobals` for an objective whose
+    globals do not read the current logprobs (``ValueError`` otherwise)."""
+    if glob is None:
+        return None
+    if not isinstance(glob, BatchGlobals):
+        raise ValueError(f"batch_globals: expected a BatchGlobals (e.g. from "
+                         f"policy_loss_globals), got {type(glob).__name__}")
+    if needs_whole_batch(config.objective):
+        raise ValueError(f"batch_globals: {config.objective} selects tokens from statistics of "
+                         "the whole batch's current logprobs, which the call computes itself")
+    return glob
 
 
 def checked_ref(head: Head, config, ref_hidden, ref_weight, ref_bias) -> RefHead | None:

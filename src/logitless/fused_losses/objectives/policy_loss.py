@@ -211,11 +211,16 @@ def _with_prompt_weights(masks: Masks, cfg: PolicyLossConfig, dtype,
         entropy_weight=weights(cfg.entropy_agg or cfg.loss_agg, masks.entropy))
 
 
-def globals_and_masks(batch: Batch, cfg: PolicyLossConfig) -> tuple[BatchGlobals, Masks]:
+def globals_and_masks(batch: Batch, cfg: PolicyLossConfig,
+                      glob: BatchGlobals | None = None) -> tuple[BatchGlobals, Masks]:
     """`BatchGlobals` and masks of a whole batch, without a graph: a chunked caller slices the
     masks (`Masks.rows`), so that every chunk keeps exactly the tokens the thresholds were
-    taken over (comparing values it recomputed could differ by an ulp at a threshold)."""
+    taken over (comparing values it recomputed could differ by an ulp at a threshold). With
+    ``glob`` (the caller's globals, e.g. thresholds over several processes) the batch's masks
+    under its thresholds."""
     with torch.no_grad():
+        if glob is not None:
+            return glob, _call_masks(batch, cfg, glob)
         return _globals(batch, cfg, _kept_mask(batch, cfg))
 
 
