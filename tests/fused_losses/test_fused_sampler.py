@@ -61,17 +61,17 @@ def leaves(batch):
     return [batch[k].detach().clone().requires_grad_(True) for k in ("hidden", "weight", "bias")]
 
 
-def fused(batch, trunc, budget=None, old=True, **kw):
+def fused(batch, trunc, budget=None, old=True, cfg=CFG, **kw):
     x = leaves(batch)
     out = torch.zeros(B, T, dtype=torch.float64)
     loss, metrics = fused_policy_loss(
         x[0], x[1], batch["targets"], batch["old"] if old else None, batch["adv"],
-        batch["mask"], CFG, bias=x[2], temperature=TEMPERATURE, max_tile_bytes=budget,
+        batch["mask"], cfg, bias=x[2], temperature=TEMPERATURE, max_tile_bytes=budget,
         out_logprobs=out, **trunc, **kw)
     return loss, metrics, torch.autograd.grad(loss, x), out
 
 
-def composed(batch, trunc, head=linear_logprobs, old=True, **kw):
+def composed(batch, trunc, head=linear_logprobs, old=True, cfg=CFG, **kw):
     """What the trainers compose: the head's truncated logprobs and entropies, the tokens
     outside a kept set out of the loss (`drop_outside_kept`), `policy_loss`."""
     x = leaves(batch)
@@ -79,7 +79,7 @@ def composed(batch, trunc, head=linear_logprobs, old=True, **kw):
                return_entropy=True, **trunc, **kw)
     old_lp = batch["old"] if old else out.logprobs.detach()
     lp, old_lp, mask, _ = drop_outside_kept(out.logprobs, old_lp, batch["mask"])
-    loss, metrics = policy_loss(lp, old_lp, batch["adv"], mask, CFG, entropy=out.entropy)
+    loss, metrics = policy_loss(lp, old_lp, batch["adv"], mask, cfg, entropy=out.entropy)
     return loss, metrics, torch.autograd.grad(loss, x), out.logprobs
 
 
@@ -143,6 +143,24 @@ def test_equals_the_composed_path_and_the_oracle(spec, rows):
     assert torch.equal(torch.isneginf(got[3]), outside & ~old_inf)
     loss_tokens = batch["mask"] & ~outside & ~old_inf
     torch.testing.assert_close(got[3][loss_tokens], lp[loss_tokens], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("spec", [dict(top_p=0.9, min_p=0.02), "kept_ids"], ids=["top_p", "kept"])
+@pytest.mark.parametrize("how", ["streaming", "entropy-selection", "clip_cov"])
+def test_whole_batch_and_entropy_selection(spec, how):
+    """The batch streamed in one call (``strategy="streaming"``, and ``clip_cov``, which
+    needs the whole batch), and the top-entropy selection, whose no-grad pass before the
+    chunks reads the kept distribution's entropies: equal to the composed path."""
+    batch = make_batch(12)
+    trunc, kw, cfg = truncation(spec, batch), {}, CFG
+    if how == "streaming":
+        kw = dict(strategy="streaming")
+    elif how == "entropy-selection":
+        cfg = PolicyLossConfig(objective="ppo", top_entropy_quantile=0.5)
+    else:
+        cfg = PolicyLossConfig(objective="clip_cov", cov_fraction=0.2, cov_seed=3)
+    got = fused(batch, trunc, dense_rows(40), cfg=cfg, **kw)
+    assert_same(got, composed(batch, trunc, cfg=cfg), 1e-10, 1e-12)
 
 
 @pytest.mark.parametrize("spec", [dict(top_p=0.9, min_p=0.02), "kept_ids"], ids=["top_p", "kept"])
