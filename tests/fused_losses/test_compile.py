@@ -380,10 +380,11 @@ def _opcheck_args(name):
         mask = targets != IGNORE
         hidden = randn(3, 2, 8).transpose(0, 1)  # dense but not contiguous: gradient strides
         return (hidden.requires_grad_(), weight.requires_grad_(), bias.requires_grad_(), targets,
-                randn(2, 3) - 3, randn(2), mask, randn(2, 3) - 3, *(None,) * 10, 0.9, 20.0, 1.1,
+                randn(2, 3) - 3, randn(2), mask, randn(2, 3) - 3, *(None,) * 14, 0.9, 20.0, 1.1,
                 None, None, None, None, None, "auto", torch.float64, True, True, True,
                 list(metric_names("grpo", None, kl=True)), *oplib.config_args(cfg, CONFIG_LAYOUT),
-                "tf32")  # head_dtype
+                "tf32",  # head_dtype
+                None, 0.9, None, "sglang")  # top_k, top_p, min_p, sampler
     if name.startswith("logitless::sampled_logprobs"):
         settings = (0.5 + randn(2, 3).abs(), torch.tensor([[3, 11, 1], [20, 2, 5]]),
                     randn(2, 3).sigmoid(), torch.full((2, 3), 0.05, dtype=torch.float64))

@@ -17,6 +17,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from integrations.test_trl_sampler import train_fused_and_composed
+from integrations.test_trl_trainer import (  # noqa: F401 (fused_calls: a fixture)
+    assert_same_logs,
+    assert_same_parameters,
+    fused_calls,
+)
 from logitless.reference.sampler import kept_set_logprobs
 
 from tiny_models import RecordingHeadCalls, prompt_dataset, tiny_qwen2, tiny_tokenizer, vowel_reward
@@ -112,6 +118,11 @@ class Engine:
             out[SAMPLING_MASK_KEY][0] = out[SAMPLING_MASK_KEY][0][:-1]
         elif self.corrupt == "none":
             out[SAMPLING_MASK_KEY][0][0] = None
+        elif self.corrupt == "outside":  # each first completion's token 1 misses its set
+            for b in range(0, len(prompts), 4):
+                if len(out["completion_ids"][b]) > 1:
+                    out[SAMPLING_MASK_KEY][b][1] = random_set(
+                        self.g, vocab, out["completion_ids"][b][1], outside=True)
         elif self.corrupt == "env":  # token 1 of completion 0 came from an environment
             out[SAMPLING_MASK_KEY][0][1] = None
             out["env_mask"] = [[int((b, t) != (0, 1)) for t in range(len(c))]
@@ -164,7 +175,10 @@ def test_replay_trains_on_the_recorded_sets(tiny, tmp_path):
     the first step is the sampling model, so its logprobs are the engine's own; the generation
     batch carries the sets as ``kept_ids`` through TRL's shuffle and split."""
     engine = Engine()
-    trainer = make_trainer(tiny, grpo_args(tmp_path), engine=engine, match_sampler="replay")
+    # the composed head (fused=False), whose policy calls Recording sees; the fused loss step
+    # equals it (test_replay_runs_fused)
+    trainer = make_trainer(tiny, grpo_args(tmp_path), engine=engine, match_sampler="replay",
+                           fused=False)
     trainer.train()
     policy = [c for c in trainer.calls if not c["reference"] and c["grad"]]
     old = [c for c in trainer.calls if not c["reference"] and not c["grad"]]
@@ -221,6 +235,48 @@ def test_replay_truncates_the_reference_with_the_same_sets(tiny, tmp_path):
     for c in ref:
         _close(c["logps"], c["oracle"]["logprobs"], c["mask"], "reference logprobs")
     assert abs(trainer.state.log_history[0]["kl"]) < 1e-6
+
+
+FUSED_CASES = [
+    pytest.param(dict(), {}, None, id="replay"),
+    pytest.param(dict(beta=0.05, max_steps=2), dict(truncate_reference=True), None,
+                 id="truncate-reference"),
+    pytest.param(dict(num_iterations=1, gradient_accumulation_steps=1, max_steps=2), {},
+                 None, id="on-policy"),
+    pytest.param(dict(beta=0.05), dict(truncate_reference=True), "outside",
+                 id="targets-outside-their-sets"),
+]
+
+
+@pytest.mark.parametrize("overrides,kwargs,corrupt", FUSED_CASES)
+def test_replay_runs_fused(overrides, kwargs, corrupt, tiny, tmp_path,
+                           fused_calls):  # noqa: F811
+    """``match_sampler="replay"`` runs the loss step as one fused_policy_loss call over the
+    recorded sets (``kept_ids``), with no fallback warning: the same losses, logged metrics
+    and final parameters as the composed path (``fused=False``), also where recorded sets
+    miss their tokens (``outside``: out of the loss, counted in
+    ``logitless/sampler/outside_kept`` and ``..._reference``)."""
+    def run(fused):
+        return make_trainer(tiny, grpo_args(tmp_path / str(fused), **overrides),
+                            cls=GRPOTrainer, engine=Engine(corrupt=corrupt),
+                            match_sampler="replay", fused=fused, **kwargs)
+
+    fused, composed = train_fused_and_composed(run, fused_calls)
+    # on-policy the old logprobs are the current ones: the fused store's GEMM and the composed
+    # path's gather of the sets' rows round them apart by an fp32 ulp (5e-7 at |lp| ~ 6), and
+    # |old - rollout| (the mismatch's abs_diff, near 0 here) shows exactly that
+    ulp = "logitless/mismatch/abs_diff/"
+    logs = [[{k: v for k, v in log.items() if not k.startswith(ulp)} for log in t.state.log_history]
+            for t in (fused, composed)]
+    assert_same_logs(*logs, loss_atol=2e-6)
+    for ours, theirs in zip(fused.state.log_history, composed.state.log_history):
+        for key in (k for k in theirs if k.startswith(ulp)):
+            assert abs(ours[key] - theirs[key]) <= 1e-6, (key, ours[key], theirs[key])
+    assert_same_parameters(fused.model, composed.model)
+    if corrupt == "outside":
+        logged = composed.state.log_history[0]
+        assert logged["logitless/sampler/outside_kept"] > 0
+        assert "logitless/sampler/outside_kept_reference" in logged
 
 
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16-autocast"])

@@ -8,10 +8,19 @@ refused at construction.
 import math
 import os
 import re
+import warnings
 
 import pytest
 import torch
 
+from integrations.test_trl_trainer import (  # noqa: F401 (fused_calls, wide_vocab_dir: fixtures)
+    MatmulFlops,
+    _counting,
+    assert_same_logs,
+    assert_same_parameters,
+    fused_calls,
+    wide_vocab_dir,
+)
 from logitless.reference.sampler import sampler_logprobs
 
 from tiny_models import (
@@ -92,8 +101,10 @@ def test_match_sampler_logprobs_are_the_samplers_truncated_distribution(tiny, tm
 
         kwargs["peft_config"] = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"],
                                            task_type="CAUSAL_LM")
+    # the composed head (fused=False), whose policy calls Recording sees; the fused loss step
+    # equals it (test_match_sampler_runs_fused)
     trainer = make_trainer(Recording, tiny, grpo_args(tmp_path, beta=0.05), match_sampler=True,
-                           **kwargs)
+                           fused=False, **kwargs)
     trainer.train()
     policy = [c for c in trainer.calls if not c["reference"] and c["grad"]]
     old = [c for c in trainer.calls if not c["reference"] and not c["grad"]]
@@ -135,6 +146,77 @@ def test_without_match_sampler_the_head_is_untruncated(tiny, tmp_path):
     for c in trainer.calls:
         _close(c["logps"], c["full"]["logprobs"], c["mask"], "logprobs")
     assert "logitless/sampler/outside_kept" not in trainer.state.log_history[0]
+
+
+def train_fused_and_composed(make, calls):
+    """Train ``make(fused)``'s trainer composed (``fused=False``: no fused call in ``calls``,
+    the `fused_calls` spy) and fused (every loss step one fused_policy_loss call, no fallback
+    warning); returns ``(fused, composed)``."""
+    composed = make(False)
+    composed.train()
+    assert not calls
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        fused = make(True)
+        fused.train()
+    assert not [str(w.message) for w in record if "not fused" in str(w.message)]
+    assert calls and all(calls)
+    return fused, composed
+
+
+FUSED_CASES = [
+    pytest.param(dict(beta=0.05), {}, None, id="untruncated-reference"),
+    pytest.param(dict(beta=0.05, min_p=0.3, max_steps=3), dict(truncate_reference=True),
+                 "logitless/sampler/outside_kept_reference", id="truncate-reference"),
+    pytest.param(dict(min_p=0.3, max_steps=3), {}, "logitless/sampler/outside_kept",
+                 id="min_p-three-steps"),
+    pytest.param(dict(num_iterations=1, gradient_accumulation_steps=1, max_steps=3), {}, None,
+                 id="on-policy"),
+]
+
+
+@pytest.mark.parametrize("overrides,kwargs,outside", FUSED_CASES)
+def test_match_sampler_runs_fused(overrides, kwargs, outside, tiny, tmp_path,
+                                  fused_calls):  # noqa: F811
+    """``match_sampler=True`` runs the loss step as one fused_policy_loss call under the
+    truncation, with no fallback warning: the same losses, logged metrics
+    (``logitless/sampler/outside_kept`` and ``..._reference`` included) and final parameters
+    as the composed path (``fused=False``). After the first updates (min-p cuts hard here)
+    the kept sets move away from those the tokens were drawn from, so tokens leave the
+    loss (``outside``: the metric that counts them)."""
+    def run(fused):
+        return make_trainer(GRPOTrainer, tiny, grpo_args(tmp_path / str(fused), **overrides),
+                            match_sampler=True, fused=fused, **kwargs)
+
+    fused, composed = train_fused_and_composed(run, fused_calls)
+    assert_same_logs(fused.state.log_history, composed.state.log_history, loss_atol=2e-6)
+    assert_same_parameters(fused.model, composed.model)
+    if outside is not None:
+        assert max(log.get(outside, 0.0) for log in composed.state.log_history) > 0
+
+
+def test_match_sampler_loss_step_matmul_flops(tmp_path, wide_vocab_dir):  # noqa: F811
+    """The issue's head-dominated model (V=4099, hidden 32), 8 completions of 62 tokens
+    sampled by ``generate`` with top-k and top-p, one step: under ``match_sampler`` the fused
+    loss step does the matmul FLOPs of the untruncated fused step (three GEMM passes over the
+    head: at most 0.82x stock TRL's, test_trl_trainer.py::test_loss_step_matmul_flops). The
+    composed sampler head runs inside its custom op, whose GEMMs the dispatch mode does not
+    see, so it is no baseline here."""
+    path, tok = wide_vocab_dir
+    args = dict(per_device_train_batch_size=8, num_generations=8, max_completion_length=62,
+                gradient_accumulation_steps=1, num_iterations=1, max_steps=1)
+    flops = {}
+    for match in (False, True):
+        counting = _counting(GRPOTrainer)
+        counting.counter, counting.flops = MatmulFlops(), []
+        trainer = counting(model=path, reward_funcs=vowel_reward,
+                           args=grpo_args(tmp_path / str(match), **args),
+                           train_dataset=prompt_dataset(4), processing_class=tok,
+                           match_sampler=match)
+        trainer.train()
+        flops[match] = sum(counting.flops)
+    assert trainer.state.log_history[0]["logitless/sampler/outside_kept"] == 0.0
+    assert flops[True] == flops[False] > 0, flops
 
 
 def test_sampler_from_grpo_reads_trl_conventions(tmp_path):

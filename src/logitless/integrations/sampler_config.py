@@ -14,8 +14,7 @@ import dataclasses
 import math
 import numbers
 
-import torch
-
+from logitless.fused_losses.head.sampled import drop_outside_kept
 from logitless.fused_losses.oplib import renamed_keyword
 from logitless.kernels.sampler_torch import ENGINES
 
@@ -115,18 +114,3 @@ def read_sampler_config(*, temperature, top_k, top_p, min_p, names: dict[str, st
             raise ValueError(f"{names['min_p']}: expected a number in [0, 1], got {min_p!r}")
         m = None if m == 0 else m
     return SamplerTruncation(top_k=k, top_p=p, min_p=m, sampler=sampler)
-
-
-def drop_outside_kept(logps, old, mask):
-    """A response token the recomputed policy (or old policy) keeps out of the sampler's
-    truncated set has logprob -inf under sampler matching: its ratio is undefined. Such
-    tokens leave the loss mask, and every -inf reads 0 in both logprobs (no gradient reaches
-    them). Returns the new ``(logprobs, old, mask)`` and the fraction of the masked tokens
-    dropped."""
-    infinite = torch.isneginf(logps.detach()) | torch.isneginf(old)
-    outside = infinite & mask.bool()
-    zero = torch.zeros((), dtype=logps.dtype, device=logps.device)
-    logps = torch.where(infinite, zero, logps)
-    old = torch.where(infinite, zero.to(old.dtype), old)
-    fraction = outside.sum() / mask.sum().clamp(min=1)
-    return logps, old, mask * ~outside, fraction

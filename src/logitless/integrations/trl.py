@@ -43,6 +43,8 @@ import trl
 from logitless.fused_losses.fused.fused_policy_loss import fused_policy_loss
 from logitless.fused_losses.fused.validation import Head
 from logitless.fused_losses.head.divergence import linear_divergence
+from logitless.fused_losses.head.dtensor import is_dtensor
+from logitless.fused_losses.head.logprobs import linear_logprobs
 from logitless.fused_losses.objectives.aggregation import agg_counts
 from logitless.fused_losses.objectives.catalog import CLIPPED_SURROGATE, OBJECTIVES, clip_flags
 from logitless.fused_losses.objectives.config import KL_EXACT, PolicyLossConfig
@@ -232,13 +234,16 @@ class _FusedLoss:
     that returns the batch's `BatchGlobals` over every process (`_world_entropy_globals`);
     the entropies come from one no-grad pass of TRL's head contract over TRL's rows (the
     composed path's values), and the call selects with them (``selection_entropy``), so it
-    makes no pass of its own."""
+    makes no pass of its own. ``truncation``: match_sampler's (`linear_logprobs`'s keywords);
+    ``probe``: the tokens out of the loss whose current logprobs the trainer's metrics read
+    all the same (`_probe`)."""
 
     def __init__(self, label_mask, logits_to_keep, targets, world_globals=None, zero3_head=None,
-                 **loss_args):
+                 truncation=None, probe=None, **loss_args):
         self.label_mask, self.logits_to_keep = label_mask, logits_to_keep
         self.targets, self.loss_args = targets, loss_args
         self.world_globals, self.zero3_head = world_globals, zero3_head
+        self.truncation, self.probe = truncation or {}, probe
         self.result = None
 
     def apply(self, hidden, weight, bias, targets, temperature, chunk_size,
@@ -261,16 +266,33 @@ class _FusedLoss:
         # the per-token logprobs the loss used, for TRL's per-sequence clip metrics and VESPO
         self.logprobs = torch.empty(self.loss_args["mask"].shape, device=hidden.device,
                                     dtype=torch.promote_types(hidden.dtype, torch.float32))
-        self.result = fused_policy_loss(
-            grid[:, -self.logits_to_keep:], weight, self.targets, bias=bias,
-            temperature=temperature,
-            softcap=logitless_softcap(final_logit_softcapping, logit_scale),
-            logit_scale=logit_scale, out_logprobs=self.logprobs, **extra, **self.loss_args)
+        head = dict(bias=bias, temperature=temperature,
+                    softcap=logitless_softcap(final_logit_softcapping, logit_scale),
+                    logit_scale=logit_scale)
+        completions = grid[:, -self.logits_to_keep:]
+        self.result = fused_policy_loss(completions, weight, self.targets,
+                                        out_logprobs=self.logprobs, **head, **self.truncation,
+                                        **extra, **self.loss_args)
+        self._probe(completions, weight, head)
         if self.zero3_head is not None:
             loss, metrics = self.result
             self.result = _gathered_for_backward(self.zero3_head, loss), metrics
         zeros = hidden.new_zeros(rows)
         return zeros, zeros if "entropy" in outputs else None, None, None, None
+
+
+    def _probe(self, hidden, weight, head) -> None:
+        """The current logprobs of the ``probe`` tokens (left out of the loss before the call,
+        so the fused loss did not score them) into ``logprobs``: one no-grad head call on
+        those rows, as the composed path has them for its ``outside_kept`` count."""
+        if self.probe is None or not bool(self.probe.any()):
+            return
+        at = self.probe.to(hidden.device)
+        kw = {k: v[at] if k == "kept_ids" else v for k, v in self.truncation.items()}
+        with torch.no_grad():
+            out = linear_logprobs(hidden[at], weight, self.targets[at],
+                                  head_dtype=self.loss_args.get("head_dtype"), **head, **kw)
+        self.logprobs[at] = out.logprobs.to(self.logprobs.dtype)
 
 
 def _gathered_for_backward(head, loss):
@@ -393,11 +415,13 @@ class GRPOTrainer(trl.GRPOTrainer):
             call over the completion tokens (three GEMM passes over the head; TRL's head and
             the composed path make four). Without TRL's old-policy pass (its default,
             ``num_iterations=1``) the call runs on-policy (``old_logprobs=None``: the current
-            logprobs, detached, as TRL's ``per_token_logps.detach()``). Where a step cannot
-            run fused (``match_sampler``, ...: see `_fused_reason`) it runs composed, with one
-            warning per reason. An FSDP2 head stays sharded (`fused.fsdp2`); under DeepSpeed
-            ZeRO-3 DeepSpeed gathers the head for the backward (`_gathered_for_backward`).
-            ``False``: always composed (`linear_logprobs`, then `policy_loss`).
+            logprobs, detached, as TRL's ``per_token_logps.detach()``). With
+            ``match_sampler`` (and ``"replay"``) the call takes the truncation (the recorded
+            sets), with the composed path's tokens out of the loss and its metrics. An FSDP2
+            head stays sharded (`fused.fsdp2`); under DeepSpeed ZeRO-3 DeepSpeed gathers the
+            head for the backward (`_gathered_for_backward`). Where a step cannot run fused
+            (see `_fused_reason`) it runs composed, with one warning per reason. ``False``:
+            always composed (`linear_logprobs`, then `policy_loss`).
 
     Logs TRL's metric names (``kl``, ``entropy``, ``clip_ratio/*``, ``cispo_clip_ratio``,
     ``vespo/phi_seq_mean``, ``policy_loss``, ``entropy_coef``, ``aux_loss``) with TRL's values,
@@ -810,17 +834,28 @@ class GRPOTrainer(trl.GRPOTrainer):
                 cfg, mask, inputs["advantages"], entropies,
                 dict(old_logprobs=logps if old is None else old, **batch))
 
-        if self._fused_reason(cfg) is None:
-            fused = _FusedLoss(_label_mask(input_ids, attention_mask, logits_to_keep),
-                               logits_to_keep, completion_ids, zero3_head=self._zero3_head(),
-                               world_globals=world_globals if world else None, old_logprobs=old,
-                               advantages=inputs["advantages"], mask=mask, config=cfg,
-                               ref_logprobs=ref, head_dtype=head_dtype_from_grpo(self.args),
-                               **reference, **batch, **loss_args)
-            with _fused_head(fused):
+        truncating_ref = self._matching and ref is not None and self._truncate_reference
+        fused = self._fused_reason(cfg) is None
+        if fused:
+            # match_sampler: the loss's tokens are those the composed path keeps below, the
+            # reference's outside tokens left out before the call (their KL is undefined),
+            # the policy's and old policy's by fused_policy_loss itself
+            call_mask, call_ref, probe = mask, ref, None
+            if truncating_ref:
+                probe = torch.isneginf(ref) & mask.bool()
+                _, call_ref, call_mask, _ = drop_outside_kept(ref, ref, mask)
+            loss_step = _FusedLoss(
+                _label_mask(input_ids, attention_mask, logits_to_keep), logits_to_keep,
+                completion_ids, world_globals=world_globals if world else None,
+                zero3_head=self._zero3_head(),
+                truncation=self._truncation(inputs), probe=probe, old_logprobs=old,
+                advantages=inputs["advantages"], mask=call_mask, config=cfg,
+                ref_logprobs=call_ref, head_dtype=head_dtype_from_grpo(self.args),
+                **reference, **batch, **loss_args)
+            with _fused_head(loss_step):
                 _, _, aux_loss = super()._get_per_token_logps_and_entropies(
                     model, input_ids, attention_mask, logits_to_keep, **forward)
-            (loss, metrics), logps = fused.result, fused.logprobs
+            (loss, metrics), logps = loss_step.result, loss_step.logprobs
             old = logps if old is None else old  # on-policy: TRL's per_token_logps.detach()
         else:
             calls = [] if reference else None
@@ -832,14 +867,15 @@ class GRPOTrainer(trl.GRPOTrainer):
                 kl = self._exact_kl_term(calls, input_ids, attention_mask, logits_to_keep, mask,
                                          **reference)
             old = logps.detach() if old is None else old
-            if self._matching:
-                tokens = mask.sum()
-                logps, old, mask, outside = drop_outside_kept(logps, old, mask)
-                if ref is not None and self._truncate_reference:
-                    # a token outside the reference's kept set: logprob -inf, the KL undefined
-                    _, ref, mask, ref_outside = drop_outside_kept(ref, ref, mask)
-                    self._metrics[mode]["logitless/sampler/outside_kept_reference"].append(
-                        self._global_mean(ref_outside, tokens))
+        if self._matching:
+            tokens = mask.sum()
+            logps, old, mask, outside = drop_outside_kept(logps, old, mask)
+            if truncating_ref:
+                # a token outside the reference's kept set: logprob -inf, the KL undefined
+                _, ref, mask, ref_outside = drop_outside_kept(ref, ref, mask)
+                self._metrics[mode]["logitless/sampler/outside_kept_reference"].append(
+                    self._global_mean(ref_outside, tokens))
+        if not fused:
             batch_globals = world_globals(entropies, old) if world else None
             loss, metrics = policy_loss(
                 logps, old, inputs["advantages"], mask, cfg, ref_logprobs=ref, entropy=entropies,
@@ -891,14 +927,30 @@ class GRPOTrainer(trl.GRPOTrainer):
         if not self._fused:
             return "fused=False"
         reason = None
-        if self._matching:
-            reason = ("match_sampler: fused_policy_loss has no sampler truncation or recorded "
-                      "kept sets")
+        if self._matching and cfg.kl_estimator == KL_EXACT and _uses_kl(cfg):
+            reason = ("match_sampler with kl_estimator='exact': fused_policy_loss takes no "
+                      "sampler truncation together with the exact KL")
+        elif self._matching and cfg.top_entropy_quantile < 1 \
+                and self.accelerator.num_processes > 1:
+            reason = ("match_sampler with top_entropy_quantile over several processes: the "
+                      "world threshold is taken before the tokens outside the kept set leave "
+                      "the loss")
+        elif self._matching and is_dtensor(
+                self.accelerator.unwrap_model(self.model).get_output_embeddings().weight):
+            reason = ("match_sampler with an FSDP2 (DTensor) head: fused_policy_loss takes no "
+                      "sampler truncation over vocabulary shards")
         if reason is not None and reason not in self._fallbacks:
             self._fallbacks.add(reason)
             warnings.warn(f"GRPOTrainer: the loss runs on the composed path (linear_logprobs, "
                           f"then policy_loss), not fused: {reason}", RuntimeWarning, stacklevel=3)
         return reason
+
+    def _truncation(self, inputs) -> dict:
+        """The head's truncation under match_sampler, as `fused_policy_loss`'s keywords: the
+        recorded sets with replay, the sampler's settings otherwise (empty: none)."""
+        if self._replay:
+            return dict(kept_ids=inputs[KEPT_IDS_KEY])
+        return {} if self._sampler is None else self._sampler.kwargs()
 
     def _world_entropy_globals(self, cfg, mask, advantages, entropies, batch):
         """`policy_loss`'s batch globals with TRL's top-entropy selection, whose threshold is

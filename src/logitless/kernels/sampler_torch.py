@@ -208,11 +208,14 @@ class _Buffers:
             else None
 
     def logits(self, x, h, w, b, softcap, logit_scale):
-        """Write the slice's logits ``[cols, R]`` into ``x``; ``tanh`` (a view) or None."""
+        """Write the slice's logits ``[cols, R]`` into ``x``; ``tanh`` (a view) or None. The
+        GEMM's output goes through ``low`` when ``h`` has the input dtype, straight into ``x``
+        when it has ``x``'s."""
         def view(buf):
             return None if buf is None else buf[:x.numel()].view(x.shape)
-        return logits_into(x, view(self.low), view(self.cap), h, w, b, 1.0, softcap,
-                           logit_scale, vocab_major=True)
+        low = None if h.dtype == x.dtype else view(self.low)
+        return logits_into(x, low, view(self.cap), h, w, b, 1.0, softcap, logit_scale,
+                           vocab_major=True)
 
 
 def ordered_keys(z: torch.Tensor) -> torch.Tensor:
@@ -573,3 +576,150 @@ def _logit_grad_(z, local_targets, kept, m, log_kept, log_full, entropy, g_lp, g
         rows = torch.arange(z.shape[1], device=z.device)
         dz.index_put_((at, rows), torch.where(here, g_lp, 0.0), accumulate=True)
     return dz
+
+
+# Below a recorded set's largest logit by this much, a logit's exponential is exactly 0 in
+# fp32 and fp64: what the ids outside a recorded set are given in a stored chunk.
+_OUTSIDE_GAP = 1e4
+
+
+class _Recorded:
+    """A recorded kept set (``kept_ids``) of one stored chunk, with `_Selection`'s interface
+    (``z``, ``m``, ``reduce``, ``slices``). The logits outside the set are overwritten with
+    ``_OUTSIDE_GAP`` below the set's largest, whose exponentials are exactly 0: the statistics
+    and the gradient are then those of the set alone, ``m`` the set's maximum (a set far below
+    the row's maximum neither underflows nor meets an overflowed exponential)."""
+
+    def __init__(self, z: torch.Tensor, kept: torch.Tensor, cols: int):
+        self.z, self.kept, self.cols, self.reduce = z, kept, cols, LOCAL
+        self.m = torch.where(kept, z, -math.inf).amax(0)
+        fill = (self.m - _OUTSIDE_GAP).expand(min(cols, z.shape[0]), -1)
+        for c0 in range(0, z.shape[0], cols):
+            zs = z[c0:c0 + cols]
+            torch.where(kept[c0:c0 + cols], zs, fill[:zs.shape[0]], out=zs)
+
+    def slices(self, final: bool = False):
+        del final
+        for c0 in range(0, self.z.shape[0], self.cols):
+            zs = self.z[c0:c0 + self.cols]
+            yield c0, zs, ordered_keys(zs), self.kept[c0:c0 + self.cols]
+
+
+class StoredSampled:
+    """One chunk's tempered logits kept between its statistics and its gradient, under a
+    sampler's truncation (`RowParams`) or a recorded kept set (``kept_ids``): the ``ChunkStore``
+    of ``fused_policy_loss`` for such calls on the torch path (``fused/plan.py``).
+
+    The chunk's logits ``[V, R]`` (vocab-major, the accumulation dtype) come from the
+    forward's own GEMMs and transform (``cols``-row slices, the temperature divided in
+    afterwards); the kept set is found from them by `_Selection`, the code and tie rules of
+    `forward` (or read from ``kept_ids``), and `_chunk_stats` gives ``log q_y`` and the kept
+    distribution's entropy. ``backward_`` turns each stored slice into ``dz`` in place by
+    `_logit_grad_` (the kept set rebuilt by the same slices) and feeds it to the two gradient
+    GEMMs: three GEMM passes over the head for the chunk, where `forward` and `backward`
+    make four. Peak memory: ``R V`` logits, ``R V`` bytes of kept-set mask with ``kept_ids``,
+    one slice's temporaries."""
+
+    def __init__(self, vocab: int, max_rows: int, dtype: torch.dtype, device,
+                 softcap: float | None):
+        self.vocab, self.dtype, self.acc = vocab, dtype, acc_dtype(dtype)
+        self.cols = min(vocab, _COLS)
+        self._z = torch.empty(vocab * max_rows, dtype=self.acc, device=device)
+        self._kept = None  # the recorded sets' mask, made when a chunk has them
+        self._max_rows = max_rows
+        self._bufs = _Buffers(max_rows, self.cols, dtype, device, softcap)
+
+    @staticmethod
+    def bytes_per_row(vocab: int, dtype: torch.dtype, softcap: float | None,
+                      hidden_size: int = 0) -> int:
+        """Bytes one token row of a chunk needs: its logits in the accumulation dtype, a byte
+        per logit for a recorded set's mask, and its share of one slice's temporaries."""
+        del hidden_size
+        return (vocab * (acc_dtype(dtype).itemsize + 1)
+                + min(vocab, _COLS) * _slice_bytes(dtype, softcap))
+
+    def forward(self, hidden, weight, bias, targets, *, temperature, softcap, logit_scale,
+                reduce=None, select=None):
+        """Store the tempered logits of ``hidden [rows, D]`` and return per-token ``(logprobs,
+        entropy, lse)`` of the kept distribution (``logprobs`` ``-inf`` for a target outside
+        the kept set, NaN for a row with a non-finite logit); ``select`` is the rows'
+        `RowParams` (their ``temperature`` is the one applied; ``temperature`` here is
+        ignored) or their recorded sets, int64 ``[rows, K]`` padded with -1 (``temperature``
+        applied). ``lse`` is the kept set's log-normaliser. No ``reduce``: one process holds
+        the vocabulary."""
+        if reduce is not None:
+            raise ValueError("vocab_parallel: a sampler truncation or kept_ids in "
+                             "fused_policy_loss needs the whole vocabulary on one process")
+        rows, v, cols = hidden.shape[0], self.vocab, self.cols
+        self.rows, self.targets, self.head = rows, targets, (softcap, logit_scale)
+        # a recorded set's logits in the accumulation dtype, from the inputs' values, as
+        # `linear_logprobs(kept_ids=...)` computes them (no rounding to 16 bits); the sampler's
+        # in the input dtype, as its own forward rounds them
+        sampled = isinstance(select, RowParams)
+        self.gemm = hidden.dtype if sampled else self.acc
+        hidden = hidden.to(self.gemm)
+        z = self._z[:v * rows].view(v, rows)
+        for c0 in range(0, v, cols):
+            w, b = head_slice(weight, bias, c0, cols, self.gemm)
+            self._bufs.logits(z[c0:c0 + w.shape[0]], hidden, w, b, softcap, logit_scale)
+        if sampled:
+            self.temperature = select.temperature
+            z /= self.temperature
+            self.sel = _Selection(z, select, cols)
+        else:
+            self.temperature = torch.full((rows,), float(temperature), dtype=self.acc,
+                                          device=z.device)
+            z /= self.temperature
+            self.sel = _Recorded(z, self._recorded(select, v, rows), cols)
+        lp, ent, _, lse, m, log_kept, _, _ = _chunk_stats(self.sel, targets)
+        self.m, self.log_kept = m, log_kept
+        lp = torch.where(torch.isfinite(lse), lp, torch.nan)
+        return lp, ent, m + log_kept
+
+    def _recorded(self, ids, v: int, rows: int) -> torch.Tensor:
+        """The kept mask ``[V, rows]`` of the rows' recorded ids ``[rows, K]`` (-1: padding)."""
+        if self._kept is None:
+            self._kept = torch.empty(v * self._max_rows, dtype=torch.bool, device=ids.device)
+        kept = self._kept[:v * rows].view(v, rows).zero_()
+        valid = ids >= 0
+        row = torch.arange(rows, device=ids.device).unsqueeze(1).expand_as(ids)
+        kept[ids[valid], row[valid]] = True
+        return kept
+
+    def backward_(self, hidden, weight, entropy, g_lp, g_entropy, d_weight, d_bias,
+                  want_hidden: bool, weight_beta: float = 1.0):
+        """Turn the stored logits into ``d loss / d x`` slice by slice (`_logit_grad_`, ``K``
+        held fixed; ``g_lp`` must be 0 on rows whose target is outside the kept set), add
+        ``dx^T`` times ``hidden`` to ``d_weight`` (``weight_beta=0``: overwrite it) and
+        ``dx``'s sum to ``d_bias`` (either may be None); return ``dx^T W`` when
+        ``want_hidden`` (the accumulation dtype)."""
+        softcap, logit_scale = self.head
+        temperature, rows = self.temperature, self.rows
+        acc, hidden = self.acc, hidden.to(self.gemm)
+        g_lp, g_entropy, entropy = (None if g is None else g.to(acc)
+                                    for g in (g_lp, g_entropy, entropy))
+        d_hidden = (torch.zeros(rows, weight.shape[1], dtype=acc, device=weight.device)
+                    if want_hidden else None)
+        cap = self._bufs.cap
+        for c0, zs, _, kept in self.sel.slices(final=True):
+            width = zs.shape[0]
+            t = None
+            if softcap is not None:  # tanh(x / c) = z T / (c scale), before zs becomes dz
+                t = torch.mul(zs, temperature, out=cap[:zs.numel()].view(zs.shape))
+                t.div_(softcap * logit_scale).clamp_(-1.0, 1.0)
+            if kept is None:
+                kept = torch.ones_like(zs, dtype=torch.bool)
+            dx = _logit_grad_(zs, self.targets - c0, kept, self.m, self.log_kept, None,
+                              entropy, g_lp, g_entropy, None, None)
+            through_transform_(dx, t, logit_scale, 1.0)
+            dx /= temperature
+            if d_bias is not None:
+                d_bias[c0:c0 + width] += dx.sum(1)
+            w, _ = head_slice(weight, None, c0, self.cols, self.gemm)
+            if acc != self.gemm:
+                dx = dx.to(self.gemm)
+            if d_hidden is not None:
+                addmm_acc_(d_hidden, dx.t(), w)
+            if d_weight is not None:
+                addmm_acc_(d_weight[c0:c0 + width], dx, hidden, beta=weight_beta)
+        return d_hidden

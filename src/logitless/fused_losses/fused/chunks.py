@@ -5,8 +5,12 @@ per-token values gives the loss and the metrics."""
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import torch
 
+from logitless.fused_losses.backend import triton_selected
 from logitless.fused_losses.fused.chunk_objective import ChunkObjective
 from logitless.fused_losses.fused.grads import Grads, Need
 from logitless.fused_losses.fused.plan import Chunk, make_plan, new_store
@@ -18,10 +22,12 @@ from logitless.fused_losses.fused.validation import (
     checked_call,
     checked_globals,
     checked_ref,
+    checked_truncation,
     placed_shard,
 )
 from logitless.fused_losses.head.dtensor import is_dtensor
 from logitless.fused_losses.head.logprobs import linear_logprobs, rows_logprobs
+from logitless.fused_losses.head.sampled import drop_outside_kept
 from logitless.fused_losses.objectives.aggregation import check_global_counts
 from logitless.fused_losses.objectives.config import PolicyLossConfig
 from logitless.fused_losses.objectives.policy_loss import (
@@ -34,19 +40,94 @@ from logitless.fused_losses.objectives.policy_loss import (
 from logitless.fused_losses.oplib import under_head_precision
 
 
+class OutsideKept(Exception):
+    """A loss token whose target the current kept set leaves out (logprob -inf), found by a
+    chunk: the call runs again without it (`run_call`)."""
+
+    def __init__(self, tokens: torch.Tensor):
+        super().__init__("a target outside the kept set")
+        self.tokens = tokens  # indices into the flattened mask
+
+
 @under_head_precision  # every GEMM of the call's forward in the head's precision
 def run_call(req: Request, shared: dict | None = None) -> tuple:
     """The eager call: ``(loss, metrics, grads)``, ``grads`` the ``(d_hidden, d_weight,
     d_bias)`` the chunks computed in the forward (None where not needed), or None when
     the whole batch streamed (the loss then carries its autograd graph). ``shared``: weight
-    and bias accumulators shared with other calls over the same head (`Grads`)."""
+    and bias accumulators shared with other calls over the same head (`Grads`).
+
+    With a truncation, a loss token whose target lies outside the kept set of the current
+    policy or whose old logprob is -inf leaves the loss, as `drop_outside_kept` has it in the
+    trainers (its logprob reads -inf in ``out_logprobs``). Those of ``kept_ids`` and of the old
+    logprobs are known before the chunks; a chunk that finds another (its logprob -inf) stops
+    the call, a no-grad pass of the head finds every such token, and the call runs again
+    without them."""
+    if not req.truncates:
+        return run_chunks(req, shared)
+    req, outside = _drop_known_outside(req)
+    searched = False
+    while True:
+        try:
+            result = run_chunks(req, shared)
+            break
+        except OutsideKept as found:
+            if not searched:
+                outside |= _outside_current(req)
+                searched = True
+            outside.view(-1)[found.tokens] = True
+            req = _without(req, outside)
+    if req.out_logprobs is not None:
+        req.out_logprobs.masked_fill_(outside.view(req.out_logprobs.shape), -math.inf)
+    return result
+
+
+def _without(req: Request, outside: torch.Tensor) -> Request:
+    """``req`` with the tokens ``outside`` out of the loss (`drop_outside_kept`: the old
+    logprobs read 0 there)."""
+    lp = torch.zeros(outside.shape, device=outside.device).masked_fill(outside, -math.inf)
+    given = req.old_logprobs
+    _, old, mask, _ = drop_outside_kept(lp, lp if given is None else given, req.mask)
+    return dataclasses.replace(req, mask=mask, old_logprobs=None if given is None else old)
+
+
+def _drop_known_outside(req: Request) -> tuple[Request, torch.Tensor]:
+    """The tokens known outside before the chunks run out of the loss: an old logprob of
+    -inf, and with ``kept_ids`` a target not in its set. Returns the request and the mask of
+    the latter (the current policy's outside tokens found so far)."""
+    outside = torch.zeros(req.mask.shape, dtype=torch.bool, device=req.mask.device)
+    if req.kept_ids is not None and req.kept_ids.shape[:-1] == req.targets.shape:
+        hit = (req.kept_ids == req.targets.unsqueeze(-1).long()).any(-1)
+        outside = (req.mask != 0) & ~hit
+    return _without(req, outside), outside
+
+
+def _outside_current(req: Request) -> torch.Tensor:
+    """The loss tokens whose target the current policy's kept set leaves out: one no-grad
+    `linear_logprobs` pass under the truncation."""
+    keep = req.mask != 0
+    head = req.head
+    with torch.no_grad():
+        lp = linear_logprobs(
+            head.hidden, head.weight, req.targets.masked_fill(~keep, -100), bias=head.bias,
+            head_dtype=head.head_dtype, ignore_index=-100, **head.transform(),
+            **req.head_kwargs()).logprobs
+    return torch.isneginf(lp) & keep
+
+
+def run_chunks(req: Request, shared: dict | None = None) -> tuple:
+    """`run_call` on a request whose loss tokens all lie in their kept sets as far as is
+    known: raises `OutsideKept` when a chunk finds one that does not."""
     head, need, config, loss_args = req.head, req.needs, req.config, req.loss_args
+    if req.truncates and triton_selected(head.hidden.device, head.dtype):
+        # the Triton store has no truncation: the batch streams (docs/sampler.md)
+        req = dataclasses.replace(req, strategy="streaming")
     sharded = check_sharded(head, req.strategy, req.ref_args)
     shard = placed_shard(req)
     call = checked_call(head, req.targets, req.old_logprobs, req.advantages, req.mask, config,
                         req.strategy, req.cu_seqlens, req.selection_entropy, req.memory_budget,
                         cp_group=req.cp_group, shard=shard, **req.tensors)
     call.ref = checked_ref(head, config, *req.ref_args)
+    call.truncation = checked_truncation(req, call)
     call.given_globals = checked_globals(req.batch_globals, config)
     call.out = (req.out_logprobs, req.out_entropy)
     check_shard_kl(call)
@@ -60,7 +141,7 @@ def run_call(req: Request, shared: dict | None = None) -> tuple:
     plan = make_plan(call, req.memory_budget)
     grads = Grads(need, head, call.batch.adv.dtype, shared)
     store = new_store(head.vocab, plan.dense_rows, head.dtype, head.hidden.device,
-                       head.softcap)
+                       head.softcap, call.truncation is not None)
     runner = ChunkRunner(call, glob, masks, loss_args, need, grads, store)
     for chunk in plan.chunks:
         runner.run(chunk)
@@ -88,8 +169,8 @@ def streamed_whole(call: Call, loss_args) -> tuple:
         weight = bias = None  # no exact KL with a sharded head (`check_sharded`)
     else:
         weight, bias = head.weight.to(dtype), None if head.bias is None else head.bias.to(dtype)
-        lp, ent = rows_logprobs(hidden, weight, call.targets, bias=bias, shard=call.shard,
-                                head_dtype=head.head_dtype, **head.transform())
+        lp, ent = head_rows(call, hidden, weight, bias, head_dtype=head.head_dtype)
+        check_kept(call, lp, call.rows)
     kl = None if call.ref is None else call.ref.kl(call.rows, hidden, weight, bias)
     call.hand_back(lp, ent)
     batch = call.with_logprobs(lp, ent, kl)
@@ -116,9 +197,32 @@ def globals_inputs(call: Call) -> tuple:
         return entropy, None
     h, w, b = call.detached
     with torch.no_grad():
-        lp, ent = rows_logprobs(h.index_select(0, call.rows), w, call.targets, bias=b,
-                                shard=call.shard, **call.head.transform())
+        lp, ent = head_rows(call, h.index_select(0, call.rows), w, b)
+    check_kept(call, lp, call.rows)
     return (call.grid(ent) if want_entropy else entropy), (call.grid(lp) if want_old else None)
+
+
+def head_rows(call: Call, hidden, weight, bias, a: int | None = None, b: int | None = None,
+              head_dtype=None) -> tuple:
+    """``(logprobs, entropy)`` of the loss rows ``a:b`` (all when None) from their ``hidden``
+    rows, streamed (`rows_logprobs`; `linear_logprobs` under the call's truncation)."""
+    targets, transform = call.targets[a:b], call.head.transform()
+    if call.truncation is None:
+        return rows_logprobs(hidden, weight, targets, bias=bias, shard=call.shard,
+                             head_dtype=head_dtype, **transform)
+    out = linear_logprobs(hidden, weight, targets, bias=bias, return_entropy=True,
+                          head_dtype=head_dtype, **transform, **call.truncation.kwargs(a, b))
+    return out.logprobs, out.entropy
+
+
+def check_kept(call: Call, lp: torch.Tensor, rows: torch.Tensor) -> None:
+    """Under a truncation, raise `OutsideKept` with the loss rows ``rows`` whose logprob
+    ``lp`` is -inf (a target outside the kept set)."""
+    if call.truncation is None:
+        return
+    outside = torch.isneginf(lp.detach())
+    if bool(outside.any()):
+        raise OutsideKept(rows[outside])
 
 
 def selects_by_entropy(cfg: PolicyLossConfig) -> bool:
@@ -184,8 +288,11 @@ class ChunkRunner:
     def _dense(self, chunk, h, t):
         """One chunk at the 3-GEMM floor; returns its hidden-gradient rows (or None)."""
         reduce = None if self.shard is None else self.shard.partials
+        select = {} if self.call.truncation is None else dict(
+            select=self.call.truncation.select(chunk.a, chunk.b))
         lp, ent, _ = self.store.forward(h, self.w, self.b, t, reduce=reduce,  # GEMM 1
-                                        **self.transform)
+                                        **self.transform, **select)
+        check_kept(self.call, lp, self.call.rows[chunk.a:chunk.b])
         ref = self.call.ref
         kl = saved = None
         if ref is not None:  # the exact KL's own passes over both heads' tiles
@@ -213,8 +320,8 @@ class ChunkRunner:
         leaves = [None if x is None else x.detach().requires_grad_(flag)
                   for x, flag in zip((h, self.w, self.b), self.need)]
         with torch.enable_grad() if self.need.any else torch.no_grad():
-            lp, ent = rows_logprobs(leaves[0], leaves[1], t, bias=leaves[2], shard=self.shard,
-                                    **self.transform)
+            lp, ent = head_rows(self.call, leaves[0], leaves[1], leaves[2], chunk.a, chunk.b)
+            check_kept(self.call, lp, self.call.rows[chunk.a:chunk.b])
             kl = self._kl(chunk, leaves)
             self._record(chunk, lp, ent, kl)
             if not self.need.any:

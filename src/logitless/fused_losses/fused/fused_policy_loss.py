@@ -40,8 +40,17 @@ from logitless.fused_losses.fused.chunks import run_call
 from logitless.fused_losses.fused.fsdp2 import run_sharded, runs_in_chunks
 from logitless.fused_losses.fused.op import as_op, metric_names, op_call
 from logitless.fused_losses.fused.plan import CPU_MEMORY_BUDGET, ChunkStore, plan_chunks
-from logitless.fused_losses.fused.validation import Request, check_out_buffers
-from logitless.fused_losses.head.logprobs import check_byte_budget, check_ignore_index
+from logitless.fused_losses.fused.validation import (
+    Request,
+    check_out_buffers,
+    check_truncation_static,
+)
+from logitless.fused_losses.head.logprobs import (
+    check_byte_budget,
+    check_ignore_index,
+    check_kept_args,
+)
+from logitless.fused_losses.head.sampled import check_sampler, sampler_settings
 from logitless.fused_losses.head.shards import VocabShard, check_vocab_parallel
 from logitless.fused_losses.objectives.config import PolicyLossConfig
 from logitless.fused_losses.objectives.policy_loss import (
@@ -126,6 +135,11 @@ def fused_policy_loss(
     head_dtype: str | None = None,
     vocab_parallel=None,
     hidden_grad: str = "sum",
+    top_k=None,
+    top_p=None,
+    min_p=None,
+    sampler: str = "vllm",
+    kept_ids=None,
 ):
     """The policy loss from hidden states and the LM head, without the full logits.
 
@@ -225,6 +239,19 @@ def fused_policy_loss(
         hidden_grad: with ``vocab_parallel``, ``"sum"`` (the hidden gradient summed over the
             group) or ``"partial"`` (this rank's slice's share, for callers whose own
             communication sums it, e.g. Megatron's sequence-parallel reduce-scatter).
+        top_k, top_p, min_p, sampler, kept_ids: the sampler's truncation or the kept sets an
+            engine recorded, exactly as :func:`linear_logprobs` takes them (its checks; no-op
+            settings leave the plain path): the loss is that of the truncated, renormalised
+            distribution's logprobs and entropy, ``policy_loss(linear_logprobs(...,
+            top_k=..., return_entropy=True))``, with the trainers' rule for a token whose
+            target lies outside the kept set of the current policy, or whose old logprob is
+            -inf (`drop_outside_kept`): it leaves the loss (``out_logprobs`` reads -inf
+            there when the current policy left it out). ``kept_ids`` sets may be empty at
+            tokens out of the loss. Dense chunks keep their logits and select the kept set
+            from them with the sampler's own passes (three GEMM passes); where Triton is
+            selected (CUDA) the batch streams (four). Not with ``vocab_parallel``,
+            ``cp_group``, a DTensor head or the exact KL (``ValueError``); see
+            ``docs/sampler.md``, "The fused loss".
 
     Returns:
         ``(loss, metrics)`` as :func:`policy_loss`.
@@ -256,6 +283,8 @@ def fused_policy_loss(
     check_head_dtype(head_dtype)
     check_vocab_parallel(vocab_parallel, hidden_grad)
     mask = _drop_ignored(targets, mask, ignore_index)
+    truncation = _truncation_args(weight, targets, temperature, top_k, top_p, min_p, sampler,
+                                  kept_ids, vocab_parallel)
     req = Request(
         hidden=hidden, weight=weight, bias=bias, targets=targets, old_logprobs=old_logprobs,
         advantages=advantages, mask=mask, config=config, ref_logprobs=ref_logprobs,
@@ -269,8 +298,9 @@ def fused_policy_loss(
         cp_group=cp_group, head_dtype=head_dtype, out_logprobs=out_logprobs,
         out_entropy=out_entropy, batch_globals=batch_globals,
         vocab_parallel=None if vocab_parallel is None else VocabShard(vocab_parallel, hidden_grad),
-        **check_topk_inputs(config, topk_logprobs=topk_logprobs,
-                            old_topk_logprobs=old_topk_logprobs))
+        **truncation, **check_topk_inputs(config, topk_logprobs=topk_logprobs,
+                                          old_topk_logprobs=old_topk_logprobs))
+    check_truncation_static(req)
     if cp_group is not None:
         return _context_parallel(req)
     if as_op(hidden):
@@ -296,6 +326,25 @@ def fused_policy_loss(
     if grads is None or not need.any:  # the whole batch streamed: the loss has its graph
         return loss, metrics
     return _StoredGradients.apply(loss, hidden, weight, bias, grads), metrics
+
+
+def _truncation_args(weight, targets, temperature, top_k, top_p, min_p, sampler, kept_ids,
+                     vocab_parallel) -> dict:
+    """The truncation's `Request` fields, checked statically as `linear_logprobs` checks
+    them (`check_kept_args`, `sampler_settings`: no-op settings dropped)."""
+    check_sampler(sampler)
+    if kept_ids is not None:
+        check_kept_args(top_k, top_p, min_p, vocab_parallel)
+        return dict(kept_ids=kept_ids, sampler=sampler)
+    vocab = weight.shape[0] if isinstance(weight, torch.Tensor) else None
+    settings = sampler_settings(targets, vocab, temperature, top_k, top_p, min_p, sampler)
+    if settings is None:
+        return dict(sampler=sampler)
+    if vocab_parallel is not None:
+        raise ValueError("top_k/top_p/min_p: not supported with vocab_parallel in "
+                         "fused_policy_loss (linear_logprobs takes them)")
+    return dict(top_k=settings.top_k, top_p=settings.top_p, min_p=settings.min_p,
+                sampler=sampler)
 
 
 def _drop_ignored(targets, mask, ignore_index):

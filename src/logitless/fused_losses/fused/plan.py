@@ -12,7 +12,7 @@ import torch
 
 from logitless.fused_losses.backend import triton_selected
 from logitless.fused_losses.fused import gpu_chunks
-from logitless.kernels import stored_logits_torch
+from logitless.kernels import sampler_torch, stored_logits_torch
 
 if TYPE_CHECKING:
     from logitless.fused_losses.fused.validation import Call
@@ -128,7 +128,7 @@ def make_plan(call: Call, memory_budget) -> Plan:
     # a vocab-parallel call plans by the largest slice: every rank the same chunks (and
     # collectives)
     vocab = head.vocab if call.shard is None else call.shard.largest
-    row_bytes = store_type(device, head.dtype).bytes_per_row(
+    row_bytes = store_type(device, head.dtype, call.truncation is not None).bytes_per_row(
         vocab, head.dtype, head.softcap, hidden_size=head.weight.shape[1])
     starts = list(itertools.accumulate(per_seq, initial=0))
     cap = rows_cap(device, budget, row_bytes, head.weight.shape[1])
@@ -166,10 +166,15 @@ class ChunkStore(Protocol):
         when ``want_hidden``."""
 
 
-def store_type(device: torch.device, dtype: torch.dtype) -> type[ChunkStore]:
+def store_type(device: torch.device, dtype: torch.dtype,
+               truncated: bool = False) -> type[ChunkStore]:
     """The chunk store for tensors of ``device`` and compute ``dtype``: the Triton one where
     `triton_selected` picks Triton (CUDA; ``LOGITLESS_BACKEND=triton`` under the
-    interpreter), else the torch one (CPU, fp64)."""
+    interpreter), else the torch one (CPU, fp64). ``truncated`` (a sampler truncation or
+    recorded kept sets, which the Triton store lacks: such calls stream there):
+    `sampler_torch.StoredSampled`."""
+    if truncated:
+        return sampler_torch.StoredSampled
     if triton_selected(device, dtype):
         from logitless.kernels import stored_logits  # imports triton
 
@@ -177,8 +182,9 @@ def store_type(device: torch.device, dtype: torch.dtype) -> type[ChunkStore]:
     return stored_logits_torch.StoredLogits
 
 
-def new_store(vocab, max_rows, dtype, device, softcap) -> ChunkStore | None:
+def new_store(vocab, max_rows, dtype, device, softcap,
+              truncated: bool = False) -> ChunkStore | None:
     """A store for chunks of up to ``max_rows`` rows (None when no chunk is dense)."""
     if not max_rows:
         return None
-    return store_type(device, dtype)(vocab, max_rows, dtype, device, softcap)
+    return store_type(device, dtype, truncated)(vocab, max_rows, dtype, device, softcap)

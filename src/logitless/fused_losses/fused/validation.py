@@ -17,7 +17,9 @@ from logitless.fused_losses.head.divergence import (
     reference_head,
 )
 from logitless.fused_losses.head.dtensor import is_dtensor
+from logitless.fused_losses.head.kept import check_kept_ids
 from logitless.fused_losses.head.logprobs import check_byte_budget, check_head_args
+from logitless.fused_losses.head.sampled import SamplerSettings, check_values, per_token
 from logitless.fused_losses.head.shards import VocabShard
 from logitless.fused_losses.objectives.aggregation import BatchGlobals
 from logitless.fused_losses.objectives.catalog import needs_whole_batch
@@ -27,6 +29,7 @@ from logitless.fused_losses.objectives.policy_loss import check_exact_kl
 from logitless.fused_losses.oplib import compute_dtype
 from logitless.kernels import divergence_torch
 from logitless.kernels import linear_softmax_torch as tiles
+from logitless.kernels.sampler_torch import RowParams
 
 if TYPE_CHECKING:
     from logitless.fused_losses.fused.grads import Grads
@@ -108,6 +111,13 @@ class Request:
     metric_names: tuple[str, ...] = ()  # the op's metrics, in order (`op.metric_names`)
     config: PolicyLossConfig
     head_dtype: str | None = None  # the head's GEMM precision (`linear_logprobs`'s)
+    # the sampler's truncation (`sampled.sampler_settings`: None where a no-op) or the
+    # recorded kept sets, as `linear_logprobs` takes them (`Truncation`)
+    top_k: torch.Tensor | int | None = None
+    top_p: torch.Tensor | float | None = None
+    min_p: torch.Tensor | float | None = None
+    sampler: str = "vllm"
+    kept_ids: torch.Tensor | None = None
     topk_logprobs: torch.Tensor | None = dataclasses.field(default=None,
                                                           metadata=_NOT_AN_OP_ARGUMENT)
     old_topk_logprobs: torch.Tensor | None = dataclasses.field(default=None,
@@ -152,6 +162,78 @@ class Request:
     def ref_args(self) -> tuple:
         return self.ref_hidden, self.ref_weight, self.ref_bias
 
+    @property
+    def truncates(self) -> bool:
+        """A sampler truncation or recorded kept sets: the kept distribution's logprobs."""
+        return self.kept_ids is not None or any(
+            x is not None for x in (self.top_k, self.top_p, self.min_p))
+
+    def head_kwargs(self) -> dict:
+        """The truncation as `linear_logprobs`'s keywords (empty without one)."""
+        if self.kept_ids is not None:
+            return dict(kept_ids=self.kept_ids)
+        on = {k: getattr(self, k) for k in ("top_k", "top_p", "min_p")
+              if getattr(self, k) is not None}
+        return {**on, "sampler": self.sampler} if on else {}
+
+
+@dataclasses.dataclass(frozen=True)
+class Truncation:
+    """A call's truncation on its loss rows: the sampler's settings per row (`RowParams`)
+    or the recorded kept sets ``[rows, K]``."""
+
+    params: RowParams | None
+    kept_ids: torch.Tensor | None
+
+    def select(self, a: int, b: int):
+        """What the store selects rows ``a:b`` by (`StoredSampled.forward`'s ``select``)."""
+        if self.kept_ids is not None:
+            return self.kept_ids[a:b]
+        return self.params.rows(slice(a, b), b - a)
+
+    def kwargs(self, a: int | None = None, b: int | None = None) -> dict:
+        """`linear_logprobs`'s keywords for loss rows ``a:b``."""
+        if self.kept_ids is not None:
+            return dict(kept_ids=self.kept_ids[a:b])
+        p = self.params
+        on = {k: getattr(p, k)[a:b] for k in ("top_k", "top_p", "min_p")
+              if getattr(p, k) is not None}
+        return dict(on, sampler=p.engine)
+
+
+def checked_truncation(req: Request, call: Call) -> Truncation | None:
+    """The truncation's values checked as `linear_logprobs` checks them (`check_values`,
+    `check_kept_ids`: tokens out of the loss may keep nothing), on the call's loss rows;
+    None without one."""
+    if not req.truncates:
+        return None
+    rows = call.rows
+    if req.kept_ids is not None:
+        live = torch.where(req.mask != 0, req.targets, -1)
+        check_kept_ids(req.kept_ids, live, call.head.vocab, -1)
+        return Truncation(None, req.kept_ids.reshape(-1, req.kept_ids.shape[-1])[rows])
+    settings = SamplerSettings(None, req.top_k, req.top_p, req.min_p, req.sampler)
+    per = per_token(settings, req.targets, float(req.temperature), call.head.dtype)
+    check_values(*per, call.head.dtype)
+    return Truncation(RowParams(*(None if x is None else x.reshape(-1)[rows] for x in per),
+                                engine=req.sampler), None)
+
+
+def check_truncation_static(req: Request) -> None:
+    """What `fused_policy_loss` takes a truncation with: one process holding a plain (not
+    DTensor) head, no ``cp_group``, no exact KL (``ValueError`` naming the argument)."""
+    if not req.truncates:
+        return
+    name = "kept_ids" if req.kept_ids is not None else "top_k/top_p/min_p"
+    if is_dtensor(req.weight):
+        raise ValueError(f"{name}: not supported with a DTensor (FSDP2) head in "
+                         "fused_policy_loss")
+    if req.cp_group is not None:
+        raise ValueError(f"{name}: not supported with cp_group in fused_policy_loss")
+    if any(x is not None for x in req.ref_args):
+        raise ValueError(f"{name}: not supported with the exact KL (ref_hidden/ref_weight) "
+                         "in fused_policy_loss")
+
 
 @dataclasses.dataclass
 class Call:
@@ -171,6 +253,7 @@ class Call:
     strategy: str
     selection_entropy: bool
     ref: RefHead | None = None  # the reference head of the exact KL
+    truncation: Truncation | None = None  # the sampler's truncation or recorded kept sets
     given_globals: BatchGlobals | None = None  # the caller's `BatchGlobals` (`batch_globals`)
     # the caller's buffers for the per-token logprobs and entropies (`hand_back`)
     out: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)

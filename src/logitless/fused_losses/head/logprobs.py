@@ -48,7 +48,7 @@ from logitless.kernels import linear_softmax_torch
 from logitless.kernels.linear_softmax_torch import acc_dtype
 from logitless.kernels.softmax_partials import empty, finish, normaliser
 
-__all__ = ["STATS", "LogprobOutput", "check_ignore_index", "linear_logprobs"]
+__all__ = ["STATS", "LogprobOutput", "check_ignore_index", "check_kept_args", "linear_logprobs"]
 
 STATS = ("sum_p_sq", "mean_logit", "is_top1", "lse", "log_kept_mass")
 
@@ -234,11 +234,7 @@ def _kept_set(hidden, weight, targets, kept_ids, bias, temperature, top_k, top_p
               softcap, logit_scale, ignore_index, return_entropy, stats, vocab_parallel,
               max_tile_bytes, gather_weight, head_dtype) -> LogprobOutput:
     """``linear_logprobs(kept_ids=...)``: the checks of the combination, then `kept`."""
-    given = [n for n, v in (("top_k", top_k), ("top_p", top_p), ("min_p", min_p)) if v is not None]
-    if given:
-        raise ValueError(f"kept_ids is the kept set itself: pass it without {given}")
-    if vocab_parallel is not None:
-        raise ValueError("kept_ids is unsupported with vocab_parallel")
+    check_kept_args(top_k, top_p, min_p, vocab_parallel)
     other = [s for s in stats if s != "log_kept_mass"]
     if other:
         raise ValueError(f"stats {other} are unsupported with kept_ids (only 'log_kept_mass')")
@@ -265,6 +261,16 @@ def _kept_set(hidden, weight, targets, kept_ids, bias, temperature, top_k, top_p
             max_tile_bytes=max_tile_bytes,
             gather_weight=precision_gather(gather_weight, head_dtype))
     return LogprobOutput(logprobs=lp, entropy=ent, log_kept_mass=mass)
+
+
+def check_kept_args(top_k, top_p, min_p, vocab_parallel) -> None:
+    """``kept_ids`` is the kept set itself: not with ``top_k`` / ``top_p`` / ``min_p``, nor
+    with ``vocab_parallel`` (``ValueError``)."""
+    given = [n for n, v in (("top_k", top_k), ("top_p", top_p), ("min_p", min_p)) if v is not None]
+    if given:
+        raise ValueError(f"kept_ids is the kept set itself: pass it without {given}")
+    if vocab_parallel is not None:
+        raise ValueError("kept_ids is unsupported with vocab_parallel")
 
 
 def _at_ids(hidden, weight, targets, ids, bias, temperature, top_k, top_p, min_p, kept_ids,

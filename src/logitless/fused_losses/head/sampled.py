@@ -35,7 +35,7 @@ from logitless.kernels import sampler_torch
 from logitless.kernels.linear_softmax_torch import acc_dtype
 from logitless.kernels.sampler_torch import ENGINES, LOCAL, Reduction, RowParams
 
-__all__ = ["SamplerSettings", "per_token", "sampler_settings"]
+__all__ = ["SamplerSettings", "drop_outside_kept", "per_token", "sampler_settings"]
 
 
 @dataclass(frozen=True)
@@ -123,6 +123,21 @@ def sampler_settings(targets, vocab: int | None, temperature, top_k, top_p, min_
     if top_k is None and top_p is None and min_p is None and not tensor_t:
         return None
     return SamplerSettings(temperature if tensor_t else None, top_k, top_p, min_p, sampler)
+
+
+def drop_outside_kept(logps, old, mask):
+    """A response token the recomputed policy (or old policy) keeps out of the sampler's
+    truncated set has logprob -inf under sampler matching: its ratio is undefined. Such
+    tokens leave the loss mask, and every -inf reads 0 in both logprobs (no gradient reaches
+    them). Returns the new ``(logprobs, old, mask)`` and the fraction of the masked tokens
+    dropped."""
+    infinite = torch.isneginf(logps.detach()) | torch.isneginf(old)
+    outside = infinite & mask.bool()
+    zero = torch.zeros((), dtype=logps.dtype, device=logps.device)
+    logps = torch.where(infinite, zero, logps)
+    old = torch.where(infinite, zero.to(old.dtype), old)
+    fraction = outside.sum() / mask.sum().clamp(min=1)
+    return logps, old, mask * ~outside, fraction
 
 
 def _backend_for(device: torch.device, dtype: torch.dtype, sharded: bool = False) -> ModuleType:
