@@ -379,6 +379,16 @@ def _verl_case(world, rows, hook):
 LOSS_TOL = 1e-6
 ENGINE_CASES = (("logitless_grpo", "token-mean", "vanilla"),
                 ("logitless_cispo", "seq-mean-token-mean", "cispo"))
+# policy_loss.fused on the engine: (loss mode, loss_agg_mode, actor options, calculate_entropy);
+# the last with verl's entropy and KL terms, which join the fused call (an entropy coefficient
+# that keeps the loss off a cancellation of its terms, where a relative bound on it would
+# measure the cancellation: at 0.02 the bf16 model's composed loss and verl's vanilla differ
+# by 2e-6 of it)
+VERL_TERMS = dict(entropy_coeff=0.002, use_kl_loss=True, kl_loss_type="low_var_kl",
+                  kl_loss_coef=0.05)
+FUSED_ENGINE_CASES = (("logitless_grpo", "token-mean", {}, False),
+                      ("logitless_cispo", "seq-mean-token-mean", {}, False),
+                      ("logitless_grpo", "seq-mean-token-mean", VERL_TERMS, True))
 
 
 def _verl_engine_case(world, rows, model_path):
@@ -388,7 +398,8 @@ def _verl_engine_case(world, rows, model_path):
     parameter's gradient. Twice: BSHD with verl's logits, and THD (verl's default) with verl's
     fused forward, whose head is logitless's drop-in; there also `policy_loss.fused` through
     logitless's hook on this engine (`fused_policy_loss(vocab_parallel=)` over the
-    tensor-parallel head) against the composed loss (BSHD: refused, no fused head). The old
+    tensor-parallel head) against the composed loss, also with verl's entropy and KL terms
+    (BSHD: refused, no fused head). The old
     logprobs are the engine's own (its forward-only pass, fp32), a little off, so that some
     ratios clip; both layouts give the same ones."""
     from verl.models.mcore import model_forward_fused
@@ -407,9 +418,10 @@ def _verl_engine_case(world, rows, model_path):
     current = []
     for fused_kernels in (False, True):
 
-        def data(fused_kernels=fused_kernels):
+        def data(fused_kernels=fused_kernels, entropy=False):
             batch = _batch()
-            tu.assign_non_tensor(batch, calculate_entropy=False, use_fused_kernels=fused_kernels)
+            tu.assign_non_tensor(batch, calculate_entropy=entropy,
+                                 use_fused_kernels=fused_kernels)
             return batch
 
         with verl_megatron_engine(model_path, world, remove_padding=fused_kernels,
@@ -420,15 +432,18 @@ def _verl_engine_case(world, rows, model_path):
             old = current[0] + 0.2 * torch.randn(current[0].shape,
                                                  generator=torch.Generator().manual_seed(8))
 
-            def step(mode, agg, old=old, **options):
+            def step(mode, agg, old=old, actor_options=None, entropy=False, **options):
                 actor = verl_config.McoreActorConfig(
                     strategy="megatron", rollout_n=1, ppo_micro_batch_size_per_gpu=1,
                     clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0,
-                    loss_agg_mode=agg,
+                    loss_agg_mode=agg, **(actor_options or {}),
                     policy_loss=(LogitlessPolicyLossConfig(loss_mode=mode, **options)
                                  if options else verl_config.PolicyLossConfig(loss_mode=mode)))
-                batch = data()
+                batch = data(entropy=entropy)
                 batch["old_log_probs"] = old
+                # the reference's logprobs, further off than the old ones
+                batch["ref_log_prob"] = old + 0.3 * torch.randn(
+                    old.shape, generator=torch.Generator().manual_seed(9))
                 with engine.train_mode():
                     out = engine.forward_backward_batch(batch, functools.partial(ppo_loss,
                                                                                  config=actor))
@@ -456,17 +471,25 @@ def _verl_engine_case(world, rows, model_path):
                 with pytest.raises(ValueError, match=r"^policy_loss\.fused: needs .*fused_kern"):
                     step("logitless_grpo", "token-mean", fused=True)
                 continue
-            for ours, agg, _ in ENGINE_CASES:
+            for ours, agg, actor_options, entropy in FUSED_ENGINE_CASES:
                 spy = mock.patch.object(verl_adapter, "fused_policy_loss",
                                         wraps=verl_adapter.fused_policy_loss)
                 with warnings.catch_warnings(record=True) as caught, spy as called:
                     warnings.simplefilter("always")
-                    fused_loss, fused, _ = step(ours, agg, fused=True)
+                    fused_loss, fused, _ = step(ours, agg, actor_options=actor_options,
+                                                entropy=entropy, fused=True)
                 fell_back = [w for w in caught if "policy_loss.fused" in str(w.message)]
                 assert not fell_back and called.call_count == 1, fell_back  # it ran fused
-                assert called.call_args.kwargs["vocab_parallel"] is not None
-                composed_loss, composed, _ = step(ours, agg, fused=False)
-                name = f"verl Megatron engine (THD) {ours} fused vs composed, bf16, TP {world}"
+                kwargs = called.call_args.kwargs
+                assert kwargs["vocab_parallel"] is not None
+                # verl's terms in the one call: the reference logprobs and the entropies
+                assert (kwargs.get("ref_logprobs") is not None) == bool(actor_options)
+                assert ("out_entropy" in kwargs) == entropy
+                composed_loss, composed, _ = step(ours, agg, actor_options=actor_options,
+                                                  entropy=entropy, fused=False)
+                terms = " with verl's entropy and KL terms" if actor_options else ""
+                name = (f"verl Megatron engine (THD) {ours}{terms} fused vs composed, bf16, "
+                        f"TP {world}")
                 whole = _norm_rel(fused, composed, list(composed))
                 rows.append((name, "loss", abs(fused_loss - composed_loss) / abs(composed_loss),
                              None, None))

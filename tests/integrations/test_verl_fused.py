@@ -71,11 +71,16 @@ def cpu_engine(monkeypatch, tmp_path):
             dist.destroy_process_group()
 
 
-def _data(entropy=False, weights=False, rollout=False, fused_kernels=True):
+def _data(entropy=False, weights=False, rollout=False, fused_kernels=True, ref=False):
     data = _batch()
     tu.assign_non_tensor(data, calculate_entropy=entropy, use_fused_kernels=fused_kernels)
     g = torch.Generator().manual_seed(17)
     old = data["old_log_probs"]
+    if ref:  # the reference's logprobs: some near, some far from the current ones (k3's clamp)
+        far = torch.rand(old.shape, generator=g, dtype=torch.float64) < 0.15
+        data["ref_log_prob"] = old + torch.where(
+            far, torch.full_like(old, -12.0),
+            0.4 * torch.randn(old.shape, generator=g, dtype=torch.float64))
     if weights:  # verl's rollout IS weights, some truncated to 0 as IcePop does
         w = torch.rand(old.shape, generator=g, dtype=torch.float64) * 1.5 + 0.25
         data["rollout_is_weights"] = torch.where(w > 1.6, torch.zeros_like(w), w)
@@ -85,20 +90,21 @@ def _data(entropy=False, weights=False, rollout=False, fused_kernels=True):
     return data
 
 
-def _step(policy_loss, agg="seq-mean-token-mean", entropy_coeff=0.0, data=None):
+def _step(policy_loss, agg="seq-mean-token-mean", entropy_coeff=0.0, data=None, **actor_kw):
     """One verl training step; the loss, verl's metrics, the gradients, the matmul FLOPs."""
     actor = verl_config.ActorConfig(
         strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1, clip_ratio_low=0.2,
         clip_ratio_high=0.28, clip_ratio_c=3.0, entropy_coeff=entropy_coeff, loss_agg_mode=agg,
-        policy_loss=policy_loss)
+        policy_loss=policy_loss, **actor_kw)
     model = _CausalLM(_params())
     engine = _engine(model, None, 1)
     with FlopCounterMode(display=False) as flops:
         out = engine.forward_backward_batch(_data() if data is None else data,
                                             functools.partial(ppo_loss, config=actor))
     (loss,) = out["loss"]
-    metrics = {k: float(v.aggregate()) for k, v in out["metrics"].items()
-               if k.startswith("actor/")}
+    # verl's Metric objects, and the plain numbers it logs per micro-batch (kl_coef)
+    metrics = {k: float(v.aggregate()) if hasattr(v, "aggregate") else float(sum(v) / len(v))
+               for k, v in out["metrics"].items()}
     grads = {name: p.grad for name, p in model.named_parameters()}
     return dict(loss=loss, metrics=metrics, grads=grads, flops=flops.get_total_flops())
 
@@ -147,16 +153,91 @@ def test_fused_step_equals_composed_and_verls_loss(cpu_engine, case):
     assert fused["metrics"]["actor/pg_clipfrac"] > 0, case  # clipping is active
 
 
+# verl's entropy and KL terms folded into the fused call:
+# (loss mode, options, loss_agg_mode, calculate_entropy, entropy_coeff, kl_loss_type or None)
+TERMS = {
+    "entropy bonus": ("logitless_grpo", {}, "seq-mean-token-mean", True, 0.03, None),
+    "entropy logged": ("logitless_grpo", {}, "token-mean", True, 0.0, None),
+    "low_var_kl": ("logitless_grpo", {}, "seq-mean-token-mean", False, 0.0, "low_var_kl"),
+    "k1, token-mean": ("logitless_grpo", {}, "token-mean", False, 0.0, "k1"),
+    "mse, sum-norm": ("logitless_grpo", {}, "seq-mean-token-sum-norm", False, 0.0, "mse"),
+    "abs": ("logitless_grpo", {}, "seq-mean-token-mean", False, 0.0, "abs"),
+    "k3+": ("logitless_grpo", {}, "token-mean", False, 0.0, "k3+"),
+    "k2+": ("logitless_grpo", {}, "seq-mean-token-mean", False, 0.0, "k2+"),
+    "kl+ with entropy": ("logitless_grpo", {}, "seq-mean-token-mean", True, 0.02, "kl+"),
+    "gspo, both": ("logitless_gspo", VERL_GSPO, "seq-mean-token-mean", True, 0.03, "k3"),
+}
+VERLS = {"logitless_grpo": "vanilla", "logitless_gspo": "gspo"}
+
+
+def test_fused_step_folds_verls_entropy_and_kl_terms(cpu_engine):
+    """verl's ``ppo_loss`` adds ``- entropy_coeff * agg_loss(entropy)`` (with
+    ``calculate_entropy``) and ``+ kl_loss_coef * agg_loss(kl_penalty(...))`` (with
+    ``use_kl_loss``, the batch's ``ref_log_prob``): the fused step computes them in its one
+    ``fused_policy_loss`` call, with no fallback, and equals the composed step (loss, every
+    metric verl logs, ``actor/entropy_loss``, ``kl_loss`` and ``kl_coef`` among them, every
+    gradient) and verl's built-in loss, in three GEMM passes."""
+    for case, (mode, options, agg, entropy, coeff, kl) in TERMS.items():
+        actor = dict(entropy_coeff=coeff)
+        if kl is not None:
+            actor.update(use_kl_loss=True, kl_loss_type=kl, kl_loss_coef=0.07)
+        data = functools.partial(_data, entropy=entropy, weights=True, ref=kl is not None)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no fallback
+            fused = _step(LogitlessPolicyLossConfig(loss_mode=mode, fused=True, **options), agg,
+                          data=data(), **actor)
+        composed = _step(LogitlessPolicyLossConfig(loss_mode=mode, **options), agg,
+                         data=data(), **actor)
+        _same(fused, composed, case)
+        theirs = _step(verl_config.PolicyLossConfig(loss_mode=VERLS[mode]), agg, data=data(),
+                       **actor)
+        torch.testing.assert_close(fused["loss"], theirs["loss"], rtol=RTOL, atol=ATOL)
+        for name in ("actor/pg_loss", "actor/entropy_loss", "kl_loss", "kl_coef"):
+            if name in theirs["metrics"]:
+                torch.testing.assert_close(fused["metrics"][name], theirs["metrics"][name],
+                                           rtol=RTOL, atol=ATOL, msg=f"{case}: {name}")
+        for name, grad in fused["grads"].items():
+            torch.testing.assert_close(grad, theirs["grads"][name], rtol=RTOL, atol=ATOL,
+                                       msg=f"{case} against verl's {VERLS[mode]}: {name}")
+        assert ("actor/entropy_loss" in fused["metrics"]) == entropy, case
+        assert not entropy or fused["metrics"]["actor/entropy_loss"] > 0, case
+        assert ("kl_loss" in fused["metrics"]) == (kl is not None), case
+        if kl is not None:  # the term is there, and not the same as without it
+            assert fused["metrics"]["kl_loss"] > 0, case
+            without = _step(LogitlessPolicyLossConfig(loss_mode=mode, fused=True, **options),
+                            agg, data=data(), entropy_coeff=coeff)
+            assert abs(without["loss"] - fused["loss"]) > 1e-6, case
+        assert fused["flops"] == 3 * 2 * RESPONSE_ROWS * D * V, case
+
+
 def test_fused_falls_back_with_one_warning_where_it_cannot_run(cpu_engine):
-    """verl's entropy term reads per-token entropies: the composed path runs, said once."""
-    cfg = lambda fused: LogitlessPolicyLossConfig(loss_mode="logitless_grpo", fused=fused)
-    with pytest.warns(UserWarning, match="entropy_coeff") as caught:
-        fused = _step(cfg(True), entropy_coeff=0.03, data=_data(entropy=True))
-        _step(cfg(True), entropy_coeff=0.03, data=_data(entropy=True))
+    """verl's KL term aggregated otherwise than the policy term (``policy_loss.loss_agg``): the
+    composed path runs, said once; a head whose entropy has no gradient with an entropy
+    bonus: the same."""
+    cfg = lambda fused, **kw: LogitlessPolicyLossConfig(loss_mode="logitless_grpo",
+                                                        fused=fused, **kw)
+    kl = dict(use_kl_loss=True, kl_loss_type="k3", kl_loss_coef=0.07)
+    with pytest.warns(UserWarning, match="policy_loss.loss_agg") as caught:
+        fused = _step(cfg(True, loss_agg="token-mean"), data=_data(ref=True), **kl)
+        _step(cfg(True, loss_agg="token-mean"), data=_data(ref=True), **kl)
     assert sum("policy_loss.fused" in str(w.message) for w in caught) == 1
-    composed = _step(cfg(False), entropy_coeff=0.03, data=_data(entropy=True))
-    _same(fused, composed, "entropy bonus")
+    composed = _step(cfg(False, loss_agg="token-mean"), data=_data(ref=True), **kl)
+    _same(fused, composed, "loss_agg with KL")
     assert fused["flops"] == composed["flops"]
+    # under Ulysses the loss runs with cp_group (test_verl_ulysses_adapter): what cp_group
+    # refuses keeps the composed path, its reason named
+    actor = lambda mode: verl_config.ActorConfig(
+        strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1,
+        policy_loss=LogitlessPolicyLossConfig(loss_mode=mode, fused=True))
+    reason = verl_adapter._ulysses_reason(actor("logitless_clip_cov"), dist.group.WORLD)
+    assert reason.startswith("ulysses_sequence_parallel_size > 1") and "clip_cov" in reason
+    assert verl_adapter._ulysses_reason(actor("logitless_grpo"), dist.group.WORLD) is None
+    disable_fused_head()
+    enable_fused_head(entropy_grad=False)
+    with pytest.warns(UserWarning, match="entropy_grad=False"):
+        fused = _step(cfg(True), entropy_coeff=0.03, data=_data(entropy=True))
+    composed = _step(cfg(False), entropy_coeff=0.03, data=_data(entropy=True))
+    _same(fused, composed, "entropy without gradient")
 
 
 def test_fused_with_match_sampler_runs_the_sampler_matched_composed_path(cpu_engine):

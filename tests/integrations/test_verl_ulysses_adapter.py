@@ -18,6 +18,7 @@ logitless losses are also compared with verl's built-in losses they reproduce, o
 """
 
 import functools
+import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -29,6 +30,7 @@ import verl.workers.config as verl_config
 import verl.workers.engine.fsdp.transformer_impl as fsdp_impl
 from tensordict import TensorDict
 from torch.distributed.device_mesh import init_device_mesh
+from torch.utils.flop_counter import FlopCounterMode
 from transformers.modeling_outputs import BaseModelOutputWithPast
 from verl.models.transformers.dense_common import forward_with_triton_backend
 from verl.utils import tensordict_utils as tu
@@ -53,7 +55,8 @@ SEQS = [(3, 4), (2, 3), (1, 9), (2, 1)]
 WIDTH_P, WIDTH_R = 3, 9
 RTOL, ATOL = 1e-11, 1e-13
 VERL_GSPO = dict(ratio_level="sequence_token", seq_log_ratio_max=10.0, log_ratio_clamp=None)
-# name -> (policy_loss config, loss_agg_mode)
+KL = dict(use_kl_loss=True, kl_loss_type="low_var_kl", kl_loss_coef=0.07)
+# name -> (policy_loss config, loss_agg_mode[, actor options])
 RUNS = {
     "logitless_gspo": (lambda: LogitlessPolicyLossConfig(loss_mode="logitless_gspo"),
                        "seq-mean-token-mean"),
@@ -65,15 +68,23 @@ RUNS = {
     "gspo": (lambda: verl_config.PolicyLossConfig(loss_mode="gspo"), "seq-mean-token-mean"),
     "logitless_grpo": (lambda: LogitlessPolicyLossConfig(loss_mode="logitless_grpo"),
                        "seq-mean-token-mean"),
-    # policy_loss.fused keeps working under Ulysses: the composed path, with a warning
+    # policy_loss.fused under Ulysses: fused_policy_loss with cp_group, each rank its rows
     "logitless_grpo/fused": (lambda: LogitlessPolicyLossConfig(loss_mode="logitless_grpo",
                                                                fused=True),
                              "seq-mean-token-mean"),
+    "logitless_gspo/verl/fused": (lambda: LogitlessPolicyLossConfig(
+        loss_mode="logitless_gspo", fused=True, **VERL_GSPO), "seq-mean-token-mean"),
+    "logitless_grpo/kl/fused": (lambda: LogitlessPolicyLossConfig(loss_mode="logitless_grpo",
+                                                                  fused=True),
+                                "seq-mean-token-sum-norm", KL),
     "vanilla": (lambda: verl_config.PolicyLossConfig(loss_mode="vanilla"),
                 "seq-mean-token-mean"),
+    "vanilla/kl": (lambda: verl_config.PolicyLossConfig(loss_mode="vanilla"),
+                   "seq-mean-token-sum-norm", KL),
 }
 SAME_AS_VERL = {"logitless_gspo/verl": "gspo", "logitless_grpo": "vanilla",
-                "logitless_grpo/fused": "vanilla"}
+                "logitless_grpo/fused": "vanilla", "logitless_gspo/verl/fused": "gspo",
+                "logitless_grpo/kl/fused": "vanilla/kl"}
 
 
 class _Body(torch.nn.Module):
@@ -173,22 +184,34 @@ def _engine(model, mesh, sp):
 
 
 def _step(run, mesh, sp):
-    """One verl training step (``forward_backward_batch``, which calls backward) of ``run``."""
-    policy_loss, agg = RUNS[run]
+    """One verl training step (``forward_backward_batch``, which calls backward) of ``run``;
+    the matmul FLOPs it ran and the ``policy_loss.fused`` warnings it gave."""
+    policy_loss, agg, *options = RUNS[run]
     actor = verl_config.ActorConfig(
         strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1, clip_ratio_low=0.2,
         clip_ratio_high=0.28, clip_ratio_c=3.0, entropy_coeff=0.03, loss_agg_mode=agg,
-        policy_loss=policy_loss())
+        policy_loss=policy_loss(), **(options[0] if options else {}))
     model = _CausalLM(_params())
     engine = _engine(model, mesh, sp)
     loss_fn = functools.partial(ppo_loss, config=actor)  # as verl's actor worker binds it
-    out = engine.forward_backward_batch(_batch(), loss_fn)
+    data = _batch()
+    g = torch.Generator().manual_seed(23)  # the reference: k3's clamp reached at a few tokens
+    old = data["old_log_probs"]
+    data["ref_log_prob"] = old + torch.where(
+        torch.rand(old.shape, generator=g) < 0.15, torch.full_like(old, -12.0),
+        0.4 * torch.randn(old.shape, generator=g, dtype=torch.float64))
+    with warnings.catch_warnings(record=True) as caught, FlopCounterMode(display=False) as fl:
+        warnings.simplefilter("always")
+        out = engine.forward_backward_batch(data, loss_fn)
     (loss,) = out["loss"]
     grads = {name: p.grad for name, p in model.named_parameters()}
-    metrics = {k: float(v.aggregate()) for k, v in out["metrics"].items() if k.startswith("actor/")}
+    metrics = {k: float(v.aggregate()) if hasattr(v, "aggregate") else float(sum(v) / len(v))
+               for k, v in out["metrics"].items()}
     return dict(loss=loss, metrics=metrics, log_probs=out["model_output"]["log_probs"].values(),
                 entropy=out["model_output"]["entropy"].values(),
-                hidden=model.model.hidden, hidden_grad=model.model.hidden.grad, grads=grads)
+                hidden=model.model.hidden, hidden_grad=model.model.hidden.grad, grads=grads,
+                flops=fl.get_total_flops(),
+                fallbacks=[str(w.message) for w in caught if "policy_loss.fused" in str(w.message)])
 
 
 def _worker(rank, world):
@@ -210,10 +233,16 @@ def _worker(rank, world):
         g, w = got[run], want[run]
         # the forward the step ran: this rank's slice of the padded stream
         assert g["hidden"].shape == (1, n, D) and w["hidden"].shape == (1, total, D), run
-        torch.testing.assert_close(w["log_probs"], oracle, rtol=RTOL, atol=ATOL)
-        # verl's gather: every rank sees the whole sequences' logprobs and entropies
-        torch.testing.assert_close(g["log_probs"], w["log_probs"], rtol=RTOL, atol=ATOL)
-        torch.testing.assert_close(g["entropy"], w["entropy"], rtol=RTOL, atol=ATOL)
+        if run.endswith("/fused"):
+            # fused under Ulysses too (fused_policy_loss with cp_group): no fallback; without
+            # Ulysses the head's work is three GEMM passes over the response rows
+            assert g["fallbacks"] == [] and w["fallbacks"] == [], (run, g["fallbacks"])
+            assert w["flops"] == 3 * 2 * sum(r for _, r in SEQS) * D * V, run
+        else:
+            torch.testing.assert_close(w["log_probs"], oracle, rtol=RTOL, atol=ATOL)
+            # verl's gather: every rank sees the whole sequences' logprobs and entropies
+            torch.testing.assert_close(g["log_probs"], w["log_probs"], rtol=RTOL, atol=ATOL)
+            torch.testing.assert_close(g["entropy"], w["entropy"], rtol=RTOL, atol=ATOL)
         torch.testing.assert_close(g["loss"], w["loss"], rtol=RTOL, atol=ATOL, msg=run)
         assert g["metrics"].keys() == w["metrics"].keys(), run
         for name, value in g["metrics"].items():
@@ -229,9 +258,18 @@ def _worker(rank, world):
             dist.all_reduce(mean)
             torch.testing.assert_close(mean / world, w["grads"][name], rtol=RTOL, atol=ATOL,
                                        msg=f"{run}: {name}")
+    # the fused step against the composed one on the same Ulysses path: every metric
+    f, c = got["logitless_grpo/fused"], got["logitless_grpo"]
+    assert f["metrics"].keys() == c["metrics"].keys()
+    for name, value in f["metrics"].items():
+        torch.testing.assert_close(value, c["metrics"][name], rtol=RTOL, atol=ATOL, msg=name)
     for ours, verls in SAME_AS_VERL.items():  # the adapter against the code it replaces
         o, v = got[ours], got[verls]
         torch.testing.assert_close(o["loss"], v["loss"], rtol=RTOL, atol=ATOL)
+        for name in ("actor/pg_loss", "actor/entropy_loss", "kl_loss", "kl_coef"):
+            if name in v["metrics"]:
+                torch.testing.assert_close(o["metrics"][name], v["metrics"][name], rtol=RTOL,
+                                           atol=ATOL, msg=f"{ours}: {name}")
         torch.testing.assert_close(o["hidden_grad"], v["hidden_grad"], rtol=RTOL, atol=ATOL)
         for name, grad in o["grads"].items():
             torch.testing.assert_close(grad, v["grads"][name], rtol=RTOL, atol=ATOL, msg=name)

@@ -56,7 +56,7 @@ from logitless.fused_losses.head.dtensor import is_dtensor
 from logitless.fused_losses.objectives.catalog import OBJECTIVES, get_objective
 from logitless.fused_losses.objectives.config import PolicyLossConfig
 from logitless.fused_losses.objectives.mismatch import logged_mismatch
-from logitless.fused_losses.objectives.policy_loss import policy_loss
+from logitless.fused_losses.objectives.policy_loss import check_cp_config, policy_loss
 from logitless.integrations import objective_fields
 from logitless.integrations.sampler_config import (
     SamplerTruncation,
@@ -320,9 +320,12 @@ and ``policy_loss.loss_mode=logitless_<objective>``. Its own fields:
   :func:`logitless.fused_policy_loss` (three GEMM passes over the response rows, the
   gradients formed in the forward) instead of from the head's logprobs; needs
   ``use_fused_kernels`` (``triton`` backend) with ``LOGITLESS_VERL_FUSED_HEAD=1`` and verl's
-  FSDP or Megatron engine (its tensor-parallel head with ``vocab_parallel=``). A micro-batch
-  that cannot run fused (entropy or reference KL in verl's loss, Ulysses, ``match_sampler``,
-  an FSDP2 DTensor head) runs the composed path, with one warning naming the reason
+  FSDP or Megatron engine (its tensor-parallel head with ``vocab_parallel=``). verl's
+  entropy and KL terms (``calculate_entropy`` / ``entropy_coeff``,
+  ``use_kl_loss``) join the fused call, and under Ulysses it runs with ``cp_group=`` the
+  Ulysses group. A micro-batch that cannot run fused (``match_sampler``, an FSDP2 DTensor
+  head, verl's terms aggregated otherwise than the policy term, an objective ``cp_group``
+  refuses under Ulysses, ...) runs the composed path, with one warning naming the reason
   (docs/verl.md).
 - ``loss_agg``: overrides the actor's ``loss_agg_mode`` for this loss (any logitless
   aggregation, e.g. ``balanced`` or ``length-power``); None keeps verl's.
@@ -466,8 +469,9 @@ def _verl_policy_loss(objective: str):
                            "ppo_loss (partial(ppo_loss, config=...), as verl's actor worker "
                            "binds it)")
         if step is not None and step.rows is not None:
-            loss, metrics = _fused_loss(step.take_rows(), log_prob, old_log_prob, advantages,
-                                        response_mask, cfg, rollout_is_weights, normalisers)
+            loss, metrics = _fused_loss(step, log_prob, old_log_prob, advantages,
+                                        response_mask, cfg, rollout_is_weights, normalisers,
+                                        config)
         else:
             loss, metrics = policy_loss(log_prob, old_log_prob, advantages, response_mask, cfg,
                                         token_weights=rollout_is_weights, **normalisers)
@@ -497,7 +501,9 @@ def _verl_policy_loss(objective: str):
 # calls the registered policy loss). ``_hook_engine`` wraps ``forward_step`` so that, for a
 # micro-batch that trains with verl's ``ppo_loss``, this module knows the step's actor config
 # and its ``rollout_log_probs``; with ``policy_loss.fused`` the head call then hands its
-# inputs over (``set_head_deferral``) and the policy loss runs ``fused_policy_loss`` on them.
+# inputs over (``set_head_deferral``) and the policy loss runs ``fused_policy_loss`` on them,
+# with ``ppo_loss``'s own entropy and KL terms folded in (``_fused_ppo_loss``), and under
+# Ulysses with ``cp_group=`` the Ulysses group (``_ulysses_loss``).
 # verl's Megatron engine is wrapped the same way around its whole ``forward_backward_batch``;
 # its head is tensor-parallel: the fused loss runs with ``vocab_parallel=`` its group.
 
@@ -523,6 +529,9 @@ class _HeadRows:
     labels: torch.Tensor
     temperature: float
     group: Any = None  # the tensor-parallel group the weight's vocabulary is sharded over
+    # Ulysses: the rows are positions [offset, offset + N) of the packed stream, sp_group's
+    sp_group: Any = None
+    offset: int = 0
 
 
 @dataclasses.dataclass
@@ -533,6 +542,13 @@ class _TrainStep:
     fused: str | None  # None: run fused; else why the composed path runs
     rollout_log_probs: torch.Tensor | None  # [B, response_length], as ppo_loss pads its fields
     rows: _HeadRows | None = None
+    entropy: bool = False  # the batch's calculate_entropy: verl's loss has its entropy term
+    kl: bool = False  # actor.use_kl_loss, fused: verl's KL term joins the fused call
+    sp_group: Any = None  # verl's Ulysses group, with ulysses_sequence_parallel_size > 1
+    # the micro-batch's ref_log_prob [B, response_length] (`_fused_ppo_loss`)
+    ref_log_prob: torch.Tensor | None = None
+    # verl's metrics of the terms the fused loss folded in (`_fused_loss`, `_fused_ppo_loss`)
+    logged: dict | None = None
 
     def take_rows(self) -> _HeadRows:
         rows, self.rows = self.rows, None
@@ -578,16 +594,26 @@ def _train_step(engine, batch, config, fused_kernels: bool, rollout) -> _TrainSt
     """The `_TrainStep` of a batch that trains with verl's ``ppo_loss`` bound to ``config``."""
     from verl.utils import tensordict_utils as tu
 
-    fused = "off"
+    fused, sp_group = "off", None
+    entropy = bool(tu.get_non_tensor_data(data=batch, key="calculate_entropy", default=False))
     if _get(_get(config, "policy_loss"), "fused", False):
         if not fused_kernels:
             raise ValueError(
                 "policy_loss.fused: needs actor_rollout_ref.model.use_fused_kernels=True (with "
                 "fused_kernel_options.impl_backend=triton and LOGITLESS_VERL_FUSED_HEAD=1): the "
                 "fused loss takes its inputs from the fused head")
-        entropy = tu.get_non_tensor_data(data=batch, key="calculate_entropy", default=False)
-        fused = _composed_reason(engine, config, entropy)
-    return _TrainStep(config=config, fused=fused, rollout_log_probs=rollout)
+        fused = _composed_reason(config, entropy)
+        if fused is None and getattr(engine, "use_ulysses_sp", False):
+            from verl.utils.ulysses import get_ulysses_sequence_parallel_group
+
+            sp_group = get_ulysses_sequence_parallel_group()
+            fused = _ulysses_reason(config, sp_group)
+        if fused is None and _get(config, "use_kl_loss", False) \
+                and "ref_log_prob" not in batch:  # verl's own loss raises for it
+            fused = "actor.use_kl_loss: the batch has no ref_log_prob"
+    kl = fused is None and bool(_get(config, "use_kl_loss", False))
+    return _TrainStep(config=config, fused=fused, rollout_log_probs=rollout, entropy=entropy,
+                      kl=kl, sp_group=None if fused is not None else sp_group)
 
 
 def _forward_step(self, micro_batch, loss_function, forward_only):
@@ -606,6 +632,8 @@ def _forward_step(self, micro_batch, loss_function, forward_only):
     fused_kernels = tu.get_non_tensor_data(data=micro_batch, key="use_fused_kernels",
                                            default=False)
     _step = _train_step(self, micro_batch, config, fused_kernels, rollout)
+    if _step.fused is None:
+        loss_function = functools.partial(_fused_ppo_loss, loss_function)
     try:
         return _original_forward_step(self, micro_batch, loss_function=loss_function,
                                       forward_only=forward_only)
@@ -622,28 +650,76 @@ def _megatron_step(self, data, loss_function, forward_only=False):
     if config is None:
         return _original_megatron_step(self, data, loss_function, forward_only=forward_only)
     _step = _train_step(self, data, config, bool(self.engine_config.use_fused_kernels), None)
+    if _step.fused is None:
+        loss_function = functools.partial(_fused_ppo_loss, loss_function)
     try:
         return _original_megatron_step(self, data, loss_function, forward_only=forward_only)
     finally:
         _step = None
 
 
-def _composed_reason(engine, config, calculate_entropy: bool) -> str | None:
-    """Why this micro-batch cannot run the fused loss (None: it can)."""
-    if getattr(engine, "use_ulysses_sp", False):
-        return ("ulysses_sequence_parallel_size > 1: each rank's head holds a slice of the "
-                "sequences")
-    if _get(config, "use_kl_loss", False):
-        return "actor.use_kl_loss: verl's KL term reads the per-token logprobs"
-    if calculate_entropy or _get(config, "entropy_coeff", 0.0) != 0:
-        return ("actor.entropy_coeff / calculate_entropy: verl's entropy term reads the "
-                "per-token entropies")
-    if _get(_get(config, "policy_loss"), "match_sampler") is not None:
+def _composed_reason(config, calculate_entropy: bool) -> str | None:
+    """Why this micro-batch cannot run the fused loss (None: it can; Ulysses: see
+    `_ulysses_reason`)."""
+    kl = _get(config, "use_kl_loss", False)
+    pl = _get(config, "policy_loss")
+    if kl or calculate_entropy:
+        # verl aggregates its entropy and KL terms with agg_loss(loss_agg_mode, the global
+        # batch info): the fused loss's aggregation of them must be that one
+        if not _get(pl, "use_global_batch_info", True):
+            return ("policy_loss.use_global_batch_info=False: verl normalises its entropy and "
+                    "KL terms by the global batch")
+        if _raw(pl, "seq_count", _passthrough_default("seq_count")) != "nonempty":
+            return ("policy_loss.seq_count: verl's entropy and KL terms count non-empty "
+                    "sequences")
+    if kl:
+        if _kl_estimator(_get(config, "kl_loss_type")) is None:
+            return (f"actor.kl_loss_type={_get(config, 'kl_loss_type')!r}: not an estimator "
+                    f"from the sampled token's logprobs")
+        if _get(pl, "loss_agg") not in (None, _get(config, "loss_agg_mode")):
+            return ("policy_loss.loss_agg: verl aggregates its KL term with "
+                    "actor.loss_agg_mode, the fused loss with the policy term's aggregation")
+        if not dataclasses.is_dataclass(config):
+            return "actor.use_kl_loss: the actor config is not verl's ActorConfig dataclass"
+    if _get(pl, "match_sampler") is not None:
         return "policy_loss.match_sampler: the fused loss scores the full distribution"
     return None
 
 
-def _defer_head(hidden, weight, labels, temperature, reduction, dist_process_group):
+def _ulysses_reason(config, sp_group) -> str | None:
+    """Why a Ulysses micro-batch cannot run the fused loss: what ``cp_group=`` refuses
+    (`check_cp_config`: objectives and selections over whole-batch statistics), for the
+    logitless config of the loss mode. ``max_response_length`` is left out of the check: the
+    loss sets it to the grid's width, verl's horizon, where verl's config leaves it open."""
+    objective = _get(_get(config, "policy_loss"), "loss_mode")[len(LOSS_PREFIX):]
+    cfg, _ = to_logitless_config(objective, config)
+    try:
+        check_cp_config(dataclasses.replace(cfg, max_response_length=1), sp_group)
+    except ValueError as err:
+        return f"ulysses_sequence_parallel_size > 1 (the loss runs with cp_group): {err}"
+    return None
+
+
+# verl's kl_loss_type (kl_penalty's names, each with an optional ``+``) -> logitless's estimator
+_KL_TYPES = {"kl": "k1", "k1": "k1", "abs": "abs", "mse": "k2", "k2": "k2",
+             "low_var_kl": "k3", "k3": "k3"}
+
+
+def _kl_estimator(kl_loss_type) -> str | None:
+    """verl's ``kl_loss_type`` as ``PolicyLossConfig.kl_estimator`` (with ``kl_clamp``, verl's
+    guard of k3), or None for one verl computes otherwise (``full``) or refuses. A ``+`` is
+    k2's gradient under the estimate's value, which for k2 itself is k2."""
+    if not isinstance(kl_loss_type, str):
+        return None
+    plus = kl_loss_type.endswith("+")
+    base = _KL_TYPES.get(kl_loss_type[:-1] if plus else kl_loss_type)
+    if base is None:
+        return None
+    return f"{base}+" if plus and base != "k2" else base
+
+
+def _defer_head(hidden, weight, labels, temperature, reduction, dist_process_group,
+                entropy_grad=True):
     """The head hook (`set_head_deferral`): in a fused training step, keep the head's inputs
     for the policy loss and return placeholders: the logprobs are the rows' numbers (1-based,
     0 nowhere), so verl's own layout code (unpad, nested, ``no_padding_2_padding``) tells the
@@ -659,17 +735,25 @@ def _defer_head(hidden, weight, labels, temperature, reduction, dist_process_gro
             reason = "policy_loss.match_sampler: the fused loss scores the full distribution"
         elif reduction.lower() != "none" or step.rows is not None:
             reason = "a head call that is not one per-token call per micro-batch"
+        elif step.entropy and _get(step.config, "entropy_coeff", 0.0) != 0 \
+                and not entropy_grad:
+            reason = ("enable_fused_head(entropy_grad=False): verl's entropy term has no "
+                      "gradient there")
     if reason is not None:
         step.fused = "off"
         _warn_composed(reason)
         return None
     n = labels.numel()
+    # Ulysses: the rank's n rows are positions [rank n, (rank + 1) n) of the padded stream
+    # (ulysses_pad_and_slice_inputs), numbered so, and verl's gather gives every rank them all
+    offset = 0 if step.sp_group is None else \
+        torch.distributed.get_rank(group=step.sp_group) * n
     # verl's Megatron fused forward: whole hidden rows (verl gathers the sequence-parallel
     # ones first), this rank's vocabulary slice of the weight, the tensor-parallel group
     step.rows = _HeadRows(hidden.reshape(n, hidden.shape[-1]), weight, labels.reshape(n),
-                          float(temperature), dist_process_group)
+                          float(temperature), dist_process_group, step.sp_group, offset)
     dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
-    ids = torch.arange(1, n + 1, dtype=dtype, device=hidden.device)
+    ids = torch.arange(offset + 1, offset + n + 1, dtype=dtype, device=hidden.device)
     return ids, torch.zeros_like(ids)
 
 
@@ -681,26 +765,167 @@ def _warn_composed(reason: str) -> None:
                       f"head's logprobs, then the policy loss): {reason}", stacklevel=3)
 
 
-def _fused_loss(rows: _HeadRows, ids, old_log_prob, advantages, response_mask, cfg,
-                token_weights, normalisers):
+def _fused_loss(step: _TrainStep, ids, old_log_prob, advantages, response_mask, cfg,
+                token_weights, normalisers, config):
     """``fused_policy_loss`` over the response tokens, their hidden rows picked by the row
-    numbers verl laid out in ``log_prob``'s place (`_defer_head`)."""
+    numbers verl laid out in ``log_prob``'s place (`_defer_head`), with verl's entropy and KL
+    terms (`_verl_terms`) in the same call."""
+    rows = step.take_rows()
     ids = ids.detach().round().long()
     mask = response_mask.bool()
-    if bool(((ids < 1) | (ids > rows.labels.numel()))[mask].any()):
+    n = rows.labels.numel()
+    stream = n if rows.sp_group is None else n * torch.distributed.get_world_size(rows.sp_group)
+    if bool(((ids < 1) | (ids > stream))[mask].any()):
         raise ValueError("policy_loss.fused: a response token in the loss has no head row "
                          "(the micro-batch's head call and its loss do not match)")
+    if rows.sp_group is not None:
+        return _ulysses_loss(step, rows, ids, old_log_prob, advantages, response_mask, cfg,
+                             token_weights, normalisers, config)
     pick = torch.where(mask, ids - 1, torch.zeros_like(ids))
     # a tensor-parallel head: each rank's share of the hidden gradient, as the head drop-in
     # returns it (verl's sequence-parallel gather sums it)
     parallel = {} if rows.group is None else dict(vocab_parallel=rows.group,
                                                   hidden_grad="partial")
+    cfg, terms = _verl_terms(step, cfg, config, old_log_prob)
     loss, metrics = fused_policy_loss(rows.hidden[pick], rows.weight, rows.labels[pick],
                                       old_log_prob, advantages, response_mask, cfg,
                                       token_weights=token_weights, head_dtype=head_dtype(),
-                                      temperature=rows.temperature, **parallel, **normalisers)
-    # the composed path's metrics: verl passes a policy loss no entropies
-    return loss, {k: v for k, v in metrics.items() if not k.startswith("entropy/")}
+                                      temperature=rows.temperature, **parallel, **normalisers,
+                                      **terms)
+    if terms:
+        step.logged = _logged_terms(loss, terms, response_mask, config)
+    # the composed path's metrics: verl passes a policy loss no entropies or reference
+    return loss, {k: v for k, v in metrics.items()
+                  if not k.startswith("entropy/") and k != "kl"}
+
+
+def _ulysses_loss(step: _TrainStep, rows: _HeadRows, ids, old_log_prob, advantages,
+                  response_mask, cfg, token_weights, normalisers, config):
+    """`_fused_loss` under Ulysses: ``fused_policy_loss(cp_group=)`` over this rank's piece of
+    every response (docs/scale.md). The rank's rows are stream positions
+    ``[offset, offset + n)``; a response's positions are consecutive in the stream, so its
+    tokens on this rank are one run of the ``[B, T]`` grid, in rank order: they become the
+    rank's ``[B, T_r]`` grid. The loss is the whole sequences' on every rank; its gradient is
+    scaled by the Ulysses size, as verl's gather scales the composed path's (FSDP's average
+    over the ranks takes it back). The metrics are the composed path's: ``policy_loss`` on
+    the whole grid of logprobs, each rank's ``out_logprobs`` summed over the group."""
+    group = rows.sp_group
+    local = ids - rows.offset  # 1-based row numbers on this rank
+    mine = (local >= 1) & (local <= rows.labels.numel())
+    count = mine.sum(-1)
+    start = torch.where(count > 0, mine.int().argmax(-1), torch.zeros_like(count))
+    # at least one column: a rank with no response token still joins the group's reductions
+    j = torch.arange(max(int(count.max()), 1), device=ids.device)
+    inside = j < count[:, None]
+    pos = torch.where(inside, start[:, None] + j, torch.zeros_like(j))
+
+    def take(x):
+        return None if x is None else torch.gather(x, 1, pos)
+
+    def whole(x):  # the rank's [B, T_r] values summed into the [B, T] grid over the group
+        grid = torch.zeros_like(old_log_prob)
+        grid.scatter_add_(1, pos, torch.where(inside, x, torch.zeros_like(x)))
+        torch.distributed.all_reduce(grid, group=group)
+        return grid
+
+    pick = torch.where(inside, take(local) - 1, torch.zeros_like(pos))
+    cfg_cp = cfg
+    if cfg.max_response_length is None:  # verl's horizon: the grid's width, not the rank's
+        cfg_cp = dataclasses.replace(cfg, max_response_length=response_mask.shape[-1])
+    cfg_cp, terms = _verl_terms(step, cfg_cp, config, take(old_log_prob))
+    local_terms = {k: take(v) if k == "ref_logprobs" else v for k, v in terms.items()}
+    local_terms.setdefault("out_logprobs", torch.zeros_like(take(old_log_prob)))
+    loss, _ = fused_policy_loss(rows.hidden[pick], rows.weight, rows.labels[pick],
+                                take(old_log_prob), take(advantages),
+                                take(response_mask).bool() & inside, cfg_cp,
+                                token_weights=take(token_weights), head_dtype=head_dtype(),
+                                temperature=rows.temperature, cp_group=group, **normalisers,
+                                **local_terms)
+    with torch.no_grad():
+        log_prob = whole(local_terms["out_logprobs"])
+        _, metrics = policy_loss(log_prob, old_log_prob, advantages, response_mask, cfg,
+                                 token_weights=token_weights, **normalisers)
+        if terms:
+            whole_terms = dict(out_logprobs=log_prob, ref_logprobs=terms.get("ref_logprobs"))
+            if "out_entropy" in terms:
+                whole_terms["out_entropy"] = whole(local_terms["out_entropy"])
+            step.logged = _logged_terms(loss, {k: v for k, v in whole_terms.items()
+                                               if k in terms}, response_mask, config)
+    sp = torch.distributed.get_world_size(group)
+    return loss + (sp - 1) * (loss - loss.detach()), metrics
+
+
+def _verl_terms(step: _TrainStep, cfg: PolicyLossConfig, config, like: torch.Tensor):
+    """The config and ``fused_policy_loss`` arguments of the terms verl's ``ppo_loss`` adds to
+    the policy loss: ``- entropy_coeff * agg_loss(entropy)`` when the batch calculates
+    entropies, ``+ kl_loss_coef * agg_loss(kl_penalty(log_prob, ref_log_prob))`` with
+    ``use_kl_loss``, both aggregated with the actor's ``loss_agg_mode`` and the global batch
+    information, as the policy term (`_composed_reason` sends the rest to the composed path).
+    The KL joins each token's policy term before the aggregation, which is linear. The
+    per-token entropies and logprobs come back in ``out_`` buffers for verl's metrics."""
+    changes, terms = {}, {}
+    if step.entropy:
+        changes.update(entropy_coef=float(_get(config, "entropy_coeff", 0.0)),
+                       entropy_agg=_get(config, "loss_agg_mode"))
+        terms["out_entropy"] = torch.zeros_like(like)
+    if step.kl:
+        changes.update(beta=float(_get(config, "kl_loss_coef")), kl_clamp=True,
+                       kl_estimator=_kl_estimator(_get(config, "kl_loss_type")))
+        terms.update(ref_logprobs=step.ref_log_prob.to(like.device),
+                     out_logprobs=torch.zeros_like(like))
+    return (dataclasses.replace(cfg, **changes) if changes else cfg), terms
+
+
+def _logged_terms(loss, terms, response_mask, config) -> dict:
+    """verl's ``actor/pg_loss``, ``actor/entropy_loss`` and ``kl_loss`` of a fused loss that
+    holds the entropy and KL terms: the terms from the per-token values by verl's own
+    ``agg_loss`` and ``kl_penalty``, the policy term the rest of the loss."""
+    from verl.trainer.ppo.core_algos import agg_loss, kl_penalty
+
+    def agg(mat):
+        return agg_loss(loss_mat=mat, loss_mask=response_mask,
+                        loss_agg_mode=config.loss_agg_mode, **config.global_batch_info)
+
+    pg = loss.detach()
+    logged = {}
+    if "out_entropy" in terms:
+        logged["actor/entropy_loss"] = agg(terms["out_entropy"])
+        pg = pg + config.entropy_coeff * logged["actor/entropy_loss"]
+    if "ref_logprobs" in terms:
+        kld = kl_penalty(logprob=terms["out_logprobs"], ref_logprob=terms["ref_logprobs"],
+                         kl_penalty=config.kl_loss_type)
+        logged["kl_loss"] = agg(kld)
+        pg = pg - config.kl_loss_coef * logged["kl_loss"]
+    logged["actor/pg_loss"] = pg
+    return logged
+
+
+def _fused_ppo_loss(loss_function, model_output, data, dp_group=None):
+    """verl's ``ppo_loss`` (``loss_function``, ``partial(ppo_loss, config=...)``) in a fused
+    step: the fused loss holds verl's entropy and KL terms, so ppo_loss runs without them (the
+    model output without its placeholder entropies, ``use_kl_loss`` off in a copy of the actor
+    config), and their metrics are put back as verl logs them. A step whose head fell back to
+    the composed path runs ``loss_function`` as it is."""
+    from verl.utils.metric import Metric
+
+    step = _step
+    if step is None or step.rows is None:
+        return loss_function(model_output=model_output, data=data, dp_group=dp_group)
+    config = loss_function.keywords["config"]
+    if step.kl:  # the micro-batch's reference logprobs, padded as ppo_loss pads its fields
+        step.ref_log_prob = data.select("ref_log_prob").to_padded_tensor()["ref_log_prob"]
+        step.config = dataclasses.replace(config, use_kl_loss=False)
+    output = {k: v for k, v in model_output.items() if k != "entropy"}
+    loss, metrics = loss_function.func(*loss_function.args,
+                                       **{**loss_function.keywords, "config": step.config},
+                                       model_output=output, data=data, dp_group=dp_group)
+    if step.logged is not None:
+        aggregation = metrics["actor/pg_loss"].aggregation
+        metrics.update({k: Metric(value=v, aggregation=aggregation)
+                        for k, v in step.logged.items()})
+        if step.kl:
+            metrics["kl_coef"] = config.kl_loss_coef
+    return loss, metrics
 
 
 def _check_sampler_matching(actor_config) -> None:

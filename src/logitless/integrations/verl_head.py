@@ -147,10 +147,11 @@ def set_head_replay(on: bool) -> None:
 
 
 def set_head_deferral(hook) -> None:
-    """Let ``hook(hidden, weight, labels, temperature, reduction, dist_process_group)`` see every
-    later :func:`linear_cross_entropy` call first: a ``(logprobs, entropy)`` pair it returns is
-    the call's result, None runs the head as usual (``hook=None``: no hook). The verl adapter's
-    ``policy_loss.fused`` hands the head's inputs to the loss this way."""
+    """Let ``hook(hidden, weight, labels, temperature, reduction, dist_process_group,
+    entropy_grad)`` see every later :func:`linear_cross_entropy` call first: a
+    ``(logprobs, entropy)`` pair it returns is the call's result, None runs the head as usual
+    (``hook=None``: no hook). The verl adapter's ``policy_loss.fused`` hands the head's inputs
+    to the loss this way."""
     global _deferral
     _deferral = hook
 
@@ -317,7 +318,8 @@ def linear_cross_entropy(
         )
     kept = _take_kept(labels)
     if _deferral is not None:
-        deferred = _deferral(hidden, weight, labels, temperature, reduction, dist_process_group)
+        deferred = _deferral(hidden, weight, labels, temperature, reduction, dist_process_group,
+                             entropy_grad)
         if deferred is not None:
             return deferred
     if is_dtensor(weight):
