@@ -40,12 +40,13 @@ from integrations.test_verl_ulysses_adapter import (
     _params,
 )
 from logitless.integrations import verl as verl_adapter
+from logitless.integrations.replay import kept_ids_from_masks
 from logitless.integrations.verl import (
     LogitlessPolicyLossConfig,
     disable_fused_head,
     enable_fused_head,
 )
-from logitless.integrations.verl_head import set_head_sampler
+from logitless.integrations.verl_head import set_head_replay, set_head_sampler
 
 RTOL, ATOL = 1e-11, 1e-13
 RESPONSE_ROWS = sum(r for _, r in SEQS)
@@ -240,18 +241,72 @@ def test_fused_falls_back_with_one_warning_where_it_cannot_run(cpu_engine):
     _same(fused, composed, "entropy without gradient")
 
 
-def test_fused_with_match_sampler_runs_the_sampler_matched_composed_path(cpu_engine):
+@pytest.mark.parametrize("entropy", [False, True], ids=["policy-term", "entropy-term"])
+def test_fused_with_match_sampler(cpu_engine, entropy):
+    """``policy_loss.match_sampler`` runs fused, with no warning: fused_policy_loss under the
+    rollout's truncation (vLLM's rules), the tokens outside the kept set out of the loss as
+    the composed path leaves them (``outside_kept`` > 0 here): the same loss, metrics and
+    gradients as the composed path. verl's entropy term covers the tokens outside the kept
+    set, which the policy term leaves out: with it the composed path runs, said once."""
     rollout = {"name": "vllm", "temperature": TEMPERATURE, "top_k": 20, "top_p": 0.9}
     cfg = lambda **kw: LogitlessPolicyLossConfig(loss_mode="logitless_grpo",
                                                  match_sampler=rollout, **kw)
+    coeff = 0.03 if entropy else 0.0
     try:
-        with pytest.warns(UserWarning, match="policy_loss.fused: .*match_sampler"):
-            fused = _step(cfg(fused=True))
-        composed = _step(cfg())
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fused = _step(cfg(fused=True), entropy_coeff=coeff, data=_data(entropy=entropy))
+        composed = _step(cfg(), entropy_coeff=coeff, data=_data(entropy=entropy))
     finally:
         set_head_sampler(None)
+    said = [str(w.message) for w in caught if "policy_loss.fused" in str(w.message)]
+    assert said == (["policy_loss.fused: this micro-batch runs the composed loss (the head's "
+                     "logprobs, then the policy loss): policy_loss.match_sampler with "
+                     "calculate_entropy: verl's entropy term and metric cover the tokens "
+                     "outside the kept set, which leave the policy term"] if entropy else [])
     _same(fused, composed, "match_sampler")
     assert composed["metrics"]["actor/logitless/sampler/outside_kept"] > 0  # it truncated
+
+
+def _with_sets(data, seed=23):
+    """``data`` with recorded kept sets (``kept_ids``, aligned with ``responses``): random
+    sets of 2 to 8 ids, each holding its response token but one per sequence, which leaves the
+    loss (as a set that misses its token does on the composed path)."""
+    g = torch.Generator().manual_seed(seed)
+    responses = data["responses"]
+    responses = responses.to_padded_tensor(0) if responses.is_nested else responses
+    masks = []
+    for i, (_, r) in enumerate(SEQS):
+        sets = []
+        for j in range(r):
+            token = int(responses[i, j])
+            ids = [int(x) for x in torch.randperm(V, generator=g)[:int(torch.randint(
+                2, 9, (1,), generator=g))] if int(x) != token]
+            sets.append(ids if j == 1 else [*ids, token])
+        masks.append(sets)
+    data["kept_ids"] = kept_ids_from_masks(masks, WIDTH_R, vocab_size=V)
+    return data
+
+
+def test_fused_with_replay(cpu_engine):
+    """``policy_loss.match_sampler=replay`` runs fused, with no warning: fused_policy_loss over
+    the recorded sets verl's ``prepare_model_inputs`` laid out for the head call (``kept_ids``
+    of the picked rows), equal to the composed path: loss, metrics and gradients, a set that
+    misses its token out of the loss on both (``outside_kept`` > 0)."""
+    # CISPO: the sets' renormalised logprobs lie far above verl's old ones, whose every
+    # ratio GRPO's clip would cut off from the gradient; CISPO's clipped weight keeps it
+    cfg = lambda **kw: LogitlessPolicyLossConfig(loss_mode="logitless_cispo",
+                                                 match_sampler="replay", **kw)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fused = _step(cfg(fused=True), "token-mean", data=_with_sets(_data()))
+        composed = _step(cfg(), "token-mean", data=_with_sets(_data()))
+    finally:
+        set_head_replay(False)
+    assert not [str(w.message) for w in caught if "policy_loss.fused" in str(w.message)]
+    _same(fused, composed, "replay")
+    assert composed["metrics"]["actor/logitless/sampler/outside_kept"] > 0
 
 
 def test_fused_refuses_what_it_cannot_do(cpu_engine):

@@ -323,10 +323,11 @@ and ``policy_loss.loss_mode=logitless_<objective>``. Its own fields:
   FSDP or Megatron engine (its tensor-parallel head with ``vocab_parallel=``). verl's
   entropy and KL terms (``calculate_entropy`` / ``entropy_coeff``,
   ``use_kl_loss``) join the fused call, and under Ulysses it runs with ``cp_group=`` the
-  Ulysses group. A micro-batch that cannot run fused (``match_sampler``, an FSDP2 DTensor
-  head, verl's terms aggregated otherwise than the policy term, an objective ``cp_group``
-  refuses under Ulysses, ...) runs the composed path, with one warning naming the reason
-  (docs/verl.md).
+  Ulysses group; ``match_sampler`` (and replay) passes the truncation (the recorded sets) to
+  the fused call. A micro-batch that cannot run fused (``match_sampler`` with verl's entropy
+  term, a tensor-parallel head or Ulysses, an FSDP2 DTensor head, verl's terms aggregated
+  otherwise than the policy term, an objective ``cp_group`` refuses under Ulysses, ...) runs
+  the composed path, with one warning naming the reason (docs/verl.md).
 - ``loss_agg``: overrides the actor's ``loss_agg_mode`` for this loss (any logitless
   aggregation, e.g. ``balanced`` or ``length-power``); None keeps verl's.
 - ``dual_clip``: apply ``clip_ratio_c`` as a dual clip; None does what verl's matching loss
@@ -452,10 +453,14 @@ def _verl_policy_loss(objective: str):
             raise ValueError(f"config: {LOSS_PREFIX}{objective} needs verl's actor config")
         cfg, normalisers = to_logitless_config(objective, config, loss_agg_mode)
         outside = None
-        if _get(_get(config, "policy_loss"), "match_sampler") is not None:
+        step = _step_of(config)
+        matching = _get(_get(config, "policy_loss"), "match_sampler") is not None
+        fused = step is not None and step.rows is not None
+        if matching:
             _check_sampler_matching(config)
-            log_prob, old_log_prob, response_mask, outside = drop_outside_kept(
-                log_prob, old_log_prob, response_mask)
+            if not fused:  # the fused loss drops them itself (`_fused_loss`)
+                log_prob, old_log_prob, response_mask, outside = drop_outside_kept(
+                    log_prob, old_log_prob, response_mask)
         mode = _get(_get(config, "policy_loss"), "sequence_is_weight")
         if mode not in (None, "geometric"):
             raise ValueError(
@@ -463,15 +468,17 @@ def _verl_policy_loss(objective: str):
             )
         if rollout_is_weights is not None and mode == "geometric":
             rollout_is_weights = _geometric_sequence_weights(rollout_is_weights, response_mask)
-        step = _step_of(config)
         if step is None and _get(_get(config, "policy_loss"), "fused", False):
             _warn_composed("the loss was not called by verl's FSDP or Megatron engine from its "
                            "ppo_loss (partial(ppo_loss, config=...), as verl's actor worker "
                            "binds it)")
-        if step is not None and step.rows is not None:
-            loss, metrics = _fused_loss(step, log_prob, old_log_prob, advantages,
-                                        response_mask, cfg, rollout_is_weights, normalisers,
-                                        config)
+        if fused:
+            loss, metrics, current = _fused_loss(step, log_prob, old_log_prob, advantages,
+                                                 response_mask, cfg, rollout_is_weights,
+                                                 normalisers, config)
+            if matching:  # the composed path's tokens out of the loss, for its metrics
+                _, old_log_prob, response_mask, outside = drop_outside_kept(
+                    current, old_log_prob, response_mask)
         else:
             loss, metrics = policy_loss(log_prob, old_log_prob, advantages, response_mask, cfg,
                                         token_weights=rollout_is_weights, **normalisers)
@@ -532,6 +539,7 @@ class _HeadRows:
     # Ulysses: the rows are positions [offset, offset + N) of the packed stream, sp_group's
     sp_group: Any = None
     offset: int = 0
+    kept: torch.Tensor | None = None  # replay: the rows' recorded sets [N, K]
 
 
 @dataclasses.dataclass
@@ -682,7 +690,13 @@ def _composed_reason(config, calculate_entropy: bool) -> str | None:
         if not dataclasses.is_dataclass(config):
             return "actor.use_kl_loss: the actor config is not verl's ActorConfig dataclass"
     if _get(pl, "match_sampler") is not None:
-        return "policy_loss.match_sampler: the fused loss scores the full distribution"
+        if _get(pl, "sequence_is_weight") is not None:
+            return ("policy_loss.match_sampler with sequence_is_weight: the sequence weights "
+                    "read the mask before the tokens outside the kept set leave it")
+        if calculate_entropy:
+            return ("policy_loss.match_sampler with calculate_entropy: verl's entropy term "
+                    "and metric cover the tokens outside the kept set, which leave the policy "
+                    "term")
     return None
 
 
@@ -719,7 +733,7 @@ def _kl_estimator(kl_loss_type) -> str | None:
 
 
 def _defer_head(hidden, weight, labels, temperature, reduction, dist_process_group,
-                entropy_grad=True):
+                entropy_grad=True, kept=None):
     """The head hook (`set_head_deferral`): in a fused training step, keep the head's inputs
     for the policy loss and return placeholders: the logprobs are the rows' numbers (1-based,
     0 nowhere), so verl's own layout code (unpad, nested, ``no_padding_2_padding``) tells the
@@ -731,8 +745,11 @@ def _defer_head(hidden, weight, labels, temperature, reduction, dist_process_gro
     if reason is None:
         if is_dtensor(weight):
             reason = "a sharded head (an FSDP2 DTensor weight)"
-        elif head_sampler() is not None or head_replays():
-            reason = "policy_loss.match_sampler: the fused loss scores the full distribution"
+        elif (head_sampler() is not None or head_replays()) \
+                and (dist_process_group is not None or step.sp_group is not None):
+            reason = ("policy_loss.match_sampler with a tensor-parallel head or Ulysses: the "
+                      "fused loss takes the truncation with one process's whole vocabulary "
+                      "and sequences")
         elif reduction.lower() != "none" or step.rows is not None:
             reason = "a head call that is not one per-token call per micro-batch"
         elif step.entropy and _get(step.config, "entropy_coeff", 0.0) != 0 \
@@ -751,7 +768,7 @@ def _defer_head(hidden, weight, labels, temperature, reduction, dist_process_gro
     # verl's Megatron fused forward: whole hidden rows (verl gathers the sequence-parallel
     # ones first), this rank's vocabulary slice of the weight, the tensor-parallel group
     step.rows = _HeadRows(hidden.reshape(n, hidden.shape[-1]), weight, labels.reshape(n),
-                          float(temperature), dist_process_group, step.sp_group, offset)
+                          float(temperature), dist_process_group, step.sp_group, offset, kept)
     dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
     ids = torch.arange(offset + 1, offset + n + 1, dtype=dtype, device=hidden.device)
     return ids, torch.zeros_like(ids)
@@ -779,24 +796,29 @@ def _fused_loss(step: _TrainStep, ids, old_log_prob, advantages, response_mask, 
         raise ValueError("policy_loss.fused: a response token in the loss has no head row "
                          "(the micro-batch's head call and its loss do not match)")
     if rows.sp_group is not None:
-        return _ulysses_loss(step, rows, ids, old_log_prob, advantages, response_mask, cfg,
-                             token_weights, normalisers, config)
+        # (match_sampler runs composed under Ulysses: `_defer_head`)
+        return (*_ulysses_loss(step, rows, ids, old_log_prob, advantages, response_mask, cfg,
+                               token_weights, normalisers, config), None)
     pick = torch.where(mask, ids - 1, torch.zeros_like(ids))
     # a tensor-parallel head: each rank's share of the hidden gradient, as the head drop-in
     # returns it (verl's sequence-parallel gather sums it)
     parallel = {} if rows.group is None else dict(vocab_parallel=rows.group,
                                                   hidden_grad="partial")
     cfg, terms = _verl_terms(step, cfg, config, old_log_prob)
+    current = terms.setdefault("out_logprobs", torch.zeros_like(old_log_prob))
+    # match_sampler: the head's truncation (replay: the rows' recorded sets)
+    truncation = dict(kept_ids=rows.kept[pick]) if rows.kept is not None else \
+        ({} if head_sampler() is None else head_sampler().kwargs())
     loss, metrics = fused_policy_loss(rows.hidden[pick], rows.weight, rows.labels[pick],
                                       old_log_prob, advantages, response_mask, cfg,
                                       token_weights=token_weights, head_dtype=head_dtype(),
                                       temperature=rows.temperature, **parallel, **normalisers,
-                                      **terms)
-    if terms:
+                                      **truncation, **terms)
+    if "ref_logprobs" in terms or "out_entropy" in terms:
         step.logged = _logged_terms(loss, terms, response_mask, config)
     # the composed path's metrics: verl passes a policy loss no entropies or reference
     return loss, {k: v for k, v in metrics.items()
-                  if not k.startswith("entropy/") and k != "kl"}
+                  if not k.startswith("entropy/") and k != "kl"}, current
 
 
 def _ulysses_loss(step: _TrainStep, rows: _HeadRows, ids, old_log_prob, advantages,

@@ -319,8 +319,10 @@ def linear_cross_entropy(
     kept = _take_kept(labels)
     if _deferral is not None:
         deferred = _deferral(hidden, weight, labels, temperature, reduction, dist_process_group,
-                             entropy_grad)
-        if deferred is not None:
+                             entropy_grad, kept)
+        if deferred is not None:  # the fused loss applies the truncation (or the sets)
+            if _sampler is not None or kept is not None:
+                _sampler_calls += 1
             return deferred
     if is_dtensor(weight):
         # verl's FSDP2 wraps lm_head on its own: its weight arrives here a Shard(0) DTensor,
