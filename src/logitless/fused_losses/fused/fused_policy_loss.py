@@ -47,6 +47,7 @@ from logitless.fused_losses.objectives.policy_loss import (
     check_cp_config,
     check_topk_inputs,
     cp_loss_value,
+    cp_sequence_terms,
 )
 from logitless.fused_losses.oplib import check_head_dtype, renamed_keyword
 
@@ -280,11 +281,16 @@ def fused_policy_loss(
             raise ValueError("out_logprobs/out_entropy: not supported under torch.compile or "
                              "for meta/fake tensors (the op returns no per-token values)")
         return op_call(req)
-    need = req.needs
+    return _eager(req)
+
+
+def _eager(req: Request):
+    """The eager call (`run_call`); under ``cp_group`` the loss's value the group's."""
     loss, metrics, grads = run_call(req)
-    if grads is None or not need.any:  # the whole batch streamed: the loss has its graph
+    loss = cp_loss_value(loss, req.cp_group)
+    if grads is None or not req.needs.any:  # the whole batch streamed: the loss has its graph
         return loss, metrics
-    return _StoredGradients.apply(loss, hidden, weight, bias, grads), metrics
+    return _StoredGradients.apply(loss, req.hidden, req.weight, req.bias, grads), metrics
 
 
 def _drop_ignored(targets, mask, ignore_index):
@@ -298,15 +304,20 @@ def _drop_ignored(targets, mask, ignore_index):
 
 
 def _context_parallel(req: Request):
-    """`fused_policy_loss` under ``cp_group``: the batch streamed, its loss over the group."""
+    """`fused_policy_loss` under ``cp_group``: the rank's tokens in chunks of its own where
+    no term of the loss reads a whole sequence's current logprobs (`cp_sequence_terms`),
+    else streamed; the loss's value over the group."""
     if not isinstance(req.config, PolicyLossConfig):
         raise ValueError(f"config must be a PolicyLossConfig, got {type(req.config).__name__}")
     check_cp_config(req.config, req.cp_group, req.batch_globals)
-    if req.strategy == "chunked":
-        raise ValueError("strategy: 'chunked' is not supported with cp_group (a chunk's "
-                         "sequence-level terms need the other ranks' tokens of the same "
-                         "chunk); use 'auto' or 'streaming'")
     if as_op(req.hidden):
         raise ValueError("cp_group: not supported under torch.compile or for meta/fake tensors")
-    loss, metrics, _ = run_call(dataclasses.replace(req, strategy="streaming"))
-    return cp_loss_value(loss, req.cp_group), metrics
+    sequence_terms = cp_sequence_terms(req.config)
+    if sequence_terms is not None:
+        if req.strategy == "chunked":
+            raise ValueError(f"strategy: 'chunked' is not supported with cp_group and "
+                             f"{sequence_terms} (a token's term reads its whole sequence, the "
+                             "other ranks' tokens of the same chunk); use 'auto' or "
+                             "'streaming'")
+        req = dataclasses.replace(req, strategy="streaming")
+    return _eager(req)
