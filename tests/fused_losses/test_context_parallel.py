@@ -3,8 +3,6 @@ rank passes its contiguous piece of each sequence, padded or packed, and the los
 gradients equal those of the whole sequences on one rank, for every objective of the catalog
 and every aggregation (one launch per world size, the configurations looped inside)."""
 
-import dataclasses
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -187,6 +185,15 @@ def _check_reference(rank, world):
         torch.testing.assert_close(grad, x.grad, rtol=1e-11, atol=1e-13)
 
 
+def _cut(world, rank, layout, mask):
+    """The rank's piece of a per-token tensor in ``layout`` (a function) and the keywords
+    of that layout (packed: the rank's ``cu_seqlens``)."""
+    if layout == "padded":
+        return (lambda x: _padded_piece(world, rank, x)), {}
+    return (lambda x: _packed_piece(world, rank, x)[0],
+            dict(cu_seqlens=_packed_piece(world, rank, mask)[1]))
+
+
 def _check_fused(rank, world):
     """fused_policy_loss under cp_group: loss, and gradients of hidden, weight and bias."""
     g = torch.Generator().manual_seed(3)
@@ -207,11 +214,7 @@ def _check_fused(rank, world):
                                                   cfg, bias=full[2], **tensors)
         expected.backward()
         for layout in ("padded", "packed"):
-            if layout == "padded":
-                cut, extra = (lambda x: _padded_piece(world, rank, x)), {}
-            else:
-                cut = lambda x: _packed_piece(world, rank, x)[0]
-                extra = dict(cu_seqlens=_packed_piece(world, rank, mask)[1])
+            cut, extra = _cut(world, rank, layout, mask)
             h = cut(hidden).clone().requires_grad_(True)
             w, b = weight.clone().requires_grad_(True), bias.clone().requires_grad_(True)
             loss, _ = logitless.fused_policy_loss(
@@ -370,6 +373,8 @@ CHUNKED_CP = [
          beta=0.05, kl_estimator="k3", entropy_coef=0.01),
     dict(objective="grpo", loss_agg="seq-mean-token-mean", rollout_is="token",
          rollout_is_batch_normalize=True, rollout_rs="seq_max_k2", rollout_rs_threshold="4.0"),
+    dict(objective="grpo", loss_agg="seq-mean-token-mean", kl_estimator="exact", beta=0.1,
+         stapo_prob_threshold=0.6, stapo_entropy_threshold=1.5),
 ]
 
 
@@ -394,6 +399,8 @@ def _check_fused_chunks(rank, world):
     weight = torch.randn(v, d, generator=g, dtype=torch.float64) / d**0.5
     bias = torch.randn(v, generator=g, dtype=torch.float64)
     targets = torch.randint(0, v, (B, T), generator=g)
+    ref_head = dict(ref_hidden=torch.randn(B, T, d + 3, generator=g, dtype=torch.float64),
+                    ref_weight=torch.randn(v, d + 3, generator=g, dtype=torch.float64) / d**0.5)
     group = dist.group.WORLD
     plans, orig = [], chunks.make_plan
 
@@ -405,23 +412,24 @@ def _check_fused_chunks(rank, world):
     try:
         for opts in CHUNKED_CP:
             cfg = PolicyLossConfig(**opts)
+            # the exact KL from the reference head
+            exact = cfg.kl_estimator == "exact"
+            given = dict(tensors, ref_logprobs=None, **ref_head) if exact else tensors
             full = [t.clone().requires_grad_(True) for t in (hidden, weight, bias)]
             expected, _ = logitless.fused_policy_loss(full[0], full[1], targets, old, adv, mask,
-                                                      cfg, bias=full[2], **tensors)
+                                                      cfg, bias=full[2], **given)
             expected.backward()
-            oracle = [t.clone().requires_grad_(True) for t in (hidden, weight, bias)]
-            # the oracle has no rollout_is_batch_normalize: without it for that configuration
-            ref = reference_fused(oracle[0], oracle[1], targets, old, adv, mask,
-                                  dataclasses.replace(cfg, rollout_is_batch_normalize=False),
-                                  bias=oracle[2], **tensors)
-            ref.backward()
-            wants = [full] if cfg.rollout_is_batch_normalize else [full, oracle]
+            # the fp64 oracle has neither rollout_is_batch_normalize nor the exact KL's head
+            by_oracle = not (cfg.rollout_is_batch_normalize or exact)
+            wants = [full]
+            if by_oracle:
+                oracle = [t.clone().requires_grad_(True) for t in (hidden, weight, bias)]
+                ref = reference_fused(oracle[0], oracle[1], targets, old, adv, mask, cfg,
+                                      bias=oracle[2], **tensors)
+                ref.backward()
+                wants.append(oracle)
             for layout in ("padded", "packed"):
-                if layout == "padded":
-                    cut, extra = (lambda x: _padded_piece(world, rank, x)), {}
-                else:
-                    cut = lambda x: _packed_piece(world, rank, x)[0]
-                    extra = dict(cu_seqlens=_packed_piece(world, rank, mask)[1])
+                cut, extra = _cut(world, rank, layout, mask)
                 where = f"{cfg.objective}/{cfg.loss_agg}/{layout}"
                 grid = cut(mask) if layout == "padded" else _grid_of_packed(
                     world, rank, cut(mask).double())
@@ -435,7 +443,9 @@ def _check_fused_chunks(rank, world):
                     with FlopCounterMode(display=False) as flops:
                         loss, metrics = logitless.fused_policy_loss(
                             h, w, cut(targets), cut(old), adv, cut(mask), cfg, bias=b,
-                            **{k: cut(x) for k, x in tensors.items()}, cp_group=group,
+                            **{k: x if x is None or k == "ref_weight" else cut(x)
+                               for k, x in given.items()},
+                            cp_group=group,
                             max_tile_bytes=budget, strategy=strategy, **extra)
                         loss.backward()
                     got[strategy] = (loss.detach(), metrics, h.grad, w.grad, b.grad,
@@ -444,11 +454,13 @@ def _check_fused_chunks(rank, world):
                 rows = int(cut(mask).sum())
                 assert len(plan) == 1 and len(plan[0].chunks) >= 2, where  # several chunks
                 assert not any(c.streamed for c in plan[0].chunks), where
-                assert flop == 3 * 2 * rows * d * v, (where, flop, rows)  # 3 GEMM passes
-                assert got["streaming"][5] > flop, where  # streamed: recomputed backward
+                if not exact:  # 3 GEMM passes (the exact KL adds the reference head's, and
+                    # STAPO a no-grad pass for the entropies of its globals)
+                    assert flop == 3 * 2 * rows * d * v, (where, flop, rows)
+                    assert got["streaming"][5] > flop, where  # streamed: recomputed backward
                 torch.testing.assert_close(loss, expected.detach(), rtol=1e-12, atol=1e-13,
                                            msg=lambda m, w=where: f"loss {w}: {m}")
-                if not cfg.rollout_is_batch_normalize:
+                if by_oracle:
                     torch.testing.assert_close(loss, ref.detach(), rtol=1e-11, atol=1e-13)
                 stream = got["streaming"][1]
                 assert metrics.keys() == stream.keys(), where

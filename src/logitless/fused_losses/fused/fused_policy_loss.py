@@ -16,7 +16,8 @@ Two strategies (docs/design.md, "Op 4"):
 - **Streaming**: ``policy_loss(linear_logprobs(...))``, the vocabulary streamed forward and
   recomputed backward (8 N D V FLOPs), never the full logits. Used when asked for, for
   objectives that select tokens from statistics of the whole batch's current logprobs
-  (``clip_cov``, ``kl_cov``), and for a single sequence longer than the budget.
+  (``clip_cov``, ``kl_cov``), under ``cp_group`` for terms that read a whole sequence's
+  current logprobs (`cp_sequence_terms`), and for a single sequence longer than the budget.
 
 Either way the loss math is :func:`policy_loss`, run once more on the collected per-token
 ``lp`` and ``H`` (O(N), no vocabulary) for the loss value and the metrics.
@@ -185,13 +186,21 @@ def fused_policy_loss(
             linear_divergence(hidden, weight, ref_hidden, ref_weight, mask, beta=1).divergence)``.
         cp_group: context parallelism, as in :func:`policy_loss` (each rank its contiguous
             piece of every sequence: ``hidden`` and every per-token input the rank's tokens).
-            The batch streams (``strategy="auto"`` or ``"streaming"``; ``"chunked"`` raises
-            ``ValueError``): the vocabulary streamed forward and recomputed backward, the
-            loss run once over the rank's tokens with the sequence-level reductions over the
-            group. The loss is the whole sequences' on every rank; ``hidden``'s gradient is
-            the whole loss's for the rank's tokens, and ``weight``'s and ``bias``'s are the
-            rank's tokens' part of it (summed over the group they are the whole loss's, as
-            for any sequence-split model). Not under ``torch.compile``.
+            The batch's globals (counts, whole sequences' lengths, rejections, IS batch mean)
+            are reduced over the group first; then, where every token's term needs only the
+            rank's own logits and those globals (a token-level ratio, any aggregation CP
+            accepts, entropy bonus, estimated or exact KL, token-level rollout IS), the rank's
+            tokens run in chunks of its own, 3 GEMM passes, with no collective inside a chunk.
+            Where a term reads a whole sequence's logprobs inside the loss (a sequence-level
+            ratio, ``vespo`` / ``dhpo``, ``future_kl_coef``, OPSM, sequence-level rollout IS:
+            `cp_sequence_terms`) the batch streams (``"auto"``; ``"chunked"`` raises
+            ``ValueError`` naming the option): the vocabulary streamed forward and recomputed
+            backward, the loss run once over the rank's tokens with the sequence-level
+            reductions over the group. Either way the loss is the whole sequences' on every
+            rank (its value all-reduced); ``hidden``'s gradient is the whole loss's for the
+            rank's tokens, and ``weight``'s and ``bias``'s are the rank's tokens' part of it
+            (summed over the group they are the whole loss's, as for any sequence-split
+            model); the metrics are the rank's tokens'. Not under ``torch.compile``.
         topk_logprobs, old_topk_logprobs: ``[*mask.shape, K]``, for ``dppo_topk_tv`` and
             ``dppo_topk_kl`` only, as in :func:`policy_loss`. They select tokens and get no
             gradient, so the caller computes the trainer's (e.g. ``linear_logprobs`` at the
