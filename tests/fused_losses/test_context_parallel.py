@@ -3,7 +3,6 @@ rank passes its contiguous piece of each sequence, padded or packed, and the los
 gradients equal those of the whole sequences on one rank, for every objective of the catalog
 and every aggregation (one launch per world size, the configurations looped inside)."""
 
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -186,6 +185,15 @@ def _check_reference(rank, world):
         torch.testing.assert_close(grad, x.grad, rtol=1e-11, atol=1e-13)
 
 
+def _cut(world, rank, layout, mask):
+    """The rank's piece of a per-token tensor in ``layout`` (a function) and the keywords
+    of that layout (packed: the rank's ``cu_seqlens``)."""
+    if layout == "padded":
+        return (lambda x: _padded_piece(world, rank, x)), {}
+    return (lambda x: _packed_piece(world, rank, x)[0],
+            dict(cu_seqlens=_packed_piece(world, rank, mask)[1]))
+
+
 def _check_fused(rank, world):
     """fused_policy_loss under cp_group: loss, and gradients of hidden, weight and bias."""
     g = torch.Generator().manual_seed(3)
@@ -206,11 +214,7 @@ def _check_fused(rank, world):
                                                   cfg, bias=full[2], **tensors)
         expected.backward()
         for layout in ("padded", "packed"):
-            if layout == "padded":
-                cut, extra = (lambda x: _padded_piece(world, rank, x)), {}
-            else:
-                cut = lambda x: _packed_piece(world, rank, x)[0]
-                extra = dict(cu_seqlens=_packed_piece(world, rank, mask)[1])
+            cut, extra = _cut(world, rank, layout, mask)
             h = cut(hidden).clone().requires_grad_(True)
             w, b = weight.clone().requires_grad_(True), bias.clone().requires_grad_(True)
             loss, _ = logitless.fused_policy_loss(
@@ -269,9 +273,11 @@ def _refusals(rank, world):
         logitless.policy_loss(lp, lp, adv, mask, cfg, cp_group="world")
     hidden, weight = torch.randn(2, 3, 4), torch.randn(5, 4)
     targets = torch.zeros(2, 3, dtype=torch.long)
-    with pytest.raises(ValueError, match=r"^strategy:"):
-        logitless.fused_policy_loss(hidden, weight, targets, lp, adv, mask, cfg,
-                                    strategy="chunked", cp_group=group)
+    # chunks of one rank's tokens only where no term reads a whole sequence (GSPO's ratio)
+    with pytest.raises(ValueError, match=r"^strategy: .*ratio_level='sequence'"):
+        logitless.fused_policy_loss(hidden, weight, targets, lp, adv, mask,
+                                    PolicyLossConfig(objective="gspo"), strategy="chunked",
+                                    cp_group=group)
 
 
 def test_cp_group_needs_torch_distributed():
@@ -357,15 +363,133 @@ def _explicit_group(rank, world):
     assert seen == [group, None]
 
 
+# fused_policy_loss's chunks under cp_group: configurations whose every term is the rank's
+# tokens' own given the batch's globals (`cp_sequence_terms`)
+CHUNKED_CP = [
+    dict(objective="grpo", loss_agg="token-mean", beta=0.1, kl_estimator="k3",
+         entropy_coef=0.02),
+    dict(objective="dapo", entropy_coef=0.03),
+    dict(objective="grpo", loss_agg="seq-mean-token-sum-norm", max_response_length=T + 2,
+         beta=0.05, kl_estimator="k3", entropy_coef=0.01),
+    dict(objective="grpo", loss_agg="seq-mean-token-mean", rollout_is="token",
+         rollout_is_batch_normalize=True, rollout_rs="seq_max_k2", rollout_rs_threshold="4.0"),
+    dict(objective="grpo", loss_agg="seq-mean-token-mean", kl_estimator="exact", beta=0.1,
+         stapo_prob_threshold=0.6, stapo_entropy_threshold=1.5),
+]
+
+
+def _check_fused_chunks(rank, world):
+    """fused_policy_loss(cp_group=) in chunks of the rank's tokens (several per rank): the
+    loss the whole batch's (single-process fused_policy_loss and the fp64 oracle), the metrics
+    those of the streamed CP call, ``hidden``'s gradient the whole loss's at the rank's tokens,
+    the head's summed over the group the whole loss's, in 3 GEMM passes of the rank's rows."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from logitless.fused_losses.fused import chunks
+    from logitless.kernels.stored_logits_torch import bytes_per_row
+    from logitless.reference import fused_policy_loss as reference_fused
+
+    g = torch.Generator().manual_seed(11)
+    d, v = 16, 37
+    mask, _, old, _, adv, tensors = _problem(False)
+    tensors = dict(ref_logprobs=tensors["ref_logprobs"],
+                   rollout_logprobs=old + 0.1 * torch.randn(B, T, generator=g,
+                                                            dtype=torch.float64))
+    hidden = torch.randn(B, T, d, generator=g, dtype=torch.float64)
+    weight = torch.randn(v, d, generator=g, dtype=torch.float64) / d**0.5
+    bias = torch.randn(v, generator=g, dtype=torch.float64)
+    targets = torch.randint(0, v, (B, T), generator=g)
+    ref_head = dict(ref_hidden=torch.randn(B, T, d + 3, generator=g, dtype=torch.float64),
+                    ref_weight=torch.randn(v, d + 3, generator=g, dtype=torch.float64) / d**0.5)
+    group = dist.group.WORLD
+    plans, orig = [], chunks.make_plan
+
+    def planned(*args):
+        plans.append(orig(*args))
+        return plans[-1]
+
+    chunks.make_plan = planned
+    try:
+        for opts in CHUNKED_CP:
+            cfg = PolicyLossConfig(**opts)
+            # the exact KL from the reference head
+            exact = cfg.kl_estimator == "exact"
+            given = dict(tensors, ref_logprobs=None, **ref_head) if exact else tensors
+            full = [t.clone().requires_grad_(True) for t in (hidden, weight, bias)]
+            expected, _ = logitless.fused_policy_loss(full[0], full[1], targets, old, adv, mask,
+                                                      cfg, bias=full[2], **given)
+            expected.backward()
+            # the fp64 oracle has neither rollout_is_batch_normalize nor the exact KL's head
+            by_oracle = not (cfg.rollout_is_batch_normalize or exact)
+            wants = [full]
+            if by_oracle:
+                oracle = [t.clone().requires_grad_(True) for t in (hidden, weight, bias)]
+                ref = reference_fused(oracle[0], oracle[1], targets, old, adv, mask, cfg,
+                                      bias=oracle[2], **tensors)
+                ref.backward()
+                wants.append(oracle)
+            for layout in ("padded", "packed"):
+                cut, extra = _cut(world, rank, layout, mask)
+                where = f"{cfg.objective}/{cfg.loss_agg}/{layout}"
+                grid = cut(mask) if layout == "padded" else _grid_of_packed(
+                    world, rank, cut(mask).double())
+                # chunks of the rank's longest piece of a sequence: several, none streamed
+                budget = int(grid.sum(-1).max()) * bytes_per_row(v, torch.float64, None)
+                got = {}
+                for strategy in ("chunked", "streaming"):
+                    h = cut(hidden).clone().requires_grad_(True)
+                    w, b = weight.clone().requires_grad_(True), bias.clone().requires_grad_(True)
+                    plans.clear()
+                    with FlopCounterMode(display=False) as flops:
+                        loss, metrics = logitless.fused_policy_loss(
+                            h, w, cut(targets), cut(old), adv, cut(mask), cfg, bias=b,
+                            **{k: x if x is None or k == "ref_weight" else cut(x)
+                               for k, x in given.items()},
+                            cp_group=group,
+                            max_tile_bytes=budget, strategy=strategy, **extra)
+                        loss.backward()
+                    got[strategy] = (loss.detach(), metrics, h.grad, w.grad, b.grad,
+                                     flops.get_total_flops(), list(plans))
+                loss, metrics, gh, gw, gb, flop, plan = got["chunked"]
+                rows = int(cut(mask).sum())
+                assert len(plan) == 1 and len(plan[0].chunks) >= 2, where  # several chunks
+                assert not any(c.streamed for c in plan[0].chunks), where
+                if not exact:  # 3 GEMM passes (the exact KL adds the reference head's, and
+                    # STAPO a no-grad pass for the entropies of its globals)
+                    assert flop == 3 * 2 * rows * d * v, (where, flop, rows)
+                    assert got["streaming"][5] > flop, where  # streamed: recomputed backward
+                torch.testing.assert_close(loss, expected.detach(), rtol=1e-12, atol=1e-13,
+                                           msg=lambda m, w=where: f"loss {w}: {m}")
+                if by_oracle:
+                    torch.testing.assert_close(loss, ref.detach(), rtol=1e-11, atol=1e-13)
+                stream = got["streaming"][1]
+                assert metrics.keys() == stream.keys(), where
+                for name, value in metrics.items():  # the rank's tokens' metrics, as streamed
+                    torch.testing.assert_close(value, stream[name], rtol=1e-12, atol=1e-13,
+                                               msg=lambda m, w=where, n=name: f"{n} {w}: {m}")
+                for want in wants:
+                    torch.testing.assert_close(gh, cut(want[0].grad), rtol=1e-11, atol=1e-13)
+                wb = torch.cat([gw.flatten(), gb])
+                dist.all_reduce(wb)  # the head's gradient: summed over the group
+                for want in wants:
+                    torch.testing.assert_close(
+                        wb, torch.cat([want[1].grad.flatten(), want[2].grad]), rtol=1e-11,
+                        atol=1e-13, msg=lambda m, w=where: f"head {w}: {m}")
+    finally:
+        chunks.make_plan = orig
+
+
 def _refusals_collectives_and_groups(rank, world):
     _refusals(rank, world)
     _count_collectives(rank, world)
     _explicit_group(rank, world)
+    _check_fused_chunks(rank, world)
 
 
 def test_cp_refusals_collectives_and_explicit_groups():
-    """One launch of two ranks for three checks (a launch costs more than any of them): the
-    refusals name the option; the collectives of one call; and the segment ops reduce over the
+    """One launch of two ranks for four checks (a launch costs more than any of them): the
+    refusals name the option; the collectives of one call; the segment ops reduce over the
     group passed to them (``group=``), never over one set by an enclosing call, with an
-    objective reading the call's group from its inputs (``x.cp_group``: None without one)."""
+    objective reading the call's group from its inputs (``x.cp_group``: None without one);
+    and fused_policy_loss's chunks under cp_group (3 GEMM passes)."""
     run_on_gloo(2, _refusals_collectives_and_groups)

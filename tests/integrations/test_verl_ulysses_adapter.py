@@ -234,10 +234,15 @@ def _worker(rank, world):
         # the forward the step ran: this rank's slice of the padded stream
         assert g["hidden"].shape == (1, n, D) and w["hidden"].shape == (1, total, D), run
         if run.endswith("/fused"):
-            # fused under Ulysses too (fused_policy_loss with cp_group): no fallback; without
-            # Ulysses the head's work is three GEMM passes over the response rows
+            # fused under Ulysses too (fused_policy_loss with cp_group): no fallback; the
+            # head's work is three GEMM passes over the response rows
             assert g["fallbacks"] == [] and w["fallbacks"] == [], (run, g["fallbacks"])
             assert w["flops"] == 3 * 2 * sum(r for _, r in SEQS) * D * V, run
+            if "gspo" not in run:  # GSPO's sequence ratio streams under cp_group (4 passes)
+                # and under Ulysses too: each rank's rows in chunks of its own, over the group
+                flops = torch.tensor(g["flops"], dtype=torch.float64)
+                dist.all_reduce(flops)
+                assert flops == w["flops"], (run, flops, w["flops"])
         else:
             torch.testing.assert_close(w["log_probs"], oracle, rtol=RTOL, atol=ATOL)
             # verl's gather: every rank sees the whole sequences' logprobs and entropies

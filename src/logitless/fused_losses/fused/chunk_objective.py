@@ -94,7 +94,9 @@ class ChunkObjective:
         # the whole batch's masks, sliced: the selections of the thresholds' own comparisons
         masks = self.masks.rows(chunk.s0, chunk.s1, chunk.width)
         la = self.loss_args
-        return (sub, masks, row, col, chunk.s0, self.call.config, self.glob,
+        # under cp_group the chunk's whole-sequence lengths (the rank's chunks are its own)
+        glob = self.glob.rows(chunk.s0, chunk.s1)
+        return (sub, masks, row, col, chunk.s0, self.call.config, glob,
                 la["num_items_in_batch"], la["global_batch_size"], la["training_progress"],
                 la["entropy_coef"])
 

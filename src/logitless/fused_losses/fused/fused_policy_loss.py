@@ -16,7 +16,8 @@ Two strategies (docs/design.md, "Op 4"):
 - **Streaming**: ``policy_loss(linear_logprobs(...))``, the vocabulary streamed forward and
   recomputed backward (8 N D V FLOPs), never the full logits. Used when asked for, for
   objectives that select tokens from statistics of the whole batch's current logprobs
-  (``clip_cov``, ``kl_cov``), and for a single sequence longer than the budget.
+  (``clip_cov``, ``kl_cov``), under ``cp_group`` for terms that read a whole sequence's
+  current logprobs (`cp_sequence_terms`), and for a single sequence longer than the budget.
 
 Either way the loss math is :func:`policy_loss`, run once more on the collected per-token
 ``lp`` and ``H`` (O(N), no vocabulary) for the loss value and the metrics.
@@ -57,6 +58,7 @@ from logitless.fused_losses.objectives.policy_loss import (
     check_cp_config,
     check_topk_inputs,
     cp_loss_value,
+    cp_sequence_terms,
 )
 from logitless.fused_losses.oplib import check_head_dtype, renamed_keyword
 
@@ -205,13 +207,21 @@ def fused_policy_loss(
             linear_divergence(hidden, weight, ref_hidden, ref_weight, mask, beta=1).divergence)``.
         cp_group: context parallelism, as in :func:`policy_loss` (each rank its contiguous
             piece of every sequence: ``hidden`` and every per-token input the rank's tokens).
-            The batch streams (``strategy="auto"`` or ``"streaming"``; ``"chunked"`` raises
-            ``ValueError``): the vocabulary streamed forward and recomputed backward, the
-            loss run once over the rank's tokens with the sequence-level reductions over the
-            group. The loss is the whole sequences' on every rank; ``hidden``'s gradient is
-            the whole loss's for the rank's tokens, and ``weight``'s and ``bias``'s are the
-            rank's tokens' part of it (summed over the group they are the whole loss's, as
-            for any sequence-split model). Not under ``torch.compile``.
+            The batch's globals (counts, whole sequences' lengths, rejections, IS batch mean)
+            are reduced over the group first; then, where every token's term needs only the
+            rank's own logits and those globals (a token-level ratio, any aggregation CP
+            accepts, entropy bonus, estimated or exact KL, token-level rollout IS), the rank's
+            tokens run in chunks of its own, 3 GEMM passes, with no collective inside a chunk.
+            Where a term reads a whole sequence's logprobs inside the loss (a sequence-level
+            ratio, ``vespo`` / ``dhpo``, ``future_kl_coef``, OPSM, sequence-level rollout IS:
+            `cp_sequence_terms`) the batch streams (``"auto"``; ``"chunked"`` raises
+            ``ValueError`` naming the option): the vocabulary streamed forward and recomputed
+            backward, the loss run once over the rank's tokens with the sequence-level
+            reductions over the group. Either way the loss is the whole sequences' on every
+            rank (its value all-reduced); ``hidden``'s gradient is the whole loss's for the
+            rank's tokens, and ``weight``'s and ``bias``'s are the rank's tokens' part of it
+            (summed over the group they are the whole loss's, as for any sequence-split
+            model); the metrics are the rank's tokens'. Not under ``torch.compile``.
         topk_logprobs, old_topk_logprobs: ``[*mask.shape, K]``, for ``dppo_topk_tv`` and
             ``dppo_topk_kl`` only, as in :func:`policy_loss`. They select tokens and get no
             gradient, so the caller computes the trainer's (e.g. ``linear_logprobs`` at the
@@ -317,15 +327,22 @@ def fused_policy_loss(
             raise ValueError("out_logprobs/out_entropy: not supported under torch.compile or "
                              "for meta/fake tensors (the op returns no per-token values)")
         return op_call(req)
-    need = req.needs
+    return _eager(req)
+
+
+def _eager(req: Request):
+    """The eager call (`run_call`; an FSDP2 head's ranks' batches in turn, `run_sharded`);
+    under ``cp_group`` the loss's value the group's."""
+    weight, bias = req.weight, req.bias
     if runs_in_chunks(req):  # an FSDP2 head, sharded: the ranks' batches in turn
         loss, metrics, grads = run_sharded(req)
         weight, bias = weight.to_local(), None if bias is None else bias.to_local()
     else:
         loss, metrics, grads = run_call(req)
-    if grads is None or not need.any:  # the whole batch streamed: the loss has its graph
+    loss = cp_loss_value(loss, req.cp_group)
+    if grads is None or not req.needs.any:  # the whole batch streamed: the loss has its graph
         return loss, metrics
-    return _StoredGradients.apply(loss, hidden, weight, bias, grads), metrics
+    return _StoredGradients.apply(loss, req.hidden, weight, bias, grads), metrics
 
 
 def _truncation_args(weight, targets, temperature, top_k, top_p, min_p, sampler, kept_ids,
@@ -358,15 +375,20 @@ def _drop_ignored(targets, mask, ignore_index):
 
 
 def _context_parallel(req: Request):
-    """`fused_policy_loss` under ``cp_group``: the batch streamed, its loss over the group."""
+    """`fused_policy_loss` under ``cp_group``: the rank's tokens in chunks of its own where
+    no term of the loss reads a whole sequence's current logprobs (`cp_sequence_terms`),
+    else streamed; the loss's value over the group."""
     if not isinstance(req.config, PolicyLossConfig):
         raise ValueError(f"config must be a PolicyLossConfig, got {type(req.config).__name__}")
     check_cp_config(req.config, req.cp_group, req.batch_globals)
-    if req.strategy == "chunked":
-        raise ValueError("strategy: 'chunked' is not supported with cp_group (a chunk's "
-                         "sequence-level terms need the other ranks' tokens of the same "
-                         "chunk); use 'auto' or 'streaming'")
     if as_op(req.hidden):
         raise ValueError("cp_group: not supported under torch.compile or for meta/fake tensors")
-    loss, metrics, _ = run_call(dataclasses.replace(req, strategy="streaming"))
-    return cp_loss_value(loss, req.cp_group), metrics
+    sequence_terms = cp_sequence_terms(req.config)
+    if sequence_terms is not None:
+        if req.strategy == "chunked":
+            raise ValueError(f"strategy: 'chunked' is not supported with cp_group and "
+                             f"{sequence_terms} (a token's term reads its whole sequence, the "
+                             "other ranks' tokens of the same chunk); use 'auto' or "
+                             "'streaming'")
+        req = dataclasses.replace(req, strategy="streaming")
+    return _eager(req)

@@ -8,6 +8,7 @@ batch and passing them to `policy_loss` on any subset of whole sequences gives t
 exact share of the full loss (the shares of a partition sum to the full loss).
 """
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -53,6 +54,19 @@ class BatchGlobals:
     attn_thresholds: tuple[float, float] | None = None
     is_weight_mean: float | None = None  # batch mean of the rollout IS weights (normalising)
     num_prompts: float | None = None  # prompt-mean's groups in the whole batch
+
+    def rows(self, s0: int, s1: int) -> "BatchGlobals":
+        """The globals of sequences ``s0:s1`` (a chunk of whole sequences): the same, but the
+        per-sequence lengths (`AggCounts.lengths`, under ``cp_group``) cut to the chunk's."""
+        if self.loss.lengths is None and self.entropy.lengths is None:
+            return self
+
+        def cut(counts: AggCounts) -> AggCounts:
+            if counts.lengths is None:
+                return counts
+            return dataclasses.replace(counts, lengths=counts.lengths[s0:s1])
+
+        return dataclasses.replace(self, loss=cut(self.loss), entropy=cut(self.entropy))
 
 
 def agg_counts(m, adv, seq_count: str, length_power_alpha: float, group=None) -> AggCounts:

@@ -82,6 +82,9 @@ class ObjectiveSpec:
     needs_whole_batch: bool = False
     # Reads the rollout's top-k logprobs and the trainer's at the same ids (`ObjectiveInputs`).
     needs_topk: bool = False
+    # Reduces per-sequence statistics (segment ops over ``x.cp_group``): under ``cp_group`` a
+    # token's term needs the other ranks' tokens of its sequence, so no chunks of one rank's.
+    reads_sequences: bool = False
 
 
 OBJECTIVES: dict[str, ObjectiveSpec] = {}
@@ -113,6 +116,7 @@ def register_objective(
     selects_in_ratio=False,
     needs_whole_batch=False,
     needs_topk=False,
+    reads_sequences=False,
     **forwarded,
 ):
     """Decorator registering ``fn(ObjectiveInputs) -> ObjectiveOutput`` under ``name`` with the
@@ -140,6 +144,7 @@ def register_objective(
             selects_in_ratio=selects_in_ratio,
             needs_whole_batch=needs_whole_batch,
             needs_topk=needs_topk,
+            reads_sequences=reads_sequences,
         )
         for keyword, value in forwarded.items():
             _FORWARDED[keyword](name, value)
@@ -246,7 +251,8 @@ def gmpo(x: ObjectiveInputs) -> ObjectiveOutput:
 _LOG_1E8 = math.log(1e-8)
 
 
-@register_objective("vespo", ratio_levels=("token",), folds_rollout_is=True)
+@register_objective("vespo", ratio_levels=("token",), folds_rollout_is=True,
+                    reads_sequences=True)
 def vespo(x: ObjectiveInputs) -> ObjectiveOutput:
     """``-sg(phi(w)) A lp``, ``phi(w) = exp(lambda + k log w - lambda w)`` on the sequence ratio
     ``w`` (sum of log-ratios, times the rollout IS weights), (k, lambda) by the sign of A. The
@@ -433,7 +439,7 @@ def aspo(x: ObjectiveInputs) -> ObjectiveOutput:
     return ObjectiveOutput(loss, *clip_flags(rho.detach(), x.adv, low, high))
 
 
-@register_objective("dhpo", ratio_levels=("token",))
+@register_objective("dhpo", ratio_levels=("token",), reads_sequences=True)
 def dhpo(x: ObjectiveInputs) -> ObjectiveOutput:
     """DHPO: ``rho = a clip(r, token bounds) + (1 - a) clip(s, sequence bounds)`` inside the
     clipped surrogate; ``a`` constant or, with ``dhpo_mix="entropy"``, ``H_t / max_seq H``."""

@@ -425,6 +425,26 @@ def check_cp_config(cfg: PolicyLossConfig, cp_group, batch_globals=None) -> None
                          "over the group)")
 
 
+def cp_sequence_terms(cfg: PolicyLossConfig) -> str | None:
+    """Under ``cp_group``: the option whose term reads the current (or old) logprobs of a
+    whole sequence inside the loss (a sequence-level ratio, an objective that reduces per
+    sequence, the future-KL suffix sums, OPSM, a sequence-level rollout IS weight), or None
+    when every token's gradient comes from the rank's own values and `BatchGlobals` reduced
+    over the group before (the counts and lengths of the mask, rejection, thresholds): then
+    `fused_policy_loss` runs one rank's tokens in chunks of its own (docs/scale.md)."""
+    if cfg.ratio_level != "token":
+        return f"ratio_level={cfg.ratio_level!r}"
+    if get_objective(cfg.objective).reads_sequences:
+        return f"objective={cfg.objective!r}"
+    if cfg.future_kl_coef:
+        return "future_kl_coef"
+    if cfg.opsm_threshold is not None:
+        return "opsm_threshold"
+    if cfg.rollout_is not in (None, "token"):
+        return f"rollout_is={cfg.rollout_is!r}"
+    return None
+
+
 def cp_loss_value(share: torch.Tensor, group) -> torch.Tensor:
     """With a context-parallel ``group``: the rank's share of the loss with the whole loss's
     value (one ``all_reduce`` of the shares) and the share's gradient, which is the whole
