@@ -9,15 +9,18 @@ Under ``TRITON_INTERPRET=1`` (``make test``) Triton was imported in interpreter 
 ``@triton.jit`` function, Triton's own ``tl.standard`` helpers included, is an interpreted
 function that the compiler cannot take. The compilation then runs in one helper process
 started without ``TRITON_INTERPRET`` (started once, kept for the session, fed one request per
-kernel), which imports the kernel's module by name. The ``ASTSource`` / ``GPUTarget`` API
-used here is the same in triton 3.6.0 and the newest release.
+kernel), which imports the kernel's module by name; :func:`run_compile_script` sends its
+scripts there too. The ``ASTSource`` / ``GPUTarget`` API used here is the same in triton 3.6.0
+and the newest release.
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import importlib
 import inspect
+import io
 import json
 import os
 import re
@@ -71,6 +74,10 @@ def _serve() -> None:
     sys.stdout = sys.stderr  # nothing else may write on the answer channel
     for line in sys.stdin:
         req = json.loads(line)
+        if "script" in req:
+            out.write(json.dumps(_run_here(req["script"])) + "\n")
+            out.flush()
+            continue
         try:
             fn = getattr(importlib.import_module(req["module"]), req["name"])
             compiled = _compile_here(_jit_function(fn), req["signature"], req["constexprs"],
@@ -158,20 +165,41 @@ def ptxas_report(compiled) -> dict[str, int]:
     }
 
 
-def run_compile_script(script: str) -> subprocess.CompletedProcess:
-    """Run ``script`` (Python that imports :mod:`sm90` and compiles kernels) in a subprocess
-    without ``TRITON_INTERPRET`` (which replaces the JIT), with this folder importable; fail
-    with its stderr if it fails, else return the finished process (output captured as text).
-    Skipped where Triton has no NVIDIA backend."""
+def _run_here(script: str) -> dict:
+    """Run ``script`` in this process (Triton not in interpreter mode), its prints captured:
+    ``{"stdout": ...}``, with ``"error"`` (the traceback) where it raised."""
+    printed = io.StringIO()
+    answer = {}
+    with contextlib.redirect_stdout(printed):
+        try:
+            exec(compile(script, "<compile script>", "exec"), {"__name__": "__compile_script__"})
+        except BaseException:  # an assert in the script, as a failed subprocess would report
+            answer["error"] = traceback.format_exc()
+    answer["stdout"] = printed.getvalue()
+    return answer
+
+
+def run_compile_script(script: str) -> SimpleNamespace:
+    """Run ``script`` (Python that imports :mod:`sm90` and compiles kernels) where Triton is
+    not the interpreter: in this process when it is not, else in the session's helper process
+    (the one :func:`compile_sm90` feeds; a process per script cost an interpreter start and
+    the imports each time). Fail with its traceback if it raises, else return its printed
+    output as ``.stdout``. Skipped where Triton has no NVIDIA backend."""
     import pytest
 
     pytest.importorskip("triton.backends.nvidia")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    prelude = f"import sys\nsys.path.insert(0, {str(Path(__file__).parent)!r})\n"
-    done = subprocess.run([sys.executable, "-c", prelude + script], env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return done
+    if isinstance(tl_standard.cdiv, JITFunction):
+        answer = _run_here(script)
+    else:
+        worker = _worker()
+        worker.stdin.write(json.dumps({"script": script}) + "\n")
+        worker.stdin.flush()
+        line = worker.stdout.readline()
+        if not line:
+            raise RuntimeError("the sm_90 compile helper process died (see stderr)")
+        answer = json.loads(line)
+    assert "error" not in answer, answer["error"][-4000:]
+    return SimpleNamespace(stdout=answer["stdout"])
 
 
 TRITON36 = Path(__file__).resolve().parents[1] / ".venv" / "triton-3.6.0"

@@ -9,7 +9,8 @@
 #
 #   bash benchmarks/gpu/run.sh OUTDIR            # on the GPU machine, from the checkout
 #   bash benchmarks/gpu/run.sh OUTDIR --quick    # the same, check and two sweeps: under 4 min
-#   bash benchmarks/gpu/run.sh OUTDIR --dry-run  # anywhere: CPU, tiny shapes, nothing installed
+#   bash benchmarks/gpu/run.sh OUTDIR --dry-run  # anywhere: CPU, tiny shapes, nothing installed,
+#                                                # the sweeps in one process
 #
 # Outputs: OUTDIR/<date>-<device>-<sweep>.{json,png}, all records together in
 # OUTDIR/<date>-<device>.json, a log per step. See benchmarks/gpu/README.md.
@@ -125,11 +126,16 @@ torch.cuda.get_device_name())"
 fi
 TAG="$(date -u +%Y-%m-%d)-$SLUG"
 
+SWEEPS=()  # the dry run's sweeps, as NAME COUNT ARGS... groups for benchmarks/gpu/sweeps.py
 bench() {  # bench NAME TIMEOUT_S ARGS...: the GEMM floor is the first provider of every sweep
   local name=$1 limit=$2
   shift 2
-  step "$name" "$limit" "$PY" -m logitless.tools.cli bench "${BENCH[@]}" "$@" \
-    --json "$OUT/$TAG-$name.json" --plot "$OUT/$TAG-$name.png"
+  local argv=(bench "${BENCH[@]}" "$@" --json "$OUT/$TAG-$name.json" --plot "$OUT/$TAG-$name.png")
+  if [[ $DRY == 1 ]]; then  # queued: the dry run runs its sweeps in one process (below)
+    SWEEPS+=("$name" "${#argv[@]}" "${argv[@]}")
+    return
+  fi
+  step "$name" "$limit" "$PY" -m logitless.tools.cli "${argv[@]}"
 }
 
 # Every op against the fp64 reference first, with its own limit: its rows stream into the log
@@ -164,6 +170,9 @@ bench logprobs-topp-4k 50 --op logprobs --dtype bfloat16 --mode fwd-bwd "${MID[@
   --top-p 0.9 --providers gemm,logitless,naive
 bench attention-entropy 30 --op attention-entropy --dtype bfloat16 --mode fwd "${ATTN[@]}" \
   --providers gemm,logitless,naive
+# The dry run's sweeps, with the arguments above, one after the other in one process: at its
+# tiny shapes, starting Python and importing torch cost more than a sweep.
+[[ $DRY == 1 ]] && step sweeps 300 "$PY" "$ROOT/benchmarks/gpu/sweeps.py" "$OUT" "${SWEEPS[@]}"
 # All records in OUTDIR/<tag>.json, and the summary table, last.
 "$PY" "$ROOT/benchmarks/gpu/summary.py" "$OUT" "$TAG"
 echo "done in $((SECONDS - START))s, exit $STATUS; results in $OUT"

@@ -100,7 +100,9 @@ def test_gradcheck_tiny():
                                         return_entropy=True, stats=("log_kept_mass",))
         return out.logprobs, out.entropy, out.log_kept_mass
 
-    hidden = hidden[:5, :96].contiguous()
+    # 16 of the D=96 columns: gradcheck perturbs every input element (two forwards each), and
+    # the kept set, its gather and the renormalisation are per vocabulary row, whatever D is
+    hidden, weight = hidden[:5, :16].contiguous(), weight[:, :16].contiguous()
     torch.autograd.gradcheck(fn, _leaves(hidden, weight, bias))
 
 

@@ -11,6 +11,7 @@ import math
 import os
 import re
 import warnings
+from unittest import mock
 
 import pytest
 import torch
@@ -67,6 +68,29 @@ def train(cls, model_dir, tokenizer, args, **kwargs):
                   eval_dataset=prompt_dataset(4) if evaluates else None, **kwargs)
     trainer.train()
     return trainer
+
+
+# Stock TRL's run of each PARITY configuration, which test_stock_trl_parity and
+# test_fused_equals_stock_trl both compare against: the same arguments and seed give the same
+# run, so a worker trains it once. With it, the calls that reached logitless's head or fused
+# loss during it (none: stock TRL keeps its own kernel).
+_STOCK = {}
+
+
+def stock_trl(model_dir, tokenizer, tmp_path, overrides):
+    key = (model_dir, repr(sorted(overrides.items())))
+    if key not in _STOCK:
+        calls = []
+        head, fused = trl_head.LogitlessChunkedLogProb.apply, trl_module._FusedLoss.apply
+        with mock.patch.object(trl_head.LogitlessChunkedLogProb, "apply", staticmethod(
+                lambda *a, **k: calls.append("head") or head(*a, **k))), \
+                mock.patch.object(trl_module._FusedLoss, "apply",
+                                  lambda self, *a, **k: calls.append("fused") or fused(self, *a,
+                                                                                       **k)):
+            trainer = train(trl.GRPOTrainer, model_dir, tokenizer,
+                            grpo_args(tmp_path, **overrides))
+        _STOCK[key] = trainer, calls
+    return _STOCK[key]
 
 
 @pytest.fixture
@@ -214,9 +238,8 @@ def test_head_dtype_from_grpo(tmp_path):
 
 @pytest.mark.parametrize("name,overrides", PARITY)
 def test_stock_trl_parity(name, overrides, tmp_path, model_dir, tokenizer, head_calls):
-    args = grpo_args(tmp_path, **overrides)
-    theirs = train(trl.GRPOTrainer, model_dir, tokenizer, args)
-    assert not head_calls  # stock TRL kept its own kernel
+    theirs, stock_calls = stock_trl(model_dir, tokenizer, tmp_path, overrides)
+    assert not head_calls and not stock_calls  # stock TRL kept its own kernel
     ours = train(GRPOTrainer, model_dir, tokenizer, grpo_args(tmp_path, **overrides),
                  fused=False)  # the composed path (the fused one: test_fused_equals_stock_trl)
     assert_same_logs(ours.state.log_history, theirs.state.log_history)
@@ -828,7 +851,8 @@ def _fused_warnings(record):
 def test_fused_equals_stock_trl(name, overrides, tmp_path, model_dir, tokenizer, fused_calls):
     """grpo_args' num_iterations=2 (or steps_per_generation 4): TRL makes its old-policy pass,
     and every training step's loss is one fused_policy_loss call."""
-    theirs = train(trl.GRPOTrainer, model_dir, tokenizer, grpo_args(tmp_path, **overrides))
+    theirs, stock_calls = stock_trl(model_dir, tokenizer, tmp_path, overrides)
+    assert not fused_calls and not stock_calls  # stock TRL kept its own loss
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         ours = train(GRPOTrainer, model_dir, tokenizer, grpo_args(tmp_path, **overrides))

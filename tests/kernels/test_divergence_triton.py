@@ -226,7 +226,7 @@ def test_no_tl_dot_in_the_epilogues():
 
 
 # Compiles the four kernels for sm_90 with the constexprs and warps the launchers use, per
-# dtype and mode. A subprocess: TRITON_INTERPRET=1 replaces the JIT.
+# dtype and mode. Run where Triton is no interpreter.
 _COMPILE_SCRIPT = """
 import torch
 from sm90 import compile_sm90

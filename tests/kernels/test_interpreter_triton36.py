@@ -85,9 +85,11 @@ def test_importing_logitless_leaves_the_interpreter_as_triton_ships_it():
     """Importing the library, every kernel module included, under ``TRITON_INTERPRET=1`` patches
     nothing in triton's interpreter (a peer's kernels in the same process meet it unchanged):
     the fix is applied by the test suite and ``logitless check``, never on import. Run in a
-    fresh process, since this one's conftest has applied it."""
+    fresh process, since this one's conftest has applied it; the same process then runs the
+    CLI, which applies it."""
     script = textwrap.dedent("""
         import importlib, json, pkgutil
+        from unittest import mock
         from triton.runtime import interpreter
         before = {k: getattr(interpreter, k, None) for k in ("_patch_lang", "_patch_lang_tensor")}
         launch = interpreter.GridExecutor.__call__
@@ -97,24 +99,17 @@ def test_importing_logitless_leaves_the_interpreter_as_triton_ships_it():
         after = {k: getattr(interpreter, k, None) for k in before}
         print(json.dumps({"same": after == before,
                           "launch": interpreter.GridExecutor.__call__ is launch}))
+        # and the CLI's process applies it: `logitless check` under the interpreter
+        from logitless.tools import check, cli
+        with mock.patch.object(check, "run", lambda args: 0):
+            cli.main(["check"])
+        print(getattr(interpreter._patch_lang, "logitless_nested_skip", False))
     """)
     env = dict(os.environ, TRITON_INTERPRET="1")
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                           text=True, cwd=ROOT, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert json.loads(done.stdout.strip().splitlines()[-1]) == {"same": True, "launch": True}
-    # and the CLI's process applies it: `logitless check` under the interpreter
-    cli = textwrap.dedent("""
-        import sys
-        from unittest import mock
-        from triton.runtime import interpreter
-        from logitless.tools import check, cli
-        with mock.patch.object(check, "run", lambda args: 0):
-            cli.main(["check"])
-        print(getattr(interpreter._patch_lang, "logitless_nested_skip", False))
-    """)
-    done = subprocess.run([sys.executable, "-c", cli], env=env, capture_output=True,
-                          text=True, cwd=ROOT, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.strip().splitlines()[-1] == "True"
+    lines = done.stdout.strip().splitlines()
+    assert json.loads(lines[-2]) == {"same": True, "launch": True}
+    assert lines[-1] == "True"

@@ -500,7 +500,7 @@ def test_fp32_products_go_through_torch_matmul():
 
 
 # Compiles both kernels for sm_90 with the constexprs and warps the launcher uses, for each
-# dtype, every feature flag on and off. A subprocess: TRITON_INTERPRET=1 replaces the JIT.
+# dtype, every feature flag on and off. Run where Triton is no interpreter.
 _COMPILE_SCRIPT = """
 import torch
 from sm90 import compile_sm90

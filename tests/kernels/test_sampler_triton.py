@@ -299,7 +299,7 @@ def test_last_chunk_is_padded_to_the_granule(small, monkeypatch):
 
 # Compiles every kernel for sm_90 with the constexprs and warps the launchers use: bf16 with
 # every flag on (softcap, every upstream gradient, the canonical statistics pass), fp32 with
-# every flag off; both search passes. A subprocess: TRITON_INTERPRET=1 replaces the JIT.
+# every flag off; both search passes. Run where Triton is no interpreter.
 _COMPILE_SCRIPT = """
 import torch
 from sm90 import compile_sm90, ptxas_report
