@@ -1,6 +1,7 @@
 """Shared test helpers (importable as `testing` because pytest puts tests/ on sys.path)."""
 
 import contextlib
+import datetime
 import os
 import socket
 
@@ -50,10 +51,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _gloo_entry(rank, world, port, fn, args):
+def _gloo_entry(rank, world, port, fn, args, timeout=None):
     interpreter_compat.apply()  # a spawned rank runs no conftest: the suite's interpreter here too
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    extra = {} if timeout is None else dict(timeout=datetime.timedelta(seconds=timeout))
+    dist.init_process_group("gloo", rank=rank, world_size=world, **extra)
     try:
         fn(rank, world, *args)
     finally:
@@ -83,10 +85,13 @@ class MatmulFlops(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def run_on_gloo(world: int, fn, *args) -> None:
+def run_on_gloo(world: int, fn, *args, timeout: float | None = None) -> None:
     """Run ``fn(rank, world, *args)`` in ``world`` processes of one gloo group on loopback;
-    an assertion failing in any of them fails the caller. ``fn`` must be module-level."""
-    mp.spawn(_gloo_entry, args=(world, _free_port(), fn, args), nprocs=world, join=True)
+    an assertion failing in any of them fails the caller. ``fn`` must be module-level. With
+    ``timeout`` (seconds), a collective that waits longer raises instead of hanging (a rank
+    left in a collective its peers never join fails the launch)."""
+    mp.spawn(_gloo_entry, args=(world, _free_port(), fn, args, timeout), nprocs=world,
+             join=True)
 
 
 def tied_head_inputs(n=37, d=96, v=1007, seed=0):

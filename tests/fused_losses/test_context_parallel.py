@@ -479,17 +479,69 @@ def _check_fused_chunks(rank, world):
         chunks.make_plan = orig
 
 
+def _sequence_sum_objective(x):
+    """A user objective that sums each sequence's log-ratio over the group (as the registry's
+    comment says to: ``group=x.cp_group``)."""
+    from logitless.fused_losses.objectives import segments
+    from logitless.fused_losses.objectives.catalog import ObjectiveOutput
+
+    total = segments.segment_sum(x.d, x.m, group=x.cp_group)[:, None].expand_as(x.d)
+    return ObjectiveOutput(-x.adv * torch.exp(0.5 * total))
+
+
+def _check_unflagged_objective(rank, world):
+    """An objective reducing per sequence over ``x.cp_group`` but registered without
+    ``reads_sequences``: fused_policy_loss(cp_group=) would run it on each rank's own chunks
+    (several here, a different plan per rank), so the collective is refused with a
+    ``ValueError`` naming the fix, on every rank and before any collective runs (the launch
+    goes on: no rank is left in one). Registered with the flag, the batch streams and the
+    loss and gradients are those of the whole batch on one process."""
+    from logitless.fused_losses.objectives.catalog import register_objective
+    from logitless.kernels.stored_logits_torch import bytes_per_row
+
+    register_objective("test_sums_unflagged")(_sequence_sum_objective)
+    register_objective("test_sums_flagged", reads_sequences=True)(_sequence_sum_objective)
+    g = torch.Generator().manual_seed(17)
+    d, v = 16, 37
+    mask, _, old, _, adv, _ = _problem(False)
+    hidden = torch.randn(B, T, d, generator=g, dtype=torch.float64)
+    weight = torch.randn(v, d, generator=g, dtype=torch.float64) / d**0.5
+    targets = torch.randint(0, v, (B, T), generator=g)
+    cut, _ = _cut(world, rank, "padded", mask)
+    budget = int(cut(mask).sum(-1).max()) * bytes_per_row(v, torch.float64, None)
+    group = dist.group.WORLD
+    with pytest.raises(ValueError, match=r"^objective: 'test_sums_unflagged' .* reads whole "
+                       r"sequences under cp_group: register it with reads_sequences=True"):
+        logitless.fused_policy_loss(cut(hidden).requires_grad_(True), weight, cut(targets),
+                                    cut(old), adv, cut(mask),
+                                    PolicyLossConfig(objective="test_sums_unflagged"),
+                                    cp_group=group, max_tile_bytes=budget)
+    cfg = PolicyLossConfig(objective="test_sums_flagged")
+    full = hidden.clone().requires_grad_(True)
+    expected, _ = logitless.fused_policy_loss(full, weight, targets, old, adv, mask, cfg)
+    expected.backward()
+    h = cut(hidden).clone().requires_grad_(True)
+    loss, _ = logitless.fused_policy_loss(h, weight, cut(targets), cut(old), adv, cut(mask), cfg,
+                                          cp_group=group, max_tile_bytes=budget)
+    loss.backward()
+    torch.testing.assert_close(loss.detach(), expected.detach(), rtol=1e-12, atol=1e-13)
+    torch.testing.assert_close(h.grad, cut(full.grad), rtol=1e-11, atol=1e-13)
+
+
 def _refusals_collectives_and_groups(rank, world):
     _refusals(rank, world)
     _count_collectives(rank, world)
     _explicit_group(rank, world)
     _check_fused_chunks(rank, world)
+    _check_unflagged_objective(rank, world)
 
 
 def test_cp_refusals_collectives_and_explicit_groups():
-    """One launch of two ranks for four checks (a launch costs more than any of them): the
+    """One launch of two ranks for five checks (a launch costs more than any of them): the
     refusals name the option; the collectives of one call; the segment ops reduce over the
     group passed to them (``group=``), never over one set by an enclosing call, with an
     objective reading the call's group from its inputs (``x.cp_group``: None without one);
-    and fused_policy_loss's chunks under cp_group (3 GEMM passes)."""
-    run_on_gloo(2, _refusals_collectives_and_groups)
+    fused_policy_loss's chunks under cp_group (3 GEMM passes); and an objective reducing over
+    the group without ``reads_sequences`` refused there. A collective that waits on a peer
+    for minutes (a rank left in one) fails the launch instead of hanging it."""
+    run_on_gloo(2, _refusals_collectives_and_groups, timeout=300)

@@ -30,6 +30,7 @@ from logitless.fused_losses.head.logprobs import linear_logprobs, rows_logprobs
 from logitless.fused_losses.head.sampled import drop_outside_kept
 from logitless.fused_losses.objectives.aggregation import check_global_counts
 from logitless.fused_losses.objectives.config import PolicyLossConfig
+from logitless.fused_losses.objectives.context_parallel import chunked_group
 from logitless.fused_losses.objectives.policy_loss import (
     Masks,
     batch_policy_loss,
@@ -133,6 +134,10 @@ def run_chunks(req: Request, shared: dict | None = None) -> tuple:
     check_shard_kl(call)
     if call.whole or sharded:
         return (*streamed_whole(call, loss_args), None)
+    if call.batch.cp_group is not None:
+        # each rank its own chunks: the loss's terms (the chunks' and the collected rows')
+        # refuse a collective over the group; the globals below reduce over it (`call.full`)
+        call.batch = dataclasses.replace(call.batch, cp_group=chunked_group(config.objective))
 
     glob, masks = globals_and_masks(call.globals_batch(*globals_inputs(call)), config,
                                     call.given_globals)

@@ -43,7 +43,9 @@ class ObjectiveInputs:
     old_topk_logprobs: torch.Tensor | None = None
     # the context-parallel group of ``cp_group=`` (None: whole sequences here): pass it to the
     # segment ops (``segments.segment_mean(v, x.m, group=x.cp_group)``) so that a sequence's
-    # statistics cover every rank's tokens
+    # statistics cover every rank's tokens; an objective doing so registers with
+    # ``reads_sequences=True`` (on fused_policy_loss's chunks of one rank's tokens the group is
+    # a `context_parallel.ChunkedGroup`, which the collectives refuse)
     cp_group: object = None
 
 

@@ -19,9 +19,17 @@ call, never a module state) the segment ops (``segments.py``) reduce over it:
 
 Only the ``all_reduce`` of ``torch.distributed`` is used, so a test that wraps it counts every
 collective of a call.
+
+Where `fused_policy_loss` runs each rank's tokens in chunks of its own (no term reads a whole
+sequence: `cp_sequence_terms`), the objective's inputs carry `ChunkedGroup` instead of the group:
+the chunks differ from rank to rank, so a sequence-level collective there would pair mismatched
+chunks (a hang, or wrong sums). Every collective here refuses it with a ``ValueError`` before it
+runs, on every rank alike.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.distributed as dist
@@ -37,9 +45,40 @@ def check_group(group, name: str = "cp_group") -> None:
                          f"{type(group).__name__}")
 
 
+class ChunkedGroup:
+    """The ``cp_group`` of an objective's inputs on `fused_policy_loss`'s chunks of one rank's
+    tokens: not a process group; the collectives here refuse it (`check_not_chunked`)."""
+
+    def __init__(self, objective: str):
+        self.objective = objective
+
+    def __repr__(self) -> str:
+        return f"ChunkedGroup({self.objective!r})"
+
+
+@functools.cache
+def chunked_group(objective: str) -> ChunkedGroup:
+    """The `ChunkedGroup` of ``objective``: one object per name (a compiled chunk loss keeps
+    its graph from call to call)."""
+    return ChunkedGroup(objective)
+
+
+def check_not_chunked(group) -> None:
+    """``ValueError`` when ``group`` is a `ChunkedGroup`: the objective reduced over the
+    context-parallel group inside chunks of one rank's tokens, which its registration did not
+    declare (``reads_sequences``)."""
+    if isinstance(group, ChunkedGroup):
+        raise ValueError(
+            f"objective: {group.objective!r} runs a collective over x.cp_group (a segment op "
+            "with group=x.cp_group), but fused_policy_loss runs each rank's tokens in chunks "
+            f"of its own for it; {group.objective!r} reads whole sequences under cp_group: "
+            "register it with reads_sequences=True")
+
+
 def all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
     """``t`` reduced over ``group``: differentiable (`_AllReduceSum`) for a sum of a tensor
     that requires grad, a plain collective on a copy otherwise."""
+    check_not_chunked(group)
     if op == dist.ReduceOp.SUM and t.requires_grad and torch.is_grad_enabled():
         return _AllReduceSum.apply(t, group)
     out = t.detach().clone(memory_format=torch.contiguous_format)
@@ -68,6 +107,7 @@ class _AllReduceSum(torch.autograd.Function):
 def rank_totals(local: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
     """``[W, *local.shape]``: every rank's ``local`` in rank order over ``group`` (each rank
     fills its own row, the others hold the identity of ``op``; one `all_reduce`)."""
+    check_not_chunked(group)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     fill = 0.0 if op == dist.ReduceOp.SUM else torch.inf
     rows = [local if r == rank else torch.full_like(local, fill) for r in range(world)]
@@ -80,6 +120,7 @@ def earlier(totals: torch.Tensor, group, *, later: bool = False,
             op=dist.ReduceOp.SUM) -> torch.Tensor:
     """The ``op`` (sum or min) of the rows of `rank_totals` of ranks of ``group`` before this
     one (after it, with ``later``): the identity where there are none."""
+    check_not_chunked(group)
     rank = dist.get_rank(group)
     rows = totals[rank + 1:] if later else totals[:rank]
     if op == dist.ReduceOp.SUM:

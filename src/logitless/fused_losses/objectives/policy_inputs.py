@@ -72,7 +72,8 @@ class Batch:
 
         return Batch(cut(self.m), cut(self.adv), self.packed,
                       {k: cut(t) for k, t in self.tensors.items()},
-                      {k: cut(t) for k, t in self.knobs.items()}, index=None)
+                      {k: cut(t) for k, t in self.knobs.items()}, index=None,
+                      cp_group=self.cp_group)
 
 
 def _check_cu_seqlens(cu_seqlens, n):
