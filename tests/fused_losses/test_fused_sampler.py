@@ -23,23 +23,23 @@ TEMPERATURE = 0.8
 CFG = PolicyLossConfig(objective="ppo", entropy_coef=0.01, loss_agg="seq-mean-token-mean")
 
 
-def make_batch(seed, dtype=torch.float64, ties=False):
+def make_batch(seed, dtype=torch.float64, ties=False, v=V):
     """Random head and batch; most targets among each row's most probable tokens (inside the
     kept sets), some anywhere (outside them). ``ties``: pairs of equal weight rows, so that
-    tied logits meet the top-k and top-p boundaries."""
+    tied logits meet the top-k and top-p boundaries. ``v``: the vocabulary size."""
     g = torch.Generator().manual_seed(seed)
     hidden = torch.randn(B, T, D, generator=g, dtype=torch.float64)
-    weight = torch.randn(V, D, generator=g, dtype=torch.float64) / D**0.5 * 3
-    bias = torch.randn(V, generator=g, dtype=torch.float64) * 0.5
+    weight = torch.randn(v, D, generator=g, dtype=torch.float64) / D**0.5 * 3
+    bias = torch.randn(v, generator=g, dtype=torch.float64) * 0.5
     if ties:
         bias[:] = 0.0
-        weight[1::2] = weight[0::2][:V // 2]
+        weight[1::2] = weight[0::2][:v // 2]
     with torch.no_grad():
         z = hidden @ weight.T + bias
     top = z.argsort(-1, descending=True)[..., :6]
     near = top.gather(-1, torch.randint(0, 6, (B, T, 1), generator=g)).squeeze(-1)
     targets = torch.where(torch.rand(B, T, generator=g) < 0.85, near,
-                          torch.randint(0, V, (B, T), generator=g))
+                          torch.randint(0, v, (B, T), generator=g))
     lengths = torch.tensor([37, 11, 0, 23, 5])
     mask = torch.arange(T)[None, :] < lengths[:, None]
     mask[3, 4] = False
@@ -228,7 +228,8 @@ def test_triton_selected_streams(monkeypatch):
     """Where Triton is selected (CUDA; here the interpreter) the truncated call streams through
     the sampler's Triton passes, equal to the composed path."""
     monkeypatch.setenv("LOGITLESS_BACKEND", "triton")
-    batch = make_batch(5, torch.float32)
+    # 263 ids: the interpreter's passes cost per vocabulary tile; the route is what is tested
+    batch = make_batch(5, torch.float32, v=263)
     batch = {k: v if k in ("weight", "bias") else v[:2] if k == "adv" else v[:2, :9]
              for k, v in batch.items()}
     trunc = dict(top_k=9, top_p=0.9)
