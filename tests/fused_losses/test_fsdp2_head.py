@@ -194,6 +194,13 @@ def _check_fused(rank, world):
                                            rtol=1e-10, atol=1e-12)
                 param.grad = None
             h.grad = None
+    # each rank's slice gradient holds every rank's batch: a loss scaled differently on each
+    # rank cannot be split after the fact, so every rank's backward refuses it
+    loss, _ = logitless.fused_policy_loss(h, head.weight, targets, old, adv, mask, config,
+                                          bias=head.bias)
+    with pytest.raises(RuntimeError, match="incoming gradient differs across the ranks"):
+        (loss * (rank + 1)).backward()
+    h.grad = head.weight.grad = head.bias.grad = None
     with pytest.raises(ValueError, match="vocab_parallel"):
         logitless.fused_policy_loss(h, head.weight, targets, old, adv, mask, config,
                                     bias=head.bias, vocab_parallel=dist.group.WORLD)

@@ -135,6 +135,7 @@ def _check_compiled(rank, world):
                            name, "partial"))
 
 
+@pytest.mark.dist  # gloo ranks, as every multi-process test: make test-dist
 @pytest.mark.parametrize("world", [2, 3])
 def test_vocab_parallel_matches_unsharded(world):
     """Eager against unsharded; with 2 ranks also compiled against eager (`_check_compiled`)."""

@@ -193,11 +193,12 @@ def _worker(rank, world):
         for engine in ("sglang", "transformers"):
             _check_tied_kept_sets(rank, world, {**kw, "sampler": engine})
     assert split >= 4, "ties held by several ranks must straddle the kept set's boundary"
-    # CPU tensors: Triton runs them under the interpreter only (`make test` sets it)
+    # CPU tensors: Triton runs them under the interpreter only (`make test-dist` sets it)
     if os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton"):
         _check_triton_selected(rank, world)
 
 
+@pytest.mark.dist  # gloo ranks, as every multi-process test: make test-dist
 @pytest.mark.parametrize("world", [2, 3])
 def test_truncations_on_a_sharded_vocabulary_match_one_process(world):
     run_on_gloo(world, _worker)

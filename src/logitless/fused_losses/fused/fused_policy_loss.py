@@ -46,6 +46,7 @@ from logitless.fused_losses.fused.validation import (
     check_out_buffers,
     check_truncation_static,
 )
+from logitless.fused_losses.head.dtensor import sharded_head
 from logitless.fused_losses.head.logprobs import (
     check_byte_budget,
     check_ignore_index,
@@ -70,8 +71,8 @@ class _StoredGradients(torch.autograd.Function):
     `fused_policy_loss`, "Backward")."""
 
     @staticmethod
-    def forward(ctx, loss, hidden, weight, bias, grads):
-        ctx.grads = grads
+    def forward(ctx, loss, hidden, weight, bias, grads, group=None):
+        ctx.grads, ctx.group = grads, group
         return loss.detach().clone()
 
     @staticmethod
@@ -91,11 +92,29 @@ class _StoredGradients(torch.autograd.Function):
                 "fused_policy_loss again for a second backward, or use strategy='streaming'.")
         d_hidden, d_weight, d_bias = ctx.grads
         ctx.grads = None  # handed over: autograd may keep d_weight as weight.grad itself
+        if ctx.group is not None:
+            check_same_upstream(g, ctx.group)
 
         def scale(x):  # in place: the stored gradients are ours, and [V, D] is large
             return None if x is None else x.mul_(g.to(x.dtype))
 
-        return None, scale(d_hidden), scale(d_weight), scale(d_bias), None
+        return None, scale(d_hidden), scale(d_weight), scale(d_bias), None, None
+
+
+def check_same_upstream(g: torch.Tensor, group) -> None:
+    """An FSDP2 head's stored slice gradients hold every rank's batch (`fused.fsdp2`), so they
+    are scaled by this rank's incoming gradient only where every rank's is the same (a loss
+    scaled alike on every rank, as the trainers do): ``RuntimeError`` on every rank otherwise,
+    rather than a silently wrong weight gradient (one ``all_gather`` of the scalar)."""
+    mine = g.detach().reshape(1).to(torch.float64)
+    every = [torch.empty_like(mine) for _ in range(torch.distributed.get_world_size(group))]
+    torch.distributed.all_gather(every, mine, group=group)
+    if not all(torch.equal(x, every[0]) for x in every):
+        raise RuntimeError(
+            "fused_policy_loss with an FSDP2 (DTensor) head: the loss's incoming gradient "
+            f"differs across the ranks ({[float(x) for x in every]}); each rank's slice of the "
+            "weight gradient holds every rank's batch, so scale the loss alike on every rank "
+            "(or pass strategy='streaming')")
 
 
 def fused_policy_loss(
@@ -333,16 +352,17 @@ def fused_policy_loss(
 def _eager(req: Request):
     """The eager call (`run_call`; an FSDP2 head's ranks' batches in turn, `run_sharded`);
     under ``cp_group`` the loss's value the group's."""
-    weight, bias = req.weight, req.bias
+    weight, bias, group = req.weight, req.bias, None
     if runs_in_chunks(req):  # an FSDP2 head, sharded: the ranks' batches in turn
         loss, metrics, grads = run_sharded(req)
+        group = sharded_head(weight, bias).group
         weight, bias = weight.to_local(), None if bias is None else bias.to_local()
     else:
         loss, metrics, grads = run_call(req)
     loss = cp_loss_value(loss, req.cp_group)
     if grads is None or not req.needs.any:  # the whole batch streamed: the loss has its graph
         return loss, metrics
-    return _StoredGradients.apply(loss, req.hidden, weight, bias, grads), metrics
+    return _StoredGradients.apply(loss, req.hidden, weight, bias, grads, group), metrics
 
 
 def _truncation_args(weight, targets, temperature, top_k, top_p, min_p, sampler, kept_ids,
