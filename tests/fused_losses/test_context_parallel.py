@@ -536,6 +536,7 @@ def _refusals_collectives_and_groups(rank, world):
     _check_unflagged_objective(rank, world)
 
 
+@pytest.mark.dist  # gloo ranks, as every multi-process test: make test-dist
 def test_cp_refusals_collectives_and_explicit_groups():
     """One launch of two ranks for five checks (a launch costs more than any of them): the
     refusals name the option; the collectives of one call; the segment ops reduce over the

@@ -320,5 +320,6 @@ def _vocab_parallel_rank(rank, world):
             torch.testing.assert_close(g.float(), ref.float(), rtol=2**-7, atol=1e-5)
 
 
+@pytest.mark.dist  # gloo ranks, as every multi-process test: make test-dist
 def test_vocab_parallel_fp32_head():
     run_on_gloo(2, _vocab_parallel_rank)

@@ -186,6 +186,7 @@ def _megatron_worker(rank, world, head, device, dim):
     torch.testing.assert_close(w_r.grad.cpu().double(), dw_o[lo:hi], **tol)
 
 
+@pytest.mark.dist  # gloo ranks, as every multi-process test: make test-dist
 def test_megatron_sequence_parallel_gradients_on_gloo():
     run_on_gloo(3, _megatron_worker, linear_cross_entropy, "cpu", 50)
 

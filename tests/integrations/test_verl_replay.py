@@ -224,6 +224,7 @@ def _ulysses_worker(rank, world):
     torch.testing.assert_close(ent, ref["entropy"][rank * part:(rank + 1) * part])
 
 
+@pytest.mark.dist  # gloo ranks, as every multi-process test: make test-dist
 def test_replay_under_ulysses_sequence_parallel_on_gloo():
     """Three Ulysses ranks: each rank's head rows are its slice of the one-rank layout of the
     padded sequence (28 tokens padded to 30), and its head numbers those rows' numbers."""

@@ -215,5 +215,6 @@ def _tp_worker(rank, world):
     assert torch.isfinite(_loss(actor)[0])
 
 
+@pytest.mark.dist  # gloo ranks, as every multi-process test: make test-dist
 def test_tensor_parallel_head_with_match_sampler_on_gloo():
     run_on_gloo(3, _tp_worker)
