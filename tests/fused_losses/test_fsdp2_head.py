@@ -201,6 +201,21 @@ def _check_fused(rank, world):
     with pytest.raises(RuntimeError, match="incoming gradient differs across the ranks"):
         (loss * (rank + 1)).backward()
     h.grad = head.weight.grad = head.bias.grad = None
+    # a per-rank count given as a number (HF's num_items_in_batch when tokens are not averaged
+    # over the devices): each batch is normalised by its own rank's count, not this rank's
+    counts = [float(7 + 5 * r) for r in range(world)]
+    token_mean = PolicyLossConfig(objective="grpo", loss_agg="token-mean")
+    w, b = weight.clone().requires_grad_(True), bias.clone().requires_grad_(True)
+    for (h_, t, old_, adv_, m), n_items in zip(batches, counts):
+        logitless.fused_policy_loss(h_, w, t, old_, adv_, m, token_mean, bias=b,
+                                    num_items_in_batch=n_items)[0].div(world).backward()
+    loss, _ = logitless.fused_policy_loss(h, head.weight, targets, old, adv, mask, token_mean,
+                                          bias=head.bias, num_items_in_batch=counts[rank])
+    loss.backward()
+    for param, full in ((head.weight, w), (head.bias, b)):
+        torch.testing.assert_close(param.grad.to_local(), _shard(full.grad, rank, world),
+                                   rtol=1e-10, atol=1e-12)
+    h.grad = head.weight.grad = head.bias.grad = None
     with pytest.raises(ValueError, match="vocab_parallel"):
         logitless.fused_policy_loss(h, head.weight, targets, old, adv, mask, config,
                                     bias=head.bias, vocab_parallel=dist.group.WORLD)

@@ -93,26 +93,30 @@ def run_sharded(req: Request) -> tuple:
 
 
 def _broadcast_batch(req: Request, source: int, group) -> dict:
-    """Rank ``source``'s batch tensors (`_BATCH`) on every rank: its own on ``source``, a copy
-    elsewhere; non-tensor values stay each rank's own (they are the same everywhere)."""
+    """Rank ``source``'s batch (`_BATCH`) on every rank: its own on ``source``, a copy
+    elsewhere. Numbers travel with the shapes (a per-rank ``num_items_in_batch`` given as a
+    float is the source's, not this rank's), tensors by one broadcast each."""
     dist = torch.distributed
     src = dist.get_global_rank(group, source)
     mine = dist.get_rank(group) == source
     given = {name: getattr(req, name) for name in _BATCH}
-    meta = [{name: (tuple(v.shape), v.dtype) for name, v in given.items()
-             if isinstance(v, torch.Tensor)}]
+    meta = [{name: (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else v
+             for name, v in given.items()}]
     dist.broadcast_object_list(meta, src=src, group=group)
     device = req.hidden.device
     out = {}
     for name, value in given.items():
-        if (name in meta[0]) != isinstance(value, torch.Tensor):
-            raise ValueError(f"{name}: {'a' if name in meta[0] else 'not a'} tensor on rank "
+        sent = meta[0][name]
+        tensor = isinstance(sent, tuple)
+        if tensor != isinstance(value, torch.Tensor):
+            raise ValueError(f"{name}: {'a' if tensor else 'not a'} tensor on rank "
                              f"{source} of the head's mesh, {type(value).__name__} on rank "
                              f"{dist.get_rank(group)}; with a DTensor head every rank passes "
                              f"the same kinds of arguments")
-        if name not in meta[0]:
-            continue  # None or a number: the same on every rank
-        shape, dtype = meta[0][name]
+        if not tensor:
+            out[name] = sent  # None or a number: the source rank's
+            continue
+        shape, dtype = sent
         wire = (value.detach().to(device).contiguous() if mine
                 else torch.empty(shape, dtype=dtype, device=device))
         if dtype == torch.bool:  # gloo broadcasts no bool
@@ -120,4 +124,3 @@ def _broadcast_batch(req: Request, source: int, group) -> dict:
         dist.broadcast(wire, src=src, group=group)
         out[name] = wire.view(torch.bool) if dtype == torch.bool else wire
     return out
-
