@@ -13,7 +13,7 @@ import torch
 from logitless import PolicyLossConfig, linear_logprobs, policy_loss, reference
 from logitless.fused_losses.fused import chunks
 from logitless.fused_losses.fused.fused_policy_loss import fused_policy_loss
-from logitless.integrations.sampler_config import drop_outside_kept
+from logitless.fused_losses.head.sampled import drop_outside_kept
 from logitless.kernels import sampler_torch
 
 from testing import assert_close_to_oracle, requires_triton

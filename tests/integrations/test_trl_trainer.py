@@ -996,6 +996,16 @@ def test_exact_kl_refused_under_zero3(tmp_path, model_dir, tokenizer, monkeypatc
                     loss_config=PolicyLossConfig(kl_estimator="exact"))
 
 
+def test_exact_kl_refused_with_sync_ref_model(tmp_path, model_dir, tokenizer):
+    """TRL's sync_ref_model copies the policy into the reference head in place between the
+    reference pass and the loss steps that use its kept hidden states: refused."""
+    with pytest.raises(ValueError, match=r"'exact' is not supported with .*sync_ref_model"):
+        GRPOTrainer(model=model_dir, reward_funcs=vowel_reward,
+                    args=grpo_args(tmp_path, beta=0.1, sync_ref_model=True),
+                    train_dataset=prompt_dataset(), processing_class=tokenizer,
+                    loss_config=PolicyLossConfig(kl_estimator="exact"))
+
+
 def test_lora_exact_kl_fused_equals_composed(tmp_path, model_dir, tokenizer, fused_calls):
     """LoRA with the exact KL: the reference is the model with its adapters disabled (TRL's
     reference pass, whose head rows the batch keeps); fused equals composed through training."""

@@ -45,6 +45,7 @@ from logitless.fused_losses.fused.validation import Head
 from logitless.fused_losses.head.divergence import linear_divergence
 from logitless.fused_losses.head.dtensor import is_dtensor
 from logitless.fused_losses.head.logprobs import linear_logprobs
+from logitless.fused_losses.head.sampled import drop_outside_kept
 from logitless.fused_losses.objectives.aggregation import agg_counts
 from logitless.fused_losses.objectives.catalog import CLIPPED_SURROGATE, OBJECTIVES, clip_flags
 from logitless.fused_losses.objectives.config import KL_EXACT, PolicyLossConfig
@@ -53,10 +54,7 @@ from logitless.fused_losses.objectives.mismatch import logged_mismatch
 from logitless.fused_losses.objectives.policy_loss import policy_loss, policy_loss_globals
 from logitless.fused_losses.objectives.ratios import compute_ratio
 from logitless.integrations.replay import KEPT_IDS_KEY, SAMPLING_MASK_KEY, kept_ids_from_masks
-from logitless.integrations.sampler_config import (
-    SamplerTruncation,
-    drop_outside_kept,
-)
+from logitless.integrations.sampler_config import SamplerTruncation
 from logitless.integrations.trl_config import (
     check_grpo_replay,
     config_from_grpo,
@@ -333,14 +331,23 @@ def _uses_kl(cfg: PolicyLossConfig) -> bool:
     return isinstance(cfg.beta, torch.Tensor) or cfg.beta != 0 or cfg.future_kl_coef != 0
 
 
-def _check_exact_kl_backend(cfg: PolicyLossConfig) -> None:
+def _check_exact_kl_backend(cfg: PolicyLossConfig, args) -> None:
     """The exact KL keeps the reference head's weight from TRL's reference pass; under
     DeepSpeed ZeRO-3 that is a gathered copy of a partitioned parameter, released when TRL's
-    gather ends, and the training forward's head is partitioned again before the KL's passes:
-    refused (``ValueError``), not run."""
+    gather ends, and the training forward's head is partitioned again before the KL's passes;
+    with ``sync_ref_model`` TRL copies new weights into that head in place between the
+    reference pass and the loss steps of its generation batch, which would pair the kept
+    hidden states with another head: both refused (``ValueError``), not run."""
     from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 
-    if cfg.kl_estimator == KL_EXACT and _uses_kl(cfg) and is_deepspeed_zero3_enabled():
+    if not (cfg.kl_estimator == KL_EXACT and _uses_kl(cfg)):
+        return
+    if getattr(args, "sync_ref_model", False):
+        raise ValueError("loss_config.kl_estimator: 'exact' is not supported with "
+                         "GRPOConfig.sync_ref_model (the reference head changes in place "
+                         "after the reference pass whose hidden states the KL uses); use a "
+                         "sampled estimator ('k1', 'k2', 'k3')")
+    if is_deepspeed_zero3_enabled():
         raise ValueError("loss_config.kl_estimator: 'exact' is not supported under DeepSpeed "
                          "ZeRO-3 (the reference and policy heads are partitioned outside TRL's "
                          "gathers); use a sampled estimator ('k1', 'k2', 'k3')")
@@ -489,7 +496,7 @@ class GRPOTrainer(trl.GRPOTrainer):
                 "loss_config: a KL term (beta or future_kl_coef) needs the reference logprobs, "
                 "which TRL computes only with GRPOConfig.beta != 0; set GRPOConfig.beta too"
             )
-        _check_exact_kl_backend(cfg)
+        _check_exact_kl_backend(cfg, self.args)
         if OBJECTIVES[cfg.objective].needs_topk:
             raise ValueError(
                 f"loss_config.objective: {cfg.objective} needs the rollout's top-k token ids "

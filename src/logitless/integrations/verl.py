@@ -53,6 +53,7 @@ from verl.workers.config import PolicyLossConfig as VerlPolicyLossConfig
 
 from logitless.fused_losses.fused.fused_policy_loss import fused_policy_loss
 from logitless.fused_losses.head.dtensor import is_dtensor
+from logitless.fused_losses.head.sampled import drop_outside_kept
 from logitless.fused_losses.objectives.catalog import OBJECTIVES, get_objective
 from logitless.fused_losses.objectives.config import PolicyLossConfig
 from logitless.fused_losses.objectives.mismatch import logged_mismatch
@@ -60,7 +61,6 @@ from logitless.fused_losses.objectives.policy_loss import check_cp_config, polic
 from logitless.integrations import objective_fields
 from logitless.integrations.sampler_config import (
     SamplerTruncation,
-    drop_outside_kept,
     read_sampler_config,
 )
 from logitless.integrations.verl_distill import register_verl_distillation_loss
